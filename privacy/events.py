@@ -1,0 +1,188 @@
+"""Declarative privacy events, in the style of dp-accounting's ``DpEvent``.
+
+An event says *what* a run did with private data (a Gaussian step, a Poisson-subsampled
+LimitedDomain query, k repetitions, parts on disjoint data); an accountant says *what it costs*.
+Every event is a frozen dataclass that round-trips through JSON (``to_dict`` / ``event_from_dict``),
+so a run's spend can be stored in the ledger and composed again later with other runs.
+
+Conventions (add/remove neighbouring datasets throughout):
+
+* ``GaussianEvent(σ)``: sensitivity-1 query plus N(0, σ²) noise.
+* ``ExponentialEvent(ε, monotone)``: the exponential mechanism sampling ∝ exp(ε·score) with score
+  sensitivity 1 (Gumbel-max with scale 1/ε). Non-monotone: 2ε-DP with range 2ε (ρ = ε²/2 zCDP);
+  monotone scores: ε-DP with range ε (ρ = ε²/8 zCDP).
+* ``LimitedDomainEvent(ε0, δ0)``: one LimitedDomain top-1 query (Durfee & Rogers 2019) whose scores
+  are vote counts: the non-monotone exponential mechanism ε0 above, plus failure probability δ0.
+* ``PoissonSampledEvent(q, e)``: ``e`` run on a Poisson subsample with inclusion probability q.
+* ``SelfComposedEvent(e, k)``, ``ComposedEvent([e1, e2, …])``: sequential composition.
+* ``ParallelEvent([e1, e2, …])``: parts that touch disjoint subsets of the data; the cost is the
+  largest part's (parallel composition).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from .validation import check_count, check_epsilon, check_positive, check_rate
+
+
+@dataclass(frozen=True)
+class GaussianEvent:
+    noise_multiplier: float
+
+    def __post_init__(self):
+        check_positive(self.noise_multiplier, "noise_multiplier")
+
+
+@dataclass(frozen=True)
+class ExponentialEvent:
+    epsilon: float
+    monotone: bool = False
+
+    def __post_init__(self):
+        check_epsilon(self.epsilon, "epsilon")
+
+
+@dataclass(frozen=True)
+class LimitedDomainEvent:
+    epsilon: float
+    delta0: float
+
+    def __post_init__(self):
+        check_epsilon(self.epsilon, "epsilon0")
+        if not (0.0 < float(self.delta0) < 1.0):
+            raise ValueError(f"delta0 must lie in (0, 1), got {self.delta0!r}")
+
+
+@dataclass(frozen=True)
+class PoissonSampledEvent:
+    sampling_probability: float
+    event: "DpEvent"
+
+    def __post_init__(self):
+        check_rate(self.sampling_probability, "sampling_probability")
+
+
+@dataclass(frozen=True)
+class SelfComposedEvent:
+    event: "DpEvent"
+    count: int
+
+    def __post_init__(self):
+        check_count(self.count, "count")
+
+
+@dataclass(frozen=True)
+class ComposedEvent:
+    events: tuple = field(default_factory=tuple)
+
+    def __post_init__(self):
+        object.__setattr__(self, "events", tuple(self.events))
+
+
+@dataclass(frozen=True)
+class ParallelEvent:
+    events: tuple = field(default_factory=tuple)
+
+    def __post_init__(self):
+        object.__setattr__(self, "events", tuple(self.events))
+        if not self.events:
+            raise ValueError("ParallelEvent needs at least one part, got none")
+
+
+DpEvent = Union[
+    GaussianEvent,
+    ExponentialEvent,
+    LimitedDomainEvent,
+    PoissonSampledEvent,
+    SelfComposedEvent,
+    ComposedEvent,
+    ParallelEvent,
+]
+
+_TYPES = {
+    "gaussian": GaussianEvent,
+    "exponential": ExponentialEvent,
+    "limited_domain": LimitedDomainEvent,
+    "poisson_sampled": PoissonSampledEvent,
+    "self_composed": SelfComposedEvent,
+    "composed": ComposedEvent,
+    "parallel": ParallelEvent,
+}
+_NAMES = {cls: name for name, cls in _TYPES.items()}
+
+
+def event_to_dict(event: DpEvent) -> dict[str, Any]:
+    """A JSON-ready dict with a ``type`` key; nested events become nested dicts."""
+    name = _NAMES.get(type(event))
+    if name is None:
+        raise TypeError(f"not a privacy event: {event!r}")
+    if isinstance(event, PoissonSampledEvent):
+        return {"type": name, "sampling_probability": event.sampling_probability,
+                "event": event_to_dict(event.event)}
+    if isinstance(event, SelfComposedEvent):
+        return {"type": name, "count": event.count, "event": event_to_dict(event.event)}
+    if isinstance(event, (ComposedEvent, ParallelEvent)):
+        return {"type": name, "events": [event_to_dict(e) for e in event.events]}
+    out = {"type": name}
+    out.update(event.__dict__)
+    return out
+
+
+def event_from_dict(data: dict[str, Any]) -> DpEvent:
+    if not isinstance(data, dict) or "type" not in data:
+        raise ValueError(f"a privacy event must be a dict with a 'type' key, got {data!r}")
+    kind = data["type"]
+    cls = _TYPES.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown privacy event type {kind!r}; known: {sorted(_TYPES)}")
+    args = {k: v for k, v in data.items() if k != "type"}
+    if cls is PoissonSampledEvent:
+        return cls(args["sampling_probability"], event_from_dict(args["event"]))
+    if cls is SelfComposedEvent:
+        return cls(event_from_dict(args["event"]), args["count"])
+    if cls in (ComposedEvent, ParallelEvent):
+        return cls(tuple(event_from_dict(e) for e in args["events"]))
+    return cls(**args)
+
+
+def event_to_json(event: DpEvent) -> str:
+    return json.dumps(event_to_dict(event), sort_keys=True)
+
+
+def event_from_json(text: str) -> DpEvent:
+    return event_from_dict(json.loads(text))
+
+
+# ---- the events each method emits -------------------------------------------------------------
+
+def dpsgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> DpEvent:
+    """``steps`` DP-SGD steps: Poisson-subsampled Gaussian on clipped per-sample gradients."""
+    check_count(steps, "steps")
+    return SelfComposedEvent(PoissonSampledEvent(sample_rate, GaussianEvent(noise_multiplier)), steps)
+
+
+def dpzero_event(sample_rate: float, noise_multiplier: float, steps: int) -> DpEvent:
+    """``steps`` DPZero steps: Gaussian noise on a clipped scalar (the two-point difference),
+    on a Poisson subsample. The sensitivity is the clip bound, so the event is the same
+    subsampled Gaussian as DP-SGD's, with the noise multiplier relative to that bound."""
+    return dpsgd_event(sample_rate, noise_multiplier, steps)
+
+
+def dpopt_generation_event(epsilon0: float, delta0: float, sample_rate: float, queries: int) -> DpEvent:
+    """``queries`` LimitedDomain token queries, each on a fresh Poisson subsample of the
+    generation data (DP-OPT Algorithm 1)."""
+    check_count(queries, "queries")
+    return SelfComposedEvent(PoissonSampledEvent(sample_rate, LimitedDomainEvent(epsilon0, delta0)), queries)
+
+
+def dpopt_selection_event(epsilon: float) -> DpEvent:
+    """DP-argmax over candidate prompts: Gumbel noise on validation correct-counts (monotone)."""
+    return ExponentialEvent(epsilon, monotone=True)
+
+
+def dpopt_run_event(generation: DpEvent, selection: DpEvent) -> DpEvent:
+    """Generation and selection use disjoint data: the run costs the larger of the two."""
+    return ParallelEvent((generation, selection))
