@@ -61,10 +61,11 @@ def epsilon_rdp(event: ev.DpEvent, delta: float, orders=rdp_lib.DEFAULT_ORDERS) 
     return rdp_lib.rdp_to_epsilon(orders, curve, delta - delta_part)
 
 
-def spend(event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATION) -> PrivacySpend:
+def spend(event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATION,
+          dataset_size: int | None = None) -> PrivacySpend:
     """ε at δ from both accountants; the coarser the PLD discretisation, the faster and the
-    more pessimistic (never optimistic) its answer."""
-    check_delta(delta, "delta")
+    more pessimistic (never optimistic) its answer. With ``dataset_size``, δ ≥ 1/n is warned about."""
+    check_delta(delta, "delta", n=dataset_size)
     e_pld = epsilon_pld(event, delta, discretization)
     e_rdp, order = epsilon_rdp(event, delta)
     best = min(_finite_or_inf(e_pld), e_rdp)
@@ -149,7 +150,9 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
         return epsilon_rdp(ev.dpsgd_event(sample_rate, sigma, steps), delta)[0]
 
     def eps_full(sigma):
-        # coarse pessimistic PLD: the σ it accepts is also accepted at the finer default
+        # Coarse pessimistic PLD: the σ it accepts is also accepted at the finer default. (Fine
+        # for Gaussians, whose PLD uses connect-the-dots; not for the canonical (ε, δ) pairs,
+        # where rounding up accumulates over compositions.)
         return spend(ev.dpsgd_event(sample_rate, sigma, steps), delta, discretization=1e-3).epsilon
 
     hi = 1.0
@@ -187,7 +190,7 @@ def max_limited_domain_queries(target_epsilon: float, delta: float, epsilon0: fl
         event = ev.dpopt_generation_event(epsilon0, delta0, sample_rate, n)
         if epsilon_rdp(event, delta)[0] <= target_epsilon:  # ε = min(PLD, RDP) ≤ RDP
             return True
-        return spend(event, delta, discretization=1e-3).epsilon <= target_epsilon
+        return spend(event, delta).epsilon <= target_epsilon
 
     if not fits(1):
         return 0

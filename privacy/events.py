@@ -8,11 +8,17 @@ so a run's spend can be stored in the ledger and composed again later with other
 Conventions (add/remove neighbouring datasets throughout):
 
 * ``GaussianEvent(σ)``: sensitivity-1 query plus N(0, σ²) noise.
-* ``ExponentialEvent(ε, monotone)``: the exponential mechanism sampling ∝ exp(ε·score) with score
-  sensitivity 1 (Gumbel-max with scale 1/ε). Non-monotone: 2ε-DP with range 2ε (ρ = ε²/2 zCDP);
-  monotone scores: ε-DP with range ε (ρ = ε²/8 zCDP).
-* ``LimitedDomainEvent(ε0, δ0)``: one LimitedDomain top-1 query (Durfee & Rogers 2019) whose scores
-  are vote counts: the non-monotone exponential mechanism ε0 above, plus failure probability δ0.
+* ``ExponentialEvent(ε, monotone)``: an ε-DP exponential mechanism on a score of sensitivity Δ:
+  sampling ∝ exp(ε·score/(2Δ)) (Gumbel-max with scale 2Δ/ε) in general, ∝ exp(ε·score/Δ)
+  (scale Δ/ε) when scores are monotone in the data (adding a record never lowers any score).
+* ``LimitedDomainEvent(ε0, δ0)``: one LimitedDomain top-1 query (Durfee & Rogers 2019; DP-OPT
+  Algorithm 4) on vote counts: the ε0-DP exponential mechanism above (Gumbel scale 2/ε0) plus the
+  failure probability δ0 of the limited domain.
+
+  DP-OPT's reference code draws Gumbel noise of scale 1/ε0 but accounts each query as this
+  ε0-DP mechanism; a vote that moves from one token to another changes two counts, so scale 1/ε0
+  is only 2ε0-DP and its published ε is not a valid bound for what it samples. We sample with
+  the paper's scale 2/ε0 (``privacy.mechanisms``), for which the same accounting is valid.
 * ``PoissonSampledEvent(q, e)``: ``e`` run on a Poisson subsample with inclusion probability q.
 * ``SelfComposedEvent(e, k)``, ``ComposedEvent([e1, e2, …])``: sequential composition.
 * ``ParallelEvent([e1, e2, …])``: parts that touch disjoint subsets of the data; the cost is the

@@ -6,8 +6,8 @@ directly, with dp-accounting's constructors, and composed with ``compose`` / ``s
 
 * Gaussian, Poisson-subsampled Gaussian: ``from_gaussian_mechanism`` (both neighbouring
   directions, pessimistic discretisation).
-* Exponential mechanism, LimitedDomain: the (ε_pure, δ0)-DP canonical pair (the tightest PLD
-  that holds for *every* (ε, δ)-DP mechanism), with ε_pure = 2ε (non-monotone) or ε (monotone).
+* Exponential mechanism, LimitedDomain: the (ε, δ0)-DP canonical pair (the tightest PLD that
+  holds for *every* (ε, δ)-DP mechanism).
 * Their Poisson subsampling: the subsampled canonical pair, remove = (qP + (1−q)Q ‖ Q) and
   add = (Q ‖ qP + (1−q)Q), through ``from_two_probability_mass_functions``.
 * Parallel parts nested inside a composition are composed sequentially (an upper bound); at the

@@ -130,11 +130,13 @@ def _log_sinh(x: np.ndarray) -> np.ndarray:
 
 
 def exponential_rdp(epsilon: float, orders, monotone: bool = False) -> np.ndarray:
-    """RDP of the exponential mechanism sampling ∝ exp(ε·score), score sensitivity 1.
+    """RDP of an ε-DP exponential mechanism (see ``events.ExponentialEvent`` for its sampling).
 
-    Non-monotone: min(α ε²/2, log[(sinh(αε) − sinh((α−1)ε)) / sinh(ε)] / (α−1)), cap 2ε.
-    Monotone: the exact two-point bound of Bun & Steinke (2016, Remark 3.4), capped by the
-    bounded-range zCDP bound α ε²/8 and by ε.
+    General: min(α ε²/2, log[(sinh(αε) − sinh((α−1)ε)) / sinh(ε)] / (α−1), ε) — the RDP of a
+    pure ε-DP mechanism (Bun & Steinke 2016) and a zCDP bound, exactly as DP-OPT's reference
+    accountant evaluates it (its numbers are reproduced on this path).
+    Monotone: the two-point bound of the reference's monotone case (Bun & Steinke 2016,
+    Remark 3.4), capped by the bounded-range zCDP bound α ε²/8 and by ε.
     """
     a = np.asarray(orders, dtype=float)
     e = float(epsilon)
@@ -144,7 +146,7 @@ def exponential_rdp(epsilon: float, orders, monotone: bool = False) -> np.ndarra
         small = (a - 1.0) * e
         log_diff = _log_sinh(big) + np.log1p(-np.exp(_log_sinh(small) - _log_sinh(big)))
         exact = (log_diff - _log_sinh(np.array(e))) / (a - 1.0)
-        return np.minimum(np.minimum(a * e * e / 2.0, exact), 2.0 * e)
+        return np.minimum(np.minimum(a * e * e / 2.0, exact), e)
     # monotone (DP-OPT reference form)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         enegt = ((a - 1.0) * np.expm1(a * e)) / (a * (np.exp(a * e) - np.exp(e)))
@@ -212,10 +214,8 @@ def pure_epsilon(event: ev.DpEvent) -> float:
     """Pure-DP ε of an event (inf for Gaussian)."""
     if isinstance(event, ev.GaussianEvent):
         return math.inf
-    if isinstance(event, ev.ExponentialEvent):
-        return event.epsilon if event.monotone else 2.0 * event.epsilon
-    if isinstance(event, ev.LimitedDomainEvent):
-        return 2.0 * event.epsilon
+    if isinstance(event, (ev.ExponentialEvent, ev.LimitedDomainEvent)):
+        return event.epsilon
     if isinstance(event, ev.PoissonSampledEvent):
         inner = pure_epsilon(event.event)
         q = event.sampling_probability
