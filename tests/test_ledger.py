@@ -1,0 +1,368 @@
+"""Tests of the persistent privacy budget ledger (privacy/ledger.py)."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from privacy import events as ev
+from privacy.accountant import spend
+from privacy.ledger import BudgetExceededError, Ledger, Reservation, UnknownDatasetError, UnknownRunError
+
+REPO = Path(__file__).resolve().parents[1]
+FP = "a3f1" + "0" * 60          # a sha256-like fingerprint
+FP2 = "b7c2" + "1" * 60
+DELTA = 1e-5
+
+
+# Cheap events: exponential mechanisms compose almost additively at small counts, so caps can be
+# placed between k and k+1 runs. DP-SGD events for the sub-additivity checks.
+EXP = ev.ExponentialEvent(0.5)                      # ε ≈ 0.503 alone at δ=1e-5
+DPSGD = ev.dpsgd_event(0.01, 1.0, 100)
+
+
+def eps(event, delta=DELTA) -> float:
+    return spend(ev.ComposedEvent((event,)), delta).epsilon
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    led = Ledger(tmp_path / "nested" / "dir" / "ledger.db")
+    led.register_dataset(FP, "sst2", 8.0, DELTA)
+    return led
+
+
+# ---- basic life cycle -----------------------------------------------------------------------
+
+def test_creates_directory_and_uses_wal(tmp_path):
+    path = tmp_path / "a" / "b" / "ledger.sqlite"
+    Ledger(path)
+    assert path.exists()
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal"
+    finally:
+        conn.close()
+
+
+def test_reserve_commit_composes_not_adds(ledger):
+    a = ev.dpsgd_event(0.01, 1.0, 100)
+    b = ev.dpsgd_event(0.02, 1.2, 80)
+    r1 = ledger.reserve(FP, "run-1", a, description="dpsgd sst2 seed 0")
+    assert isinstance(r1, Reservation) and r1.new and r1.status == "reserved"
+    assert r1.epsilon == pytest.approx(eps(a))
+    assert ledger.spent(FP).epsilon == pytest.approx(eps(a))
+
+    r2 = ledger.reserve(FP, "run-2", b)
+    expected = spend(ev.ComposedEvent((a, b)), DELTA)
+    assert r2.spent_epsilon == pytest.approx(expected.epsilon)
+    assert ledger.spent(FP).epsilon == pytest.approx(expected.epsilon)
+    # composition, not the sum of the parts' ε
+    assert expected.epsilon < eps(a) + eps(b) - 0.1
+    assert ledger.remaining(FP) == pytest.approx(8.0 - expected.epsilon)
+
+    # early stop: commit less than reserved; the committed event replaces the reserved one
+    a_actual = ev.dpsgd_event(0.01, 1.0, 40)
+    row = ledger.commit("run-1", a_actual)
+    assert row["status"] == "committed"
+    assert row["epsilon"] == pytest.approx(eps(a_actual)) and row["epsilon"] < r1.epsilon
+    assert ev.event_from_dict(row["event"]) == a_actual
+    after = spend(ev.ComposedEvent((a_actual, b)), DELTA).epsilon
+    assert ledger.spent(FP).epsilon == pytest.approx(after)
+    assert after < expected.epsilon
+
+    rows = {e["run_id"]: e for e in ledger.entries(FP)}
+    assert rows["run-1"]["status"] == "committed" and rows["run-2"]["status"] == "reserved"
+    assert ev.event_from_dict(rows["run-2"]["event"]) == b
+    assert rows["run-1"]["description"] == "dpsgd sst2 seed 0"
+    assert rows["run-1"]["created_at"] and rows["run-1"]["committed_at"]
+    assert rows["run-2"]["committed_at"] is None
+    # committing the same event again is a no-op (retry)
+    assert ledger.commit("run-1", a_actual)["epsilon"] == pytest.approx(eps(a_actual))
+
+
+def test_commit_rejects_more_than_reserved_but_keeps_the_spend(ledger):
+    ledger.reserve(FP, "r", ev.ExponentialEvent(0.2))
+    bigger = ev.ExponentialEvent(0.4)
+    with pytest.raises(ValueError, match="reserved only"):
+        ledger.commit("r", bigger)
+    # what was spent stays spent: the ledger counts the larger, actual event
+    assert ledger.spent(FP).epsilon == pytest.approx(eps(bigger))
+    assert ledger.entries(FP)[0]["over_reservation"] is True
+    with pytest.raises(ValueError, match="reserved only"):   # a retry reports it again
+        ledger.commit("r", bigger)
+    with pytest.raises(ValueError, match="different event"):
+        ledger.commit("r", ev.ExponentialEvent(0.1))
+
+
+# ---- refusal ----------------------------------------------------------------------------------
+
+def test_refusal_states_remaining_and_records_nothing(tmp_path):
+    led = Ledger(tmp_path / "l.db")
+    led.register_dataset(FP, "sst2", 1.0, DELTA)
+    led.reserve(FP, "small", ev.ExponentialEvent(0.2))
+    spent_before = led.spent(FP).epsilon
+    remaining = led.remaining(FP)
+    assert remaining == pytest.approx(1.0 - spent_before) and 0 < remaining < 1.0
+
+    big = ev.dpsgd_event(0.01, 1.0, 1000)
+    assert eps(big) > remaining
+    with pytest.raises(BudgetExceededError) as info:
+        led.reserve(FP, "big", big)
+    err = info.value
+    assert isinstance(err, ValueError)
+    msg = str(err)
+    assert f"remaining ε={remaining:.4f}" in msg
+    assert f"this run needs ε={eps(big):.4f}" in msg
+    assert f"already spent ε={spent_before:.4f}" in msg and "cap ε=1.0000" in msg
+    assert "'sst2'" in msg and FP[:12] in msg
+    assert err.remaining == pytest.approx(remaining) and err.cap == 1.0
+    # nothing recorded for the refused run
+    assert [e["run_id"] for e in led.entries(FP)] == ["small"]
+    assert led.spent(FP).epsilon == pytest.approx(spent_before)
+    with pytest.raises(UnknownRunError):
+        led.commit("big", big)
+
+
+def test_exact_fit_between_k_and_k_plus_1_runs(tmp_path):
+    led = Ledger(tmp_path / "l.db")
+    two = spend(ev.ComposedEvent((EXP, EXP)), DELTA).epsilon
+    three = spend(ev.ComposedEvent((EXP,) * 3), DELTA).epsilon
+    led.register_dataset(FP, "d", (two + three) / 2, DELTA)
+    led.reserve(FP, "1", EXP)
+    led.reserve(FP, "2", EXP)
+    with pytest.raises(BudgetExceededError):
+        led.reserve(FP, "3", EXP)
+    assert led.spent(FP).epsilon == pytest.approx(two)
+
+
+# ---- crash between reserve and commit ----------------------------------------------------------
+
+def test_crash_between_reserve_and_commit_keeps_reservation(ledger):
+    code = (
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from privacy.ledger import Ledger\n"
+        "from privacy import events as ev\n"
+        f"led = Ledger({str(ledger.path)!r})\n"
+        f"led.reserve({FP!r}, 'crashing-run', ev.dpsgd_event(0.01, 1.0, 100), 'will crash')\n"
+        "os._exit(1)  # dies after touching the data, before commit\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    (row,) = ledger.entries(FP)
+    assert row["run_id"] == "crashing-run" and row["status"] == "reserved"
+    assert ledger.spent(FP).epsilon == pytest.approx(eps(DPSGD))
+    assert ledger.remaining(FP) == pytest.approx(8.0 - eps(DPSGD))
+    # the next run is composed with the crashed run's reservation
+    r = ledger.reserve(FP, "next-run", EXP)
+    assert r.spent_epsilon == pytest.approx(spend(ev.ComposedEvent((DPSGD, EXP)), DELTA).epsilon)
+
+
+def test_abort_only_frees_runs_that_never_touched_data(ledger):
+    ledger.reserve(FP, "bad-config", EXP)
+    with pytest.raises(ValueError, match="reason"):
+        ledger.abort("bad-config", "")
+    row = ledger.abort("bad-config", "config validation failed before loading data")
+    assert row["status"] == "aborted" and row["epsilon"] == 0.0
+    assert ledger.spent(FP).epsilon == 0.0
+    assert ledger.abort("bad-config", "again")["status"] == "aborted"   # idempotent
+    with pytest.raises(ValueError, match="aborted"):
+        ledger.commit("bad-config", EXP)
+    # a committed spend can never be undone
+    ledger.reserve(FP, "done", EXP)
+    ledger.commit("done", EXP)
+    with pytest.raises(ValueError, match="committed"):
+        ledger.abort("done", "oops")
+    assert ledger.spent(FP).epsilon == pytest.approx(eps(EXP))
+    # re-reserving an aborted run id charges again (with a budget check)
+    r = ledger.reserve(FP, "bad-config", EXP)
+    assert r.new and r.status == "reserved"
+    assert ledger.spent(FP).epsilon == pytest.approx(spend(ev.ComposedEvent((EXP, EXP)), DELTA).epsilon)
+
+
+# ---- concurrency ----------------------------------------------------------------------------------
+
+def _concurrent_reserver(path: str, fresh_path: str, fingerprint: str, run_id: str, barrier, results
+                         ) -> None:
+    from privacy import events as ev_
+    from privacy.ledger import BudgetExceededError as Refused, Ledger as Ledger_
+
+    try:
+        barrier.wait(timeout=120)
+        Ledger_(fresh_path)                   # all processes create one new ledger file at once
+        barrier.wait(timeout=120)
+        led = Ledger_(path)
+        led.reserve(fingerprint, run_id, ev_.ExponentialEvent(0.5))
+        results.put((run_id, "ok"))
+    except Refused:
+        results.put((run_id, "refused"))
+    except Exception as exc:  # reported to the parent
+        results.put((run_id, f"error: {exc!r}"))
+
+
+def test_concurrent_reservations_never_overspend(tmp_path):
+    led = Ledger(tmp_path / "shared" / "ledger.db")
+    one = eps(EXP)
+    cap = one / 0.4                       # each run costs ~40% of the cap
+    two = spend(ev.ComposedEvent((EXP, EXP)), DELTA).epsilon
+    three = spend(ev.ComposedEvent((EXP,) * 3), DELTA).epsilon
+    assert two <= cap < three             # exactly two runs fit (exponential events compose ~additively)
+    led.register_dataset(FP, "sst2", cap, DELTA)
+
+    ctx = mp.get_context("spawn")
+    n = 4
+    barrier = ctx.Barrier(n)
+    results = ctx.Queue()
+    fresh = tmp_path / "fresh" / "new.db"
+    procs = [ctx.Process(target=_concurrent_reserver,
+                         args=(str(led.path), str(fresh), FP, f"run-{i}", barrier, results))
+             for i in range(n)]
+    for p in procs:
+        p.start()
+    outcomes = dict(results.get(timeout=120) for _ in range(n))
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert all(v in ("ok", "refused") for v in outcomes.values()), outcomes
+    succeeded = [k for k, v in outcomes.items() if v == "ok"]
+    assert len(succeeded) <= 2
+    assert len(succeeded) == 2            # the budget for two was there, and was used
+    assert led.spent(FP).epsilon <= cap
+    assert led.spent(FP).epsilon == pytest.approx(two)
+    assert sorted(e["run_id"] for e in led.entries(FP)) == sorted(succeeded)
+    assert Ledger(fresh).datasets() == []
+
+
+# ---- idempotency -----------------------------------------------------------------------------------
+
+def test_idempotent_reserve(ledger):
+    r1 = ledger.reserve(FP, "retry-me", DPSGD)
+    r2 = ledger.reserve(FP, "retry-me", ev.dpsgd_event(0.01, 1.0, 100))   # equal event, new object
+    assert r1.new and not r2.new
+    assert r2.epsilon == pytest.approx(r1.epsilon)
+    assert len(ledger.entries(FP)) == 1
+    assert ledger.spent(FP).epsilon == pytest.approx(eps(DPSGD))
+    with pytest.raises(ValueError, match="different event"):
+        ledger.reserve(FP, "retry-me", ev.dpsgd_event(0.01, 1.0, 101))
+    ledger.register_dataset(FP2, "other", 8.0, DELTA)
+    with pytest.raises(ValueError, match="another dataset"):
+        ledger.reserve(FP2, "retry-me", DPSGD)
+    # after commit, a retried reserve still returns the (committed) entry and charges nothing
+    ledger.commit("retry-me", ev.dpsgd_event(0.01, 1.0, 50))
+    r3 = ledger.reserve(FP, "retry-me", DPSGD)
+    assert not r3.new and r3.status == "committed"
+    assert len(ledger.entries(FP)) == 1
+
+
+# ---- non-private uses ----------------------------------------------------------------------------
+
+def test_nonprivate_uses_listed_not_composed(ledger):
+    ledger.reserve(FP, "dp-run", EXP)
+    before = ledger.spent(FP).epsilon
+    row = ledger.record_nonprivate(FP, "baseline-1", "non-private prompt tuning baseline")
+    assert row["kind"] == "nonprivate" and row["epsilon"] is None
+    ledger.record_nonprivate(FP, "baseline-1", "non-private prompt tuning baseline")  # idempotent
+    assert ledger.spent(FP).epsilon == pytest.approx(before)
+
+    kinds = {e["run_id"]: e["kind"] for e in ledger.entries(FP)}
+    assert kinds == {"dp-run": "dp", "baseline-1": "nonprivate"}
+    (ds,) = ledger.datasets()
+    assert ds["nonprivate_uses"] == 1 and ds["reserved_runs"] == 1
+    assert ds["spent_epsilon"] == pytest.approx(before)
+    assert ds["remaining_epsilon"] == pytest.approx(8.0 - before)
+    table = ledger.summary_table()
+    assert "sst2" in table and FP[:12] in table
+    assert f"{before:.4f}" in table and f"{8.0 - before:.4f}" in table
+    assert "baseline-1" in table and "non-private prompt tuning baseline" in table
+    assert "no DP guarantee" in table
+    with pytest.raises(ValueError):
+        ledger.reserve(FP, "baseline-1", EXP)
+    with pytest.raises(ValueError, match="non-private"):
+        ledger.abort("baseline-1", "x")
+
+
+def test_summary_table_without_nonprivate(ledger):
+    table = ledger.summary_table()
+    assert "sst2" in table and "non-private uses: none" in table
+
+
+# ---- persistence and registration ------------------------------------------------------------------
+
+def test_persistence_across_ledger_objects(ledger):
+    ledger.reserve(FP, "a", DPSGD, "first")
+    ledger.commit("a", ev.dpsgd_event(0.01, 1.0, 60))
+    ledger.reserve(FP, "b", EXP)
+    ledger.record_nonprivate(FP, "base", "baseline")
+    again = Ledger(ledger.path)
+    assert again.entries() == ledger.entries()
+    assert again.datasets() == ledger.datasets()
+    assert again.spent(FP) == ledger.spent(FP)
+    assert again.remaining(FP) == ledger.remaining(FP)
+    assert again.reserve(FP, "b", EXP).new is False
+
+
+def test_register_dataset_rules(ledger):
+    assert ledger.register_dataset(FP, "sst2", 8.0, DELTA)["epsilon_cap"] == 8.0    # no-op
+    with pytest.raises(ValueError, match="allow_cap_change"):
+        ledger.register_dataset(FP, "sst2", 4.0, DELTA)
+    ledger.reserve(FP, "r", EXP)
+    d = ledger.register_dataset(FP, "sst2", 4.0, DELTA, allow_cap_change=True)
+    assert d["epsilon_cap"] == 4.0
+    assert d["remaining_epsilon"] == pytest.approx(4.0 - eps(EXP))
+    (change,) = ledger.cap_changes(FP)
+    assert change["old_cap"] == 8.0 and change["new_cap"] == 4.0
+    assert change["spent_epsilon_at_change"] == pytest.approx(eps(EXP))
+    # lowering below what is spent: nothing remains, and new reservations are refused
+    ledger.register_dataset(FP, "sst2", 0.1, DELTA, allow_cap_change=True)
+    assert ledger.remaining(FP) == 0.0
+    with pytest.raises(BudgetExceededError, match=r"remaining ε=0\.0000"):
+        ledger.reserve(FP, "s", ev.ExponentialEvent(0.01))
+
+
+@pytest.mark.parametrize("kwargs, argname", [
+    (dict(epsilon_cap=0.0), "epsilon_cap"),
+    (dict(epsilon_cap=-1.0), "epsilon_cap"),
+    (dict(epsilon_cap=math.inf), "epsilon_cap"),
+    (dict(delta=0.0), "delta"),
+    (dict(delta=1.0), "delta"),
+    (dict(delta=1.5), "delta"),
+    (dict(fingerprint=""), "fingerprint"),
+    (dict(name=""), "name"),
+])
+def test_bad_registration_inputs(tmp_path, kwargs, argname):
+    led = Ledger(tmp_path / "l.db")
+    args = dict(fingerprint=FP, name="sst2", epsilon_cap=1.0, delta=DELTA) | kwargs
+    with pytest.raises(ValueError, match=argname):
+        led.register_dataset(**args)
+    assert led.datasets() == []
+
+
+def test_bad_inputs_elsewhere(ledger):
+    with pytest.raises(UnknownDatasetError, match="unknown dataset fingerprint") as info:
+        ledger.reserve("deadbeef", "r", EXP)
+    assert isinstance(info.value, KeyError) and isinstance(info.value, ValueError)
+    for call in (lambda: ledger.spent("deadbeef"), lambda: ledger.remaining("deadbeef"),
+                 lambda: ledger.entries("deadbeef"), lambda: ledger.record_nonprivate("deadbeef", "x", "y")):
+        with pytest.raises(KeyError, match="deadbeef"):
+            call()
+    with pytest.raises(ValueError, match="run_id"):
+        ledger.reserve(FP, "", EXP)
+    with pytest.raises(ValueError, match="event"):
+        ledger.reserve(FP, "r", {"type": "gaussian", "noise_multiplier": 1.0})
+    with pytest.raises(ValueError, match="description"):
+        ledger.record_nonprivate(FP, "b", "")
+    with pytest.raises(UnknownRunError, match="nope"):
+        ledger.commit("nope", EXP)
+    with pytest.raises(UnknownRunError, match="nope"):
+        ledger.abort("nope", "reason")
+    with pytest.raises(ValueError, match="path"):
+        Ledger(":memory:")
+    assert ledger.entries() == []
