@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from . import events as ev
 from . import rdp as rdp_lib
-from .pld import DISCRETIZATION, pld_of_event
+from .pld import DISCRETIZATION, pld_for
 from .validation import check_count, check_delta, check_epsilon, check_rate
 
 
@@ -44,7 +44,7 @@ def epsilon_pld(event: ev.DpEvent, delta: float, discretization: float = DISCRET
     if isinstance(event, ev.ParallelEvent):
         parts = [epsilon_pld(e, delta, discretization) for e in event.events]
         return None if any(p is None for p in parts) else max(parts)
-    pld = pld_of_event(event, discretization)
+    pld = pld_for(event, discretization)
     if pld is None:
         return None
     return float(pld.get_epsilon_for_delta(delta))
@@ -78,7 +78,7 @@ def delta_for_epsilon(event: ev.DpEvent, epsilon: float) -> float:
     if isinstance(event, ev.ParallelEvent):
         return max(delta_for_epsilon(e, epsilon) for e in event.events)
     candidates = []
-    pld = pld_of_event(event, DISCRETIZATION)
+    pld = pld_for(event, DISCRETIZATION)
     if pld is not None:
         candidates.append(float(pld.get_delta_for_epsilon(epsilon)))
     curve, delta_part = rdp_lib.rdp_of_event(event)

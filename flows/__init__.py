@@ -1,0 +1,1 @@
+"""Prefect flows: one per method, plus audit and sweeps."""

@@ -1,0 +1,112 @@
+"""Soft-prompt tuning flow (PromptDPSGD and its baselines) writing the shared run record.
+
+DAG: partition → [zero-shot eval] → [prompt_sgd → eval → loss MIA] → prompt_dpsgd → eval → loss MIA.
+One MLflow parent run per flow run, a child run per training / evaluation / audit task.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from privacy.ledger import Ledger
+
+from tasks import plots
+from tasks.config import config_to_yaml, load_config, parse_config
+from tasks.prefect_tasks import evaluate_task, loss_mia_task, partition_task, train_task
+from tasks.record import RunRecord, client, ensure_experiment
+from tasks.stages import StageContext, resolve_delta
+from tasks.state import default_data_root, state_paths
+
+
+def _partition(cfg, paths, data_root) -> dict:
+    args = dict(data_config=cfg.data.model_dump(mode="json"), seed=cfg.seed,
+                private_dir=str(paths.private), data_root=data_root)
+    part = partition_task(**args)
+    if not (Path(part["directory"]) / "manifest.json").is_file():  # cached, but files were removed
+        part = partition_task.with_options(refresh_cache=True)(**args)
+    return part
+
+
+@flow(name="prompt-tuning", log_prints=False)
+def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
+    """``config``: a validated config dict, or the path of a YAML config (deployments)."""
+    cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
+    paths = state_paths(cfg.state_dir).create()
+    data_root = default_data_root(cfg.data_root)
+    flow_run_id = str(flow_run.get_id())
+    logger = get_run_logger()
+
+    mlflow = client(paths)
+    experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)
+    parent = RunRecord.create(mlflow, experiment_id, f"{cfg.method}-{flow_run_id[:8]}", {
+        "method": cfg.method, "dataset": cfg.data.name, "model.local": cfg.models.local,
+        "model.target": cfg.models.target_name, "privacy.guarantee": "dp",
+        "prefect.flow_run_id": flow_run_id, "flow": "prompt_tuning"})
+    summary: dict = {"flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id,
+                     "experiment": cfg.experiment_name}
+    try:
+        parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "seed": cfg.seed,
+                           "privacy.dataset_epsilon_cap": cfg.privacy.dataset_epsilon_cap})
+        parent.log_text(config_to_yaml(cfg), "config.yaml")
+
+        part = _partition(cfg, paths, data_root)
+        delta = resolve_delta(cfg, part["n_train"])
+        parent.set_tags({"dataset.fingerprint": part["fingerprint"]})
+        parent.log_params({"privacy.target_delta": delta, "data.n_train": part["n_train"],
+                           "data.n_holdout": part["n_holdout"], "data.n_test": part["n_test"]})
+        ctx = StageContext(config=cfg.model_dump(mode="json"), state_dir=str(paths.root), partition=part,
+                           parent_run_id=parent.run_id, flow_run_id=flow_run_id)
+
+        metrics: dict[str, float] = {}
+        points: list[dict] = []
+        if cfg.methods.zero_shot.enabled:
+            acc = evaluate_task(ctx, None, "zero_shot", "none")["target"]
+            metrics["test.accuracy.zero_shot"] = acc
+            points.append({"method": "zero_shot", "accuracy": acc, "epsilon": None, "guarantee": "no training"})
+        if cfg.methods.prompt_sgd.enabled:
+            info = train_task(ctx, "prompt_sgd")
+            acc = evaluate_task(ctx, info["prompt_path"], "prompt_sgd", "none")["target"]
+            metrics["test.accuracy.prompt_sgd"] = acc
+            points.append({"method": "prompt_sgd", "accuracy": acc, "epsilon": None, "guarantee": "no DP"})
+            if cfg.mia.enabled:
+                mia = loss_mia_task(ctx, info["prompt_path"], "prompt_sgd", "none")["metrics"]
+                metrics["baseline.prompt_sgd.mia.loss.auc"] = mia["mia.loss.auc"]
+
+        info = train_task(ctx, "prompt_dpsgd")
+        spend = info["spend"]
+        accs = evaluate_task(ctx, info["prompt_path"], "prompt_dpsgd", "dp")
+        metrics.update({"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
+                        "privacy.epsilon_rdp": spend["epsilon_rdp"], "test.accuracy": accs["target"]})
+        metrics.update({f"test.accuracy.{alias}": v for alias, v in accs["per_model"].items()})
+        points.append({"method": "prompt_dpsgd", "accuracy": accs["target"], "epsilon": spend["epsilon"]})
+        parent.log_params(info["params"])
+        parent.log_file(info["prompt_path"], "prompt")
+        parent.log_file(info["training_curve"], "plots")
+        if cfg.mia.enabled:
+            mia = loss_mia_task(ctx, info["prompt_path"], "prompt_dpsgd", "dp")
+            metrics.update(mia["metrics"])
+            parent.log_file(mia["roc_plot"], "plots")
+
+        ledger_row = Ledger(paths.ledger).dataset(part["fingerprint"])
+        budget = {"accountant": spend["accountant"], "dataset": cfg.data.name,
+                  "dataset.fingerprint": part["fingerprint"],
+                  "stages": [{"stage": "prompt_dpsgd", "event": info["event"], **spend}],
+                  "total": spend,
+                  "ledger": {k: ledger_row[k] for k in ("epsilon_cap", "delta", "spent_epsilon", "remaining_epsilon")
+                             if k in ledger_row}}
+        parent.log_json(budget, "privacy/budget.json")
+        fig = plots.privacy_utility_plot(points, f"{cfg.data.name}: test accuracy by method")
+        parent.log_figure(fig, "plots/privacy_utility.png")
+        plots.close(fig)
+        parent.log_metrics(metrics)
+        parent.end(ok=True)
+        summary.update({"metrics": metrics, "budget": budget})
+        logger.info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in metrics.items()}))
+        return summary
+    except BaseException:
+        parent.end(ok=False)
+        raise

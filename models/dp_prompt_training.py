@@ -1,0 +1,299 @@
+"""Training a soft prompt on a frozen classifier: non-private, or DP-SGD.
+
+DP-SGD here does NOT use Opacus. A soft prompt is an *input* of the frozen model, so its
+per-sample gradient is simply the gradient of the summed loss with respect to a copy of the
+prompt expanded over the batch::
+
+    P_batch = prompt.detach().expand(B, n, d).clone().requires_grad_()
+    loss = sum_i CE(classifier(batch, P_batch)_i, y_i)
+    grad(loss, P_batch)[i] == d CE_i / d prompt          # shape (B, n, d)
+
+Examples do not interact in the forward pass (eval mode, padding masked), so row i of that
+gradient depends on example i only. One ordinary backward pass, no hooks.
+
+Why not PEFT prompt tuning under Opacus: ``PeftModel.get_prompt`` runs the prompt encoder on
+ONE row and repeats it over the batch, so every ``grad_sample`` Opacus computes has batch
+dimension 1. Opacus then clips the whole batch as if it were a single sample, adds noise for
+that, trains, and reports an epsilon -- while the per-example sensitivity bound, and with it the
+guarantee, is silently void (reproduced: a batch of 4 gives grad_sample of shape (1, 4, 32);
+see shared NOTES.md). Therefore every DP step below checks that the per-sample gradient's batch
+dimension equals the number of sampled examples and raises RuntimeError otherwise, and the
+tests compare these gradients to a per-example autograd loop.
+
+Sampling is Poisson (each example independently with probability ``sample_rate``), which is
+what the accountants assume; empty batches still take the noise-only step (skipping them would
+leak that the batch was empty). The noisy sum is divided by the EXPECTED batch size
+``sample_rate * N``, not the realised one (which is data dependent).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from models.classifiers import PromptClassifier, num_examples, select_rows
+from models.soft_prompt import SoftPrompt
+
+ProgressFn = Callable[[int, int, float | None], None]
+
+
+@dataclass
+class PromptTrainingConfig:
+    """Soft-prompt training settings.
+
+    ``batch_size``: minibatch size (non-private) / expected batch size ``sample_rate * N`` (DP;
+    the caller turns it into ``DPConfig.sample_rate``). ``steps`` overrides ``epochs``.
+    ``max_length`` is the tokenisation length the caller encodes with (kept here for the record).
+    ``init_words``: words whose token embeddings initialise the prompt (cycled to ``n_tokens``);
+    None: random vocabulary rows. ``physical_batch_size`` bounds memory (micro-batches).
+    """
+
+    n_tokens: int = 10
+    lr: float = 0.05
+    epochs: float = 1.0
+    steps: int | None = None
+    batch_size: int = 32
+    max_length: int = 64
+    seed: int = 0
+    init_words: str | None = None
+    optimizer: str = "adam"  # "adam" | "sgd"
+    log_every: int = 10
+    physical_batch_size: int = 64
+
+    def __post_init__(self):
+        if self.n_tokens < 1 or self.batch_size < 1 or self.physical_batch_size < 1:
+            raise ValueError("n_tokens, batch_size and physical_batch_size must be >= 1")
+        if self.steps is None and not self.epochs > 0:
+            raise ValueError("give epochs > 0 or steps")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+
+
+@dataclass
+class DPConfig:
+    """DP-SGD parameters, computed by the caller from the privacy core (accountant/calibration)."""
+
+    noise_multiplier: float
+    max_grad_norm: float
+    sample_rate: float
+
+    def __post_init__(self):
+        if not self.noise_multiplier >= 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"sample_rate must be in (0, 1], got {self.sample_rate}")
+
+
+@dataclass
+class TrainResult:
+    """``prompt``: trained (n_tokens, embed_dim) CPU tensor. ``steps``: optimizer steps taken
+    (what the accountant composes). ``history``: per-step dicts (step, loss, batch_size, ...).
+
+    The losses and clipping statistics in ``history`` are computed from the private data without
+    noise: they are for the operator, and publishing them is NOT covered by the DP guarantee.
+    """
+
+    prompt: torch.Tensor
+    history: list[dict] = field(default_factory=list)
+    steps: int = 0
+    empty_batches: int = 0
+    private: bool = False
+
+
+def per_sample_prompt_gradients(
+    classifier: PromptClassifier,
+    batch: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    prompt: torch.Tensor,
+    *,
+    return_losses: bool = False,
+):
+    """Per-example gradients of the cross-entropy w.r.t. the (n, d) prompt: a (B, n, d) tensor.
+
+    The prompt is an input, so the gradient of sum_i loss_i w.r.t. a per-example copy
+    ``P_batch[i]`` is example i's gradient (see module docstring). With ``return_losses`` also
+    returns the (B,) per-example losses (detached).
+    """
+    prompt = prompt.detach()
+    if prompt.dim() != 2:
+        raise ValueError(f"prompt must be (n, d), got {tuple(prompt.shape)}")
+    B = num_examples(batch)
+    dev = classifier.device
+    if B == 0:
+        g = torch.zeros((0, *prompt.shape), device=dev)
+        return (g, torch.zeros(0, device=dev)) if return_losses else g
+    # A leaf holding one copy of the prompt per example; NOT prompt.expand(...) of a parameter
+    # (that would sum the examples' gradients into one (n, d) tensor).
+    p_batch = prompt.to(device=dev, dtype=torch.float32).unsqueeze(0).expand(B, -1, -1).clone().requires_grad_()
+    with torch.enable_grad():
+        logits = classifier(batch, p_batch)
+        losses = F.cross_entropy(logits.float(), labels.to(dev), reduction="none")
+        losses.sum().backward()
+    grads = p_batch.grad
+    return (grads, losses.detach()) if return_losses else grads
+
+
+def _check_per_sample_shape(grads: torch.Tensor, batch_size: int, prompt_shape: torch.Size) -> None:
+    if grads.dim() != 3 or grads.shape[0] != batch_size or tuple(grads.shape[1:]) != tuple(prompt_shape):
+        raise RuntimeError(
+            f"per-sample prompt gradients have shape {tuple(grads.shape)}, expected "
+            f"({batch_size}, {', '.join(map(str, prompt_shape))}): the batch dimension must equal the "
+            "number of sampled examples, otherwise clipping bounds the whole batch, not each example, "
+            "and the DP guarantee is void"
+        )
+
+
+def _initial_prompt(classifier: PromptClassifier, config: PromptTrainingConfig, init_prompt, seed: int) -> SoftPrompt:
+    if init_prompt is not None:
+        t = torch.as_tensor(init_prompt).detach().float().cpu()
+        sp = SoftPrompt(t.shape[0], t.shape[1], t)
+    else:
+        src = config.init_words if config.init_words else config.n_tokens
+        sp = SoftPrompt.init_from_vocab(classifier.backbone, src, n_tokens=config.n_tokens, seed=seed)
+    if sp.embed_dim != classifier.embed_dim:
+        raise ValueError(f"prompt width {sp.embed_dim} != model embedding width {classifier.embed_dim}")
+    return sp.to(classifier.device)
+
+
+def _optimizer(params, config: PromptTrainingConfig) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=config.lr)
+    return torch.optim.Adam(params, lr=config.lr)
+
+
+class _Progress:
+    """Calls ``fn(step, total, mean loss since last call)`` every ``every`` steps and at the end."""
+
+    def __init__(self, fn: ProgressFn | None, every: int, total: int):
+        self.fn, self.every, self.total = fn, max(1, every), total
+        self._sum, self._n = 0.0, 0
+
+    def __call__(self, step: int, loss: float | None) -> None:
+        if loss is not None:
+            self._sum, self._n = self._sum + loss, self._n + 1
+        if self.fn is not None and (step % self.every == 0 or step == self.total):
+            self.fn(step, self.total, self._sum / self._n if self._n else None)
+            self._sum, self._n = 0.0, 0
+
+
+def train_prompt(
+    classifier: PromptClassifier,
+    encoded_train: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    config: PromptTrainingConfig,
+    dp: DPConfig | None = None,
+    progress: ProgressFn | None = None,
+    seed: int | None = None,
+    init_prompt: torch.Tensor | None = None,
+) -> TrainResult:
+    """Train a soft prompt on the frozen ``classifier``; DP-SGD when ``dp`` is given.
+
+    ``encoded_train``: ``classifier.encode(texts)``; ``labels``: (N,) long tensor of label
+    indices. ``seed`` (default ``config.seed``) drives init, shuffling/Poisson sampling and noise.
+    """
+    seed = config.seed if seed is None else seed
+    labels = torch.as_tensor(labels, dtype=torch.long).cpu()
+    N = num_examples(encoded_train)
+    if labels.shape != (N,):
+        raise ValueError(f"labels must have shape ({N},), got {tuple(labels.shape)}")
+    if N == 0:
+        raise ValueError("empty training set")
+    if labels.min() < 0 or labels.max() >= classifier.n_labels:
+        raise ValueError(f"labels must be in [0, {classifier.n_labels})")
+    classifier.eval()
+    prompt = _initial_prompt(classifier, config, init_prompt, seed)
+    opt = _optimizer([prompt.weight], config)
+    if dp is None:
+        return _train_nonprivate(classifier, encoded_train, labels, config, prompt, opt, progress, seed)
+    return _train_dp(classifier, encoded_train, labels, config, dp, prompt, opt, progress, seed)
+
+
+def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, seed) -> TrainResult:
+    N = num_examples(enc)
+    per_epoch = math.ceil(N / config.batch_size)
+    total = config.steps if config.steps is not None else max(1, math.ceil(config.epochs * per_epoch))
+    g = torch.Generator().manual_seed(seed)
+    report = _Progress(progress, config.log_every, total)
+    history, step = [], 0
+    dev = classifier.device
+    while step < total:
+        for idx in torch.randperm(N, generator=g).split(config.batch_size):
+            if step >= total:
+                break
+            opt.zero_grad(set_to_none=True)
+            loss_sum = 0.0
+            for chunk in idx.split(config.physical_batch_size):  # gradient accumulation
+                logits = classifier(select_rows(enc, chunk), prompt.weight)
+                loss = F.cross_entropy(logits.float(), labels[chunk].to(dev), reduction="sum")
+                (loss / len(idx)).backward()
+                loss_sum += float(loss.detach())
+            opt.step()
+            step += 1
+            mean_loss = loss_sum / len(idx)
+            history.append({"step": step, "loss": mean_loss, "batch_size": len(idx)})
+            report(step, mean_loss)
+    return TrainResult(prompt.weight.detach().cpu().clone(), history, step, 0, private=False)
+
+
+def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progress, seed) -> TrainResult:
+    N = num_examples(enc)
+    q, C, sigma = dp.sample_rate, dp.max_grad_norm, dp.noise_multiplier
+    total = config.steps if config.steps is not None else max(1, round(config.epochs / q))
+    expected_batch = q * N
+    # Separate, seeded CPU streams for sampling and noise: reproducible and device independent.
+    # (A seeded PRNG is not a cryptographic source; attacks on the noise RNG are out of scope.)
+    g_sample = torch.Generator().manual_seed(2 * seed)
+    g_noise = torch.Generator().manual_seed(2 * seed + 1)
+    report = _Progress(progress, config.log_every, total)
+    dev = classifier.device
+    shape = prompt.weight.shape
+    history, empty = [], 0
+    for step in range(1, total + 1):
+        idx = (torch.rand(N, generator=g_sample) < q).nonzero().squeeze(1)  # Poisson sampling
+        B = int(idx.numel())
+        summed = torch.zeros(shape, device=dev)
+        seen, losses, clipped, norm_sum = 0, [], 0, 0.0
+        for chunk in idx.split(config.physical_batch_size):
+            grads, loss = per_sample_prompt_gradients(
+                classifier, select_rows(enc, chunk), labels[chunk], prompt.weight, return_losses=True
+            )
+            _check_per_sample_shape(grads, int(chunk.numel()), shape)
+            norms = grads.flatten(1).norm(dim=1)
+            factor = (C / (norms + 1e-6)).clamp(max=1.0)
+            summed += (grads * factor[:, None, None]).sum(0)
+            seen += grads.shape[0]
+            losses.append(loss)
+            clipped += int((norms > C).sum())
+            norm_sum += float(norms.sum())
+        if seen != B:
+            raise RuntimeError(f"per-sample gradients cover {seen} examples, the Poisson batch has {B}")
+        if B == 0:
+            empty += 1  # still step: noise only (skipping would reveal the empty batch)
+        noise = torch.normal(0.0, sigma * C, size=tuple(shape), generator=g_noise).to(dev)
+        grad = (summed + noise) / expected_batch
+        before = prompt.weight.detach().clone() if step == 1 else None
+        opt.zero_grad(set_to_none=True)
+        prompt.weight.grad = grad.to(prompt.weight.dtype)
+        opt.step()
+        if not torch.isfinite(prompt.weight).all():
+            raise RuntimeError(f"prompt became non-finite at DP step {step}")
+        if before is not None and bool(grad.abs().max() > 0) and torch.equal(before, prompt.weight.detach()):
+            raise RuntimeError("the prompt did not change after the first DP step: the optimizer is not updating it")
+        mean_loss = float(torch.cat(losses).mean()) if B else None
+        history.append(
+            {
+                "step": step,
+                "loss": mean_loss,
+                "batch_size": B,
+                "clipped_frac": clipped / B if B else None,
+                "mean_grad_norm": norm_sum / B if B else None,
+            }
+        )
+        report(step, mean_loss)
+    return TrainResult(prompt.weight.detach().cpu().clone(), history, total, empty, private=True)

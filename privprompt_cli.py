@@ -1,0 +1,125 @@
+"""``privprompt``: run a config's flow in-process, show the budget ledger, open the UIs.
+
+    privprompt run CONFIG [--set dotted.key=value ...]
+    privprompt ledger
+    privprompt ui
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from models.registry import ModelLoadError
+    from privacy.ledger import BudgetExceededError, UnknownDatasetError
+    from tasks.errors import PrivPromptError
+
+    return (PrivPromptError, ModelLoadError, BudgetExceededError, UnknownDatasetError)
+
+
+def _fail(message: str) -> int:
+    print(f"privprompt: error: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_run(args) -> int:
+    from tasks.config import load_config
+    from tasks.errors import PrivPromptError
+    from tasks.state import configure_environment, state_paths
+
+    try:
+        cfg = load_config(args.config, args.set)
+    except PrivPromptError as err:
+        return _fail(str(err))
+    paths = state_paths(cfg.state_dir)
+    configure_environment(paths)  # before Prefect is imported
+    config = cfg.model_dump(mode="json")
+    config["state_dir"] = str(paths.root)
+
+    errors = _user_errors()
+    from flows.prompt_tuning import prompt_tuning_flow
+
+    started = time.perf_counter()
+    try:
+        summary = prompt_tuning_flow(config)
+    except errors as err:
+        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    m = summary["metrics"]
+    print(f"prefect flow run:   {summary['flow_run_id']}")
+    print(f"mlflow run:         {summary['mlflow_run_id']} (experiment {summary['experiment']!r})")
+    print(f"privacy:            ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
+          f"(RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f})")
+    for key in sorted(k for k in m if k.startswith("test.accuracy")):
+        print(f"{key + ':':<20}{m[key]:.4f}")
+    if "mia.loss.auc" in m:
+        print(f"{'mia.loss.auc:':<20}{m['mia.loss.auc']:.4f} "
+              f"[{m['mia.loss.auc_low']:.4f}, {m['mia.loss.auc_high']:.4f}]")
+    print(f"wall time:          {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def cmd_ledger(args) -> int:
+    from privacy.ledger import Ledger
+    from tasks.state import state_paths
+
+    paths = state_paths(args.state_dir)
+    if not paths.ledger.is_file():
+        print(f"no ledger yet at {paths.ledger}: no run has used private data")
+        return 0
+    print(Ledger(paths.ledger).summary_table())
+    return 0
+
+
+def cmd_ui(args) -> int:
+    from tasks.state import configure_environment, state_paths, tracking_uri
+
+    paths = state_paths(args.state_dir)
+    configure_environment(paths)
+    env = dict(os.environ)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                          "--port", str(args.prefect_port)], env=env),
+        subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(paths),
+                          "--host", "127.0.0.1", "--port", str(args.mlflow_port)], env=env),
+    ]
+    print(f"Prefect UI: http://127.0.0.1:{args.prefect_port}   MLflow UI: http://127.0.0.1:{args.mlflow_port}"
+          "   (Ctrl-C stops both)")
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="privprompt", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--state-dir", default=None, help="state folder (default $PRIVPROMPT_HOME or ./.privprompt)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a config's flow in-process (embedded Prefect, local MLflow)")
+    run.add_argument("config")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set privacy.target_epsilon=4")
+    sub.add_parser("ledger", help="DP spend per dataset against its cap, and non-private uses")
+    ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
+    ui.add_argument("--prefect-port", type=int, default=4200)
+    ui.add_argument("--mlflow-port", type=int, default=5000)
+    args = parser.parse_args(argv)
+    if args.state_dir:
+        os.environ["PRIVPROMPT_HOME"] = args.state_dir
+    return {"run": cmd_run, "ledger": cmd_ledger, "ui": cmd_ui}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

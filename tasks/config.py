@@ -1,0 +1,189 @@
+"""One config schema (pydantic) for every flow: data, models, privacy, method blocks, seed,
+experiment. Unknown keys are errors; every error names the key and the problem."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Block):
+    name: str = Field(description="dataset name, also the folder under the data root")
+    path: str | None = Field(None, description="folder with train/test files (default: <data_root>/<name>)")
+    hub: str | None = Field(None, description="a hub dataset id for `datasets.load_dataset` instead of files")
+    hub_config: str | None = None
+    train_split: str = "train"
+    test_split: str = "test"
+    text_field: str = "text"
+    label_field: str = "label"
+    labels: list[str] = Field(min_length=2)
+    label_map: dict[str, str] = Field(default_factory=dict, description="raw label -> label name")
+    train_size: int | None = Field(None, gt=0, description="subsample of the private training data")
+    test_size: int | None = Field(None, gt=0)
+    holdout_fraction: float = Field(0.1, gt=0, lt=1, description="held-out validation share")
+    canaries: int = Field(0, ge=0, description="random canary records, each planted with prob. 1/2")
+
+    @field_validator("labels")
+    @classmethod
+    def _unique_labels(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError(f"labels must be unique, got {v}")
+        return v
+
+
+class ModelsConfig(_Block):
+    local: str = Field(description="model where private data is used (HF id, local path or alias)")
+    target: str | None = Field(None, description="model the prompt is published for (default: local)")
+    label_descriptions: dict[str, str] = Field(default_factory=dict)
+    template: str | None = None
+    max_length: int = Field(64, gt=4)
+    eval_batch_size: int = Field(64, gt=0)
+
+    @property
+    def target_name(self) -> str:
+        return self.target or self.local
+
+
+class PrivacyConfig(_Block):
+    target_epsilon: float = Field(8.0, description="ε the DP method spends")
+    target_delta: float | None = Field(None, description="δ; default min(1e-5, 1/(10 n_train))")
+    dataset_epsilon_cap: float = Field(10.0, description="total ε allowed on this dataset (ledger)")
+    max_grad_norm: float = Field(1.0, gt=0)
+
+    @field_validator("target_epsilon", "dataset_epsilon_cap")
+    @classmethod
+    def _positive_eps(cls, v):
+        if not v > 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+    @field_validator("target_delta")
+    @classmethod
+    def _delta_range(cls, v):
+        if v is not None and not (0 < v < 1):
+            raise ValueError(f"must lie in (0, 1), got {v}")
+        return v
+
+
+class PromptTuningConfig(_Block):
+    enabled: bool = True
+    n_tokens: int = Field(10, gt=0)
+    lr: float = Field(0.05, gt=0)
+    epochs: float = Field(1.0, gt=0)
+    batch_size: int = Field(32, gt=0, description="(expected) batch size")
+    init: str | None = Field(None, description="words to initialise the prompt from")
+
+
+class ZeroShotConfig(_Block):
+    enabled: bool = True
+
+
+class MethodsConfig(_Block):
+    zero_shot: ZeroShotConfig = Field(default_factory=lambda: ZeroShotConfig(enabled=False))
+    prompt_sgd: PromptTuningConfig = Field(default_factory=lambda: PromptTuningConfig(enabled=False))
+    prompt_dpsgd: PromptTuningConfig = Field(default_factory=PromptTuningConfig)
+
+
+class MiaConfig(_Block):
+    enabled: bool = True
+    max_examples: int = Field(1000, gt=0, description="members and non-members scored, each")
+
+
+class PrivPromptConfig(_Block):
+    flow: Literal["prompt_tuning"] = "prompt_tuning"
+    method: str = Field("prompt_dpsgd", description="the method this run publishes")
+    experiment: str | None = Field(None, description="MLflow experiment (default: the method)")
+    seed: int = 0
+    state_dir: str | None = Field(None, description="default $PRIVPROMPT_HOME or ./.privprompt")
+    data_root: str | None = Field(None, description="default $PRIVPROMPT_DATA_ROOT or ../shared/data")
+    allow_nonprivate_baselines: bool = Field(False, description="opt-in for non-private baselines")
+    data: DataConfig
+    models: ModelsConfig
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    methods: MethodsConfig = Field(default_factory=MethodsConfig)
+    mia: MiaConfig = Field(default_factory=MiaConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.method not in ("prompt_dpsgd",):
+            raise ValueError(f"method {self.method!r} is not available in the prompt_tuning flow")
+        if self.methods.prompt_sgd.enabled and not self.allow_nonprivate_baselines:
+            raise ValueError("methods.prompt_sgd is a non-private baseline: set "
+                             "allow_nonprivate_baselines: true to opt in")
+        return self
+
+    @property
+    def experiment_name(self) -> str:
+        return self.experiment or self.method
+
+
+def _format_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "<root>"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown config key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        parts.append(f"{key}: {msg}")
+    return "invalid config: " + "; ".join(parts)
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``dotted.key=value`` overrides (values parsed as YAML scalars)."""
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like dotted.key=value")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            nxt = node.get(p)
+            if nxt is None:
+                nxt = node[p] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {key!r}: {p!r} is not a block")
+            node = nxt
+        node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def parse_config(raw: dict) -> PrivPromptConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError("invalid config: the top level must be a mapping of keys")
+    try:
+        return PrivPromptConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PrivPromptConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {path} is not valid YAML: {str(err).splitlines()[0]}") from None
+    return parse_config(apply_overrides(raw, overrides or []))
+
+
+def config_to_yaml(cfg: PrivPromptConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

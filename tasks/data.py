@@ -1,0 +1,278 @@
+"""Partition a labelled text dataset into private train / holdout / test Parquet files.
+
+Plain functions (no Prefect): read JSONL / CSV / Parquet files or a hub dataset, map labels,
+split deterministically by seed, optionally subsample and plant canaries, write Parquet under
+``<state>/private/``, and fingerprint the training partition (the ledger's key).
+Nothing here logs or returns example text.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .config import DataConfig
+from .errors import DataError
+
+FORMATS = (".jsonl", ".json", ".csv", ".parquet")
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Where a partition lives and what it holds (counts, labels, fingerprint); no text."""
+
+    dataset: str
+    directory: str
+    fingerprint: str
+    labels: list[str]
+    n_train: int
+    n_holdout: int
+    n_test: int
+    n_canaries_planted: int
+
+    @property
+    def train_path(self) -> str:
+        return str(Path(self.directory) / "train.parquet")
+
+    @property
+    def holdout_path(self) -> str:
+        return str(Path(self.directory) / "holdout.parquet")
+
+    @property
+    def test_path(self) -> str:
+        return str(Path(self.directory) / "test.parquet")
+
+    @property
+    def canaries_path(self) -> str:
+        return str(Path(self.directory) / "canaries.parquet")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+def _find_split_file(folder: Path, split: str) -> Path:
+    for ext in FORMATS:
+        candidate = folder / f"{split}{ext}"
+        if candidate.is_file():
+            return candidate
+    raise DataError(f"no '{split}' file ({'/'.join(FORMATS)}) in data folder {folder}")
+
+
+def _read_rows(path: Path) -> list[dict]:
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".jsonl", ".json"):
+            rows = []
+            with path.open(encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise DataError(f"malformed JSON in {path} line {lineno}: {err.msg}") from None
+                    if not isinstance(row, dict):
+                        raise DataError(f"{path} line {lineno}: expected a JSON object per line")
+                    rows.append(row)
+            return rows
+        if suffix == ".csv":
+            with path.open(encoding="utf-8", newline="") as fh:
+                return list(csv.DictReader(fh))
+        if suffix == ".parquet":
+            return pq.read_table(path).to_pylist()
+    except (OSError, UnicodeDecodeError, pa.ArrowException, csv.Error) as err:
+        raise DataError(f"cannot read {path}: {err}") from None
+    raise DataError(f"unsupported data file format {path.suffix!r} ({path}); use {', '.join(FORMATS)}")
+
+
+def _read_hub(cfg: DataConfig, split: str) -> list[dict]:
+    try:
+        import datasets  # heavy; only for hub datasets
+        ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split)
+    except Exception as err:  # noqa: BLE001 - any loading failure is reported the same way
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(f"cannot load hub dataset {cfg.hub!r} split {split!r}: {first}") from None
+    names = getattr(ds.features.get(cfg.label_field), "names", None)
+    rows = []
+    for row in ds:
+        label = row.get(cfg.label_field)
+        if names is not None and isinstance(label, int):
+            label = names[label]
+        rows.append({cfg.text_field: row.get(cfg.text_field), cfg.label_field: label})
+    return rows
+
+
+def _normalise(rows: list[dict], cfg: DataConfig, source: str) -> tuple[list[str], list[str]]:
+    texts, labels = [], []
+    known = set(cfg.labels)
+    for i, row in enumerate(rows, 1):
+        if cfg.text_field not in row or cfg.label_field not in row:
+            raise DataError(f"{source} record {i}: missing field "
+                            f"'{cfg.text_field if cfg.text_field not in row else cfg.label_field}'")
+        text, raw = row[cfg.text_field], row[cfg.label_field]
+        if not isinstance(text, str) or not text.strip():
+            raise DataError(f"{source} record {i}: field '{cfg.text_field}' must be non-empty text")
+        label = cfg.label_map.get(str(raw), raw)
+        if isinstance(label, (int, np.integer)) and not isinstance(label, bool) and 0 <= label < len(cfg.labels):
+            label = cfg.labels[int(label)]
+        if label not in known:
+            raise DataError(f"{source} record {i}: unknown label {raw!r}; expected one of {cfg.labels}")
+        texts.append(text)
+        labels.append(label)
+    if not texts:
+        raise DataError(f"{source} is empty")
+    return texts, labels
+
+
+def resolve_data_folder(cfg: DataConfig, data_root: str | None) -> Path:
+    if cfg.path:
+        return Path(cfg.path).expanduser()
+    if data_root is None:
+        raise DataError(f"no data root: set data.path, data_root or $PRIVPROMPT_DATA_ROOT for {cfg.name!r}")
+    return Path(data_root) / cfg.name
+
+
+def read_split(cfg: DataConfig, data_root: str | None, split: str) -> tuple[list[str], list[str]]:
+    if cfg.hub:
+        return _normalise(_read_hub(cfg, split), cfg, f"hub dataset {cfg.hub}:{split}")
+    folder = resolve_data_folder(cfg, data_root)
+    if not folder.is_dir():
+        raise DataError(f"data folder not found: {folder}")
+    path = _find_split_file(folder, split)
+    return _normalise(_read_rows(path), cfg, str(path))
+
+
+def source_signature(cfg: DataConfig, data_root: str | None) -> str:
+    """Identifies the input files (path, size, mtime) so that caches notice changed data."""
+    if cfg.hub:
+        return f"hub:{cfg.hub}:{cfg.hub_config}"
+    folder = resolve_data_folder(cfg, data_root)
+    parts = []
+    for split in (cfg.train_split, cfg.test_split):
+        try:
+            p = _find_split_file(folder, split)
+            st = p.stat()
+            parts.append(f"{p.resolve()}:{st.st_size}:{int(st.st_mtime)}")
+        except DataError:
+            parts.append(f"{folder}/{split}:missing")
+    return "|".join(parts)
+
+
+# ---- partitioning ----------------------------------------------------------------------------
+
+def fingerprint(texts: list[str], labels: list[str]) -> str:
+    h = hashlib.sha256()
+    for t, y in zip(texts, labels):
+        h.update(t.encode("utf-8"))
+        h.update(b"\x1f")
+        h.update(y.encode("utf-8"))
+        h.update(b"\x1e")
+    return h.hexdigest()
+
+
+def make_canaries(n: int, labels: list[str], rng: np.random.Generator) -> tuple[list[str], list[str]]:
+    """Random canary sentences (random letter strings: never in real data) with random labels."""
+    alphabet = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    texts = []
+    for _ in range(n):
+        words = ["".join(rng.choice(alphabet, size=rng.integers(4, 9))) for _ in range(8)]
+        texts.append("canary " + " ".join(words))
+    return texts, [labels[int(i)] for i in rng.integers(0, len(labels), size=n)]
+
+
+def _write_table(path: Path, texts: list[str], labels: list[str], extra: dict | None = None) -> None:
+    columns = {"text": texts, "label": labels}
+    columns.update(extra or {})
+    pq.write_table(pa.table(columns), path)
+
+
+def partition_key(cfg: DataConfig, seed: int, data_root: str | None) -> str:
+    payload = json.dumps({"data": cfg.model_dump(mode="json"), "seed": seed,
+                          "source": source_signature(cfg, data_root)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> Partition:
+    """Deterministic split (by ``seed``) into train / holdout / test, written atomically."""
+    key = partition_key(cfg, seed, data_root)
+    out_dir = Path(private_dir) / "partitions" / f"{cfg.name}-{key}"
+    manifest = out_dir / "manifest.json"
+    if manifest.is_file():  # same data, config and seed: reuse
+        return Partition(**json.loads(manifest.read_text()))
+
+    texts, labels = read_split(cfg, data_root, cfg.train_split)
+    test_texts, test_labels = read_split(cfg, data_root, cfg.test_split)
+    rng = np.random.default_rng(seed)
+
+    order = rng.permutation(len(texts))
+    n_pool = len(order) if cfg.train_size is None else min(cfg.train_size, len(order))
+    n_holdout = int(round(cfg.holdout_fraction * n_pool))
+    # the holdout is drawn from outside the training subsample when there is room, so
+    # subsampling never shrinks it; it is disjoint from training either way
+    holdout_idx = order[n_pool:n_pool + n_holdout] if len(order) - n_pool >= n_holdout else order[:n_holdout]
+    train_idx = order[:n_pool] if len(order) - n_pool >= n_holdout else order[n_holdout:n_pool]
+    if len(train_idx) == 0:
+        raise DataError(f"dataset {cfg.name!r}: the training split is empty after partitioning")
+    if len(holdout_idx) == 0:
+        raise DataError(f"dataset {cfg.name!r}: the holdout split is empty; raise holdout_fraction or train_size")
+
+    test_order = rng.permutation(len(test_texts))
+    if cfg.test_size is not None:
+        test_order = test_order[:cfg.test_size]
+
+    tr_texts = [texts[i] for i in train_idx]
+    tr_labels = [labels[i] for i in train_idx]
+    canary_texts, canary_labels, planted = [], [], np.zeros(0, dtype=bool)
+    if cfg.canaries:
+        canary_texts, canary_labels = make_canaries(cfg.canaries, cfg.labels, rng)
+        planted = rng.random(cfg.canaries) < 0.5
+        for t, y, p in zip(canary_texts, canary_labels, planted):
+            if p:
+                tr_texts.append(t)
+                tr_labels.append(y)
+        perm = rng.permutation(len(tr_texts))
+        tr_texts = [tr_texts[i] for i in perm]
+        tr_labels = [tr_labels[i] for i in perm]
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        _write_table(tmp / "train.parquet", tr_texts, tr_labels)
+        _write_table(tmp / "holdout.parquet", [texts[i] for i in holdout_idx], [labels[i] for i in holdout_idx])
+        _write_table(tmp / "test.parquet", [test_texts[i] for i in test_order], [test_labels[i] for i in test_order])
+        if cfg.canaries:
+            _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {"planted": planted.tolist()})
+        part = Partition(dataset=cfg.name, directory=str(out_dir.resolve()),
+                         fingerprint=fingerprint(tr_texts, tr_labels), labels=list(cfg.labels),
+                         n_train=len(tr_texts), n_holdout=len(holdout_idx), n_test=len(test_order),
+                         n_canaries_planted=int(planted.sum()))
+        if part.n_test == 0:
+            raise DataError(f"dataset {cfg.name!r}: the test split is empty")
+        (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
+        try:
+            os.replace(tmp, out_dir)  # atomic: a partition is complete or absent
+        except OSError:
+            if not manifest.is_file():  # not a concurrent writer of the same partition
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Partition(**json.loads(manifest.read_text()))
+
+
+def read_partition_split(path: str) -> tuple[list[str], list[str]]:
+    table = pq.read_table(path)
+    return table.column("text").to_pylist(), table.column("label").to_pylist()

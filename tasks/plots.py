@@ -1,0 +1,67 @@
+"""Figures people compare: training curves, ROC curves (log FPR), privacy–utility bars."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def training_curve(history: list[dict], title: str):
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    steps = [h["step"] for h in history if h.get("loss") is not None]
+    losses = [h["loss"] for h in history if h.get("loss") is not None]
+    ax.plot(steps, losses, lw=1, alpha=0.4, label="batch loss")
+    if len(losses) >= 10:
+        k = max(1, len(losses) // 20)
+        smooth = np.convolve(losses, np.ones(k) / k, mode="valid")
+        ax.plot(steps[k - 1:], smooth, lw=2, label=f"moving average ({k})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def roc_curve_plot(curves: dict[str, tuple[np.ndarray, np.ndarray, float]], title: str):
+    """``curves``: name -> (fpr, tpr, auc). Log-scaled FPR axis, chance diagonal."""
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    floor = 1e-4
+    for name, (fpr, tpr, auc) in curves.items():
+        ax.plot(np.maximum(fpr, floor), tpr, lw=1.5, label=f"{name} (AUC {auc:.3f})")
+    grid = np.logspace(np.log10(floor), 0, 100)
+    ax.plot(grid, grid, "k--", lw=0.8, label="chance")
+    ax.set_xscale("log")
+    ax.set_xlim(floor, 1)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("false positive rate (log)")
+    ax.set_ylabel("true positive rate")
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def privacy_utility_plot(points: list[dict], title: str):
+    """``points``: dicts with method, accuracy, epsilon (None for non-private / zero-shot)."""
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [p["method"] for p in points]
+    accs = [p["accuracy"] for p in points]
+    colors = ["tab:green" if p.get("epsilon") is not None else "tab:gray" for p in points]
+    bars = ax.bar(names, accs, color=colors)
+    for bar, p in zip(bars, points):
+        eps = p.get("epsilon")
+        label = f"{p['accuracy']:.3f}\n" + (f"ε={eps:.2f}" if eps is not None else p.get("guarantee", "no DP"))
+        ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.1)
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
+
+
+def close(fig) -> None:
+    plt.close(fig)

@@ -1,0 +1,92 @@
+"""The run record of ../shared/RUN_RECORD.md, written through ``MlflowClient`` with explicit run
+ids (MLflow's active run is thread-local: a task on another thread or worker that relied on it
+would silently start a top-level run). Only numbers, names and DP outputs are logged here."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from mlflow.entities import RunStatus
+from mlflow.tracking import MlflowClient
+
+from .state import StatePaths, tracking_uri
+
+
+def client(paths: StatePaths) -> MlflowClient:
+    return MlflowClient(tracking_uri=tracking_uri(paths))
+
+
+def ensure_experiment(mlflow: MlflowClient, name: str, paths: StatePaths) -> str:
+    exp = mlflow.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = (paths.artifacts / name).resolve().as_uri()
+    try:
+        return mlflow.create_experiment(name, artifact_location=location)
+    except Exception:  # noqa: BLE001 - created concurrently by another process
+        exp = mlflow.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+class RunRecord:
+    """One MLflow run (parent or child) addressed by id."""
+
+    def __init__(self, mlflow: MlflowClient, run_id: str):
+        self.mlflow = mlflow
+        self.run_id = run_id
+
+    @classmethod
+    def create(cls, mlflow: MlflowClient, experiment_id: str, name: str, tags: dict[str, str],
+               parent_run_id: str | None = None) -> "RunRecord":
+        tags = {k: str(v) for k, v in tags.items()}
+        tags["mlflow.runName"] = name
+        if parent_run_id:
+            tags["mlflow.parentRunId"] = parent_run_id
+        run = mlflow.create_run(experiment_id, run_name=name, tags=tags)
+        return cls(mlflow, run.info.run_id)
+
+    def child(self, name: str, tags: dict[str, str]) -> "RunRecord":
+        run = self.mlflow.get_run(self.run_id)
+        return RunRecord.create(self.mlflow, run.info.experiment_id, name, tags, parent_run_id=self.run_id)
+
+    def set_tags(self, tags: dict[str, object]) -> None:
+        for k, v in tags.items():
+            self.mlflow.set_tag(self.run_id, k, str(v))
+
+    def log_params(self, params: dict[str, object]) -> None:
+        for k, v in params.items():
+            self.mlflow.log_param(self.run_id, k, v)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        for k, v in metrics.items():
+            if v is None:
+                continue
+            self.mlflow.log_metric(self.run_id, k, float(v), step=step or 0)
+
+    def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.mlflow.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / Path(artifact_file).name
+            target.write_text(text)
+            parent = str(Path(artifact_file).parent)
+            self.log_file(target, None if parent in ("", ".") else parent)
+
+    def log_json(self, data: object, artifact_file: str) -> None:
+        self.log_text(json.dumps(data, indent=2, sort_keys=True, default=str), artifact_file)
+
+    def log_figure(self, fig, artifact_file: str) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / Path(artifact_file).name
+            fig.savefig(target, dpi=120, bbox_inches="tight")
+            parent = str(Path(artifact_file).parent)
+            self.log_file(target, None if parent in ("", ".") else parent)
+
+    def end(self, ok: bool = True) -> None:
+        status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+        self.mlflow.set_terminated(self.run_id, status=status)
