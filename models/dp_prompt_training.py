@@ -253,7 +253,7 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
     report = _Progress(progress, config.log_every, total)
     dev = classifier.device
     shape = prompt.weight.shape
-    history, empty = [], 0
+    history, empty, update_checked = [], 0, False
     for step in range(1, total + 1):
         idx = (torch.rand(N, generator=g_sample) < q).nonzero().squeeze(1)  # Poisson sampling
         B = int(idx.numel())
@@ -277,14 +277,17 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
             empty += 1  # still step: noise only (skipping would reveal the empty batch)
         noise = torch.normal(0.0, sigma * C, size=tuple(shape), generator=g_noise).to(dev)
         grad = (summed + noise) / expected_batch
-        before = prompt.weight.detach().clone() if step == 1 else None
+        moving = not update_checked and bool(grad.abs().max() > 0)
+        before = prompt.weight.detach().clone() if moving else None
         opt.zero_grad(set_to_none=True)
         prompt.weight.grad = grad.to(prompt.weight.dtype)
         opt.step()
         if not torch.isfinite(prompt.weight).all():
             raise RuntimeError(f"prompt became non-finite at DP step {step}")
-        if before is not None and bool(grad.abs().max() > 0) and torch.equal(before, prompt.weight.detach()):
-            raise RuntimeError("the prompt did not change after the first DP step: the optimizer is not updating it")
+        if before is not None:  # first step with a non-zero gradient (opacus#820-style "never updates")
+            if torch.equal(before, prompt.weight.detach()):
+                raise RuntimeError(f"the prompt did not change after DP step {step}: the optimizer is not updating it")
+            update_checked = True
         mean_loss = float(torch.cat(losses).mean()) if B else None
         history.append(
             {

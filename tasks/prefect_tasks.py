@@ -74,7 +74,7 @@ def train_task(ctx: stages.StageContext, method: str) -> dict:
       retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def evaluate_task(ctx: stages.StageContext, prompt_path: str | None, name: str, guarantee: str) -> dict:
     out = stages.evaluate_stage(ctx, prompt_path, name, guarantee)
-    get_run_logger().info("%s: test accuracy %s", name, {k: round(v, 4) for k, v in out.items()})
+    get_run_logger().info("%s: test accuracy %s", name, {k: round(v, 4) for k, v in out["per_model"].items()})
     return out
 
 

@@ -125,6 +125,18 @@ def test_minilm_loads_from_pypi_package_and_ranks_sentiment():
     assert e[0] @ e[1] > e[0] @ e[2] + 0.3
 
 
+def test_minilm_unprompted_embeddings_match_sentence_transformers():
+    st = pytest.importorskip("sentence_transformers")
+    from models.registry import minilm_path
+
+    ref_model = st.SentenceTransformer(str(minilm_path()), device="cpu")
+    c = build_classifier(load_backbone("minilm", DEV), LABELS)
+    texts = ["a great movie", "terrible , boring and far too long", "ok"]
+    ours = F.normalize(c.sentence_embeddings(c.encode(texts, max_length=128)), dim=-1)
+    ref = torch.as_tensor(ref_model.encode(texts, normalize_embeddings=True))
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------- classifiers
 
 
@@ -303,6 +315,14 @@ def test_noise_only_step_changes_prompt():
     res = train_prompt(clf, enc, y, cfg, DPConfig(1.0, 1.0, 1e-9), init_prompt=init)
     assert res.empty_batches == 1 and res.history[0]["batch_size"] == 0
     assert not torch.allclose(res.prompt, init)
+
+
+def test_dp_first_step_must_change_prompt():
+    clf = VerbalizerCausalLM(load_backbone("tiny-gpt2", DEV), LABELS)
+    enc, y = _toy(clf, 4)
+    cfg = PromptTrainingConfig(n_tokens=3, steps=2, lr=0.0, optimizer="sgd")  # an optimizer that never moves
+    with pytest.raises(RuntimeError, match="did not change"):
+        train_prompt(clf, enc, y, cfg, DPConfig(1.0, 1.0, 1.0))
 
 
 @pytest.mark.parametrize("private", [False, True], ids=["nonprivate", "dp"])
