@@ -22,9 +22,48 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (PrivPromptError, ModelLoadError, BudgetExceededError, UnknownDatasetError)
 
 
+class _OneLineUserErrors:
+    """Logging filter: a user error (bad input, exhausted budget) is logged without its
+    traceback; the CLI prints it as one line. Bugs keep their tracebacks."""
+
+    def __init__(self, errors: tuple[type[BaseException], ...]):
+        self.errors = errors
+
+    def filter(self, record) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and isinstance(exc, self.errors):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_user_error_tracebacks(errors) -> None:
+    import logging
+
+    flt = _OneLineUserErrors(errors)
+    names = [n for n in logging.root.manager.loggerDict if n.startswith("prefect")]
+    for logger in [logging.getLogger(), *map(logging.getLogger, names)]:
+        for handler in logger.handlers:
+            handler.addFilter(flt)
+
+
 def _fail(message: str) -> int:
     print(f"privprompt: error: {message}", file=sys.stderr)
     return 2
+
+
+def _preflight(cfg) -> None:
+    """Checks that need no model or Prefect: fail in a second, not after start-up."""
+    from tasks.data import find_split_file, resolve_data_folder
+    from tasks.errors import DataError
+    from tasks.state import default_data_root
+
+    if cfg.data.hub:
+        return
+    folder = resolve_data_folder(cfg.data, default_data_root(cfg.data_root))
+    if not folder.is_dir():
+        raise DataError(f"data folder not found: {folder}")
+    for split in (cfg.data.train_split, cfg.data.test_split):
+        find_split_file(folder, split)
 
 
 def cmd_run(args) -> int:
@@ -34,6 +73,7 @@ def cmd_run(args) -> int:
 
     try:
         cfg = load_config(args.config, args.set)
+        _preflight(cfg)
     except PrivPromptError as err:
         return _fail(str(err))
     paths = state_paths(cfg.state_dir)
@@ -44,22 +84,26 @@ def cmd_run(args) -> int:
     errors = _user_errors()
     from flows.prompt_tuning import prompt_tuning_flow
 
+    _quiet_user_error_tracebacks(errors)
     started = time.perf_counter()
     try:
         summary = prompt_tuning_flow(config)
     except errors as err:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
     m = summary["metrics"]
-    print(f"prefect flow run:   {summary['flow_run_id']}")
-    print(f"mlflow run:         {summary['mlflow_run_id']} (experiment {summary['experiment']!r})")
-    print(f"privacy:            ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
+    print(f"{'prefect flow run:':<28}{summary['flow_run_id']}")
+    print(f"{'mlflow run:':<28}{summary['mlflow_run_id']} (experiment {summary['experiment']!r})")
+    print(f"{'privacy:':<28}ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
           f"(RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f})")
     for key in sorted(k for k in m if k.startswith("test.accuracy")):
-        print(f"{key + ':':<20}{m[key]:.4f}")
+        print(f"{key + ':':<28}{m[key]:.4f}")
     if "mia.loss.auc" in m:
-        print(f"{'mia.loss.auc:':<20}{m['mia.loss.auc']:.4f} "
+        print(f"{'mia.loss.auc:':<28}{m['mia.loss.auc']:.4f} "
               f"[{m['mia.loss.auc_low']:.4f}, {m['mia.loss.auc_high']:.4f}]")
-    print(f"wall time:          {time.perf_counter() - started:.1f} s")
+    wall = time.perf_counter() - started
+    compute = sum(summary.get("compute_seconds", {}).values())
+    print(f"{'wall time:':<28}{wall:.1f} s ({compute:.1f} s model work, "
+          f"{wall - compute:.1f} s orchestration, tracking and start-up)")
     return 0
 
 

@@ -63,22 +63,28 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
 
         metrics: dict[str, float] = {}
         points: list[dict] = []
+        compute: dict[str, float] = {}  # seconds of model work per stage (the rest is orchestration)
         if cfg.methods.zero_shot.enabled:
-            acc = evaluate_task(ctx, None, "zero_shot", "none")["target"]
+            out = evaluate_task(ctx, None, "zero_shot", "none")
+            acc, compute["evaluate:zero_shot"] = out["target"], out["compute_s"]
             metrics["test.accuracy.zero_shot"] = acc
             points.append({"method": "zero_shot", "accuracy": acc, "epsilon": None, "guarantee": "no training"})
         if cfg.methods.prompt_sgd.enabled:
             info = train_task(ctx, "prompt_sgd")
-            acc = evaluate_task(ctx, info["prompt_path"], "prompt_sgd", "none")["target"]
+            out = evaluate_task(ctx, info["prompt_path"], "prompt_sgd", "none")
+            acc = out["target"]
+            compute.update({"train:prompt_sgd": info["compute_s"], "evaluate:prompt_sgd": out["compute_s"]})
             metrics["test.accuracy.prompt_sgd"] = acc
             points.append({"method": "prompt_sgd", "accuracy": acc, "epsilon": None, "guarantee": "no DP"})
             if cfg.mia.enabled:
-                mia = loss_mia_task(ctx, info["prompt_path"], "prompt_sgd", "none")["metrics"]
-                metrics["baseline.prompt_sgd.mia.loss.auc"] = mia["mia.loss.auc"]
+                mia = loss_mia_task(ctx, info["prompt_path"], "prompt_sgd", "none")
+                metrics["baseline.prompt_sgd.mia.loss.auc"] = mia["metrics"]["mia.loss.auc"]
+                compute["mia:prompt_sgd"] = mia["compute_s"]
 
         info = train_task(ctx, "prompt_dpsgd")
         spend = info["spend"]
         accs = evaluate_task(ctx, info["prompt_path"], "prompt_dpsgd", "dp")
+        compute.update({"train:prompt_dpsgd": info["compute_s"], "evaluate:prompt_dpsgd": accs["compute_s"]})
         metrics.update({"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
                         "privacy.epsilon_rdp": spend["epsilon_rdp"], "test.accuracy": accs["target"]})
         metrics.update({f"test.accuracy.{alias}": v for alias, v in accs["per_model"].items()})
@@ -90,6 +96,7 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
             mia = loss_mia_task(ctx, info["prompt_path"], "prompt_dpsgd", "dp")
             metrics.update(mia["metrics"])
             parent.log_file(mia["roc_plot"], "plots")
+            compute["mia:prompt_dpsgd"] = mia["compute_s"]
 
         ledger_row = Ledger(paths.ledger).dataset(part["fingerprint"])
         budget = {"accountant": spend["accountant"], "dataset": cfg.data.name,
@@ -104,7 +111,7 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
         plots.close(fig)
         parent.log_metrics(metrics)
         parent.end(ok=True)
-        summary.update({"metrics": metrics, "budget": budget})
+        summary.update({"metrics": metrics, "budget": budget, "compute_seconds": compute})
         logger.info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in metrics.items()}))
         return summary
     except BaseException:

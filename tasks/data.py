@@ -62,7 +62,7 @@ class Partition:
 
 # ---- reading ---------------------------------------------------------------------------------
 
-def _find_split_file(folder: Path, split: str) -> Path:
+def find_split_file(folder: Path, split: str) -> Path:
     for ext in FORMATS:
         candidate = folder / f"{split}{ext}"
         if candidate.is_file():
@@ -150,7 +150,7 @@ def read_split(cfg: DataConfig, data_root: str | None, split: str) -> tuple[list
     folder = resolve_data_folder(cfg, data_root)
     if not folder.is_dir():
         raise DataError(f"data folder not found: {folder}")
-    path = _find_split_file(folder, split)
+    path = find_split_file(folder, split)
     return _normalise(_read_rows(path), cfg, str(path))
 
 
@@ -162,7 +162,7 @@ def source_signature(cfg: DataConfig, data_root: str | None) -> str:
     parts = []
     for split in (cfg.train_split, cfg.test_split):
         try:
-            p = _find_split_file(folder, split)
+            p = find_split_file(folder, split)
             st = p.stat()
             parts.append(f"{p.resolve()}:{st.st_size}:{int(st.st_mtime)}")
         except DataError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -154,6 +155,7 @@ def evaluate_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
 
     cfg = ctx.cfg
     prompt = _load_prompt(prompt_path)
+    started = time.perf_counter()
     out = {}
     models = {"target": cfg.models.target_name}
     if cfg.models.target_name != cfg.models.local:
@@ -165,11 +167,12 @@ def evaluate_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
         enc, y = encode_split(clf, ctx.part.test_path, cfg.data.labels, cfg.models.max_length)
         out[alias] = accuracy(clf, enc, y, prompt, batch_size=cfg.models.eval_batch_size)
         aliases[model_alias(model_name)] = out[alias]
+    compute_s = time.perf_counter() - started
     child = ctx.parent.child(f"evaluate:{name}", {"method": name, "stage": "evaluate",
                                                    "privacy.guarantee": guarantee})
     child.log_metrics({"test.accuracy": out["target"], **{f"test.accuracy.{k}": v for k, v in aliases.items()}})
     child.end()
-    return {"target": out["target"], "per_model": aliases}
+    return {"target": out["target"], "per_model": aliases, "compute_s": compute_s}
 
 
 def train_stage(ctx: StageContext, method: str, progress: Progress | None = None) -> dict:
@@ -206,13 +209,15 @@ def train_stage(ctx: StageContext, method: str, progress: Progress | None = None
         else:
             ledger.record_nonprivate(part.fingerprint, run_key, f"{method}: non-private baseline, no DP")
 
+        started = time.perf_counter()
         clf = classifier_for(cfg, cfg.models.local)
         enc, y = encode_split(clf, part.train_path, cfg.data.labels, cfg.models.max_length)
         result = train_prompt(clf, enc, y, tc, dp=dp, progress=progress, seed=cfg.seed)
+        compute_s = time.perf_counter() - started
         history = result.history
 
         metrics = {"train.steps": result.steps, "train.empty_batches": result.empty_batches}
-        info = {"method": method, "steps": result.steps, "history_path": None}
+        info = {"method": method, "steps": result.steps, "compute_s": compute_s}
         if private:
             if result.steps != steps:
                 raise RuntimeError(f"DP training took {result.steps} steps, {steps} were accounted")
@@ -258,6 +263,7 @@ def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
     non-members = held-out examples; score = −loss. Returns ``mia.loss.*`` metrics."""
     from models.scoring import per_example_loss
 
+    started = time.perf_counter()
     cfg, part = ctx.cfg, ctx.part
     clf = classifier_for(cfg, cfg.models.local)
     prompt = _load_prompt(prompt_path)
@@ -270,6 +276,7 @@ def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
     scores = -np.concatenate([loss_in, loss_out])
     member = np.concatenate([np.ones(len(loss_in), bool), np.zeros(len(loss_out), bool)])
     stats = audit.mia_metrics(scores, member, rng=np.random.default_rng(cfg.seed))
+    compute_s = time.perf_counter() - started
     metrics = {f"mia.loss.{k}": v for k, v in stats.items()}
     fpr, tpr, _ = audit.roc_curve(scores, member)
     child = ctx.parent.child(f"mia:{name}", {"method": name, "stage": "audit", "attack": "loss",
@@ -281,4 +288,4 @@ def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
     fig.savefig(fig_path, dpi=120, bbox_inches="tight")
     plots.close(fig)
     child.end()
-    return {"metrics": metrics, "roc_plot": str(fig_path)}
+    return {"metrics": metrics, "roc_plot": str(fig_path), "compute_s": compute_s}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv in the checkout and install PrivPrompt with its test extra. Idempotent.
+# On CPU-only machines torch is installed first from the pinned CPU build, so that no
+# multi-GB CUDA wheels are pulled in by the dependencies that need torch.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for candidate in python3.11 python3; do
+    if command -v "$candidate" >/dev/null 2>&1; then PY=$candidate; break; fi
+  done
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
+.venv/bin/python -m pip install -q -e ".[dev]"

@@ -1,0 +1,162 @@
+"""Partitioning (determinism, disjointness, bad input) and the config schema's errors."""
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.config import DataConfig, apply_overrides, load_config, parse_config
+from tasks.data import partition_dataset, read_partition_split
+from tasks.errors import ConfigError, DataError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _write_jsonl(path: Path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture
+def toy(tmp_path):
+    folder = tmp_path / "toy"
+    _write_jsonl(folder / "train.jsonl", [{"text": f"train example {i}", "label": ["neg", "pos"][i % 2]}
+                                          for i in range(200)])
+    _write_jsonl(folder / "test.jsonl", [{"text": f"test example {i}", "label": ["neg", "pos"][i % 2]}
+                                         for i in range(40)])
+    return folder
+
+
+def _cfg(folder, **kw):
+    return DataConfig(name="toy", path=str(folder), labels=["neg", "pos"], **kw)
+
+
+def test_partition_is_deterministic_and_disjoint(toy, tmp_path):
+    a = partition_dataset(_cfg(toy, train_size=120), 3, tmp_path / "p1", None)
+    b = partition_dataset(_cfg(toy, train_size=120), 3, tmp_path / "p2", None)
+    c = partition_dataset(_cfg(toy, train_size=120), 4, tmp_path / "p3", None)
+    assert a.fingerprint == b.fingerprint != c.fingerprint
+    train, _ = read_partition_split(a.train_path)
+    hold, _ = read_partition_split(a.holdout_path)
+    test, _ = read_partition_split(a.test_path)
+    assert len(train) == a.n_train == 120 and len(hold) == a.n_holdout == 12 and len(test) == 40
+    assert not set(train) & set(hold)
+    assert not (set(train) | set(hold)) & set(test)
+    assert read_partition_split(b.train_path) == (train, read_partition_split(a.train_path)[1])
+
+
+def test_partition_reuses_existing_and_writes_atomically(toy, tmp_path):
+    a = partition_dataset(_cfg(toy), 0, tmp_path / "p", None)
+    stamp = Path(a.directory, "manifest.json").stat().st_mtime_ns
+    again = partition_dataset(_cfg(toy), 0, tmp_path / "p", None)
+    assert again == a and Path(a.directory, "manifest.json").stat().st_mtime_ns == stamp
+    leftovers = [p for p in (tmp_path / "p" / "partitions").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_canaries_planted_with_probability_half(toy, tmp_path):
+    part = partition_dataset(_cfg(toy, canaries=400), 0, tmp_path / "p", None)
+    canaries = pq.read_table(part.canaries_path).to_pylist()
+    planted = [c["text"] for c in canaries if c["planted"]]
+    assert 150 < len(planted) < 250 and part.n_canaries_planted == len(planted)
+    train, _ = read_partition_split(part.train_path)
+    assert set(planted) <= set(train)
+    assert not {c["text"] for c in canaries if not c["planted"]} & set(train)
+
+
+def test_real_sst2_partition(sst2_dir, tmp_path):
+    cfg = DataConfig(name="sst2", path=str(sst2_dir), labels=["negative", "positive"], train_size=500, test_size=100)
+    part = partition_dataset(cfg, 0, tmp_path, None)
+    assert (part.n_train, part.n_test) == (500, 100) and part.n_holdout == 50
+    _, labels = read_partition_split(part.train_path)
+    assert set(labels) == {"negative", "positive"}
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"text": "a", "label": "neg"}\n{"text": "b", "label": \n', "malformed JSON in .*line 2"),
+    ('{"text": "a", "label": "neutral"}\n', "unknown label 'neutral'"),
+    ('', "is empty"),
+    ('{"text": "a"}\n', "missing field 'label'"),
+])
+def test_bad_training_file(tmp_path, content, needle):
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(content)
+    _write_jsonl(folder / "test.jsonl", [{"text": "t", "label": "neg"}])
+    with pytest.raises(DataError, match=needle):
+        partition_dataset(_cfg(folder), 0, tmp_path / "p", None)
+    assert not (tmp_path / "p" / "partitions").exists() or not any((tmp_path / "p" / "partitions").iterdir())
+
+
+def test_missing_folder_and_file(tmp_path, toy):
+    with pytest.raises(DataError, match="data folder not found"):
+        partition_dataset(_cfg(tmp_path / "nope"), 0, tmp_path / "p", None)
+    (toy / "test.jsonl").unlink()
+    with pytest.raises(DataError, match="no 'test' file"):
+        partition_dataset(_cfg(toy), 0, tmp_path / "p", None)
+
+
+def test_empty_holdout_is_an_error(toy, tmp_path):
+    with pytest.raises(DataError, match="holdout split is empty"):
+        partition_dataset(_cfg(toy, train_size=2, holdout_fraction=0.01), 0, tmp_path / "p", None)
+
+
+def test_csv_and_parquet_inputs(tmp_path):
+    import pyarrow as pa
+
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "train.csv").write_text("text,label\n" + "".join(f"row {i},{['neg', 'pos'][i % 2]}\n" for i in range(30)))
+    pq.write_table(pa.table({"text": ["t1", "t2"], "label": ["neg", "pos"]}), folder / "test.parquet")
+    part = partition_dataset(_cfg(folder), 0, tmp_path / "p", None)
+    assert part.n_train + part.n_holdout == 30 and part.n_test == 2
+
+
+# ---- config ----------------------------------------------------------------------------------
+
+def test_shipped_configs_validate():
+    for name in ("quickstart.yaml", "smoke.yaml"):
+        cfg = load_config(REPO / "configs" / name)
+        assert cfg.method == "prompt_dpsgd" and cfg.privacy.target_epsilon == 8.0
+
+
+def test_overrides_reach_the_documented_keys():
+    raw = {"data": {"name": "sst2", "labels": ["a", "b"]}, "models": {"local": "minilm"}}
+    cfg = parse_config(apply_overrides(raw, [
+        "privacy.target_epsilon=2.5", "privacy.target_delta=1e-6", "privacy.dataset_epsilon_cap=9",
+        "models.local=tiny-bert", "models.target=tiny-bert", "seed=7"]))
+    assert (cfg.privacy.target_epsilon, cfg.privacy.target_delta, cfg.privacy.dataset_epsilon_cap) == (2.5, 1e-6, 9)
+    assert (cfg.models.local, cfg.models.target_name, cfg.seed) == ("tiny-bert", "tiny-bert", 7)
+
+
+BASE = {"data": {"name": "sst2", "labels": ["a", "b"]}, "models": {"local": "minilm"}}
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("privacy.target_epsilon=0", "privacy.target_epsilon: .*must be > 0"),
+    ("privacy.target_epsilon=-1", "privacy.target_epsilon"),
+    ("privacy.target_delta=1.5", "privacy.target_delta: .*must lie in \\(0, 1\\)"),
+    ("privacy.target_delta=0", "privacy.target_delta"),
+    ("privacy.epsilon=3", "privacy.epsilon: unknown config key"),
+    ("models.bogus=1", "models.bogus: unknown config key"),
+    ("methods.prompt_sgd.enabled=true", "allow_nonprivate_baselines"),
+])
+def test_config_errors_name_the_key(override, needle):
+    import copy
+
+    with pytest.raises(ConfigError, match=needle):
+        parse_config(apply_overrides(copy.deepcopy(BASE), [override]))
+
+
+def test_missing_required_key_and_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="models: required key is missing"):
+        parse_config({"data": BASE["data"]})
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "none.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        apply_overrides({}, ["novalue"])

@@ -1,0 +1,264 @@
+"""The prompt-tuning flow end to end on a tiny model: the run record, the ledger, caching,
+refusals, bad input through the CLI, and confidentiality (planted canaries never leave private/)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+CANARIES = ["zqxv canary wombat ultramarine 7731", "plover canary heliotrope quokka 2209"]
+
+
+def _toy_dataset(folder: Path, sst2_dir: Path, n_train=240, n_test=80, canaries=()):
+    """A small SST-2 sample (read from ../shared/data at test time) with canary sentences planted."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [json.loads(l) for l in (sst2_dir / "train.jsonl").open().readlines()[:n_train]]
+    rows += [{"text": f"{c} , a film", "label": "positive"} for c in canaries]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    test = [json.loads(l) for l in (sst2_dir / "test.jsonl").open().readlines()[:n_test]]
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    return folder
+
+
+def _config(data_dir: Path, state_dir: Path, **extra) -> dict:
+    cfg = {
+        "method": "prompt_dpsgd", "experiment": "tests", "seed": 0, "state_dir": str(state_dir),
+        "allow_nonprivate_baselines": True,
+        "data": {"name": "toy-sst2", "path": str(data_dir), "labels": ["negative", "positive"],
+                 "holdout_fraction": 0.2},
+        "models": {"local": "tiny-bert", "max_length": 32, "eval_batch_size": 64},
+        "privacy": {"target_epsilon": 4.0, "dataset_epsilon_cap": 50.0},
+        "methods": {"zero_shot": {"enabled": True},
+                    "prompt_sgd": {"enabled": True, "n_tokens": 3, "epochs": 1, "batch_size": 32},
+                    "prompt_dpsgd": {"n_tokens": 3, "epochs": 1, "batch_size": 32}},
+        "mia": {"max_examples": 40},
+    }
+    for k, v in extra.items():
+        node = cfg
+        *head, last = k.split(".")
+        for h in head:
+            node = node[h]
+        node[last] = v
+    return cfg
+
+
+def _mlflow(state_dir: Path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{state_dir / 'mlflow.db'}")
+
+
+# ---- in-process flows under one Prefect test harness -------------------------------------------
+
+@pytest.fixture(scope="module")
+def flow_run(prefect_harness, sst2_dir, tmp_path_factory):
+    from flows.prompt_tuning import prompt_tuning_flow
+
+    root = tmp_path_factory.mktemp("flow")
+    data = _toy_dataset(root / "data", sst2_dir)
+    state = root / "state"
+    summary = prompt_tuning_flow(_config(data, state))
+    return {"summary": summary, "state": state, "data": data, "root": root}
+
+
+def test_run_record_is_complete(flow_run):
+    """Every name of ../shared/RUN_RECORD.md is in the parent run."""
+    client = _mlflow(flow_run["state"])
+    run = client.get_run(flow_run["summary"]["mlflow_run_id"])
+    tags, params, metrics = run.data.tags, run.data.params, run.data.metrics
+    for tag in ("method", "dataset", "dataset.fingerprint", "model.local", "model.target",
+                "privacy.guarantee", "prefect.flow_run_id"):
+        assert tags.get(tag), tag
+    assert tags["method"] == "prompt_dpsgd" and tags["privacy.guarantee"] == "dp"
+    assert tags["prefect.flow_run_id"] == flow_run["summary"]["flow_run_id"]
+    for p in ("privacy.target_epsilon", "privacy.target_delta", "seed", "dpsgd.sample_rate",
+              "dpsgd.noise_multiplier", "dpsgd.steps", "dpsgd.max_grad_norm"):
+        assert p in params, p
+    for m in ("privacy.epsilon", "privacy.delta", "privacy.epsilon_rdp", "test.accuracy", "test.accuracy.tiny-bert",
+              "mia.loss.auc", "mia.loss.tpr_at_1pct_fpr", "mia.loss.tpr_at_0.1pct_fpr",
+              "test.accuracy.zero_shot", "test.accuracy.prompt_sgd"):
+        assert m in metrics, m
+    assert 0 < metrics["privacy.epsilon"] <= 4.0 + 1e-6
+    assert metrics["privacy.epsilon"] <= metrics["privacy.epsilon_rdp"]
+    assert run.info.status == "FINISHED"
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "prompt", "plots", "privacy"} <= arts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "prompt")} == {"prompt/prompt_dpsgd.safetensors"}
+    plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert {"plots/privacy_utility.png", "plots/prompt_dpsgd_training_curve.png",
+            "plots/prompt_dpsgd_roc_loss.png"} <= plots
+    budget = json.loads(Path(client.download_artifacts(run.info.run_id, "privacy/budget.json")).read_text())
+    assert budget["total"]["epsilon"] == pytest.approx(metrics["privacy.epsilon"])
+    assert budget["stages"][0]["event"]["type"] == "self_composed"
+
+
+def test_child_runs_and_baselines(flow_run):
+    client = _mlflow(flow_run["state"])
+    parent = client.get_run(flow_run["summary"]["mlflow_run_id"])
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    by_name = {c.data.tags["mlflow.runName"]: c for c in children}
+    assert {"prompt_sgd", "prompt_dpsgd", "evaluate:zero_shot", "evaluate:prompt_sgd",
+            "evaluate:prompt_dpsgd", "mia:prompt_dpsgd"} <= set(by_name)
+    assert all(c.info.status == "FINISHED" for c in children)
+    baseline = by_name["prompt_sgd"]
+    assert baseline.data.tags["privacy.guarantee"] == "none"
+    assert client.list_artifacts(baseline.info.run_id) == []  # metrics only: the prompt stays private
+    assert "privacy.epsilon" not in baseline.data.metrics
+
+
+def test_ledger_records_dp_spend_and_nonprivate_use(flow_run):
+    from privacy.ledger import Ledger
+
+    ledger = Ledger(flow_run["state"] / "ledger.sqlite")
+    (ds,) = ledger.datasets()
+    assert ds["committed_runs"] == 1 and ds["reserved_runs"] == 0 and ds["nonprivate_uses"] == 1
+    metrics = flow_run["summary"]["metrics"]
+    assert ds["spent_epsilon"] == pytest.approx(metrics["privacy.epsilon"], rel=1e-3)
+
+
+def test_rerun_reuses_partition_and_composes_budget(flow_run):
+    from flows.prompt_tuning import prompt_tuning_flow
+    from privacy.ledger import Ledger
+
+    part_dir = Path(flow_run["summary"]["budget"]["dataset.fingerprint"] and
+                    next((flow_run["state"] / "private" / "partitions").iterdir()))
+    stamp = (part_dir / "manifest.json").stat().st_mtime_ns
+    cfg = _config(flow_run["data"], flow_run["state"])
+    cfg["methods"]["zero_shot"]["enabled"] = False
+    cfg["methods"]["prompt_sgd"]["enabled"] = False
+    cfg["mia"]["enabled"] = False
+    second = prompt_tuning_flow(cfg)
+    assert (part_dir / "manifest.json").stat().st_mtime_ns == stamp
+    assert len(list((flow_run["state"] / "private" / "partitions").iterdir())) == 1
+    ds = Ledger(flow_run["state"] / "ledger.sqlite").datasets()[0]
+    eps = second["metrics"]["privacy.epsilon"]
+    assert ds["committed_runs"] == 2
+    assert eps < ds["spent_epsilon"] < 2 * eps  # composed through the accountant, not added
+
+
+def test_retried_training_never_charges_twice(flow_run):
+    from privacy.ledger import Ledger
+    from tasks import stages
+
+    summary = flow_run["summary"]
+    cfg = _config(flow_run["data"], flow_run["state"])
+    state = flow_run["state"]
+    part_dir = next((state / "private" / "partitions").iterdir())
+    ctx = stages.StageContext(config=cfg, state_dir=str(state),
+                              partition=json.loads((part_dir / "manifest.json").read_text()),
+                              parent_run_id=summary["mlflow_run_id"], flow_run_id="retry-test")
+    ledger = Ledger(state / "ledger.sqlite")
+    before = ledger.spent(ctx.part.fingerprint).epsilon
+    first = stages.train_stage(ctx, "prompt_dpsgd")
+    after_first = ledger.spent(ctx.part.fingerprint).epsilon
+    again = stages.train_stage(ctx, "prompt_dpsgd")  # what a Prefect retry does
+    assert first["reserved_new"] and not again["reserved_new"]
+    assert ledger.spent(ctx.part.fingerprint).epsilon == pytest.approx(after_first)
+    assert after_first > before
+
+
+def test_run_refused_by_ledger(flow_run, tmp_path):
+    from flows.prompt_tuning import prompt_tuning_flow
+    from privacy.ledger import BudgetExceededError, Ledger
+
+    state = tmp_path / "state"
+    cfg = _config(flow_run["data"], state, **{"privacy.dataset_epsilon_cap": 1.0})
+    cfg["methods"]["prompt_sgd"]["enabled"] = False
+    with pytest.raises(BudgetExceededError, match=r"remaining ε=1(\.0+)?\b"):
+        prompt_tuning_flow(cfg)
+    ds = Ledger(state / "ledger.sqlite").datasets()[0]
+    assert ds["spent_epsilon"] == 0 and ds["reserved_runs"] == 0 and ds["committed_runs"] == 0
+    client = _mlflow(state)
+    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    assert runs and all(r.info.status in ("FAILED", "FINISHED") for r in runs)
+    parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert [r.info.status for r in parent] == ["FAILED"]
+
+
+# ---- the CLI, end to end, with planted canaries ------------------------------------------------
+
+def _cli(args, env_extra, cwd, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-m", "privprompt_cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def cli_run(sst2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    data = _toy_dataset(root / "data", sst2_dir, n_train=160, n_test=60, canaries=CANARIES)
+    cfg = _config(data, root / "unused")
+    del cfg["state_dir"]
+    (root / "run.yaml").write_text(yaml.safe_dump(cfg))
+    state = root / "state"
+    proc = _cli(["run", str(root / "run.yaml")], {"PRIVPROMPT_HOME": str(state), "PYTHONPATH": str(REPO)}, root)
+    return {"proc": proc, "state": state, "root": root}
+
+
+def test_cli_run_prints_ids_and_headline(cli_run):
+    proc = cli_run["proc"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prefect flow run:" in proc.stdout and "mlflow run:" in proc.stdout
+    assert "ε = " in proc.stdout and "test.accuracy:" in proc.stdout
+
+
+def test_canaries_never_leave_private(cli_run):
+    """MLflow database and artifacts, Prefect database and result storage, logs, stdout/stderr:
+    no planted canary anywhere outside <state>/private/."""
+    state, proc = cli_run["state"], cli_run["proc"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    needles = [c.encode() for c in CANARIES] + [c.split()[0].encode() for c in CANARIES]
+    private = state / "private"
+    scanned, found_private = 0, False
+    for path in state.rglob("*"):
+        if not path.is_file():
+            continue
+        blob = path.read_bytes()
+        if private in path.parents:
+            found_private |= any(n in blob for n in needles[:1]) or path.suffix == ".parquet"
+            continue
+        scanned += 1
+        for n in needles:
+            assert n not in blob, f"canary {n!r} leaked into {path.relative_to(state)}"
+    assert scanned > 5 and (state / "mlflow.db").is_file() and (state / "prefect").is_dir()
+    assert found_private  # the canaries are there, in private/, where they belong
+    for n in CANARIES + [c.split()[0] for c in CANARIES]:
+        assert n not in proc.stdout and n not in proc.stderr
+
+
+def test_cli_ledger_lists_spend(cli_run):
+    proc = _cli(["ledger"], {"PRIVPROMPT_HOME": str(cli_run["state"]), "PYTHONPATH": str(REPO)}, cli_run["root"])
+    assert proc.returncode == 0, proc.stderr
+    assert "toy-sst2" in proc.stdout and "prompt_sgd" in proc.stdout
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("privacy.target_epsilon=0", "privacy.target_epsilon"),
+    ("privacy.target_delta=2", "privacy.target_delta"),
+    ("privacy.nonsense=1", "unknown config key"),
+    ("models.local=no-such-model/really", "cannot load model 'no-such-model/really'"),
+    ("data.path=/nonexistent/folder", "data folder not found"),
+])
+def test_cli_bad_input_is_one_line_without_traceback(cli_run, override, needle):
+    state = cli_run["root"] / f"bad-{abs(hash(override))}"
+    proc = _cli(["run", str(cli_run["root"] / "run.yaml"), "--set", override],
+                {"PRIVPROMPT_HOME": str(state), "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}, cli_run["root"])
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("privprompt: error:")]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+    if (state / "mlflow.db").exists():  # failed inside the flow: no run left RUNNING
+        client = _mlflow(state)
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert all(r.info.status != "RUNNING" for r in runs)
+    if (state / "ledger.sqlite").exists():
+        from privacy.ledger import Ledger
+
+        assert all(d["spent_epsilon"] == 0 for d in Ledger(state / "ledger.sqlite").datasets())
