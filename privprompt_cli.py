@@ -93,8 +93,11 @@ def cmd_run(args) -> int:
     m = summary["metrics"]
     print(f"{'prefect flow run:':<28}{summary['flow_run_id']}")
     print(f"{'mlflow run:':<28}{summary['mlflow_run_id']} (experiment {summary['experiment']!r})")
-    print(f"{'privacy:':<28}ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
-          f"(RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f})")
+    if "privacy.epsilon" in m:
+        print(f"{'privacy:':<28}ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
+              f"(RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f})")
+    else:
+        print(f"{'privacy:':<28}no formal guarantee (method {summary.get('method', '?')!r} is non-private)")
     for key in sorted(k for k in m if k.startswith("test.accuracy")):
         print(f"{key + ':':<28}{m[key]:.4f}")
     if "mia.loss.auc" in m:

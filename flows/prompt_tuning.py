@@ -15,7 +15,7 @@ from prefect.runtime import flow_run
 from privacy.ledger import Ledger
 
 from tasks import plots
-from tasks.config import config_to_yaml, load_config, parse_config
+from tasks.config import TUNING_METHODS, config_to_yaml, load_config, parse_config
 from tasks.prefect_tasks import evaluate_task, loss_mia_task, partition_task, train_task
 from tasks.record import RunRecord, client, ensure_experiment
 from tasks.stages import StageContext, resolve_delta
@@ -44,9 +44,9 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
     experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)
     parent = RunRecord.create(mlflow, experiment_id, f"{cfg.method}-{flow_run_id[:8]}", {
         "method": cfg.method, "dataset": cfg.data.name, "model.local": cfg.models.local,
-        "model.target": cfg.models.target_name, "privacy.guarantee": "dp",
+        "model.target": cfg.models.target_name, "privacy.guarantee": cfg.guarantee,
         "prefect.flow_run_id": flow_run_id, "flow": "prompt_tuning"})
-    summary: dict = {"flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id,
+    summary: dict = {"flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": cfg.method,
                      "experiment": cfg.experiment_name}
     try:
         parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "seed": cfg.seed,
@@ -66,52 +66,64 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
         compute: dict[str, float] = {}  # seconds of model work per stage (the rest is orchestration)
         if cfg.methods.zero_shot.enabled:
             out = evaluate_task(ctx, None, "zero_shot", "none")
-            acc, compute["evaluate:zero_shot"] = out["target"], out["compute_s"]
-            metrics["test.accuracy.zero_shot"] = acc
-            points.append({"method": "zero_shot", "accuracy": acc, "epsilon": None, "guarantee": "no training"})
-        if cfg.methods.prompt_sgd.enabled:
-            info = train_task(ctx, "prompt_sgd")
-            out = evaluate_task(ctx, info["prompt_path"], "prompt_sgd", "none")
-            acc = out["target"]
-            compute.update({"train:prompt_sgd": info["compute_s"], "evaluate:prompt_sgd": out["compute_s"]})
-            metrics["test.accuracy.prompt_sgd"] = acc
-            points.append({"method": "prompt_sgd", "accuracy": acc, "epsilon": None, "guarantee": "no DP"})
-            if cfg.mia.enabled:
-                mia = loss_mia_task(ctx, info["prompt_path"], "prompt_sgd", "none")
-                metrics["baseline.prompt_sgd.mia.loss.auc"] = mia["metrics"]["mia.loss.auc"]
-                compute["mia:prompt_sgd"] = mia["compute_s"]
+            metrics["test.accuracy.zero_shot"] = out["target"]
+            compute["evaluate:zero_shot"] = out["compute_s"]
+            points.append({"method": "zero_shot", "accuracy": out["target"], "epsilon": None,
+                           "guarantee": "no training"})
 
-        info = train_task(ctx, "prompt_dpsgd")
-        spend = info["spend"]
-        accs = evaluate_task(ctx, info["prompt_path"], "prompt_dpsgd", "dp")
-        compute.update({"train:prompt_dpsgd": info["compute_s"], "evaluate:prompt_dpsgd": accs["compute_s"]})
-        metrics.update({"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
-                        "privacy.epsilon_rdp": spend["epsilon_rdp"], "test.accuracy": accs["target"]})
-        metrics.update({f"test.accuracy.{alias}": v for alias, v in accs["per_model"].items()})
-        points.append({"method": "prompt_dpsgd", "accuracy": accs["target"], "epsilon": spend["epsilon"]})
-        parent.log_params(info["params"])
-        parent.log_file(info["prompt_path"], "prompt")
-        parent.log_file(info["training_curve"], "plots")
-        if cfg.mia.enabled:
-            mia = loss_mia_task(ctx, info["prompt_path"], "prompt_dpsgd", "dp")
-            metrics.update(mia["metrics"])
-            parent.log_file(mia["roc_plot"], "plots")
-            compute["mia:prompt_dpsgd"] = mia["compute_s"]
+        # baselines first, the published method last
+        methods = [m for m in TUNING_METHODS if getattr(cfg.methods, m).enabled and m != cfg.method]
+        published = None
+        for method in methods + [cfg.method]:
+            info = train_task(ctx, method)
+            guarantee = "dp" if info["private"] else "none"
+            accs = evaluate_task(ctx, info["prompt_path"], method, guarantee)
+            compute.update({f"train:{method}": info["compute_s"], f"evaluate:{method}": accs["compute_s"]})
+            mia = loss_mia_task(ctx, info["prompt_path"], method, guarantee) if cfg.mia.enabled else None
+            if mia is not None:
+                compute[f"mia:{method}"] = mia["compute_s"]
+            eps = info["spend"]["epsilon"] if info["private"] else None
+            points.append({"method": method, "accuracy": accs["target"], "epsilon": eps, "guarantee": "no DP"})
+            if method != cfg.method:
+                metrics[f"test.accuracy.{method}"] = accs["target"]
+                if mia is not None:
+                    metrics[f"baseline.{method}.mia.loss.auc"] = mia["metrics"]["mia.loss.auc"]
+                continue
+            published = info
+            metrics["test.accuracy"] = accs["target"]
+            metrics.update({f"test.accuracy.{alias}": v for alias, v in accs["per_model"].items()})
+            if mia is not None:
+                metrics.update(mia["metrics"])
+                parent.log_file(mia["roc_plot"], "plots")
+            if info["private"]:
+                spend = info["spend"]
+                metrics.update({"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
+                                "privacy.epsilon_rdp": spend["epsilon_rdp"]})
+                parent.log_params(info["params"])
+                parent.log_file(info["prompt_path"], "prompt")  # the DP output: published
+                parent.log_file(info["training_curve"], "plots")
 
         ledger_row = Ledger(paths.ledger).dataset(part["fingerprint"])
-        budget = {"accountant": spend["accountant"], "dataset": cfg.data.name,
-                  "dataset.fingerprint": part["fingerprint"],
-                  "stages": [{"stage": "prompt_dpsgd", "event": info["event"], **spend}],
-                  "total": spend,
-                  "ledger": {k: ledger_row[k] for k in ("epsilon_cap", "delta", "spent_epsilon", "remaining_epsilon")
-                             if k in ledger_row}}
+        budget = {"dataset": cfg.data.name, "dataset.fingerprint": part["fingerprint"],
+                  "privacy.guarantee": cfg.guarantee,
+                  "ledger": {k: ledger_row[k] for k in ("epsilon_cap", "delta", "spent_epsilon",
+                                                        "remaining_epsilon", "nonprivate_uses")}}
+        if published["private"]:
+            spend = published["spend"]
+            budget.update({"accountant": spend["accountant"], "total": spend,
+                           "stages": [{"stage": cfg.method, "event": published["event"], **spend}]})
+        else:
+            budget.update({"total": None, "stages": [],
+                           "note": f"{cfg.method} has no formal privacy guarantee: nothing was published "
+                                   "but metrics, and its prompt stays under private/"})
         parent.log_json(budget, "privacy/budget.json")
         fig = plots.privacy_utility_plot(points, f"{cfg.data.name}: test accuracy by method")
         parent.log_figure(fig, "plots/privacy_utility.png")
         plots.close(fig)
         parent.log_metrics(metrics)
         parent.end(ok=True)
-        summary.update({"metrics": metrics, "budget": budget, "compute_seconds": compute})
+        summary.update({"metrics": metrics, "budget": budget, "compute_seconds": compute,
+                        "published": {k: published[k] for k in ("method", "prompt_path", "private")}})
         logger.info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in metrics.items()}))
         return summary
     except BaseException:

@@ -98,6 +98,9 @@ class MiaConfig(_Block):
     max_examples: int = Field(1000, gt=0, description="members and non-members scored, each")
 
 
+TUNING_METHODS = ("prompt_dpsgd", "prompt_sgd")
+
+
 class PrivPromptConfig(_Block):
     flow: Literal["prompt_tuning"] = "prompt_tuning"
     method: str = Field("prompt_dpsgd", description="the method this run publishes")
@@ -114,12 +117,18 @@ class PrivPromptConfig(_Block):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.method not in ("prompt_dpsgd",):
-            raise ValueError(f"method {self.method!r} is not available in the prompt_tuning flow")
+        if self.method not in TUNING_METHODS:
+            raise ValueError(f"method {self.method!r} is not available in the prompt_tuning flow; "
+                             f"choose one of {list(TUNING_METHODS)}")
+        getattr(self.methods, self.method).enabled = True  # the published method always runs
         if self.methods.prompt_sgd.enabled and not self.allow_nonprivate_baselines:
-            raise ValueError("methods.prompt_sgd is a non-private baseline: set "
+            raise ValueError("methods.prompt_sgd is non-private training: set "
                              "allow_nonprivate_baselines: true to opt in")
         return self
+
+    @property
+    def guarantee(self) -> str:
+        return "dp" if self.method == "prompt_dpsgd" else "none"
 
     @property
     def experiment_name(self) -> str:

@@ -175,73 +175,109 @@ def evaluate_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
     return {"target": out["target"], "per_model": aliases, "compute_s": compute_s}
 
 
-def train_stage(ctx: StageContext, method: str, progress: Progress | None = None) -> dict:
-    """Train a soft prompt: ``prompt_dpsgd`` (DP-SGD, ledger-charged) or ``prompt_sgd`` (baseline)."""
-    import torch
+@dataclass
+class TrainingPlan:
+    """How a method trains on ``n`` examples: its settings and, for DP-SGD, the calibrated
+    noise and the event the accountant composes."""
 
+    method: str
+    n: int
+    delta: float
+    steps: int | None = None
+    sample_rate: float | None = None
+    noise_multiplier: float | None = None
+
+    @property
+    def private(self) -> bool:
+        return self.noise_multiplier is not None
+
+    @property
+    def event(self):
+        return ev.dpsgd_event(self.sample_rate, self.noise_multiplier, self.steps) if self.private else None
+
+
+def plan_training(cfg: PrivPromptConfig, method: str, n: int, delta: float) -> TrainingPlan:
+    mcfg = getattr(cfg.methods, method)
+    if method != "prompt_dpsgd":
+        return TrainingPlan(method, n, delta)
+    q = min(1.0, mcfg.batch_size / n)
+    steps = max(1, math.ceil(mcfg.epochs / q))
+    sigma = acct.calibrate_noise_multiplier(cfg.privacy.target_epsilon, delta, q, steps)
+    return TrainingPlan(method, n, delta, steps=steps, sample_rate=q, noise_multiplier=sigma)
+
+
+def fit_prompt(cfg: PrivPromptConfig, plan: TrainingPlan, classifier, encoded, labels,
+               progress: Progress | None = None, seed: int | None = None):
+    """Train the method's soft prompt on already-encoded examples (the one training routine
+    that target runs and audit shadows share). Returns ``models`` ``TrainResult``."""
     from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
+
+    mcfg = getattr(cfg.methods, plan.method)
+    tc = PromptTrainingConfig(n_tokens=mcfg.n_tokens, lr=mcfg.lr, epochs=mcfg.epochs,
+                              batch_size=mcfg.batch_size, max_length=cfg.models.max_length,
+                              seed=cfg.seed if seed is None else seed, init_words=mcfg.init)
+    dp = None
+    if plan.private:
+        dp = DPConfig(noise_multiplier=plan.noise_multiplier, max_grad_norm=cfg.privacy.max_grad_norm,
+                      sample_rate=plan.sample_rate)
+        tc.steps = plan.steps
+    result = train_prompt(classifier, encoded, labels, tc, dp=dp, progress=progress, seed=tc.seed)
+    if plan.private and result.steps != plan.steps:
+        raise RuntimeError(f"DP training took {result.steps} steps, {plan.steps} were accounted")
+    return result
+
+
+def train_stage(ctx: StageContext, method: str, progress: Progress | None = None) -> dict:
+    """Train a soft prompt: ``prompt_dpsgd`` (DP-SGD, ledger-charged) or ``prompt_sgd``
+    (non-private: recorded in the ledger as such, its prompt stays under private/)."""
     from models.soft_prompt import save_prompt
 
     cfg, part, paths = ctx.cfg, ctx.part, ctx.paths
-    mcfg = getattr(cfg.methods, method)
-    private = method == "prompt_dpsgd"
     run_key = f"{ctx.flow_run_id}:{method}"
     ledger = Ledger(paths.ledger)
     delta = resolve_delta(cfg, part.n_train)
     ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)
+    plan = plan_training(cfg, method, part.n_train, delta)
     child = ctx.parent.child(method, {"method": method, "stage": "train",
-                                      "privacy.guarantee": "dp" if private else "none"})
+                                      "privacy.guarantee": "dp" if plan.private else "none"})
     try:
-        tc = PromptTrainingConfig(n_tokens=mcfg.n_tokens, lr=mcfg.lr, epochs=mcfg.epochs,
-                                  batch_size=mcfg.batch_size, max_length=cfg.models.max_length,
-                                  seed=cfg.seed, init_words=mcfg.init)
-        dp = None
-        if private:
-            q = min(1.0, mcfg.batch_size / part.n_train)
-            steps = max(1, math.ceil(mcfg.epochs / q))
-            sigma = acct.calibrate_noise_multiplier(cfg.privacy.target_epsilon, delta, q, steps)
-            event = ev.dpsgd_event(q, sigma, steps)
+        if plan.private:
             # reserve the declared spend BEFORE private data is read; a retry reuses this entry
-            reservation = ledger.reserve(part.fingerprint, run_key, event,
+            reservation = ledger.reserve(part.fingerprint, run_key, plan.event,
                                          description=f"{method} flow run {ctx.flow_run_id}")
-            dp = DPConfig(noise_multiplier=sigma, max_grad_norm=cfg.privacy.max_grad_norm, sample_rate=q)
-            tc.steps = steps
         else:
-            ledger.record_nonprivate(part.fingerprint, run_key, f"{method}: non-private baseline, no DP")
+            ledger.record_nonprivate(part.fingerprint, run_key, f"{method}: non-private training, no DP")
 
         started = time.perf_counter()
         clf = classifier_for(cfg, cfg.models.local)
         enc, y = encode_split(clf, part.train_path, cfg.data.labels, cfg.models.max_length)
-        result = train_prompt(clf, enc, y, tc, dp=dp, progress=progress, seed=cfg.seed)
+        result = fit_prompt(cfg, plan, clf, enc, y, progress=progress)
         compute_s = time.perf_counter() - started
         history = result.history
 
         metrics = {"train.steps": result.steps, "train.empty_batches": result.empty_batches}
-        info = {"method": method, "steps": result.steps, "compute_s": compute_s}
-        if private:
-            if result.steps != steps:
-                raise RuntimeError(f"DP training took {result.steps} steps, {steps} were accounted")
-            spent_event = ev.dpsgd_event(q, sigma, result.steps)
-            ledger.commit(run_key, spent_event)
-            spend = acct.spend(spent_event, delta)
+        info = {"method": method, "steps": result.steps, "compute_s": compute_s, "private": plan.private}
+        if plan.private:
+            ledger.commit(run_key, plan.event)
+            spend = acct.spend(plan.event, delta)
             prompt_path = ctx.output_dir / f"{method}.safetensors"
             save_prompt(prompt_path, result.prompt, {
                 "method": method, "model": cfg.models.local, "privacy.epsilon": f"{spend.epsilon:.6f}",
                 "privacy.delta": f"{delta:.3g}", "dataset.fingerprint": part.fingerprint})
-            params = {"dpsgd.sample_rate": q, "dpsgd.noise_multiplier": sigma, "dpsgd.steps": steps,
-                      "dpsgd.max_grad_norm": cfg.privacy.max_grad_norm}
+            params = {"dpsgd.sample_rate": plan.sample_rate, "dpsgd.noise_multiplier": plan.noise_multiplier,
+                      "dpsgd.steps": plan.steps, "dpsgd.max_grad_norm": cfg.privacy.max_grad_norm}
             child.log_params(params)
             metrics.update({"privacy.epsilon": spend.epsilon, "privacy.delta": delta,
                             "privacy.epsilon_rdp": spend.epsilon_rdp})
             child.log_file(prompt_path, "prompt")
             fig = plots.training_curve(history, f"{method}: batch loss (private data, not noised)")
             child.log_figure(fig, "plots/training_curve.png")
-            info.update({"prompt_path": str(prompt_path), "params": params, "spend": spend.to_dict(),
-                         "event": ev.event_to_dict(spent_event), "reserved_new": reservation.new})
             fig_path = ctx.output_dir / f"{method}_training_curve.png"
             fig.savefig(fig_path, dpi=120, bbox_inches="tight")
             plots.close(fig)
-            info["training_curve"] = str(fig_path)
+            info.update({"prompt_path": str(prompt_path), "params": params, "spend": spend.to_dict(),
+                         "event": ev.event_to_dict(plan.event), "reserved_new": reservation.new,
+                         "training_curve": str(fig_path)})
         else:
             # non-private: the prompt stays under private/, only metrics are published
             prompt_path = ctx.private_run_dir / f"{method}.safetensors"

@@ -262,3 +262,21 @@ def test_cli_bad_input_is_one_line_without_traceback(cli_run, override, needle):
         from privacy.ledger import Ledger
 
         assert all(d["spent_epsilon"] == 0 for d in Ledger(state / "ledger.sqlite").datasets())
+
+
+def test_nonprivate_method_publishes_metrics_only(flow_run, tmp_path):
+    from flows.prompt_tuning import prompt_tuning_flow
+
+    state = tmp_path / "state"
+    cfg = _config(flow_run["data"], state, method="prompt_sgd")
+    cfg["methods"]["zero_shot"]["enabled"] = False
+    cfg["mia"]["enabled"] = False
+    summary = prompt_tuning_flow(cfg)
+    run = _mlflow(state).get_run(summary["mlflow_run_id"])
+    assert run.data.tags["privacy.guarantee"] == "none" and run.data.tags["method"] == "prompt_sgd"
+    assert "privacy.epsilon" not in run.data.metrics and "test.accuracy" in run.data.metrics
+    arts = {a.path for a in _mlflow(state).list_artifacts(run.info.run_id)}
+    assert "prompt" not in arts
+    assert Path(summary["published"]["prompt_path"]).is_relative_to(state / "private")
+    budget = json.loads(Path(_mlflow(state).download_artifacts(run.info.run_id, "privacy/budget.json")).read_text())
+    assert budget["total"] is None and "no formal privacy guarantee" in budget["note"]
