@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -53,3 +55,64 @@ def per_example_loss(
     labels = torch.as_tensor(labels, dtype=torch.long).cpu()
     logits = predict_logits(classifier, encoded, prompt, batch_size)
     return F.cross_entropy(logits, labels, reduction="none")
+
+
+@torch.no_grad()
+def true_label_logit_scores(
+    classifier: PromptClassifier,
+    encoded: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    prompt: torch.Tensor | None = None,
+    batch_size: int = 64,
+) -> torch.Tensor:
+    """(N,) LiRA statistic: logit of the true label's probability, log p_y − log(1 − p_y),
+    computed from the log-softmax so it stays finite for confident models."""
+    labels = torch.as_tensor(labels, dtype=torch.long).cpu()
+    logp = F.log_softmax(predict_logits(classifier, encoded, prompt, batch_size).double(), dim=1)
+    true = logp.gather(1, labels[:, None]).squeeze(1)
+    others = logp.clone()
+    others.scatter_(1, labels[:, None], float("-inf"))
+    return (true - torch.logsumexp(others, dim=1)).float()
+
+
+@torch.no_grad()
+def min_k_percent_scores(
+    classifier: PromptClassifier,
+    encoded: dict[str, torch.Tensor],
+    prompt: torch.Tensor | None = None,
+    k: float = 0.2,
+    batch_size: int = 32,
+) -> torch.Tensor:
+    """(N,) Min-K% Prob (Shi et al. 2024): the mean of the lowest k-fraction token log-probs of
+    each text under the (prompted) causal LM. Higher = more likely a training member.
+    Only for causal LMs (verbalizer classifiers on a causal backbone)."""
+    if classifier.backbone.kind != "causal":
+        raise ValueError(f"Min-K% needs a causal LM, model {classifier.backbone.name!r} is {classifier.backbone.kind!r}")
+    if not 0 < k <= 1:
+        raise ValueError(f"k must lie in (0, 1], got {k}")
+    classifier.eval()
+    model = classifier.backbone.model
+    scores = []
+    N = num_examples(encoded)
+    for start in range(0, N, batch_size):
+        batch = select_rows(encoded, slice(start, start + batch_size))
+        embeds, attn, _ = classifier._embed_inputs(batch, prompt)
+        B, T, _ = embeds.shape
+        position_ids = torch.arange(T, device=embeds.device).unsqueeze(0).expand(B, T)
+        logits = model(inputs_embeds=embeds, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+        n_prompt = T - int(batch["attention_mask"].sum(1).max())
+        L = T - n_prompt
+        ids = batch["input_ids"][:, :L].to(embeds.device)
+        mask = batch["attention_mask"][:, :L].to(embeds.device).bool()
+        # token i (i >= 1) is predicted at sequence position n_prompt + i - 1
+        logp = F.log_softmax(logits[:, n_prompt:n_prompt + L - 1].float(), dim=-1)
+        tok = logp.gather(2, ids[:, 1:, None]).squeeze(2)
+        valid = mask[:, 1:]
+        for row, ok in zip(tok, valid):
+            vals = row[ok]
+            if vals.numel() == 0:
+                scores.append(0.0)
+                continue
+            m = max(1, int(math.ceil(k * vals.numel())))
+            scores.append(float(vals.sort().values[:m].mean()))
+    return torch.tensor(scores)

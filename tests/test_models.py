@@ -416,3 +416,34 @@ def test_bench_minilm_nonprivate_vs_dp_step():
     t_np, t_dp = statistics.median(t_np), statistics.median(t_dp)
     print(f"\nMiniLM B=32 L={enc['input_ids'].shape[1]} n=10: non-private {t_np*1e3:.1f} ms, DP {t_dp*1e3:.1f} ms, "
           f"ratio {t_dp/t_np:.2f}")
+
+
+def test_true_label_logit_scores_match_softmax():
+    from models.scoring import predict_logits, true_label_logit_scores
+
+    clf = build_classifier(load_backbone("tiny-bert", seed=0), ["negative", "positive", "neutral"])
+    enc = clf.encode(["a fine film", "dull and long", "it is a movie"], max_length=16)
+    y = torch.tensor([1, 0, 2])
+    p = torch.softmax(predict_logits(clf, enc).double(), dim=1)[torch.arange(3), y]
+    expected = torch.log(p) - torch.log1p(-p)
+    assert torch.allclose(true_label_logit_scores(clf, enc, y), expected.float(), atol=1e-5)
+
+
+def test_min_k_percent_scores_follow_token_log_probs():
+    from models.scoring import min_k_percent_scores
+
+    backbone = load_backbone("tiny-gpt2", seed=0)
+    clf = build_classifier(backbone, ["negative", "positive"])
+    texts = ["a fine film", "dull and long and slow"]
+    enc = clf.encode(texts, max_length=16)
+    got = min_k_percent_scores(clf, enc, k=1.0)  # k = 1: the mean token log-prob
+    for i in range(2):
+        ids = enc["input_ids"][i][enc["attention_mask"][i].bool()][None]
+        with torch.no_grad():
+            logits = backbone.model(input_ids=ids.to(backbone.device)).logits.float()
+        logp = torch.log_softmax(logits[0, :-1], -1).gather(1, ids[0, 1:, None].to(logits.device)).squeeze(1)
+        assert abs(float(logp.mean()) - float(got[i])) < 1e-4
+    lowest = min_k_percent_scores(clf, enc, k=0.01)
+    assert torch.all(lowest <= got + 1e-6)
+    with pytest.raises(ValueError, match="causal"):
+        min_k_percent_scores(build_classifier(load_backbone("tiny-bert"), ["a", "b"]), enc)
