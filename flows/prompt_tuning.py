@@ -103,6 +103,18 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
                 parent.log_file(info["prompt_path"], "prompt")  # the DP output: published
                 parent.log_file(info["training_curve"], "plots")
 
+        if cfg.audit.enabled:
+            from flows.audit import run_audit
+            from tasks.audit import AuditTarget
+
+            spend = published.get("spend") or {}
+            target = AuditTarget(config=ctx.config, partition=part, prompt_path=published["prompt_path"],
+                                 method=cfg.method, epsilon=spend.get("epsilon"), delta=spend.get("delta"),
+                                 run_id=parent.run_id, flow_run_id=flow_run_id, state_dir=str(paths.root))
+            audited = run_audit(target, cfg.audit)
+            metrics.update(audited["metrics"])
+            summary["audit"] = audited
+
         ledger_row = Ledger(paths.ledger).dataset(part["fingerprint"])
         budget = {"dataset": cfg.data.name, "dataset.fingerprint": part["fingerprint"],
                   "privacy.guarantee": cfg.guarantee,

@@ -3,6 +3,7 @@ experiment. Unknown keys are errors; every error names the key and the problem."
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,6 +102,37 @@ class MiaConfig(_Block):
 TUNING_METHODS = ("prompt_dpsgd", "prompt_sgd")
 
 
+class DaskConfig(_Block):
+    address: str | None = Field(None, description="scheduler of an existing Dask cluster (default: local)")
+    n_workers: int = Field(2, gt=0)
+    threads_per_worker: int = Field(1, gt=0)
+
+
+class AuditConfig(_Block):
+    enabled: bool = False
+    shadows: int = Field(8, ge=2, description="shadow prompts for LiRA (each example in half of them)")
+    attacks: list[Literal["loss", "lira", "min_k"]] = Field(default_factory=lambda: ["loss", "lira", "min_k"])
+    pool_size: int | None = Field(None, gt=3, description="audit pool (members + non-members)")
+    fprs: list[float] = Field(default_factory=lambda: [0.01, 0.001])
+    min_k: float = Field(0.2, gt=0, le=1)
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    dask: DaskConfig = Field(default_factory=DaskConfig)
+
+    @field_validator("fprs")
+    @classmethod
+    def _fprs(cls, v):
+        if not v or any(not (0 < f < 1) for f in v):
+            raise ValueError(f"every FPR must lie in (0, 1), got {v}")
+        return v
+
+    @field_validator("shadows")
+    @classmethod
+    def _even(cls, v):
+        if v % 2:
+            raise ValueError(f"must be even (each example is in exactly half of the shadows), got {v}")
+        return v
+
+
 class PrivPromptConfig(_Block):
     flow: Literal["prompt_tuning"] = "prompt_tuning"
     method: str = Field("prompt_dpsgd", description="the method this run publishes")
@@ -114,6 +146,10 @@ class PrivPromptConfig(_Block):
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     methods: MethodsConfig = Field(default_factory=MethodsConfig)
     mia: MiaConfig = Field(default_factory=MiaConfig)
+    audit: AuditConfig = Field(default_factory=AuditConfig)
+    sweep: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="variants, each a mapping of dotted keys to values; one flow run per variant")
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -196,3 +232,24 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> PrivPro
 
 def config_to_yaml(cfg: PrivPromptConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
+    """The configs of a sweep (validated up front, before anything runs), with their labels."""
+    base = cfg.model_dump(mode="json")
+    base["sweep"] = []
+    out = []
+    for i, variant in enumerate(cfg.sweep):
+        if not isinstance(variant, dict) or not variant:
+            raise ConfigError(f"invalid config: sweep.{i}: must be a non-empty mapping of dotted keys to values")
+        import copy
+
+        raw = copy.deepcopy(base)
+        overrides = [f"{k}={json.dumps(v)}" for k, v in variant.items()]
+        try:
+            variant_cfg = parse_config(apply_overrides(raw, overrides))
+        except ConfigError as err:
+            raise ConfigError(f"sweep.{i} ({variant}): {err}") from None
+        label = ",".join(f"{k}={v}" for k, v in variant.items())
+        out.append((label, variant_cfg))
+    return out

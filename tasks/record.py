@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 
-from mlflow.entities import RunStatus
+from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
 from .state import StatePaths, tracking_uri
@@ -58,14 +59,14 @@ class RunRecord:
             self.mlflow.set_tag(self.run_id, k, str(v))
 
     def log_params(self, params: dict[str, object]) -> None:
-        for k, v in params.items():
-            self.mlflow.log_param(self.run_id, k, v)
+        self.mlflow.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        for k, v in metrics.items():
-            if v is None:
-                continue
-            self.mlflow.log_metric(self.run_id, k, float(v), step=step or 0)
+        """One batched write (a SQLite transaction per metric adds up over many child runs)."""
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None]
+        if batch:
+            self.mlflow.log_batch(self.run_id, metrics=batch)
 
     def log_file(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.mlflow.log_artifact(self.run_id, str(path), artifact_path)

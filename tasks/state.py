@@ -77,6 +77,8 @@ def configure_environment(paths: StatePaths) -> None:
         "DO_NOT_TRACK": "true",
         "TOKENIZERS_PARALLELISM": "false",
         "GIT_PYTHON_REFRESH": "quiet",
+        "DASK_LOGGING__DISTRIBUTED": "warning",  # audit shadows: keep the terminal readable
+        "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "warning",
     }
     for k, v in env.items():
         os.environ.setdefault(k, v)

@@ -1,0 +1,97 @@
+"""Audit flow: how much does a published prompt leak?
+
+Loss-threshold, LiRA (online / offline, K shadow prompts trained by the audited method itself
+on random halves of an audit pool) and Min-K% attacks, plus the one-run canary audit. Shadows
+are a mapped task on a ``DaskTaskRunner``: a local cluster by default, an existing scheduler when
+``audit.dask.address`` is set. Runs inside a method flow (``audit:`` block) or on a finished run
+(``privprompt audit RUN_ID``); results go to the audited run's record and to an ``audit`` child run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task, unmapped
+from prefect.runtime import flow_run
+
+from privacy.ledger import Ledger
+
+from tasks.audit import (AuditFailure, AuditTarget, attack_metrics, audit_dir, build_pool, canary_audit,
+                         check_audit, train_shadow, write_results)
+from tasks.config import AuditConfig
+from tasks.prefect_tasks import GPU_TAG, transient_only
+from tasks.record import RunRecord, client
+from tasks.state import state_paths
+
+
+@task(name="audit-pool", retries=1, retry_condition_fn=transient_only)
+def pool_task(target: dict, audit_config: dict, directory: str, seed: int) -> dict:
+    return build_pool(AuditTarget(**target), AuditConfig.model_validate(audit_config), Path(directory), seed)
+
+
+@task(name="shadow", task_run_name="shadow-{index}", tags=[GPU_TAG], retries=1, retry_condition_fn=transient_only)
+def shadow_task(target: dict, audit_config: dict, pool: dict, index: int, audit_run_id: str) -> dict:
+    import torch
+
+    acfg = AuditConfig.model_validate(audit_config)
+    torch.set_num_threads(acfg.dask.threads_per_worker)  # one worker per core, not oversubscribed
+    out = train_shadow(AuditTarget(**target), acfg, pool, index, audit_run_id)
+    get_run_logger().info("shadow %d: %d steps in %.1f s", index, out["steps"], out["compute_s"])
+    return out
+
+
+def dask_runner(acfg: AuditConfig):
+    from prefect_dask import DaskTaskRunner
+
+    if acfg.dask.address:
+        return DaskTaskRunner(address=acfg.dask.address)
+    return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
+        "n_workers": acfg.dask.n_workers, "threads_per_worker": acfg.dask.threads_per_worker,
+        "processes": True, "dashboard_address": None})
+
+
+@flow(name="audit", log_prints=False)
+def audit_flow(target: dict, audit_config: dict) -> dict:
+    t = AuditTarget(**target)
+    acfg = AuditConfig.model_validate(audit_config)
+    logger = get_run_logger()
+    sizes = check_audit(t, acfg)  # before any training
+    paths = state_paths(t.state_dir)
+    audit_id = str(flow_run.get_id())
+    mlflow = client(paths)  # the tracking DB exists (the audited run is in it) before fan-out
+    audit_run = RunRecord(mlflow, t.run_id).child("audit", {
+        "method": t.method, "stage": "audit", "privacy.guarantee": "none", "prefect.flow_run_id": audit_id})
+    try:
+        Ledger(paths.ledger).record_nonprivate(
+            t.part.fingerprint, f"{audit_id}:audit",
+            f"membership audit of run {t.run_id}: {acfg.shadows} shadow prompts and attack statistics (not DP)")
+        audit_run.log_params({"audit.shadows": acfg.shadows, "audit.pool_members": sizes["n_members"],
+                              "audit.pool_nonmembers": sizes["n_nonmembers"], "audit.attacks": ",".join(acfg.attacks),
+                              "audit.dask": acfg.dask.address or f"local:{acfg.dask.n_workers}x{acfg.dask.threads_per_worker}"})
+        directory = audit_dir(t, audit_id)
+        seed = t.cfg.seed + 4242
+        pool = pool_task(target, audit_config, str(directory), seed)
+        shadows = []
+        if "lira" in acfg.attacks:
+            futures = shadow_task.map(unmapped(target), unmapped(audit_config), unmapped(pool),
+                                      list(range(acfg.shadows)), unmapped(audit_run.run_id))
+            shadows = [f.result() for f in futures]
+        metrics, details = attack_metrics(t, acfg, pool, [s["scores_path"] for s in shadows], directory, seed)
+        canary = canary_audit(t, acfg)
+        out = write_results(t, audit_run, metrics, details, canary, shadows)
+        audit_run.end(ok=True)
+        headline = {k: round(v, 4) for k, v in out.items() if k.endswith(".auc") or k == "audit.epsilon_lower_bound"}
+        logger.info("audit of %s: %s", t.run_id, headline)
+        return {"metrics": out, "canary": canary, "audit_run_id": audit_run.run_id}
+    except AuditFailure as err:
+        audit_run.set_tags({"audit.failure": str(err)[:240]})
+        audit_run.end(ok=False)
+        raise
+    except BaseException:
+        audit_run.end(ok=False)
+        raise
+
+
+def run_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
+    """Run the audit flow (as a subflow when called from a flow) on its Dask task runner."""
+    return audit_flow.with_options(task_runner=dask_runner(acfg))(target.to_dict(), acfg.model_dump(mode="json"))

@@ -1,0 +1,264 @@
+"""Membership-inference audit of a published prompt, as plain functions (Prefect-free).
+
+* Pool: members (from the audited run's training partition) and non-members (its held-out
+  examples). Each of K shadow prompts is trained by the *same* method and settings on a random
+  half of the pool, so that every pool example is "in" for exactly K/2 shadows.
+* Attacks on the pool: loss threshold, LiRA online / offline (Carlini et al. 2022) on the
+  true-label logit, Min-K% prob for causal LMs.
+* Canary audit (Steinke, Nasr, Jagielski 2023): the partition's canaries were each planted with
+  probability ½; their scores give a one-run lower bound on ε. A bound above the run's claimed ε
+  means the DP implementation is broken, and the audit fails loudly.
+
+Shadows and pools are private working data: they stay under ``<state>/private/audits``; only
+attack statistics are published (they are not DP, and the ledger records the audit as a
+non-private use of the dataset).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from privacy import audit as stats
+
+from . import plots
+from .config import AuditConfig, PrivPromptConfig, parse_config
+from .data import Partition, read_partition_split
+from .errors import PrivPromptError
+from .record import RunRecord, client
+from .stages import classifier_for, fit_prompt, plan_training, resolve_delta
+from .state import state_paths
+
+
+class AuditError(PrivPromptError, ValueError):
+    """The audit cannot run as asked (unknown run, no artifact, pool too small)."""
+
+
+class AuditFailure(RuntimeError):
+    """The audit measured more leakage than the run's DP claim allows: the implementation is broken."""
+
+
+@dataclass
+class AuditTarget:
+    """What is audited: a trained prompt, the config and partition it was trained with."""
+
+    config: dict
+    partition: dict
+    prompt_path: str
+    method: str
+    epsilon: float | None
+    delta: float | None
+    run_id: str          # the audited MLflow run
+    flow_run_id: str
+    state_dir: str
+
+    @property
+    def cfg(self) -> PrivPromptConfig:
+        return parse_config(self.config)
+
+    @property
+    def part(self) -> Partition:
+        return Partition(**self.partition)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def audit_dir(target: AuditTarget, audit_id: str) -> Path:
+    d = state_paths(target.state_dir).private / "audits" / audit_id
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
+    """Everything that can be checked before any training; returns the pool's sizes."""
+    if not Path(target.prompt_path).is_file():
+        raise AuditError(f"run {target.run_id} has no prompt artifact to audit (looked for {target.prompt_path})")
+    part = target.part
+    half = min(part.n_train - part.n_canaries_planted, part.n_holdout)
+    if acfg.pool_size is not None:
+        half = min(half, acfg.pool_size // 2)
+    needed = max(math.ceil(1.0 / f) for f in acfg.fprs)
+    if half < needed:
+        raise AuditError(
+            f"audit pool too small: {half} non-members, but a TPR at FPR ≤ {min(acfg.fprs):g} needs at least "
+            f"{needed} (lower audit.fprs, or give the run more held-out examples)")
+    return {"n_members": half, "n_nonmembers": half}
+
+
+def build_pool(target: AuditTarget, acfg: AuditConfig, directory: Path, seed: int) -> dict:
+    """Pool parquet (text, label, member) and the shadows' in-mask (K × pool, each column K/2)."""
+    sizes = check_audit(target, acfg)
+    part = target.part
+    rng = np.random.default_rng(seed)
+    texts, labels = read_partition_split(part.train_path)
+    canaries = set()
+    if part.n_canaries_planted:
+        canaries = set(pq.read_table(part.canaries_path).column("text").to_pylist())
+    candidates = [i for i, t in enumerate(texts) if t not in canaries]  # canaries have their own audit
+    members = rng.choice(candidates, size=sizes["n_members"], replace=False)
+    h_texts, h_labels = read_partition_split(part.holdout_path)
+    nonmembers = rng.choice(len(h_texts), size=sizes["n_nonmembers"], replace=False)
+    pool_texts = [texts[i] for i in members] + [h_texts[i] for i in nonmembers]
+    pool_labels = [labels[i] for i in members] + [h_labels[i] for i in nonmembers]
+    member = np.r_[np.ones(len(members), bool), np.zeros(len(nonmembers), bool)]
+    n, k = len(pool_texts), acfg.shadows
+    # balanced design: for each example a random half of the shadows include it
+    mask = np.argsort(rng.random((k, n)), axis=0) < k // 2
+    pool_path, mask_path = directory / "pool.parquet", directory / "shadow_in.npy"
+    pq.write_table(pa.table({"text": pool_texts, "label": pool_labels, "member": member.tolist()}), pool_path)
+    np.save(mask_path, mask)
+    return {"pool_path": str(pool_path), "mask_path": str(mask_path), "n_pool": n, "shadows": k, **sizes}
+
+
+_POOLS: dict = {}
+
+
+def _encoded_pool(cfg: PrivPromptConfig, pool_path: str):
+    """The pool encoded once per process (a Dask worker reuses it across its shadows)."""
+    import torch
+
+    key = (pool_path, cfg.models.local, cfg.models.max_length)
+    if key not in _POOLS:
+        clf = classifier_for(cfg, cfg.models.local)
+        table = pq.read_table(pool_path)
+        texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
+        index = {name: i for i, name in enumerate(cfg.data.labels)}
+        y = torch.tensor([index[l] for l in labels], dtype=torch.long)
+        _POOLS[key] = (clf, clf.encode(texts, max_length=cfg.models.max_length), y,
+                       np.asarray(table.column("member").to_pylist(), bool))
+    return _POOLS[key]
+
+
+def pool_scores(cfg: PrivPromptConfig, pool_path: str, prompt, attacks: list[str], min_k: float) -> dict:
+    """Per-example attack statistics of one prompt on the pool (higher = looks like a member)."""
+    from models.scoring import min_k_percent_scores, per_example_loss, true_label_logit_scores
+
+    clf, enc, y, _ = _encoded_pool(cfg, pool_path)
+    bs = cfg.models.eval_batch_size
+    out = {"logit": true_label_logit_scores(clf, enc, y, prompt, bs).numpy(),
+           "loss": -per_example_loss(clf, enc, y, prompt, bs).numpy()}
+    if "min_k" in attacks and clf.backbone.kind == "causal":
+        out["min_k"] = min_k_percent_scores(clf, enc, prompt, k=min_k, batch_size=bs).numpy()
+    return out
+
+
+def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int, audit_run_id: str) -> dict:
+    """Train shadow ``index`` on its half of the pool with the audited method's own training
+    routine, score the whole pool, save the scores under private/, log a child run."""
+    cfg = target.cfg
+    started = time.perf_counter()
+    clf, enc, y, _ = _encoded_pool(cfg, pool["pool_path"])
+    mask = np.load(pool["mask_path"])[index]
+    idx = np.flatnonzero(mask)
+    from models.classifiers import select_rows
+
+    import torch
+
+    sub_idx = torch.as_tensor(idx, dtype=torch.long)
+    plan = plan_training(cfg, target.method, len(idx), resolve_delta(cfg, len(idx)))
+    result = fit_prompt(cfg, plan, clf, select_rows(enc, sub_idx), y[sub_idx], seed=cfg.seed * 1000 + 1 + index)
+    scores = pool_scores(cfg, pool["pool_path"], result.prompt, acfg.attacks, acfg.min_k)
+    path = Path(pool["pool_path"]).parent / f"shadow_{index:03d}.npz"
+    np.savez(path, **scores)
+    compute_s = time.perf_counter() - started
+    run = RunRecord(client(state_paths(target.state_dir)), audit_run_id).child(
+        f"shadow-{index}", {"method": target.method, "stage": "audit-shadow", "shadow": index,
+                            "privacy.guarantee": "none"})
+    run.log_metrics({"train.steps": result.steps, "shadow.n_train": len(idx), "shadow.compute_s": compute_s})
+    run.end()
+    return {"index": index, "scores_path": str(path), "steps": result.steps, "compute_s": compute_s}
+
+
+def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_paths: list[str],
+                   out_dir: Path, seed: int) -> tuple[dict, dict]:
+    """``mia.<attack>.*`` metrics (with CIs) and ROC curves of every attack on the pool."""
+    from models.soft_prompt import load_prompt
+
+    cfg = target.cfg
+    prompt, _ = load_prompt(target.prompt_path)
+    tgt = pool_scores(cfg, pool["pool_path"], prompt, acfg.attacks, acfg.min_k)
+    member = _encoded_pool(cfg, pool["pool_path"])[3]
+    per_attack = {}
+    if "loss" in acfg.attacks:
+        per_attack["loss"] = tgt["loss"]
+    if "min_k" in tgt:
+        per_attack["min_k"] = tgt["min_k"]
+    if "lira" in acfg.attacks:
+        shadows = [np.load(p) for p in shadow_paths]
+        shadow_logit = np.stack([s["logit"] for s in shadows])
+        in_mask = np.load(pool["mask_path"])[[int(Path(p).stem.split("_")[1]) for p in shadow_paths]]
+        per_attack["lira"] = stats.lira_scores_online(tgt["logit"], shadow_logit, in_mask)
+        per_attack["lira_offline"] = stats.lira_scores_offline(tgt["logit"], shadow_logit, in_mask)
+    metrics, curves, report = {}, {}, {}
+    rng = np.random.default_rng(seed)
+    for name, scores in per_attack.items():
+        m = stats.mia_metrics(scores, member, rng=rng, fprs=tuple(acfg.fprs), confidence=acfg.confidence)
+        metrics.update({f"mia.{name}.{k}": v for k, v in m.items()})
+        fpr, tpr, _ = stats.roc_curve(scores, member)
+        curves[name] = (fpr, tpr, m["auc"])
+        report[name] = m
+    fig = plots.roc_curve_plot(curves, f"membership inference: {target.method} ({len(member)} pool examples)")
+    roc_path = out_dir / "roc_attacks.png"
+    fig.savefig(roc_path, dpi=120, bbox_inches="tight")
+    plots.close(fig)
+    return metrics, {"report": report, "roc_path": str(roc_path)}
+
+
+def canary_audit(target: AuditTarget, acfg: AuditConfig) -> dict | None:
+    """One-run ε lower bound from the partition's canaries (None when it planted none)."""
+    import torch
+
+    from models.scoring import per_example_loss
+    from models.soft_prompt import load_prompt
+
+    part = target.part
+    if not Path(part.canaries_path).is_file():
+        return None
+    cfg = target.cfg
+    table = pq.read_table(part.canaries_path)
+    texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
+    planted = np.asarray(table.column("planted").to_pylist(), bool)
+    clf = classifier_for(cfg, cfg.models.local)
+    index = {name: i for i, name in enumerate(cfg.data.labels)}
+    y = torch.tensor([index[l] for l in labels], dtype=torch.long)
+    prompt, _ = load_prompt(target.prompt_path)
+    scores = -per_example_loss(clf, clf.encode(texts, max_length=cfg.models.max_length), y, prompt,
+                               cfg.models.eval_batch_size).numpy()
+    m = len(texts)
+    ks = [(k, k) for k in sorted({max(1, m // 20), max(1, m // 10), max(1, m // 4)}) if 2 * k <= m]
+    delta = target.delta or 0.0
+    result = stats.best_one_run_audit(scores, planted, ks=ks, delta=delta, confidence=acfg.confidence)
+    result.update({"num_canaries": m, "num_planted": int(planted.sum()), "delta": delta})
+    claimed = target.epsilon
+    result["claimed_epsilon"] = claimed
+    if claimed is not None and result["epsilon_lower_bound"] > claimed:
+        raise AuditFailure(
+            f"canary audit of run {target.run_id}: empirical ε lower bound {result['epsilon_lower_bound']:.3f} "
+            f"exceeds the claimed ε = {claimed:.3f} at significance {1 - acfg.confidence:g}: "
+            "the DP implementation is broken")
+    return result
+
+
+def write_results(target: AuditTarget, audit_run: RunRecord, metrics: dict, details: dict,
+                  canary: dict | None, shadows: list[dict]) -> dict:
+    """Publish the statistics to the audit child run and to the audited run's record."""
+    out = dict(metrics)
+    if canary is not None:
+        out["audit.epsilon_lower_bound"] = canary["epsilon_lower_bound"]
+    for run in (audit_run, RunRecord(audit_run.mlflow, target.run_id)):
+        run.log_metrics(out)
+    audit_run.log_json({"attacks": details.get("report", {}), "canary_audit": canary,
+                        "shadows": [{k: s[k] for k in ("index", "steps", "compute_s")} for s in shadows]},
+                       "audit/audit.json")
+    if details.get("roc_path"):
+        audit_run.log_file(details["roc_path"], "plots")
+        RunRecord(audit_run.mlflow, target.run_id).log_file(details["roc_path"], "plots")
+    return out
