@@ -1,6 +1,7 @@
 """``privprompt``: run a config's flow in-process, show the budget ledger, open the UIs.
 
     privprompt run CONFIG [--set dotted.key=value ...]
+    privprompt audit RUN_ID [--shadows K]
     privprompt ledger
     privprompt ui
 """
@@ -15,11 +16,13 @@ import time
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from pydantic import ValidationError
+
     from models.registry import ModelLoadError
     from privacy.ledger import BudgetExceededError, UnknownDatasetError
     from tasks.errors import PrivPromptError
 
-    return (PrivPromptError, ModelLoadError, BudgetExceededError, UnknownDatasetError)
+    return (PrivPromptError, ModelLoadError, BudgetExceededError, UnknownDatasetError, ValidationError)
 
 
 class _OneLineUserErrors:
@@ -66,6 +69,89 @@ def _preflight(cfg) -> None:
         find_split_file(folder, split)
 
 
+class _local_prefect_server:
+    """An in-process-owned Prefect server on localhost for this command, unless PREFECT_API_URL
+    names one already. Its URL is exported, so Dask workers (audit shadows) report to it instead
+    of each starting a temporary server of its own on the same database."""
+
+    def __enter__(self):
+        self.server = self.settings = None
+        if os.environ.get("PREFECT_API_URL"):
+            return self
+        from prefect.server.api.server import SubprocessASGIServer
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        self.server = SubprocessASGIServer()
+        self.server.start(timeout=int(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")))
+        os.environ["PREFECT_API_URL"] = self.server.api_url
+        self.settings = temporary_settings(updates={PREFECT_API_URL: self.server.api_url})
+        self.settings.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.server is not None:  # send queued run logs while the server still listens
+            import logging
+
+            from prefect.logging.handlers import APILogHandler
+
+            for name in [None, *[n for n in logging.root.manager.loggerDict if n.startswith("prefect")]]:
+                for handler in logging.getLogger(name).handlers:
+                    if isinstance(handler, APILogHandler):
+                        handler.flush()
+        if self.settings is not None:
+            self.settings.__exit__(*exc)
+        if self.server is not None:
+            os.environ.pop("PREFECT_API_URL", None)
+            self.server.stop()
+        return False
+
+
+def _run_flow(cfg, config: dict) -> dict:
+    if cfg.sweep:
+        from flows.sweep import sweep_flow
+
+        return sweep_flow(config)
+    from flows.prompt_tuning import prompt_tuning_flow
+
+    return prompt_tuning_flow(config)
+
+
+def _print_sweep(summary: dict) -> None:
+    from flows.sweep import COLUMNS
+
+    print("variant".ljust(44) + "".join(c.split(".", 1)[1][:14].rjust(16) for c in COLUMNS))
+    for row in summary["variants"]:
+        cells = "".join(("-" if row.get(c) is None else f"{row[c]:.4f}").rjust(16) for c in COLUMNS)
+        print(row["variant"][:43].ljust(44) + cells)
+
+
+def _print_summary(summary: dict, wall: float) -> None:
+    m = summary["metrics"]
+    if summary.get("method") == "sweep":
+        _print_sweep(summary)
+    print(f"{'prefect flow run:':<28}{summary['flow_run_id']}")
+    print(f"{'mlflow run:':<28}{summary['mlflow_run_id']} (experiment {summary['experiment']!r})")
+    if summary.get("method") == "sweep":
+        print(f"{'wall time:':<28}{wall:.1f} s")
+        return
+    if "privacy.epsilon" in m:
+        print(f"{'privacy:':<28}ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
+              f"(RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f})")
+    else:
+        print(f"{'privacy:':<28}no formal guarantee (method {summary.get('method', '?')!r} is non-private)")
+    for key in sorted(k for k in m if k.startswith("test.accuracy")):
+        print(f"{key + ':':<28}{m[key]:.4f}")
+    for attack in ("loss", "lira", "lira_offline", "min_k"):
+        key = f"mia.{attack}.auc"
+        if key in m:
+            print(f"{key + ':':<28}{m[key]:.4f} [{m[key + '_low']:.4f}, {m[key + '_high']:.4f}]")
+    if "audit.epsilon_lower_bound" in m:
+        print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f}")
+    compute = sum(summary.get("compute_seconds", {}).values())
+    print(f"{'wall time:':<28}{wall:.1f} s ({compute:.1f} s model work, "
+          f"{wall - compute:.1f} s orchestration, tracking and start-up)")
+
+
 def cmd_run(args) -> int:
     from tasks.config import load_config
     from tasks.errors import PrivPromptError
@@ -82,31 +168,54 @@ def cmd_run(args) -> int:
     config["state_dir"] = str(paths.root)
 
     errors = _user_errors()
-    from flows.prompt_tuning import prompt_tuning_flow
+    from tasks.audit import AuditFailure
 
     _quiet_user_error_tracebacks(errors)
     started = time.perf_counter()
     try:
-        summary = prompt_tuning_flow(config)
+        with _local_prefect_server():
+            summary = _run_flow(cfg, config)
     except errors as err:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
-    m = summary["metrics"]
-    print(f"{'prefect flow run:':<28}{summary['flow_run_id']}")
-    print(f"{'mlflow run:':<28}{summary['mlflow_run_id']} (experiment {summary['experiment']!r})")
-    if "privacy.epsilon" in m:
-        print(f"{'privacy:':<28}ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
-              f"(RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f})")
-    else:
-        print(f"{'privacy:':<28}no formal guarantee (method {summary.get('method', '?')!r} is non-private)")
-    for key in sorted(k for k in m if k.startswith("test.accuracy")):
-        print(f"{key + ':':<28}{m[key]:.4f}")
-    if "mia.loss.auc" in m:
-        print(f"{'mia.loss.auc:':<28}{m['mia.loss.auc']:.4f} "
-              f"[{m['mia.loss.auc_low']:.4f}, {m['mia.loss.auc_high']:.4f}]")
-    wall = time.perf_counter() - started
-    compute = sum(summary.get("compute_seconds", {}).values())
-    print(f"{'wall time:':<28}{wall:.1f} s ({compute:.1f} s model work, "
-          f"{wall - compute:.1f} s orchestration, tracking and start-up)")
+    except AuditFailure as err:  # measured leakage above the DP claim: loud, distinct exit code
+        print(f"privprompt: AUDIT FAILED: {err}", file=sys.stderr)
+        return 3
+    _print_summary(summary, time.perf_counter() - started)
+    return 0
+
+
+def cmd_audit(args) -> int:
+    from tasks.state import configure_environment, state_paths
+
+    paths = state_paths(args.state_dir)
+    configure_environment(paths)
+    errors = _user_errors()
+    from tasks.audit import AuditFailure
+
+    _quiet_user_error_tracebacks(errors)
+    started = time.perf_counter()
+    try:
+        from flows.audit import run_audit, target_from_run
+
+        target, acfg = target_from_run(args.run_id, str(paths.root), args.shadows)
+        with _local_prefect_server():
+            out = run_audit(target, acfg)
+    except errors as err:
+        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    except AuditFailure as err:
+        print(f"privprompt: AUDIT FAILED: {err}", file=sys.stderr)
+        return 3
+    m = out["metrics"]
+    print(f"{'audited run:':<28}{args.run_id}")
+    print(f"{'audit run:':<28}{out['audit_run_id']}")
+    for attack in ("loss", "lira", "lira_offline", "min_k"):
+        key = f"mia.{attack}.auc"
+        if key in m:
+            print(f"{key + ':':<28}{m[key]:.4f} [{m[key + '_low']:.4f}, {m[key + '_high']:.4f}]")
+    if "audit.epsilon_lower_bound" in m:
+        print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f}"
+              f" (claimed ε = {target.epsilon if target.epsilon is not None else 'none: non-private'})")
+    print(f"{'wall time:':<28}{time.perf_counter() - started:.1f} s")
     return 0
 
 
@@ -158,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set privacy.target_epsilon=4")
+    audit = sub.add_parser("audit", help="membership-inference audit of a finished run's published prompt")
+    audit.add_argument("run_id")
+    audit.add_argument("--shadows", type=int, default=None, help="shadow prompts for LiRA (even; default: the run's config)")
     sub.add_parser("ledger", help="DP spend per dataset against its cap, and non-private uses")
     ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
     ui.add_argument("--prefect-port", type=int, default=4200)
@@ -165,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.state_dir:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
-    return {"run": cmd_run, "ledger": cmd_ledger, "ui": cmd_ui}[args.command](args)
+    return {"run": cmd_run, "audit": cmd_audit, "ledger": cmd_ledger, "ui": cmd_ui}[args.command](args)
 
 
 if __name__ == "__main__":

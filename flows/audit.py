@@ -95,3 +95,62 @@ def audit_flow(target: dict, audit_config: dict) -> dict:
 def run_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     """Run the audit flow (as a subflow when called from a flow) on its Dask task runner."""
     return audit_flow.with_options(task_runner=dask_runner(acfg))(target.to_dict(), acfg.model_dump(mode="json"))
+
+
+def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | None = None):
+    """(AuditTarget, AuditConfig) of a finished MLflow run; every problem is an ``AuditError``
+    raised before any training."""
+    import json as _json
+
+    import yaml
+    from mlflow.exceptions import MlflowException
+
+    from tasks.audit import AuditError
+    from tasks.config import parse_config
+
+    paths = state_paths(state_dir)
+    mlflow = client(paths)
+    try:
+        run = mlflow.get_run(run_id)
+    except MlflowException:
+        raise AuditError(f"no MLflow run {run_id!r} in {paths.root}") from None
+    tags, metrics = run.data.tags, run.data.metrics
+    method = tags.get("method")
+    if method not in ("prompt_dpsgd", "prompt_sgd") or "dataset.fingerprint" not in tags:
+        raise AuditError(f"run {run_id} ({tags.get('mlflow.runName', '?')}) is not a prompt-tuning run "
+                         "with a published artifact to audit")
+    try:
+        cfg_path = mlflow.download_artifacts(run_id, "config.yaml")
+    except Exception:  # noqa: BLE001
+        raise AuditError(f"run {run_id} has no config.yaml artifact") from None
+    config = yaml.safe_load(open(cfg_path).read())
+    config["state_dir"] = str(paths.root)
+    cfg = parse_config(config)
+    fingerprint = tags["dataset.fingerprint"]
+    partition = None
+    for manifest in (paths.private / "partitions").glob("*/manifest.json"):
+        data = _json.loads(manifest.read_text())
+        if data["fingerprint"] == fingerprint:
+            partition = data
+            break
+    if partition is None:
+        raise AuditError(f"run {run_id}: its private partition (fingerprint {fingerprint[:12]}) is not under "
+                         f"{paths.private}; audits run where the private data is")
+    if tags.get("privacy.guarantee") == "dp":
+        try:
+            prompt_path = mlflow.download_artifacts(run_id, f"prompt/{method}.safetensors")
+        except Exception:  # noqa: BLE001
+            raise AuditError(f"run {run_id} has no published prompt artifact (prompt/{method}.safetensors)") from None
+    else:  # non-private prompts are never published; they stay next to the private data
+        prompt_path = str(paths.private / "runs" / tags.get("prefect.flow_run_id", "?") / f"{method}.safetensors")
+        if not Path(prompt_path).is_file():
+            raise AuditError(f"run {run_id} has no prompt artifact to audit (non-private run; looked in {prompt_path})")
+    acfg = cfg.audit.model_copy(update={"enabled": True})
+    if shadows is not None:
+        acfg = acfg.model_copy(update={"shadows": shadows})
+        AuditConfig.model_validate(acfg.model_dump())
+    target = AuditTarget(config=cfg.model_dump(mode="json"), partition=partition, prompt_path=prompt_path,
+                         method=method, epsilon=metrics.get("privacy.epsilon"), delta=metrics.get("privacy.delta"),
+                         run_id=run_id, flow_run_id=tags.get("prefect.flow_run_id", ""), state_dir=str(paths.root))
+    check_audit(target, acfg)
+    return target, acfg

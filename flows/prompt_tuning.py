@@ -58,6 +58,11 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
         parent.set_tags({"dataset.fingerprint": part["fingerprint"]})
         parent.log_params({"privacy.target_delta": delta, "data.n_train": part["n_train"],
                            "data.n_holdout": part["n_holdout"], "data.n_test": part["n_test"]})
+        if cfg.audit.enabled:  # an audit that cannot run is refused before any training
+            from tasks.audit import check_pool_size
+            from tasks.data import Partition
+
+            check_pool_size(Partition(**part), cfg.audit)
         ctx = StageContext(config=cfg.model_dump(mode="json"), state_dir=str(paths.root), partition=part,
                            parent_run_id=parent.run_id, flow_run_id=flow_run_id)
 

@@ -59,6 +59,7 @@ class Backbone:
 
 
 _CACHE: dict[tuple, Backbone] = {}
+LOAD_COUNTS: dict[str, int] = {}  # real loads per model name in this process (cache misses)
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
 _GLOBAL_LOCK = threading.Lock()
 
@@ -97,6 +98,7 @@ def load_backbone(name: str, device: str | torch.device | None = None, seed: int
             bb = _load_pretrained(name, dev)
         with _GLOBAL_LOCK:
             _CACHE[key] = bb
+            LOAD_COUNTS[name] = LOAD_COUNTS.get(name, 0) + 1
         return bb
 
 

@@ -81,7 +81,11 @@ def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     """Everything that can be checked before any training; returns the pool's sizes."""
     if not Path(target.prompt_path).is_file():
         raise AuditError(f"run {target.run_id} has no prompt artifact to audit (looked for {target.prompt_path})")
-    part = target.part
+    return check_pool_size(target.part, acfg)
+
+
+def check_pool_size(part: Partition, acfg: AuditConfig) -> dict:
+    """The pool's member / non-member counts; an error if too few non-members for the FPRs."""
     half = min(part.n_train - part.n_canaries_planted, part.n_holdout)
     if acfg.pool_size is not None:
         half = min(half, acfg.pool_size // 2)
@@ -174,7 +178,13 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
                             "privacy.guarantee": "none"})
     run.log_metrics({"train.steps": result.steps, "shadow.n_train": len(idx), "shadow.compute_s": compute_s})
     run.end()
-    return {"index": index, "scores_path": str(path), "steps": result.steps, "compute_s": compute_s}
+    import os
+
+    from models.registry import LOAD_COUNTS
+
+    return {"index": index, "scores_path": str(path), "steps": result.steps, "compute_s": compute_s,
+            "pid": os.getpid(), "model_loads_in_process": LOAD_COUNTS.get(cfg.models.local, 0),
+            "pool_encodings_in_process": len(_POOLS)}
 
 
 def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_paths: list[str],
@@ -256,7 +266,8 @@ def write_results(target: AuditTarget, audit_run: RunRecord, metrics: dict, deta
     for run in (audit_run, RunRecord(audit_run.mlflow, target.run_id)):
         run.log_metrics(out)
     audit_run.log_json({"attacks": details.get("report", {}), "canary_audit": canary,
-                        "shadows": [{k: s[k] for k in ("index", "steps", "compute_s")} for s in shadows]},
+                        "shadows": [{k: s[k] for k in ("index", "steps", "compute_s", "pid", "model_loads_in_process",
+                                                       "pool_encodings_in_process")} for s in shadows]},
                        "audit/audit.json")
     if details.get("roc_path"):
         audit_run.log_file(details["roc_path"], "plots")

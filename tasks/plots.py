@@ -65,3 +65,31 @@ def privacy_utility_plot(points: list[dict], title: str):
 
 def close(fig) -> None:
     plt.close(fig)
+
+
+def leakage_plot(rows: list[dict], title: str):
+    """Attack AUCs and the canary ε lower bound per variant, next to its claimed ε."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [r["variant"] for r in rows]
+    x = np.arange(len(rows))
+    for i, (key, label) in enumerate((("mia.loss.auc", "loss"), ("mia.lira.auc", "LiRA"))):
+        vals = [r.get(key) or 0.0 for r in rows]
+        ax1.bar(x + (i - 0.5) * 0.35, vals, width=0.35, label=label)
+    ax1.axhline(0.5, color="k", lw=0.8, ls="--")
+    ax1.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
+    ax1.set_ylim(0.4, 1.0)
+    ax1.set_ylabel("attack AUC")
+    ax1.legend(fontsize=8)
+    lb = [r.get("audit.epsilon_lower_bound") or 0.0 for r in rows]
+    eps = [r.get("privacy.epsilon") for r in rows]
+    ax2.bar(x - 0.175, lb, width=0.35, label="canary ε lower bound")
+    ax2.bar(x + 0.175, [e if e is not None else 0.0 for e in eps], width=0.35, label="claimed ε")
+    for xi, e in zip(x, eps):
+        if e is None:
+            ax2.text(xi + 0.175, 0.05, "no DP", ha="center", fontsize=7, rotation=90)
+    ax2.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
+    ax2.set_ylabel("ε")
+    ax2.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -77,6 +77,7 @@ def configure_environment(paths: StatePaths) -> None:
         "DO_NOT_TRACK": "true",
         "TOKENIZERS_PARALLELISM": "false",
         "GIT_PYTHON_REFRESH": "quiet",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",
         "DASK_LOGGING__DISTRIBUTED": "warning",  # audit shadows: keep the terminal readable
         "DASK_DISTRIBUTED__LOGGING__DISTRIBUTED": "warning",
     }
