@@ -111,6 +111,10 @@ def _run_flow(cfg, config: dict) -> dict:
         from flows.sweep import sweep_flow
 
         return sweep_flow(config)
+    if cfg.method == "post":
+        from flows.post import post_flow
+
+        return post_flow(config)
     from flows.prompt_tuning import prompt_tuning_flow
 
     return prompt_tuning_flow(config)
@@ -123,6 +127,15 @@ def _print_sweep(summary: dict) -> None:
     for row in summary["variants"]:
         cells = "".join(("-" if row.get(c) is None else f"{row[c]:.4f}").rjust(16) for c in COLUMNS)
         print(row["variant"][:43].ljust(44) + cells)
+
+
+def _print_attacks(m: dict) -> None:
+    for attack in ("loss", "lira", "lira_offline", "min_k"):
+        key = f"mia.{attack}.auc"
+        if key in m:
+            print(f"{key + ':':<28}{m[key]:.4f} [{m[key + '_low']:.4f}, {m[key + '_high']:.4f}]")
+    if "audit.epsilon_lower_bound" in m:
+        print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f}")
 
 
 def _print_summary(summary: dict, wall: float) -> None:
@@ -141,12 +154,7 @@ def _print_summary(summary: dict, wall: float) -> None:
         print(f"{'privacy:':<28}no formal guarantee (method {summary.get('method', '?')!r} is non-private)")
     for key in sorted(k for k in m if k.startswith("test.accuracy")):
         print(f"{key + ':':<28}{m[key]:.4f}")
-    for attack in ("loss", "lira", "lira_offline", "min_k"):
-        key = f"mia.{attack}.auc"
-        if key in m:
-            print(f"{key + ':':<28}{m[key]:.4f} [{m[key + '_low']:.4f}, {m[key + '_high']:.4f}]")
-    if "audit.epsilon_lower_bound" in m:
-        print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f}")
+    _print_attacks(m)
     compute = sum(summary.get("compute_seconds", {}).values())
     print(f"{'wall time:':<28}{wall:.1f} s ({compute:.1f} s model work, "
           f"{wall - compute:.1f} s orchestration, tracking and start-up)")
@@ -208,13 +216,8 @@ def cmd_audit(args) -> int:
     m = out["metrics"]
     print(f"{'audited run:':<28}{args.run_id}")
     print(f"{'audit run:':<28}{out['audit_run_id']}")
-    for attack in ("loss", "lira", "lira_offline", "min_k"):
-        key = f"mia.{attack}.auc"
-        if key in m:
-            print(f"{key + ':':<28}{m[key]:.4f} [{m[key + '_low']:.4f}, {m[key + '_high']:.4f}]")
-    if "audit.epsilon_lower_bound" in m:
-        print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f}"
-              f" (claimed ε = {target.epsilon if target.epsilon is not None else 'none: non-private'})")
+    _print_attacks(m)
+    print(f"{'claimed ε:':<28}{target.epsilon if target.epsilon is not None else 'none (non-private run)'}")
     print(f"{'wall time:':<28}{time.perf_counter() - started:.1f} s")
     return 0
 

@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 from privacy.ledger import Ledger
 
 from tasks import plots
+from tasks.errors import ConfigError
 from tasks.config import TUNING_METHODS, config_to_yaml, load_config, parse_config
 from tasks.prefect_tasks import evaluate_task, loss_mia_task, partition_task, train_task
 from tasks.record import RunRecord, client, ensure_experiment
@@ -35,6 +36,8 @@ def _partition(cfg, paths, data_root) -> dict:
 def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
     """``config``: a validated config dict, or the path of a YAML config (deployments)."""
     cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
+    if cfg.method not in TUNING_METHODS:
+        raise ConfigError(f"method {cfg.method!r} has its own flow; run it with `privprompt run`")
     paths = state_paths(cfg.state_dir).create()
     data_root = default_data_root(cfg.data_root)
     flow_run_id = str(flow_run.get_id())

@@ -36,7 +36,10 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
             logger.info("sweep variant %s", label)
             vcfg = variant.model_dump(mode="json")
             vcfg["state_dir"] = str(paths.root)
-            out = prompt_tuning_flow.with_options(flow_run_name=f"{variant.method}:{label}")(vcfg)
+            method_flow = prompt_tuning_flow
+            if variant.method == "post":
+                from flows.post import post_flow as method_flow
+            out = method_flow.with_options(flow_run_name=f"{variant.method}:{label}")(vcfg)
             row = {"variant": label, "method": variant.method, "mlflow_run_id": out["mlflow_run_id"],
                    "privacy.guarantee": variant.guarantee}
             row.update({k: out["metrics"].get(k) for k in COLUMNS})

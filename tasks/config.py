@@ -88,10 +88,46 @@ class ZeroShotConfig(_Block):
     enabled: bool = True
 
 
+class PublicDataConfig(_Block):
+    """Public (non-private) text for distillation and prompt transfer: never the private data."""
+
+    name: str = Field(description="dataset folder under the data root, e.g. tweet_sentiment")
+    path: str | None = None
+    split: str = "validation"
+    text_field: str = "text"
+    size: int | None = Field(None, gt=0)
+
+
+class DistillConfig(_Block):
+    student_layers: int = Field(2, gt=0)
+    steps: int = Field(300, gt=0)
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(5e-4, gt=0)
+    alpha_ce: float = Field(0.5, ge=0)
+    alpha_lm: float = Field(0.5, ge=0)
+    alpha_cos: float = Field(1.0, ge=0)
+
+
+class TransferConfig(_Block):
+    steps: int = Field(200, gt=0)
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    alpha: float = Field(0.5, ge=0, le=1, description="weight of the Δ-logit KL term")
+
+
+class PostConfig(_Block):
+    enabled: bool = False
+    public: PublicDataConfig | None = None
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    full_pt: bool = Field(False, description="non-private tuning on the target (an upper bound; opt-in)")
+
+
 class MethodsConfig(_Block):
     zero_shot: ZeroShotConfig = Field(default_factory=lambda: ZeroShotConfig(enabled=False))
     prompt_sgd: PromptTuningConfig = Field(default_factory=lambda: PromptTuningConfig(enabled=False))
     prompt_dpsgd: PromptTuningConfig = Field(default_factory=PromptTuningConfig)
+    post: PostConfig = Field(default_factory=PostConfig)
 
 
 class MiaConfig(_Block):
@@ -100,6 +136,7 @@ class MiaConfig(_Block):
 
 
 TUNING_METHODS = ("prompt_dpsgd", "prompt_sgd")
+FLOW_METHODS = TUNING_METHODS + ("post",)
 
 
 class DaskConfig(_Block):
@@ -153,18 +190,23 @@ class PrivPromptConfig(_Block):
 
     @model_validator(mode="after")
     def _consistent(self):
-        if self.method not in TUNING_METHODS:
-            raise ValueError(f"method {self.method!r} is not available in the prompt_tuning flow; "
-                             f"choose one of {list(TUNING_METHODS)}")
-        getattr(self.methods, self.method).enabled = True  # the published method always runs
-        if self.methods.prompt_sgd.enabled and not self.allow_nonprivate_baselines:
+        if self.method not in FLOW_METHODS:
+            raise ValueError(f"method {self.method!r} is not available; choose one of {list(FLOW_METHODS)}")
+        # the published method always runs, whatever its `enabled` says (the flows ensure it)
+        if self.method == "post":
+            if self.methods.post.public is None:
+                raise ValueError("methods.post.public: POST needs a public dataset for distillation and transfer")
+            if self.methods.post.full_pt and not self.allow_nonprivate_baselines:
+                raise ValueError("methods.post.full_pt is non-private tuning on the target: set "
+                                 "allow_nonprivate_baselines: true to opt in")
+        if (self.methods.prompt_sgd.enabled or self.method == "prompt_sgd") and not self.allow_nonprivate_baselines:
             raise ValueError("methods.prompt_sgd is non-private training: set "
                              "allow_nonprivate_baselines: true to opt in")
         return self
 
     @property
     def guarantee(self) -> str:
-        return "dp" if self.method == "prompt_dpsgd" else "none"
+        return "dp" if self.method in ("prompt_dpsgd", "post") else "none"
 
     @property
     def experiment_name(self) -> str:

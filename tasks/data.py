@@ -276,3 +276,29 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
 def read_partition_split(path: str) -> tuple[list[str], list[str]]:
     table = pq.read_table(path)
     return table.column("text").to_pylist(), table.column("label").to_pylist()
+
+
+def read_public_texts(name: str, path: str | None, split: str, text_field: str, data_root: str | None,
+                      private_dir: str | Path, size: int | None = None, seed: int = 0) -> list[str]:
+    """Texts of a *public* dataset (distillation, prompt transfer). Refuses anything under the
+    private folder, so a public-data stage can never read a private partition."""
+    folder = Path(path).expanduser() if path else (Path(data_root) / name if data_root else None)
+    if folder is None or not folder.is_dir():
+        raise DataError(f"public data folder not found: {folder}")
+    file = find_split_file(folder, split)
+    assert_public(file, private_dir)
+    rows = _read_rows(file)
+    texts = [r.get(text_field) for r in rows]
+    texts = [t for t in texts if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise DataError(f"public dataset {file} has no '{text_field}' texts")
+    if size is not None and size < len(texts):
+        idx = np.random.default_rng(seed).choice(len(texts), size=size, replace=False)
+        texts = [texts[i] for i in sorted(idx)]
+    return texts
+
+
+def assert_public(path: str | Path, private_dir: str | Path) -> None:
+    p, private = Path(path).resolve(), Path(private_dir).resolve()
+    if p == private or private in p.parents:
+        raise DataError(f"{p} is private working data; public-data stages may not read it")

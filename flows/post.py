@@ -1,0 +1,144 @@
+"""POST flow (Wang et al. 2024): distil the target into a small student (public text), DP
+soft-prompt tuning on the student with the private data, transfer the prompt back to the target
+with public data only, and compare on the private test split:
+
+    partition → distil (cached, MLflow model registry) → prompt_dpsgd on the student →
+    transfer (public only) → evaluate Full ZS / [Full PT] / Compressed PT / Direct Transfer / POST
+    → loss MIA on the published POST prompt.
+"""
+
+from __future__ import annotations
+
+import json
+
+from prefect import flow, get_run_logger, task
+from prefect.runtime import flow_run
+
+from privacy.ledger import Ledger
+
+from flows.prompt_tuning import _partition
+from tasks import plots
+from tasks.config import config_to_yaml, load_config, parse_config
+from tasks.post import distill_stage, public_texts, transfer_stage
+from tasks.prefect_tasks import GPU_TAG, _progress_reporter, evaluate_task, loss_mia_task, train_task, transient_only
+from tasks.record import RunRecord, client, ensure_experiment
+from tasks.stages import StageContext, resolve_delta
+from tasks.state import default_data_root, state_paths
+
+VARIANTS = ("full_zs", "full_pt", "compressed_pt", "direct_transfer", "post")
+
+
+@task(name="distill", tags=[GPU_TAG], retries=1, retry_condition_fn=transient_only)
+def distill_task(ctx: StageContext) -> dict:
+    out = distill_stage(ctx, progress=_progress_reporter("distill"))
+    get_run_logger().info("student %s (%s)", out["registered"], "cached" if out["cached"] else "distilled")
+    return out
+
+
+@task(name="transfer", tags=[GPU_TAG], retries=1, retry_condition_fn=transient_only)
+def transfer_task(ctx: StageContext, student_dir: str, source_prompt_path: str) -> dict:
+    texts = public_texts(ctx.cfg, ctx.paths.private)  # public data only: the task gets no private path
+    return transfer_stage(ctx, student_dir, source_prompt_path, texts, progress=_progress_reporter("transfer"))
+
+
+def _with_models(ctx: StageContext, local: str, target: str) -> StageContext:
+    config = json.loads(json.dumps(ctx.config))
+    config["models"]["local"], config["models"]["target"] = local, target
+    return StageContext(config=config, state_dir=ctx.state_dir, partition=ctx.partition,
+                        parent_run_id=ctx.parent_run_id, flow_run_id=ctx.flow_run_id)
+
+
+@flow(name="post", log_prints=False)
+def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
+    cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
+    paths = state_paths(cfg.state_dir).create()
+    flow_run_id = str(flow_run.get_id())
+    logger = get_run_logger()
+    teacher = cfg.models.target_name
+    mlflow = client(paths)
+    experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)
+    parent = RunRecord.create(mlflow, experiment_id, f"post-{flow_run_id[:8]}", {
+        "method": "post", "dataset": cfg.data.name, "model.target": teacher, "privacy.guarantee": "dp",
+        "prefect.flow_run_id": flow_run_id, "flow": "post", "post.public": cfg.methods.post.public.name})
+    summary: dict = {"flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": "post",
+                     "experiment": cfg.experiment_name}
+    try:
+        parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "seed": cfg.seed,
+                           "post.student_layers": cfg.methods.post.distill.student_layers,
+                           "post.transfer_steps": cfg.methods.post.transfer.steps,
+                           "post.transfer_alpha": cfg.methods.post.transfer.alpha})
+        parent.log_text(config_to_yaml(cfg), "config.yaml")
+        part = _partition(cfg, paths, default_data_root(cfg.data_root))
+        parent.set_tags({"dataset.fingerprint": part["fingerprint"]})
+        parent.log_params({"privacy.target_delta": resolve_delta(cfg, part["n_train"])})
+        ctx = StageContext(config=cfg.model_dump(mode="json"), state_dir=str(paths.root), partition=part,
+                           parent_run_id=parent.run_id, flow_run_id=flow_run_id)
+        ctx = _with_models(ctx, teacher, teacher)
+        runtime: dict[str, float | str] = {}
+
+        student = distill_task(ctx)
+        runtime["distill"] = "cached" if student["cached"] else student["compute_s"]
+        parent.set_tags({"model.local": student["student_dir"], "post.student": student["registered"]})
+        on_student = _with_models(ctx, student["student_dir"], student["student_dir"])
+
+        dp = train_task(on_student, "prompt_dpsgd")  # the only stage that reads private training data
+        runtime["tune"] = dp["compute_s"]
+        moved = transfer_task(ctx, student["student_dir"], dp["prompt_path"])
+        runtime["transfer"] = moved["compute_s"]
+
+        acc = {"full_zs": evaluate_task(ctx, None, "full_zs", "none")["target"],
+               "compressed_pt": evaluate_task(on_student, dp["prompt_path"], "compressed_pt", "dp")["target"],
+               "direct_transfer": evaluate_task(ctx, dp["prompt_path"], "direct_transfer", "dp")["target"],
+               "post": evaluate_task(ctx, moved["prompt_path"], "post", "dp")["target"]}
+        if cfg.methods.post.full_pt:  # non-private tuning on the target: an upper bound, opt-in
+            full = train_task(ctx, "prompt_sgd")
+            runtime["full_pt"] = full["compute_s"]
+            acc["full_pt"] = evaluate_task(ctx, full["prompt_path"], "full_pt", "none")["target"]
+
+        spend = dp["spend"]
+        metrics = {"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
+                   "privacy.epsilon_rdp": spend["epsilon_rdp"], "test.accuracy": acc["post"]}
+        metrics.update({f"test.accuracy.{k}": v for k, v in acc.items() if k != "post"})
+        metrics.update({f"runtime.{k}_s": v for k, v in runtime.items() if isinstance(v, float)})
+        if cfg.mia.enabled:
+            mia = loss_mia_task(ctx, moved["prompt_path"], "post", "dp")
+            metrics.update(mia["metrics"])
+            parent.log_file(mia["roc_plot"], "plots")
+        parent.log_params(dp["params"])
+        parent.log_file(moved["prompt_path"], "prompt")
+        parent.log_file(dp["prompt_path"], "prompt/source")
+
+        table = ["| method | test accuracy | privacy |", "|---|---:|---|"]
+        names = {"full_zs": "Full ZS", "full_pt": "Full PT", "compressed_pt": "Compressed PT",
+                 "direct_transfer": "Direct Transfer", "post": "POST"}
+        for k in VARIANTS:
+            if k in acc:
+                privacy = "none (upper bound)" if k == "full_pt" else ("-" if k == "full_zs" else f"ε={spend['epsilon']:.2f}")
+                table.append(f"| {names[k]} | {acc[k]:.4f} | {privacy} |")
+        times = ["| stage | seconds |", "|---|---:|"] + [
+            f"| {k} | {v if isinstance(v, str) else f'{v:.1f}'} |" for k, v in runtime.items()]
+        parent.log_text("\n".join(table) + "\n", "tables/accuracy.md")
+        parent.log_text("\n".join(times) + "\n", "tables/runtime.md")
+        fig = plots.privacy_utility_plot(
+            [{"method": names[k], "accuracy": acc[k], "epsilon": None if k in ("full_zs", "full_pt") else spend["epsilon"],
+              "guarantee": "no DP" if k == "full_pt" else "no training"} for k in VARIANTS if k in acc],
+            f"POST on {cfg.data.name} (public: {cfg.methods.post.public.name})")
+        parent.log_figure(fig, "plots/privacy_utility.png")
+        plots.close(fig)
+        ledger_row = Ledger(paths.ledger).dataset(part["fingerprint"])
+        budget = {"dataset": cfg.data.name, "dataset.fingerprint": part["fingerprint"], "privacy.guarantee": "dp",
+                  "accountant": spend["accountant"], "total": spend,
+                  "stages": [{"stage": "prompt_dpsgd (student)", "event": dp["event"], **spend},
+                             {"stage": "distill", "note": "public data only: no privacy cost"},
+                             {"stage": "transfer", "note": "public data and the DP prompt only: post-processing"}],
+                  "ledger": {k: ledger_row[k] for k in ("epsilon_cap", "delta", "spent_epsilon", "remaining_epsilon")}}
+        parent.log_json(budget, "privacy/budget.json")
+        parent.log_metrics(metrics)
+        parent.end(ok=True)
+        logger.info("POST: %s", {k: round(v, 4) for k, v in acc.items()})
+        summary.update({"metrics": metrics, "runtime": runtime, "accuracy": acc, "budget": budget,
+                        "compute_seconds": {k: v for k, v in runtime.items() if isinstance(v, float)}})
+        return summary
+    except BaseException:
+        parent.end(ok=False)
+        raise

@@ -1,0 +1,118 @@
+"""POST end to end on a tiny teacher: the run record, the cached student, and that the
+public-data stages never read private partitions."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+def _config(state, sst2_dir, **extra):
+    cfg = {
+        "method": "post", "experiment": "post-tests", "seed": 0, "state_dir": str(state),
+        "data": {"name": "sst2", "path": str(sst2_dir), "labels": ["negative", "positive"],
+                 "train_size": 120, "test_size": 60, "holdout_fraction": 0.2},
+        "models": {"local": "tiny-gpt2", "target": "tiny-gpt2", "max_length": 32},
+        "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
+        "methods": {"zero_shot": {"enabled": False},
+                    "prompt_dpsgd": {"n_tokens": 3, "epochs": 1, "batch_size": 32},
+                    "post": {"public": {"name": "tweet_sentiment", "path": str(SHARED / "tweet_sentiment"),
+                                        "split": "validation", "size": 200},
+                             "distill": {"student_layers": 1, "steps": 15, "batch_size": 16},
+                             "transfer": {"steps": 10, "batch_size": 16}}},
+        "mia": {"max_examples": 24},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def post_run(prefect_harness, sst2_dir, tmp_path_factory):
+    if not (SHARED / "tweet_sentiment" / "validation.jsonl").is_file():
+        pytest.skip("../shared/data/tweet_sentiment is not available")
+    from flows.post import post_flow
+
+    state = tmp_path_factory.mktemp("post") / "state"
+    first = post_flow(_config(state, sst2_dir))
+    second = post_flow(_config(state, sst2_dir))
+    return {"first": first, "second": second, "state": state, "sst2": sst2_dir}
+
+
+def test_post_run_record(post_run):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{post_run['state'] / 'mlflow.db'}")
+    run = client.get_run(post_run["first"]["mlflow_run_id"])
+    m, tags = run.data.metrics, run.data.tags
+    for key in ("test.accuracy", "test.accuracy.full_zs", "test.accuracy.compressed_pt",
+                "test.accuracy.direct_transfer", "privacy.epsilon", "privacy.delta", "privacy.epsilon_rdp",
+                "mia.loss.auc"):
+        assert key in m, key
+    assert tags["method"] == "post" and tags["privacy.guarantee"] == "dp"
+    assert tags["model.target"] == "tiny-gpt2" and "students" in tags["model.local"]
+    assert 0 < m["privacy.epsilon"] <= 8.0 + 1e-6
+    arts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "prompt", "tables", "plots", "privacy"} <= arts
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "tables")} == {"tables/accuracy.md", "tables/runtime.md"}
+    table = Path(client.download_artifacts(run.info.run_id, "tables/accuracy.md")).read_text()
+    assert "POST" in table and "Direct Transfer" in table and "Compressed PT" in table
+
+
+def test_student_is_registered_and_reused(post_run):
+    from mlflow.tracking import MlflowClient
+
+    first, second = post_run["first"], post_run["second"]
+    assert first["runtime"]["distill"] != "cached" and second["runtime"]["distill"] == "cached"
+    client = MlflowClient(tracking_uri=f"sqlite:///{post_run['state'] / 'mlflow.db'}")
+    versions = client.search_model_versions("name = 'privprompt-student-tiny-gpt2'")
+    assert len(versions) == 1
+    r1 = client.get_run(first["mlflow_run_id"]).data.tags["model.local"]
+    r2 = client.get_run(second["mlflow_run_id"]).data.tags["model.local"]
+    assert r1 == r2
+
+
+def test_public_stages_refuse_private_paths(post_run, tmp_path):
+    from tasks.data import DataError, read_public_texts
+
+    private = post_run["state"] / "private"
+    part = next((private / "partitions").iterdir())
+    with pytest.raises(DataError, match="private working data"):
+        read_public_texts("x", str(part), "train", "text", None, private)
+    # a public folder outside private/ is fine
+    texts = read_public_texts("tweet_sentiment", None, "validation", "text", str(SHARED), private, size=5)
+    assert len(texts) == 5
+
+
+def test_transfer_stage_is_given_public_data_only(post_run, monkeypatch):
+    """The transfer task reads only the public dataset: every file it opens is outside private/."""
+    import builtins
+
+    from flows.post import _with_models
+    from tasks import post as post_mod
+    from tasks.stages import StageContext
+
+    state = post_run["state"]
+    first = post_run["first"]
+    config = _config(state, post_run["sst2"])
+    part = json.loads(next((state / "private" / "partitions").glob("*/manifest.json")).read_text())
+    ctx = StageContext(config=config, state_dir=str(state), partition=part,
+                       parent_run_id=first["mlflow_run_id"], flow_run_id="transfer-check")
+    ctx = _with_models(ctx, "tiny-gpt2", "tiny-gpt2")
+    student_dir = next((state / "models" / "students").iterdir())
+    source = next((state / "outputs").rglob("prompt_dpsgd.safetensors"))
+    opened = []
+    real_open = builtins.open
+
+    def spy(file, *a, **k):
+        opened.append(str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    texts = post_mod.public_texts(ctx.cfg, ctx.paths.private)
+    out = post_mod.transfer_stage(ctx, str(student_dir), str(source), texts)
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert Path(out["prompt_path"]).is_file()
+    private = str((state / "private").resolve())
+    assert not [f for f in opened if str(Path(f).resolve()).startswith(private)]
