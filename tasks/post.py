@@ -49,7 +49,7 @@ def distill_stage(ctx: StageContext, progress=None) -> dict:
     directory = paths.root / "models" / "students" / key
     model_name = f"privprompt-student-{cfg.models.target_name.replace('/', '_')}"
     mlflow = ctx.parent.mlflow
-    if (directory / "student.json").is_file():
+    if (directory / "privprompt_student.json").is_file():
         versions = mlflow.search_model_versions(f"name = '{model_name}' and tags.`{STUDENT_TAG}` = '{key}'")
         if versions:
             return {"student_dir": str(directory), "cached": True, "compute_s": 0.0, "key": key,
@@ -62,9 +62,13 @@ def distill_stage(ctx: StageContext, progress=None) -> dict:
         steps=d.steps, batch_size=d.batch_size, lr=d.lr, max_length=cfg.models.max_length,
         alpha_ce=d.alpha_ce, alpha_lm=d.alpha_lm, alpha_cos=d.alpha_cos, seed=cfg.seed), progress=progress)
     freeze(student)
+    import shutil
+
     tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     save_student(student, tmp)
-    tmp.replace(directory) if not directory.exists() else None
+    shutil.rmtree(directory, ignore_errors=True)  # an unregistered leftover of an interrupted run
+    tmp.replace(directory)  # atomic: a student folder is complete or absent
     compute_s = time.perf_counter() - started
     run = ctx.parent.child("distill", {"method": "post", "stage": "distill", "privacy.guarantee": "none",
                                        "data": "public only"})
@@ -96,13 +100,15 @@ def transfer_stage(ctx: StageContext, student_dir: str, source_prompt_path: str,
     assert_public(student_dir, paths.private)
     assert_public(source_prompt_path, paths.private)  # the DP prompt is a published output
     t = cfg.methods.post.transfer
+    source_cfg = cfg.methods.prompt_dpsgd
     started = time.perf_counter()
     source = classifier_for(cfg, student_dir)
     target = classifier_for(cfg, cfg.models.target_name)
     prompt, _ = load_prompt(source_prompt_path)
     result = transfer_prompt(source, prompt, target, texts, TransferConfig(
         steps=t.steps, batch_size=t.batch_size, lr=t.lr, alpha=t.alpha, max_length=cfg.models.max_length,
-        seed=cfg.seed), progress=progress)
+        seed=cfg.seed, init="vocab", init_words=source_cfg.init, init_seed=cfg.seed),  # initialised like the source
+        progress=progress)
     compute_s = time.perf_counter() - started
     path = ctx.output_dir / "post.safetensors"
     save_prompt(path, result.prompt, {"method": "post", "model": cfg.models.target_name,
