@@ -123,10 +123,10 @@ def _run_flow(cfg, config: dict) -> dict:
 def _print_sweep(summary: dict) -> None:
     from flows.sweep import COLUMNS
 
-    print("variant".ljust(44) + "".join(c.split(".", 1)[1][:14].rjust(16) for c in COLUMNS))
+    print("variant".ljust(52) + "".join(c.split(".", 1)[1][:14].rjust(16) for c in COLUMNS))
     for row in summary["variants"]:
         cells = "".join(("-" if row.get(c) is None else f"{row[c]:.4f}").rjust(16) for c in COLUMNS)
-        print(row["variant"][:43].ljust(44) + cells)
+        print(row["variant"][:51].ljust(52) + cells)
 
 
 def _print_attacks(m: dict) -> None:
