@@ -25,28 +25,25 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (PrivPromptError, ModelLoadError, BudgetExceededError, UnknownDatasetError, ValidationError)
 
 
-class _OneLineUserErrors:
-    """Logging filter: a user error (bad input, exhausted budget) is logged without its
-    traceback; the CLI prints it as one line. Bugs keep their tracebacks."""
-
-    def __init__(self, errors: tuple[type[BaseException], ...]):
-        self.errors = errors
-
-    def filter(self, record) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is not None and isinstance(exc, self.errors):
-            record.exc_info, record.exc_text = None, None
-        return True
-
-
 def _quiet_user_error_tracebacks(errors) -> None:
+    """Log records about a user error (bad input, exhausted budget) carry no traceback: the CLI
+    prints the error as one line. Bugs keep their tracebacks. Done in the record factory, so it
+    holds for every logger and for handlers Prefect configures later."""
     import logging
 
-    flt = _OneLineUserErrors(errors)
-    names = [n for n in logging.root.manager.loggerDict if n.startswith("prefect")]
-    for logger in [logging.getLogger(), *map(logging.getLogger, names)]:
-        for handler in logger.handlers:
-            handler.addFilter(flt)
+    base = logging.getLogRecordFactory()
+    if getattr(base, "_privprompt", False):
+        return
+
+    def factory(*args, **kwargs):
+        record = base(*args, **kwargs)
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and isinstance(exc, errors):
+            record.exc_info, record.exc_text = None, None
+        return record
+
+    factory._privprompt = True
+    logging.setLogRecordFactory(factory)
 
 
 def _fail(message: str) -> int:
@@ -178,10 +175,10 @@ def cmd_run(args) -> int:
     errors = _user_errors()
     from tasks.audit import AuditFailure
 
-    _quiet_user_error_tracebacks(errors)
     started = time.perf_counter()
     try:
         with _local_prefect_server():
+            _quiet_user_error_tracebacks(errors)  # after the server's settings: logging is set up by then
             summary = _run_flow(cfg, config)
     except errors as err:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
@@ -200,13 +197,13 @@ def cmd_audit(args) -> int:
     errors = _user_errors()
     from tasks.audit import AuditFailure
 
-    _quiet_user_error_tracebacks(errors)
     started = time.perf_counter()
     try:
         from flows.audit import run_audit, target_from_run
 
         target, acfg = target_from_run(args.run_id, str(paths.root), args.shadows)
         with _local_prefect_server():
+            _quiet_user_error_tracebacks(errors)
             out = run_audit(target, acfg)
     except errors as err:
         return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
