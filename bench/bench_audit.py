@@ -67,14 +67,20 @@ def main() -> None:
             loads = {}
             for s in shadows:
                 loads[s["pid"]] = max(loads.get(s["pid"], 0), s["model_loads_in_process"])
-            results[workers] = {"audit_wall_s": wall, "shadow_compute_s": sum(s["compute_s"] for s in shadows),
+            phase = max(s["ended_at"] for s in shadows) - min(s["started_at"] for s in shadows)
+            results[workers] = {"audit_wall_s": wall, "shadow_phase_s": phase,
+                                "shadow_compute_s": sum(s["compute_s"] for s in shadows),
                                 "workers_seen": len(loads), "model_loads_per_worker": loads}
     one, two = results[1], results[2]
     print(json.dumps(results, indent=1))
-    print(f"| workers | audit wall (s) | shadow compute (s, summed) | model loads per worker |")
-    print(f"|---|---:|---:|---|")
+    print("| workers | audit wall (s) | shadow phase (s, first start to last end) | shadow compute (s, summed) | model loads per worker |")
+    print("|---|---:|---:|---:|---|")
     for w, r in results.items():
-        print(f"| {w} | {r['audit_wall_s']:.1f} | {r['shadow_compute_s']:.1f} | {list(r['model_loads_per_worker'].values())} |")
+        print(f"| {w} | {r['audit_wall_s']:.1f} | {r['shadow_phase_s']:.1f} | {r['shadow_compute_s']:.1f} | "
+              f"{list(r['model_loads_per_worker'].values())} |")
+    shadow_speedup = one["shadow_phase_s"] / two["shadow_phase_s"]
+    print(f"speed-up of the {args.shadows} shadow trainings 2 vs 1 workers: {shadow_speedup:.2f}x "
+          f"(target >= 1.7: {'pass' if shadow_speedup >= 1.7 else 'MISS'})")
     speedup = one["audit_wall_s"] / two["audit_wall_s"]
     print(f"speed-up of the whole audit (pool, {args.shadows} shadows, attacks) 2 vs 1 workers: {speedup:.2f}x "
           f"(target >= 1.7: {'pass' if speedup >= 1.7 else 'MISS'})")

@@ -19,6 +19,7 @@ from privacy.ledger import Ledger
 from flows.prompt_tuning import _partition
 from tasks import plots
 from tasks.config import config_to_yaml, load_config, parse_config
+from tasks.errors import ConfigError
 from tasks.post import distill_stage, public_texts, transfer_stage
 from tasks.prefect_tasks import GPU_TAG, _progress_reporter, evaluate_task, loss_mia_task, train_task, transient_only
 from tasks.record import RunRecord, client, ensure_experiment
@@ -51,6 +52,10 @@ def _with_models(ctx: StageContext, local: str, target: str) -> StageContext:
 @flow(name="post", log_prints=False)
 def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
     cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
+    if cfg.audit.enabled:  # refused up front rather than silently skipped
+        raise ConfigError("audit: is not available for POST yet (its LiRA shadows would have to re-run "
+                          "distillation, DP tuning and transfer); audit the run's prompt with the loss "
+                          "attack of `mia:` instead")
     paths = state_paths(cfg.state_dir).create()
     flow_run_id = str(flow_run.get_id())
     logger = get_run_logger()

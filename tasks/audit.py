@@ -158,7 +158,7 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
     """Train shadow ``index`` on its half of the pool with the audited method's own training
     routine, score the whole pool, save the scores under private/, log a child run."""
     cfg = target.cfg
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     clf, enc, y, _ = _encoded_pool(cfg, pool["pool_path"])
     mask = np.load(pool["mask_path"])[index]
     idx = np.flatnonzero(mask)
@@ -183,7 +183,7 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
     from models.registry import LOAD_COUNTS
 
     return {"index": index, "scores_path": str(path), "steps": result.steps, "compute_s": compute_s,
-            "pid": os.getpid(), "model_loads_in_process": LOAD_COUNTS.get(cfg.models.local, 0),
+            "started_at": started_at, "ended_at": time.time(), "pid": os.getpid(), "model_loads_in_process": LOAD_COUNTS.get(cfg.models.local, 0),
             "pool_encodings_in_process": len(_POOLS)}
 
 
@@ -266,7 +266,8 @@ def write_results(target: AuditTarget, audit_run: RunRecord, metrics: dict, deta
     for run in (audit_run, RunRecord(audit_run.mlflow, target.run_id)):
         run.log_metrics(out)
     audit_run.log_json({"attacks": details.get("report", {}), "canary_audit": canary,
-                        "shadows": [{k: s[k] for k in ("index", "steps", "compute_s", "pid", "model_loads_in_process",
+                        "shadows": [{k: s[k] for k in ("index", "steps", "compute_s", "started_at", "ended_at",
+                                                       "pid", "model_loads_in_process",
                                                        "pool_encodings_in_process")} for s in shadows]},
                        "audit/audit.json")
     if details.get("roc_path"):
