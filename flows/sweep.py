@@ -8,7 +8,7 @@ from prefect.runtime import flow_run
 
 from flows.prompt_tuning import prompt_tuning_flow
 from tasks import plots
-from tasks.config import load_config, parse_config, sweep_variants
+from tasks.config import config_to_yaml, load_config, parse_config, sweep_variants
 from tasks.record import RunRecord, client, ensure_experiment
 from tasks.state import state_paths
 
@@ -30,7 +30,9 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         "prefect.flow_run_id": flow_run_id, "flow": "sweep", "sweep.variants": len(variants)})
     logger = get_run_logger()
     try:
-        run.log_params({"seed": cfg.seed, "privacy.target_epsilon": cfg.privacy.target_epsilon})
+        run.log_params({"seed": cfg.seed, "privacy.target_epsilon": cfg.privacy.target_epsilon,
+                        "privacy.target_delta": cfg.privacy.target_delta or "default: min(1e-5, 1/(10 n_train))"})
+        run.log_text(config_to_yaml(cfg), "config.yaml")
         rows = []
         for label, variant in variants:
             logger.info("sweep variant %s", label)
@@ -44,6 +46,9 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
                    "privacy.guarantee": variant.guarantee}
             row.update({k: out["metrics"].get(k) for k in COLUMNS})
             rows.append(row)
+            fingerprint = out.get("budget", {}).get("dataset.fingerprint")
+            if fingerprint:
+                run.set_tags({"dataset.fingerprint": fingerprint})
         run.log_json(rows, "sweep/results.json")
         points = [{"method": r["variant"], "accuracy": r["test.accuracy"], "epsilon": r["privacy.epsilon"],
                    "guarantee": "no DP"} for r in rows]

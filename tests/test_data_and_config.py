@@ -160,3 +160,18 @@ def test_missing_required_key_and_bad_files(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="dotted.key=value"):
         apply_overrides({}, ["novalue"])
+
+
+def test_sweep_variants_are_validated_up_front():
+    from tasks.config import sweep_variants
+
+    raw = {"data": {"name": "sst2", "labels": ["a", "b"]}, "models": {"local": "minilm"},
+           "allow_nonprivate_baselines": True,
+           "sweep": [{"method": "prompt_sgd"}, {"privacy.target_epsilon": 1.0, "seed": 3}]}
+    (l1, v1), (l2, v2) = sweep_variants(parse_config(raw))
+    assert (v1.method, v1.guarantee) == ("prompt_sgd", "none")
+    assert (v2.method, v2.privacy.target_epsilon, v2.seed) == ("prompt_dpsgd", 1.0, 3)
+    assert l2 == "privacy.target_epsilon=1.0,seed=3" and not v1.sweep
+    raw["sweep"].append({"privacy.target_epsilon": -2})
+    with pytest.raises(ConfigError, match=r"sweep\.2 .*privacy.target_epsilon"):
+        sweep_variants(parse_config(raw))
