@@ -33,7 +33,7 @@ from .config import AuditConfig, PrivPromptConfig, parse_config
 from .data import Partition, read_partition_split
 from .errors import PrivPromptError
 from .record import RunRecord, client
-from .stages import classifier_for, fit_prompt, plan_training, resolve_delta
+from .stages import classifier_for, fit_prompt, label_indices, plan_training, resolve_delta
 from .state import state_paths
 
 
@@ -127,15 +127,12 @@ _POOLS: dict = {}
 
 def _encoded_pool(cfg: PrivPromptConfig, pool_path: str):
     """The pool encoded once per process (a Dask worker reuses it across its shadows)."""
-    import torch
-
     key = (pool_path, cfg.models.local, cfg.models.max_length)
     if key not in _POOLS:
         clf = classifier_for(cfg, cfg.models.local)
         table = pq.read_table(pool_path)
         texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
-        index = {name: i for i, name in enumerate(cfg.data.labels)}
-        y = torch.tensor([index[l] for l in labels], dtype=torch.long)
+        y = label_indices(labels, cfg.data.labels)
         _POOLS[key] = (clf, clf.encode(texts, max_length=cfg.models.max_length), y,
                        np.asarray(table.column("member").to_pylist(), bool))
     return _POOLS[key]
@@ -224,8 +221,6 @@ def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_pa
 
 def canary_audit(target: AuditTarget, acfg: AuditConfig) -> dict | None:
     """One-run ε lower bound from the partition's canaries (None when it planted none)."""
-    import torch
-
     from models.scoring import per_example_loss
     from models.soft_prompt import load_prompt
 
@@ -237,8 +232,7 @@ def canary_audit(target: AuditTarget, acfg: AuditConfig) -> dict | None:
     texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
     planted = np.asarray(table.column("planted").to_pylist(), bool)
     clf = classifier_for(cfg, cfg.models.local)
-    index = {name: i for i, name in enumerate(cfg.data.labels)}
-    y = torch.tensor([index[l] for l in labels], dtype=torch.long)
+    y = label_indices(labels, cfg.data.labels)
     prompt, _ = load_prompt(target.prompt_path)
     scores = -per_example_loss(clf, clf.encode(texts, max_length=cfg.models.max_length), y, prompt,
                                cfg.models.eval_batch_size).numpy()

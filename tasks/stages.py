@@ -101,16 +101,21 @@ def classifier_for(cfg: PrivPromptConfig, model_name: str):
     return _CLASSIFIERS[key]
 
 
-def encode_split(classifier, path: str, labels: list[str], max_length: int, limit: int | None = None,
-                 rng: np.random.Generator | None = None):
+def label_indices(names: list[str], labels: list[str]):
+    """Label names → a long tensor of their indices in the config's ``labels``."""
     import torch
 
+    index = {name: i for i, name in enumerate(labels)}
+    return torch.tensor([index[n] for n in names], dtype=torch.long)
+
+
+def encode_split(classifier, path: str, labels: list[str], max_length: int, limit: int | None = None,
+                 rng: np.random.Generator | None = None):
     texts, names = read_partition_split(path)
     idx = np.arange(len(texts))
     if limit is not None and len(idx) > limit:
         idx = np.sort((rng or np.random.default_rng(0)).choice(len(idx), size=limit, replace=False))
-    index = {name: i for i, name in enumerate(labels)}
-    y = torch.tensor([index[names[i]] for i in idx], dtype=torch.long)
+    y = label_indices([names[i] for i in idx], labels)
     return classifier.encode([texts[i] for i in idx], max_length=max_length), y
 
 
