@@ -116,7 +116,7 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
         raise AuditError(f"no MLflow run {run_id!r} in {paths.root}") from None
     tags, metrics = run.data.tags, run.data.metrics
     method = tags.get("method")
-    if method not in ("prompt_dpsgd", "prompt_sgd") or "dataset.fingerprint" not in tags:
+    if method not in ("prompt_dpsgd", "prompt_sgd", "post") or "dataset.fingerprint" not in tags:
         raise AuditError(f"run {run_id} ({tags.get('mlflow.runName', '?')}) is not a prompt-tuning run "
                          "with a published artifact to audit")
     try:
@@ -125,6 +125,11 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
         raise AuditError(f"run {run_id} has no config.yaml artifact") from None
     config = yaml.safe_load(open(cfg_path).read())
     config["state_dir"] = str(paths.root)
+    student_dir = None
+    if method == "post":  # the POST prompt lives on the teacher; its shadows are tuned on the student
+        teacher = config["models"].get("target") or config["models"]["local"]
+        config["models"]["local"] = config["models"]["target"] = teacher
+        student_dir = tags.get("model.local")
     cfg = parse_config(config)
     fingerprint = tags["dataset.fingerprint"]
     partition = None
@@ -151,6 +156,7 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
         AuditConfig.model_validate(acfg.model_dump())
     target = AuditTarget(config=cfg.model_dump(mode="json"), partition=partition, prompt_path=prompt_path,
                          method=method, epsilon=metrics.get("privacy.epsilon"), delta=metrics.get("privacy.delta"),
-                         run_id=run_id, flow_run_id=tags.get("prefect.flow_run_id", ""), state_dir=str(paths.root))
+                         run_id=run_id, flow_run_id=tags.get("prefect.flow_run_id", ""), state_dir=str(paths.root),
+                         student_dir=student_dir)
     check_audit(target, acfg)
     return target, acfg

@@ -4,7 +4,8 @@ with public data only, and compare on the private test split:
 
     partition → distil (cached, MLflow model registry) → prompt_dpsgd on the student →
     transfer (public only) → evaluate Full ZS / [Full PT] / Compressed PT / Direct Transfer / POST
-    → loss MIA on the published POST prompt.
+    → loss MIA on the published POST prompt → [audit flow: LiRA shadows = DP tuning on the
+    student + transfer, canary one-run ε bound].
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from privacy.ledger import Ledger
 from flows.prompt_tuning import _partition
 from tasks import plots
 from tasks.config import config_to_yaml, load_config, parse_config
-from tasks.errors import ConfigError
 from tasks.post import distill_stage, public_texts, transfer_stage
 from tasks.prefect_tasks import GPU_TAG, _progress_reporter, evaluate_task, loss_mia_task, train_task, transient_only
 from tasks.record import RunRecord, client, ensure_experiment
@@ -52,10 +52,6 @@ def _with_models(ctx: StageContext, local: str, target: str) -> StageContext:
 @flow(name="post", log_prints=False)
 def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
     cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
-    if cfg.audit.enabled:  # refused up front rather than silently skipped
-        raise ConfigError("audit: is not available for POST yet (its LiRA shadows would have to re-run "
-                          "distillation, DP tuning and transfer); audit the run's prompt with the loss "
-                          "attack of `mia:` instead")
     paths = state_paths(cfg.state_dir).create()
     flow_run_id = str(flow_run.get_id())
     logger = get_run_logger()
@@ -76,6 +72,11 @@ def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         part = _partition(cfg, paths, default_data_root(cfg.data_root))
         parent.set_tags({"dataset.fingerprint": part["fingerprint"]})
         parent.log_params({"privacy.target_delta": resolve_delta(cfg, part["n_train"])})
+        if cfg.audit.enabled:  # an audit that cannot run is refused before any training
+            from tasks.audit import check_pool_size
+            from tasks.data import Partition
+
+            check_pool_size(Partition(**part), cfg.audit)
         ctx = StageContext(config=cfg.model_dump(mode="json"), state_dir=str(paths.root), partition=part,
                            parent_run_id=parent.run_id, flow_run_id=flow_run_id)
         ctx = _with_models(ctx, teacher, teacher)
@@ -109,6 +110,16 @@ def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
             mia = loss_mia_task(ctx, moved["prompt_path"], "post", "dp")
             metrics.update(mia["metrics"])
             parent.log_file(mia["roc_plot"], "plots")
+        if cfg.audit.enabled:  # LiRA shadows re-run DP tuning on the student + transfer (not distillation)
+            from flows.audit import run_audit
+            from tasks.audit import AuditTarget
+
+            audited = run_audit(AuditTarget(
+                config=ctx.config, partition=part, prompt_path=moved["prompt_path"], method="post",
+                epsilon=dp["spend"]["epsilon"], delta=dp["spend"]["delta"], run_id=parent.run_id,
+                flow_run_id=flow_run_id, state_dir=str(paths.root), student_dir=student["student_dir"]), cfg.audit)
+            metrics.update(audited["metrics"])
+            summary["audit"] = audited
         parent.log_params(dp["params"])
         parent.log_file(moved["prompt_path"], "prompt")
         parent.log_file(dp["prompt_path"], "prompt/source")

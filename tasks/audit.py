@@ -2,7 +2,10 @@
 
 * Pool: members (from the audited run's training partition) and non-members (its held-out
   examples). Each of K shadow prompts is trained by the *same* method and settings on a random
-  half of the pool, so that every pool example is "in" for exactly K/2 shadows.
+  half of the pool, so that every pool example is "in" for exactly K/2 shadows. For POST a
+  shadow is the whole private pipeline after distillation: DP tuning on the (public, cached)
+  student, then transfer to the audited model on the public data; the student is not retrained,
+  because it never saw private data.
 * Attacks on the pool: loss threshold, LiRA online / offline (Carlini et al. 2022) on the
   true-label logit, Min-K% prob for causal LMs.
 * Canary audit (Steinke, Nasr, Jagielski 2023): the partition's canaries were each planted with
@@ -58,6 +61,7 @@ class AuditTarget:
     run_id: str          # the audited MLflow run
     flow_run_id: str
     state_dir: str
+    student_dir: str | None = None  # POST: the student the DP prompt was tuned on
 
     @property
     def cfg(self) -> PrivPromptConfig:
@@ -81,6 +85,8 @@ def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     """Everything that can be checked before any training; returns the pool's sizes."""
     if not Path(target.prompt_path).is_file():
         raise AuditError(f"run {target.run_id} has no prompt artifact to audit (looked for {target.prompt_path})")
+    if target.method == "post" and not (target.student_dir and Path(target.student_dir).is_dir()):
+        raise AuditError(f"run {target.run_id}: POST shadows need the run's student, not found at {target.student_dir}")
     return check_pool_size(target.part, acfg)
 
 
@@ -151,35 +157,62 @@ def pool_scores(cfg: PrivPromptConfig, pool_path: str, prompt, attacks: list[str
     return out
 
 
-def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int, audit_run_id: str) -> dict:
-    """Train shadow ``index`` on its half of the pool with the audited method's own training
-    routine, score the whole pool, save the scores under private/, log a child run."""
-    cfg = target.cfg
-    started, started_at = time.perf_counter(), time.time()
-    clf, enc, y, _ = _encoded_pool(cfg, pool["pool_path"])
-    mask = np.load(pool["mask_path"])[index]
-    idx = np.flatnonzero(mask)
-    from models.classifiers import select_rows
+_PUBLIC: dict = {}
 
+
+def shadow_prompt(target: AuditTarget, pool_path: str, idx: np.ndarray, seed: int):
+    """A shadow of the audited prompt trained on pool rows ``idx`` by the audited method's own
+    routine: (prompt on the audited model, training steps)."""
     import torch
 
-    sub_idx = torch.as_tensor(idx, dtype=torch.long)
-    plan = plan_training(cfg, target.method, len(idx), resolve_delta(cfg, len(idx)))
-    result = fit_prompt(cfg, plan, clf, select_rows(enc, sub_idx), y[sub_idx], seed=cfg.seed * 1000 + 1 + index)
-    scores = pool_scores(cfg, pool["pool_path"], result.prompt, acfg.attacks, acfg.min_k)
+    from models.classifiers import select_rows
+
+    cfg = target.cfg
+    rows = torch.as_tensor(idx, dtype=torch.long)
+    if target.method != "post":
+        clf, enc, y, _ = _encoded_pool(cfg, pool_path)
+        plan = plan_training(cfg, target.method, len(idx), resolve_delta(cfg, len(idx)))
+        result = fit_prompt(cfg, plan, clf, select_rows(enc, rows), y[rows], seed=seed)
+        return result.prompt, result.steps
+    # POST: DP tuning on the student, then transfer on public data to the audited model
+    from models.transfer import transfer_prompt
+
+    from .post import public_texts, transfer_config
+
+    on_student = parse_config({**target.config, "models": {**target.config["models"], "local": target.student_dir,
+                                                           "target": target.student_dir}})
+    clf, enc, y, _ = _encoded_pool(on_student, pool_path)
+    plan = plan_training(on_student, "prompt_dpsgd", len(idx), resolve_delta(cfg, len(idx)))
+    result = fit_prompt(on_student, plan, clf, select_rows(enc, rows), y[rows], seed=seed)
+    key = (target.state_dir, json.dumps(cfg.methods.post.public.model_dump(), sort_keys=True), cfg.seed)
+    if key not in _PUBLIC:
+        _PUBLIC[key] = public_texts(cfg, state_paths(target.state_dir).private)
+    audited = classifier_for(cfg, cfg.models.local)
+    moved = transfer_prompt(clf, result.prompt, audited, _PUBLIC[key], transfer_config(cfg))
+    return moved.prompt, result.steps + moved.steps
+
+
+def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int, audit_run_id: str) -> dict:
+    """Train shadow ``index`` on its half of the pool (:func:`shadow_prompt`), score the whole
+    pool, save the scores under private/, log a child run."""
+    cfg = target.cfg
+    started, started_at = time.perf_counter(), time.time()
+    idx = np.flatnonzero(np.load(pool["mask_path"])[index])
+    prompt, steps = shadow_prompt(target, pool["pool_path"], idx, seed=cfg.seed * 1000 + 1 + index)
+    scores = pool_scores(cfg, pool["pool_path"], prompt, acfg.attacks, acfg.min_k)
     path = Path(pool["pool_path"]).parent / f"shadow_{index:03d}.npz"
     np.savez(path, **scores)
     compute_s = time.perf_counter() - started
     run = RunRecord(client(state_paths(target.state_dir)), audit_run_id).child(
         f"shadow-{index}", {"method": target.method, "stage": "audit-shadow", "shadow": index,
                             "privacy.guarantee": "none"})
-    run.log_metrics({"train.steps": result.steps, "shadow.n_train": len(idx), "shadow.compute_s": compute_s})
+    run.log_metrics({"train.steps": steps, "shadow.n_train": len(idx), "shadow.compute_s": compute_s})
     run.end()
     import os
 
     from models.registry import LOAD_COUNTS
 
-    return {"index": index, "scores_path": str(path), "steps": result.steps, "compute_s": compute_s,
+    return {"index": index, "scores_path": str(path), "steps": steps, "compute_s": compute_s,
             "started_at": started_at, "ended_at": time.time(), "pid": os.getpid(), "model_loads_in_process": LOAD_COUNTS.get(cfg.models.local, 0),
             "pool_encodings_in_process": len(_POOLS)}
 

@@ -89,26 +89,33 @@ def distill_stage(ctx: StageContext, progress=None) -> dict:
             "registered": f"{model_name}/{version.version}"}
 
 
+def transfer_config(cfg: PrivPromptConfig):
+    """The ``models.transfer`` settings of a config (shared by the flow and the audit's shadows):
+    a fixed number of steps, the target prompt initialised like the source prompt."""
+    from models.transfer import TransferConfig
+
+    t = cfg.methods.post.transfer
+    return TransferConfig(steps=t.steps, batch_size=t.batch_size, lr=t.lr, alpha=t.alpha,
+                          max_length=cfg.models.max_length, seed=cfg.seed, init="vocab",
+                          init_words=cfg.methods.prompt_dpsgd.init, init_seed=cfg.seed)
+
+
 def transfer_stage(ctx: StageContext, student_dir: str, source_prompt_path: str, texts: list[str],
                    progress=None) -> dict:
     """Train the target prompt to behave on the target like the DP prompt on the student, on
     public texts only (no selection on private data: a fixed number of steps)."""
     from models.soft_prompt import load_prompt, save_prompt
-    from models.transfer import TransferConfig, transfer_prompt
+    from models.transfer import transfer_prompt
 
     cfg, paths = ctx.cfg, ctx.paths
     assert_public(student_dir, paths.private)
     assert_public(source_prompt_path, paths.private)  # the DP prompt is a published output
     t = cfg.methods.post.transfer
-    source_cfg = cfg.methods.prompt_dpsgd
     started = time.perf_counter()
     source = classifier_for(cfg, student_dir)
     target = classifier_for(cfg, cfg.models.target_name)
     prompt, _ = load_prompt(source_prompt_path)
-    result = transfer_prompt(source, prompt, target, texts, TransferConfig(
-        steps=t.steps, batch_size=t.batch_size, lr=t.lr, alpha=t.alpha, max_length=cfg.models.max_length,
-        seed=cfg.seed, init="vocab", init_words=source_cfg.init, init_seed=cfg.seed),  # initialised like the source
-        progress=progress)
+    result = transfer_prompt(source, prompt, target, texts, transfer_config(cfg), progress=progress)
     compute_s = time.perf_counter() - started
     path = ctx.output_dir / "post.safetensors"
     save_prompt(path, result.prompt, {"method": "post", "model": cfg.models.target_name,

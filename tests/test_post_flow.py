@@ -116,3 +116,36 @@ def test_transfer_stage_is_given_public_data_only(post_run, monkeypatch):
     assert Path(out["prompt_path"]).is_file()
     private = str((state / "private").resolve())
     assert not [f for f in opened if str(Path(f).resolve()).startswith(private)]
+
+
+def test_post_audit_shadows_rerun_dp_tuning_and_transfer(post_run):
+    """`audit:` on a POST run: the shadows are DP tuning on the cached student + transfer to the
+    teacher; results land in the run record; a finished POST run can be audited again."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.audit import target_from_run
+    from flows.post import post_flow
+
+    cfg = _config(post_run["state"], post_run["sst2"],
+                  audit={"enabled": True, "shadows": 2, "attacks": ["loss", "lira"], "fprs": [0.1],
+                         "dask": {"n_workers": 1, "threads_per_worker": 1}})
+    cfg["data"]["canaries"] = 20
+    out = post_flow(cfg)
+    m = out["metrics"]
+    assert out["runtime"]["distill"] == "cached"  # the shadows reuse the student as well
+    for key in ("mia.lira.auc", "mia.lira_offline.auc", "mia.loss.auc", "audit.epsilon_lower_bound"):
+        assert key in m, key
+    assert 0 <= m["mia.lira.auc"] <= 1
+    assert m["audit.epsilon_lower_bound"] <= m["privacy.epsilon"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{post_run['state'] / 'mlflow.db'}")
+    run = client.get_run(out["mlflow_run_id"])
+    assert run.data.metrics["mia.lira.auc"] == m["mia.lira.auc"]
+    shadows = client.search_runs([run.info.experiment_id], f"tags.stage = 'audit-shadow' and tags.method = 'post'")
+    assert len(shadows) == 2
+    # each shadow ran DP tuning (1 epoch at batch 32) and the configured 10 transfer steps
+    assert all(s.data.metrics["train.steps"] > 10 for s in shadows)
+
+    target, acfg = target_from_run(out["mlflow_run_id"], str(post_run["state"]))
+    assert target.method == "post" and target.student_dir == run.data.tags["model.local"]
+    assert target.cfg.models.local == "tiny-gpt2" and acfg.shadows == 2
+    assert target.epsilon == m["privacy.epsilon"]
