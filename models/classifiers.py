@@ -227,6 +227,18 @@ class _Verbalizer(PromptClassifier):
         logp = F.log_softmax(vocab_logits.float(), dim=-1)
         return logp[:, self.label_token_ids.to(logp.device)]
 
+    def _vocab_logits(self, embeds: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _logits(self, embeds, attn, pos):
+        return self._select(self._vocab_logits(embeds, attn, pos))
+
+    def vocab_logits(self, batch: Batch, prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, V) full-vocabulary logits at the label position: the same forward as
+        :meth:`forward`, before the label words are kept (POST's transfer matches these)."""
+        embeds, attn, pos = self._embed_inputs(batch, prompt)
+        return self._vocab_logits(embeds, attn, pos).float()
+
 
 class VerbalizerCausalLM(_Verbalizer):
     """Next-token log-probs of the label words' first tokens after "{text} It was"."""
@@ -236,7 +248,7 @@ class VerbalizerCausalLM(_Verbalizer):
     def _template_kind(self) -> str:
         return "causal"
 
-    def _logits(self, embeds, attn, pos):
+    def _vocab_logits(self, embeds, attn, pos):
         B, T, _ = embeds.shape
         position_ids = torch.arange(T, device=embeds.device).unsqueeze(0).expand(B, T)
         out = self._base(inputs_embeds=embeds, attention_mask=attn, position_ids=position_ids, use_cache=False)
@@ -245,7 +257,7 @@ class VerbalizerCausalLM(_Verbalizer):
         cap = getattr(self._backbone.model.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return self._select(logits)
+        return logits
 
 
 def _mlm_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -271,13 +283,12 @@ class VerbalizerMaskedLM(_Verbalizer):
     def _template_kind(self) -> str:
         return "masked"
 
-    def _logits(self, embeds, attn, pos):
+    def _vocab_logits(self, embeds, attn, pos):
         rows = torch.arange(embeds.shape[0], device=embeds.device)
         if self._head is None:  # unknown head layout: full vocab logits, then gather
-            out = self._backbone.model(inputs_embeds=embeds, attention_mask=attn)
-            return self._select(out.logits[rows, pos])
+            return self._backbone.model(inputs_embeds=embeds, attention_mask=attn).logits[rows, pos]
         out = self._base(inputs_embeds=embeds, attention_mask=attn)
-        return self._select(self._head(out.last_hidden_state[rows, pos]))
+        return self._head(out.last_hidden_state[rows, pos])
 
 
 class CosineEncoderClassifier(PromptClassifier):

@@ -169,24 +169,9 @@ def transfer_loss(
 def vocab_logits(clf: PromptClassifier, batch: Batch, prompt: torch.Tensor | None) -> torch.Tensor:
     """(B, V) full-vocabulary logits at the label position of a verbalizer classifier (the same
     forward as the classifier's, before it keeps the label words)."""
-    embeds, attn, pos = clf._embed_inputs(batch, prompt)
-    rows = torch.arange(embeds.shape[0], device=embeds.device)
-    model = clf.backbone.model
-    if isinstance(clf, VerbalizerCausalLM):
-        B, T, _ = embeds.shape
-        position_ids = torch.arange(T, device=embeds.device).unsqueeze(0).expand(B, T)
-        out = clf._base(inputs_embeds=embeds, attention_mask=attn, position_ids=position_ids, use_cache=False)
-        logits = model.get_output_embeddings()(out.last_hidden_state[rows, pos])
-        cap = getattr(model.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits.float()
-    if isinstance(clf, VerbalizerMaskedLM):
-        if clf._head is None:
-            return model(inputs_embeds=embeds, attention_mask=attn).logits[rows, pos].float()
-        out = clf._base(inputs_embeds=embeds, attention_mask=attn)
-        return clf._head(out.last_hidden_state[rows, pos]).float()
-    raise ValueError(f"logits='vocab' needs a verbalizer classifier, got {type(clf).__name__}")
+    if not isinstance(clf, (VerbalizerCausalLM, VerbalizerMaskedLM)):
+        raise ValueError(f"logits='vocab' needs a verbalizer classifier, got {type(clf).__name__}")
+    return clf.vocab_logits(batch, prompt)
 
 
 def _scores(clf: PromptClassifier, batch: Batch, prompt: torch.Tensor | None, mode: str) -> torch.Tensor:
