@@ -104,7 +104,7 @@ class _local_prefect_server:
 
 
 def _run_flow(cfg, config: dict) -> dict:
-    if cfg.sweep:
+    if cfg.sweep or cfg.seeds:
         from flows.sweep import sweep_flow
 
         return sweep_flow(config)
@@ -118,12 +118,19 @@ def _run_flow(cfg, config: dict) -> dict:
 
 
 def _print_sweep(summary: dict) -> None:
-    from flows.sweep import COLUMNS
+    from flows.sweep import COLUMNS, short_name
 
-    print("variant".ljust(52) + "".join(c.split(".", 1)[1][:14].rjust(16) for c in COLUMNS))
+    columns = [c for c in COLUMNS if any(r.get(c) is not None for r in summary["variants"])]
+    print("variant".ljust(40) + "".join(short_name(c).rjust(16) for c in columns))
     for row in summary["variants"]:
-        cells = "".join(("-" if row.get(c) is None else f"{row[c]:.4f}").rjust(16) for c in COLUMNS)
-        print(row["variant"][:51].ljust(52) + cells)
+        cells = "".join(("-" if row.get(c) is None else f"{row[c]:.4f}").rjust(16) for c in columns)
+        print(row["variant"][:39].ljust(40) + cells)
+    if any(g["n"] > 1 for g in summary.get("groups", [])):
+        print("mean ± std over seeds")
+        for g in summary["groups"]:
+            cells = "".join(("-" if g[c]["mean"] is None else f"{g[c]['mean']:.4f}±{g[c]['std']:.4f}").rjust(16)
+                            for c in columns)
+            print(f"{g['group'][:30]} (n={g['n']})".ljust(40) + cells)
 
 
 def _print_attacks(m: dict) -> None:

@@ -1,5 +1,6 @@
-"""Sweep flow: one prompt-tuning flow run per variant of a config (``sweep:`` block), then a
-summary run that puts them side by side (privacy–utility and leakage plots, a table)."""
+"""Sweep flow: one method flow run per variant of a config (``sweep:`` block) and per seed
+(``seeds:``), then a summary run that puts them side by side (privacy–utility and leakage plots,
+a table) and, over seeds, gives each variant's mean ± standard deviation."""
 
 from __future__ import annotations
 
@@ -8,12 +9,55 @@ from prefect.runtime import flow_run
 
 from flows.prompt_tuning import prompt_tuning_flow
 from tasks import plots
-from tasks.config import config_to_yaml, load_config, parse_config, sweep_variants
+from tasks.config import config_to_yaml, load_config, parse_config, sweep_variants, variant_group
 from tasks.record import RunRecord, client, ensure_experiment
 from tasks.state import state_paths
 
 COLUMNS = ("privacy.epsilon", "test.accuracy", "mia.loss.auc", "mia.lira.auc", "mia.lira.tpr_at_1pct_fpr",
-           "audit.epsilon_lower_bound")
+           "audit.epsilon_lower_bound",
+           # POST's comparison (absent for the other methods)
+           "test.accuracy.full_zs", "test.accuracy.full_pt", "test.accuracy.compressed_pt",
+           "test.accuracy.direct_transfer")
+
+
+def short_name(column: str) -> str:
+    return {"test.accuracy": "accuracy", "privacy.epsilon": "epsilon"}.get(
+        column, column.removeprefix("test.accuracy.").removeprefix("mia.").removeprefix("audit."))[:14]
+
+
+def seed_groups(rows: list[dict]) -> list[dict]:
+    """Per variant (its label without the seed): n, and mean / sample std of every column over
+    the seeds that produced it (std 0 for one seed; None where no run has the column)."""
+    import numpy as np
+
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(variant_group(row["variant"]), []).append(row)
+    out = []
+    for name, members in groups.items():
+        g = {"group": name, "n": len(members), "seeds": [m.get("seed") for m in members]}
+        for c in COLUMNS:
+            values = np.array([m[c] for m in members if m.get(c) is not None], float)
+            g[c] = {"mean": float(values.mean()) if len(values) else None,
+                    "std": float(values.std(ddof=1)) if len(values) > 1 else (0.0 if len(values) else None),
+                    "n": int(len(values))}
+        out.append(g)
+    return out
+
+
+def summary_table(rows: list[dict], groups: list[dict]) -> str:
+    columns = [c for c in COLUMNS if any(r.get(c) is not None for r in rows)]
+    lines = ["| variant | run | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['mlflow_run_id'][:8]} | "
+                     + " | ".join("-" if r.get(c) is None else f"{r[c]:.4f}" for c in columns) + " |")
+    if any(g["n"] > 1 for g in groups):
+        lines += ["", "Mean ± sample standard deviation over seeds:", "",
+                  "| variant | seeds | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
+        for g in groups:
+            lines.append(f"| {g['group']} | {g['n']} | " + " | ".join(
+                "-" if g[c]["mean"] is None else f"{g[c]['mean']:.4f} ± {g[c]['std']:.4f}" for c in columns) + " |")
+    return "\n".join(lines) + "\n"
 
 
 @flow(name="sweep", log_prints=False)
@@ -43,13 +87,18 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
                 from flows.post import post_flow as method_flow
             out = method_flow.with_options(flow_run_name=f"{variant.method}:{label}")(vcfg)
             row = {"variant": label, "method": variant.method, "mlflow_run_id": out["mlflow_run_id"],
-                   "privacy.guarantee": variant.guarantee}
+                   "privacy.guarantee": variant.guarantee, "seed": variant.seed}
             row.update({k: out["metrics"].get(k) for k in COLUMNS})
             rows.append(row)
             fingerprint = out.get("budget", {}).get("dataset.fingerprint")
             if fingerprint:
                 run.set_tags({"dataset.fingerprint": fingerprint})
+        groups = seed_groups(rows)
         run.log_json(rows, "sweep/results.json")
+        run.log_json(groups, "sweep/groups.json")
+        run.log_text(summary_table(rows, groups), "tables/sweep.md")
+        if cfg.seeds:
+            run.log_params({"sweep.seeds": ",".join(map(str, cfg.seeds))})
         points = [{"method": r["variant"], "accuracy": r["test.accuracy"], "epsilon": r["privacy.epsilon"],
                    "guarantee": "no DP"} for r in rows]
         fig = plots.privacy_utility_plot(points, f"{cfg.data.name}: test accuracy by variant")
@@ -61,7 +110,7 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
             plots.close(fig)
         run.end(ok=True)
         return {"flow_run_id": flow_run_id, "mlflow_run_id": run.run_id, "experiment": cfg.experiment_name,
-                "method": "sweep", "variants": rows, "metrics": {}}
+                "method": "sweep", "variants": rows, "groups": groups, "metrics": {}}
     except BaseException:
         run.end(ok=False)
         raise

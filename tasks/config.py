@@ -187,6 +187,16 @@ class PrivPromptConfig(_Block):
     sweep: list[dict[str, Any]] = Field(
         default_factory=list,
         description="variants, each a mapping of dotted keys to values; one flow run per variant")
+    seeds: list[int] = Field(
+        default_factory=list,
+        description="run the config (every sweep variant) once per seed; the summary gives mean ± std")
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError(f"seeds must be distinct, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -278,20 +288,30 @@ def config_to_yaml(cfg: PrivPromptConfig) -> str:
 
 def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
     """The configs of a sweep (validated up front, before anything runs), with their labels."""
-    base = cfg.model_dump(mode="json")
-    base["sweep"] = []
-    out = []
-    for i, variant in enumerate(cfg.sweep):
-        if not isinstance(variant, dict) or not variant:
-            raise ConfigError(f"invalid config: sweep.{i}: must be a non-empty mapping of dotted keys to values")
-        import copy
+    import copy
 
-        raw = copy.deepcopy(base)
-        overrides = [f"{k}={json.dumps(v)}" for k, v in variant.items()]
-        try:
-            variant_cfg = parse_config(apply_overrides(raw, overrides))
-        except ConfigError as err:
-            raise ConfigError(f"sweep.{i} ({variant}): {err}") from None
-        label = ",".join(f"{k}={v}" for k, v in variant.items())
-        out.append((label, variant_cfg))
+    base = cfg.model_dump(mode="json")
+    base["sweep"], base["seeds"] = [], []
+    variants = list(cfg.sweep) or [{}]  # seeds alone: the config itself, once per seed
+    seeds = cfg.seeds or [None]
+    out = []
+    for i, variant in enumerate(variants):
+        if not isinstance(variant, dict) or (cfg.sweep and not variant):
+            raise ConfigError(f"invalid config: sweep.{i}: must be a non-empty mapping of dotted keys to values")
+        if cfg.seeds and "seed" in variant:
+            raise ConfigError(f"invalid config: sweep.{i} sets seed, and seeds: {cfg.seeds} runs every variant "
+                              "with each seed; use one or the other")
+        for seed in seeds:
+            item = dict(variant) if seed is None else {**variant, "seed": seed}
+            overrides = [f"{k}={json.dumps(v)}" for k, v in item.items()]
+            try:
+                variant_cfg = parse_config(apply_overrides(copy.deepcopy(base), overrides))
+            except ConfigError as err:
+                raise ConfigError(f"sweep.{i} ({variant}): {err}") from None
+            out.append((",".join(f"{k}={v}" for k, v in item.items()), variant_cfg))
     return out
+
+
+def variant_group(label: str) -> str:
+    """A sweep label without its seed: the runs that differ only by seed share it."""
+    return ",".join(p for p in label.split(",") if p and not p.startswith("seed=")) or "base"

@@ -175,3 +175,44 @@ def test_sweep_variants_are_validated_up_front():
     raw["sweep"].append({"privacy.target_epsilon": -2})
     with pytest.raises(ConfigError, match=r"sweep\.2 .*privacy.target_epsilon"):
         sweep_variants(parse_config(raw))
+
+
+def test_seeds_cross_every_variant_and_group_by_variant():
+    from tasks.config import sweep_variants, variant_group
+
+    raw = {"data": {"name": "sst2", "labels": ["a", "b"]}, "models": {"local": "minilm"},
+           "seeds": [0, 1, 2]}
+    out = sweep_variants(parse_config(raw))
+    assert [l for l, _ in out] == ["seed=0", "seed=1", "seed=2"]
+    assert [v.seed for _, v in out] == [0, 1, 2] and not any(v.seeds or v.sweep for _, v in out)
+    assert {variant_group(l) for l, _ in out} == {"base"}
+    raw["sweep"] = [{"privacy.target_epsilon": 1.0}, {"privacy.target_epsilon": 8.0}]
+    out = sweep_variants(parse_config(raw))
+    assert len(out) == 6 and out[1][0] == "privacy.target_epsilon=1.0,seed=1"
+    assert (out[4][1].privacy.target_epsilon, out[4][1].seed) == (8.0, 1)
+    assert variant_group(out[4][0]) == "privacy.target_epsilon=8.0"
+    raw["sweep"].append({"seed": 5})
+    with pytest.raises(ConfigError, match=r"sweep\.2 sets seed"):
+        sweep_variants(parse_config(raw))
+    with pytest.raises(ConfigError, match="seeds must be distinct"):
+        parse_config({**raw, "sweep": [], "seeds": [1, 1]})
+
+
+def test_seed_groups_mean_and_sample_std():
+    from flows.sweep import seed_groups, summary_table
+
+    rows = [{"variant": f"privacy.target_epsilon=8.0,seed={s}", "mlflow_run_id": f"run{s}xxxxx", "seed": s,
+             "test.accuracy": a, "test.accuracy.direct_transfer": d, "privacy.epsilon": 8.0}
+            for s, a, d in [(0, 0.70, 0.60), (1, 0.72, None), (2, 0.74, 0.64)]]
+    rows.append({"variant": "privacy.target_epsilon=1.0,seed=0", "mlflow_run_id": "other123", "seed": 0,
+                 "test.accuracy": 0.5, "privacy.epsilon": 1.0})
+    (g8, g1) = seed_groups(rows)
+    assert g8["group"] == "privacy.target_epsilon=8.0" and g8["n"] == 3 and g8["seeds"] == [0, 1, 2]
+    assert g8["test.accuracy"]["mean"] == pytest.approx(0.72)
+    assert g8["test.accuracy"]["std"] == pytest.approx(0.02)  # sample std of 0.70, 0.72, 0.74
+    assert g8["test.accuracy.direct_transfer"] == {"mean": pytest.approx(0.62), "std": pytest.approx(0.0282843, abs=1e-6), "n": 2}
+    assert g8["mia.lira.auc"] == {"mean": None, "std": None, "n": 0}
+    assert g1["n"] == 1 and g1["test.accuracy"]["std"] == 0.0
+    table = summary_table(rows, [g8, g1])
+    assert "| privacy.target_epsilon=8.0 | 3 | 8.0000 ± 0.0000 | 0.7200 ± 0.0200 |" in table
+    assert "mia.lira.auc" not in table  # columns no run has are left out
