@@ -13,18 +13,17 @@ from __future__ import annotations
 import json
 
 from prefect import flow, get_run_logger, task
-from prefect.runtime import flow_run
 
 from privacy.ledger import Ledger
 
+from flows.parent_run import parent_run
 from flows.prompt_tuning import _partition
 from tasks import plots
-from tasks.config import config_to_yaml, load_config, parse_config
+from tasks.config import load_config, parse_config
 from tasks.post import distill_stage, public_texts, transfer_stage
 from tasks.prefect_tasks import GPU_TAG, _progress_reporter, evaluate_task, loss_mia_task, train_task, transient_only
-from tasks.record import RunRecord, client, ensure_experiment
 from tasks.stages import StageContext, resolve_delta
-from tasks.state import default_data_root, state_paths
+from tasks.state import default_data_root
 
 VARIANTS = ("full_zs", "full_pt", "compressed_pt", "direct_transfer", "post")
 
@@ -52,23 +51,13 @@ def _with_models(ctx: StageContext, local: str, target: str) -> StageContext:
 @flow(name="post", log_prints=False)
 def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
     cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
-    paths = state_paths(cfg.state_dir).create()
-    flow_run_id = str(flow_run.get_id())
     logger = get_run_logger()
     teacher = cfg.models.target_name
-    mlflow = client(paths)
-    experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)
-    parent = RunRecord.create(mlflow, experiment_id, f"post-{flow_run_id[:8]}", {
-        "method": "post", "dataset": cfg.data.name, "model.target": teacher, "privacy.guarantee": "dp",
-        "prefect.flow_run_id": flow_run_id, "flow": "post", "post.public": cfg.methods.post.public.name})
-    summary: dict = {"flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": "post",
-                     "experiment": cfg.experiment_name}
-    try:
-        parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "seed": cfg.seed,
-                           "post.student_layers": cfg.methods.post.distill.student_layers,
-                           "post.transfer_steps": cfg.methods.post.transfer.steps,
-                           "post.transfer_alpha": cfg.methods.post.transfer.alpha})
-        parent.log_text(config_to_yaml(cfg), "config.yaml")
+    with parent_run(cfg, "post", "post", "dp", tags={"post.public": cfg.methods.post.public.name}, params={
+            "post.student_layers": cfg.methods.post.distill.student_layers,
+            "post.transfer_steps": cfg.methods.post.transfer.steps,
+            "post.transfer_alpha": cfg.methods.post.transfer.alpha}) as run:
+        paths, parent, flow_run_id, summary = run.paths, run.parent, run.flow_run_id, run.summary
         part = _partition(cfg, paths, default_data_root(cfg.data_root))
         parent.set_tags({"dataset.fingerprint": part["fingerprint"]})
         parent.log_params({"privacy.target_delta": resolve_delta(cfg, part["n_train"])})
@@ -123,6 +112,7 @@ def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         parent.log_params(dp["params"])
         parent.log_file(moved["prompt_path"], "prompt")
         parent.log_file(dp["prompt_path"], "prompt/source")
+        parent.log_file(dp["training_curve"], "plots")
 
         table = ["| method | test accuracy | privacy |", "|---|---:|---|"]
         names = {"full_zs": "Full ZS", "full_pt": "Full PT", "compressed_pt": "Compressed PT",
@@ -150,11 +140,7 @@ def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
                   "ledger": {k: ledger_row[k] for k in ("epsilon_cap", "delta", "spent_epsilon", "remaining_epsilon")}}
         parent.log_json(budget, "privacy/budget.json")
         parent.log_metrics(metrics)
-        parent.end(ok=True)
-        logger.info("POST: %s", {k: round(v, 4) for k, v in acc.items()})
         summary.update({"metrics": metrics, "runtime": runtime, "accuracy": acc, "budget": budget,
                         "compute_seconds": {k: v for k, v in runtime.items() if isinstance(v, float)}})
-        return summary
-    except BaseException:
-        parent.end(ok=False)
-        raise
+    logger.info("POST: %s", {k: round(v, 4) for k, v in acc.items()})
+    return summary

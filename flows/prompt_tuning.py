@@ -10,17 +10,16 @@ import json
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 
 from privacy.ledger import Ledger
 
 from tasks import plots
 from tasks.errors import ConfigError
-from tasks.config import TUNING_METHODS, config_to_yaml, load_config, parse_config
+from flows.parent_run import parent_run
+from tasks.config import TUNING_METHODS, load_config, parse_config
 from tasks.prefect_tasks import evaluate_task, loss_mia_task, partition_task, train_task
-from tasks.record import RunRecord, client, ensure_experiment
 from tasks.stages import StageContext, resolve_delta
-from tasks.state import default_data_root, state_paths
+from tasks.state import default_data_root
 
 
 def _partition(cfg, paths, data_root) -> dict:
@@ -38,24 +37,11 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
     cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
     if cfg.method not in TUNING_METHODS:
         raise ConfigError(f"method {cfg.method!r} has its own flow; run it with `privprompt run`")
-    paths = state_paths(cfg.state_dir).create()
     data_root = default_data_root(cfg.data_root)
-    flow_run_id = str(flow_run.get_id())
     logger = get_run_logger()
-
-    mlflow = client(paths)
-    experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)
-    parent = RunRecord.create(mlflow, experiment_id, f"{cfg.method}-{flow_run_id[:8]}", {
-        "method": cfg.method, "dataset": cfg.data.name, "model.local": cfg.models.local,
-        "model.target": cfg.models.target_name, "privacy.guarantee": cfg.guarantee,
-        "prefect.flow_run_id": flow_run_id, "flow": "prompt_tuning"})
-    summary: dict = {"flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": cfg.method,
-                     "experiment": cfg.experiment_name}
-    try:
-        parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "seed": cfg.seed,
-                           "privacy.dataset_epsilon_cap": cfg.privacy.dataset_epsilon_cap})
-        parent.log_text(config_to_yaml(cfg), "config.yaml")
-
+    with parent_run(cfg, "prompt_tuning", cfg.method, cfg.guarantee,
+                    params={"privacy.dataset_epsilon_cap": cfg.privacy.dataset_epsilon_cap}) as run:
+        paths, parent, flow_run_id, summary = run.paths, run.parent, run.flow_run_id, run.summary
         part = _partition(cfg, paths, data_root)
         delta = resolve_delta(cfg, part["n_train"])
         parent.set_tags({"dataset.fingerprint": part["fingerprint"]})
@@ -141,11 +127,7 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
         parent.log_figure(fig, "plots/privacy_utility.png")
         plots.close(fig)
         parent.log_metrics(metrics)
-        parent.end(ok=True)
         summary.update({"metrics": metrics, "budget": budget, "compute_seconds": compute,
                         "published": {k: published[k] for k in ("method", "prompt_path", "private")}})
-        logger.info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in metrics.items()}))
-        return summary
-    except BaseException:
-        parent.end(ok=False)
-        raise
+    logger.info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in metrics.items()}))
+    return summary

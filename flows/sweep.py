@@ -5,13 +5,11 @@ a table) and, over seeds, gives each variant's mean ± standard deviation."""
 from __future__ import annotations
 
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
 
+from flows.parent_run import parent_run
 from flows.prompt_tuning import prompt_tuning_flow
 from tasks import plots
-from tasks.config import config_to_yaml, load_config, parse_config, sweep_variants, variant_group
-from tasks.record import RunRecord, client, ensure_experiment
-from tasks.state import state_paths
+from tasks.config import load_config, parse_config, sweep_variants, variant_group
 
 COLUMNS = ("privacy.epsilon", "test.accuracy", "mia.loss.auc", "mia.lira.auc", "mia.lira.tpr_at_1pct_fpr",
            "audit.epsilon_lower_bound",
@@ -64,19 +62,10 @@ def summary_table(rows: list[dict], groups: list[dict]) -> str:
 def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
     cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
     variants = sweep_variants(cfg)  # every variant validated before anything runs
-    paths = state_paths(cfg.state_dir).create()
-    flow_run_id = str(flow_run.get_id())
-    mlflow = client(paths)
-    experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)
-    run = RunRecord.create(mlflow, experiment_id, f"sweep-{flow_run_id[:8]}", {
-        "method": "sweep", "dataset": cfg.data.name, "model.local": cfg.models.local,
-        "model.target": cfg.models.target_name, "privacy.guarantee": "none",
-        "prefect.flow_run_id": flow_run_id, "flow": "sweep", "sweep.variants": len(variants)})
     logger = get_run_logger()
-    try:
-        run.log_params({"seed": cfg.seed, "privacy.target_epsilon": cfg.privacy.target_epsilon,
-                        "privacy.target_delta": cfg.privacy.target_delta or "default: min(1e-5, 1/(10 n_train))"})
-        run.log_text(config_to_yaml(cfg), "config.yaml")
+    with parent_run(cfg, "sweep", "sweep", "none", tags={"sweep.variants": len(variants)}, params={
+            "privacy.target_delta": cfg.privacy.target_delta or "default: min(1e-5, 1/(10 n_train))"}) as run:
+        paths, record = run.paths, run.parent
         rows = []
         for label, variant in variants:
             logger.info("sweep variant %s", label)
@@ -92,25 +81,21 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
             rows.append(row)
             fingerprint = out.get("budget", {}).get("dataset.fingerprint")
             if fingerprint:
-                run.set_tags({"dataset.fingerprint": fingerprint})
+                record.set_tags({"dataset.fingerprint": fingerprint})
         groups = seed_groups(rows)
-        run.log_json(rows, "sweep/results.json")
-        run.log_json(groups, "sweep/groups.json")
-        run.log_text(summary_table(rows, groups), "tables/sweep.md")
+        record.log_json(rows, "sweep/results.json")
+        record.log_json(groups, "sweep/groups.json")
+        record.log_text(summary_table(rows, groups), "tables/sweep.md")
         if cfg.seeds:
-            run.log_params({"sweep.seeds": ",".join(map(str, cfg.seeds))})
+            record.log_params({"sweep.seeds": ",".join(map(str, cfg.seeds))})
         points = [{"method": r["variant"], "accuracy": r["test.accuracy"], "epsilon": r["privacy.epsilon"],
                    "guarantee": "no DP"} for r in rows]
         fig = plots.privacy_utility_plot(points, f"{cfg.data.name}: test accuracy by variant")
-        run.log_figure(fig, "plots/privacy_utility.png")
+        record.log_figure(fig, "plots/privacy_utility.png")
         plots.close(fig)
         if any(r.get("mia.lira.auc") is not None for r in rows):
             fig = plots.leakage_plot(rows, f"{cfg.data.name}: membership inference by variant")
-            run.log_figure(fig, "plots/leakage.png")
+            record.log_figure(fig, "plots/leakage.png")
             plots.close(fig)
-        run.end(ok=True)
-        return {"flow_run_id": flow_run_id, "mlflow_run_id": run.run_id, "experiment": cfg.experiment_name,
-                "method": "sweep", "variants": rows, "groups": groups, "metrics": {}}
-    except BaseException:
-        run.end(ok=False)
-        raise
+    return {"flow_run_id": run.flow_run_id, "mlflow_run_id": record.run_id, "experiment": cfg.experiment_name,
+            "method": "sweep", "variants": rows, "groups": groups, "metrics": {}}

@@ -1,0 +1,49 @@
+"""The parent run every flow opens (../shared/RUN_RECORD.md): the state folder, the MLflow
+experiment, the parent run with the shared tags, params and ``config.yaml``, and the summary the
+CLI prints. The run ends FINISHED when the flow's block completes and FAILED when it raises."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from prefect.runtime import flow_run
+
+from tasks.config import PrivPromptConfig, config_to_yaml
+from tasks.record import RunRecord, client, ensure_experiment
+from tasks.state import StatePaths, state_paths
+
+
+@dataclass
+class FlowRun:
+    cfg: PrivPromptConfig
+    paths: StatePaths
+    flow_run_id: str
+    parent: RunRecord
+    summary: dict  # what the flow returns: ids first, the flow adds its results
+
+
+@contextmanager
+def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
+               tags: dict | None = None, params: dict | None = None) -> Iterator[FlowRun]:
+    paths = state_paths(cfg.state_dir).create()
+    flow_run_id = str(flow_run.get_id())
+    mlflow = client(paths)
+    experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)
+    parent = RunRecord.create(mlflow, experiment_id, f"{method}-{flow_run_id[:8]}", {
+        "method": method, "dataset": cfg.data.name, "model.local": cfg.models.local,
+        "model.target": cfg.models.target_name, "privacy.guarantee": guarantee,
+        "prefect.flow_run_id": flow_run_id, "flow": flow, **(tags or {})})
+    run = FlowRun(cfg, paths, flow_run_id, parent, {
+        "flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": method,
+        "experiment": cfg.experiment_name})
+    try:
+        parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "seed": cfg.seed,
+                           **(params or {})})
+        parent.log_text(config_to_yaml(cfg), "config.yaml")
+        yield run
+    except BaseException:
+        parent.end(ok=False)
+        raise
+    parent.end(ok=True)
