@@ -48,7 +48,7 @@ from torch import nn
 from models.classifiers import _mlm_head
 from models.device import resolve_device
 from models.dp_prompt_training import _Progress
-from models.registry import Backbone, Kind, detect_kind
+from models.registry import Backbone, Kind, detect_kind, quiet_loading
 
 ProgressFn = Callable[[int, int, float | None], None]
 STUDENT_META = "privprompt_student.json"
@@ -387,6 +387,7 @@ def load_student(directory: str | Path, device: str | torch.device | None = None
     ``trainable``. Not cached: each call builds a new model."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
+    quiet_loading()
     directory = Path(directory)
     meta_path = directory / STUDENT_META
     if not meta_path.is_file():

@@ -70,6 +70,14 @@ def clear_backbone_cache() -> None:
         _KEY_LOCKS.clear()
 
 
+def quiet_loading() -> None:
+    """No per-load "Loading weights" progress bars: a flow loads models in every worker and task,
+    and its own progress reports are what a user follows."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_backbone(name: str, device: str | torch.device | None = None, seed: int = 0) -> Backbone:
     """Load (or reuse) the frozen backbone ``name`` on ``device`` (default: CUDA if available).
 
@@ -82,6 +90,7 @@ def load_backbone(name: str, device: str | torch.device | None = None, seed: int
         raise ModelLoadError(f"cannot load model {name!r}: the name is empty")
     dev = resolve_device(device)
     key = (name, str(dev), seed if name in TINY_MODELS else None)
+    quiet_loading()
     with _GLOBAL_LOCK:
         if key in _CACHE:
             return _CACHE[key]
