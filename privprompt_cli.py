@@ -159,9 +159,12 @@ def _print_summary(summary: dict, wall: float) -> None:
     for key in sorted(k for k in m if k.startswith("test.accuracy")):
         print(f"{key + ':':<28}{m[key]:.4f}")
     _print_attacks(m)
-    compute = sum(summary.get("compute_seconds", {}).values())
+    seconds = summary.get("compute_seconds", {})
+    audit = seconds.get("audit", 0.0)
+    compute = sum(v for k, v in seconds.items() if k != "audit")
     print(f"{'wall time:':<28}{wall:.1f} s ({compute:.1f} s model work, "
-          f"{wall - compute:.1f} s orchestration, tracking and start-up)")
+          + (f"{audit:.1f} s audit, " if "audit" in seconds else "")
+          + f"{wall - compute - audit:.1f} s orchestration, tracking and start-up)")
 
 
 def cmd_run(args) -> int:

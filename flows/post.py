@@ -81,14 +81,22 @@ def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         moved = transfer_task(ctx, student["student_dir"], dp["prompt_path"])
         runtime["transfer"] = moved["compute_s"]
 
-        acc = {"full_zs": evaluate_task(ctx, None, "full_zs", "none")["target"],
-               "compressed_pt": evaluate_task(on_student, dp["prompt_path"], "compressed_pt", "dp")["target"],
-               "direct_transfer": evaluate_task(ctx, dp["prompt_path"], "direct_transfer", "dp")["target"],
-               "post": evaluate_task(ctx, moved["prompt_path"], "post", "dp")["target"]}
+        compute: dict[str, float] = {}  # seconds of model work per stage (the rest is orchestration)
+
+        def evaluate(stage_ctx: StageContext, prompt_path: str | None, name: str, guarantee: str) -> float:
+            out = evaluate_task(stage_ctx, prompt_path, name, guarantee)
+            compute[f"evaluate:{name}"] = out["compute_s"]
+            return out["target"]
+
+        acc = {"full_zs": evaluate(ctx, None, "full_zs", "none"),
+               "compressed_pt": evaluate(on_student, dp["prompt_path"], "compressed_pt", "dp"),
+               "direct_transfer": evaluate(ctx, dp["prompt_path"], "direct_transfer", "dp"),
+               "post": evaluate(ctx, moved["prompt_path"], "post", "dp")}
         if cfg.methods.post.full_pt:  # non-private tuning on the target: an upper bound, opt-in
             full = train_task(ctx, "prompt_sgd")
             runtime["full_pt"] = full["compute_s"]
-            acc["full_pt"] = evaluate_task(ctx, full["prompt_path"], "full_pt", "none")["target"]
+            acc["full_pt"] = evaluate(ctx, full["prompt_path"], "full_pt", "none")
+        compute.update({k: v for k, v in runtime.items() if isinstance(v, float)})
 
         spend = dp["spend"]
         metrics = {"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
@@ -97,6 +105,7 @@ def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         metrics.update({f"runtime.{k}_s": v for k, v in runtime.items() if isinstance(v, float)})
         if cfg.mia.enabled:
             mia = loss_mia_task(ctx, moved["prompt_path"], "post", "dp")
+            compute["mia:post"] = mia["compute_s"]
             metrics.update(mia["metrics"])
             parent.log_file(mia["roc_plot"], "plots")
         if cfg.audit.enabled:  # LiRA shadows re-run DP tuning on the student + transfer (not distillation)
@@ -108,6 +117,7 @@ def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
                 epsilon=dp["spend"]["epsilon"], delta=dp["spend"]["delta"], run_id=parent.run_id,
                 flow_run_id=flow_run_id, state_dir=str(paths.root), student_dir=student["student_dir"]), cfg.audit)
             metrics.update(audited["metrics"])
+            compute["audit"] = audited["wall_s"]
             summary["audit"] = audited
         parent.log_params(dp["params"])
         parent.log_file(moved["prompt_path"], "prompt")
@@ -141,6 +151,6 @@ def post_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         parent.log_json(budget, "privacy/budget.json")
         parent.log_metrics(metrics)
         summary.update({"metrics": metrics, "runtime": runtime, "accuracy": acc, "budget": budget,
-                        "compute_seconds": {k: v for k, v in runtime.items() if isinstance(v, float)}})
+                        "compute_seconds": compute})
     logger.info("POST: %s", {k: round(v, 4) for k, v in acc.items()})
     return summary

@@ -106,6 +106,7 @@ def prompt_tuning_flow(config: dict | str, overrides: list[str] | None = None) -
                                  method=cfg.method, epsilon=spend.get("epsilon"), delta=spend.get("delta"),
                                  run_id=parent.run_id, flow_run_id=flow_run_id, state_dir=str(paths.root))
             audited = run_audit(target, cfg.audit)
+            compute["audit"] = audited["wall_s"]
             metrics.update(audited["metrics"])
             summary["audit"] = audited
 

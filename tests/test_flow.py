@@ -280,3 +280,18 @@ def test_nonprivate_method_publishes_metrics_only(flow_run, tmp_path):
     assert Path(summary["published"]["prompt_path"]).is_relative_to(state / "private")
     budget = json.loads(Path(_mlflow(state).download_artifacts(run.info.run_id, "privacy/budget.json")).read_text())
     assert budget["total"] is None and "no formal privacy guarantee" in budget["note"]
+
+
+def test_cli_summary_separates_model_work_audit_and_orchestration(capsys):
+    import privprompt_cli
+
+    summary = {"flow_run_id": "f", "mlflow_run_id": "m", "experiment": "e", "method": "post",
+               "metrics": {"privacy.epsilon": 7.9975, "privacy.delta": 1e-5, "privacy.epsilon_rdp": 9.7,
+                           "test.accuracy": 0.74},
+               "compute_seconds": {"tune": 60.0, "transfer": 90.0, "audit": 1300.0}}
+    privprompt_cli._print_summary(summary, 1600.0)
+    out = capsys.readouterr().out
+    assert "1600.0 s (150.0 s model work, 1300.0 s audit, 150.0 s orchestration" in out
+    summary["compute_seconds"].pop("audit")
+    privprompt_cli._print_summary(summary, 200.0)
+    assert "200.0 s (150.0 s model work, 50.0 s orchestration" in capsys.readouterr().out

@@ -133,6 +133,8 @@ def test_post_audit_shadows_rerun_dp_tuning_and_transfer(post_run):
     out = post_flow(cfg)
     m = out["metrics"]
     assert out["runtime"]["distill"] == "cached"  # the shadows reuse the student as well
+    seconds = out["compute_seconds"]
+    assert seconds["audit"] > seconds["tune"] > 0 and "evaluate:post" in seconds
     for key in ("mia.lira.auc", "mia.lira_offline.auc", "mia.loss.auc", "audit.epsilon_lower_bound"):
         assert key in m, key
     assert 0 <= m["mia.lira.auc"] <= 1
