@@ -13,10 +13,10 @@ from prefect import flow, get_run_logger
 
 from privacy.ledger import Ledger
 
-from tasks import plots
-from tasks.errors import ConfigError
 from flows.parent_run import parent_run
+from tasks import plots
 from tasks.config import TUNING_METHODS, load_config, parse_config
+from tasks.errors import ConfigError
 from tasks.prefect_tasks import evaluate_task, loss_mia_task, partition_task, train_task
 from tasks.stages import StageContext, resolve_delta
 from tasks.state import default_data_root

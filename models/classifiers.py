@@ -260,7 +260,7 @@ class VerbalizerCausalLM(_Verbalizer):
         return logits
 
 
-def _mlm_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def mlm_head(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The MLM prediction head as a function of hidden states, for common architectures."""
     for attr in ("cls", "lm_head", "predictions"):
         head = getattr(model, attr, None)
@@ -278,7 +278,7 @@ class VerbalizerMaskedLM(_Verbalizer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._head = _mlm_head(self._backbone.model)
+        self._head = mlm_head(self._backbone.model)
 
     def _template_kind(self) -> str:
         return "masked"

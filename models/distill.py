@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.classifiers import _mlm_head
+from models.classifiers import mlm_head
 from models.device import resolve_device
-from models.dp_prompt_training import _Progress
+from models.dp_prompt_training import StepProgress
 from models.registry import Backbone, Kind, detect_kind, quiet_loading
 
 ProgressFn = Callable[[int, int, float | None], None]
@@ -211,7 +211,7 @@ def _forward(backbone: Backbone, input_ids, attention_mask) -> tuple[torch.Tenso
     if backbone.kind == "encoder":
         return None, model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.float()
     if backbone.kind == "masked":
-        head = _mlm_head(model)
+        head = mlm_head(model)
         if head is None:
             out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
             return out.logits.float(), out.hidden_states[-1].float()
@@ -329,7 +329,7 @@ def distill(teacher: Backbone, student: Backbone, texts: list[str], config: Dist
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     g = torch.Generator().manual_seed(config.seed)
     vocab = int(student.model.get_input_embeddings().weight.shape[0])
-    report = _Progress(progress, config.log_every, config.steps)
+    report = StepProgress(progress, config.log_every, config.steps)
     history: list[dict] = []
     order: list[int] = []
     student.model.train()

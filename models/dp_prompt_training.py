@@ -167,7 +167,7 @@ def _optimizer(params, config: PromptTrainingConfig) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=config.lr)
 
 
-class _Progress:
+class StepProgress:
     """Calls ``fn(step, total, mean loss since last call)`` every ``every`` steps and at the end."""
 
     def __init__(self, fn: ProgressFn | None, every: int, total: int):
@@ -219,7 +219,7 @@ def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, se
     per_epoch = math.ceil(N / config.batch_size)
     total = config.steps if config.steps is not None else max(1, math.ceil(config.epochs * per_epoch))
     g = torch.Generator().manual_seed(seed)
-    report = _Progress(progress, config.log_every, total)
+    report = StepProgress(progress, config.log_every, total)
     history, step = [], 0
     dev = classifier.device
     while step < total:
@@ -250,7 +250,7 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
     # (A seeded PRNG is not a cryptographic source; attacks on the noise RNG are out of scope.)
     g_sample = torch.Generator().manual_seed(2 * seed)
     g_noise = torch.Generator().manual_seed(2 * seed + 1)
-    report = _Progress(progress, config.log_every, total)
+    report = StepProgress(progress, config.log_every, total)
     dev = classifier.device
     shape = prompt.weight.shape
     history, empty, update_checked = [], 0, False

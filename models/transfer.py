@@ -49,7 +49,7 @@ from models.classifiers import (
     num_examples,
     select_rows,
 )
-from models.dp_prompt_training import _Progress
+from models.dp_prompt_training import StepProgress
 from models.soft_prompt import SoftPrompt
 
 ProgressFn = Callable[[int, int, float | None], None]
@@ -343,7 +343,7 @@ def transfer_prompt(
             best.update(score=score, step=step, prompt=snapshot)
 
     g = torch.Generator().manual_seed(config.seed)
-    report = _Progress(progress, config.log_every, config.steps)
+    report = StepProgress(progress, config.log_every, config.steps)
     history: list[dict] = []
     order: list[int] = []
     select(0)
