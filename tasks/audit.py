@@ -175,9 +175,7 @@ def shadow_prompt(target: AuditTarget, pool_path: str, idx: np.ndarray, seed: in
         result = fit_prompt(cfg, plan, clf, select_rows(enc, rows), y[rows], seed=seed)
         return result.prompt, result.steps
     # POST: DP tuning on the student, then transfer on public data to the audited model
-    from models.transfer import transfer_prompt
-
-    from .post import public_texts, transfer_config
+    from .post import public_texts, transfer_on_public
 
     on_student = parse_config({**target.config, "models": {**target.config["models"], "local": target.student_dir,
                                                            "target": target.student_dir}})
@@ -188,7 +186,7 @@ def shadow_prompt(target: AuditTarget, pool_path: str, idx: np.ndarray, seed: in
     if key not in _PUBLIC:
         _PUBLIC[key] = public_texts(cfg, state_paths(target.state_dir).private)
     audited = classifier_for(cfg, cfg.models.local)
-    moved = transfer_prompt(clf, result.prompt, audited, _PUBLIC[key], transfer_config(cfg))
+    moved = transfer_on_public(cfg, clf, result.prompt, audited, _PUBLIC[key])
     return moved.prompt, result.steps + moved.steps
 
 

@@ -113,6 +113,9 @@ class TransferConfig(_Block):
     batch_size: int = Field(32, gt=0)
     lr: float = Field(1e-3, gt=0)
     alpha: float = Field(0.5, ge=0, le=1, description="weight of the Δ-logit KL term")
+    select_every: int = Field(0, ge=0, description="0: keep the prompt after `steps`; N: every N steps score "
+                              "it by the transfer loss on held-out PUBLIC texts and keep the best")
+    select_size: int = Field(200, gt=0, description="public texts held out for that selection")
 
 
 class PostConfig(_Block):
@@ -206,6 +209,10 @@ class PrivPromptConfig(_Block):
         if self.method == "post":
             if self.methods.post.public is None:
                 raise ValueError("methods.post.public: POST needs a public dataset for distillation and transfer")
+            t, public = self.methods.post.transfer, self.methods.post.public
+            if t.select_every and public.size is not None and t.select_size >= public.size:
+                raise ValueError(f"methods.post.transfer.select_size = {t.select_size} holds out all "
+                                 f"{public.size} public texts (methods.post.public.size): none left to train on")
             if self.methods.post.full_pt and not self.allow_nonprivate_baselines:
                 raise ValueError("methods.post.full_pt is non-private tuning on the target: set "
                                  "allow_nonprivate_baselines: true to opt in")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .config import PrivPromptConfig
 from .data import assert_public, read_public_texts
+from .errors import ConfigError
 from .record import RunRecord
 from .stages import StageContext, classifier_for
 from .state import default_data_root
@@ -90,22 +91,49 @@ def distill_stage(ctx: StageContext, progress=None) -> dict:
 
 
 def transfer_config(cfg: PrivPromptConfig):
-    """The ``models.transfer`` settings of a config (shared by the flow and the audit's shadows):
-    a fixed number of steps, the target prompt initialised like the source prompt."""
+    """The ``models.transfer`` settings of a config: the target prompt initialised like the
+    source prompt."""
     from models.transfer import TransferConfig
 
     t = cfg.methods.post.transfer
     return TransferConfig(steps=t.steps, batch_size=t.batch_size, lr=t.lr, alpha=t.alpha,
                           max_length=cfg.models.max_length, seed=cfg.seed, init="vocab",
-                          init_words=cfg.methods.prompt_dpsgd.init, init_seed=cfg.seed)
+                          init_words=cfg.methods.prompt_dpsgd.init, init_seed=cfg.seed,
+                          select_every=t.select_every)
+
+
+def transfer_on_public(cfg: PrivPromptConfig, source_clf, source_prompt, target_clf, texts: list[str],
+                       progress=None):
+    """POST's transfer as the config asks (the flow and the audit's shadows share it): a fixed
+    number of steps, or with ``select_every`` the prompt with the lowest transfer loss on
+    ``select_size`` held-out public texts. ``texts`` are public; nothing private is read."""
+    from models.transfer import transfer_objective, transfer_prompt
+
+    t, config = cfg.methods.post.transfer, transfer_config(cfg)
+    if not t.select_every:
+        return transfer_prompt(source_clf, source_prompt, target_clf, texts, config, progress=progress)
+    if len(texts) <= t.select_size:
+        raise ConfigError(f"methods.post.transfer.select_size = {t.select_size} leaves no public texts to "
+                          f"train on ({len(texts)} in methods.post.public); lower it or raise public.size")
+    import numpy as np
+
+    order = np.random.default_rng(cfg.seed).permutation(len(texts))  # files may be sorted by label
+    held_out = [texts[i] for i in order[: t.select_size]]
+    train = [texts[i] for i in sorted(order[t.select_size :])]
+
+    def public_score(prompt) -> float:
+        return -transfer_objective(source_clf, source_prompt, target_clf, held_out, prompt, config)
+
+    return transfer_prompt(source_clf, source_prompt, target_clf, train, config, progress=progress,
+                           select_fn=public_score)
 
 
 def transfer_stage(ctx: StageContext, student_dir: str, source_prompt_path: str, texts: list[str],
                    progress=None) -> dict:
     """Train the target prompt to behave on the target like the DP prompt on the student, on
-    public texts only (no selection on private data: a fixed number of steps)."""
+    public texts only (a fixed number of steps, or selection on held-out public texts; never on
+    private data)."""
     from models.soft_prompt import load_prompt, save_prompt
-    from models.transfer import transfer_prompt
 
     cfg, paths = ctx.cfg, ctx.paths
     assert_public(student_dir, paths.private)
@@ -115,7 +143,7 @@ def transfer_stage(ctx: StageContext, student_dir: str, source_prompt_path: str,
     source = classifier_for(cfg, student_dir)
     target = classifier_for(cfg, cfg.models.target_name)
     prompt, _ = load_prompt(source_prompt_path)
-    result = transfer_prompt(source, prompt, target, texts, transfer_config(cfg), progress=progress)
+    result = transfer_on_public(cfg, source, prompt, target, texts, progress=progress)
     compute_s = time.perf_counter() - started
     path = ctx.output_dir / "post.safetensors"
     save_prompt(path, result.prompt, {"method": "post", "model": cfg.models.target_name,
@@ -124,8 +152,11 @@ def transfer_stage(ctx: StageContext, student_dir: str, source_prompt_path: str,
                                         "data": "public only"})
     losses = [h["loss"] for h in result.history if h.get("loss") is not None]
     run.log_params({"transfer.steps": t.steps, "transfer.alpha": t.alpha, "transfer.lr": t.lr,
-                    "transfer.public": cfg.methods.post.public.name})
+                    "transfer.public": cfg.methods.post.public.name, "transfer.select_every": t.select_every})
     run.log_metrics({"transfer.loss_first": losses[0] if losses else None,
-                     "transfer.loss_last": losses[-1] if losses else None, "transfer.compute_s": compute_s})
+                     "transfer.loss_last": losses[-1] if losses else None, "transfer.compute_s": compute_s,
+                     "transfer.selected_step": result.best_step})
+    for point in result.selection:  # held-out public transfer loss of each candidate
+        run.log_metrics({"transfer.public_select_loss": -point["score"]}, step=point["step"])
     run.end()
-    return {"prompt_path": str(path), "compute_s": compute_s, "steps": result.steps}
+    return {"prompt_path": str(path), "compute_s": compute_s, "steps": result.steps, "selected_step": result.best_step}

@@ -151,3 +151,56 @@ def test_post_audit_shadows_rerun_dp_tuning_and_transfer(post_run):
     assert target.method == "post" and target.student_dir == run.data.tags["model.local"]
     assert target.cfg.models.local == "tiny-gpt2" and acfg.shadows == 2
     assert target.epsilon == m["privacy.epsilon"]
+
+
+def test_transfer_selection_uses_held_out_public_texts_only(post_run, monkeypatch):
+    """`select_every`: the prompt is scored on held-out public texts every N steps and the best
+    one kept; the selection, like the training, opens no file under private/."""
+    import builtins
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.post import _with_models
+    from tasks import post as post_mod
+    from tasks.errors import ConfigError
+    from tasks.stages import StageContext
+
+    state = post_run["state"]
+    config = _config(state, post_run["sst2"])
+    config["methods"]["post"]["transfer"].update({"select_every": 5, "select_size": 50})
+    part = json.loads(next((state / "private" / "partitions").glob("*/manifest.json")).read_text())
+    ctx = _with_models(StageContext(config=config, state_dir=str(state), partition=part,
+                                    parent_run_id=post_run["first"]["mlflow_run_id"], flow_run_id="select-check"),
+                       "tiny-gpt2", "tiny-gpt2")
+    student_dir = next((state / "models" / "students").iterdir())
+    source = next((state / "outputs").rglob("prompt_dpsgd.safetensors"))
+    opened, real_open = [], builtins.open
+
+    def spy(file, *a, **k):
+        opened.append(str(file))
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    texts = post_mod.public_texts(ctx.cfg, ctx.paths.private)
+    out = post_mod.transfer_stage(ctx, str(student_dir), str(source), texts)
+    monkeypatch.setattr(builtins, "open", real_open)
+    private = str((state / "private").resolve())
+    assert not [f for f in opened if str(Path(f).resolve()).startswith(private)]
+    assert out["selected_step"] in (0, 5, 10)
+    client = MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
+    run = client.search_runs([client.get_run(post_run["first"]["mlflow_run_id"]).info.experiment_id],
+                             "tags.stage = 'transfer'", order_by=["start_time DESC"])[0]
+    history = client.get_metric_history(run.info.run_id, "transfer.public_select_loss")
+    assert sorted(m.step for m in history) == [0, 5, 10]
+    best = min(history, key=lambda m: (m.value, m.step))
+    assert run.data.metrics["transfer.selected_step"] == best.step == out["selected_step"]
+    # a public set smaller than the held-out part: refused before training, nothing written
+    n_outputs = len(list((state / "outputs").rglob("*.safetensors")))
+    with pytest.raises(ConfigError, match="select_size = 50 leaves no public texts to train on \\(40 in"):
+        post_mod.transfer_stage(ctx, str(student_dir), str(source), texts[:40])
+    assert len(list((state / "outputs").rglob("*.safetensors"))) == n_outputs
+    with pytest.raises(ConfigError, match="select_size = 500 holds out all 200 public texts"):
+        config["methods"]["post"]["transfer"]["select_size"] = 500
+        from tasks.config import parse_config
+
+        parse_config(config)
