@@ -85,37 +85,51 @@ def test_public_stages_refuse_private_paths(post_run, tmp_path):
     assert len(texts) == 5
 
 
-def test_transfer_stage_is_given_public_data_only(post_run, monkeypatch):
-    """The transfer task reads only the public dataset: every file it opens is outside private/."""
+def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
+    """Run the transfer stage on the first run's DP prompt with ``transfer`` settings while
+    <state>/private is moved away (any read there fails) and every Python-level open is
+    recorded. Returns (ctx, out, texts, student, source)."""
     import builtins
+    import io
 
     from flows.post import _with_models
     from tasks import post as post_mod
     from tasks.stages import StageContext
 
     state = post_run["state"]
-    first = post_run["first"]
     config = _config(state, post_run["sst2"])
+    config["methods"]["post"]["transfer"].update(transfer)
     part = json.loads(next((state / "private" / "partitions").glob("*/manifest.json")).read_text())
-    ctx = StageContext(config=config, state_dir=str(state), partition=part,
-                       parent_run_id=first["mlflow_run_id"], flow_run_id="transfer-check")
-    ctx = _with_models(ctx, "tiny-gpt2", "tiny-gpt2")
-    student_dir = next((state / "models" / "students").iterdir())
-    source = next((state / "outputs").rglob("prompt_dpsgd.safetensors"))
-    opened = []
-    real_open = builtins.open
+    ctx = _with_models(StageContext(config=config, state_dir=str(state), partition=part,
+                                    parent_run_id=post_run["first"]["mlflow_run_id"], flow_run_id=flow_run_id),
+                       "tiny-gpt2", "tiny-gpt2")
+    student_dir = str(next((state / "models" / "students").iterdir()))
+    source = str(next((state / "outputs").rglob("prompt_dpsgd.safetensors")))
+    opened, real_open = [], io.open
 
     def spy(file, *a, **k):
         opened.append(str(file))
         return real_open(file, *a, **k)
 
-    monkeypatch.setattr(builtins, "open", spy)
-    texts = post_mod.public_texts(ctx.cfg, ctx.paths.private)
-    out = post_mod.transfer_stage(ctx, str(student_dir), str(source), texts)
-    monkeypatch.setattr(builtins, "open", real_open)
-    assert Path(out["prompt_path"]).is_file()
-    private = str((state / "private").resolve())
-    assert not [f for f in opened if str(Path(f).resolve()).startswith(private)]
+    private, hidden = state / "private", state / "private.hidden"
+    private.rename(hidden)
+    try:
+        monkeypatch.setattr(io, "open", spy)
+        monkeypatch.setattr(builtins, "open", spy)
+        texts = post_mod.public_texts(ctx.cfg, ctx.paths.private)
+        out = post_mod.transfer_stage(ctx, student_dir, source, texts)
+    finally:
+        monkeypatch.undo()
+        hidden.rename(private)
+    assert any("tweet_sentiment" in f for f in opened)  # the spy sees the public reads
+    assert not [f for f in opened if "private" in Path(f).resolve().parts]
+    return ctx, out, texts, student_dir, source
+
+
+def test_transfer_stage_is_given_public_data_only(post_run, monkeypatch):
+    """The transfer task reads only the public dataset: every file it opens is outside private/."""
+    _, out, _, _, _ = _public_transfer(post_run, monkeypatch, "transfer-check")
+    assert Path(out["prompt_path"]).is_file() and out["selected_step"] is None
 
 
 def test_post_audit_shadows_rerun_dp_tuning_and_transfer(post_run):
@@ -156,36 +170,15 @@ def test_post_audit_shadows_rerun_dp_tuning_and_transfer(post_run):
 def test_transfer_selection_uses_held_out_public_texts_only(post_run, monkeypatch):
     """`select_every`: the prompt is scored on held-out public texts every N steps and the best
     one kept; the selection, like the training, opens no file under private/."""
-    import builtins
-
     from mlflow.tracking import MlflowClient
 
-    from flows.post import _with_models
     from tasks import post as post_mod
+    from tasks.config import parse_config
     from tasks.errors import ConfigError
-    from tasks.stages import StageContext
 
     state = post_run["state"]
-    config = _config(state, post_run["sst2"])
-    config["methods"]["post"]["transfer"].update({"select_every": 5, "select_size": 50})
-    part = json.loads(next((state / "private" / "partitions").glob("*/manifest.json")).read_text())
-    ctx = _with_models(StageContext(config=config, state_dir=str(state), partition=part,
-                                    parent_run_id=post_run["first"]["mlflow_run_id"], flow_run_id="select-check"),
-                       "tiny-gpt2", "tiny-gpt2")
-    student_dir = next((state / "models" / "students").iterdir())
-    source = next((state / "outputs").rglob("prompt_dpsgd.safetensors"))
-    opened, real_open = [], builtins.open
-
-    def spy(file, *a, **k):
-        opened.append(str(file))
-        return real_open(file, *a, **k)
-
-    monkeypatch.setattr(builtins, "open", spy)
-    texts = post_mod.public_texts(ctx.cfg, ctx.paths.private)
-    out = post_mod.transfer_stage(ctx, str(student_dir), str(source), texts)
-    monkeypatch.setattr(builtins, "open", real_open)
-    private = str((state / "private").resolve())
-    assert not [f for f in opened if str(Path(f).resolve()).startswith(private)]
+    ctx, out, texts, student_dir, source = _public_transfer(post_run, monkeypatch, "select-check",
+                                                            select_every=5, select_size=50)
     assert out["selected_step"] in (0, 5, 10)
     client = MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
     run = client.search_runs([client.get_run(post_run["first"]["mlflow_run_id"]).info.experiment_id],
@@ -195,12 +188,13 @@ def test_transfer_selection_uses_held_out_public_texts_only(post_run, monkeypatc
     best = min(history, key=lambda m: (m.value, m.step))
     assert run.data.metrics["transfer.selected_step"] == best.step == out["selected_step"]
     # a public set smaller than the held-out part: refused before training, nothing written
-    n_outputs = len(list((state / "outputs").rglob("*.safetensors")))
+    written = Path(out["prompt_path"]).stat().st_mtime_ns
+    n_transfer_runs = len(client.search_runs([run.info.experiment_id], "tags.stage = 'transfer'"))
     with pytest.raises(ConfigError, match="select_size = 50 leaves no public texts to train on \\(40 in"):
-        post_mod.transfer_stage(ctx, str(student_dir), str(source), texts[:40])
-    assert len(list((state / "outputs").rglob("*.safetensors"))) == n_outputs
+        post_mod.transfer_stage(ctx, student_dir, source, texts[:40])
+    assert Path(out["prompt_path"]).stat().st_mtime_ns == written
+    assert len(client.search_runs([run.info.experiment_id], "tags.stage = 'transfer'")) == n_transfer_runs
+    config = {**ctx.config, "methods": {**ctx.config["methods"], "post": {
+        **ctx.config["methods"]["post"], "transfer": {**ctx.config["methods"]["post"]["transfer"], "select_size": 500}}}}
     with pytest.raises(ConfigError, match="select_size = 500 holds out all 200 public texts"):
-        config["methods"]["post"]["transfer"]["select_size"] = 500
-        from tasks.config import parse_config
-
         parse_config(config)
