@@ -266,7 +266,42 @@ def init_target_prompt(target_clf: PromptClassifier, source_prompt, config: Tran
     return SoftPrompt.init_from_vocab(target_clf.backbone, src, n_tokens=n, seed=config.init_seed)
 
 
-@torch.no_grad()
+class PublicObjective:
+    """The mean POST loss over a fixed set of public texts as a function of the target prompt.
+    The texts are encoded and their prompt-independent outputs computed once (when they fit in
+    ``CACHE_LIMIT_BYTES``), so a ``select_fn`` can evaluate it at every selection step cheaply."""
+
+    def __init__(self, source_clf: PromptClassifier, source_prompt, target_clf: PromptClassifier,
+                 public_texts: list[str], config: TransferConfig):
+        _check_pair(source_clf, target_clf, config)
+        self.source_clf, self.target_clf, self.config = source_clf, target_clf, config
+        self.source_prompt = _prompt_tensor(source_prompt).detach()
+        self.enc_s, self.enc_t = _encode_pair(source_clf, target_clf, public_texts, config.max_length)
+        n = num_examples(self.enc_s)
+        self.fixed = _all_fixed(source_clf, self.source_prompt, target_clf, self.enc_s, self.enc_t, config) \
+            if _cacheable(source_clf, target_clf, n, config) else None
+
+    @torch.no_grad()
+    def __call__(self, target_prompt) -> float:
+        config = self.config
+        p_t = _prompt_tensor(target_prompt).detach()
+        N, bs = num_examples(self.enc_s), config.batch_size
+        total = 0.0
+        for i in range(0, N, bs):
+            rows = slice(i, i + bs)
+            b_t = select_rows(self.enc_t, rows)
+            if self.fixed is not None:
+                fixed = FixedOutputs(*(None if x is None else x[rows] for x in self.fixed))
+            else:
+                fixed = fixed_outputs(self.source_clf, self.source_prompt, self.target_clf,
+                                      select_rows(self.enc_s, rows), b_t, config.logits, config.alpha > 0)
+            z_t = _scores(self.target_clf, b_t, p_t, config.logits)
+            terms = transfer_loss(fixed.source_prompted, fixed.source_plain, z_t, fixed.target_plain,
+                                  config.alpha, config.temperature)
+            total += float(terms.loss) * num_examples(b_t)
+        return total / N
+
+
 def transfer_objective(
     source_clf: PromptClassifier,
     source_prompt,
@@ -276,20 +311,9 @@ def transfer_objective(
     config: TransferConfig,
 ) -> float:
     """Mean POST loss of ``target_prompt`` over ``public_texts`` (no gradients). Minus this on
-    HELD-OUT public texts is a valid ``select_fn``."""
-    _check_pair(source_clf, target_clf, config)
-    enc_s, enc_t = _encode_pair(source_clf, target_clf, public_texts, config.max_length)
-    p_t = _prompt_tensor(target_prompt).detach()
-    N, bs = num_examples(enc_s), config.batch_size
-    total = 0.0
-    for i in range(0, N, bs):
-        b_s, b_t = select_rows(enc_s, slice(i, i + bs)), select_rows(enc_t, slice(i, i + bs))
-        fixed = fixed_outputs(source_clf, source_prompt, target_clf, b_s, b_t, config.logits, config.alpha > 0)
-        z_t = _scores(target_clf, b_t, p_t, config.logits)
-        terms = transfer_loss(fixed.source_prompted, fixed.source_plain, z_t, fixed.target_plain,
-                              config.alpha, config.temperature)
-        total += float(terms.loss) * num_examples(b_s)
-    return total / N
+    HELD-OUT public texts is a valid ``select_fn``; to evaluate many prompts on the same texts,
+    build one :class:`PublicObjective`."""
+    return PublicObjective(source_clf, source_prompt, target_clf, public_texts, config)(target_prompt)
 
 
 def transfer_prompt(
@@ -380,6 +404,7 @@ def transfer_prompt(
 
 __all__ = [
     "FixedOutputs",
+    "PublicObjective",
     "TransferConfig",
     "TransferLoss",
     "TransferResult",

@@ -107,7 +107,7 @@ def transfer_on_public(cfg: PrivPromptConfig, source_clf, source_prompt, target_
     """POST's transfer as the config asks (the flow and the audit's shadows share it): a fixed
     number of steps, or with ``select_every`` the prompt with the lowest transfer loss on
     ``select_size`` held-out public texts. ``texts`` are public; nothing private is read."""
-    from models.transfer import transfer_objective, transfer_prompt
+    from models.transfer import PublicObjective, transfer_prompt
 
     t, config = cfg.methods.post.transfer, transfer_config(cfg)
     if not t.select_every:
@@ -121,8 +121,10 @@ def transfer_on_public(cfg: PrivPromptConfig, source_clf, source_prompt, target_
     held_out = [texts[i] for i in order[: t.select_size]]
     train = [texts[i] for i in sorted(order[t.select_size :])]
 
+    objective = PublicObjective(source_clf, source_prompt, target_clf, held_out, config)  # encoded once
+
     def public_score(prompt) -> float:
-        return -transfer_objective(source_clf, source_prompt, target_clf, held_out, prompt, config)
+        return -objective(prompt)
 
     return transfer_prompt(source_clf, source_prompt, target_clf, train, config, progress=progress,
                            select_fn=public_score)

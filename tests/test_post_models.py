@@ -3,6 +3,7 @@ save/load (tiny random models on CPU; MiniLM only for a layer-copy check, no tra
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from models.transfer import (
     fixed_outputs,
     init_target_prompt,
     transfer_loss,
+    PublicObjective,
     transfer_objective,
     transfer_prompt,
     vocab_logits,
@@ -330,6 +332,13 @@ def test_transfer_loss_zero_for_same_model_and_prompt(arch, mode):
     cfg = TransferConfig(steps=1, alpha=0.5, logits=mode, max_length=32, batch_size=4)
     assert transfer_objective(clf, p, clf, TEXTS, p, cfg) <= 1e-6
     assert transfer_objective(clf, p, clf, TEXTS, other, cfg) > 1e-6
+    # one PublicObjective scores many prompts on the same texts, with or without cached outputs
+    uncached = PublicObjective(clf, p, clf, TEXTS, dataclasses.replace(cfg, cache_fixed=False))
+    cached = PublicObjective(clf, p, clf, TEXTS, cfg)
+    assert cached.fixed is not None and uncached.fixed is None
+    for prompt in (p, other):
+        assert cached(prompt) == pytest.approx(uncached(prompt), rel=1e-5, abs=1e-7)
+        assert cached(prompt) == pytest.approx(transfer_objective(clf, p, clf, TEXTS, prompt, cfg), rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert-masked"])
