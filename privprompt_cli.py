@@ -118,9 +118,9 @@ def _run_flow(cfg, config: dict) -> dict:
 
 
 def _print_sweep(summary: dict) -> None:
-    from flows.sweep import COLUMNS, short_name
+    from flows.sweep import present_columns, short_name
 
-    columns = [c for c in COLUMNS if any(r.get(c) is not None for r in summary["variants"])]
+    columns = present_columns(summary["variants"])
     print("variant".ljust(40) + "".join(short_name(c).rjust(16) for c in columns))
     for row in summary["variants"]:
         cells = "".join(("-" if row.get(c) is None else f"{row[c]:.4f}").rjust(16) for c in columns)

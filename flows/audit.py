@@ -111,7 +111,7 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
     from mlflow.exceptions import MlflowException
 
     from tasks.audit import AuditError
-    from tasks.config import parse_config
+    from tasks.config import parse_config, with_models
 
     paths = state_paths(state_dir)
     mlflow = client(paths)
@@ -133,7 +133,7 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
     student_dir = None
     if method == "post":  # the POST prompt lives on the teacher; its shadows are tuned on the student
         teacher = config["models"].get("target") or config["models"]["local"]
-        config["models"]["local"] = config["models"]["target"] = teacher
+        config = with_models(config, teacher, teacher)
         student_dir = tags.get("model.local")
     cfg = parse_config(config)
     fingerprint = tags["dataset.fingerprint"]

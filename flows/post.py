@@ -10,8 +10,6 @@ with public data only, and compare on the private test split:
 
 from __future__ import annotations
 
-import json
-
 from prefect import flow, get_run_logger, task
 
 from privacy.ledger import Ledger
@@ -19,7 +17,7 @@ from privacy.ledger import Ledger
 from flows.parent_run import parent_run
 from flows.prompt_tuning import _partition
 from tasks import plots
-from tasks.config import load_config, parse_config
+from tasks.config import load_config, parse_config, with_models
 from tasks.post import distill_stage, public_texts, transfer_stage
 from tasks.prefect_tasks import GPU_TAG, _progress_reporter, evaluate_task, loss_mia_task, train_task, transient_only
 from tasks.stages import StageContext, resolve_delta
@@ -42,9 +40,7 @@ def transfer_task(ctx: StageContext, student_dir: str, source_prompt_path: str) 
 
 
 def _with_models(ctx: StageContext, local: str, target: str) -> StageContext:
-    config = json.loads(json.dumps(ctx.config))
-    config["models"]["local"], config["models"]["target"] = local, target
-    return StageContext(config=config, state_dir=ctx.state_dir, partition=ctx.partition,
+    return StageContext(config=with_models(ctx.config, local, target), state_dir=ctx.state_dir, partition=ctx.partition,
                         parent_run_id=ctx.parent_run_id, flow_run_id=ctx.flow_run_id)
 
 

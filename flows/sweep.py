@@ -23,6 +23,11 @@ def short_name(column: str) -> str:
         column, column.removeprefix("test.accuracy.").removeprefix("mia.").removeprefix("audit."))[:14]
 
 
+def present_columns(rows: list[dict]) -> list[str]:
+    """The columns of ``COLUMNS`` that at least one run reports."""
+    return [c for c in COLUMNS if any(r.get(c) is not None for r in rows)]
+
+
 def seed_groups(rows: list[dict]) -> list[dict]:
     """Per variant (its label without the seed): n, and mean / sample std of every column over
     the seeds that produced it (std 0 for one seed; None where no run has the column)."""
@@ -44,7 +49,7 @@ def seed_groups(rows: list[dict]) -> list[dict]:
 
 
 def summary_table(rows: list[dict], groups: list[dict]) -> str:
-    columns = [c for c in COLUMNS if any(r.get(c) is not None for r in rows)]
+    columns = present_columns(rows)
     lines = ["| variant | run | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['mlflow_run_id'][:8]} | "

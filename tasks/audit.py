@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from privacy import audit as stats
 
 from . import plots
-from .config import AuditConfig, PrivPromptConfig, parse_config
+from .config import AuditConfig, PrivPromptConfig, parse_config, with_models
 from .data import Partition, read_partition_split
 from .errors import PrivPromptError
 from .record import RunRecord, client
@@ -177,8 +177,7 @@ def shadow_prompt(target: AuditTarget, pool_path: str, idx: np.ndarray, seed: in
     # POST: DP tuning on the student, then transfer on public data to the audited model
     from .post import public_texts, transfer_on_public
 
-    on_student = parse_config({**target.config, "models": {**target.config["models"], "local": target.student_dir,
-                                                           "target": target.student_dir}})
+    on_student = parse_config(with_models(target.config, target.student_dir, target.student_dir))
     clf, enc, y, _ = _encoded_pool(on_student, pool_path)
     plan = plan_training(on_student, "prompt_dpsgd", len(idx), resolve_delta(cfg, len(idx)))
     result = fit_prompt(on_student, plan, clf, select_rows(enc, rows), y[rows], seed=seed)

@@ -293,6 +293,12 @@ def config_to_yaml(cfg: PrivPromptConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def with_models(config: dict, local: str, target: str) -> dict:
+    """A copy of a config dict with ``models.local`` / ``models.target`` replaced (POST runs its
+    stages on the teacher or on the student; the audit's shadows do the same)."""
+    return {**config, "models": {**config["models"], "local": local, "target": target}}
+
+
 def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
     """The configs of a sweep (validated up front, before anything runs), with their labels."""
     import copy
