@@ -591,3 +591,17 @@ def best_one_run_audit(
     best["num_tried"] = len(ks)
     best["confidence_per_try"] = per_try
     return best
+
+
+def precision_at_lowest_loss(scores, is_member, fraction: float = 0.01) -> dict:
+    """Privacy-Flat §4.2: the share of members among the ``fraction`` of examples the attack
+    ranks most member-like (highest score = lowest loss), beside the base rate (the share of
+    members overall). Keys: ``precision_at_<x>pct``, ``precision_base_rate``, ``precision_n``."""
+    s, y = _scores_and_labels(scores, is_member)
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction}")
+    k = max(1, int(round(fraction * s.size)))
+    top = np.argsort(-s, kind="stable")[:k]
+    label = f"{100 * fraction:g}".replace(".", "_")
+    return {f"precision_at_{label}pct": float(np.mean(y[top])), "precision_base_rate": float(np.mean(y)),
+            "precision_n": float(k)}

@@ -66,13 +66,14 @@ from .validation import check_delta, check_epsilon
 
 __all__ = [
     "BudgetExceededError",
+    "DeltaMismatchError",
     "Ledger",
     "Reservation",
     "UnknownDatasetError",
     "UnknownRunError",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the 'ldp' kind of use
 DEFAULT_BUSY_TIMEOUT_S = 120.0
 # Relative slack when comparing a committed ε with the reserved one (the accountant is
 # deterministic; this only absorbs float noise).
@@ -91,7 +92,7 @@ CREATE TABLE IF NOT EXISTS entries (
     id                 INTEGER PRIMARY KEY AUTOINCREMENT,
     run_id             TEXT NOT NULL UNIQUE,
     fingerprint        TEXT NOT NULL REFERENCES datasets(fingerprint),
-    kind               TEXT NOT NULL CHECK (kind IN ('dp', 'nonprivate')),
+    kind               TEXT NOT NULL CHECK (kind IN ('dp', 'nonprivate', 'ldp')),
     status             TEXT NOT NULL CHECK (status IN ('reserved', 'committed', 'aborted')),
     reserved_event     TEXT,
     committed_event    TEXT,
@@ -143,6 +144,10 @@ class _LookupValueError(KeyError, ValueError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class DeltaMismatchError(ValueError):
+    """A run's δ differs from the δ its dataset is composed at."""
 
 
 class UnknownDatasetError(_LookupValueError):
@@ -213,6 +218,15 @@ def _counted_event_json(row: sqlite3.Row) -> str | None:
 def _compose(event_jsons: list[str], delta: float) -> PrivacySpend:
     events = tuple(ev.event_from_json(text) for text in event_jsons)
     return spend(ev.ComposedEvent(events), delta)
+
+
+def _preview(existing: list[str], events: list[ev.DpEvent], delta: float, cap: float, name: str) -> dict:
+    planned = [_event_json(e) for e in events]
+    spent_eps = _compose(existing, delta).epsilon
+    total = _compose(existing + planned, delta).epsilon
+    return {"name": name, "cap": cap, "delta": delta, "spent_epsilon": spent_eps,
+            "planned_epsilon": [_compose([p], delta).epsilon for p in planned], "total_epsilon": total,
+            "remaining_after": cap - total, "fits": bool(total <= cap)}
 
 
 def _fmt(x: float | None) -> str:
@@ -316,9 +330,15 @@ class Ledger:
                     raise RuntimeError(
                         f"ledger {self.path} has schema version {version}, newer than this code "
                         f"({SCHEMA_VERSION}); upgrade privprompt")
+                if version == 1:  # widen the kind CHECK (SQLite cannot alter a constraint): copy the rows
+                    conn.execute("ALTER TABLE entries RENAME TO entries_v1")
+                    conn.execute("DROP INDEX IF EXISTS entries_by_dataset")
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
+                if version == 1:
+                    conn.execute("INSERT INTO entries SELECT * FROM entries_v1")
+                    conn.execute("DROP TABLE entries_v1")
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             except BaseException:
                 conn.execute("ROLLBACK")
@@ -569,6 +589,15 @@ class Ledger:
         It is not composed into ε (it has no finite ε), but it is listed everywhere so it is
         never silently ignored. Recording the same run id again is a no-op. Returns its row.
         """
+        return self._record_use("nonprivate", fingerprint, run_id, description)
+
+    def record_ldp(self, fingerprint: str, run_id: str, description: str) -> dict[str, Any]:
+        """Record a use under local (metric, d_X) privacy: each record was privatised on the local
+        side before use, with no (ε, δ) statement about the dataset. Not composed into ε, listed
+        as local-DP (not as non-private). Recording the same run id again is a no-op."""
+        return self._record_use("ldp", fingerprint, run_id, description)
+
+    def _record_use(self, kind: str, fingerprint: str, run_id: str, description: str) -> dict[str, Any]:
         _check_text(fingerprint, "fingerprint")
         _check_text(run_id, "run_id")
         _check_text(description, "description")
@@ -576,15 +605,49 @@ class Ledger:
             self._dataset_row(conn, fingerprint)
             row = conn.execute("SELECT * FROM entries WHERE run_id = ?", (run_id,)).fetchone()
             if row is not None:
-                if row["kind"] != "nonprivate" or row["fingerprint"] != fingerprint:
+                if row["kind"] != kind or row["fingerprint"] != fingerprint:
                     raise ValueError(f"run_id {run_id!r} is already in the ledger as a "
                                      f"{row['kind']} entry for fingerprint {_short(row['fingerprint'])}")
             else:
                 conn.execute(
                     "INSERT INTO entries (run_id, fingerprint, kind, status, description, created_at,"
-                    " committed_at) VALUES (?, ?, 'nonprivate', 'committed', ?, ?, ?)",
-                    (run_id, fingerprint, description, _now(), _now()))
+                    " committed_at) VALUES (?, ?, ?, 'committed', ?, ?, ?)",
+                    (run_id, fingerprint, kind, description, _now(), _now()))
         return self._entry_dict_for(run_id)
+
+    def require_delta(self, fingerprint: str, delta: float) -> None:
+        """Raise :class:`DeltaMismatchError` when ``delta`` is not the dataset's δ: every entry of a
+        dataset is composed at one δ, and a run planned at another would be mis-accounted."""
+        row = self.dataset(fingerprint)
+        if not math.isclose(row["delta"], delta, rel_tol=1e-9, abs_tol=0.0):
+            raise DeltaMismatchError(
+                f"this run's δ={delta:g} differs from δ={row['delta']:g} at which dataset {row['name']!r} "
+                f"(fingerprint {_short(fingerprint)}) composes its budget; set privacy.target_delta: "
+                f"{row['delta']:g} (or register the dataset anew with another δ deliberately)")
+
+    def preview(self, fingerprint: str, events: list[ev.DpEvent], delta: float, cap: float | None = None,
+                name: str | None = None) -> dict[str, Any]:
+        """A dry run: ``events`` composed with what the dataset has spent, WITHOUT writing.
+
+        For a dataset not registered yet, nothing is spent and ``cap`` / ``name`` come from the
+        arguments. Returns {name, cap, delta, spent_epsilon, planned_epsilon (each event alone),
+        total_epsilon, remaining_after, fits}."""
+        with self._read() as conn:
+            row = conn.execute("SELECT * FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
+            existing = self._counted_events(conn, fingerprint) if row is not None else []
+        if row is None:
+            return Ledger.preview_new(events, delta, cap, name)
+        if not math.isclose(row["delta"], delta, rel_tol=1e-9, abs_tol=0.0):
+            self.require_delta(fingerprint, delta)
+        return _preview(existing, events, row["delta"], row["epsilon_cap"], row["name"])
+
+    @staticmethod
+    def preview_new(events: list[ev.DpEvent], delta: float, cap: float | None, name: str | None = None
+                    ) -> dict[str, Any]:
+        """:meth:`preview` for a dataset no ledger has seen: nothing spent yet."""
+        if cap is None:
+            raise ValueError("a preview for an unregistered dataset needs its cap")
+        return _preview([], events, check_delta(delta, "delta"), check_epsilon(cap, "cap"), name or "")
 
     # -- queries --
 
@@ -682,6 +745,7 @@ class Ledger:
                     "committed_runs": counts.get(("dp", "committed"), 0),
                     "aborted_runs": counts.get(("dp", "aborted"), 0),
                     "nonprivate_uses": counts.get(("nonprivate", "committed"), 0),
+                    "ldp_uses": counts.get(("ldp", "committed"), 0),
                     "created_at": ds["created_at"],
                     "updated_at": ds["updated_at"],
                 })
@@ -700,10 +764,10 @@ class Ledger:
         """Plain-text summary (for ``privprompt ledger``): one line per dataset, then every
         non-private use, which carries no DP guarantee and is not part of the ε column."""
         header = ("dataset", "fingerprint", "delta", "eps_cap", "eps_spent", "eps_left",
-                  "reserved", "committed", "aborted", "non-private")
+                  "reserved", "committed", "aborted", "local-DP", "non-private")
         rows = [(d["name"], _short(d["fingerprint"]), f"{d['delta']:g}", _fmt(d["epsilon_cap"]),
                  _fmt(d["spent_epsilon"]), _fmt(d["remaining_epsilon"]), str(d["reserved_runs"]),
-                 str(d["committed_runs"]), str(d["aborted_runs"]), str(d["nonprivate_uses"]))
+                 str(d["committed_runs"]), str(d["aborted_runs"]), str(d["ldp_uses"]), str(d["nonprivate_uses"]))
                 for d in self.datasets()]
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
 
@@ -713,8 +777,15 @@ class Ledger:
 
         out = [f"privacy ledger {self.path}", line(header), line(["-" * w for w in widths])]
         out += [line(r) for r in rows] if rows else ["(no datasets registered)"]
-        nonprivate = [e for e in self.entries() if e["kind"] == "nonprivate"]
+        entries = self.entries()
+        ldp = [e for e in entries if e["kind"] == "ldp"]
+        nonprivate = [e for e in entries if e["kind"] == "nonprivate"]
         out.append("")
+        if ldp:
+            out.append(f"local-DP uses ({len(ldp)}; inputs privatised locally (d_X), no (ε, δ) claim):")
+            for e in ldp:
+                out.append(f"  {e['dataset']} ({_short(e['fingerprint'])})  run {e['run_id']}  "
+                           f"{e['created_at']}  {e['description']}")
         if nonprivate:
             out.append(f"non-private uses ({len(nonprivate)}; no DP guarantee, not composed into eps):")
             for e in nonprivate:

@@ -12,6 +12,7 @@ mechanism call                                              event
 ``gumbel_argmax(scores, 1/e, rng)`` (score sensitivity 1)   ``ExponentialEvent(2e, False)``, or
                                                             ``ExponentialEvent(e, True)`` if monotone
 ``exponential_mechanism(scores, eps, rng, Δ, monotone)``    ``ExponentialEvent(eps, monotone)``
+                                                            (``exponential_mechanism_event``)
 ``dp_argmax(counts, eps, rng)``                             ``ExponentialEvent(eps, monotone=True)``
 ``limited_domain_top1(counts, eps0, delta0, rng)``          ``LimitedDomainEvent(eps0, delta0)``
 ``gaussian_mechanism(x, σ, Δ, rng)``                        ``GaussianEvent(σ)`` (Δ = L2 sensitivity)
@@ -32,8 +33,8 @@ References
 * [Li23] Li et al., "Privacy-Preserving Prompt Tuning for Large Language Model Services" (RAPT),
   2023 (token-level d_X privatisation by nearest-neighbour replacement).
 
-Caveat: the samplers are numpy's floating-point PCG64 draws. ``make_rng(secure=True)`` seeds the
-generator from the OS CSPRNG, but the generator itself is not a CSPRNG, and floating-point
+Caveat: the samplers are numpy's floating-point PCG64 draws. ``make_rng(secure=True)`` (``rng.secret_rng``) seeds
+the generator from the OS CSPRNG, but the generator itself is not a CSPRNG, and floating-point
 sampling has the known side-channels (Mironov, CCS 2012); fine for research, not a hardened
 implementation.
 """
@@ -41,11 +42,11 @@ implementation.
 from __future__ import annotations
 
 import math
-import secrets
 
 import numpy as np
 from scipy.special import softmax
 
+from .rng import secret_rng, seeded_rng
 from .validation import check_count, check_delta, check_epsilon, check_positive
 
 # Largest number of float entries a chunked computation materialises at once (~32 MiB of float64).
@@ -79,19 +80,16 @@ def _check_scores(scores, name: str = "scores") -> np.ndarray:
 
 
 def make_rng(seed: int | None = None, secure: bool = False) -> np.random.Generator:
-    """The random generator every mechanism takes.
+    """The random generator every mechanism takes (kept for callers; see ``privacy/rng.py``).
 
-    * ``seed=<int>``: reproducible runs (same seed, same noise).
-    * ``secure=True``: seeded with 128 bits from ``secrets`` (the OS CSPRNG), for production.
-    * ``seed=None`` (not secure): seeded from OS entropy by numpy.
+    * ``seed=<int>``: :func:`privacy.rng.seeded_rng`, reproducible (tests/debug only).
+    * ``secure=True`` or ``seed=None``: :func:`privacy.rng.secret_rng`, 256 bits of OS entropy.
     """
-    if secure:
-        if seed is not None:
-            raise ValueError(f"seed must be None when secure=True, got {seed!r}")
-        return np.random.default_rng(secrets.randbits(128))
-    if seed is not None:
-        seed = check_count(_scalar(seed), "seed")
-    return np.random.default_rng(seed)
+    if secure and seed is not None:
+        raise ValueError(f"seed must be None when secure=True, got {seed!r}")
+    if seed is None:
+        return secret_rng()
+    return seeded_rng(_scalar(seed))
 
 
 # ---- exponential mechanism via Gumbel-max -----------------------------------------------------
@@ -138,11 +136,20 @@ def exponential_mechanism(scores, epsilon: float, rng: np.random.Generator,
                           sensitivity: float = 1.0, monotone: bool = False) -> int:
     """ε-DP exponential mechanism [MT07]: index i with P ∝ exp(ε·s_i/(2Δ)) (monotone: exp(ε·s_i/Δ)).
 
-    ``epsilon`` is the pure-DP guarantee in both cases. Accounting: ``ExponentialEvent(ε/2)``
-    for general scores, ``ExponentialEvent(ε, monotone=True)`` for monotone ones (scores / Δ).
+    ``epsilon`` is the pure-DP guarantee in both cases, and the accounting event of the call is
+    ``exponential_mechanism_event(epsilon, monotone)`` = ``ExponentialEvent(epsilon, monotone)``
+    — the same ε, never ε/2 (an earlier docstring said ε/2 for general scores: that under-counts
+    the measured privacy loss two-fold; tests measure it on neighbouring inputs).
     """
     scale = exponential_mechanism_noise_scale(epsilon, sensitivity, monotone)
     return gumbel_argmax(scores, scale, rng)
+
+
+def exponential_mechanism_event(epsilon: float, monotone: bool = False):
+    """The event that accounts one :func:`exponential_mechanism` call with these arguments."""
+    from .events import ExponentialEvent
+
+    return ExponentialEvent(check_epsilon(_scalar(epsilon), "epsilon"), bool(monotone))
 
 
 def exponential_mechanism_probabilities(scores, epsilon: float, sensitivity: float = 1.0,

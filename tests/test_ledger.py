@@ -366,3 +366,46 @@ def test_bad_inputs_elsewhere(ledger):
     with pytest.raises(ValueError, match="path"):
         Ledger(":memory:")
     assert ledger.entries() == []
+
+
+# ---- issue 9: local-DP uses, dry-run preview, δ mismatch -------------------------------------------
+
+def test_ldp_uses_listed_counted_and_not_composed(ledger):
+    ledger.reserve(FP, "dp-run", EXP)
+    before = ledger.spent(FP).epsilon
+    ledger.record_ldp(FP, "rapt-1", "RAPT: local d_X privacy")
+    ledger.record_ldp(FP, "rapt-1", "RAPT: local d_X privacy")  # idempotent
+    assert ledger.spent(FP).epsilon == pytest.approx(before)
+    kinds = {e["run_id"]: e["kind"] for e in ledger.entries(FP)}
+    assert kinds == {"dp-run": "dp", "rapt-1": "ldp"}
+    ds = ledger.dataset(FP)
+    assert ds["ldp_uses"] == 1 and ds["nonprivate_uses"] == 0
+    table = ledger.summary_table()
+    assert "local-DP uses (1" in table and "rapt-1" in table
+    assert "non-private uses: none" in table
+
+
+def test_preview_composes_without_writing(ledger, tmp_path):
+    ledger.reserve(FP, "dp-run", EXP)
+    spent = ledger.spent(FP).epsilon
+    entries_before = ledger.entries(FP)
+    p = ledger.preview(FP, [EXP, EXP], DELTA)
+    assert p["spent_epsilon"] == pytest.approx(spent)
+    assert p["planned_epsilon"] == pytest.approx([eps(EXP), eps(EXP)])
+    assert p["total_epsilon"] == pytest.approx(eps(ev.ComposedEvent((EXP, EXP, EXP))))
+    assert p["cap"] == 8.0 and p["remaining_after"] == pytest.approx(8.0 - p["total_epsilon"]) and p["fits"]
+    assert ledger.entries(FP) == entries_before and ledger.spent(FP).epsilon == pytest.approx(spent)
+    assert not ledger.preview(FP, [EXP] * 40, DELTA)["fits"]
+    new = ledger.preview(FP2, [EXP], DELTA, cap=0.4, name="other")
+    assert new["spent_epsilon"] == 0.0 and new["cap"] == 0.4 and not new["fits"]
+    assert FP2 not in {d["fingerprint"] for d in ledger.datasets()}
+
+
+def test_delta_mismatch_is_an_error_not_infinite_epsilon(ledger):
+    from privacy.ledger import DeltaMismatchError
+    ledger.require_delta(FP, DELTA)
+    with pytest.raises(DeltaMismatchError, match="δ"):
+        ledger.require_delta(FP, 1e-6)
+    with pytest.raises(DeltaMismatchError):
+        ledger.preview(FP, [EXP], 1e-6)
+    assert issubclass(DeltaMismatchError, ValueError)

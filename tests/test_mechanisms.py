@@ -371,3 +371,43 @@ def test_limited_domain_neighbouring_histograms_stay_within_epsilon0():
     # the standard error of a log count ratio at ≥ 500 draws each is ≤ 0.064: allow 4 of them
     assert worst <= eps0 + 4 * math.sqrt(2 / 500)
     assert worst > 0.2  # the moved vote is visible
+
+
+# ---- the exponential mechanism and its event agree by construction (issue 14) ------------------
+
+@pytest.mark.parametrize("monotone", [False, True])
+def test_exponential_mechanism_privacy_loss_equals_its_events_epsilon(monotone):
+    """Measure max |log P(o|D) / P(o|D')| with the exact output distribution over neighbouring
+    score vectors (each score moves by at most Δ; monotone: all in one direction) and compare it
+    with the ε of the event the API returns for that call. Under-counting (the old ε/2 advice)
+    would make the measured loss exceed the event's ε."""
+    import itertools
+
+    from privacy.mechanisms import exponential_mechanism_event, exponential_mechanism_probabilities
+
+    eps, delta_s = 0.7, 1.0
+    event = exponential_mechanism_event(eps, monotone)
+    worst = 0.0
+    for scores in ([0.0, 60.0, 60.0], [0.0, 1.0, 2.0], [5.0, 5.0, 5.0, -40.0]):
+        scores = np.asarray(scores)
+        p = exponential_mechanism_probabilities(scores, eps, delta_s, monotone)
+        # neighbours: every score moves by at most Δ; monotone scores all in one direction
+        steps = [(0.0, 1.0), (0.0, -1.0)] if monotone else [(-1.0, 0.0, 1.0)]
+        moves = [np.asarray(v) for s in steps for v in itertools.product(s, repeat=scores.size)]
+        for move in moves:
+            q = exponential_mechanism_probabilities(scores + delta_s * move, eps, delta_s, monotone)
+            worst = max(worst, float(np.max(np.abs(np.log(p) - np.log(q)))))
+    assert abs(worst - event.epsilon) <= 1e-9  # attained (to 1e-9) on [0, 60, 60]: exact, not loose
+    assert worst >= 0.95 * event.epsilon  # tight: ε/2 would be violated
+    assert event.monotone == monotone
+
+
+def test_rng_module_secret_and_seeded():
+    from privacy import rng as r
+    a, b = r.secret_rng(), r.secret_rng()
+    assert isinstance(a, np.random.Generator)
+    assert a.random(4).tolist() != b.random(4).tolist()
+    assert r.seeded_rng(7).random(4).tolist() == r.seeded_rng(np.int64(7)).random(4).tolist()
+    assert m.make_rng(7).random(4).tolist() == r.seeded_rng(7).random(4).tolist()
+    with pytest.raises(ValueError, match="seed"):
+        r.seeded_rng(-1)
