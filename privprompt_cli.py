@@ -2,6 +2,8 @@
 
     privprompt run CONFIG [--set dotted.key=value ...]
     privprompt audit RUN_ID [--shadows K]
+    privprompt plan CONFIG [--set dotted.key=value ...]
+    privprompt report EXPERIMENT
     privprompt ledger
     privprompt ui
 """
@@ -16,13 +18,9 @@ import time
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from pydantic import ValidationError
+    from tasks.errors import user_errors
 
-    from models.registry import ModelLoadError
-    from privacy.ledger import BudgetExceededError, UnknownDatasetError
-    from tasks.errors import PrivPromptError
-
-    return (PrivPromptError, ModelLoadError, BudgetExceededError, UnknownDatasetError, ValidationError)
+    return user_errors()
 
 
 def _quiet_user_error_tracebacks(errors) -> None:
@@ -104,17 +102,13 @@ class _local_prefect_server:
 
 
 def _run_flow(cfg, config: dict) -> dict:
-    if cfg.sweep or cfg.seeds:
+    if cfg.sweep or cfg.seeds or cfg.grid:
         from flows.sweep import sweep_flow
 
         return sweep_flow(config)
-    if cfg.method == "post":
-        from flows.post import post_flow
+    from flows.method_flow import method_flow
 
-        return post_flow(config)
-    from flows.prompt_tuning import prompt_tuning_flow
-
-    return prompt_tuning_flow(config)
+    return method_flow(config)
 
 
 def _print_sweep(summary: dict) -> None:
@@ -134,7 +128,7 @@ def _print_sweep(summary: dict) -> None:
 
 
 def _print_attacks(m: dict) -> None:
-    for attack in ("loss", "lira", "lira_offline", "min_k"):
+    for attack in ("loss", "loss_pool", "lira", "lira_offline", "min_k"):
         key = f"mia.{attack}.auc"
         if key in m:
             print(f"{key + ':':<28}{m[key]:.4f} [{m[key + '_low']:.4f}, {m[key + '_high']:.4f}]")
@@ -154,8 +148,11 @@ def _print_summary(summary: dict, wall: float) -> None:
     if "privacy.epsilon" in m:
         print(f"{'privacy:':<28}ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
               f"(RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f})")
+    elif summary.get("guarantee") == "ldp":
+        print(f"{'privacy:':<28}local d_X privacy of the inputs (metric LDP; no (ε, δ) claim: see the run's params)")
     else:
-        print(f"{'privacy:':<28}no formal guarantee (method {summary.get('method', '?')!r} is non-private)")
+        note = (summary.get("budget") or {}).get("note") or f"method {summary.get('method', '?')!r} is non-private"
+        print(f"{'privacy:':<28}no formal guarantee ({note})")
     for key in sorted(k for k in m if k.startswith("test.accuracy")):
         print(f"{key + ':':<28}{m[key]:.4f}")
     _print_attacks(m)
@@ -229,6 +226,53 @@ def cmd_audit(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """The budget plan of a config (every sweep variant and seed): planned ε per run, composed
+    with the ledger per dataset. Creates no run, writes nothing, reads no private rows."""
+    from tasks.config import load_config, sweep_variants
+    from tasks.errors import PrivPromptError
+    from tasks.planning import format_plan, plan_runs
+    from tasks.state import state_paths
+
+    try:
+        cfg = load_config(args.config, args.set)
+        _preflight(cfg)
+        variants = sweep_variants(cfg) if cfg.sweep or cfg.seeds or cfg.grid else [("", cfg)]
+        plan = plan_runs(variants, state_paths(cfg.state_dir))
+    except PrivPromptError as err:
+        return _fail(str(err))
+    print(format_plan(plan))
+    return 0 if plan["fits"] else 4
+
+
+def cmd_report(args) -> int:
+    """Rebuild the privacy–utility report of an experiment from MLflow alone."""
+    from tasks.comparison import log_report, parent_runs
+    from tasks.errors import PrivPromptError
+    from tasks.record import RunRecord, client, ensure_experiment
+    from tasks.state import state_paths
+
+    paths = state_paths(args.state_dir)
+    if not paths.mlflow_db.is_file() and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return _fail(f"no MLflow store at {paths.mlflow_db}")
+    mlflow = client(paths)
+    try:
+        rows = parent_runs(mlflow, args.experiment)
+    except PrivPromptError as err:
+        return _fail(str(err))
+    if not rows:
+        return _fail(f"experiment {args.experiment!r} has no finished method runs")
+    record = RunRecord.create(mlflow, ensure_experiment(mlflow, args.experiment, paths), "report",
+                              {"flow": "report", "stage": "report"})
+    out = log_report(record, rows, f"{args.experiment}: privacy–utility by method")
+    record.end()
+    from tasks.comparison import comparison_table
+
+    print(comparison_table(rows), end="")
+    print(f"{'report run:':<28}{record.run_id} ({out['n_runs']} runs; {out['table']}, {out['figure']})")
+    return 0
+
+
 def cmd_ledger(args) -> int:
     from privacy.ledger import Ledger
     from tasks.state import state_paths
@@ -280,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     audit = sub.add_parser("audit", help="membership-inference audit of a finished run's published prompt")
     audit.add_argument("run_id")
     audit.add_argument("--shadows", type=int, default=None, help="shadow prompts for LiRA (even; default: the run's config)")
+    plan = sub.add_parser("plan", help="planned ε of a config's runs, composed with the ledger (dry run)")
+    plan.add_argument("config")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    report = sub.add_parser("report", help="privacy–utility table and figure of an experiment, from MLflow")
+    report.add_argument("experiment")
     sub.add_parser("ledger", help="DP spend per dataset against its cap, and non-private uses")
     ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
     ui.add_argument("--prefect-port", type=int, default=4200)
@@ -287,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.state_dir:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
-    return {"run": cmd_run, "audit": cmd_audit, "ledger": cmd_ledger, "ui": cmd_ui}[args.command](args)
+    return {"run": cmd_run, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
+            "ui": cmd_ui}[args.command](args)
 
 
 if __name__ == "__main__":

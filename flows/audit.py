@@ -63,7 +63,7 @@ def audit_flow(target: dict, audit_config: dict) -> dict:
         "method": t.method, "stage": "audit", "privacy.guarantee": "none", "prefect.flow_run_id": audit_id})
     try:
         Ledger(paths.ledger).record_nonprivate(
-            t.part.fingerprint, f"{audit_id}:audit",
+            t.part.dataset_key, f"{audit_id}:audit",
             f"membership audit of run {t.run_id}: {acfg.shadows} shadow prompts and attack statistics (not DP)")
         audit_run.log_params({"audit.shadows": acfg.shadows, "audit.pool_members": sizes["n_members"],
                               "audit.pool_nonmembers": sizes["n_nonmembers"], "audit.attacks": ",".join(acfg.attacks),
@@ -102,6 +102,19 @@ def run_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     return {**out, "wall_s": time.perf_counter() - started}
 
 
+@flow(name="audit-finished-run", log_prints=False)
+def audit_run_flow(run_id: str, shadows: int | None = None, state_dir: str | None = None) -> dict:
+    """Audit a finished run by its MLflow run id (a deployment: ``prefect.yaml``); runs where the
+    run's private partition is."""
+    target, acfg = target_from_run(run_id, state_dir, shadows)
+    return run_audit(target, acfg)
+
+
+def _find_prompt(directory: Path, method: str) -> Path | None:
+    hits = sorted(p for p in directory.glob(f"{method}.*") if p.suffix in (".safetensors", ".json"))
+    return hits[0] if hits else None
+
+
 def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | None = None):
     """(AuditTarget, AuditConfig) of a finished MLflow run; every problem is an ``AuditError``
     raised before any training."""
@@ -111,7 +124,8 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
     from mlflow.exceptions import MlflowException
 
     from tasks.audit import AuditError
-    from tasks.config import parse_config, with_models
+    from tasks.config import parse_config
+    from tasks.methods import registered_methods
 
     paths = state_paths(state_dir)
     mlflow = client(paths)
@@ -121,47 +135,46 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
         raise AuditError(f"no MLflow run {run_id!r} in {paths.root}") from None
     tags, metrics = run.data.tags, run.data.metrics
     method = tags.get("method")
-    if method not in ("prompt_dpsgd", "prompt_sgd", "post") or "dataset.fingerprint" not in tags:
-        raise AuditError(f"run {run_id} ({tags.get('mlflow.runName', '?')}) is not a prompt-tuning run "
-                         "with a published artifact to audit")
-    try:
-        cfg_path = mlflow.download_artifacts(run_id, "config.yaml")
-    except Exception:  # noqa: BLE001
-        raise AuditError(f"run {run_id} has no config.yaml artifact") from None
-    config = yaml.safe_load(open(cfg_path).read())
+    if method not in registered_methods() or "dataset.fingerprint" not in tags:
+        raise AuditError(f"run {run_id} ({tags.get('mlflow.runName', '?')}) is not a prompt-tuning run: "
+                         "no method run with a prompt to audit")
+
+    def artifact(path: str, what: str) -> str:
+        try:
+            return mlflow.download_artifacts(run_id, path)
+        except (MlflowException, OSError):
+            raise AuditError(f"run {run_id} has no {what} artifact ({path})") from None
+
+    config = yaml.safe_load(open(artifact("config.yaml", "config.yaml")).read())
     config["state_dir"] = str(paths.root)
-    student_dir = None
-    if method == "post":  # the POST prompt lives on the teacher; its shadows are tuned on the student
-        teacher = config["models"].get("target") or config["models"]["local"]
-        config = with_models(config, teacher, teacher)
-        student_dir = tags.get("model.local")
     cfg = parse_config(config)
-    fingerprint = tags["dataset.fingerprint"]
+    prepared = _json.loads(open(artifact("method/prepared.json", "prepared-stage")).read())
+    wanted = tags.get("data.partition", tags["dataset.fingerprint"])
     partition = None
     for manifest in (paths.private / "partitions").glob("*/manifest.json"):
         data = _json.loads(manifest.read_text())
-        if data["fingerprint"] == fingerprint:
+        if data["fingerprint"] == wanted:
             partition = data
             break
     if partition is None:
-        raise AuditError(f"run {run_id}: its private partition (fingerprint {fingerprint[:12]}) is not under "
+        raise AuditError(f"run {run_id}: its private partition (fingerprint {wanted[:12]}) is not under "
                          f"{paths.private}; audits run where the private data is")
     if tags.get("privacy.guarantee") == "dp":
-        try:
-            prompt_path = mlflow.download_artifacts(run_id, f"prompt/{method}.safetensors")
-        except Exception:  # noqa: BLE001
-            raise AuditError(f"run {run_id} has no published prompt artifact (prompt/{method}.safetensors)") from None
+        found = _find_prompt(Path(artifact("prompt", "published prompt")), method)
+        if found is None:
+            raise AuditError(f"run {run_id} has no published prompt artifact (prompt/{method}.*)")
     else:  # non-private prompts are never published; they stay next to the private data
-        prompt_path = str(paths.private / "runs" / tags.get("prefect.flow_run_id", "?") / f"{method}.safetensors")
-        if not Path(prompt_path).is_file():
-            raise AuditError(f"run {run_id} has no prompt artifact to audit (non-private run; looked in {prompt_path})")
+        directory = paths.private / "runs" / tags.get("prefect.flow_run_id", "?")
+        found = _find_prompt(directory, method) if directory.is_dir() else None
+        if found is None:
+            raise AuditError(f"run {run_id} has no prompt artifact to audit (non-private run; looked in {directory})")
     acfg = cfg.audit.model_copy(update={"enabled": True})
     if shadows is not None:
         acfg = acfg.model_copy(update={"shadows": shadows})
         AuditConfig.model_validate(acfg.model_dump())
-    target = AuditTarget(config=cfg.model_dump(mode="json"), partition=partition, prompt_path=prompt_path,
+    target = AuditTarget(config=cfg.model_dump(mode="json"), partition=partition, prompt_path=str(found),
                          method=method, epsilon=metrics.get("privacy.epsilon"), delta=metrics.get("privacy.delta"),
                          run_id=run_id, flow_run_id=tags.get("prefect.flow_run_id", ""), state_dir=str(paths.root),
-                         student_dir=student_dir)
+                         prepared=prepared)
     check_audit(target, acfg)
     return target, acfg

@@ -10,7 +10,7 @@ from typing import Iterator
 
 from prefect.runtime import flow_run
 
-from tasks.config import PrivPromptConfig, config_to_yaml
+from tasks.config import PrivPromptConfig, config_hash, config_to_yaml
 from tasks.record import RunRecord, client, ensure_experiment
 from tasks.state import StatePaths, state_paths
 
@@ -34,7 +34,7 @@ def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
     parent = RunRecord.create(mlflow, experiment_id, f"{method}-{flow_run_id[:8]}", {
         "method": method, "dataset": cfg.data.name, "model.local": cfg.models.local,
         "model.target": cfg.models.target_name, "privacy.guarantee": guarantee,
-        "prefect.flow_run_id": flow_run_id, "flow": flow, **(tags or {})})
+        "prefect.flow_run_id": flow_run_id, "flow": flow, "config.hash": config_hash(cfg), **(tags or {})})
     run = FlowRun(cfg, paths, flow_run_id, parent, {
         "flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": method,
         "experiment": cfg.experiment_name})

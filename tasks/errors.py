@@ -11,3 +11,17 @@ class ConfigError(PrivPromptError, ValueError):
 
 class DataError(PrivPromptError, ValueError):
     pass
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Every error class a user can fix (bad config or data, a model that cannot be loaded, an
+    exhausted budget, a δ that differs from the dataset's, an unreachable endpoint): the CLI prints
+    these as one line without a traceback. One list, here."""
+    from pydantic import ValidationError
+
+    from models.dpopt.endpoint import EndpointError
+    from models.registry import ModelLoadError
+    from privacy.ledger import BudgetExceededError, DeltaMismatchError, UnknownDatasetError
+
+    return (PrivPromptError, ModelLoadError, BudgetExceededError, DeltaMismatchError, UnknownDatasetError,
+            EndpointError, ValidationError)

@@ -8,17 +8,16 @@ charge the ledger under a key of (flow run, method), so a retry never charges tw
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from privacy.ledger import BudgetExceededError
-
 from . import stages
 from .config import DataConfig
 from .data import partition_dataset, partition_key
-from .errors import PrivPromptError
+from .errors import user_errors
 
 GPU_TAG = "gpu"
 
@@ -27,7 +26,7 @@ def transient_only(task, task_run, state) -> bool:
     """Retry on infrastructure failures, never on bad input or an exhausted budget."""
     try:
         state.result()
-    except (PrivPromptError, BudgetExceededError, ValueError, KeyError, TypeError, AssertionError):
+    except (*user_errors(), ValueError, KeyError, TypeError, AssertionError):
         return False
     except Exception:  # noqa: BLE001 - e.g. OSError, CUDA OOM, a lost worker
         return True
@@ -49,40 +48,66 @@ def partition_task(data_config: dict, seed: int, private_dir: str, data_root: st
     return part.to_dict()
 
 
-def _progress_reporter(name: str):
+def progress_reporter(name: str):
+    """Progress of a stage in Prefect (a progress artifact and a log line every report): steps
+    only. Training losses are exact statistics of private data and never reach Prefect."""
     logger = get_run_logger()
     artifact = {"id": None}
 
-    def report(step: int, total: int, loss: float | None) -> None:
+    def report(step: int, total: int, *_ignored) -> None:
         frac = step / max(total, 1)
         if artifact["id"] is None:
-            artifact["id"] = create_progress_artifact(0.0, description=f"{name} training progress")
+            artifact["id"] = create_progress_artifact(0.0, description=f"{name} progress")
         update_progress_artifact(artifact["id"], progress=100.0 * frac)
-        logger.info("%s: step %d/%d (%.0f%%)%s", name, step, total, 100 * frac,
-                    "" if loss is None else f" batch loss {loss:.4f}")
+        logger.info("%s: step %d/%d (%.0f%%)", name, step, total, 100 * frac)
 
     return report
 
 
+@task(name="prepare", task_run_name="prepare-{method}", tags=[GPU_TAG],
+      retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
+def prepare_task(ctx: stages.StageContext, method: str) -> dict:
+    """The method's public-data preparation (POST: the cached student)."""
+    from .methods import get_method
+
+    started = time.perf_counter()
+    out = get_method(method).prepare(ctx, progress=progress_reporter(f"{method}:prepare"))
+    return {**out, "prepare_s": out.get("compute_s", time.perf_counter() - started)}
+
+
 @task(name="train-prompt", task_run_name="train-{method}", tags=[GPU_TAG],
       retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def train_task(ctx: stages.StageContext, method: str) -> dict:
-    return stages.train_stage(ctx, method, progress=_progress_reporter(method))
+def train_task(ctx: stages.StageContext, method: str, prepared: dict) -> dict:
+    """The method through the one lifecycle (reserve → train → commit → post-process → publish).
+    A retry reuses the reservation of the same (flow run, method): it never charges twice."""
+    from .lifecycle import run_method
+
+    return run_method(ctx, method, prepared, progress=progress_reporter)
 
 
 @task(name="evaluate", task_run_name="evaluate-{name}", tags=[GPU_TAG],
       retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def evaluate_task(ctx: stages.StageContext, prompt_path: str | None, name: str, guarantee: str) -> dict:
-    out = stages.evaluate_stage(ctx, prompt_path, name, guarantee)
+def evaluate_task(ctx: stages.StageContext, prompt_path: str | None, name: str, guarantee: str,
+                  models: dict | None = None) -> dict:
+    out = stages.evaluate_stage(ctx, prompt_path, name, guarantee, models)
     get_run_logger().info("%s: test accuracy %s", name, {k: round(v, 4) for k, v in out["per_model"].items()})
+    return out
+
+
+@task(name="evaluate-endpoint", task_run_name="evaluate-{name}-endpoint", retries=1, retry_delay_seconds=5,
+      retry_condition_fn=transient_only)
+def endpoint_task(ctx: stages.StageContext, prompt_path: str, name: str, endpoint: dict) -> dict:
+    out = stages.endpoint_evaluate_stage(ctx, prompt_path, name, endpoint)
+    get_run_logger().info("%s on %s: test accuracy %.4f", name, endpoint["alias"], out["accuracy"])
     return out
 
 
 @task(name="loss-mia", task_run_name="loss-mia-{name}", tags=[GPU_TAG],
       retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def loss_mia_task(ctx: stages.StageContext, prompt_path: str | None, name: str, guarantee: str) -> dict:
-    out = stages.loss_mia_stage(ctx, prompt_path, name, guarantee)
+def loss_mia_task(ctx: stages.StageContext, prompt_path: str | None, name: str, guarantee: str,
+                  model: str | None = None) -> dict:
+    out = stages.loss_mia_stage(ctx, prompt_path, name, guarantee, model)
     m = out["metrics"]
-    get_run_logger().info("%s: loss MIA AUC %.3f [%.3f, %.3f]", name, m["mia.loss.auc"],
+    get_run_logger().info("%s: loss MIA AUC %.3f [%.3f, %.3f] (audit statistic, not DP)", name, m["mia.loss.auc"],
                           m["mia.loss.auc_low"], m["mia.loss.auc_high"])
     return out

@@ -43,6 +43,42 @@ class StatePaths:
         return self
 
 
+SECRET_NAME = "installation.key"
+
+
+def installation_secret(private_dir: str | Path) -> bytes:
+    """This installation's secret key (32 bytes from ``secrets``), kept in
+    ``<state>/secrets/installation.key`` (mode 0600; ``<state>`` is the parent of ``private_dir``):
+    the HMAC key of dataset fingerprints, so that a published fingerprint confirms no guess about
+    the data to anyone without it. Not under ``private/``: public-data stages use it to check that
+    public data does not overlap the private source. Created atomically on first use; never
+    logged or returned in a result."""
+    import secrets
+    import tempfile
+
+    directory = Path(private_dir).resolve().parent / "secrets"
+    path = directory / SECRET_NAME
+    if path.is_file():
+        key = path.read_bytes()
+        if len(key) == 32:
+            return key
+        raise ValueError(f"{path} is not a 32-byte key: restore it from a backup (fingerprints and the "
+                         "ledger's dataset keys depend on it) or remove it to start a new installation")
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=".installation-", dir=directory)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, secrets.token_bytes(32))
+        os.close(fd)
+        try:
+            os.link(tmp, path)  # atomic, and never replaces a key another process created first
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+    return path.read_bytes()
+
+
 def state_paths(state_dir: str | None = None) -> StatePaths:
     root = state_dir or os.environ.get("PRIVPROMPT_HOME") or ".privprompt"
     return StatePaths(Path(root).expanduser().resolve())

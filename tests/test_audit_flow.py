@@ -126,7 +126,8 @@ def test_audit_results_in_run_record_and_child_runs(audited):
     client = _client(audited["state"])
     run = client.get_run(audited["summary"]["mlflow_run_id"])
     m = run.data.metrics
-    for attack in ("loss", "lira", "lira_offline", "min_k"):
+    # the audit's loss attack on its pool is `loss_pool`: the in-flow `mia.loss` is another attack
+    for attack in ("loss_pool", "lira", "lira_offline", "min_k"):
         assert 0 <= m[f"mia.{attack}.auc"] <= 1
         assert f"mia.{attack}.tpr_at_5pct_fpr" in m and f"mia.{attack}.auc_low" in m
     assert "audit.epsilon_lower_bound" in m
@@ -192,7 +193,7 @@ def test_audit_fails_loudly_when_leakage_exceeds_the_claim(audited, tmp_path, mo
     import pyarrow.parquet as pq
 
     from models.soft_prompt import save_prompt
-    from tasks import audit as audit_mod
+    from tasks import stages
     from tasks.audit import AuditFailure, AuditTarget, canary_audit
     from tasks.config import AuditConfig, parse_config
 
@@ -201,7 +202,7 @@ def test_audit_fails_loudly_when_leakage_exceeds_the_claim(audited, tmp_path, mo
     planted = [r for r in pq.read_table(Path(part["directory"]) / "canaries.parquet").to_pylist() if r["planted"]]
     labels = torch.tensor([cfg.data.labels.index(r["label"]) for r in planted])
     memorised = _fine_tuned([r["text"] for r in planted], labels, 0, label_names=cfg.data.labels)
-    monkeypatch.setattr(audit_mod, "classifier_for", lambda cfg, name: memorised)
+    monkeypatch.setattr(stages, "classifier_for", lambda cfg, name, template=None: memorised)
     path = tmp_path / "prompt.safetensors"
     save_prompt(path, torch.zeros(1, memorised.embed_dim), {})
     target = AuditTarget(config=cfg.model_dump(mode="json"), partition=part, prompt_path=str(path),

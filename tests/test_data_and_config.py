@@ -33,10 +33,16 @@ def _cfg(folder, **kw):
 
 
 def test_partition_is_deterministic_and_disjoint(toy, tmp_path):
+    # p1, p2, p3 are private folders of one installation (one state folder: one secret)
     a = partition_dataset(_cfg(toy, train_size=120), 3, tmp_path / "p1", None)
     b = partition_dataset(_cfg(toy, train_size=120), 3, tmp_path / "p2", None)
     c = partition_dataset(_cfg(toy, train_size=120), 4, tmp_path / "p3", None)
     assert a.fingerprint == b.fingerprint != c.fingerprint
+    # the ledger's key is the SOURCE dataset's: the same for every seed and subsample
+    assert a.dataset_key == b.dataset_key == c.dataset_key
+    # another installation (another secret): other fingerprints for the same data
+    other = partition_dataset(_cfg(toy, train_size=120), 3, tmp_path / "elsewhere" / "private", None)
+    assert other.fingerprint != a.fingerprint and other.dataset_key != a.dataset_key
     train, _ = read_partition_split(a.train_path)
     hold, _ = read_partition_split(a.holdout_path)
     test, _ = read_partition_split(a.test_path)
@@ -75,7 +81,7 @@ def test_real_sst2_partition(sst2_dir, tmp_path):
 
 @pytest.mark.parametrize("content,needle", [
     ('{"text": "a", "label": "neg"}\n{"text": "b", "label": \n', "malformed JSON in .*line 2"),
-    ('{"text": "a", "label": "neutral"}\n', "unknown label 'neutral'"),
+    ('{"text": "a", "label": "neutral"}\n', "record 1: unknown label in field 'label'"),
     ('', "is empty"),
     ('{"text": "a"}\n', "missing field 'label'"),
 ])

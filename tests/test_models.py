@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import models.dp_prompt_training as dpt
+from models.dp_prompt_training import seeded_dp_generators
 from models import (
     CosineEncoderClassifier,
     DPConfig,
@@ -288,8 +289,10 @@ def test_dp_poisson_empty_batches_counted_and_still_step():
     init = _prompt(clf, n=3)
     cfg = PromptTrainingConfig(n_tokens=3, steps=30, lr=0.01, optimizer="sgd")
     seen = []
+    sample, noise = seeded_dp_generators(0)
     res = train_prompt(
-        clf, enc, y, cfg, DPConfig(1.0, 1.0, 0.05), init_prompt=init, progress=lambda *a: seen.append(a)
+        clf, enc, y, cfg, DPConfig(1.0, 1.0, 0.05), init_prompt=init, progress=lambda *a: seen.append(a),
+        sample_generator=sample, noise_generator=noise,
     )
     sizes = [h["batch_size"] for h in res.history]
     assert res.steps == 30 and len(res.history) == 30
@@ -302,9 +305,14 @@ def test_dp_poisson_empty_batches_counted_and_still_step():
     # steps from epochs: round(epochs / q)
     cfg2 = PromptTrainingConfig(n_tokens=3, epochs=0.5, lr=0.01)
     assert train_prompt(clf, enc, y, cfg2, DPConfig(1.0, 1.0, 0.25), init_prompt=init).steps == 2
-    # reproducible for a seed
-    again = train_prompt(clf, enc, y, cfg, DPConfig(1.0, 1.0, 0.05), init_prompt=init)
+    # reproducible only with injected (seeded) DP generators; by default the DP streams are secret
+    sample, noise = seeded_dp_generators(0)
+    again = train_prompt(clf, enc, y, cfg, DPConfig(1.0, 1.0, 0.05), init_prompt=init,
+                         sample_generator=sample, noise_generator=noise)
     assert torch.equal(again.prompt, res.prompt)
+    secret_a = train_prompt(clf, enc, y, cfg, DPConfig(1.0, 1.0, 0.05), init_prompt=init)
+    secret_b = train_prompt(clf, enc, y, cfg, DPConfig(1.0, 1.0, 0.05), init_prompt=init)
+    assert not torch.equal(secret_a.prompt, secret_b.prompt) and not torch.equal(secret_a.prompt, res.prompt)
 
 
 def test_noise_only_step_changes_prompt():

@@ -16,10 +16,10 @@ def _config(state, sst2_dir, **extra):
                  "train_size": 120, "test_size": 60, "holdout_fraction": 0.2},
         "models": {"local": "tiny-gpt2", "target": "tiny-gpt2", "max_length": 32},
         "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
+        "public": {"name": "tweet_sentiment", "path": str(SHARED / "tweet_sentiment"),
+                   "split": "validation", "size": 200},
         "methods": {"zero_shot": {"enabled": False},
-                    "prompt_dpsgd": {"n_tokens": 3, "epochs": 1, "batch_size": 32},
-                    "post": {"public": {"name": "tweet_sentiment", "path": str(SHARED / "tweet_sentiment"),
-                                        "split": "validation", "size": 200},
+                    "post": {"tuning": {"n_tokens": 3, "epochs": 1, "batch_size": 32},
                              "distill": {"student_layers": 1, "steps": 15, "batch_size": 16},
                              "transfer": {"steps": 10, "batch_size": 16}}},
         "mia": {"max_examples": 24},
@@ -92,19 +92,29 @@ def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
     import builtins
     import io
 
-    from flows.post import _with_models
-    from tasks import post as post_mod
+    from tasks.lifecycle import log_post_child
+    from tasks.methods import MethodContext
+    from tasks.methods import post as post_mod
+    from tasks.prompts import load_prompt_file, save_prompt_file
+    from tasks.randomness import DpRandomness
     from tasks.stages import StageContext
 
     state = post_run["state"]
     config = _config(state, post_run["sst2"])
     config["methods"]["post"]["transfer"].update(transfer)
     part = json.loads(next((state / "private" / "partitions").glob("*/manifest.json")).read_text())
-    ctx = _with_models(StageContext(config=config, state_dir=str(state), partition=part,
-                                    parent_run_id=post_run["first"]["mlflow_run_id"], flow_run_id=flow_run_id),
-                       "tiny-gpt2", "tiny-gpt2")
+    ctx = StageContext(config=config, state_dir=str(state), partition=part,
+                       parent_run_id=post_run["first"]["mlflow_run_id"], flow_run_id=flow_run_id)
     student_dir = str(next((state / "models" / "students").iterdir()))
-    source = str(next((state / "outputs").rglob("prompt_dpsgd.safetensors")))
+    source = str(next((state / "outputs").rglob("post_source.safetensors")))
+
+    def transfer_stage(texts):
+        mctx = MethodContext(ctx.cfg, ctx.paths, {"student_dir": student_dir}, DpRandomness(), 0)
+        moved, child = post_mod.transfer_stage(mctx, student_dir, load_prompt_file(source), texts)
+        path = save_prompt_file(ctx.output_dir, "post", moved.prompt, {"method": "post"})
+        log_post_child(ctx, child, "dp")
+        return {"prompt_path": str(path), "selected_step": moved.best_step}
+
     opened, real_open = [], io.open
 
     def spy(file, *a, **k):
@@ -117,18 +127,18 @@ def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
         monkeypatch.setattr(io, "open", spy)
         monkeypatch.setattr(builtins, "open", spy)
         texts = post_mod.public_texts(ctx.cfg, ctx.paths.private)
-        out = post_mod.transfer_stage(ctx, student_dir, source, texts)
+        out = transfer_stage(texts)
     finally:
         monkeypatch.undo()
         hidden.rename(private)
     assert any("tweet_sentiment" in f for f in opened)  # the spy sees the public reads
     assert not [f for f in opened if "private" in Path(f).resolve().parts]
-    return ctx, out, texts, student_dir, source
+    return ctx, out, texts, transfer_stage
 
 
 def test_transfer_stage_is_given_public_data_only(post_run, monkeypatch):
     """The transfer task reads only the public dataset: every file it opens is outside private/."""
-    _, out, _, _, _ = _public_transfer(post_run, monkeypatch, "transfer-check")
+    _, out, _, _ = _public_transfer(post_run, monkeypatch, "transfer-check")
     assert Path(out["prompt_path"]).is_file() and out["selected_step"] is None
 
 
@@ -162,7 +172,7 @@ def test_post_audit_shadows_rerun_dp_tuning_and_transfer(post_run):
     assert all(s.data.metrics["train.steps"] > 10 for s in shadows)
 
     target, acfg = target_from_run(out["mlflow_run_id"], str(post_run["state"]))
-    assert target.method == "post" and target.student_dir == run.data.tags["model.local"]
+    assert target.method == "post" and target.prepared["student_dir"] == run.data.tags["model.local"]
     assert target.cfg.models.local == "tiny-gpt2" and acfg.shadows == 2
     assert target.epsilon == m["privacy.epsilon"]
 
@@ -172,12 +182,11 @@ def test_transfer_selection_uses_held_out_public_texts_only(post_run, monkeypatc
     one kept; the selection, like the training, opens no file under private/."""
     from mlflow.tracking import MlflowClient
 
-    from tasks import post as post_mod
     from tasks.config import parse_config
     from tasks.errors import ConfigError
 
     state = post_run["state"]
-    ctx, out, texts, student_dir, source = _public_transfer(post_run, monkeypatch, "select-check",
+    ctx, out, texts, transfer_stage = _public_transfer(post_run, monkeypatch, "select-check",
                                                             select_every=5, select_size=50)
     assert out["selected_step"] in (0, 5, 10)
     client = MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
@@ -191,7 +200,7 @@ def test_transfer_selection_uses_held_out_public_texts_only(post_run, monkeypatc
     written = Path(out["prompt_path"]).stat().st_mtime_ns
     n_transfer_runs = len(client.search_runs([run.info.experiment_id], "tags.stage = 'transfer'"))
     with pytest.raises(ConfigError, match="select_size = 50 leaves no public texts to train on \\(40 in"):
-        post_mod.transfer_stage(ctx, student_dir, source, texts[:40])
+        transfer_stage(texts[:40])
     assert Path(out["prompt_path"]).stat().st_mtime_ns == written
     assert len(client.search_runs([run.info.experiment_id], "tags.stage = 'transfer'")) == n_transfer_runs
     config = {**ctx.config, "methods": {**ctx.config["methods"], "post": {

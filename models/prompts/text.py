@@ -1,0 +1,17 @@
+"""A discrete text prompt: an instruction the template puts before the input (DP-OPT)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TextPrompt:
+    instruction: str
+    kind: str = "text"
+
+    def template(self, base: str) -> str:
+        """``base`` (a classifier template with ``{text}``) with the instruction before it, in
+        DP-OPT's forward format. Braces in the instruction cannot open a template field."""
+        safe = self.instruction.replace("{", "(").replace("}", ")")
+        return f"Instruction: {safe}\n\n{base}"

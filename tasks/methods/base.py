@@ -1,0 +1,197 @@
+"""The method interface: what every method provides to the one lifecycle (``tasks/lifecycle.py``).
+
+A method is a subclass of :class:`Method` registered by name (``tasks.methods.register_method``).
+Its hooks, in the order the lifecycle calls them:
+
+* ``plan(cfg, n_train, delta)`` — pure (reads no data): the guarantee (``dp`` | ``ldp`` |
+  ``none``, derived from the settings), the worst-case privacy event for ``dp``, and the params
+  the run record logs.
+* ``prepare(ctx)`` — public data only, may be cached across runs (POST: the student).
+* ``train(mctx, plan, rows, progress)`` — the ONLY hook that reads private rows; returns the
+  trained prompt and the event actually spent (≤ the planned one).
+* ``post_process(mctx, plan, prompt, progress)`` — public data only (POST: the transfer).
+* ``variants(...)`` — optional extra evaluated prompts (POST: Compressed PT, Direct Transfer).
+
+``train`` and ``post_process`` get a :class:`MethodContext` (config, state paths, what
+``prepare`` returned, DP randomness): no MLflow, no Prefect, so audit shadows call them as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from privacy.events import DpEvent
+
+    from ..config import PrivPromptConfig
+    from ..randomness import DpRandomness
+    from ..state import StatePaths
+
+Guarantee = Literal["dp", "ldp", "none"]
+Progress = Callable[[int, int], None]  # (step, total): progress only, never a private statistic
+
+
+@dataclass
+class MethodPlan:
+    """A method's plan for ``n_train`` examples, computed without reading any data."""
+
+    method: str
+    guarantee: Guarantee
+    n_train: int
+    delta: float
+    event: "DpEvent | None" = None   # worst case, for "dp"; None otherwise
+    params: dict[str, Any] = field(default_factory=dict)      # logged on the parent run
+    settings: dict[str, Any] = field(default_factory=dict)    # the method's own (JSON-able)
+    reads_private: bool = True       # False: the method never reads private training rows
+    note: str = ""                   # said in budget.json (why no guarantee, what is post-processing)
+
+    def __post_init__(self):
+        if self.guarantee not in ("dp", "ldp", "none"):
+            raise ValueError(f"guarantee must be dp, ldp or none, got {self.guarantee!r}")
+        if (self.event is not None) != (self.guarantee == "dp"):
+            raise ValueError(f"{self.method}: a plan has a privacy event if and only if its guarantee is dp "
+                             f"(guarantee {self.guarantee!r}, event {self.event!r})")
+
+
+@dataclass
+class PrivateRows:
+    """Private training rows handed to ``train`` (texts never leave the local side);
+    ``validation``: disjoint private rows for selection, for methods that ask for them."""
+
+    texts: list[str]
+    labels: list[str]
+    validation: "PrivateRows | None" = None
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+
+@dataclass
+class MethodContext:
+    """What ``train`` / ``post_process`` may use: no tracking, no orchestration."""
+
+    cfg: "PrivPromptConfig"
+    paths: "StatePaths"
+    prepared: dict[str, Any]
+    randomness: "DpRandomness"
+    seed: int
+    output_dir: "Path | None" = None   # where mechanism outputs of this run may be written (outputs side)
+
+
+@dataclass
+class Trained:
+    """What ``train`` returns. ``history`` holds exact statistics of private data (losses): the
+    lifecycle keeps it under private/ and never publishes it."""
+
+    prompt: Any                    # a prompt object / tensor of the method's kind, or None
+    event: "DpEvent | None"        # what was actually spent (dp), None otherwise
+    steps: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)  # publishable (counts, not statistics of data)
+    history: list[dict] = field(default_factory=list)
+    # non-DP statistics of private data published as AUDIT statistics (e.g. DP-OPT's leakage
+    # report): the lifecycle records them in the ledger as a non-private use
+    audit_metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PostProcessed:
+    """What ``post_process`` returns: the published prompt and, optionally, a child run to log
+    (public-data statistics only)."""
+
+    prompt: Any
+    steps: int = 0
+    child: dict[str, Any] | None = None   # {"name", "tags", "params", "metrics", "series": {metric: [(step, v)]}}
+
+
+@dataclass
+class Variant:
+    """An extra evaluated prompt: ``test.accuracy.<name>`` on ``model``."""
+
+    name: str
+    prompt_path: str | None
+    model: str
+    guarantee: Guarantee
+    epsilon: float | None = None
+    label: str | None = None     # shown in tables and plots
+
+
+def dp_unless_debug(cfg: "PrivPromptConfig") -> Guarantee:
+    """``dp``, except under the seeded-DP-randomness debug switch (the noise is then known)."""
+    return "none" if cfg.debug_seeded_dp_randomness else "dp"
+
+
+class Method:
+    """Base class of a registered method. Subclasses set ``name``, ``config_class`` and
+    implement ``plan`` and ``train``; the other hooks have working defaults."""
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]          # the pydantic block under ``methods.<name>``
+    prompt_kind: ClassVar[str] = "soft"   # soft | prefix | text | none
+    label: ClassVar[str] = ""             # a human name for tables
+
+    # ---- configuration ------------------------------------------------------------------
+    def settings(self, cfg: "PrivPromptConfig"):
+        """This method's config block."""
+        return getattr(cfg.methods, self.name)
+
+    def validate(self, cfg: "PrivPromptConfig", published: bool) -> None:
+        """Config-time checks (raise ValueError naming the key); ``published``: the run's method."""
+
+    def guarantee(self, cfg: "PrivPromptConfig") -> Guarantee:
+        """The guarantee this method's settings give (not its name): ``dp`` | ``ldp`` | ``none``."""
+        raise NotImplementedError
+
+    uses_validation: ClassVar[bool] = False  # True: ``train`` also gets the holdout (``rows.validation``)
+
+    def reads_private_data(self, cfg: "PrivPromptConfig") -> bool:
+        """False for methods that never read private training rows (zero-shot)."""
+        return True
+
+    def default_delta(self, n_train: int) -> float:
+        return min(1e-5, 1.0 / (10 * n_train))
+
+    def uses_public_data(self, cfg: "PrivPromptConfig") -> bool:
+        return False
+
+    # ---- lifecycle hooks ----------------------------------------------------------------
+    def plan(self, cfg: "PrivPromptConfig", n_train: int, delta: float) -> MethodPlan:
+        raise NotImplementedError
+
+    def prepare(self, ctx, progress: Progress | None = None) -> dict[str, Any]:
+        """Public data only. The returned dict is JSON-able; its ``tags`` go on the parent run."""
+        return {}
+
+    def train(self, mctx: MethodContext, plan: MethodPlan, rows: PrivateRows,
+              progress: Progress | None = None) -> Trained:
+        raise NotImplementedError
+
+    def post_process(self, mctx: MethodContext, plan: MethodPlan, prompt: Any,
+                     progress: Progress | None = None) -> PostProcessed:
+        return PostProcessed(prompt)
+
+    supports_loss_mia: ClassVar[bool] = True  # False: the in-flow loss attack does not apply
+
+    def evaluate_published(self, ctx, prompt_path: str, mctx: MethodContext) -> float | None:
+        """Test accuracy computed the method's own way (RAPT: on privatized inputs); None: the
+        generic evaluation of the prompt on the target model."""
+        return None
+
+    def missing_prepared(self, prepared: dict[str, Any]) -> str:
+        """What an audit of a finished run lacks from ``prepare``'s output ('' when nothing)."""
+        return ""
+
+    def published_model(self, cfg: "PrivPromptConfig", prepared: dict[str, Any]) -> str:
+        """The model the published prompt is used on (and attacked on)."""
+        return cfg.models.local
+
+    def variants(self, ctx, result: dict, prepared: dict[str, Any], run_method) -> list[Variant]:
+        """Extra evaluated prompts. ``run_method(name)`` runs another registered method through
+        the lifecycle (e.g. a non-private upper bound) and returns its result."""
+        return []
+
+    def tables(self, accuracies: dict[str, float], result: dict, variants: list[Variant]) -> dict[str, str]:
+        """Markdown tables to log on the parent run (``tables/<name>.md``)."""
+        return {}

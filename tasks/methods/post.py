@@ -1,0 +1,299 @@
+"""POST (Wang et al. 2024): distil the target model into a small student on public text,
+DP soft-prompt tuning on the student with the private data, transfer the prompt back to the
+target with public data only.
+
+* ``prepare``: the student for (teacher, settings, public data), cached in the MLflow model
+  registry and reused (public data only).
+* ``train``: DP-SGD on the student — the only stage that reads private rows.
+* ``post_process``: transfer on public texts (a fixed number of steps, or selection on held-out
+  public texts): a function of the DP prompt and public data alone, so it keeps the guarantee.
+* ``variants``: Full ZS, Compressed PT, Direct Transfer and (opt-in) Full PT for the paper's table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from ..schema import Block, DPSGDConfig
+from . import register_method
+from .base import Method, MethodPlan, PostProcessed, Trained, Variant, dp_unless_debug
+
+STUDENT_TAG = "privprompt.student_key"
+NAMES = {"full_zs": "Full ZS", "full_pt": "Full PT", "compressed_pt": "Compressed PT",
+         "direct_transfer": "Direct Transfer", "post": "POST"}
+
+
+class DistillConfig(Block):
+    student_layers: int = Field(2, gt=0)
+    steps: int = Field(300, gt=0)
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(5e-4, gt=0)
+    alpha_ce: float = Field(0.5, ge=0)
+    alpha_lm: float = Field(0.5, ge=0)
+    alpha_cos: float = Field(1.0, ge=0)
+
+
+class TransferConfig(Block):
+    steps: int = Field(200, gt=0)
+    batch_size: int = Field(32, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    alpha: float = Field(0.5, ge=0, le=1, description="weight of the Δ-logit KL term")
+    select_every: int = Field(0, ge=0, description="0: keep the prompt after `steps`; N: every N steps score "
+                              "it by the transfer loss on held-out PUBLIC texts and keep the best")
+    select_size: int = Field(200, gt=0, description="public texts held out for that selection")
+
+
+class PostConfig(Block):
+    enabled: bool = False
+    tuning: DPSGDConfig = Field(default_factory=DPSGDConfig, description="DP soft-prompt tuning on the student")
+    distill: DistillConfig = Field(default_factory=DistillConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
+    full_pt: bool = Field(False, description="non-private tuning on the target (an upper bound; opt-in; "
+                                             "settings of methods.prompt_sgd)")
+
+
+# ---- public data and the student ---------------------------------------------------------------
+
+def public_texts(cfg, private_dir) -> list[str]:
+    """The config's public texts; refused when they are, or overlap, the private source."""
+    from ..data import read_public_texts
+    from ..state import default_data_root
+
+    p, root = cfg.public, default_data_root(cfg.data_root)
+    return read_public_texts(p.name, p.path, p.split, p.text_field, root, private_dir, p.size, cfg.seed,
+                             private_source=(cfg.data, root))
+
+
+def student_key(cfg, public: list[str]) -> str:
+    d = cfg.methods.post.distill
+    payload = json.dumps({"teacher": cfg.models.target_name, "distill": d.model_dump(), "seed": cfg.seed,
+                          "max_length": cfg.models.max_length,
+                          "public": hashlib.sha256("\x1e".join(public).encode()).hexdigest()}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def distill_student(ctx, progress=None) -> dict:
+    """The student for (teacher, settings, public data): reused when a registered version with
+    the same key exists, else built from the teacher's first and last layers and distilled."""
+    from mlflow.exceptions import MlflowException
+
+    from models.distill import DistillConfig as ModelDistillConfig
+    from models.distill import build_student, distill, freeze, save_student
+    from models.registry import load_backbone
+
+    cfg, paths = ctx.cfg, ctx.paths
+    texts = public_texts(cfg, paths.private)
+    key = student_key(cfg, texts)
+    directory = paths.root / "models" / "students" / key
+    model_name = f"privprompt-student-{cfg.models.target_name.replace('/', '_')}"
+    mlflow = ctx.parent.mlflow
+    if (directory / "privprompt_student.json").is_file():
+        versions = mlflow.search_model_versions(f"name = '{model_name}' and tags.`{STUDENT_TAG}` = '{key}'")
+        if versions:
+            return {"student_dir": str(directory), "cached": True, "compute_s": 0.0, "key": key,
+                    "registered": f"{model_name}/{versions[0].version}"}
+    started = time.perf_counter()
+    d = cfg.methods.post.distill
+    teacher = load_backbone(cfg.models.target_name, seed=cfg.seed)
+    student = build_student(teacher, d.student_layers, seed=cfg.seed)
+    result = distill(teacher, student, texts, ModelDistillConfig(
+        steps=d.steps, batch_size=d.batch_size, lr=d.lr, max_length=cfg.models.max_length,
+        alpha_ce=d.alpha_ce, alpha_lm=d.alpha_lm, alpha_cos=d.alpha_cos, seed=cfg.seed),
+        progress=None if progress is None else (lambda step, total, *_: progress(step, total)))
+    freeze(student)
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_student(student, tmp)
+    shutil.rmtree(directory, ignore_errors=True)  # an unregistered leftover of an interrupted run
+    tmp.replace(directory)  # atomic: a student folder is complete or absent
+    compute_s = time.perf_counter() - started
+    run = ctx.parent.child("distill", {"method": "post", "stage": "distill", "privacy.guarantee": "none",
+                                       "data": "public only"})
+    losses = [h["loss"] for h in result.history if h.get("loss") is not None]  # public-data losses
+    run.log_params({"distill.student_layers": d.student_layers, "distill.steps": d.steps,
+                    "distill.public": cfg.public.name, "distill.key": key})
+    run.log_metrics({"distill.loss_first": losses[0] if losses else None,
+                     "distill.loss_last": losses[-1] if losses else None, "distill.compute_s": compute_s})
+    mlflow.log_artifacts(run.run_id, str(directory), "student")
+    try:
+        mlflow.create_registered_model(model_name)
+    except MlflowException as err:
+        if "already exists" not in str(err).lower() and "RESOURCE_ALREADY_EXISTS" not in str(err):
+            raise
+    source = f"{mlflow.get_run(run.run_id).info.artifact_uri}/student"
+    version = mlflow.create_model_version(model_name, source, run_id=run.run_id, tags={STUDENT_TAG: key})
+    run.end()
+    return {"student_dir": str(directory), "cached": False, "compute_s": compute_s, "key": key,
+            "registered": f"{model_name}/{version.version}"}
+
+
+# ---- transfer --------------------------------------------------------------------------------
+
+def transfer_config(cfg):
+    """The ``models.transfer`` settings of a config: the target prompt initialised like the
+    source prompt."""
+    from models.transfer import TransferConfig as ModelTransferConfig
+
+    t = cfg.methods.post.transfer
+    return ModelTransferConfig(steps=t.steps, batch_size=t.batch_size, lr=t.lr, alpha=t.alpha,
+                               max_length=cfg.models.max_length, seed=cfg.seed, init="vocab",
+                               init_words=cfg.methods.post.tuning.init, init_seed=cfg.seed,
+                               select_every=t.select_every)
+
+
+def transfer_on_public(cfg, source_clf, source_prompt, target_clf, texts: list[str], progress=None):
+    """POST's transfer as the config asks (the flow and the audit's shadows share it): a fixed
+    number of steps, or with ``select_every`` the prompt with the lowest transfer loss on
+    ``select_size`` held-out public texts. ``texts`` are public; nothing private is read."""
+    import numpy as np
+
+    from models.transfer import PublicObjective, transfer_prompt
+
+    from ..errors import ConfigError
+
+    t, config = cfg.methods.post.transfer, transfer_config(cfg)
+    report = None if progress is None else (lambda step, total, *_: progress(step, total))
+    if not t.select_every:
+        return transfer_prompt(source_clf, source_prompt, target_clf, texts, config, progress=report)
+    if len(texts) <= t.select_size:
+        raise ConfigError(f"methods.post.transfer.select_size = {t.select_size} leaves no public texts to "
+                          f"train on ({len(texts)} in public); lower it or raise public.size")
+    order = np.random.default_rng(cfg.seed).permutation(len(texts))  # files may be sorted by label
+    held_out = [texts[i] for i in order[: t.select_size]]
+    train = [texts[i] for i in sorted(order[t.select_size:])]
+    objective = PublicObjective(source_clf, source_prompt, target_clf, held_out, config)  # encoded once
+    return transfer_prompt(source_clf, source_prompt, target_clf, train, config, progress=report,
+                           select_fn=lambda prompt: -objective(prompt))
+
+
+def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], progress=None):
+    """Train the target prompt to behave on the target like the DP prompt on the student, on
+    public texts only. Returns (``models.transfer`` result, the ``transfer`` child run to log)."""
+    from ..data import assert_public
+    from ..stages import classifier_for
+
+    cfg = mctx.cfg
+    assert_public(student_dir, mctx.paths.private)
+    moved = transfer_on_public(cfg, classifier_for(cfg, student_dir), source_prompt,
+                               classifier_for(cfg, cfg.models.target_name), texts, progress=progress)
+    t = cfg.methods.post.transfer
+    losses = [h["loss"] for h in moved.history if h.get("loss") is not None]  # public-data losses
+    child = {"name": "transfer", "tags": {"method": "post", "stage": "transfer", "data": "public only"},
+             "params": {"transfer.steps": t.steps, "transfer.alpha": t.alpha, "transfer.lr": t.lr,
+                        "transfer.public": cfg.public.name, "transfer.select_every": t.select_every},
+             "metrics": {"transfer.loss_first": losses[0] if losses else None,
+                         "transfer.loss_last": losses[-1] if losses else None,
+                         "transfer.selected_step": moved.best_step},
+             "series": {"transfer.public_select_loss": [(p["step"], -p["score"]) for p in moved.selection]}}
+    return moved, child
+
+
+_PUBLIC: dict = {}
+
+
+def cached_public_texts(cfg, paths) -> list[str]:
+    """Public texts read once per process (audit shadows on one worker share them)."""
+    key = (str(paths.root), json.dumps(cfg.public.model_dump(), sort_keys=True), cfg.seed)
+    if key not in _PUBLIC:
+        _PUBLIC[key] = public_texts(cfg, paths.private)
+    return _PUBLIC[key]
+
+
+# ---- the method --------------------------------------------------------------------------------
+
+@register_method
+class Post(Method):
+    name = "post"
+    config_class = PostConfig
+    label = "POST"
+    stage_names = {"prepare": "distill", "train": "tune", "post_process": "transfer"}
+
+    def guarantee(self, cfg):
+        return dp_unless_debug(cfg)
+
+    def uses_public_data(self, cfg) -> bool:
+        return True
+
+    def validate(self, cfg, published):
+        block, public = self.settings(cfg), cfg.public
+        t = block.transfer
+        if public is not None and t.select_every and public.size is not None and t.select_size >= public.size:
+            raise ValueError(f"methods.post.transfer.select_size = {t.select_size} holds out all "
+                             f"{public.size} public texts (public.size): none left to train on")
+        if block.full_pt and not cfg.allow_nonprivate_baselines:
+            raise ValueError("methods.post.full_pt is non-private tuning on the target: set "
+                             "allow_nonprivate_baselines: true to opt in")
+
+    def plan(self, cfg, n_train, delta):
+        from .soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
+
+        block = self.settings(cfg)
+        settings = dpsgd_settings(block.tuning, n_train, cfg.privacy.target_epsilon, delta)
+        guarantee = self.guarantee(cfg)
+        return MethodPlan(
+            self.name, guarantee, n_train, delta, event=dpsgd_event(settings) if guarantee == "dp" else None,
+            params={**dpsgd_params(settings), "post.student_layers": block.distill.student_layers,
+                    "post.transfer_steps": block.transfer.steps, "post.transfer_alpha": block.transfer.alpha},
+            settings=settings, note="distillation: public data only (no privacy cost); transfer: public data "
+                                    "and the DP prompt only (post-processing)")
+
+    def prepare(self, ctx, progress=None):
+        student = distill_student(ctx, progress=progress)
+        return {**student, "tags": {"model.local": student["student_dir"], "post.student": student["registered"],
+                                    "post.public": ctx.cfg.public.name}}
+
+    def train(self, mctx, plan, rows, progress=None):
+        from .soft_prompt import dpsgd_event, fit_soft_prompt
+
+        cfg = mctx.cfg
+        result = fit_soft_prompt(cfg, self.settings(cfg).tuning, mctx.prepared["student_dir"], rows, mctx.seed,
+                                 dp=plan.settings, randomness=mctx.randomness, progress=progress)
+        metrics = {"train.steps": result.steps, "train.empty_batches": result.empty_batches}
+        return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
+                       result.steps, metrics, result.history)
+
+    def post_process(self, mctx, plan, prompt, progress=None):
+        texts = cached_public_texts(mctx.cfg, mctx.paths)  # public data only
+        moved, child = transfer_stage(mctx, mctx.prepared["student_dir"], prompt, texts, progress)
+        return PostProcessed(moved.prompt, moved.steps, child)
+
+    def published_model(self, cfg, prepared):
+        return cfg.models.target_name
+
+    def missing_prepared(self, prepared):
+        student = prepared.get("student_dir")
+        return "" if student and Path(student).is_dir() else f"the run's POST student, not found at {student}"
+
+    def variants(self, ctx, result, prepared, run_method):
+        cfg, teacher, student = ctx.cfg, ctx.cfg.models.target_name, prepared["student_dir"]
+        eps = (result.get("spend") or {}).get("epsilon")
+        guarantee = result["guarantee"]
+        out = [Variant("full_zs", None, teacher, "none", label=NAMES["full_zs"]),
+               Variant("compressed_pt", result["source_prompt_path"], student, guarantee, eps, NAMES["compressed_pt"]),
+               Variant("direct_transfer", result["source_prompt_path"], teacher, guarantee, eps,
+                       NAMES["direct_transfer"])]
+        if self.settings(cfg).full_pt:  # non-private tuning on the target: an upper bound, opt-in
+            full = run_method("prompt_sgd")
+            out.append(Variant("full_pt", full["prompt_path"], teacher, "none", label=NAMES["full_pt"]))
+        return out
+
+    def tables(self, accuracies, result, variants):
+        eps = (result.get("spend") or {}).get("epsilon")
+        rows = ["| method | test accuracy | privacy |", "|---|---:|---|"]
+        for key in ("full_zs", "full_pt", "compressed_pt", "direct_transfer", "post"):
+            if key not in accuracies:
+                continue
+            if key == "full_pt":
+                privacy = "none (upper bound)"
+            elif key == "full_zs":
+                privacy = "-"
+            else:
+                privacy = f"ε={eps:.2f}" if eps is not None else "none"
+            rows.append(f"| {NAMES[key]} | {accuracies[key]:.4f} | {privacy} |")
+        return {"accuracy": "\n".join(rows) + "\n"}

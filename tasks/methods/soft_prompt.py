@@ -1,0 +1,54 @@
+"""Soft-prompt training shared by the soft-prompt methods (prompt_sgd, prompt_dpsgd, POST's DP
+tuning): settings → ``models.dp_prompt_training`` on already-tokenised rows."""
+
+from __future__ import annotations
+
+import math
+
+from privacy import accountant as acct
+from privacy import events as ev
+
+
+def dpsgd_settings(block, n: int, target_epsilon: float, delta: float) -> dict:
+    """Poisson rate, steps and the calibrated noise multiplier of DP-SGD on ``n`` examples."""
+    q = min(1.0, block.batch_size / n)
+    steps = max(1, math.ceil(block.epochs / q))
+    sigma = acct.calibrate_noise_multiplier(target_epsilon, delta, q, steps)
+    return {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "max_grad_norm": block.max_grad_norm}
+
+
+def dpsgd_event(settings: dict):
+    return ev.dpsgd_event(settings["sample_rate"], settings["noise_multiplier"], settings["steps"])
+
+
+def dpsgd_params(settings: dict) -> dict:
+    return {"dpsgd.sample_rate": settings["sample_rate"], "dpsgd.noise_multiplier": settings["noise_multiplier"],
+            "dpsgd.steps": settings["steps"], "dpsgd.max_grad_norm": settings["max_grad_norm"]}
+
+
+def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | None = None,
+                    randomness=None, progress=None):
+    """Train a soft prompt of ``block``'s settings on ``model_name`` with private ``rows``
+    (DP-SGD when ``dp`` holds the plan's settings). Returns ``models``' ``TrainResult``."""
+    from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
+
+    from ..stages import classifier_for, label_indices
+
+    clf = classifier_for(cfg, model_name)
+    enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
+    y = label_indices(rows.labels, cfg.data.labels)
+    tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=block.epochs,
+                              batch_size=block.batch_size, max_length=cfg.models.max_length,
+                              seed=seed, init_words=block.init)
+    dp_config, generators = None, {}
+    if dp is not None:
+        dp_config = DPConfig(noise_multiplier=dp["noise_multiplier"], max_grad_norm=dp["max_grad_norm"],
+                             sample_rate=dp["sample_rate"])
+        tc.steps = dp["steps"]
+        sample, noise = randomness.torch_generators()
+        generators = {"sample_generator": sample, "noise_generator": noise}
+    report = None if progress is None else (lambda step, total, *_: progress(step, total))
+    result = train_prompt(clf, enc, y, tc, dp=dp_config, progress=report, seed=seed, **generators)
+    if dp is not None and result.steps != dp["steps"]:
+        raise RuntimeError(f"DP training took {result.steps} steps, {dp['steps']} were accounted")
+    return result

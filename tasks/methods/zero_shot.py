@@ -1,0 +1,37 @@
+"""Zero-shot: the model with no prompt. Reads no private training data; evaluated like any method."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from ..schema import Block
+from . import register_method
+from .base import Method, MethodPlan, Trained
+
+
+class ZeroShotConfig(Block):
+    enabled: bool = Field(False, description="evaluate the model without a prompt beside the published method")
+
+
+@register_method
+class ZeroShot(Method):
+    name = "zero_shot"
+    config_class = ZeroShotConfig
+    prompt_kind = "none"
+    label = "zero-shot"
+
+    def guarantee(self, cfg):
+        return "none"
+
+    def reads_private_data(self, cfg) -> bool:
+        return False
+
+    def plan(self, cfg, n_train, delta):
+        return MethodPlan(self.name, "none", n_train, delta, reads_private=False,
+                          note="no training: nothing learnt from private data")
+
+    def train(self, mctx, plan, rows, progress=None):
+        return Trained(prompt=None, event=None)
+
+    def published_model(self, cfg, prepared):
+        return cfg.models.target_name

@@ -1,0 +1,161 @@
+"""The config blocks every flow shares (data, models, privacy budget, public data, MIA, audit).
+
+Method blocks live next to their method (``tasks/methods/<name>.py``); ``tasks/config.py``
+assembles the one schema from these blocks and the method registry. Unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class Block(BaseModel):
+    """Base of every config block: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(Block):
+    name: str = Field(description="dataset name, also the folder under the data root")
+    path: str | None = Field(None, description="folder with train/test files (default: <data_root>/<name>)")
+    hub: str | None = Field(None, description="a hub dataset id for `datasets.load_dataset` instead of files")
+    hub_config: str | None = None
+    hub_revision: str | None = Field(None, description="pin the hub dataset's revision (part of the ledger's key)")
+    train_split: str = "train"
+    test_split: str = "test"
+    text_field: str = "text"
+    label_field: str = "label"
+    labels: list[str] = Field(min_length=2)
+    label_map: dict[str, str] = Field(default_factory=dict, description="raw label -> label name")
+    train_size: int | None = Field(None, gt=0, description="subsample of the private training data")
+    test_size: int | None = Field(None, gt=0)
+    holdout_fraction: float = Field(0.1, gt=0, lt=1, description="held-out validation share")
+    canaries: int = Field(0, ge=0, description="random canary records, each planted with prob. 1/2")
+    test_shareable: bool = Field(False, description="the test split may be sent to remote endpoints "
+                                                    "(models.endpoints); training rows never are")
+
+    @field_validator("labels")
+    @classmethod
+    def _unique_labels(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError(f"labels must be unique, got {v}")
+        return v
+
+
+class EndpointConfig(Block):
+    """An OpenAI-compatible completions endpoint evaluated with the published (text) prompt."""
+
+    alias: str = Field(description="name in the run record: test.accuracy.<alias>")
+    base_url: str = Field(description="e.g. http://127.0.0.1:8000/v1")
+    model: str
+    api_key_env: str | None = Field(None, description="environment variable holding the API key (never logged)")
+
+
+class ModelsConfig(Block):
+    local: str = Field(description="model where private data is used (HF id, local path or alias)")
+    target: str | None = Field(None, description="model the prompt is published for (default: local)")
+    evaluate_on: list[str] = Field(default_factory=list, description="more models (HF id / path / alias) the "
+                                   "published prompt is evaluated on: test.accuracy.<alias>")
+    endpoints: list[EndpointConfig] = Field(default_factory=list, description="remote completions endpoints: "
+                                            "they receive only the test split, which data.test_shareable must allow")
+    label_descriptions: dict[str, str] = Field(default_factory=dict)
+    template: str | None = None
+    max_length: int = Field(64, gt=4)
+    eval_batch_size: int = Field(64, gt=0)
+
+    @property
+    def target_name(self) -> str:
+        return self.target or self.local
+
+
+class PrivacyConfig(Block):
+    """The budget only: what a DP method may spend, and the dataset's cap. Mechanism settings
+    (clipping norm, noise) belong to the method blocks."""
+
+    target_epsilon: float = Field(8.0, description="ε the DP method spends")
+    target_delta: float | None = Field(None, description="δ; default: the method's (most: min(1e-5, 1/(10 n_train)))")
+    dataset_epsilon_cap: float = Field(10.0, description="total ε allowed on this dataset (ledger)")
+
+    @field_validator("target_epsilon", "dataset_epsilon_cap")
+    @classmethod
+    def _positive_eps(cls, v):
+        if not math.isfinite(v):
+            raise ValueError(f"must be a finite number, got {v}: a non-private run is a method of its own "
+                             "(e.g. prompt_sgd), not ε = inf")
+        if not v > 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+    @field_validator("target_delta")
+    @classmethod
+    def _delta_range(cls, v):
+        if v is not None and not (0 < v < 1):
+            raise ValueError(f"must lie in (0, 1), got {v}")
+        return v
+
+
+class PublicDataConfig(Block):
+    """Public (non-private) text for distillation, prompt transfer and comparisons: never the
+    private data (refused when it is, or overlaps, the private source)."""
+
+    name: str = Field(description="dataset folder under the data root, e.g. tweet_sentiment")
+    path: str | None = None
+    split: str = "validation"
+    text_field: str = "text"
+    size: int | None = Field(None, gt=0)
+
+
+class MiaConfig(Block):
+    enabled: bool = True
+    max_examples: int = Field(1000, gt=0, description="members and non-members scored, each")
+
+
+class DaskConfig(Block):
+    address: str | None = Field(None, description="scheduler of an existing Dask cluster (default: local)")
+    n_workers: int = Field(2, gt=0)
+    threads_per_worker: int = Field(1, gt=0)
+
+
+class AuditConfig(Block):
+    enabled: bool = False
+    shadows: int = Field(8, ge=2, description="shadow prompts for LiRA (each example in half of them)")
+    attacks: list[Literal["loss", "lira", "min_k"]] = Field(default_factory=lambda: ["loss", "lira", "min_k"])
+    pool_size: int | None = Field(None, gt=3, description="audit pool (members + non-members)")
+    fprs: list[float] = Field(default_factory=lambda: [0.01, 0.001])
+    min_k: float = Field(0.2, gt=0, le=1)
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    dask: DaskConfig = Field(default_factory=DaskConfig)
+
+    @field_validator("fprs")
+    @classmethod
+    def _fprs(cls, v):
+        if not v or any(not (0 < f < 1) for f in v):
+            raise ValueError(f"every FPR must lie in (0, 1), got {v}")
+        return v
+
+    @field_validator("shadows")
+    @classmethod
+    def _even(cls, v):
+        if v % 2:
+            raise ValueError(f"must be even (each example is in exactly half of the shadows), got {v}")
+        return v
+
+
+class PromptTuningConfig(Block):
+    """Soft-prompt training settings shared by the soft-prompt methods."""
+
+    enabled: bool = Field(False, description="run as a baseline beside the published method")
+    n_tokens: int = Field(10, gt=0)
+    lr: float = Field(0.05, gt=0)
+    epochs: float = Field(1.0, gt=0)
+    batch_size: int = Field(32, gt=0, description="(expected) batch size")
+    init: str | None = Field(None, description="words to initialise the prompt from")
+
+
+class DPSGDConfig(PromptTuningConfig):
+    """DP-SGD soft-prompt training: the clipping norm is the mechanism's, so it lives here."""
+
+    max_grad_norm: float = Field(1.0, gt=0, description="per-example clipping norm C (noise std σ·C)")

@@ -1,0 +1,160 @@
+"""The contract every registered method keeps (compare PEFT's TEST_CASES): parametrised over
+the registry, on tiny models and a small SST-2 sample.
+
+* ``plan`` is pure (opens no file) and returns a privacy event iff its guarantee is ``dp``;
+* ``train`` spends no more than the plan reserved;
+* the published prompt round-trips through save/load;
+* an audit shadow is ``train`` + ``post_process`` on pool rows, through the registry.
+"""
+
+import builtins
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from tasks.methods import PrivateRows, get_method, registered_methods
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+def _config(state: Path, method: str) -> dict:
+    return {
+        "method": method, "experiment": "contract", "seed": 0, "state_dir": str(state),
+        "allow_nonprivate_baselines": True,
+        "data": {"name": "sst2", "path": str(SHARED / "sst2"), "labels": ["negative", "positive"],
+                 "train_size": 40, "test_size": 20, "holdout_fraction": 0.25},
+        "models": {"local": "tiny-gpt2", "max_length": 24},
+        "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
+        "public": {"name": "tweet_sentiment", "path": str(SHARED / "tweet_sentiment"), "size": 40},
+        "methods": {"prompt_sgd": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
+                    "prompt_dpsgd": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
+                    "post": {"tuning": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
+                             "distill": {"steps": 2, "batch_size": 8},
+                             "transfer": {"steps": 2, "batch_size": 8}},
+                    "dpzero": {"n_tokens": 2, "batch_size": 8, "steps": 3},
+                    "dp_opt": {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2,
+                               "validation_size": 4, "epsilon0": 4.0, "delta0": 1e-8},
+                    "opt": {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2},
+                    "dln1": {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2},
+                    "icl": {"demos": 2},
+                    "rapt": {"plain_tokens": 4, "head_vocab": 60, "n_tokens": 2, "steps": 2, "batch_size": 4}},
+        "mia": {"enabled": False},
+    }
+
+
+ROWS = PrivateRows(["a fine , moving film", "dull and tedious", "a joy to watch", "painfully bad"] * 5,
+                   ["positive", "negative", "positive", "negative"] * 5)
+
+
+@pytest.fixture(scope="module")
+def contexts(tmp_path_factory):
+    """A parent MLflow run per method (``prepare`` may log), a StageContext and what prepare made."""
+    from tasks.config import parse_config
+    from tasks.record import RunRecord, client, ensure_experiment
+    from tasks.stages import StageContext
+    from tasks.state import state_paths
+
+    if not (SHARED / "sst2").is_dir():
+        pytest.skip("../shared/data is not available")
+    state = tmp_path_factory.mktemp("contract")
+    paths = state_paths(str(state)).create()
+    mlflow = client(paths)
+    exp = ensure_experiment(mlflow, "contract", paths)
+    out = {}
+    for name in registered_methods():
+        config = parse_config(_config(state, name)).model_dump(mode="json")
+        parent = RunRecord.create(mlflow, exp, f"contract-{name}", {"method": name})
+        ctx = StageContext(config=config, state_dir=str(state), partition={}, parent_run_id=parent.run_id,
+                           flow_run_id=f"contract-{name}")
+        out[name] = (ctx, get_method(name).prepare(ctx))
+    return out
+
+
+@pytest.mark.parametrize("name", registered_methods())
+def test_plan_is_pure_and_has_an_event_iff_dp(name, contexts, monkeypatch):
+    ctx, _ = contexts[name]
+    cfg, method = ctx.cfg, get_method(name)
+    opened = []
+
+    def refuse(file, *a, **k):
+        opened.append(str(file))
+        raise AssertionError(f"plan opened {file}")
+
+    monkeypatch.setattr(builtins, "open", refuse)
+    monkeypatch.setattr(io, "open", refuse)
+    plan = method.plan(cfg, 1000, 1e-5)
+    monkeypatch.undo()
+    assert not opened
+    assert plan.guarantee == method.guarantee(cfg) in ("dp", "ldp", "none")
+    assert (plan.event is not None) == (plan.guarantee == "dp")
+    json.dumps(plan.params), json.dumps(plan.settings)  # loggable
+
+
+@pytest.mark.parametrize("name", registered_methods())
+def test_train_spends_at_most_the_plan_and_the_prompt_round_trips(name, contexts, tmp_path):
+    import torch
+
+    from privacy import accountant as acct
+    from tasks.methods import MethodContext
+    from tasks.prompts import load_prompt_file, save_prompt_file
+    from tasks.randomness import DpRandomness
+
+    ctx, prepared = contexts[name]
+    cfg, method = ctx.cfg, get_method(name)
+    plan = method.plan(cfg, len(ROWS), 1e-5)
+    mctx = MethodContext(cfg, ctx.paths, prepared, DpRandomness(), 0)
+    trained = method.train(mctx, plan, ROWS)
+    if plan.guarantee == "dp":
+        assert trained.event is not None
+        assert acct.spend(trained.event, 1e-5).epsilon <= acct.spend(plan.event, 1e-5).epsilon * (1 + 1e-9)
+    else:
+        assert trained.event is None
+    post = method.post_process(mctx, plan, trained.prompt)
+    if not method.reads_private_data(cfg):
+        assert post.prompt is None
+        return
+    path = save_prompt_file(tmp_path, name, post.prompt, {"method": name})
+    back = load_prompt_file(str(path))
+    if isinstance(post.prompt, torch.Tensor):
+        assert torch.equal(back, post.prompt)
+    else:
+        assert back == post.prompt or torch.equal(*(getattr(p, "weight", p) for p in (back, post.prompt)))
+
+
+@pytest.mark.parametrize("name", [m for m in registered_methods()])
+def test_shadow_is_train_and_post_process_through_the_registry(name, contexts):
+    from tasks.lifecycle import shadow_prompt
+
+    ctx, prepared = contexts[name]
+    if not get_method(name).reads_private_data(ctx.cfg):
+        pytest.skip(f"{name} trains nothing: no shadow")
+    prompt, steps = shadow_prompt(ctx.config, name, prepared, ctx.state_dir, ROWS, shadow_seed=3)
+    assert prompt is not None and steps >= 0
+    again, _ = shadow_prompt(ctx.config, name, prepared, ctx.state_dir, ROWS, shadow_seed=3)
+    import torch
+
+    # shadows are local working data: reproducible by their seed (their DP streams are seeded)
+    assert torch.equal(prompt, again) if isinstance(prompt, torch.Tensor) else prompt == again
+
+
+def test_unknown_method_fails_at_config_time_listing_the_registered_ones(tmp_path):
+    from tasks.config import parse_config
+    from tasks.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not registered; choose one of .*prompt_dpsgd.*post"):
+        parse_config(_config(tmp_path, "no_such_method"))
+
+
+def test_no_method_name_is_compared_outside_the_registry():
+    """Flows, the CLI, the audit and the sweep dispatch through the registry."""
+    repo = Path(__file__).resolve().parent.parent
+    files = [*(repo / "flows").glob("*.py"), repo / "privprompt_cli.py", repo / "tasks" / "audit.py",
+             repo / "tasks" / "lifecycle.py", repo / "tasks" / "stages.py", repo / "tasks" / "config.py"]
+    names = registered_methods()
+    for f in files:
+        text = f.read_text()
+        for name in names:
+            for pattern in (f'== "{name}"', f"== '{name}'", f'!= "{name}"', f'in ("{name}"', f'"{name}" in'):
+                assert pattern not in text, f"{f.name} compares the method name {name!r}"
