@@ -1,0 +1,80 @@
+"""dpzero: black-box DP soft-prompt tuning with two-point zeroth-order estimates (DPZero; the
+black-box setting of Privacy-Flat §3.3): only losses are queried. Each step releases one noised
+sum of clipped scalars on a Poisson subsample — the subsampled Gaussian event of DP-SGD, with σ
+calibrated to the target ε (``privacy.events.dpzero_event``)."""
+
+from __future__ import annotations
+
+import math
+
+from pydantic import Field
+
+from ..schema import Block
+from . import register_method
+from .base import Method, MethodPlan, Trained, dp_unless_debug
+
+
+class DPZeroConfig(Block):
+    enabled: bool = Field(False, description="run as a baseline beside the published method")
+    n_tokens: int = Field(10, gt=0)
+    init: str | None = Field(None, description="words to initialise the prompt from")
+    batch_size: int = Field(64, gt=0, description="expected Poisson batch size")
+    epochs: float = Field(1.0, gt=0, description="expected passes over the data (steps = epochs / q)")
+    steps: int | None = Field(None, gt=0, description="number of steps (overrides epochs)")
+    lr: float = Field(1e-3, gt=0)
+    mu: float = Field(1e-3, gt=0, description="perturbation scale of the two-point estimate")
+    clip: float = Field(1.0, gt=0, description="C: bound on each example's two-point difference")
+
+
+@register_method
+class DPZero(Method):
+    name = "dpzero"
+    config_class = DPZeroConfig
+    label = "DPZero (black-box)"
+
+    def guarantee(self, cfg):
+        return dp_unless_debug(cfg)
+
+    def plan(self, cfg, n_train, delta):
+        from privacy import accountant as acct
+        from privacy import events as ev
+
+        block = self.settings(cfg)
+        q = min(1.0, block.batch_size / n_train)
+        steps = block.steps or max(1, math.ceil(block.epochs / q))
+        sigma = acct.calibrate_noise_multiplier(cfg.privacy.target_epsilon, delta, q, steps)
+        settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma}
+        guarantee = self.guarantee(cfg)
+        return MethodPlan(self.name, guarantee, n_train, delta,
+                          event=ev.dpzero_event(q, sigma, steps) if guarantee == "dp" else None,
+                          params={"dpzero.sample_rate": q, "dpzero.noise_multiplier": sigma, "dpzero.steps": steps,
+                                  "dpzero.clip": block.clip, "dpzero.mu": block.mu, "dpzero.lr": block.lr},
+                          settings=settings)
+
+    def train(self, mctx, plan, rows, progress=None):
+        import torch
+
+        from models.dpzero import DPZeroConfig as ModelConfig
+        from models.dpzero import train_dpzero
+        from models.soft_prompt import SoftPrompt
+        from privacy import events as ev
+
+        from ..stages import classifier_for, label_indices
+
+        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        clf = classifier_for(cfg, cfg.models.local)
+        enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
+        y = label_indices(rows.labels, cfg.data.labels)
+        init = SoftPrompt.init_from_vocab(clf.backbone, block.init or block.n_tokens, n_tokens=block.n_tokens,
+                                          seed=mctx.seed).weight.detach()
+        s = plan.settings
+        sample, noise = mctx.randomness.torch_generators()
+        result = train_dpzero(clf, enc, y, init, ModelConfig(
+            steps=s["steps"], sample_rate=s["sample_rate"], noise_multiplier=s["noise_multiplier"],
+            clip=block.clip, mu=block.mu, lr=block.lr), sample_generator=sample, noise_generator=noise,
+            direction_generator=torch.Generator().manual_seed(mctx.seed), progress=progress)
+        if result.steps != s["steps"]:
+            raise RuntimeError(f"DPZero took {result.steps} steps, {s['steps']} were accounted")
+        event = ev.dpzero_event(s["sample_rate"], s["noise_multiplier"], s["steps"]) if plan.guarantee == "dp" else None
+        return Trained(result.prompt, event, result.steps,
+                       {"train.steps": result.steps, "train.empty_batches": result.empty_batches}, result.history)
