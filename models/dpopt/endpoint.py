@@ -1,0 +1,73 @@
+"""An OpenAI-compatible completions endpoint as a cross-model evaluation target (stdlib only).
+
+Each request carries test inputs wrapped in the forward template with the published prompt. The
+label is read from the returned top log-probabilities of the first token when the endpoint gives
+them, else from the generated text. The caller decides what may be sent (never private rows)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+
+class EndpointError(RuntimeError):
+    """The endpoint could not be reached or answered with something unusable."""
+
+
+@dataclass
+class CompletionsClient:
+    base_url: str                 # e.g. http://127.0.0.1:8000/v1
+    model: str
+    api_key: str | None = None
+    timeout_s: float = 60.0
+    batch_size: int = 16
+
+    def complete(self, prompts: list[str]) -> list[dict]:
+        """One choice per prompt: {"text", "top_logprobs": {token: logprob} or None}."""
+        out: list[dict] = []
+        for i in range(0, len(prompts), self.batch_size):
+            chunk = prompts[i:i + self.batch_size]
+            body = json.dumps({"model": self.model, "prompt": chunk, "max_tokens": 3, "temperature": 0,
+                               "logprobs": 5}).encode()
+            headers = {"Content-Type": "application/json"}
+            if self.api_key:
+                headers["Authorization"] = f"Bearer {self.api_key}"
+            request = urllib.request.Request(self.base_url.rstrip("/") + "/completions", data=body, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    data = json.loads(response.read())
+            except (urllib.error.URLError, TimeoutError, json.JSONDecodeError) as err:
+                raise EndpointError(f"completions endpoint {self.base_url}: {type(err).__name__}: {err}") from None
+            choices = sorted(data.get("choices", []), key=lambda c: c.get("index", 0))
+            if len(choices) != len(chunk):
+                raise EndpointError(f"completions endpoint {self.base_url} returned {len(choices)} choices "
+                                    f"for {len(chunk)} prompts")
+            for c in choices:
+                lp = (c.get("logprobs") or {}).get("top_logprobs") or None
+                out.append({"text": c.get("text", ""), "top_logprobs": lp[0] if lp else None})
+        return out
+
+
+def predict_labels(choices: list[dict], label_words: list[str]) -> list[int | None]:
+    """The label index of every choice: the label word whose token has the largest returned
+    log-probability, else the first label word the generated text starts with (None if neither)."""
+    words = [w.strip().lower() for w in label_words]
+    out: list[int | None] = []
+    for c in choices:
+        pick = None
+        if c["top_logprobs"]:
+            scores = {}
+            for token, logprob in c["top_logprobs"].items():
+                t = token.strip().lower()
+                for i, w in enumerate(words):
+                    if t and w.startswith(t) and logprob > scores.get(i, float("-inf")):
+                        scores[i] = logprob
+            if scores:
+                pick = max(scores, key=scores.get)
+        if pick is None:
+            text = c["text"].strip().lower()
+            pick = next((i for i, w in enumerate(words) if text.startswith(w)), None)
+        out.append(pick)
+    return out

@@ -1,0 +1,67 @@
+"""Local leakage report of generated prompts against the private training texts (DP-OPT's
+Appendix B.1 searched nearest neighbours by sentence embeddings; its code only checked exact
+substrings). Returns counts and a similarity, never a text."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_WORD = re.compile(r"\w+")
+
+
+def _words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def _ngrams(words: list[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def exact_copies(prompts: list[str], private_texts: list[str], n: int = 6) -> int:
+    """Prompts that contain an ``n``-word sequence of a private text (a private text shorter than
+    ``n`` words counts when it appears whole, with at least 3 words)."""
+    grams: set[tuple[str, ...]] = set()
+    for t in private_texts:
+        w = _words(t)
+        grams |= _ngrams(w, n) if len(w) >= n else ({tuple(w)} if len(w) >= 3 else set())
+    count = 0
+    for p in prompts:
+        w = _words(p)
+        sizes = {len(g) for g in grams}
+        if any(g in grams for k in sizes for g in _ngrams(w, k)):
+            count += 1
+    return count
+
+
+@torch.no_grad()
+def sentence_embeddings(texts: list[str], backbone, batch_size: int = 64, max_length: int = 128) -> torch.Tensor:
+    """Mean-pooled, L2-normalised token embeddings of an encoder (all-MiniLM-L6-v2's recipe)."""
+    out = []
+    for i in range(0, len(texts), batch_size):
+        enc = backbone.tokenizer(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
+                                 return_tensors="pt").to(backbone.device)
+        hidden = backbone.model(**enc).last_hidden_state
+        mask = enc["attention_mask"].unsqueeze(-1).float()
+        emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0)
+        out.append(torch.nn.functional.normalize(emb.float(), dim=-1).cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def leakage_report(prompts: list[str], private_texts: list[str], encoder=None, n: int = 6,
+                   near_threshold: float = 0.9) -> dict[str, float]:
+    """``leakage.exact_copies`` (prompts with an n-gram copy of a private text),
+    ``leakage.near_copies`` (prompts whose nearest private text by sentence embedding has cosine
+    ≥ ``near_threshold``) and ``leakage.max_similarity`` (the largest such cosine)."""
+    report = {"leakage.exact_copies": float(exact_copies(prompts, private_texts, n)),
+              "leakage.prompts": float(len(prompts))}
+    if encoder is not None and prompts and private_texts:
+        p = sentence_embeddings(prompts, encoder)
+        best = torch.full((len(prompts),), -1.0)
+        for i in range(0, len(private_texts), 2048):
+            q = sentence_embeddings(private_texts[i:i + 2048], encoder)
+            best = torch.maximum(best, (p @ q.T).max(dim=1).values)
+        report["leakage.near_copies"] = float((best >= near_threshold).sum())
+        report["leakage.max_similarity"] = float(best.max())
+    return report

@@ -1,0 +1,323 @@
+"""DP-OPT (Hong et al. 2024) and its baselines: a local causal LM writes a DISCRETE prompt.
+
+* ``dp_opt``: Algorithm 1/2 — per token a fresh Poisson subsample of the generation rows, split
+  into J meta-prompts of k demos (backward template with x, y and ŷ from the forward pass), each
+  proposing its next token; the vote histogram goes through LimitedDomain (ε0, δ0; ⊥ retries once,
+  two ⊥ end the prompt); N candidates; DP-argmax on validation correct-counts (disjoint rows:
+  parallel composition). Generation stops before the target ε would be exceeded. δ defaults to
+  1/n (the paper's; min(1e-5, 1/(10n)) leaves a few dozen queries).
+* ``opt``: the same ensemble with demos drawn once per prompt and a plain majority vote (ε = ∞).
+* ``dln1``: one meta-prompt per candidate, sampled; selection by validation log-likelihood.
+* ``icl``: the initial instruction with k class-balanced demos (private text: never published).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from pydantic import Field
+
+from ..schema import Block
+from . import register_method
+from .base import Method, MethodPlan, Trained, dp_unless_debug
+
+
+class OptConfig(Block):
+    enabled: bool = Field(False, description="run as a baseline beside the published method")
+    instruction: str | None = Field(None, description="initial instruction (default: the paper's Table 6 for "
+                                                      "sst2/trec)")
+    meta_prompts: int = Field(32, gt=0, description="J: meta-prompts (ensemble members) per token")
+    demos: int = Field(5, gt=0, description="k: demos per meta-prompt")
+    max_new_tokens: int = Field(30, gt=0)
+    candidates: int = Field(4, gt=0, description="N: candidate prompts, one selected on validation rows")
+    temperature: float = Field(0.0, ge=0, description="proposal temperature of each member (0: greedy)")
+    validation_size: int = Field(200, gt=0, description="validation (holdout) rows used for selection")
+
+
+class DPOptConfig(OptConfig):
+    epsilon0: float = Field(1.8, gt=0, description="ε0 of each LimitedDomain token query")
+    delta0: float = Field(5e-7, gt=0, lt=1, description="δ0 of each LimitedDomain token query")
+    k_bar: int = Field(10, gt=0, description="LimitedDomain's k̄")
+
+
+class ICLConfig(Block):
+    enabled: bool = False
+    instruction: str | None = None
+    demos: int = Field(5, gt=0, description="class-balanced demos in the prompt")
+
+
+def _instruction(cfg, block) -> str:
+    from models.dpopt.templates import initial_instruction
+
+    return block.instruction or initial_instruction(cfg.data.name)
+
+
+def _generation_rate(block, n: int) -> float:
+    q = block.meta_prompts * block.demos / n
+    if q > 1:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"dp_opt needs meta_prompts × demos = {block.meta_prompts * block.demos} ≤ the "
+                          f"{n} generation rows (Poisson rate q = J·k/n ≤ 1)")
+    return q
+
+
+def _worst_case_queries(block) -> int:
+    """Per candidate, each token takes at most two queries (one ⊥ retry), plus a final ⊥ pair."""
+    return block.candidates * (2 * block.max_new_tokens + 2)
+
+
+def _events(block, q: float, queries: int, selection_epsilon: float):
+    from privacy import events as ev
+
+    generation = ev.dpopt_generation_event(block.epsilon0, block.delta0, q, max(1, queries))
+    return ev.dpopt_run_event(generation, ev.dpopt_selection_event(selection_epsilon))
+
+
+class _TextMethod(Method):
+    prompt_kind = "text"
+    uses_validation = True
+
+    def published_model(self, cfg, prepared):
+        return cfg.models.target_name
+
+    def _select_rows(self, rows, block, seed):
+        from .text_prompts import split_validation
+
+        gen, val = split_validation(rows, 0.2, seed)
+        if len(val) > block.validation_size:
+            keep = np.sort(np.random.default_rng(seed).choice(len(val), block.validation_size, replace=False))
+            from .base import PrivateRows
+
+            val = PrivateRows([val.texts[i] for i in keep], [val.labels[i] for i in keep])
+        return gen, val
+
+
+@register_method
+class DPOpt(_TextMethod):
+    name = "dp_opt"
+    config_class = DPOptConfig
+    label = "DP-OPT"
+
+    def guarantee(self, cfg):
+        return dp_unless_debug(cfg)
+
+    def default_delta(self, n_train: int) -> float:
+        return 1.0 / n_train  # the paper's δ = 1/|D| (see the module docstring)
+
+    def plan(self, cfg, n_train, delta):
+        from privacy import accountant as acct
+
+        block = self.settings(cfg)
+        q = _generation_rate(block, n_train)
+        affordable = acct.max_limited_domain_queries(cfg.privacy.target_epsilon, delta, block.epsilon0,
+                                                     block.delta0, q, limit=_worst_case_queries(block))
+        if affordable < 1:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"dp_opt: ε={cfg.privacy.target_epsilon:g} at δ={delta:g} affords no LimitedDomain "
+                              f"query with ε0={block.epsilon0:g}, δ0={block.delta0:g}, q={q:.4g}")
+        guarantee = self.guarantee(cfg)
+        settings = {"sample_rate": q, "max_queries": affordable, "selection_epsilon": cfg.privacy.target_epsilon}
+        return MethodPlan(
+            self.name, guarantee, n_train, delta,
+            event=_events(block, q, affordable, cfg.privacy.target_epsilon) if guarantee == "dp" else None,
+            params={"dpopt.eps0": block.epsilon0, "dpopt.delta0": block.delta0, "dpopt.sample_rate": q,
+                    "dpopt.max_queries": affordable, "dpopt.meta_prompts": block.meta_prompts,
+                    "dpopt.demos": block.demos, "dpopt.candidates": block.candidates,
+                    "dpopt.max_new_tokens": block.max_new_tokens,
+                    "dpopt.selection_epsilon": cfg.privacy.target_epsilon},
+            settings=settings,
+            note="generation (LimitedDomain on Poisson subsamples of the training rows) and DP-argmax selection "
+                 "(on the disjoint holdout rows) compose in parallel")
+
+    def train(self, mctx, plan, rows, progress=None):
+        import torch
+
+        from models.dpopt.generate import dp_generate
+        from models.dpopt.templates import backward_head
+        from privacy.mechanisms import dp_argmax, limited_domain_top1
+
+        from .text_prompts import body_ids, correct_counts, decode, engine_for, predictions
+
+        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        gen, val = self._select_rows(rows, block, mctx.seed)
+        engine = engine_for(cfg)
+        instruction = _instruction(cfg, block)
+        yhat = predictions(engine, cfg, instruction, gen.texts)  # forward pass: one label per row
+        demos = list(zip(gen.texts, gen.labels, yhat))
+        prefix = engine.encode_prefix(backward_head(instruction))
+        q, budget = plan.settings["sample_rate"], plan.settings["max_queries"]
+        sampling, mechanism = mctx.randomness.numpy(1), mctx.randomness.numpy(2)  # secret DP streams
+
+        def draw_bodies() -> list[list[int]]:  # a fresh Poisson subsample, split into ≤ J groups of k
+            chosen = sampling.permutation(np.flatnonzero(sampling.random(len(demos)) < q))
+            groups = min(block.meta_prompts, len(chosen) // block.demos)
+            return [body_ids(engine, [demos[i] for i in chosen[g * block.demos:(g + 1) * block.demos]])
+                    for g in range(groups)]
+
+        def select(counts: np.ndarray):
+            return limited_domain_top1(counts, block.epsilon0, block.delta0, mechanism, k_bar=block.k_bar,
+                                       l0_sensitivity=2, domain_size=len(counts))
+
+        used = {"queries": 0}
+        candidates, bottoms, tokens, stops = [], 0, 0, {}
+        proposals = torch.Generator().manual_seed(mctx.seed)  # member proposals: any randomness is fine
+        for c in range(block.candidates):
+            out = dp_generate(engine, prefix, draw_bodies, select,
+                              lambda n: used["queries"] + n <= budget, block.max_new_tokens,
+                              temperature=block.temperature, generator=proposals,
+                              progress=None if progress is None else
+                              (lambda t, total, c=c: progress(c * total + t, block.candidates * total)))
+            used["queries"] += out.queries
+            bottoms, tokens = bottoms + out.bottoms, tokens + len(out.tokens)
+            stops[out.stop_reason] = stops.get(out.stop_reason, 0) + 1
+            text = decode(engine, out.tokens)
+            if text:
+                candidates.append(text)
+            if out.stop_reason == "budget":
+                break
+        if candidates:
+            counts = correct_counts(engine, cfg, candidates, val.texts, val.labels)
+            chosen = candidates[dp_argmax(counts, plan.settings["selection_epsilon"], mechanism)]
+        else:  # nothing generated: the (data-independent) initial instruction
+            chosen = instruction
+        from models.prompts import TextPrompt
+
+        queries = used["queries"]
+        event = _events(block, q, queries, plan.settings["selection_epsilon"]) if plan.guarantee == "dp" else None
+        metrics = {"dpopt.queries": queries, "dpopt.bottoms": bottoms,
+                   "dpopt.bottom_rate": bottoms / queries if queries else 0.0, "dpopt.tokens": tokens,
+                   "dpopt.candidates_nonempty": len(candidates), "dpopt.fallback_initial": float(not candidates),
+                   **{f"dpopt.stops.{k}": v for k, v in stops.items()}}
+        return Trained(TextPrompt(chosen), event, queries, metrics,
+                       audit_metrics=_leakage(cfg, candidates, gen.texts))
+
+
+def _leakage(cfg, candidates: list[str], private_texts: list[str]) -> dict[str, float]:
+    """Exact and near copies of private training texts in the generated candidates (local)."""
+    from models.dpopt.leakage import leakage_report
+    from models.registry import load_backbone
+
+    if not candidates:
+        return {"leakage.exact_copies": 0.0, "leakage.prompts": 0.0}
+    return leakage_report(candidates, private_texts, load_backbone("minilm"))
+
+
+def _fixed_bodies(engine, cfg, block, rows, instruction, seed, how_many):
+    """Non-private baselines: demos drawn once per prompt (seeded), bodies for ``how_many`` members."""
+    from .text_prompts import body_ids, predictions
+
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(len(rows), size=min(len(rows), how_many * block.demos), replace=False)
+    texts, labels = [rows.texts[i] for i in idx], [rows.labels[i] for i in idx]
+    yhat = predictions(engine, cfg, instruction, texts)
+    demos = list(zip(texts, labels, yhat))
+    return [body_ids(engine, demos[g * block.demos:(g + 1) * block.demos])
+            for g in range(len(demos) // block.demos)]
+
+
+@register_method
+class Opt(_TextMethod):
+    name = "opt"
+    config_class = OptConfig
+    label = "OPT (ε = ∞)"
+
+    def guarantee(self, cfg):
+        return "none"
+
+    def plan(self, cfg, n_train, delta):
+        return MethodPlan(self.name, "none", n_train, delta, note="OPT: non-private ensemble generation (ε = ∞)")
+
+    def _generate(self, mctx, rows, members: int, temperature: float):
+        import torch
+
+        from models.dpopt.generate import ensemble_generate
+        from models.dpopt.templates import backward_head
+
+        from .text_prompts import decode, engine_for
+
+        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        engine = engine_for(cfg)
+        instruction = _instruction(cfg, block)
+        head = list(engine.tok(backward_head(instruction), add_special_tokens=True)["input_ids"])
+        generator = torch.Generator().manual_seed(mctx.seed)
+        out = []
+        for c in range(block.candidates):
+            bodies = _fixed_bodies(engine, cfg, block, rows, instruction, mctx.seed * 1000 + c, members)
+            if bodies:
+                res = ensemble_generate(engine, head, bodies, block.max_new_tokens, temperature, generator)
+                text = decode(engine, res.tokens)
+                if text:
+                    out.append(text)
+        return engine, out or [instruction]
+
+    def train(self, mctx, plan, rows, progress=None):
+        from models.prompts import TextPrompt
+
+        from .text_prompts import correct_counts
+
+        block = self.settings(mctx.cfg)
+        gen, val = self._select_rows(rows, block, mctx.seed)
+        engine, candidates = self._generate(mctx, gen, block.meta_prompts, block.temperature)
+        best = candidates[int(np.argmax(correct_counts(engine, mctx.cfg, candidates, val.texts, val.labels)))]
+        return Trained(TextPrompt(best), None, len(candidates), {"opt.candidates": len(candidates)},
+                       audit_metrics=_leakage(mctx.cfg, candidates, gen.texts))
+
+
+@register_method
+class DLN1(Opt):
+    name = "dln1"
+    label = "DLN-1"
+
+    def plan(self, cfg, n_train, delta):
+        return MethodPlan(self.name, "none", n_train, delta, note="DLN-1: non-private (ε = ∞)")
+
+    def train(self, mctx, plan, rows, progress=None):
+        from models.prompts import TextPrompt
+
+        from .text_prompts import label_loglik
+
+        block = self.settings(mctx.cfg)
+        gen, val = self._select_rows(rows, block, mctx.seed)
+        # one meta-prompt per candidate, sampled (Algorithm 3), selection by log-likelihood
+        engine, candidates = self._generate(mctx, gen, 1, max(block.temperature, 0.7))
+        best = candidates[int(np.argmax(label_loglik(engine, mctx.cfg, candidates, val.texts, val.labels)))]
+        return Trained(TextPrompt(best), None, len(candidates), {"dln1.candidates": len(candidates)},
+                       audit_metrics=_leakage(mctx.cfg, candidates, gen.texts))
+
+
+@register_method
+class ICL(Method):
+    name = "icl"
+    config_class = ICLConfig
+    prompt_kind = "text"
+    label = "ICL (5 demos)"
+
+    def guarantee(self, cfg):
+        return "none"
+
+    def published_model(self, cfg, prepared):
+        return cfg.models.target_name
+
+    def plan(self, cfg, n_train, delta):
+        return MethodPlan(self.name, "none", n_train, delta,
+                          note="ICL: private demos in the prompt; no guarantee, never published")
+
+    def train(self, mctx, plan, rows, progress=None):
+        from models.prompts import TextPrompt
+
+        from .text_prompts import clip_words
+
+        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        rng = np.random.default_rng(mctx.seed)
+        per_label = math.ceil(block.demos / len(cfg.data.labels))
+        picked = []
+        for label in cfg.data.labels:  # class-balanced
+            idx = [i for i, l in enumerate(rows.labels) if l == label]
+            picked += list(rng.choice(idx, size=min(per_label, len(idx)), replace=False))
+        picked = [int(i) for i in rng.permutation(picked)[: block.demos]]
+        demos = "\n\n".join(f"Input: {clip_words(rows.texts[i])}\nOutput: {rows.labels[i]}" for i in picked)
+        instruction = (block.instruction or _instruction(cfg, block)) + "\n\n" + demos
+        return Trained(TextPrompt(instruction), None, 0, {"icl.demos": len(picked)})

@@ -1,0 +1,89 @@
+"""Shared pieces of the discrete-prompt methods (dp_opt, opt, dln1, icl): the local causal LM's
+engine, DP-OPT's forward pass (labels predicted with the current instruction), meta-prompt bodies,
+scoring candidates on validation rows, and decoding."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ConfigError
+
+
+def engine_for(cfg, max_batch: int = 32):
+    from models.dpopt.engine import CausalEngine
+    from models.registry import load_backbone
+
+    bb = load_backbone(cfg.models.local, seed=cfg.seed)
+    if bb.kind != "causal":
+        raise ConfigError(f"models.local={cfg.models.local!r} is a {bb.kind} model: discrete-prompt methods "
+                          "generate with a causal LM (e.g. smollm2)")
+    return CausalEngine(bb.model, bb.tokenizer, max_batch=max_batch)
+
+
+def label_words(cfg) -> list[str]:
+    return [" " + label for label in cfg.data.labels]
+
+
+def input_template(cfg) -> str:
+    return cfg.models.template or "Input: {text}\n\nOutput:"
+
+
+def clip_words(text: str, limit: int = 48) -> str:
+    words = text.split()
+    return " ".join(words[:limit])
+
+
+def label_logprobs(engine, cfg, instruction: str | None, texts: list[str]):
+    """(N, n_labels) log-probabilities of the labels under the forward template with ``instruction``."""
+    from models.dpopt.templates import eval_prefix
+
+    template = input_template(cfg)
+    return engine.label_logprobs(eval_prefix(instruction), [clip_words(t) for t in texts], label_words(cfg),
+                                 lambda t: template.replace("{text}", t))
+
+
+def predictions(engine, cfg, instruction: str | None, texts: list[str]) -> list[str]:
+    """DP-OPT's forward pass: the label each text gets under ``instruction`` (one per example)."""
+    if not texts:
+        return []
+    best = label_logprobs(engine, cfg, instruction, texts).argmax(dim=1).tolist()
+    return [cfg.data.labels[i] for i in best]
+
+
+def correct_counts(engine, cfg, candidates: list[str], texts: list[str], labels: list[str]) -> np.ndarray:
+    """How many validation rows each candidate labels correctly (monotone, sensitivity 1)."""
+    y = np.array([cfg.data.labels.index(l) for l in labels])
+    return np.array([int((label_logprobs(engine, cfg, c, texts).argmax(dim=1).numpy() == y).sum())
+                     for c in candidates], dtype=float)
+
+
+def label_loglik(engine, cfg, candidates: list[str], texts: list[str], labels: list[str]) -> np.ndarray:
+    """Σ log p(y | x, candidate) over validation rows (DLN-1's selection score)."""
+    idx = np.array([cfg.data.labels.index(l) for l in labels])
+    return np.array([float(label_logprobs(engine, cfg, c, texts).numpy()[np.arange(len(idx)), idx].sum())
+                     for c in candidates])
+
+
+def body_ids(engine, demos: list[tuple[str, str, str]]) -> list[int]:
+    from models.dpopt.templates import backward_body
+
+    return engine.ids(backward_body([(clip_words(x), y, yhat) for x, y, yhat in demos]))
+
+
+def decode(engine, tokens: list[int]) -> str:
+    text = engine.tok.decode(tokens, skip_special_tokens=True)
+    return " ".join(text.replace("\n", " ").split())
+
+
+def split_validation(rows, fraction: float, seed: int):
+    """(generation rows, validation rows): the run's own validation split when it has one (the
+    partition's holdout), else a seeded split of ``rows`` (audit shadows)."""
+    from .base import PrivateRows
+
+    if rows.validation is not None:
+        return rows, rows.validation
+    order = np.random.default_rng(seed).permutation(len(rows))
+    cut = max(1, int(round(fraction * len(rows))))
+    val, gen = order[:cut], order[cut:]
+    pick = lambda ix: PrivateRows([rows.texts[i] for i in ix], [rows.labels[i] for i in ix])  # noqa: E731
+    return pick(gen), pick(val)

@@ -1,0 +1,133 @@
+"""DP-OPT through the method flow on a tiny causal LM: the run record (a text prompt, ε from the
+accountant, the query count and ⊥ rate, the leakage report as labelled audit statistics), the
+ledger's commit ≤ reservation, cross-model evaluation on a local OpenAI-compatible endpoint that
+receives only the (shareable) test split, and no private training text anywhere published."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from test_flow import _mlflow, _toy_dataset
+
+CANARY = "zqxv canary heliotrope quokka 2209"
+
+
+class _Endpoint(BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Endpoint.received.append(body)
+        choices = [{"index": i, "text": " positive", "logprobs": {"top_logprobs": [{" positive": -0.1, " negative": -2.3}]}}
+                   for i, _ in enumerate(body["prompt"])]
+        data = json.dumps({"choices": choices}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    server = HTTPServer(("127.0.0.1", 0), _Endpoint)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}/v1"
+    server.shutdown()
+
+
+def _config(data, state, endpoint_url, **extra):
+    cfg = {
+        "method": "dp_opt", "experiment": "dpopt-tests", "seed": 0, "state_dir": str(state),
+        "allow_nonprivate_baselines": True,
+        "data": {"name": "sst2", "path": str(data), "labels": ["negative", "positive"], "holdout_fraction": 0.2,
+                 "test_shareable": True},
+        "models": {"local": "tiny-llama", "max_length": 48, "evaluate_on": ["tiny-gpt2"],
+                   "endpoints": [{"alias": "remote", "base_url": endpoint_url, "model": "any"}]},
+        "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
+        "methods": {"dp_opt": {"meta_prompts": 4, "demos": 2, "max_new_tokens": 4, "candidates": 2,
+                               "epsilon0": 8.0, "delta0": 1e-9, "validation_size": 16},
+                    "opt": {"enabled": True, "meta_prompts": 3, "demos": 2, "max_new_tokens": 4, "candidates": 2}},
+        "mia": {"max_examples": 24},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def dpopt_run(prefect_harness, sst2_dir, tmp_path_factory, endpoint):
+    from flows.method_flow import method_flow
+
+    root = tmp_path_factory.mktemp("dpopt")
+    data = _toy_dataset(root / "data", sst2_dir, n_train=120, n_test=30, canaries=[CANARY])
+    state = root / "state"
+    _Endpoint.received.clear()
+    summary = method_flow(_config(data, state, endpoint))
+    return {"summary": summary, "state": state, "received": list(_Endpoint.received)}
+
+
+def test_dpopt_run_record(dpopt_run):
+    client = _mlflow(dpopt_run["state"])
+    run = client.get_run(dpopt_run["summary"]["mlflow_run_id"])
+    m, params, tags = run.data.metrics, run.data.params, run.data.tags
+    assert tags["method"] == "dp_opt" and tags["privacy.guarantee"] == "dp"
+    for p in ("dpopt.eps0", "dpopt.delta0", "dpopt.sample_rate", "dpopt.max_queries"):
+        assert p in params, p
+    for k in ("privacy.epsilon", "privacy.epsilon_rdp", "test.accuracy", "test.accuracy.tiny-gpt2",
+              "test.accuracy.remote", "test.accuracy.opt", "dpopt.queries", "dpopt.bottom_rate",
+              "leakage.exact_copies"):
+        assert k in m, k
+    assert 0 < m["privacy.epsilon"] <= 8.0 + 1e-6
+    # the fake endpoint always answers " positive": its accuracy is the share of positive test rows
+    assert 0 < m["test.accuracy.remote"] < 1
+    assert 1 <= m["dpopt.queries"] <= float(params["dpopt.max_queries"])
+    arts = {a.path for a in client.list_artifacts(run.info.run_id, "prompt")}
+    assert arts == {"prompt/dp_opt.json"}
+    prompt = json.loads(Path(client.download_artifacts(run.info.run_id, "prompt/dp_opt.json")).read_text())
+    assert prompt["kind"] == "text" and isinstance(prompt["instruction"], str)
+    assert "tables/cross_model.md" in {a.path for a in client.list_artifacts(run.info.run_id, "tables")}
+
+
+def test_ledger_commit_within_reservation_and_leakage_is_a_nonprivate_use(dpopt_run):
+    from privacy.ledger import Ledger
+
+    ledger = Ledger(dpopt_run["state"] / "ledger.sqlite")
+    (dp,) = [e for e in ledger.entries() if e["kind"] == "dp"]
+    assert dp["status"] == "committed" and dp["epsilon_committed"] <= dp["epsilon_reserved"] + 1e-9
+    uses = [e["description"] for e in ledger.entries() if e["kind"] == "nonprivate"]
+    assert any("audit statistics" in u and "leakage" in u for u in uses)
+
+
+def test_endpoint_received_only_the_test_split(dpopt_run, sst2_dir):
+    received = [p for body in dpopt_run["received"] for p in body["prompt"]]
+    assert received and len(received) == 30
+    train = [json.loads(l)["text"] for l in (sst2_dir / "train.jsonl").open().readlines()[:120]]
+    assert not any(t in p for p in received for t in train)
+    assert not any(CANARY in p for p in received)
+
+
+def test_no_private_training_text_is_published(dpopt_run):
+    state = dpopt_run["state"]
+    for path in state.rglob("*"):
+        if path.is_file() and (state / "private") not in path.parents:
+            assert CANARY.encode() not in path.read_bytes(), path
+
+
+def test_remote_endpoint_refused_unless_the_test_split_is_shareable(tmp_path, endpoint):
+    from tasks.config import parse_config
+    from tasks.errors import ConfigError
+
+    cfg = _config(tmp_path, tmp_path / "s", endpoint)
+    cfg["data"]["test_shareable"] = False
+    with pytest.raises(ConfigError, match="data.test_shareable"):
+        parse_config(cfg)
+    cfg = _config(tmp_path, tmp_path / "s", endpoint, method="prompt_dpsgd")
+    with pytest.raises(ConfigError, match="only text prompts go to an endpoint"):
+        parse_config(cfg)

@@ -1,0 +1,99 @@
+"""DP-OPT's engine and loops on tiny random causal LMs: padding, KV reuse and caching change
+nothing; the generation loop obeys ⊥ / retry / stop / budget and counts its queries."""
+
+import numpy as np
+import pytest
+import torch
+
+from models.dpopt.engine import CausalEngine, SharedPrefix
+from models.dpopt.generate import dp_generate, ensemble_generate, reencode_generate
+from models.registry import load_backbone
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
+def engine(request):
+    bb = load_backbone(request.param, "cpu", seed=3)
+    return CausalEngine(bb.model, bb.tokenizer, max_batch=4, bucket_width=3)
+
+
+def _rows(engine, texts):
+    return [engine.ids(t) for t in texts]
+
+
+TEXTS = ["the movie was fine", "awful", "a long and winding review of a film that went on", "ok then"]
+
+
+def test_left_padded_buckets_equal_one_by_one(engine):
+    rows = _rows(engine, TEXTS)
+    batched = engine.last_logits(rows)
+    alone = torch.stack([engine.last_logits([r])[0] for r in rows])
+    assert torch.allclose(batched, alone, atol=1e-4)
+
+
+def test_shared_prefix_kv_equals_full_reencode(engine):
+    prefix = engine.encode_prefix("instruction : classify the review")
+    rows = _rows(engine, TEXTS)
+    reused = engine.last_logits(rows, prefix)
+    full = torch.stack([engine.last_logits([prefix.ids + r])[0] for r in rows])
+    assert torch.allclose(reused, full, atol=1e-4)
+    # the prefix cache is not consumed by a query
+    assert torch.allclose(engine.last_logits(rows, prefix), reused, atol=1e-6)
+
+
+def test_kv_cache_generation_equals_reencoding(engine):
+    prefix = engine.ids("improve the instruction")
+    bodies = _rows(engine, TEXTS[:3])
+    a = ensemble_generate(engine, prefix, bodies, max_tokens=6, eos_ids={-1})
+    b = reencode_generate(engine, prefix, bodies, max_tokens=6, eos_ids={-1})
+    assert a.tokens == b.tokens and len(a.tokens) == 6
+
+
+def test_same_generator_same_output(engine):
+    rows = _rows(engine, TEXTS)
+    logits = engine.last_logits(rows)
+    a = engine.propose(logits, 1.1, torch.Generator().manual_seed(5))
+    b = engine.propose(logits, 1.1, torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+
+
+def _dp_loop(engine, answers, budget=100, max_tokens=8):
+    """dp_generate with a scripted `select` (returns the next answer) and counting callbacks."""
+    calls = {"draw": 0, "select": 0}
+
+    def draw():
+        calls["draw"] += 1
+        return _rows(engine, TEXTS[:2])
+
+    def select(counts):
+        calls["select"] += 1
+        assert counts.sum() == 2  # one vote per meta-prompt
+        return answers.pop(0) if answers else 7
+
+    out = dp_generate(engine, SharedPrefix([], None), draw, select, lambda n: n <= budget, max_tokens,
+                      eos_ids={99})
+    return out, calls
+
+
+def test_bottom_retries_once_and_two_in_a_row_end_the_prompt(engine):
+    out, calls = _dp_loop(engine, [5, None, 6, None, None])
+    assert out.tokens == [5, 6] and out.bottoms == 3 and out.stop_reason == "two_bottoms"
+    assert out.queries == calls["select"] == calls["draw"] == 5  # a fresh subsample per query
+
+
+def test_eos_and_max_tokens_end_the_prompt(engine):
+    out, _ = _dp_loop(engine, [5, 99])
+    assert out.tokens == [5] and out.stop_reason == "eos" and out.queries == 2
+    out, _ = _dp_loop(engine, [], max_tokens=3)
+    assert out.tokens == [7, 7, 7] and out.stop_reason == "max_tokens" and out.queries == 3
+
+
+def test_budget_exhaustion_stops_before_an_unaffordable_query(engine):
+    out, calls = _dp_loop(engine, [], budget=4, max_tokens=10)
+    assert out.queries == calls["select"] == 4 and out.stop_reason == "budget" and len(out.tokens) == 4
+
+
+def test_empty_subsample_still_queries(engine):
+    seen = []
+    out = dp_generate(engine, SharedPrefix([], None), lambda: [], lambda c: seen.append(c.sum()) or None,
+                      lambda n: True, 5, eos_ids={99})
+    assert out.queries == 2 and out.bottoms == 2 and seen == [0, 0]
