@@ -1,0 +1,161 @@
+"""Speed benchmark of RAPT's model side (issue 11), on this machine's CPU cores.
+
+(a) Token privatisation on MiniLM's 30,522 × 384 vocabulary (goal ≥ 10,000 tokens/s on 2 cores):
+    the numpy float64 path (privacy.mechanisms.dx_privatize_tokens) vs models.rapt.privatize
+    (float32 screening + exact float64 re-score), on SST-2 training tokens, η = 100. Both give
+    the same ids for the same noise; the index build is timed apart (once per process).
+(b) Tuning step time on MiniLM with the reconstruction head vs without: the same privatised
+    inputs with 40 plain tokens (the head's own cost), and vs the privatisation-only variant
+    without plain tokens (the whole cost of the reconstruction task).
+
+Run:  .venv/bin/python bench/bench_rapt.py [--tokens 20000] [--steps 8]
+ or:  .venv/bin/python -m pytest -q -p no:cacheprovider -m bench bench/bench_rapt.py -s
+Prints speeds and ratios measured in one run; always exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np
+import pytest
+import torch
+
+SST2 = ROOT.parent / "shared" / "data" / "sst2" / "train.jsonl"
+AGNEWS = ROOT.parent / "shared" / "data" / "agnews" / "test.jsonl"  # public text for the head's vocabulary
+GOAL_TOKENS_PER_S = 10_000
+
+
+def _texts(n: int, path: Path = SST2) -> list[str]:
+    if not path.is_file():
+        raise SystemExit(f"{path} is not available")
+    out = []
+    with path.open() as f:
+        for line in f:
+            out.append(json.loads(line)["text"])
+            if len(out) >= n:
+                break
+    return out
+
+
+def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
+    from models.rapt.privatize import BackbonePrivatizer
+    from models.registry import load_backbone
+    from privacy.mechanisms import (
+        dx_privatize_embeddings,
+        dx_privatize_tokens,
+        nearest_neighbor_tokens,
+    )
+
+    bb = load_backbone("minilm", device="cpu")
+    enc = bb.tokenizer(_texts(4 * tokens // 8 + 100), add_special_tokens=False)["input_ids"]
+    flat = np.array([i for ids in enc for i in ids][:tokens], dtype=np.int64)
+    t = time.perf_counter()
+    priv = BackbonePrivatizer(bb)
+    build_s = time.perf_counter() - t
+    ids = torch.from_numpy(flat).reshape(1, -1)
+    t = time.perf_counter()
+    out = priv(ids, torch.ones_like(ids), eta, np.random.default_rng(0))
+    fast_s = time.perf_counter() - t
+    vocab = bb.input_embeddings().weight.detach().numpy()
+    n_numpy = min(2000, tokens)
+    t = time.perf_counter()
+    dx_privatize_tokens(flat[:n_numpy], vocab, eta, np.random.default_rng(0), exclude=priv.exclude_ids)
+    numpy_s = time.perf_counter() - t
+    # same noise -> same ids (a spot check on 500 tokens)
+    noisy = dx_privatize_embeddings(priv.index.vocab64[flat[:500]].numpy(), eta, np.random.default_rng(1))
+    same = bool(np.array_equal(priv.index.nearest(noisy),
+                               nearest_neighbor_tokens(noisy, priv.index.vocab64.numpy(), priv.exclude_ids)))
+    return {
+        "tokens": len(flat), "eta": eta, "threads": torch.get_num_threads(),
+        "index_build_s": build_s, "fast_tokens_per_s": len(flat) / fast_s,
+        "numpy_tokens_per_s": n_numpy / numpy_s, "speedup": (len(flat) / fast_s) / (n_numpy / numpy_s),
+        "replace_prob": priv.replace_probability(ids, out, torch.ones_like(ids)), "equal_to_brute_force": same,
+    }
+
+
+def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10, max_text: int = 48) -> dict:
+    from models.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
+    from models.rapt.head import ReconstructionHead, reconstruction_vocab
+    from models.rapt.model import RaptModel, build_task_head
+    from models.rapt.privatize import BackbonePrivatizer
+    from models.registry import load_backbone
+    from models.soft_prompt import SoftPrompt
+
+    bb = load_backbone("minilm", device="cpu")
+    priv = BackbonePrivatizer(bb)
+    texts = _texts(batch_size)
+    labels = torch.tensor([i % 2 for i in range(batch_size)])
+    plain = default_plain_ids(bb.tokenizer, 40)
+    public = bb.tokenizer(_texts(10_000, AGNEWS), add_special_tokens=False)["input_ids"]
+    vocab = reconstruction_vocab(public, plain, exclude_ids=priv.exclude_ids)
+    rng = np.random.default_rng(0)
+    with_plain = privatize_encoding(encode_rapt(bb.tokenizer, texts, plain, max_text + 42), plain, priv, 100.0, rng)
+    no_plain = privatize_encoding(encode_rapt(bb.tokenizer, texts, [], max_text + 2), [], priv, 100.0, rng)
+
+    def step_time(model: RaptModel, data) -> float:
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        times = []
+        for i in range(steps + 2):
+            t = time.perf_counter()
+            loss = model.losses(data, labels)["total"]
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if i >= 2:  # two warm-up steps
+                times.append(time.perf_counter() - t)
+        return float(np.median(times))
+
+    def model(n_plain, head):
+        torch.manual_seed(0)
+        return RaptModel(bb, SoftPrompt.init_from_vocab(bb, prompt_tokens), build_task_head(bb, ["negative", "positive"]),
+                         n_plain, head)
+
+    head_s = step_time(model(40, ReconstructionHead(vocab, bb.embed_dim)), with_plain)
+    plain_only_s = step_time(model(40, None), with_plain)
+    privatization_only_s = step_time(model(0, None), no_plain)
+    return {
+        "batch_size": batch_size, "prompt_tokens": prompt_tokens, "head_vocab": int(vocab.numel()),
+        "step_s_with_head": head_s, "step_s_same_inputs_no_head": plain_only_s,
+        "step_s_privatization_only": privatization_only_s,
+        "ratio_head_vs_same_inputs": head_s / plain_only_s, "ratio_head_vs_privatization_only": head_s / privatization_only_s,
+    }
+
+
+def run(tokens: int = 20000, steps: int = 8) -> dict:
+    print(f"nproc={os.cpu_count()}, torch threads={torch.get_num_threads()}, load average={os.getloadavg()}")
+    a = bench_privatization(tokens)
+    verdict = "pass" if a["fast_tokens_per_s"] >= GOAL_TOKENS_PER_S else "MISS"
+    print(f"(a) privatisation, MiniLM vocabulary, η={a['eta']}: fast {a['fast_tokens_per_s']:,.0f} tokens/s "
+          f"({a['tokens']:,} tokens) vs numpy {a['numpy_tokens_per_s']:,.0f} tokens/s: ×{a['speedup']:.1f}; "
+          f"goal {GOAL_TOKENS_PER_S:,}: {verdict}; index build {a['index_build_s']:.2f} s; "
+          f"replace_prob {a['replace_prob']:.2f}; equal to brute force: {a['equal_to_brute_force']}")
+    b = bench_tuning_step(steps)
+    print(f"(b) tuning step, MiniLM, batch {b['batch_size']}, prompt {b['prompt_tokens']}, |T|={b['head_vocab']}: "
+          f"with head {b['step_s_with_head']:.3f} s, same inputs without head {b['step_s_same_inputs_no_head']:.3f} s "
+          f"(×{b['ratio_head_vs_same_inputs']:.2f}), privatisation only (no plain tokens) "
+          f"{b['step_s_privatization_only']:.3f} s (×{b['ratio_head_vs_privatization_only']:.2f})")
+    return {"privatization": a, "tuning": b}
+
+
+@pytest.mark.bench
+def test_bench_rapt():
+    out = run(tokens=10000, steps=5)
+    assert out["privatization"]["equal_to_brute_force"]
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=20000)
+    p.add_argument("--steps", type=int, default=8)
+    args = p.parse_args()
+    run(args.tokens, args.steps)

@@ -1,0 +1,91 @@
+"""RAPT through the method flow on a tiny model: an `ldp` run record (η, replacement rate, no ε),
+the model side only ever reads privatized ids (a spy on what tuning and inference load), the
+attacks as labelled audit statistics, and no private training text in anything published."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_flow import _mlflow, _toy_dataset
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+CANARY = "zqxv canary wombat ultramarine 7731"
+
+
+def _config(data, state):
+    return {
+        "method": "rapt", "experiment": "rapt-tests", "seed": 0, "state_dir": str(state),
+        "data": {"name": "toy-sst2", "path": str(data), "labels": ["negative", "positive"], "holdout_fraction": 0.2},
+        "models": {"local": "tiny-bert", "max_length": 32},
+        "public": {"name": "tweet_sentiment", "path": str(SHARED / "tweet_sentiment"), "size": 100},
+        "methods": {"rapt": {"eta": 20.0, "plain_tokens": 6, "head_vocab": 200, "n_tokens": 2, "steps": 4,
+                             "batch_size": 8}},
+        "mia": {"enabled": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def rapt_run(prefect_harness, sst2_dir, tmp_path_factory):
+    from flows.method_flow import method_flow
+    from tasks.methods.rapt import Rapt
+
+    root = tmp_path_factory.mktemp("rapt")
+    data = _toy_dataset(root / "data", sst2_dir, n_train=80, n_test=30, canaries=[CANARY])
+    state = root / "state"
+    loaded = []
+    original = Rapt.load_privatized
+
+    def spy(path):
+        out = original(path)
+        loaded.append((Path(path), out))
+        return out
+
+    Rapt.load_privatized = staticmethod(spy)
+    try:
+        summary = method_flow(_config(data, state))
+    finally:
+        Rapt.load_privatized = staticmethod(original)
+    return {"summary": summary, "state": state, "loaded": loaded}
+
+
+def test_rapt_run_record_is_ldp_with_eta_and_no_epsilon(rapt_run):
+    client = _mlflow(rapt_run["state"])
+    run = client.get_run(rapt_run["summary"]["mlflow_run_id"])
+    m, params, tags = run.data.metrics, run.data.params, run.data.tags
+    assert tags["privacy.guarantee"] == "ldp" and tags["method"] == "rapt"
+    assert params["rapt.eta"] == "20.0" and params["rapt.tuning"] == "prompt" and params["rapt.reconstruction"] == "true"
+    assert "privacy.epsilon" not in m and 0 <= m["rapt.replace_prob"] <= 1 and "test.accuracy" in m
+    assert m["attack.inversion.success"] == pytest.approx(1 - m["rapt.replace_prob"], abs=0.05)
+    assert "attack.inversion_hidden.success" in m
+    arts = {a.path for a in client.list_artifacts(run.info.run_id, "prompt")}
+    assert arts == {"prompt/rapt.safetensors"}  # an ldp output: published
+
+
+def test_model_side_only_loads_privatized_ids(rapt_run):
+    from tasks.methods.rapt import Rapt
+
+    loaded = rapt_run["loaded"]
+    assert len(loaded) == 2  # tuning (train split) and inference (test split)
+    for path, data in loaded:
+        assert "private" not in path.relative_to(rapt_run["state"]).parts  # outputs side
+        assert type(data).__name__ == "PrivatizedEncoding" and data.eta == 20.0
+    train = loaded[0][1]
+    assert 0 < train.replace_prob <= 1  # at η = 20 the mechanism replaced text tokens
+
+
+def test_ledger_lists_rapt_as_local_dp_and_the_attacks_as_nonprivate(rapt_run):
+    from privacy.ledger import Ledger
+
+    ledger = Ledger(rapt_run["state"] / "ledger.sqlite")
+    kinds = [e["kind"] for e in ledger.entries()]
+    assert kinds.count("ldp") == 1 and "dp" not in kinds
+    assert any("attack" in e["description"] for e in ledger.entries() if e["kind"] == "nonprivate")
+    assert ledger.datasets()[0]["ldp_uses"] == 1
+
+
+def test_no_unprivatized_private_text_is_published(rapt_run):
+    state = rapt_run["state"]
+    for path in state.rglob("*"):
+        if path.is_file() and (state / "private") not in path.parents:
+            assert CANARY.encode() not in path.read_bytes(), path

@@ -1,0 +1,268 @@
+"""RAPT's model side: fast exact token privatisation, the reconstruction head, the model, attacks."""
+
+import numpy as np
+import pytest
+import torch
+
+from models.rapt.attacks import (
+    HiddenStateInverter,
+    attribute_inference,
+    embedding_inversion_success,
+    hidden_inversion_attack,
+    hidden_inversion_nn_success,
+)
+from models.rapt.encoding import (
+    PrivatizedEncoding,
+    default_plain_ids,
+    encode_rapt,
+    privatize_encoding,
+)
+from models.rapt.head import ReconstructionHead, reconstruction_vocab
+from models.rapt.model import RaptModel, build_task_head, train_rapt
+from models.rapt.privatize import (
+    BackbonePrivatizer,
+    VocabularyIndex,
+    privatize_ids,
+    replace_probability,
+)
+from models.registry import load_backbone
+from models.soft_prompt import SoftPrompt
+from privacy.mechanisms import dx_privatize_embeddings, nearest_neighbor_tokens
+
+TEXTS = ["a great movie with a moving story", "terrible acting and a bad plot", "i loved every minute of it",
+         "boring , slow and far too long", "the best film of the year", "a waste of time and money",
+         "wonderful performances all round", "dull characters and a silly ending"]
+LABELS = [1, 0, 1, 0, 1, 0, 1, 0]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_backbone("tiny-bert", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_privatizer(tiny):
+    return BackbonePrivatizer(tiny)
+
+
+# ---- privatisation ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("screen_dtype", [torch.float32, torch.bfloat16])
+def test_nearest_equals_brute_force_numpy(screen_dtype):
+    rng = np.random.default_rng(0)
+    vocab = rng.standard_normal((3000, 48))
+    vocab[7] = vocab[8]  # an exact tie: both numpy and the index must pick the lower id
+    exclude = [0, 1, 2, 100]
+    index = VocabularyIndex(torch.from_numpy(vocab).float(), exclude, screen_dtype=screen_dtype)
+    vocab32 = index.vocab64.numpy()  # what the index searches (the float32 embeddings, widened)
+    for eta in (2.0, 10.0, 50.0, 1e4):
+        ids = rng.integers(0, 3000, size=400)
+        ids[:3] = 8
+        noisy = dx_privatize_embeddings(vocab32[ids], eta, rng)
+        expected = nearest_neighbor_tokens(noisy, vocab32, exclude)
+        got = index.nearest(noisy)
+        assert np.array_equal(got, expected), f"eta={eta}: {np.mean(got != expected)} differ"
+        assert not np.isin(got, exclude).any()
+    assert 8 not in index.nearest(vocab32[[8, 8]])  # tie resolved to 7, like numpy's argmin
+
+
+def test_privatize_ids_specials_padding_and_eta(tiny, tiny_privatizer):
+    tok = tiny.tokenizer
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    ids, attn = enc["input_ids"], enc["attention_mask"]
+    special = torch.isin(ids, torch.tensor(tiny_privatizer.exclude_ids)) | (attn == 0)
+    rates = []
+    for eta in (100.0, 250.0, 600.0):
+        out = tiny_privatizer(ids, attn, eta, np.random.default_rng(1))
+        assert out.shape == ids.shape and out.dtype == torch.long
+        assert torch.equal(out[special], ids[special])  # [CLS], [SEP], padding pass through
+        assert not torch.isin(out[~special], torch.tensor(tiny_privatizer.exclude_ids)).any()
+        rates.append(tiny_privatizer.replace_probability(ids, out, attn))
+    assert rates[0] > rates[1] > rates[2] and rates[0] > 0.5, rates
+    huge = tiny_privatizer(ids, attn, 1e9, np.random.default_rng(2))
+    assert torch.equal(huge, ids)
+
+
+def test_privatize_ids_noise_comes_from_the_given_generator(tiny, tiny_privatizer):
+    enc = tiny.tokenizer(TEXTS, padding=True, return_tensors="pt")
+    a = tiny_privatizer(enc["input_ids"], enc["attention_mask"], 5.0, np.random.default_rng(3))
+    b = tiny_privatizer(enc["input_ids"], enc["attention_mask"], 5.0, np.random.default_rng(3))
+    c = tiny_privatizer(enc["input_ids"], enc["attention_mask"], 5.0, np.random.default_rng(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_privatize_ids_rejects_bad_input(tiny):
+    emb = tiny.input_embeddings().weight.detach()
+    with pytest.raises(ValueError, match="integer"):
+        privatize_ids(torch.zeros((1, 3)), None, emb, 5.0, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="vocabulary size"):
+        privatize_ids(torch.tensor([[10 ** 6]]), None, emb, 5.0, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="attention_mask"):
+        privatize_ids(torch.tensor([[5, 6]]), torch.ones((1, 3)), emb, 5.0, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="eta"):
+        privatize_ids(torch.tensor([[5, 6]]), None, emb, -1.0, np.random.default_rng(0))
+
+
+def test_minilm_ids_entry_point():
+    priv = BackbonePrivatizer()  # MiniLM's input embeddings, its special ids excluded
+    assert priv.index.size == 30522 and priv.index.dim == 384
+    enc = priv.backbone.tokenizer(TEXTS[:2], padding=True, return_tensors="pt")
+    out = priv(enc["input_ids"], enc["attention_mask"], 1e9, np.random.default_rng(0))
+    assert torch.equal(out, enc["input_ids"])
+    noisy = priv(enc["input_ids"], enc["attention_mask"], 50.0, np.random.default_rng(0))
+    assert priv.replace_probability(enc["input_ids"], noisy, enc["attention_mask"]) > 0.5
+    # equal to the brute force on MiniLM's own vocabulary at the η the configs use
+    vocab = priv.index.vocab64.numpy()
+    rng = np.random.default_rng(5)
+    for eta in (50.0, 100.0, 150.0):
+        noisy_vectors = dx_privatize_embeddings(vocab[rng.integers(1000, 30000, size=64)], eta, rng)
+        assert np.array_equal(priv.index.nearest(noisy_vectors),
+                              nearest_neighbor_tokens(noisy_vectors, vocab, priv.exclude_ids))
+
+
+# ---- encoding, head, model ---------------------------------------------------------------------
+
+def _privatized(tiny, privatizer, eta=8.0, m=40, texts=TEXTS, seed=0):
+    plain = default_plain_ids(tiny.tokenizer, m)
+    enc = encode_rapt(tiny.tokenizer, texts, plain, max_length=64)
+    return plain, enc, privatize_encoding(enc, plain, privatizer, eta, np.random.default_rng(seed))
+
+
+def test_encoding_layout_and_privatized_masks(tiny, tiny_privatizer):
+    plain, enc, data = _privatized(tiny, tiny_privatizer)
+    assert len(plain) == 40 and len(set(plain)) == 40
+    assert torch.equal(enc["input_ids"][:, 1:41], torch.tensor(plain).expand(len(TEXTS), 40))
+    assert not enc["text_mask"][:, :41].any() and enc["text_mask"].any(1).all()
+    assert torch.equal(data.attention_mask, enc["attention_mask"]) and torch.equal(data.text_mask, enc["text_mask"])
+    assert 0.0 < data.replace_prob <= 1.0
+    assert not torch.equal(data.input_ids[:, 1:41], enc["input_ids"][:, 1:41])  # plain tokens privatised too
+    with pytest.raises(ValueError, match="max_length"):
+        encode_rapt(tiny.tokenizer, TEXTS, plain, max_length=42)
+
+
+def test_reconstruction_vocab_from_public_ids():
+    public = [[5, 5, 5, 9, 9, 3], torch.tensor([9, 4, 0])]
+    vocab = reconstruction_vocab(public, plain_ids=[100, 101], size=2, exclude_ids=[0])
+    assert vocab.tolist() == [5, 9, 100, 101]  # the 2 most frequent public ids + the plain tokens
+    head = ReconstructionHead(vocab, hidden_size=8, head_hidden=3)
+    assert head.w2.weight.shape == (3, 8) and head.w1.weight.shape == (4, 3)
+    assert head.target_index(torch.tensor([9, 101])).tolist() == [1, 3]
+    with pytest.raises(ValueError, match="reconstruction vocabulary"):
+        head.target_index(torch.tensor([7]))
+
+
+def _model(tiny, plain, enc, with_head=True, prompt_tokens=4):
+    head = None
+    if with_head:
+        vocab = reconstruction_vocab([enc["input_ids"].reshape(-1)], plain, exclude_ids=tiny.tokenizer.all_special_ids)
+        head = ReconstructionHead(vocab, tiny.embed_dim)
+    torch.manual_seed(0)
+    return RaptModel(tiny, SoftPrompt.init_from_vocab(tiny, prompt_tokens), build_task_head(tiny, ["bad", "good"]),
+                     len(plain), head)
+
+
+def test_reconstruction_loss_falls_and_head_is_absent_at_inference(tiny, tiny_privatizer):
+    plain, enc, data = _privatized(tiny, tiny_privatizer)
+    model = _model(tiny, plain, enc)
+    seen = []
+    train_rapt(model, data, torch.tensor(LABELS), steps=25, batch_size=8, lr=1e-2,
+               generator=torch.Generator().manual_seed(0), on_step=lambda s, l: seen.append(l))
+    first, last = seen[0], seen[-1]
+    assert set(first) == {"task", "reconstruction", "total"}
+    assert last["reconstruction"] < 0.5 * first["reconstruction"], (first, last)
+    inference = model.inference()
+    assert not hasattr(inference, "reconstruction_head")
+    names = [n for n, _ in inference.named_parameters()] + list(inference.state_dict())
+    assert not any(n.startswith("reconstruction_head") for n in names)
+    assert torch.equal(inference.prompt.weight, model.prompt.weight)
+    assert inference.predict(data).shape == (len(TEXTS),)
+    assert model.inference()(data).shape == (len(TEXTS), 2)
+
+
+def test_task_loss_pools_text_positions_only(tiny, tiny_privatizer):
+    plain, enc, data = _privatized(tiny, tiny_privatizer)
+    model = _model(tiny, plain, enc, with_head=False)
+    with torch.no_grad():
+        hidden = model.hidden_states(data)
+        base = model.task_logits_from_hidden(hidden, data.text_mask)
+        moved = hidden.clone()
+        moved[:, 1:41] += 10.0  # plain-token positions
+        moved[:, 0] -= 10.0  # [CLS]
+        assert torch.allclose(model.task_logits_from_hidden(moved, data.text_mask), base)
+        text = hidden.clone()
+        text[data.text_mask[:, :hidden.shape[1]]] += 1.0
+        assert not torch.allclose(model.task_logits_from_hidden(text, data.text_mask), base)
+
+
+def test_model_side_takes_only_privatized_inputs(tiny, tiny_privatizer):
+    plain, enc, data = _privatized(tiny, tiny_privatizer)
+    model = _model(tiny, plain, enc)
+    with pytest.raises(TypeError, match="privatised"):
+        model(enc)
+    with pytest.raises(TypeError, match="privatised"):
+        train_rapt(model, enc, torch.tensor(LABELS), steps=1)
+    other = PrivatizedEncoding(data.input_ids, data.attention_mask, data.text_mask, tuple(plain[:3]), 8.0, 0.5)
+    with pytest.raises(ValueError, match="plain tokens"):
+        model(other)
+
+
+def test_model_without_plain_tokens_and_without_head(tiny, tiny_privatizer):
+    plain, enc, data = _privatized(tiny, tiny_privatizer, m=0)
+    model = _model(tiny, plain, enc, with_head=False)
+    seen = []
+    train_rapt(model, data, torch.tensor(LABELS), steps=2, batch_size=4, on_step=lambda s, l: seen.append(l))
+    assert set(seen[0]) == {"task", "total"}
+    with pytest.raises(ValueError, match="plain tokens"):
+        RaptModel(tiny, SoftPrompt(2, tiny.embed_dim), build_task_head(tiny, ["bad", "good"]), 0,
+                  ReconstructionHead(torch.tensor([1, 2]), tiny.embed_dim))
+
+
+# ---- attacks ----------------------------------------------------------------------------------
+
+def test_embedding_inversion_is_one_minus_replacement(tiny, tiny_privatizer):
+    _plain, enc, data = _privatized(tiny, tiny_privatizer, eta=250.0)
+    mask = data.text_mask
+    success = embedding_inversion_success(data.input_ids, enc["input_ids"], mask, tiny_privatizer.index)
+    assert success == pytest.approx(1.0 - data.replace_prob)
+    rp = replace_probability(enc["input_ids"], data.input_ids, mask, tiny_privatizer.exclude_ids)
+    assert rp == pytest.approx(data.replace_prob)
+
+
+def test_hidden_state_inversion_attacks(tiny, tiny_privatizer):
+    plain, enc, data = _privatized(tiny, tiny_privatizer, eta=1e9, m=0)  # nothing replaced
+    model = _model(tiny, plain, enc, with_head=False, prompt_tokens=1)
+    with torch.no_grad():
+        hidden = model.hidden_states(data)
+    mask = data.text_mask[:, :hidden.shape[1]]
+    nn_success = hidden_inversion_nn_success(hidden, enc["input_ids"], mask, tiny_privatizer.index)
+    assert 0.0 <= nn_success <= 1.0
+    # a learned inverter on the same (public here) states recovers the tokens it was trained on
+    ids = enc["input_ids"][:, :hidden.shape[1]][mask]
+    inv = HiddenStateInverter(tiny.embed_dim, ids.unique(), width=64)
+    inv.fit(hidden[mask], ids, epochs=60, generator=torch.Generator().manual_seed(0))
+    assert inv.success(hidden[mask], ids) > 0.9
+    assert inv.success(hidden[mask], torch.full_like(ids, 10 ** 6 - 1)) == 0.0  # outside its vocabulary
+
+
+def test_hidden_inversion_attack_end_to_end(tiny, tiny_privatizer):
+    plain, enc, private = _privatized(tiny, tiny_privatizer, eta=250.0, m=0, texts=TEXTS[:4])
+    _, pub_enc, public = _privatized(tiny, tiny_privatizer, eta=250.0, m=0, texts=TEXTS[4:] * 4, seed=1)
+    model = _model(tiny, plain, enc, with_head=False, prompt_tokens=2).inference()
+    vocab = reconstruction_vocab([pub_enc["input_ids"].reshape(-1)], [999], exclude_ids=tiny_privatizer.exclude_ids)
+    out = hidden_inversion_attack(model, private, enc["input_ids"], public, pub_enc["input_ids"],
+                                  tiny_privatizer.index, vocab, epochs=5, generator=torch.Generator().manual_seed(0))
+    assert set(out) == {"nn_success", "learned_success"}
+    assert all(0.0 <= v <= 1.0 for v in out.values())
+
+
+def test_attribute_inference_success_beside_majority_rate():
+    g = torch.Generator().manual_seed(0)
+    attr = torch.randint(0, 2, (300,), generator=g)
+    informative = torch.randn(300, 16, generator=g) + 3.0 * attr.unsqueeze(1).float()
+    out = attribute_inference(informative, attr.numpy(), epochs=20, width=32, generator=g)
+    assert set(out) == {"success", "majority_rate", "n_test"} and out["n_test"] == 90
+    assert out["success"] > 0.95 and 0.3 < out["majority_rate"] < 0.7
+    noise = attribute_inference(torch.randn(300, 16, generator=g), attr.numpy(), epochs=20, width=32, generator=g)
+    assert noise["success"] < 0.7
+    with pytest.raises(ValueError, match="two values"):
+        attribute_inference(informative, np.zeros(300))
