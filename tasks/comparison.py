@@ -1,0 +1,115 @@
+"""The privacy–utility report of an experiment, rebuilt from MLflow alone (``privprompt report
+EXPERIMENT``, and the sweep's summary): parent runs only, pulled back with ``search_runs``.
+
+Accuracy vs ε and MIA AUC vs ε, one line per method, markers by ``privacy.guarantee``; runs
+without an ε (non-private methods, ``none``) stand at ε = ∞ on the right; local-DP runs (``ldp``,
+no ε) get their own panel against their privacy parameter (a ``*.eta`` param)."""
+
+from __future__ import annotations
+
+import math
+
+from . import plots
+
+MARKERS = {"dp": "o", "none": "x", "ldp": "s"}
+
+
+def parent_runs(mlflow, experiment: str) -> list[dict]:
+    """Finished parent runs of method flows in ``experiment`` (sweep summaries excluded)."""
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is None:
+        from .errors import ConfigError
+
+        raise ConfigError(f"no MLflow experiment {experiment!r}")
+    rows, token = [], None
+    while True:
+        page = mlflow.search_runs([exp.experiment_id], "attributes.status = 'FINISHED'", max_results=1000,
+                                  page_token=token)
+        for run in page:
+            tags = run.data.tags
+            if "mlflow.parentRunId" in tags or tags.get("flow") == "sweep" or "method" not in tags:
+                continue
+            eta = next((float(v) for k, v in run.data.params.items() if k.endswith(".eta")), None)
+            rows.append({"run_id": run.info.run_id, "method": tags["method"],
+                         "guarantee": tags.get("privacy.guarantee", "none"),
+                         "variant": tags.get("sweep.variant", ""), "seed": run.data.params.get("seed"),
+                         "epsilon": run.data.metrics.get("privacy.epsilon"), "eta": eta,
+                         "accuracy": run.data.metrics.get("test.accuracy"),
+                         "mia_auc": run.data.metrics.get("mia.loss.auc"),
+                         "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),
+                         "note": tags.get("privacy.note", "")})
+        token = page.token
+        if not token:
+            break
+    return rows
+
+
+def comparison_table(rows: list[dict]) -> str:
+    lines = ["| method | guarantee | ε (spent) | η | test accuracy | loss-MIA AUC (audit statistic) | seed | run |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["method"], r["epsilon"] if r["epsilon"] is not None else math.inf)):
+        f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        lines.append(f"| {r['method']} | {r['guarantee']}{' (' + r['note'] + ')' if r['note'] else ''} | "
+                     f"{f(r['epsilon'])} | {f(r['eta'])} | {f(r['accuracy'])} | {f(r['mia_auc'])} | "
+                     f"{r['seed'] or '-'} | {r['run_id'][:8]} |")
+    return "\n".join(lines) + "\n"
+
+
+def comparison_figure(rows: list[dict], title: str):
+    """Accuracy and MIA AUC vs ε (∞ for runs without ε) per method; an η panel for ldp runs."""
+    import matplotlib.pyplot as plt
+
+    eps_rows = [r for r in rows if r["guarantee"] != "ldp"]
+    ldp_rows = [r for r in rows if r["guarantee"] == "ldp"]
+    finite = [r["epsilon"] for r in eps_rows if r["epsilon"] is not None]
+    inf_x = (max(finite) * 1.6) if finite else 1.0
+    n_panels = 2 + bool(ldp_rows)
+    fig, axes = plt.subplots(1, n_panels, figsize=(4.6 * n_panels, 3.8))
+    for ax, key, label in ((axes[0], "accuracy", "test accuracy"), (axes[1], "mia_auc", "loss-MIA AUC (not DP)")):
+        for method in sorted({r["method"] for r in eps_rows}):
+            pts = sorted(((r["epsilon"] if r["epsilon"] is not None else inf_x, r[key], r["guarantee"])
+                          for r in eps_rows if r["method"] == method and r[key] is not None))
+            if not pts:
+                continue
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, alpha=0.6, label=method)
+            for x, y, g in pts:
+                ax.scatter([x], [y], marker=MARKERS.get(g, "o"), color=line.get_color(), zorder=3)
+        if finite:
+            ax.axvline(inf_x / 1.25, color="0.7", lw=0.8, ls=":")
+            ax.text(inf_x, ax.get_ylim()[0], "ε=∞", ha="center", va="bottom", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("ε spent (log); no DP at ε=∞")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=7, title="o dp · x none", title_fontsize=7)
+    if ldp_rows:
+        ax = axes[2]
+        for method in sorted({r["method"] for r in ldp_rows}):
+            pts = sorted((r["eta"], r["accuracy"]) for r in ldp_rows if r["method"] == method and r["eta"] is not None)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", label=method)
+        ax.set_xlabel("η (local d_X privacy; no ε)")
+        ax.set_ylabel("test accuracy")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def log_report(record, rows: list[dict], title: str) -> dict:
+    """Log the table (Markdown) and figure (PNG) on ``record``; returns their artifact paths."""
+    table = comparison_table(rows)
+    record.log_text(table, "report/comparison.md")
+    fig = comparison_figure(rows, title)
+    record.log_figure(fig, "report/privacy_utility.png")
+    plots.close(fig)
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.context import get_run_context
+    from prefect.exceptions import MissingContextError
+
+    try:
+        get_run_context()
+    except MissingContextError:  # `privprompt report` outside a flow: MLflow artifacts only
+        pass
+    else:  # inside a flow run: also a Prefect Markdown artifact
+        create_markdown_artifact(markdown=f"# {title}\n\n{table}", key="privacy-utility-report",
+                                 description="privacy–utility comparison (from MLflow)")
+    return {"table": "report/comparison.md", "figure": "report/privacy_utility.png", "n_runs": len(rows)}

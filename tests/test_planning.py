@@ -1,0 +1,82 @@
+"""Budget plans before anything runs: `privprompt plan` composes every run's planned event with
+the ledger without writing a run; a sweep whose plan exceeds a cap is refused before any training
+and leaves no MLflow run; grids expand; resumable sweeps skip finished variants; ε = inf is refused."""
+
+import pytest
+
+from test_flow import _config, _mlflow, _toy_dataset
+
+
+@pytest.fixture(scope="module")
+def toy(sst2_dir, tmp_path_factory):
+    return _toy_dataset(tmp_path_factory.mktemp("plan") / "data", sst2_dir, n_train=160, n_test=40)
+
+
+def _cfg(toy, state, **extra):
+    cfg = _config(toy, state, **extra)
+    cfg["methods"]["zero_shot"]["enabled"] = False
+    cfg["methods"]["prompt_sgd"]["enabled"] = False
+    cfg["mia"]["enabled"] = False
+    return cfg
+
+
+def test_plan_composes_variants_and_writes_no_run(toy, tmp_path):
+    from tasks.config import parse_config, sweep_variants
+    from tasks.planning import format_plan, plan_runs
+    from tasks.state import state_paths
+
+    cfg = parse_config(_cfg(toy, tmp_path / "state", grid={"privacy.target_epsilon": [1.0, 4.0]}))
+    variants = sweep_variants(cfg)
+    assert [label for label, _ in variants] == ["privacy.target_epsilon=1.0", "privacy.target_epsilon=4.0"]
+    plan = plan_runs(variants, state_paths(str(tmp_path / "state")))
+    (d,) = plan["datasets"].values()
+    eps = [r["epsilon"] for r in plan["runs"]]
+    assert 0.99 <= eps[0] <= 1.0 and 3.96 <= eps[1] <= 4.0  # calibrated σ: ε at or just below the target
+    assert max(eps) < d["total_epsilon"] < sum(eps) + 1e-9 and d["spent_epsilon"] == 0 and d["fits"]
+    assert "remaining after" in format_plan(plan)
+    assert not (tmp_path / "state" / "mlflow.db").exists() and not (tmp_path / "state" / "ledger.sqlite").exists()
+
+
+def test_sweep_over_the_cap_is_refused_before_anything_runs(prefect_harness, toy, tmp_path):
+    from flows.sweep import sweep_flow
+    from tasks.errors import ConfigError
+
+    cfg = _cfg(toy, tmp_path / "state", grid={"privacy.target_epsilon": [3.0, 3.0001]})
+    cfg["privacy"]["dataset_epsilon_cap"] = 3.2  # each fits alone, the two compose above it
+    with pytest.raises(ConfigError, match="exceed a dataset's privacy budget"):
+        sweep_flow(cfg)
+    assert not (tmp_path / "state" / "mlflow.db").exists()
+    assert not (tmp_path / "state" / "ledger.sqlite").exists()
+
+
+def test_resumed_sweep_skips_finished_variants(prefect_harness, toy, tmp_path):
+    from flows.sweep import sweep_flow
+
+    cfg = _cfg(toy, tmp_path / "state", sweep=[{"privacy.target_epsilon": 2.0}])
+    first = sweep_flow(cfg)
+    again = sweep_flow(cfg)
+    assert [r["resumed"] for r in first["variants"]] == [False]
+    assert [r["resumed"] for r in again["variants"]] == [True]
+    assert again["variants"][0]["mlflow_run_id"] == first["variants"][0]["mlflow_run_id"]
+    client = _mlflow(tmp_path / "state")
+    exp = client.get_experiment_by_name("tests")
+    method_runs = [r for r in client.search_runs([exp.experiment_id], "tags.flow = 'method'")]
+    assert len(method_runs) == 1  # the rerun trained nothing
+    report = client.list_artifacts(again["mlflow_run_id"], "report")
+    assert {a.path for a in report} == {"report/comparison.md", "report/privacy_utility.png"}
+
+
+@pytest.mark.parametrize("override,needle", [
+    ({"privacy": {"target_epsilon": float("inf")}}, "must be a finite number"),
+    ({"grid": {"privacy.target_epsilon": []}}, "grid.privacy.target_epsilon must be a non-empty list"),
+    ({"method": "nope"}, "not registered; choose one of"),
+])
+def test_bad_sweep_input_is_one_clear_error(toy, tmp_path, override, needle):
+    from tasks.config import parse_config
+    from tasks.errors import ConfigError
+
+    cfg = _cfg(toy, tmp_path / "state")
+    for k, v in override.items():
+        cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
+    with pytest.raises(ConfigError, match=needle):
+        parse_config(cfg)
