@@ -9,7 +9,8 @@ width. Interface (:class:`PromptClassifier`):
   read: last real token for causal LMs, the mask token for masked LMs). Tokenise once, then
   slice rows with :func:`select_rows`.
 * ``forward(batch, prompt)`` -> logits (B, n_labels); ``prompt`` is None, (n, d) (broadcast)
-  or (B, n, d) (per-example copies, used for per-sample gradients).
+  or (B, n, d) (per-example copies, used for per-sample gradients), or a prefix: (L, 2, n, d_kv)
+  or (B, L, 2, n, d_kv) keys and values for every attention layer (``models.prompts.prefix``).
 
 The backbone is frozen, in eval mode, and NOT a submodule (it is shared through the backbone
 cache): ``classifier.train()`` cannot switch on its dropout, and ``classifier.parameters()`` is
@@ -19,12 +20,14 @@ what makes the gradient w.r.t. a (B, n, d) prompt a per-sample gradient.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.prompts.prefix import is_prefix, prefix_hooks, prefix_tokens
 from models.registry import Backbone
 
 DEFAULT_CAUSAL_TEMPLATE = "{text} It was"
@@ -161,7 +164,45 @@ class PromptClassifier(nn.Module):
         if B == 0:
             return torch.zeros((0, self.n_labels), device=self.device)
         embeds, attn, pos = self._embed_inputs(batch, prompt)
-        return self._logits(embeds, attn, pos)
+        with self.prompting(prompt, B):
+            return self._logits(embeds, attn, pos)
+
+    _n_prefix = 0  # placeholder positions of the prefix in use (0: none)
+
+    @contextmanager
+    def prompting(self, prompt: torch.Tensor | None, batch_size: int):
+        """Within the block a prefix prompt's keys and values are in place (no-op for soft prompts
+        and None): wraps every backbone call made on inputs from :meth:`_embed_inputs`."""
+        if not is_prefix(prompt):
+            yield
+            return
+        self._n_prefix = prefix_tokens(prompt)
+        try:
+            with prefix_hooks(self._backbone.model, prompt.to(self.device), batch_size):
+                yield
+        finally:
+            self._n_prefix = 0
+
+    def position_ids(self, B: int, T: int, device) -> torch.Tensor | None:
+        """Position ids for a (B, T) input: None (the model's default) without a prefix; with one,
+        the placeholders take 0 and the text keeps the positions it has without a prompt."""
+        n = self._n_prefix
+        if not n:
+            return None
+        row = torch.cat([torch.zeros(n, dtype=torch.long, device=device), torch.arange(T - n, device=device)])
+        return row.unsqueeze(0).expand(B, T)
+
+    def _position_kwargs(self, embeds: torch.Tensor) -> dict:
+        ids = self.position_ids(embeds.shape[0], embeds.shape[1], embeds.device)
+        return {} if ids is None else {"position_ids": ids}
+
+    def content_mask(self, attn: torch.Tensor) -> torch.Tensor:
+        """``attn`` without the prefix placeholders (what pooling averages over)."""
+        if not self._n_prefix:
+            return attn
+        mask = attn.clone()
+        mask[:, : self._n_prefix] = 0
+        return mask
 
     def _logits(self, embeds: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -176,6 +217,8 @@ class PromptClassifier(nn.Module):
         pos = batch["label_pos"].to(dev)
         B = ids.shape[0]
         embeds = self._backbone.model.get_input_embeddings()(ids)
+        if is_prefix(prompt):  # placeholders whose keys/values the prefix replaces (models.prompts.prefix)
+            prompt = torch.zeros((B, prefix_tokens(prompt), embeds.shape[2]), device=dev, dtype=embeds.dtype)
         if prompt is not None:
             prompt = prompt.to(device=dev, dtype=embeds.dtype)
             if prompt.dim() == 2:
@@ -237,7 +280,8 @@ class _Verbalizer(PromptClassifier):
         """(B, V) full-vocabulary logits at the label position: the same forward as
         :meth:`forward`, before the label words are kept (POST's transfer matches these)."""
         embeds, attn, pos = self._embed_inputs(batch, prompt)
-        return self._vocab_logits(embeds, attn, pos).float()
+        with self.prompting(prompt, embeds.shape[0]):
+            return self._vocab_logits(embeds, attn, pos).float()
 
 
 class VerbalizerCausalLM(_Verbalizer):
@@ -250,7 +294,9 @@ class VerbalizerCausalLM(_Verbalizer):
 
     def _vocab_logits(self, embeds, attn, pos):
         B, T, _ = embeds.shape
-        position_ids = torch.arange(T, device=embeds.device).unsqueeze(0).expand(B, T)
+        position_ids = self.position_ids(B, T, embeds.device)
+        if position_ids is None:
+            position_ids = torch.arange(T, device=embeds.device).unsqueeze(0).expand(B, T)
         out = self._base(inputs_embeds=embeds, attention_mask=attn, position_ids=position_ids, use_cache=False)
         h = out.last_hidden_state[torch.arange(B, device=embeds.device), pos]  # last real position
         logits = self._backbone.model.get_output_embeddings()(h)  # LM head on B rows, not B*T
@@ -285,9 +331,10 @@ class VerbalizerMaskedLM(_Verbalizer):
 
     def _vocab_logits(self, embeds, attn, pos):
         rows = torch.arange(embeds.shape[0], device=embeds.device)
+        extra = self._position_kwargs(embeds)
         if self._head is None:  # unknown head layout: full vocab logits, then gather
-            return self._backbone.model(inputs_embeds=embeds, attention_mask=attn).logits[rows, pos]
-        out = self._base(inputs_embeds=embeds, attention_mask=attn)
+            return self._backbone.model(inputs_embeds=embeds, attention_mask=attn, **extra).logits[rows, pos]
+        out = self._base(inputs_embeds=embeds, attention_mask=attn, **extra)
         return self._head(out.last_hidden_state[rows, pos])
 
 
@@ -320,13 +367,14 @@ class CosineEncoderClassifier(PromptClassifier):
         self.register_buffer("label_embeddings", label_emb.detach())
 
     def _pool(self, embeds: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        h = self._base(inputs_embeds=embeds, attention_mask=attn).last_hidden_state.float()
-        m = attn.unsqueeze(-1).to(h.dtype)
+        h = self._base(inputs_embeds=embeds, attention_mask=attn, **self._position_kwargs(embeds)).last_hidden_state.float()
+        m = self.content_mask(attn).unsqueeze(-1).to(h.dtype)
         return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
 
     def sentence_embeddings(self, batch: Batch, prompt: torch.Tensor | None = None) -> torch.Tensor:
         embeds, attn, _ = self._embed_inputs(batch, prompt)
-        return self._pool(embeds, attn)
+        with self.prompting(prompt, embeds.shape[0]):
+            return self._pool(embeds, attn)
 
     def _logits(self, embeds, attn, pos):
         text = F.normalize(self._pool(embeds, attn), dim=-1)

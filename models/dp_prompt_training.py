@@ -30,13 +30,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
 
 from models.classifiers import PromptClassifier, num_examples, select_rows
-from models.soft_prompt import SoftPrompt
+from models.soft_prompt import PrefixPrompt, SoftPrompt
+
+if TYPE_CHECKING:
+    from models.flat import FlatOptions
 
 ProgressFn = Callable[[int, int, float | None], None]
 
@@ -63,6 +66,7 @@ class PromptTrainingConfig:
     optimizer: str = "adam"  # "adam" | "sgd"
     log_every: int = 10
     physical_batch_size: int = 64
+    kind: str = "soft"  # "soft" (n_tokens, embed_dim) | "prefix" (layers, 2, n_tokens, d_kv)
 
     def __post_init__(self):
         if self.n_tokens < 1 or self.batch_size < 1 or self.physical_batch_size < 1:
@@ -71,6 +75,8 @@ class PromptTrainingConfig:
             raise ValueError("give epochs > 0 or steps")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if self.kind not in ("soft", "prefix"):
+            raise ValueError(f"kind must be 'soft' or 'prefix', got {self.kind!r}")
 
 
 @dataclass
@@ -114,15 +120,16 @@ def per_sample_prompt_gradients(
     *,
     return_losses: bool = False,
 ):
-    """Per-example gradients of the cross-entropy w.r.t. the (n, d) prompt: a (B, n, d) tensor.
+    """Per-example gradients of the cross-entropy w.r.t. the prompt: a (B, *prompt.shape) tensor,
+    for a (n, d) soft prompt or a (L, 2, n, d_kv) prefix.
 
     The prompt is an input, so the gradient of sum_i loss_i w.r.t. a per-example copy
     ``P_batch[i]`` is example i's gradient (see module docstring). With ``return_losses`` also
     returns the (B,) per-example losses (detached).
     """
     prompt = prompt.detach()
-    if prompt.dim() != 2:
-        raise ValueError(f"prompt must be (n, d), got {tuple(prompt.shape)}")
+    if prompt.dim() not in (2, 4):
+        raise ValueError(f"prompt must be (n, d) or a prefix (L, 2, n, d), got {tuple(prompt.shape)}")
     B = num_examples(batch)
     dev = classifier.device
     if B == 0:
@@ -130,7 +137,7 @@ def per_sample_prompt_gradients(
         return (g, torch.zeros(0, device=dev)) if return_losses else g
     # A leaf holding one copy of the prompt per example; NOT prompt.expand(...) of a parameter
     # (that would sum the examples' gradients into one (n, d) tensor).
-    p_batch = prompt.to(device=dev, dtype=torch.float32).unsqueeze(0).expand(B, -1, -1).clone().requires_grad_()
+    p_batch = prompt.to(device=dev, dtype=torch.float32).unsqueeze(0).expand(B, *prompt.shape).clone().requires_grad_()
     with torch.enable_grad():
         logits = classifier(batch, p_batch)
         losses = F.cross_entropy(logits.float(), labels.to(dev), reduction="none")
@@ -140,7 +147,7 @@ def per_sample_prompt_gradients(
 
 
 def _check_per_sample_shape(grads: torch.Tensor, batch_size: int, prompt_shape: torch.Size) -> None:
-    if grads.dim() != 3 or grads.shape[0] != batch_size or tuple(grads.shape[1:]) != tuple(prompt_shape):
+    if grads.dim() != 1 + len(prompt_shape) or grads.shape[0] != batch_size or tuple(grads.shape[1:]) != tuple(prompt_shape):
         raise RuntimeError(
             f"per-sample prompt gradients have shape {tuple(grads.shape)}, expected "
             f"({batch_size}, {', '.join(map(str, prompt_shape))}): the batch dimension must equal the "
@@ -149,7 +156,19 @@ def _check_per_sample_shape(grads: torch.Tensor, batch_size: int, prompt_shape: 
         )
 
 
-def _initial_prompt(classifier: PromptClassifier, config: PromptTrainingConfig, init_prompt, seed: int) -> SoftPrompt:
+def _initial_prompt(classifier: PromptClassifier, config: PromptTrainingConfig, init_prompt, seed: int):
+    if config.kind == "prefix":
+        from models.prompts.prefix import prefix_shape
+
+        if init_prompt is not None:
+            sp = PrefixPrompt(torch.as_tensor(init_prompt).detach().float().cpu())
+        else:
+            src = config.init_words if config.init_words else config.n_tokens
+            sp = PrefixPrompt.init_from_vocab(classifier.backbone, src, n_tokens=config.n_tokens, seed=seed)
+        expected = prefix_shape(classifier.backbone.model, sp.weight.shape[2])
+        if tuple(sp.weight.shape) != expected:
+            raise ValueError(f"prefix shape {tuple(sp.weight.shape)} != the model's {expected}")
+        return sp.to(classifier.device)
     if init_prompt is not None:
         t = torch.as_tensor(init_prompt).detach().float().cpu()
         sp = SoftPrompt(t.shape[0], t.shape[1], t)
@@ -193,6 +212,7 @@ def train_prompt(
     init_prompt: torch.Tensor | None = None,
     sample_generator: torch.Generator | None = None,
     noise_generator: torch.Generator | None = None,
+    flat: "FlatOptions | None" = None,
 ) -> TrainResult:
     """Train a soft prompt on the frozen ``classifier``; DP-SGD when ``dp`` is given.
 
@@ -201,6 +221,8 @@ def train_prompt(
     streams — Poisson sampling and noise — come from ``sample_generator`` / ``noise_generator``;
     when not given they are SECRET (seeded from OS entropy), never derived from ``seed``
     (:func:`secret_generator`). :func:`seeded_dp_generators` gives reproducible ones for tests.
+    ``flat``: Privacy-Flat's additions to the DP step (``models.flat``); None or all off is plain
+    DP-SGD, step for step.
     """
     seed = config.seed if seed is None else seed
     labels = torch.as_tensor(labels, dtype=torch.long).cpu()
@@ -218,7 +240,7 @@ def train_prompt(
         return _train_nonprivate(classifier, encoded_train, labels, config, prompt, opt, progress, seed)
     g_sample = sample_generator if sample_generator is not None else secret_generator()
     g_noise = noise_generator if noise_generator is not None else secret_generator()
-    return _train_dp(classifier, encoded_train, labels, config, dp, prompt, opt, progress, g_sample, g_noise)
+    return _train_dp(classifier, encoded_train, labels, config, dp, prompt, opt, progress, g_sample, g_noise, flat)
 
 
 def secret_generator() -> torch.Generator:
@@ -263,7 +285,7 @@ def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, se
 
 
 def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progress,
-              g_sample: torch.Generator, g_noise: torch.Generator) -> TrainResult:
+              g_sample: torch.Generator, g_noise: torch.Generator, flat=None) -> TrainResult:
     N = num_examples(enc)
     q, C, sigma = dp.sample_rate, dp.max_grad_norm, dp.noise_multiplier
     total = config.steps if config.steps is not None else max(1, round(config.epochs / q))
@@ -274,19 +296,25 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
     dev = classifier.device
     shape = prompt.weight.shape
     history, empty, update_checked = [], 0, False
+    mask = None if flat is None else flat.mask(shape, dev)  # trainable part (sparse prefix layers)
     for step in range(1, total + 1):
         idx = (torch.rand(N, generator=g_sample) < q).nonzero().squeeze(1)  # Poisson sampling
         B = int(idx.numel())
         summed = torch.zeros(shape, device=dev)
         seen, losses, clipped, norm_sum = 0, [], 0, 0.0
+        # AWP (first E epochs only): gradients are taken at w + v, v from the batch's un-noised
+        # mean gradient; the noise below is added only to the final gradient
+        at = prompt.weight if flat is None else flat.perturbed(step, classifier, enc, labels, idx, prompt.weight, q)
         for chunk in idx.split(config.physical_batch_size):
             grads, loss = per_sample_prompt_gradients(
-                classifier, select_rows(enc, chunk), labels[chunk], prompt.weight, return_losses=True
+                classifier, select_rows(enc, chunk), labels[chunk], at, return_losses=True
             )
             _check_per_sample_shape(grads, int(chunk.numel()), shape)
+            if mask is not None:
+                grads = grads * mask  # frozen (removed) layers: no gradient, no sensitivity
             norms = grads.flatten(1).norm(dim=1)
             factor = (C / (norms + 1e-6)).clamp(max=1.0)
-            summed += (grads * factor[:, None, None]).sum(0)
+            summed += (grads * factor.view(-1, *[1] * len(shape))).sum(0)
             seen += grads.shape[0]
             losses.append(loss)
             clipped += int((norms > C).sum())
@@ -296,7 +324,12 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
         if B == 0:
             empty += 1  # still step: noise only (skipping would reveal the empty batch)
         noise = torch.normal(0.0, sigma * C, size=tuple(shape), generator=g_noise).to(dev)
+        if mask is not None:
+            noise = noise * mask  # frozen layers do not move
         grad = (summed + noise) / expected_batch
+        pull = None if flat is None else flat.regularizer_gradient(prompt.weight.detach(), mask)
+        if pull is not None:  # cross-model flattening: added to the noised gradient
+            grad = grad + pull
         moving = not update_checked and bool(grad.abs().max() > 0)
         before = prompt.weight.detach().clone() if moving else None
         opt.zero_grad(set_to_none=True)

@@ -98,8 +98,12 @@ def min_k_percent_scores(
         batch = select_rows(encoded, slice(start, start + batch_size))
         embeds, attn, _ = classifier._embed_inputs(batch, prompt)
         B, T, _ = embeds.shape
-        position_ids = torch.arange(T, device=embeds.device).unsqueeze(0).expand(B, T)
-        logits = model(inputs_embeds=embeds, attention_mask=attn, position_ids=position_ids, use_cache=False).logits
+        with classifier.prompting(prompt, B):
+            position_ids = classifier.position_ids(B, T, embeds.device)
+            if position_ids is None:
+                position_ids = torch.arange(T, device=embeds.device).unsqueeze(0).expand(B, T)
+            logits = model(inputs_embeds=embeds, attention_mask=attn, position_ids=position_ids,
+                           use_cache=False).logits
         n_prompt = T - int(batch["attention_mask"].sum(1).max())
         L = T - n_prompt
         ids = batch["input_ids"][:, :L].to(embeds.device)

@@ -64,18 +64,9 @@ class SoftPrompt(nn.Module):
         (seeded) non-special vocabulary rows; ``n_tokens`` then defaults to it.
         """
         emb = backbone.model.get_input_embeddings().weight.detach()
-        if isinstance(text_or_n, int):
-            n = n_tokens if n_tokens is not None else text_or_n
-            ids = _random_vocab_ids(backbone, n, seed)
-        else:
-            text = text_or_n if isinstance(text_or_n, str) else " ".join(text_or_n)
-            ids = backbone.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise ValueError(f"init text {text!r} gives no tokens")
-            n = n_tokens if n_tokens is not None else len(ids)
-            ids = [ids[i % len(ids)] for i in range(n)]
+        ids = init_token_ids(backbone, text_or_n, n_tokens, seed)
         init = emb[torch.tensor(ids, device=emb.device)].float().cpu()
-        return cls(n, emb.shape[1], init)
+        return cls(len(ids), emb.shape[1], init)
 
     def save(self, path: str | Path, metadata: dict[str, str] | None = None) -> Path:
         return save_prompt(path, self.weight, metadata or {})
@@ -84,6 +75,39 @@ class SoftPrompt(nn.Module):
     def load(cls, path: str | Path) -> tuple["SoftPrompt", dict[str, str]]:
         tensor, meta = load_prompt(path)
         return cls(tensor.shape[0], tensor.shape[1], tensor), meta
+
+
+def init_token_ids(backbone: "Backbone", text_or_n: str | list[str] | int, n_tokens: int | None = None,
+                   seed: int = 0) -> list[int]:
+    """Token ids a prompt is initialised from (see :meth:`SoftPrompt.init_from_vocab`)."""
+    if isinstance(text_or_n, int):
+        return _random_vocab_ids(backbone, n_tokens if n_tokens is not None else text_or_n, seed)
+    text = text_or_n if isinstance(text_or_n, str) else " ".join(text_or_n)
+    ids = backbone.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ValueError(f"init text {text!r} gives no tokens")
+    n = n_tokens if n_tokens is not None else len(ids)
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+class PrefixPrompt(nn.Module):
+    """A prefix with parameter ``weight`` of shape (layers, 2, n_tokens, d_kv) (``models.prompts.prefix``)."""
+
+    def __init__(self, init: torch.Tensor):
+        super().__init__()
+        init = torch.as_tensor(init, dtype=torch.float32)
+        if init.dim() != 4 or init.shape[1] != 2:
+            raise ValueError(f"a prefix is (layers, 2, n_tokens, d_kv), got {tuple(init.shape)}")
+        self.weight = nn.Parameter(init.detach().clone())
+
+    @classmethod
+    def init_from_vocab(cls, backbone: "Backbone", text_or_n: str | list[str] | int, n_tokens: int | None = None,
+                        seed: int = 0) -> "PrefixPrompt":
+        """The keys and values the model computes for the init tokens (real-word activations)."""
+        from models.prompts.prefix import prefix_from_tokens
+
+        return cls(prefix_from_tokens(backbone.model, init_token_ids(backbone, text_or_n, n_tokens, seed),
+                                      backbone.device))
 
 
 def _random_vocab_ids(backbone: "Backbone", n: int, seed: int) -> list[int]:
@@ -102,11 +126,18 @@ def save_prompt(path: str | Path, tensor: torch.Tensor, metadata: dict[str, str]
     """Write a (n_tokens, embed_dim) prompt as safetensors with string metadata."""
     path = Path(path)
     tensor = torch.as_tensor(tensor).detach()
-    if tensor.dim() != 2:
-        raise ValueError(f"a prompt is (n_tokens, embed_dim), got shape {tuple(tensor.shape)}")
     meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    meta.setdefault("n_tokens", str(tensor.shape[0]))
-    meta.setdefault("embed_dim", str(tensor.shape[1]))
+    if tensor.dim() == 4 and tensor.shape[1] == 2:  # a prefix (models.prompts.prefix)
+        meta["kind"] = "prefix"
+        meta.setdefault("layers", str(tensor.shape[0]))
+        meta.setdefault("n_tokens", str(tensor.shape[2]))
+        meta.setdefault("kv_dim", str(tensor.shape[3]))
+    elif tensor.dim() == 2:
+        meta.setdefault("n_tokens", str(tensor.shape[0]))
+        meta.setdefault("embed_dim", str(tensor.shape[1]))
+    else:
+        raise ValueError(f"a prompt is (n_tokens, embed_dim) or a prefix (layers, 2, n_tokens, d_kv), "
+                         f"got shape {tuple(tensor.shape)}")
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({PROMPT_KEY: tensor.to("cpu").contiguous()}, str(path), metadata=meta)
     return path

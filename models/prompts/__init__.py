@@ -1,6 +1,7 @@
 """Prompt kinds and their one save/load door (the kind is recorded in the file's metadata).
 
 * ``soft``: a (n_tokens, embed_dim) tensor prepended to the input embeddings (``models.soft_prompt``);
+* ``prefix``: (layers, 2, n_tokens, d_kv) keys and values for every attention layer (``models.prompts.prefix``);
 * ``text``: a discrete instruction placed before the input by the template (DP-OPT's output).
 """
 
@@ -11,11 +12,13 @@ from pathlib import Path
 
 from models.prompts.text import TextPrompt
 
-KINDS = ("soft", "text")
+KINDS = ("soft", "prefix", "text")
 
 
 def prompt_kind(prompt) -> str:
-    return getattr(prompt, "kind", "soft")
+    from models.prompts.prefix import is_prefix
+
+    return "prefix" if is_prefix(prompt) else getattr(prompt, "kind", "soft")
 
 
 def save_prompt_artifact(path: str | Path, prompt, metadata: dict | None = None) -> Path:
@@ -47,6 +50,9 @@ def load_prompt_artifact(path: str | Path):
 
     tensor, meta = load_prompt(path)
     kind = meta.get("kind", "soft")
-    if kind != "soft":
+    expected_dims = {"soft": 2, "prefix": 4}
+    if kind not in expected_dims:
         raise ValueError(f"{path}: prompt kind {kind!r} is not supported here (known: {KINDS})")
+    if tensor.dim() != expected_dims[kind]:
+        raise ValueError(f"{path}: a {kind} prompt of shape {tuple(tensor.shape)}")
     return tensor, meta

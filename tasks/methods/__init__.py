@@ -17,7 +17,8 @@ from .base import (Method, MethodContext, MethodPlan, PostProcessed, PrivateRows
 _REGISTRY: dict[str, Method] = {}
 
 # the built-in methods, one module each
-BUILTIN = ("zero_shot", "prompt_sgd", "prompt_dpsgd", "post", "dpzero", "dp_opt", "rapt")
+BUILTIN = ("zero_shot", "prompt_sgd", "prompt_dpsgd", "prefix_dpsgd", "privacy_flat", "post", "dpzero", "dp_opt",
+           "rapt")
 
 
 def register_method(cls: type[Method]) -> type[Method]:

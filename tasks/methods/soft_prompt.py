@@ -27,9 +27,10 @@ def dpsgd_params(settings: dict) -> dict:
 
 
 def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | None = None,
-                    randomness=None, progress=None):
-    """Train a soft prompt of ``block``'s settings on ``model_name`` with private ``rows``
-    (DP-SGD when ``dp`` holds the plan's settings). Returns ``models``' ``TrainResult``."""
+                    randomness=None, progress=None, kind: str = "soft", init_prompt=None, flat=None):
+    """Train a soft prompt (or, with ``kind="prefix"``, a prefix) of ``block``'s settings on
+    ``model_name`` with private ``rows`` (DP-SGD when ``dp`` holds the plan's settings; ``flat``:
+    Privacy-Flat's additions). Returns ``models``' ``TrainResult``."""
     from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
 
     from ..stages import classifier_for, label_indices
@@ -39,7 +40,7 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     y = label_indices(rows.labels, cfg.data.labels)
     tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=block.epochs,
                               batch_size=block.batch_size, max_length=cfg.models.max_length,
-                              seed=seed, init_words=block.init)
+                              seed=seed, init_words=block.init, kind=kind)
     dp_config, generators = None, {}
     if dp is not None:
         dp_config = DPConfig(noise_multiplier=dp["noise_multiplier"], max_grad_norm=dp["max_grad_norm"],
@@ -48,7 +49,10 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
         sample, noise = randomness.torch_generators()
         generators = {"sample_generator": sample, "noise_generator": noise}
     report = None if progress is None else (lambda step, total, *_: progress(step, total))
-    result = train_prompt(clf, enc, y, tc, dp=dp_config, progress=report, seed=seed, **generators)
+    if flat is not None:
+        generators["flat"] = flat
+    result = train_prompt(clf, enc, y, tc, dp=dp_config, progress=report, seed=seed, init_prompt=init_prompt,
+                          **generators)
     if dp is not None and result.steps != dp["steps"]:
         raise RuntimeError(f"DP training took {result.steps} steps, {dp['steps']} were accounted")
     return result

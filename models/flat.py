@@ -1,0 +1,154 @@
+"""Privacy-Flat (Algorithm 1 of the Privacy-Flat paper): DP prefix tuning made flatter.
+
+* **Within-layer** (§3.1, AWP): during the first ``awp_steps`` DP steps the per-example gradients
+  are taken at ``w + v``, with ``v = γ · ‖w‖ · g / ‖g‖`` for the batch's *un-noised* mean gradient
+  ``g`` (one ascent step: AWP's ``argmax_v L(w + v)`` in its usual one-step form, scaled per
+  trainable layer as in Wu et al.); the DP noise is added to the final gradient only and the
+  update is applied at ``w``. ``v`` reads private data without noise.
+* **Cross-layer** (§3.1, Definition 1): prefix sharpness
+  ``max_{η∈[0,1]} (L(w − η∇L(w)) − L(w)) / (1 + L(w))²`` and greedy elimination of prefix layers:
+  each round removes the layer whose removal gives the lowest sharpness, until ``keep`` layers
+  remain or the sharpness stops decreasing. A removed layer is frozen at its initial value (its
+  keys and values stay, untrained; see the README for why it is not deleted).
+* **Cross-model** (§3.1, eq. 3.3–3.4): ``λ · ‖w − w_nor‖₂`` (not squared) to a non-privately
+  trained copy; its gradient ``λ (w − w_nor) / ‖w − w_nor‖`` is added to the noised gradient.
+
+No Prefect or MLflow; the honest privacy labels are the method's (``tasks/methods/privacy_flat.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.classifiers import PromptClassifier, select_rows
+
+
+@dataclass
+class FlatOptions:
+    """What Privacy-Flat adds to a DP-SGD prefix step (all off: plain DP-SGD, step for step).
+
+    ``layers``: indices of the trainable prefix layers (None: all); ``awp_steps``: DP steps with
+    AWP (0: none); ``awp_gamma``: relative perturbation size; ``w_nor`` and ``lam``: the
+    cross-model regulariser (None / 0: none). AWP draws no randomness (one deterministic ascent
+    step), so switching it on never shifts the DP sampling and noise streams.
+    """
+
+    layers: list[int] | None = None
+    awp_steps: int = 0
+    awp_gamma: float = 0.01
+    w_nor: torch.Tensor | None = None
+    lam: float = 0.0
+    physical_batch_size: int = 64
+
+    def mask(self, shape, device) -> torch.Tensor | None:
+        if self.layers is None:
+            return None
+        m = torch.zeros(shape, device=device)
+        m[list(self.layers)] = 1.0
+        return m
+
+    def perturbed(self, step: int, classifier: PromptClassifier, enc, labels, idx, weight, q: float):
+        """``w + v`` during the AWP steps, ``weight`` itself afterwards (and for empty batches)."""
+        if step > self.awp_steps or idx.numel() == 0:
+            return weight
+        g = mean_gradient(classifier, select_rows(enc, idx), labels[idx], weight.detach(), self.physical_batch_size)
+        mask = self.mask(weight.shape, weight.device)
+        if mask is not None:
+            g = g * mask
+        return (weight.detach() + awp_perturbation(weight.detach(), g, self.awp_gamma)).detach()
+
+    def regularizer_gradient(self, weight: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
+        if self.w_nor is None or not self.lam:
+            return None
+        diff = weight - self.w_nor.to(weight.device)
+        if mask is not None:
+            diff = diff * mask
+        norm = diff.norm()
+        if norm == 0:
+            return torch.zeros_like(weight)
+        return self.lam * diff / norm
+
+
+def awp_perturbation(weight: torch.Tensor, grad: torch.Tensor, gamma: float) -> torch.Tensor:
+    """One ascent step of AWP, per prefix layer: ``v_l = γ ‖w_l‖ g_l / ‖g_l‖`` (0 where g_l = 0)."""
+    w = weight.flatten(1)
+    g = grad.flatten(1)
+    gn = g.norm(dim=1, keepdim=True)
+    v = torch.where(gn > 0, gamma * w.norm(dim=1, keepdim=True) * g / gn.clamp_min(1e-12), torch.zeros_like(g))
+    return v.view_as(weight)
+
+
+def mean_gradient(classifier: PromptClassifier, enc, labels, weight: torch.Tensor, batch_size: int = 64):
+    """∇ of the mean cross-entropy over ``enc`` w.r.t. the prompt (no clipping, no noise)."""
+    n = int(labels.shape[0])
+    total = torch.zeros_like(weight, dtype=torch.float32)
+    w = weight.detach().float().requires_grad_()
+    for start in range(0, n, batch_size):
+        rows = torch.arange(start, min(n, start + batch_size))
+        with torch.enable_grad():
+            loss = F.cross_entropy(classifier(select_rows(enc, rows), w).float(),
+                                   labels[rows].to(classifier.device), reduction="sum") / n
+            (g,) = torch.autograd.grad(loss, w)
+        total += g
+    return total
+
+
+@torch.no_grad()
+def mean_loss(classifier: PromptClassifier, enc, labels, weight: torch.Tensor, batch_size: int = 64) -> float:
+    n = int(labels.shape[0])
+    total = 0.0
+    for start in range(0, n, batch_size):
+        rows = torch.arange(start, min(n, start + batch_size))
+        total += float(F.cross_entropy(classifier(select_rows(enc, rows), weight).float(),
+                                       labels[rows].to(classifier.device), reduction="sum"))
+    return total / n
+
+
+ETAS = tuple(i / 10 for i in range(11))
+
+
+def prefix_sharpness(loss_fn, grad_fn, weight: torch.Tensor, mask: torch.Tensor | None = None,
+                     etas=ETAS) -> float:
+    """Definition 1, sampled along the gradient: max_η (L(w − η g) − L(w)) / (1 + L(w))² with
+    ``g = ∇L(w)`` restricted to the trainable layers (``mask``)."""
+    base = loss_fn(weight)
+    g = grad_fn(weight)
+    if mask is not None:
+        g = g * mask
+    worst = max(loss_fn(weight - eta * g) - base for eta in etas)
+    return worst / (1.0 + base) ** 2
+
+
+def eliminate_layers(sharpness_of, n_layers: int, keep: int, progress=None) -> tuple[list[int], list[dict]]:
+    """Greedy cross-layer flattening: ``sharpness_of(layers)`` for a set of kept layers. Each round
+    drops the layer whose removal gives the lowest sharpness; stops at ``keep`` layers or when the
+    best removal does not lower the sharpness. Returns (kept layers, rounds)."""
+    if not 1 <= keep <= n_layers:
+        raise ValueError(f"keep must lie in [1, {n_layers}], got {keep}")
+    layers = list(range(n_layers))
+    current = sharpness_of(layers)
+    rounds = []
+    while len(layers) > keep:
+        trials = {i: sharpness_of([l for l in layers if l != i]) for i in layers}
+        best = min(trials, key=lambda i: (trials[i], i))
+        rounds.append({"kept_before": list(layers), "sharpness_before": current, "removed": best,
+                       "sharpness_after": trials[best]})
+        if progress is not None:
+            progress(len(rounds), n_layers - keep)
+        if not trials[best] < current:
+            rounds[-1]["removed"] = None  # no decrease: stop
+            break
+        layers.remove(best)
+        current = trials[best]
+    return layers, rounds
+
+
+@torch.no_grad()
+def loss_along_direction(classifier: PromptClassifier, enc, labels, weight: torch.Tensor, direction: torch.Tensor,
+                         radii, batch_size: int = 64) -> list[float]:
+    """Mean loss at ``w + r · d/‖d‖ · ‖w‖`` for each radius ``r`` (the flatness plots, Figures 1 and 3)."""
+    d = direction / direction.norm().clamp_min(1e-12) * weight.norm()
+    return [mean_loss(classifier, enc, labels, weight + r * d, batch_size) for r in radii]

@@ -1,0 +1,170 @@
+"""Prefix prompts (Li & Liang 2021): trainable keys and values prepended at every attention layer.
+
+A prefix is a tensor of shape ``(L, 2, n, d_kv)``: for each of the model's ``L`` self-attention
+layers, ``n`` key vectors (``[l, 0]``) and ``n`` value vectors (``[l, 1]``) in the layer's
+key/value projection space (``d_kv`` = the projection's output width, all heads side by side).
+A batch of per-example prefixes has shape ``(B, L, 2, n, d_kv)``.
+
+How it is applied, the same way for every architecture: the classifier puts ``n`` placeholder
+positions in front of the text (attention mask 1, so the text attends to them) and forward hooks
+on each layer's key and value projections replace the projections' outputs at those positions by
+the prefix. Every text position therefore sees exactly the prefix's keys and values at every
+layer, and nothing else of the placeholders: their hidden states only feed their own (replaced)
+keys and values and their own queries, and the classifier excludes them from pooling. Text
+positions keep the position ids they have without a prompt; the placeholders take position 0
+(for rotary models the key rotation at position 0 is the identity, so the stored key is used
+as is). This works on encoders (BERT/MiniLM), masked LMs and causal LMs (GPT-2's fused
+``c_attn``, Llama's ``k_proj``/``v_proj``) without touching the library's cache classes, whose
+encoder support changed across transformers versions.
+
+Per-sample gradients: examples never interact (each row's keys/values are replaced by its own
+prefix row), so the gradient of the summed loss w.r.t. a ``(B, L, 2, n, d_kv)`` leaf holding one
+copy of the prefix per example is the stack of per-example gradients, for every trainable tensor
+of the prefix at once: the soft prompt's expanded-leaf scheme (tested against a per-example loop).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# (key module, value module) name pairs of separate projections, by architecture family
+_SEPARATE = (("key", "value"), ("k_proj", "v_proj"), ("k_lin", "v_lin"))
+_FUSED = ("c_attn",)  # GPT-2: one Conv1D giving [q; k; v]
+
+
+@dataclass(frozen=True)
+class KVSite:
+    """Where one layer's keys and values are computed: two modules, or one fused q/k/v module."""
+
+    key: nn.Module
+    value: nn.Module | None  # None: fused, ``key`` outputs [q; k; v]
+    width: int  # d_kv
+
+
+def _out_features(module: nn.Module) -> int:
+    for attr in ("out_features", "nf"):
+        if hasattr(module, attr):
+            return int(getattr(module, attr))
+    raise ValueError(f"cannot read the output width of {type(module).__name__}")
+
+
+def kv_sites(model: nn.Module) -> list[KVSite]:
+    """The self-attention key/value projections of ``model``, in layer order."""
+    sites = []
+    for name, module in model.named_modules():
+        if "crossattention" in name or "encoder_attn" in name:
+            continue
+        for k_name, v_name in _SEPARATE:
+            k, v = getattr(module, k_name, None), getattr(module, v_name, None)
+            if isinstance(k, nn.Module) and isinstance(v, nn.Module) and not list(k.children()):
+                sites.append(KVSite(k, v, _out_features(k)))
+                break
+        else:
+            for f_name in _FUSED:
+                fused = getattr(module, f_name, None)
+                if isinstance(fused, nn.Module) and not getattr(module, "is_cross_attention", False):
+                    width = _out_features(fused)
+                    if width % 3:
+                        raise ValueError(f"{name}.{f_name} is not a fused q/k/v projection (width {width})")
+                    sites.append(KVSite(fused, None, width // 3))
+                    break
+    if not sites:
+        raise ValueError(f"{type(model).__name__}: no self-attention key/value projections found "
+                         f"(looked for {', '.join(a + '/' + b for a, b in _SEPARATE)} and {', '.join(_FUSED)}); "
+                         "prefix tuning does not support this architecture")
+    return sites
+
+
+def prefix_shape(model: nn.Module, n_tokens: int) -> tuple[int, int, int, int]:
+    sites = kv_sites(model)
+    widths = {s.width for s in sites}
+    if len(widths) != 1:
+        raise ValueError(f"layers have different key/value widths {sorted(widths)}")
+    return (len(sites), 2, int(n_tokens), widths.pop())
+
+
+def is_prefix(tensor) -> bool:
+    """Prefix tensors are (L, 2, n, d) or per-example (B, L, 2, n, d); soft prompts are 2-/3-D."""
+    return isinstance(tensor, torch.Tensor) and tensor.dim() in (4, 5) and tensor.shape[-3] == 2
+
+
+def prefix_tokens(prefix: torch.Tensor) -> int:
+    return int(prefix.shape[-2])
+
+
+def _replace_front(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out`` (B, T, d) with its first n positions replaced by ``rows`` (B, n, d)."""
+    n = rows.shape[1]
+    return torch.cat([rows.to(out.dtype), out[:, n:]], dim=1)
+
+
+@contextmanager
+def prefix_hooks(model: nn.Module, prefix: torch.Tensor, batch_size: int):
+    """Within the block, every self-attention layer's keys and values at the first ``n``
+    positions are the prefix's (see module docstring)."""
+    sites = kv_sites(model)
+    if prefix.dim() == 4:
+        prefix = prefix.unsqueeze(0).expand(batch_size, *prefix.shape)
+    if prefix.dim() != 5 or prefix.shape[0] != batch_size or prefix.shape[1] != len(sites) \
+            or prefix.shape[2] != 2 or prefix.shape[4] != sites[0].width:
+        raise ValueError(f"prefix must be ({len(sites)}, 2, n, {sites[0].width}) or "
+                         f"({batch_size}, {len(sites)}, 2, n, {sites[0].width}), got {tuple(prefix.shape)}")
+    handles = []
+
+    def separate(rows):
+        return lambda module, args, out: _replace_front(out, rows)
+
+    def fused(keys, values, width):
+        def hook(module, args, out):
+            q, k, v = out.split(width, dim=2)
+            return torch.cat([q, _replace_front(k, keys), _replace_front(v, values)], dim=2)
+        return hook
+
+    try:
+        for layer, site in enumerate(sites):
+            keys, values = prefix[:, layer, 0], prefix[:, layer, 1]
+            if site.value is None:
+                handles.append(site.key.register_forward_hook(fused(keys, values, site.width)))
+            else:
+                handles.append(site.key.register_forward_hook(separate(keys)))
+                handles.append(site.value.register_forward_hook(separate(values)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def prefix_from_tokens(model: nn.Module, token_ids: list[int], device) -> torch.Tensor:
+    """A (L, 2, n, d) prefix initialised from real-word activations (Li & Liang's initialisation):
+    the keys and values the model computes for ``token_ids`` at each layer."""
+    sites = kv_sites(model)
+    captured: list[list[torch.Tensor]] = [[None, None] for _ in sites]
+    handles = []
+
+    def grab(layer, slot, width=None):
+        def hook(module, args, out):
+            if width is None:
+                captured[layer][slot] = out[0].detach().float()
+            else:
+                captured[layer][0] = out[0, :, width:2 * width].detach().float()
+                captured[layer][1] = out[0, :, 2 * width:].detach().float()
+        return hook
+
+    try:
+        for layer, site in enumerate(sites):
+            if site.value is None:
+                handles.append(site.key.register_forward_hook(grab(layer, 0, site.width)))
+            else:
+                handles.append(site.key.register_forward_hook(grab(layer, 0)))
+                handles.append(site.value.register_forward_hook(grab(layer, 1)))
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack([torch.stack(kv) for kv in captured]).cpu()

@@ -1,0 +1,176 @@
+"""privacy_flat: Privacy-Flat (white-box, Algorithm 1) on DP prefix tuning — within-layer (AWP),
+cross-layer (sharpness-guided sparse prefix layers) and cross-model (‖w − w_nor‖₂ to a
+non-private copy) weight flattening; the torch code is ``models/flat.py``.
+
+Honest labels: AWP's perturbation, the sharpness selection on private data (Definition 1 uses
+∇L(w|D)) and w_nor all read private data WITHOUT noise, so a run with any of them has no formal
+guarantee (``none``: opt-in, recorded as non-private use, the prefix stays under private/).
+Sparse selection on public data (``sparse_data: public``, labels = the frozen model's zero-shot
+predictions) keeps the DP guarantee. With everything off it is ``prefix_dpsgd``, step for step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from ..schema import Block
+from . import register_method
+from .prefix_dpsgd import PrefixDPSGD, PrefixDPSGDConfig
+
+
+class FlatConfig(Block):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    awp: bool = Field(False, description="within-layer flattening: AWP in the first awp_epochs")
+    awp_epochs: float = Field(1.0, ge=0, description="E: epochs (of DP steps) with AWP")
+    awp_gamma: float = Field(0.01, gt=0, description="relative size of the AWP perturbation per layer")
+    sparse: bool = Field(False, description="cross-layer flattening: greedy elimination of prefix layers")
+    layers: int | None = Field(None, gt=0, description="prefix layers to keep (default: half of them)")
+    sparse_data: Literal["private", "public"] = Field(
+        "private", description="data of the sharpness selection; public keeps the DP guarantee")
+    sharpness_examples: int = Field(256, gt=0, description="examples the sharpness is computed on")
+    regularizer: bool = Field(False, description="cross-model flattening: λ‖w − w_nor‖₂")
+    lam: float = Field(0.01, gt=0, alias="lambda", description="λ of the regulariser")
+    nor_epochs: float = Field(1.0, gt=0, description="T_nor: epochs of the non-private copy w_nor")
+
+    def reads_private_without_noise(self) -> list[str]:
+        return [name for name, on in (("awp", self.awp), ("sparse", self.sparse and self.sparse_data == "private"),
+                                      ("regularizer", self.regularizer)) if on]
+
+
+class PrivacyFlatConfig(PrefixDPSGDConfig):
+    flat: FlatConfig = Field(default_factory=FlatConfig)
+
+
+@register_method
+class PrivacyFlat(PrefixDPSGD):
+    name = "privacy_flat"
+    config_class = PrivacyFlatConfig
+    label = "Privacy-Flat (DP prefix tuning + flattening)"
+
+    def guarantee(self, cfg):
+        if self.settings(cfg).flat.reads_private_without_noise():
+            return "none"
+        return super().guarantee(cfg)
+
+    def uses_public_data(self, cfg):
+        f = self.settings(cfg).flat
+        return f.sparse and f.sparse_data == "public"
+
+    def extra_params(self, cfg) -> dict:
+        f = self.settings(cfg).flat
+        return {**super().extra_params(cfg), "flat.awp": f.awp, "flat.sparse": f.sparse,
+                "flat.regularizer": f.regularizer, "flat.lambda": f.lam, "flat.awp_epochs": f.awp_epochs,
+                "flat.awp_gamma": f.awp_gamma, "flat.layers": f.layers if f.sparse else None,
+                "flat.sparse_data": f.sparse_data if f.sparse else None}
+
+    def note(self, cfg, guarantee) -> str:
+        noiseless = self.settings(cfg).flat.reads_private_without_noise()
+        if noiseless:
+            return (f"Privacy-Flat with {', '.join(noiseless)} reads private data without noise (AWP's perturbation, "
+                    "the sharpness selection, the non-private copy w_nor): no formal guarantee; the prefix stays "
+                    "under private/ and only its evaluation and audit statistics are reported")
+        return super().note(cfg, guarantee)
+
+    def flat_options(self, mctx, plan, rows, progress=None) -> dict:
+        from models.flat import FlatOptions
+        from models.soft_prompt import PrefixPrompt
+
+        from ..stages import classifier_for
+
+        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        f = block.flat
+        if not (f.awp or f.sparse or f.regularizer):
+            return {}
+        clf = classifier_for(cfg, cfg.models.local)
+        init = PrefixPrompt.init_from_vocab(clf.backbone, block.init or block.n_tokens, n_tokens=block.n_tokens,
+                                            seed=mctx.seed).weight.detach().cpu()
+        n_layers = init.shape[0]
+        out = {"init_prompt": init, "metrics": {}, "history": []}
+        layers = None
+        if f.sparse:
+            layers, rounds = self._select_layers(mctx, clf, init, rows, f, progress)
+            out["history"] += [{"flat.sharpness_round": i + 1, **r} for i, r in enumerate(rounds)]
+            out["metrics"]["flat.layers_kept"] = len(layers)
+            if f.sparse_data == "public":  # a function of public data only: publishable
+                out["metrics"].update({f"flat.layer_kept.{l}": 1.0 for l in layers})
+        w_nor = None
+        if f.regularizer:
+            w_nor = self._nonprivate_copy(mctx, clf, init, rows, block)
+        q, steps = plan.settings["sample_rate"], plan.settings["steps"]
+        awp_steps = min(steps, math.ceil(f.awp_epochs / q)) if f.awp else 0
+        out["metrics"]["flat.awp_steps"] = awp_steps
+        out["flat"] = FlatOptions(layers=layers if layers is not None and len(layers) < n_layers else None,
+                                  awp_steps=awp_steps, awp_gamma=f.awp_gamma, w_nor=w_nor,
+                                  lam=f.lam if f.regularizer else 0.0)
+        return out
+
+    # ---- cross-layer: Definition 1 and the greedy elimination -----------------------------------
+    def _select_layers(self, mctx, clf, init, rows, f: FlatConfig, progress):
+        import numpy as np
+        import torch
+
+        from models.flat import eliminate_layers, mean_gradient, mean_loss, prefix_sharpness
+        from models.scoring import predict_logits
+
+        from ..stages import label_indices
+
+        cfg = mctx.cfg
+        if f.sparse_data == "public":
+            from .post import public_texts
+
+            texts = public_texts(cfg, mctx.paths.private)
+            texts = texts[: f.sharpness_examples]
+            enc = clf.encode(texts, max_length=cfg.models.max_length)
+            y = predict_logits(clf, enc, None, cfg.models.eval_batch_size).argmax(1)  # zero-shot labels
+        else:
+            idx = np.random.default_rng(mctx.seed).permutation(len(rows))[: f.sharpness_examples]
+            enc = clf.encode([rows.texts[i] for i in idx], max_length=cfg.models.max_length)
+            y = label_indices([rows.labels[i] for i in idx], cfg.data.labels)
+        bs = cfg.models.eval_batch_size
+        w = init.to(clf.device)
+
+        def sharpness_of(kept):
+            mask = torch.zeros_like(w)
+            mask[kept] = 1.0
+            return prefix_sharpness(lambda p: mean_loss(clf, enc, y, p, bs), lambda p: mean_gradient(clf, enc, y, p, bs),
+                                    w, mask)
+
+        n_layers = init.shape[0]
+        keep = f.layers if f.layers is not None else max(1, n_layers // 2)
+        if keep > n_layers:
+            raise ValueError(f"methods.privacy_flat.flat.layers = {keep}, the model has {n_layers} prefix layers")
+        return eliminate_layers(sharpness_of, n_layers, keep, progress)
+
+    # ---- cross-model: w_nor, trained once per seed and reused across ε -------------------------
+    def _nonprivate_copy(self, mctx, clf, init, rows, block):
+        from models.dp_prompt_training import PromptTrainingConfig, train_prompt
+        from models.soft_prompt import load_prompt, save_prompt
+
+        from ..stages import label_indices
+
+        cfg = mctx.cfg
+        key = hashlib.sha256(json.dumps({
+            "model": cfg.models.local, "seed": mctx.seed, "max_length": cfg.models.max_length,
+            "n_tokens": block.n_tokens, "init": block.init, "lr": block.lr, "batch_size": block.batch_size,
+            "nor_epochs": block.flat.nor_epochs, "labels": cfg.data.labels,
+            "rows": hashlib.sha256("\x1e".join(t + "\x1f" + l for t, l in zip(rows.texts, rows.labels))
+                                   .encode()).hexdigest()}, sort_keys=True).encode()).hexdigest()[:16]
+        path = mctx.paths.private / "privacy_flat" / f"w_nor-{key}.safetensors"  # private: never published
+        if path.is_file():
+            return load_prompt(path)[0]
+        enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
+        y = label_indices(rows.labels, cfg.data.labels)
+        tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=block.flat.nor_epochs,
+                                  batch_size=block.batch_size, max_length=cfg.models.max_length, seed=mctx.seed,
+                                  kind="prefix")
+        w_nor = train_prompt(clf, enc, y, tc, seed=mctx.seed, init_prompt=init).prompt
+        tmp = path.with_name(path.name + ".tmp")
+        save_prompt(tmp, w_nor, {"kind": "prefix", "what": "privacy_flat w_nor (non-private)"})
+        tmp.replace(path)
+        return w_nor
