@@ -58,7 +58,8 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         part = partition(cfg, paths, default_data_root(cfg.data_root))
         delta = resolve_delta(cfg, part["n_train"])
         plan = method.plan(cfg, part["n_train"], delta)  # pure: validates the settings before any work
-        parent.set_tags({"dataset.fingerprint": part["dataset_key"], "data.partition": part["fingerprint"]})
+        parent.set_tags({"dataset.fingerprint": part["dataset_key"], "data.partition": part["fingerprint"],
+                         "method.label": method.run_label(cfg)})
         parent.log_params({"privacy.target_delta": delta, "data.n_train": part["n_train"],
                            "data.n_holdout": part["n_holdout"], "data.n_test": part["n_test"], **plan.params})
         if cfg.audit.enabled:  # an audit that cannot run is refused before any training
@@ -113,6 +114,17 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         accuracies = {cfg.method: acc["target"]}
         metrics["test.accuracy"] = acc["target"]
         metrics.update({f"test.accuracy.{alias}": v for alias, v in acc["per_model"].items()})
+        if published["prompt_path"] is not None:  # test-split statistics of the prompt (flatness)
+            from tasks import plots
+            from tasks.methods import MethodContext
+            from tasks.randomness import for_config
+
+            diag = method.diagnostics(ctx, published["prompt_path"],
+                                      MethodContext(cfg, paths, prepared, for_config(cfg), cfg.seed, ctx.output_dir))
+            metrics.update(diag.get("metrics", {}))
+            for artifact, fig in diag.get("figures", {}).items():
+                parent.log_figure(fig, artifact)
+                plots.close(fig)
         cross = {model_alias(model): acc["target"]}  # the published prompt on every target (Table 3)
         for other in cfg.models.evaluate_on:
             out = evaluate_task(ctx, published["prompt_path"], f"{cfg.method}@{model_alias(other)}",

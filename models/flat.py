@@ -107,7 +107,7 @@ def mean_loss(classifier: PromptClassifier, enc, labels, weight: torch.Tensor, b
     return total / n
 
 
-ETAS = tuple(i / 10 for i in range(11))
+ETAS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the sampled step sizes η ∈ [0, 1] of Definition 1
 
 
 def prefix_sharpness(loss_fn, grad_fn, weight: torch.Tensor, mask: torch.Tensor | None = None,
@@ -152,3 +152,22 @@ def loss_along_direction(classifier: PromptClassifier, enc, labels, weight: torc
     """Mean loss at ``w + r · d/‖d‖ · ‖w‖`` for each radius ``r`` (the flatness plots, Figures 1 and 3)."""
     d = direction / direction.norm().clamp_min(1e-12) * weight.norm()
     return [mean_loss(classifier, enc, labels, weight + r * d, batch_size) for r in radii]
+
+
+RADII = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+def flatness_curves(classifier: PromptClassifier, enc, labels, weight: torch.Tensor, seed: int,
+                    radii=RADII, batch_size: int = 64) -> dict:
+    """Loss along a random (seeded Gaussian) and an adversarial (the loss gradient) direction at
+    radii relative to ‖w‖, and Definition 1's sharpness — on whatever data is passed (the flows
+    pass the TEST split)."""
+    w = weight.detach().float().to(classifier.device)
+    g = mean_gradient(classifier, enc, labels, w, batch_size)
+    rand = torch.randn(w.shape, generator=torch.Generator().manual_seed(seed)).to(w.device)
+    return {"radii": list(radii),
+            "random": loss_along_direction(classifier, enc, labels, w, rand, radii, batch_size),
+            "adversarial": loss_along_direction(classifier, enc, labels, w, g, radii, batch_size),
+            "sharpness": prefix_sharpness(lambda p: mean_loss(classifier, enc, labels, p, batch_size),
+                                          lambda p: g if p is w else mean_gradient(classifier, enc, labels, p, batch_size),
+                                          w)}

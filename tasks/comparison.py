@@ -1,7 +1,7 @@
 """The privacy–utility report of an experiment, rebuilt from MLflow alone (``privprompt report
 EXPERIMENT``, and the sweep's summary): parent runs only, pulled back with ``search_runs``.
 
-Accuracy vs ε and MIA AUC vs ε, one line per method, markers by ``privacy.guarantee``; runs
+Accuracy vs ε and MIA AUC vs ε, one line per method (its ``method.label``: Privacy-Flat's rungs apart), markers by ``privacy.guarantee``; runs
 without an ε (non-private methods, ``none``) stand at ε = ∞ on the right; local-DP runs (``ldp``,
 no ε) get their own panel against their privacy parameter (a ``*.eta`` param)."""
 
@@ -30,14 +30,15 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
             if "mlflow.parentRunId" in tags or tags.get("flow") == "sweep" or "method" not in tags:
                 continue
             eta = next((float(v) for k, v in run.data.params.items() if k.endswith(".eta")), None)
-            rows.append({"run_id": run.info.run_id, "method": tags["method"],
+            rows.append({"run_id": run.info.run_id, "method": tags.get("method.label") or tags["method"],
                          "guarantee": tags.get("privacy.guarantee", "none"),
                          "variant": tags.get("sweep.variant", ""), "seed": run.data.params.get("seed"),
                          "epsilon": run.data.metrics.get("privacy.epsilon"), "eta": eta,
                          "accuracy": run.data.metrics.get("test.accuracy"),
                          "mia_auc": run.data.metrics.get("mia.loss.auc"),
                          "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),
-                         "note": tags.get("privacy.note", "")})
+                         "note": tags.get("privacy.note", ""),
+                         "flatness": {k: v for k, v in run.data.metrics.items() if k.startswith("flatness.")}})
         token = page.token
         if not token:
             break
@@ -94,13 +95,42 @@ def comparison_figure(rows: list[dict], title: str):
     return fig
 
 
+def flatness_figure(rows: list[dict], title: str):
+    """Test loss along a random and an adversarial direction (Privacy-Flat Figures 1, 3), the
+    mean over runs per method label; None when no run logged flatness curves."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("flatness")]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(9.2, 3.6), sharey=True)
+    for ax, kind in zip(axes, ("random", "adversarial")):
+        for label in sorted({r["method"] for r in rows}):
+            curves = [r["flatness"] for r in rows if r["method"] == label]
+            keys = sorted(k for k in curves[0] if k.startswith(f"flatness.{kind}.r"))
+            xs = [int(k.rsplit(".r", 1)[1]) / 100 for k in keys]
+            ys = [sum(c[k] for c in curves if k in c) / len(curves) for k in keys]
+            ax.plot(xs, ys, marker="o", label=f"{label} (n={len(curves)})")
+        ax.set_xlabel("perturbation ‖v‖ / ‖w‖")
+        ax.set_title(f"{kind} direction", fontsize=9)
+    axes[0].set_ylabel("test loss (test split)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
 def log_report(record, rows: list[dict], title: str) -> dict:
-    """Log the table (Markdown) and figure (PNG) on ``record``; returns their artifact paths."""
+    """Log the table (Markdown) and figures (PNG) on ``record``; returns their artifact paths."""
     table = comparison_table(rows)
     record.log_text(table, "report/comparison.md")
     fig = comparison_figure(rows, title)
     record.log_figure(fig, "report/privacy_utility.png")
     plots.close(fig)
+    flat = flatness_figure(rows, "flatness of the published prompts (test split)")
+    if flat is not None:
+        record.log_figure(flat, "report/flatness.png")
+        plots.close(flat)
     from prefect.artifacts import create_markdown_artifact
     from prefect.context import get_run_context
     from prefect.exceptions import MissingContextError

@@ -127,6 +127,14 @@ def encode_split(classifier, path: str, labels: list[str], max_length: int, limi
 def _check_prompt_fits(classifier, prompt, model_name: str) -> None:
     import torch
 
+    from models.prompts.prefix import is_prefix, prefix_shape
+
+    if is_prefix(prompt):
+        expected = prefix_shape(classifier.backbone.model, prompt.shape[-2])
+        if tuple(prompt.shape) != expected:
+            raise ConfigError(f"a prefix of shape {tuple(prompt.shape)} cannot be used with model {model_name!r} "
+                              f"(its prefixes are {expected}: layers, keys/values, tokens, key/value width)")
+        return
     if isinstance(prompt, torch.Tensor) and prompt.shape[-1] != classifier.embed_dim:
         raise ConfigError(f"a soft prompt of width {prompt.shape[-1]} cannot be used with model "
                           f"{model_name!r} (embedding width {classifier.embed_dim})")

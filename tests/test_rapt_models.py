@@ -266,3 +266,30 @@ def test_attribute_inference_success_beside_majority_rate():
     assert noise["success"] < 0.7
     with pytest.raises(ValueError, match="two values"):
         attribute_inference(informative, np.zeros(300))
+
+
+def test_prefix_tuning_trains_the_prefix_and_keeps_text_positions(tiny, tiny_privatizer):
+    """RAPT with prefix tuning: the prefix's keys/values reach every layer (the text states change,
+    the placeholders are dropped from G), the reconstruction loss falls, and the prefix trains."""
+    from models.prompts.prefix import prefix_shape
+    from models.soft_prompt import PrefixPrompt
+
+    plain, enc, data = _privatized(tiny, tiny_privatizer)
+    vocab = reconstruction_vocab([enc["input_ids"].reshape(-1)], plain, exclude_ids=tiny.tokenizer.all_special_ids)
+    torch.manual_seed(0)
+    prefix = PrefixPrompt.init_from_vocab(tiny, 3)
+    model = RaptModel(tiny, prefix, build_task_head(tiny, ["bad", "good"]), len(plain),
+                      ReconstructionHead(vocab, tiny.embed_dim))
+    h = model.hidden_states(data)
+    assert h.shape[1] == int(data.attention_mask.sum(1).max())  # G holds the input positions only
+    with torch.no_grad():
+        other = RaptModel(tiny, PrefixPrompt(prefix.weight * 3), build_task_head(tiny, ["bad", "good"]), len(plain))
+        assert not torch.allclose(other.hidden_states(data), h, atol=1e-4)
+    before = prefix.weight.detach().clone()
+    seen = []
+    train_rapt(model, data, torch.tensor(LABELS), steps=25, batch_size=8, lr=1e-2,
+               generator=torch.Generator().manual_seed(0), on_step=lambda s, l: seen.append(l))
+    assert tuple(model.prompt.weight.shape) == prefix_shape(tiny.model, 3)
+    assert not torch.equal(before, model.prompt.weight)
+    assert seen[-1]["reconstruction"] < 0.5 * seen[0]["reconstruction"]
+    assert model.inference().predict(data).shape == (len(TEXTS),)

@@ -20,7 +20,8 @@ from models.classifiers import _first_token_ids, mlm_head
 from models.rapt.encoding import PrivatizedEncoding
 from models.rapt.head import ReconstructionHead
 from models.registry import Backbone
-from models.soft_prompt import SoftPrompt
+from models.prompts.prefix import prefix_hooks, prefix_shape
+from models.soft_prompt import PrefixPrompt, SoftPrompt
 
 
 def _pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -78,9 +79,13 @@ class RaptClassifier(nn.Module):
     """Inference: backbone (not a submodule: shared, frozen) + prompt + task head. Holds no
     reconstruction head. Takes only :class:`PrivatizedEncoding` inputs."""
 
-    def __init__(self, backbone: Backbone, prompt: SoftPrompt, task_head: nn.Module, n_plain: int):
+    def __init__(self, backbone: Backbone, prompt: SoftPrompt | PrefixPrompt, task_head: nn.Module, n_plain: int):
         super().__init__()
-        if prompt.embed_dim != backbone.embed_dim:
+        if isinstance(prompt, PrefixPrompt):  # prefix tuning: keys/values at every layer
+            expected = prefix_shape(backbone.model, prompt.weight.shape[2])
+            if tuple(prompt.weight.shape) != expected:
+                raise ValueError(f"prefix shape {tuple(prompt.weight.shape)} differs from the backbone's {expected}")
+        elif prompt.embed_dim != backbone.embed_dim:
             raise ValueError(f"prompt width {prompt.embed_dim} differs from the backbone's {backbone.embed_dim}")
         self._backbone = backbone
         self.prompt = prompt
@@ -104,14 +109,25 @@ class RaptClassifier(nn.Module):
         L = int(batch.attention_mask.sum(1).max()) if len(batch) else batch.input_ids.shape[1]
         ids = batch.input_ids[:, :L].to(dev)
         attn = batch.attention_mask[:, :L].to(dev)
-        B, n = ids.shape[0], self.prompt.n_tokens
+        B = ids.shape[0]
         embeds = self._backbone.model.get_input_embeddings()(ids)
-        embeds = torch.cat([self.prompt.expand(B).to(dev, embeds.dtype), embeds], dim=1)
+        prefix = isinstance(self.prompt, PrefixPrompt)
+        # a prefix takes n placeholder positions whose keys/values it replaces (models.prompts.prefix)
+        n = self.prompt.weight.shape[2] if prefix else self.prompt.n_tokens
+        front = (torch.zeros((B, n, embeds.shape[2]), device=dev, dtype=embeds.dtype) if prefix
+                 else self.prompt.expand(B).to(dev, embeds.dtype))
+        embeds = torch.cat([front, embeds], dim=1)
         attn = torch.cat([torch.ones((B, n), dtype=attn.dtype, device=dev), attn], dim=1)
         limit = self._backbone.max_positions
         if limit is not None and embeds.shape[1] > limit:
             raise ValueError(f"prompt + input is {embeds.shape[1]} positions, the model allows {limit}")
-        out = self._backbone.model.base_model(inputs_embeds=embeds, attention_mask=attn)
+        if not prefix:
+            return self._backbone.model.base_model(inputs_embeds=embeds, attention_mask=attn).last_hidden_state[:, n:]
+        T = embeds.shape[1]
+        positions = torch.cat([torch.zeros(n, dtype=torch.long, device=dev), torch.arange(T - n, device=dev)])
+        with prefix_hooks(self._backbone.model, self.prompt.weight, B):
+            out = self._backbone.model.base_model(inputs_embeds=embeds, attention_mask=attn,
+                                                  position_ids=positions.unsqueeze(0).expand(B, T))
         return out.last_hidden_state[:, n:]
 
     def task_logits_from_hidden(self, hidden: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:

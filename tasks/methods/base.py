@@ -195,3 +195,13 @@ class Method:
     def tables(self, accuracies: dict[str, float], result: dict, variants: list[Variant]) -> dict[str, str]:
         """Markdown tables to log on the parent run (``tables/<name>.md``)."""
         return {}
+
+    def run_label(self, cfg: "PrivPromptConfig") -> str:
+        """How this run is named in comparisons (tag ``method.label``): the method's name, or a
+        name of its settings where runs of one method differ in kind (Privacy-Flat's ladder)."""
+        return self.name
+
+    def diagnostics(self, ctx, prompt_path: str, mctx: MethodContext) -> dict[str, Any]:
+        """Extra statistics of the published prompt computed on the TEST split only (never on
+        training rows): {"metrics": {...}, "figures": {artifact path: matplotlib figure}}."""
+        return {}

@@ -40,6 +40,11 @@ class PrefixDPSGD(Method):
         return "" if guarantee == "dp" else ("debug_seeded_dp_randomness: the DP noise is derivable from the "
                                              "logged seed; no guarantee")
 
+    def diagnostics(self, ctx, prompt_path, mctx) -> dict:
+        """Flatness of the published prefix on the TEST split (never training rows): loss along a
+        random and an adversarial direction, and Definition 1's sharpness (Privacy-Flat Figures 1, 3)."""
+        return prefix_flatness(mctx.cfg, ctx.part.test_path, prompt_path, self.run_label(mctx.cfg))
+
     def flat_options(self, mctx, plan, rows, progress=None) -> dict:
         """Privacy-Flat's additions to the DP step: {"flat": FlatOptions, "init_prompt": tensor,
         "metrics": publishable counts, "history": private records}; {} for plain DP prefix tuning."""
@@ -57,3 +62,34 @@ class PrefixDPSGD(Method):
                    **extra.get("metrics", {})}
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
                        result.steps, metrics, extra.get("history", []) + result.history)
+
+
+FLATNESS_EXAMPLES = 256
+
+
+def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str) -> dict:
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from models.flat import flatness_curves
+
+    from ..prompts import load_prompt_file
+    from ..stages import classifier_for, encode_split
+
+    clf = classifier_for(cfg, cfg.models.local)
+    enc, y = encode_split(clf, test_path, cfg.data.labels, cfg.models.max_length, limit=FLATNESS_EXAMPLES,
+                          rng=np.random.default_rng(cfg.seed))
+    curves = flatness_curves(clf, enc, y, load_prompt_file(prompt_path), cfg.seed,
+                             batch_size=cfg.models.eval_batch_size)
+    metrics = {"flatness.sharpness": curves["sharpness"]}
+    for kind in ("random", "adversarial"):
+        metrics.update({f"flatness.{kind}.r{round(r * 100):02d}": v for r, v in zip(curves["radii"], curves[kind])})
+    fig, ax = plt.subplots(figsize=(4.6, 3.4))
+    for kind, style in (("random", "-"), ("adversarial", "--")):
+        ax.plot(curves["radii"], curves[kind], style, marker="o", label=f"{kind} direction")
+    ax.set_xlabel("perturbation ‖v‖ / ‖w‖")
+    ax.set_ylabel(f"test loss ({len(y)} test examples)")
+    ax.set_title(f"{label}: flatness (sharpness {curves['sharpness']:.4f})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return {"metrics": metrics, "figures": {"plots/flatness.png": fig}}

@@ -134,11 +134,13 @@ class PrivacyFlat(PrefixDPSGD):
             y = label_indices([rows.labels[i] for i in idx], cfg.data.labels)
         bs = cfg.models.eval_batch_size
         w = init.to(clf.device)
+        # every candidate is the same w with other layers frozen: L(w) and ∇L(w) are computed once
+        base, grad = mean_loss(clf, enc, y, w, bs), mean_gradient(clf, enc, y, w, bs)
 
         def sharpness_of(kept):
             mask = torch.zeros_like(w)
             mask[kept] = 1.0
-            return prefix_sharpness(lambda p: mean_loss(clf, enc, y, p, bs), lambda p: mean_gradient(clf, enc, y, p, bs),
+            return prefix_sharpness(lambda p: base if p is w else mean_loss(clf, enc, y, p, bs), lambda p: grad,
                                     w, mask)
 
         n_layers = init.shape[0]

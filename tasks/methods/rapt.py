@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import Field
 
 from ..schema import Block
@@ -22,11 +24,12 @@ from .base import Method, MethodPlan, Trained
 class RaptConfig(Block):
     enabled: bool = False
     eta: float = Field(100.0, gt=0, description="d_X privacy parameter η (larger: less noise)")
-    tuning: str = Field("prompt", pattern="^prompt$", description="prompt (prefix tuning: not available yet)")
+    tuning: Literal["prompt", "prefix"] = Field("prompt", description="prompt: a soft prompt on the input "
+                                                "embeddings; prefix: keys and values at every layer")
     reconstruction: bool = Field(True, description="the privatized-token reconstruction head (m plain tokens)")
     plain_tokens: int = Field(40, ge=1, description="m: plain tokens prepended before privatization")
     head_vocab: int = Field(7630, gt=0, description="|T|: most frequent public token ids the head predicts")
-    n_tokens: int = Field(10, gt=0, description="soft-prompt length")
+    n_tokens: int = Field(10, gt=0, description="soft-prompt / prefix length")
     steps: int = Field(200, gt=0)
     batch_size: int = Field(32, gt=0)
     lr: float = Field(3e-3, gt=0)
@@ -135,14 +138,15 @@ class Rapt(Method):
 
         from models.rapt.model import train_rapt
         from models.registry import load_backbone
-        from models.soft_prompt import SoftPrompt
+        from models.soft_prompt import PrefixPrompt, SoftPrompt
 
         from ..stages import label_indices
 
         block = self.settings(cfg)
         data = self.load_privatized(privatized_path)
         bb = load_backbone(cfg.models.local, seed=cfg.seed)
-        prompt = SoftPrompt.init_from_vocab(bb, block.n_tokens, seed=seed)
+        kind = PrefixPrompt if block.tuning == "prefix" else SoftPrompt
+        prompt = kind.init_from_vocab(bb, block.n_tokens, seed=seed)
         with torch.random.fork_rng(devices=[]):  # the head's initialisation, seeded (not DP randomness)
             torch.manual_seed(seed)
             model = self._classifier(cfg, prompt, data.n_plain, head_vocab)
@@ -180,7 +184,7 @@ class Rapt(Method):
 
     def evaluate_published(self, ctx, prompt_path: str, mctx) -> float:
         """Inference on PRIVATIZED test inputs (the test texts are privatized locally first)."""
-        from models.soft_prompt import SoftPrompt
+        from models.soft_prompt import PrefixPrompt, SoftPrompt
 
         from ..data import read_partition_split
         from ..prompts import load_prompt_file
@@ -191,6 +195,7 @@ class Rapt(Method):
         path = ctx.output_dir / "rapt_privatized_test.pt"
         data, _ = self.privatize(cfg, texts, mctx.randomness.numpy(4), path)
         tensor = load_prompt_file(prompt_path)
-        classifier = self._classifier(cfg, SoftPrompt(tensor.shape[0], tensor.shape[1], tensor), data.n_plain).inference()
+        prompt = PrefixPrompt(tensor) if tensor.dim() == 4 else SoftPrompt(tensor.shape[0], tensor.shape[1], tensor)
+        classifier = self._classifier(cfg, prompt, data.n_plain).inference()
         predictions = classifier.predict(self.load_privatized(path), batch_size=cfg.models.eval_batch_size)
         return float((predictions == label_indices(names, cfg.data.labels)).float().mean())
