@@ -152,3 +152,28 @@ def test_guarantee_labels_follow_the_settings(tmp_path):
 def test_prefix_shape_of_minilm():
     backbone = load_backbone("minilm", "cpu")
     assert prefix_shape(backbone.model, 5) == (6, 2, 5, 384)
+
+
+def test_dpzero_regulariser_is_labelled_none_and_pulls_toward_w_nor(tmp_path):
+    from tasks.config import parse_config
+    from tasks.methods import get_method
+
+    def cfg(dpzero):
+        return parse_config({
+            "method": "dpzero", "experiment": "x", "state_dir": str(tmp_path), "allow_nonprivate_baselines": True,
+            "data": {"name": "sst2", "labels": LABELS}, "models": {"local": "tiny-bert"},
+            "methods": {"dpzero": dpzero}})
+
+    method = get_method("dpzero")
+    assert method.guarantee(cfg({})) == "dp" and method.plan(cfg({}), 100, 1e-5).event is not None
+    reg = cfg({"regularizer": True, "lambda": 0.05})
+    plan = method.plan(reg, 100, 1e-5)
+    assert method.guarantee(reg) == "none" and plan.event is None and plan.params["flat.lambda"] == 0.05
+    assert method.run_label(reg) == "dpzero+regularizer"
+    # the privacy_flat labels name the rungs
+    pf = get_method("privacy_flat")
+    base = {"method": "privacy_flat", "experiment": "x", "state_dir": str(tmp_path), "allow_nonprivate_baselines": True,
+            "data": {"name": "sst2", "labels": LABELS}, "models": {"local": "tiny-bert"}}
+    assert pf.run_label(parse_config(base)) == "dp_prefix"
+    assert pf.run_label(parse_config({**base, "methods": {"privacy_flat": {"flat": {"awp": True, "regularizer": True}}}})) \
+        == "dp_prefix+awp+reg"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from ..schema import Block
 from . import register_method
@@ -15,6 +15,8 @@ from .base import Method, MethodPlan, Trained, dp_unless_debug
 
 
 class DPZeroConfig(Block):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
     enabled: bool = Field(False, description="run as a baseline beside the published method")
     n_tokens: int = Field(10, gt=0)
     init: str | None = Field(None, description="words to initialise the prompt from")
@@ -24,6 +26,10 @@ class DPZeroConfig(Block):
     lr: float = Field(1e-3, gt=0)
     mu: float = Field(1e-3, gt=0, description="perturbation scale of the two-point estimate")
     clip: float = Field(1.0, gt=0, description="C: bound on each example's two-point difference")
+    regularizer: bool = Field(False, description="Privacy-Flat's λ‖w − w_nor‖₂ to a non-privately trained copy "
+                                                 "(reads private data without noise: no guarantee)")
+    lam: float = Field(0.01, gt=0, alias="lambda", description="λ of the regulariser")
+    nor_epochs: float = Field(1.0, gt=0, description="epochs of the non-private copy w_nor")
 
 
 @register_method
@@ -33,7 +39,7 @@ class DPZero(Method):
     label = "DPZero (black-box)"
 
     def guarantee(self, cfg):
-        return dp_unless_debug(cfg)
+        return "none" if self.settings(cfg).regularizer else dp_unless_debug(cfg)
 
     def plan(self, cfg, n_train, delta):
         from privacy import accountant as acct
@@ -48,8 +54,15 @@ class DPZero(Method):
         return MethodPlan(self.name, guarantee, n_train, delta,
                           event=ev.dpzero_event(q, sigma, steps) if guarantee == "dp" else None,
                           params={"dpzero.sample_rate": q, "dpzero.noise_multiplier": sigma, "dpzero.steps": steps,
-                                  "dpzero.clip": block.clip, "dpzero.mu": block.mu, "dpzero.lr": block.lr},
-                          settings=settings)
+                                  "dpzero.clip": block.clip, "dpzero.mu": block.mu, "dpzero.lr": block.lr,
+                                  "flat.regularizer": block.regularizer,
+                                  "flat.lambda": block.lam if block.regularizer else None},
+                          settings=settings,
+                          note="DPZero with the w_nor regulariser reads private data without noise: no formal "
+                               "guarantee" if block.regularizer else "")
+
+    def run_label(self, cfg):
+        return "dpzero+regularizer" if self.settings(cfg).regularizer else self.name
 
     def train(self, mctx, plan, rows, progress=None):
         import torch
@@ -68,11 +81,21 @@ class DPZero(Method):
         init = SoftPrompt.init_from_vocab(clf.backbone, block.init or block.n_tokens, n_tokens=block.n_tokens,
                                           seed=mctx.seed).weight.detach()
         s = plan.settings
+        regularizer = None
+        if block.regularizer:
+            from models.flat import FlatOptions
+
+            from .soft_prompt import nonprivate_copy
+
+            pull = FlatOptions(w_nor=nonprivate_copy(mctx, clf, init, rows, block, "soft", block.nor_epochs),
+                               lam=block.lam)
+            regularizer = lambda w: pull.regularizer_gradient(w, None)  # noqa: E731
         sample, noise = mctx.randomness.torch_generators()
         result = train_dpzero(clf, enc, y, init, ModelConfig(
             steps=s["steps"], sample_rate=s["sample_rate"], noise_multiplier=s["noise_multiplier"],
             clip=block.clip, mu=block.mu, lr=block.lr), sample_generator=sample, noise_generator=noise,
-            direction_generator=torch.Generator().manual_seed(mctx.seed), progress=progress)
+            direction_generator=torch.Generator().manual_seed(mctx.seed), progress=progress,
+            regularizer=regularizer)
         if result.steps != s["steps"]:
             raise RuntimeError(f"DPZero took {result.steps} steps, {s['steps']} were accounted")
         event = ev.dpzero_event(s["sample_rate"], s["noise_multiplier"], s["steps"]) if plan.guarantee == "dp" else None

@@ -33,6 +33,9 @@ class PrefixDPSGD(Method):
                           params={**dpsgd_params(settings), **self.extra_params(cfg)}, settings=settings,
                           note=self.note(cfg, guarantee))
 
+    def run_label(self, cfg):
+        return "dp_prefix"
+
     def extra_params(self, cfg) -> dict:
         return {"prefix.n_tokens": self.settings(cfg).n_tokens}
 

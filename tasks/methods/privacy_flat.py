@@ -11,8 +11,6 @@ predictions) keeps the DP guarantee. With everything off it is ``prefix_dpsgd``,
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from typing import Literal
 
@@ -58,6 +56,12 @@ class PrivacyFlat(PrefixDPSGD):
             return "none"
         return super().guarantee(cfg)
 
+    def run_label(self, cfg):
+        f = self.settings(cfg).flat
+        parts = [p for p, on in (("awp", f.awp), ("sparse" + ("(public)" if f.sparse_data == "public" else ""), f.sparse),
+                                 ("reg", f.regularizer)) if on]
+        return "dp_prefix+" + "+".join(parts) if parts else "dp_prefix"
+
     def uses_public_data(self, cfg):
         f = self.settings(cfg).flat
         return f.sparse and f.sparse_data == "public"
@@ -100,8 +104,10 @@ class PrivacyFlat(PrefixDPSGD):
             if f.sparse_data == "public":  # a function of public data only: publishable
                 out["metrics"].update({f"flat.layer_kept.{l}": 1.0 for l in layers})
         w_nor = None
-        if f.regularizer:
-            w_nor = self._nonprivate_copy(mctx, clf, init, rows, block)
+        if f.regularizer:  # trained once per seed and reused across ε (cached under private/)
+            from .soft_prompt import nonprivate_copy
+
+            w_nor = nonprivate_copy(mctx, clf, init, rows, block, "prefix", f.nor_epochs)
         q, steps = plan.settings["sample_rate"], plan.settings["steps"]
         awp_steps = min(steps, math.ceil(f.awp_epochs / q)) if f.awp else 0
         out["metrics"]["flat.awp_steps"] = awp_steps
@@ -148,31 +154,3 @@ class PrivacyFlat(PrefixDPSGD):
         if keep > n_layers:
             raise ValueError(f"methods.privacy_flat.flat.layers = {keep}, the model has {n_layers} prefix layers")
         return eliminate_layers(sharpness_of, n_layers, keep, progress)
-
-    # ---- cross-model: w_nor, trained once per seed and reused across ε -------------------------
-    def _nonprivate_copy(self, mctx, clf, init, rows, block):
-        from models.dp_prompt_training import PromptTrainingConfig, train_prompt
-        from models.soft_prompt import load_prompt, save_prompt
-
-        from ..stages import label_indices
-
-        cfg = mctx.cfg
-        key = hashlib.sha256(json.dumps({
-            "model": cfg.models.local, "seed": mctx.seed, "max_length": cfg.models.max_length,
-            "n_tokens": block.n_tokens, "init": block.init, "lr": block.lr, "batch_size": block.batch_size,
-            "nor_epochs": block.flat.nor_epochs, "labels": cfg.data.labels,
-            "rows": hashlib.sha256("\x1e".join(t + "\x1f" + l for t, l in zip(rows.texts, rows.labels))
-                                   .encode()).hexdigest()}, sort_keys=True).encode()).hexdigest()[:16]
-        path = mctx.paths.private / "privacy_flat" / f"w_nor-{key}.safetensors"  # private: never published
-        if path.is_file():
-            return load_prompt(path)[0]
-        enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
-        y = label_indices(rows.labels, cfg.data.labels)
-        tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=block.flat.nor_epochs,
-                                  batch_size=block.batch_size, max_length=cfg.models.max_length, seed=mctx.seed,
-                                  kind="prefix")
-        w_nor = train_prompt(clf, enc, y, tc, seed=mctx.seed, init_prompt=init).prompt
-        tmp = path.with_name(path.name + ".tmp")
-        save_prompt(tmp, w_nor, {"kind": "prefix", "what": "privacy_flat w_nor (non-private)"})
-        tmp.replace(path)
-        return w_nor

@@ -56,3 +56,37 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     if dp is not None and result.steps != dp["steps"]:
         raise RuntimeError(f"DP training took {result.steps} steps, {dp['steps']} were accounted")
     return result
+
+
+def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
+    """Privacy-Flat's w_nor: the prompt trained NON-privately from the same initialisation on the
+    private rows (no guarantee: a run using it is labelled ``none``). Cached under private/ per
+    seed, model, settings and rows, so the runs of one seed at several ε share it; never published."""
+    import hashlib
+    import json
+
+    from models.dp_prompt_training import PromptTrainingConfig, train_prompt
+    from models.soft_prompt import load_prompt, save_prompt
+
+    from ..stages import label_indices
+
+    cfg = mctx.cfg
+    rows_digest = hashlib.sha256("\x1e".join(t + "\x1f" + l for t, l in zip(rows.texts, rows.labels)).encode())
+    key = hashlib.sha256(json.dumps({
+        "model": cfg.models.local, "seed": mctx.seed, "max_length": cfg.models.max_length, "kind": kind,
+        "n_tokens": block.n_tokens, "init": block.init, "lr": block.lr, "batch_size": block.batch_size,
+        "epochs": epochs, "labels": cfg.data.labels, "rows": rows_digest.hexdigest()},
+        sort_keys=True).encode()).hexdigest()[:16]
+    path = mctx.paths.private / "w_nor" / f"{kind}-{key}.safetensors"  # private: never published
+    if path.is_file():
+        return load_prompt(path)[0]
+    enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
+    tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=epochs, batch_size=block.batch_size,
+                              max_length=cfg.models.max_length, seed=mctx.seed, kind=kind)
+    w_nor = train_prompt(clf, enc, label_indices(rows.labels, cfg.data.labels), tc, seed=mctx.seed,
+                         init_prompt=init).prompt
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_prompt(tmp, w_nor, {"what": "w_nor: trained without DP"})
+    tmp.replace(path)
+    return w_nor
