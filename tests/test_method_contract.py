@@ -31,6 +31,7 @@ def _config(state: Path, method: str) -> dict:
         "methods": {"prompt_sgd": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
                     "prompt_dpsgd": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
                     "prefix_dpsgd": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
+                    "prefix_sgd": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
                     "privacy_flat": {"n_tokens": 2, "epochs": 1, "batch_size": 8,
                                      "flat": {"awp": True, "sparse": True, "layers": 1, "regularizer": True,
                                               "sharpness_examples": 8}},

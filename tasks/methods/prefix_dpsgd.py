@@ -96,3 +96,31 @@ def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str) -> dict:
     ax.legend(fontsize=8)
     fig.tight_layout()
     return {"metrics": metrics, "figures": {"plots/flatness.png": fig}}
+
+
+@register_method
+class PrefixSGD(PrefixDPSGD):
+    """prefix_sgd: non-private prefix tuning (the upper bound of the Privacy-Flat comparison; no guarantee)."""
+
+    name = "prefix_sgd"
+    config_class = PrefixDPSGDConfig
+    label = "prefix tuning (non-private)"
+
+    def guarantee(self, cfg):
+        return "none"
+
+    def run_label(self, cfg):
+        return "prefix_nonprivate"
+
+    def plan(self, cfg, n_train, delta):
+        return MethodPlan(self.name, "none", n_train, delta, params=self.extra_params(cfg),
+                          note=f"{self.name} has no formal privacy guarantee: nothing was published but metrics, "
+                               "and its prefix stays under private/")
+
+    def train(self, mctx, plan, rows, progress=None):
+        from .soft_prompt import fit_soft_prompt
+
+        cfg = mctx.cfg
+        result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, progress=progress,
+                                 kind="prefix")
+        return Trained(result.prompt, None, result.steps, {"train.steps": result.steps}, result.history)
