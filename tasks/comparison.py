@@ -38,7 +38,9 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          "mia_auc": run.data.metrics.get("mia.loss.auc"),
                          "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),
                          "note": tags.get("privacy.note", ""),
-                         "flatness": {k: v for k, v in run.data.metrics.items() if k.startswith("flatness.")}})
+                         "flatness": {k: v for k, v in run.data.metrics.items() if k.startswith("flatness.")},
+                         "empirical_privacy": (1.0 - run.data.metrics["attack.inversion_hidden.success"]
+                                               if "attack.inversion_hidden.success" in run.data.metrics else None)})
         token = page.token
         if not token:
             break
@@ -64,7 +66,8 @@ def comparison_figure(rows: list[dict], title: str):
     ldp_rows = [r for r in rows if r["guarantee"] == "ldp"]
     finite = [r["epsilon"] for r in eps_rows if r["epsilon"] is not None]
     inf_x = (max(finite) * 1.6) if finite else 1.0
-    n_panels = 2 + bool(ldp_rows)
+    ldp_privacy = [r for r in ldp_rows if r.get("empirical_privacy") is not None]
+    n_panels = 2 + bool(ldp_rows) + bool(ldp_privacy)
     fig, axes = plt.subplots(1, n_panels, figsize=(4.6 * n_panels, 3.8))
     for ax, key, label in ((axes[0], "accuracy", "test accuracy"), (axes[1], "mia_auc", "loss-MIA AUC (not DP)")):
         for method in sorted({r["method"] for r in eps_rows}):
@@ -90,9 +93,40 @@ def comparison_figure(rows: list[dict], title: str):
         ax.set_xlabel("η (local d_X privacy; no ε)")
         ax.set_ylabel("test accuracy")
         ax.legend(fontsize=7)
+    if ldp_privacy:
+        ax = axes[3]
+        for method in sorted({r["method"] for r in ldp_privacy}):
+            pts = sorted((r["eta"], r["empirical_privacy"]) for r in ldp_privacy
+                         if r["method"] == method and r["eta"] is not None)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", label=method)
+        ax.set_xlabel("η (local d_X privacy; no ε)")
+        ax.set_ylabel("empirical privacy: 1 − hidden-state inversion")
+        ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def ldp_table(rows: list[dict]) -> str | None:
+    """RAPT's Table 1 shape: one row per variant (its label), one column per η; each cell the
+    test accuracy and the empirical privacy (1 − hidden-state inversion), mean over seeds."""
+    rows = [r for r in rows if r["guarantee"] == "ldp" and r["eta"] is not None]
+    if not rows:
+        return None
+    etas = sorted({r["eta"] for r in rows})
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    lines = ["| variant | " + " | ".join(f"η = {e:g}" for e in etas) + " |", "|---|" + "---:|" * len(etas)]
+    for label in sorted({r["method"] for r in rows}):
+        cells = []
+        for e in etas:
+            sel = [r for r in rows if r["method"] == label and r["eta"] == e]
+            acc = mean([r["accuracy"] for r in sel if r["accuracy"] is not None])
+            priv = mean([r["empirical_privacy"] for r in sel if r.get("empirical_privacy") is not None])
+            cells.append("-" if acc is None else f"{acc:.4f}" + (f" ({priv:.3f})" if priv is not None else "")
+                         + (f" n={len(sel)}" if len(sel) > 1 else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return ("test accuracy (empirical privacy = 1 − hidden-state inversion success, an audit statistic); "
+            "mean over seeds\n\n" + "\n".join(lines) + "\n")
 
 
 def flatness_figure(rows: list[dict], title: str):
@@ -127,6 +161,9 @@ def log_report(record, rows: list[dict], title: str) -> dict:
     fig = comparison_figure(rows, title)
     record.log_figure(fig, "report/privacy_utility.png")
     plots.close(fig)
+    ldp = ldp_table(rows)
+    if ldp is not None:
+        record.log_text(ldp, "report/ldp_table.md")
     flat = flatness_figure(rows, "flatness of the published prompts (test split)")
     if flat is not None:
         record.log_figure(flat, "report/flatness.png")

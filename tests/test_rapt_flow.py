@@ -89,3 +89,30 @@ def test_no_unprivatized_private_text_is_published(rapt_run):
     for path in state.rglob("*"):
         if path.is_file() and (state / "private") not in path.parents:
             assert CANARY.encode() not in path.read_bytes(), path
+
+
+def test_variants_share_one_draw_and_report_every_attack(rapt_run):
+    """A second run with prefix tuning and no reconstruction on the same data and η reuses the
+    first run's privatization (its inputs are the same draw with the plain positions dropped)."""
+    from flows.method_flow import method_flow
+    from tasks.methods.rapt import Rapt
+
+    state = rapt_run["state"]
+    cfg = _config(state.parent / "data", state)
+    cfg["methods"]["rapt"].update({"tuning": "prefix", "reconstruction": False})
+    summary = method_flow(cfg)
+    first = Rapt.load_privatized(next(p for p, _ in rapt_run["loaded"] if p.name == "rapt_privatized_train.pt"))
+    second_path = next(state.glob(f"outputs/{summary['flow_run_id']}/rapt_privatized_train.pt"))
+    second = Rapt.load_privatized(second_path)
+    assert second.n_plain == 0 and first.n_plain == 6
+    assert torch.equal(second.input_ids[:, 1:], first.input_ids[:, 7:])
+    assert torch.equal(second.text_mask[:, 1:], first.text_mask[:, 7:])
+    client = _mlflow(state)
+    run = client.get_run(summary["mlflow_run_id"])
+    m, params = run.data.metrics, run.data.params
+    assert params["rapt.tuning"] == "prefix" and params["rapt.reconstruction"] == "false"
+    for name in ("attack.inversion.success", "attack.inversion_hidden.success",
+                 "attack.inversion_hidden.learned_success", "attack.attribute.success",
+                 "attack.attribute.majority_rate"):
+        assert 0.0 <= m[name] <= 1.0, name
+    assert m["rapt.replace_prob"] == pytest.approx(first.replace_prob)

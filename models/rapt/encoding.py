@@ -92,3 +92,16 @@ def privatize_encoding(encoding: dict[str, torch.Tensor], plain_ids: list[int], 
     n_text = int(text.sum())
     replace = float((private[text] != ids[text]).sum()) / n_text if n_text else 0.0
     return PrivatizedEncoding(private, attn.clone(), text.clone(), tuple(int(i) for i in plain_ids), float(eta), replace)
+
+
+def without_plain(data: PrivatizedEncoding, encoding: dict[str, torch.Tensor]) -> tuple[PrivatizedEncoding, dict]:
+    """The privatization-only variant of a draw made with plain tokens: positions 1..m dropped
+    from the privatised ids and from the original encoding (post-processing of the same draw, so
+    variants with and without the reconstruction task share it; the text tokens are the same)."""
+    m = data.n_plain
+    if not m:
+        return data, encoding
+    keep = torch.tensor([0] + list(range(1 + m, data.input_ids.shape[1])), dtype=torch.long)
+    cut = {k: v[:, keep] for k, v in encoding.items()}
+    return PrivatizedEncoding(data.input_ids[:, keep], data.attention_mask[:, keep], data.text_mask[:, keep], (),
+                              data.eta, data.replace_prob), cut

@@ -46,12 +46,17 @@ class Rapt(Method):
     def guarantee(self, cfg):
         return "none" if cfg.debug_seeded_dp_randomness else "ldp"
 
+    def run_label(self, cfg):
+        block = self.settings(cfg)
+        return f"rapt[{block.tuning}{'+reconstruction' if block.reconstruction else ''}]"
+
     def uses_public_data(self, cfg) -> bool:
-        return self.settings(cfg).reconstruction
+        block = self.settings(cfg)
+        return block.reconstruction or block.attacks  # the head's vocabulary; the attacks' public side
 
     def validate(self, cfg, published):
         block = self.settings(cfg)
-        m = block.plain_tokens if block.reconstruction else 0
+        m = block.plain_tokens  # every draw carries the plain tokens (shared by the variants)
         if cfg.models.max_length < m + 2 + 8:
             raise ValueError(f"models.max_length={cfg.models.max_length} must hold RAPT's {m} plain tokens, "
                              "[CLS], [SEP] and the text (at least 8 text tokens)")
@@ -69,7 +74,7 @@ class Rapt(Method):
     def prepare(self, ctx, progress=None):
         """The reconstruction head's vocabulary: the most frequent token ids of PUBLIC text."""
         block = self.settings(ctx.cfg)
-        if not block.reconstruction:
+        if not self.uses_public_data(ctx.cfg):
             return {}
         from models.rapt.encoding import default_plain_ids
         from models.rapt.head import reconstruction_vocab
@@ -89,25 +94,7 @@ class Rapt(Method):
     def _plain(self, cfg, tokenizer):
         from models.rapt.encoding import default_plain_ids
 
-        block = self.settings(cfg)
-        return default_plain_ids(tokenizer, block.plain_tokens, cfg.seed) if block.reconstruction else []
-
-    def privatize(self, cfg, texts: list[str], rng, out_path: Path):
-        """Local: tokenize, privatize every plain and text token, write the ids to ``out_path``."""
-        import torch
-
-        from models.rapt.encoding import encode_rapt, privatize_encoding
-        from models.rapt.privatize import BackbonePrivatizer
-        from models.registry import load_backbone
-
-        bb = load_backbone(cfg.models.local, seed=cfg.seed)
-        plain = self._plain(cfg, bb.tokenizer)
-        encoding = encode_rapt(bb.tokenizer, texts, plain, cfg.models.max_length)
-        data = privatize_encoding(encoding, plain, BackbonePrivatizer(bb), self.settings(cfg).eta, rng)
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"input_ids": data.input_ids, "attention_mask": data.attention_mask, "text_mask": data.text_mask,
-                    "plain_ids": list(data.plain_ids), "eta": data.eta, "replace_prob": data.replace_prob}, out_path)
-        return data, encoding
+        return default_plain_ids(tokenizer, self.settings(cfg).plain_tokens, cfg.seed)
 
     # ---- the model side: privatized ids only --------------------------------------------------
     @staticmethod
@@ -158,29 +145,100 @@ class Rapt(Method):
             progress(block.steps, block.steps)
         return model, data
 
+    def shared_draw(self, mctx, texts: list[str], split: str, stream: int, out_path: Path):
+        """Local: the privatized ids of ``texts`` for this run, written to ``out_path`` (outputs side).
+
+        One draw per (data, seed, model, max_length, η, m, split), always with the m plain tokens,
+        kept on the outputs side and shared by the variants that differ only in tuning (prompt /
+        prefix) and reconstruction: a variant without reconstruction drops the plain positions of
+        the same draw (post-processing). The key is derived from the config, not from the data."""
+        import hashlib
+        import json
+
+        from models.rapt.encoding import encode_rapt, privatize_encoding, without_plain
+        from models.rapt.privatize import BackbonePrivatizer
+        from models.registry import load_backbone
+
+        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        bb = load_backbone(cfg.models.local, seed=cfg.seed)
+        plain = self._plain(cfg, bb.tokenizer)
+        encoding = encode_rapt(bb.tokenizer, texts, plain, cfg.models.max_length)
+        key = hashlib.sha256(json.dumps({
+            "data": cfg.data.model_dump(mode="json"), "data_root": cfg.data_root, "seed": cfg.seed,
+            "model": cfg.models.local, "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain,
+            "split": split, "n": len(texts)}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        shared = mctx.paths.root / "outputs" / "rapt-draws" / f"{split}-{key}.pt"
+        data = self.load_privatized(shared) if shared.is_file() else None
+        if data is None or tuple(data.input_ids.shape) != tuple(encoding["input_ids"].shape):
+            data = privatize_encoding(encoding, plain, BackbonePrivatizer(bb), block.eta, mctx.randomness.numpy(stream))
+            self._save(data, shared)
+        if not block.reconstruction:
+            data, encoding = without_plain(data, encoding)
+        self._save(data, out_path)
+        return data, encoding
+
+    @staticmethod
+    def _save(data, path: Path) -> None:
+        import torch
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"input_ids": data.input_ids, "attention_mask": data.attention_mask, "text_mask": data.text_mask,
+                    "plain_ids": list(data.plain_ids), "eta": data.eta, "replace_prob": data.replace_prob}, tmp)
+        tmp.replace(path)
+
     def train(self, mctx, plan, rows, progress=None):
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         directory = mctx.output_dir or (mctx.paths.private / "rapt")
         path = directory / "rapt_privatized_train.pt"
-        data, encoding = self.privatize(cfg, rows.texts, mctx.randomness.numpy(3), path)  # local side
-        model, _ = self.tune(cfg, path, rows.labels, mctx.seed, mctx.prepared.get("head_vocab"), progress)
+        data, encoding = self.shared_draw(mctx, rows.texts, "train", 3, path)  # local side
+        head_vocab = mctx.prepared.get("head_vocab") if block.reconstruction else None  # (the attacks use it too)
+        model, _ = self.tune(cfg, path, rows.labels, mctx.seed, head_vocab, progress)
         metrics = {"rapt.replace_prob": data.replace_prob, "train.steps": block.steps}
-        audit = self._attacks(model, data, encoding) if block.attacks else {}
+        audit = self._attacks(mctx, model, data, encoding) if block.attacks else {}
         return Trained(model.prompt.weight.detach().cpu().clone(), None, block.steps, metrics, audit_metrics=audit)
 
-    def _attacks(self, model, data, encoding) -> dict:
-        """Inversion of the privatized inputs (= 1 − replacement by construction) and of the
-        model's output states (nearest input embedding), on the text positions."""
-        from models.rapt.attacks import _text_states, embedding_inversion_success, hidden_inversion_nn_success
+    ATTACK_ROWS = 300
+
+    def _attacks(self, mctx, model, data, encoding) -> dict:
+        """Audit statistics (they read the unprivatized text): inversion of the privatized inputs
+        (= 1 − replacement by construction), inversion of the model's output states (nearest input
+        embedding, and an MLP inverter trained on PUBLIC text privatized the same way), and
+        attribute inference of the source domain (SST-2-like private reviews vs the public texts,
+        both privatized) from pooled representations, beside the majority-class rate."""
+        import numpy as np
+        import torch
+
+        from models.rapt.attacks import attribute_inference, embedding_inversion_success, hidden_inversion_attack
+        from models.rapt.encoding import encode_rapt, privatize_encoding
         from models.rapt.privatize import BackbonePrivatizer
 
+        from .post import public_texts
+
+        cfg, block = mctx.cfg, self.settings(mctx.cfg)
         inference = model.inference()
-        index = BackbonePrivatizer(inference._backbone).index
-        n = min(len(data), 300)
+        bb = inference._backbone
+        privatizer = BackbonePrivatizer(bb)
+        n = min(len(data), self.ATTACK_ROWS)
         sub, ids, mask = data.rows(slice(0, n)), encoding["input_ids"][:n], encoding["text_mask"][:n]
-        hidden = _text_states(inference, sub, 32)
-        return {"attack.inversion.success": embedding_inversion_success(sub.input_ids, ids, mask, index),
-                "attack.inversion_hidden.success": hidden_inversion_nn_success(hidden, ids, mask, index)}
+        out = {"attack.inversion.success": embedding_inversion_success(sub.input_ids, ids, mask, privatizer.index)}
+        plain = list(data.plain_ids)
+        public = public_texts(cfg, mctx.paths.private)[:n]
+        pub_enc = encode_rapt(bb.tokenizer, public, plain, cfg.models.max_length)
+        # public text: its privatization needs no secret randomness
+        pub = privatize_encoding(pub_enc, plain, privatizer, block.eta, np.random.default_rng(cfg.seed))
+        g = torch.Generator().manual_seed(cfg.seed)
+        inv = hidden_inversion_attack(inference, sub, ids, pub, pub_enc["input_ids"], privatizer.index,
+                                      torch.tensor(mctx.prepared["head_vocab"]), generator=g)
+        out["attack.inversion_hidden.success"] = inv["nn_success"]
+        out["attack.inversion_hidden.learned_success"] = inv["learned_success"]
+        with torch.no_grad():
+            feats = torch.cat([inference.pooled_text(d.rows(slice(s, s + 32))).float().cpu()
+                               for d in (sub, pub) for s in range(0, len(d), 32)])
+        attr = attribute_inference(feats, [0] * len(sub) + [1] * len(pub), generator=g)
+        out["attack.attribute.success"] = attr["success"]
+        out["attack.attribute.majority_rate"] = attr["majority_rate"]
+        return out
 
     def evaluate_published(self, ctx, prompt_path: str, mctx) -> float:
         """Inference on PRIVATIZED test inputs (the test texts are privatized locally first)."""
@@ -193,7 +251,7 @@ class Rapt(Method):
         cfg = ctx.cfg
         texts, names = read_partition_split(ctx.part.test_path)
         path = ctx.output_dir / "rapt_privatized_test.pt"
-        data, _ = self.privatize(cfg, texts, mctx.randomness.numpy(4), path)
+        data, _ = self.shared_draw(mctx, texts, "test", 4, path)
         tensor = load_prompt_file(prompt_path)
         prompt = PrefixPrompt(tensor) if tensor.dim() == 4 else SoftPrompt(tensor.shape[0], tensor.shape[1], tensor)
         classifier = self._classifier(cfg, prompt, data.n_plain).inference()

@@ -1,0 +1,35 @@
+"""The comparison report's RAPT table (Table 1 shape) and flatness figure, from run rows."""
+
+from tasks.comparison import comparison_figure, flatness_figure, ldp_table
+
+
+def _row(method, eta=None, acc=0.5, priv=None, guarantee="ldp", flatness=None, seed="0"):
+    return {"run_id": "r" * 8, "method": method, "guarantee": guarantee, "variant": "", "seed": seed,
+            "epsilon": None, "eta": eta, "accuracy": acc, "mia_auc": None, "target_epsilon": 8.0, "note": "",
+            "flatness": flatness or {}, "empirical_privacy": priv}
+
+
+def test_ldp_table_has_one_row_per_variant_and_one_column_per_eta():
+    rows = [_row("rapt[prompt]", 50, 0.6, 0.9), _row("rapt[prompt]", 100, 0.7, 0.5),
+            _row("rapt[prompt+reconstruction]", 50, 0.62, 0.91), _row("rapt[prompt+reconstruction]", 50, 0.64, 0.89, seed="1"),
+            _row("dp_prefix", guarantee="dp")]
+    table = ldp_table(rows)
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    assert lines[0] == "| variant | η = 50 | η = 100 |"
+    assert lines[2] == "| rapt[prompt+reconstruction] | 0.6300 (0.900) n=2 | - |"
+    assert lines[3] == "| rapt[prompt] | 0.6000 (0.900) | 0.7000 (0.500) |"
+    assert ldp_table([_row("dp_prefix", guarantee="dp")]) is None
+    fig = comparison_figure(rows, "t")
+    assert len(fig.axes) == 4  # accuracy, MIA, accuracy vs η, empirical privacy vs η
+
+
+def test_flatness_figure_averages_curves_per_label():
+    curve = {"flatness.random.r00": 0.5, "flatness.random.r10": 0.6, "flatness.adversarial.r00": 0.5,
+             "flatness.adversarial.r10": 0.9}
+    rows = [_row("dp_prefix", guarantee="dp", flatness=curve), _row("dp_prefix+awp", guarantee="none", flatness=curve),
+            _row("zero_shot", guarantee="none")]
+    fig = flatness_figure(rows, "t")
+    ax = fig.axes[0]
+    assert sorted(line.get_label() for line in ax.lines) == ["dp_prefix (n=1)", "dp_prefix+awp (n=1)"]
+    assert list(ax.lines[0].get_xdata()) == [0.0, 0.1] and list(ax.lines[0].get_ydata()) == [0.5, 0.6]
+    assert flatness_figure([_row("zero_shot")], "t") is None
