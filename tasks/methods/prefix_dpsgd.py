@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from ..schema import DPSGDConfig
 from . import register_method
-from .base import Method, MethodPlan, Trained, dp_unless_debug
+from .base import MethodPlan, Trained
+from .prompt_dpsgd import PromptDPSGD
 
 
 class PrefixDPSGDConfig(DPSGDConfig):
@@ -14,34 +15,19 @@ class PrefixDPSGDConfig(DPSGDConfig):
 
 
 @register_method
-class PrefixDPSGD(Method):
+class PrefixDPSGD(PromptDPSGD):
+    """The soft prompt's DP-SGD plan and accounting (``prompt_dpsgd``), on a prefix."""
+
     name = "prefix_dpsgd"
     config_class = PrefixDPSGDConfig
     prompt_kind = "prefix"
     label = "prefix tuning (DP-SGD)"
-
-    def guarantee(self, cfg):
-        return dp_unless_debug(cfg)
-
-    def plan(self, cfg, n_train, delta):
-        from .soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
-
-        settings = dpsgd_settings(self.settings(cfg), n_train, cfg.privacy.target_epsilon, delta)
-        guarantee = self.guarantee(cfg)
-        return MethodPlan(self.name, guarantee, n_train, delta,
-                          event=dpsgd_event(settings) if guarantee == "dp" else None,
-                          params={**dpsgd_params(settings), **self.extra_params(cfg)}, settings=settings,
-                          note=self.note(cfg, guarantee))
 
     def run_label(self, cfg):
         return "dp_prefix"
 
     def extra_params(self, cfg) -> dict:
         return {"prefix.n_tokens": self.settings(cfg).n_tokens}
-
-    def note(self, cfg, guarantee) -> str:
-        return "" if guarantee == "dp" else ("debug_seeded_dp_randomness: the DP noise is derivable from the "
-                                             "logged seed; no guarantee")
 
     def diagnostics(self, ctx, prompt_path, mctx) -> dict:
         """Flatness of the published prefix on the TEST split (never training rows): loss along a

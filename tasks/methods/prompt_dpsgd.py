@@ -24,9 +24,16 @@ class PromptDPSGD(Method):
         guarantee = self.guarantee(cfg)
         return MethodPlan(self.name, guarantee, n_train, delta,
                           event=dpsgd_event(settings) if guarantee == "dp" else None,
-                          params=dpsgd_params(settings), settings=settings,
-                          note="" if guarantee == "dp" else "debug_seeded_dp_randomness: the DP noise is "
-                                                             "derivable from the logged seed; no guarantee")
+                          params={**dpsgd_params(settings), **self.extra_params(cfg)}, settings=settings,
+                          note=self.note(cfg, guarantee))
+
+    def extra_params(self, cfg) -> dict:
+        """Params a subclass logs beside the DP-SGD ones."""
+        return {}
+
+    def note(self, cfg, guarantee) -> str:
+        return "" if guarantee == "dp" else ("debug_seeded_dp_randomness: the DP noise is derivable from the "
+                                             "logged seed; no guarantee")
 
     def train(self, mctx, plan, rows, progress=None):
         from .soft_prompt import dpsgd_event, fit_soft_prompt
