@@ -23,7 +23,10 @@ def ensure_experiment(mlflow: MlflowClient, name: str, paths: StatePaths) -> str
     exp = mlflow.get_experiment_by_name(name)
     if exp is not None:
         return exp.experiment_id
-    location = (paths.artifacts / name).resolve().as_uri()
+    # a local store keeps artifacts in the state folder; a tracking server (http[s]://, shared by a
+    # team) chooses its own artifact store (--artifacts-destination), reachable from every machine
+    remote = tracking_uri(paths).startswith(("http://", "https://"))
+    location = None if remote else (paths.artifacts / name).resolve().as_uri()
     try:
         return mlflow.create_experiment(name, artifact_location=location)
     except Exception:  # noqa: BLE001 - created concurrently by another process
