@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.prompts.prefix import is_prefix, prefix_hooks, prefix_tokens
+from models.prompts.prefix import (active_prefix_tokens, is_prefix, prefix_hooks, prefix_position_ids,
+                                   prefix_tokens)
 from models.registry import Backbone
 
 DEFAULT_CAUSAL_TEMPLATE = "{text} It was"
@@ -167,21 +168,20 @@ class PromptClassifier(nn.Module):
         with self.prompting(prompt, B):
             return self._logits(embeds, attn, pos)
 
-    _n_prefix = 0  # placeholder positions of the prefix in use (0: none)
+    @property
+    def _n_prefix(self) -> int:
+        """Placeholder positions of the prefix this thread has in place (0: none)."""
+        return active_prefix_tokens(self._backbone.model)
 
     @contextmanager
     def prompting(self, prompt: torch.Tensor | None, batch_size: int):
-        """Within the block a prefix prompt's keys and values are in place (no-op for soft prompts
-        and None): wraps every backbone call made on inputs from :meth:`_embed_inputs`."""
+        """Within the block (in this thread) a prefix prompt's keys and values are in place (no-op
+        for soft prompts and None): wraps every backbone call on inputs from :meth:`_embed_inputs`."""
         if not is_prefix(prompt):
             yield
             return
-        self._n_prefix = prefix_tokens(prompt)
-        try:
-            with prefix_hooks(self._backbone.model, prompt.to(self.device), batch_size):
-                yield
-        finally:
-            self._n_prefix = 0
+        with prefix_hooks(self._backbone.model, prompt.to(self.device), batch_size):
+            yield
 
     def position_ids(self, B: int, T: int, device) -> torch.Tensor | None:
         """Position ids for a (B, T) input: None (the model's default) without a prefix; with one,
@@ -189,8 +189,7 @@ class PromptClassifier(nn.Module):
         n = self._n_prefix
         if not n:
             return None
-        row = torch.cat([torch.zeros(n, dtype=torch.long, device=device), torch.arange(T - n, device=device)])
-        return row.unsqueeze(0).expand(B, T)
+        return prefix_position_ids(self._backbone.model, B, T, n, device)
 
     def _position_kwargs(self, embeds: torch.Tensor) -> dict:
         ids = self.position_ids(embeds.shape[0], embeds.shape[1], embeds.device)

@@ -301,7 +301,7 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
         idx = (torch.rand(N, generator=g_sample) < q).nonzero().squeeze(1)  # Poisson sampling
         B = int(idx.numel())
         summed = torch.zeros(shape, device=dev)
-        seen, losses, clipped, norm_sum = 0, [], 0, 0.0
+        seen, losses, clipped, norm_sum, nonfinite = 0, [], 0, 0.0, 0
         # AWP (first E epochs only): gradients are taken at w + v, v from the batch's un-noised
         # mean gradient; the noise below is added only to the final gradient
         at = prompt.weight if flat is None else flat.perturbed(step, classifier, enc, labels, idx, prompt.weight, q)
@@ -312,6 +312,10 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
             _check_per_sample_shape(grads, int(chunk.numel()), shape)
             if mask is not None:
                 grads = grads * mask  # frozen (removed) layers: no gradient, no sensitivity
+            finite = torch.isfinite(grads.flatten(1)).all(dim=1)
+            if not bool(finite.all()):  # an example whose gradient overflowed contributes nothing
+                grads = torch.where(finite.view(-1, *[1] * len(shape)), grads, torch.zeros_like(grads))
+                nonfinite += int((~finite).sum())
             norms = grads.flatten(1).norm(dim=1)
             factor = (C / (norms + 1e-6)).clamp(max=1.0)
             summed += (grads * factor.view(-1, *[1] * len(shape))).sum(0)
@@ -349,6 +353,7 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
                 "batch_size": B,
                 "clipped_frac": clipped / B if B else None,
                 "mean_grad_norm": norm_sum / B if B else None,
+                "nonfinite_examples": nonfinite,
             }
         )
         report(step, mean_loss)

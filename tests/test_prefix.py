@@ -157,3 +157,73 @@ def test_prefix_training_learns_on_minilm(private):
         again = train_prompt(clf, enc, y, tc, dp=dp, seed=0,
                              **dict(zip(("sample_generator", "noise_generator"), seeded_dp_generators(0))))
         torch.testing.assert_close(res.prompt, again.prompt)
+
+
+def test_prefix_hooks_are_per_thread():
+    """The backbone is shared: a thread's prefix never reaches another thread's forward."""
+    import threading
+
+    clf = VerbalizerCausalLM(load_backbone("tiny-gpt2", "cpu"), LABELS)
+    enc = clf.encode(TEXTS)
+    prefixes = [_prefix(clf, seed=s) for s in range(3)]
+    with torch.no_grad():
+        expected = [clf(enc, p) for p in prefixes] + [clf(enc)]
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            with torch.no_grad():
+                for _ in range(5):
+                    out = clf(enc, prefixes[i]) if i < 3 else clf(enc)
+                    torch.testing.assert_close(out, expected[i])
+            results[i] = True
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 4
+
+
+def test_models_sharing_attention_across_layers_are_refused():
+    from transformers import AlbertConfig, AlbertModel
+
+    model = AlbertModel(AlbertConfig(vocab_size=50, embedding_size=8, hidden_size=16, num_hidden_layers=3,
+                                     num_attention_heads=2, intermediate_size=16))
+    with pytest.raises(ValueError, match="shares its attention modules"):
+        prefix_shape(model, 2)
+
+
+def test_roberta_text_keeps_its_padding_offset_positions():
+    from transformers import RobertaConfig, RobertaModel
+
+    from models.prompts.prefix import prefix_position_ids
+
+    model = RobertaModel(RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=16, pad_token_id=1))
+    ids = prefix_position_ids(model, 1, 5, 2, "cpu")
+    assert ids.tolist() == [[2, 2, 2, 3, 4]]  # RoBERTa's text positions start at pad_token_id + 1
+
+
+def test_nonfinite_per_example_gradient_contributes_nothing(monkeypatch):
+    import models.dp_prompt_training as dpt
+
+    clf = VerbalizerCausalLM(load_backbone("tiny-gpt2", "cpu"), LABELS)
+    enc = clf.encode(TEXTS)
+    original = dpt.per_sample_prompt_gradients
+
+    def overflowing(*a, **k):
+        grads, losses = original(*a, **k)
+        grads[0] = float("inf")
+        return grads, losses
+
+    monkeypatch.setattr(dpt, "per_sample_prompt_gradients", overflowing)
+    sample, noise = seeded_dp_generators(0)
+    res = train_prompt(clf, enc, Y, PromptTrainingConfig(n_tokens=2, steps=3, batch_size=5, kind="prefix"),
+                       dp=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=1.0), seed=0,
+                       sample_generator=sample, noise_generator=noise)
+    assert torch.isfinite(res.prompt).all()
+    assert [h["nonfinite_examples"] for h in res.history] == [1, 1, 1]

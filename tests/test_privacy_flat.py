@@ -177,3 +177,45 @@ def test_dpzero_regulariser_is_labelled_none_and_pulls_toward_w_nor(tmp_path):
     assert pf.run_label(parse_config(base)) == "dp_prefix"
     assert pf.run_label(parse_config({**base, "methods": {"privacy_flat": {"flat": {"awp": True, "regularizer": True}}}})) \
         == "dp_prefix+awp+reg"
+
+
+def test_prefix_settings_that_do_not_fit_the_model_are_refused_before_any_budget(tmp_path):
+    from types import SimpleNamespace
+
+    from tasks.config import parse_config
+    from tasks.errors import ConfigError
+    from tasks.methods import get_method
+
+    cfg = parse_config({
+        "method": "privacy_flat", "experiment": "x", "state_dir": str(tmp_path), "allow_nonprivate_baselines": True,
+        "data": {"name": "sst2", "labels": LABELS}, "models": {"local": "tiny-bert"},
+        "methods": {"privacy_flat": {"flat": {"sparse": True, "layers": 99}}}})
+    with pytest.raises(ConfigError, match="flat.layers = 99"):
+        get_method("privacy_flat").prepare(SimpleNamespace(cfg=cfg))
+    ok = parse_config({**cfg.model_dump(mode="json"), "methods": {"privacy_flat": {"flat": {"sparse": True, "layers": 1}}}})
+    assert get_method("privacy_flat").prepare(SimpleNamespace(cfg=ok)) == {}
+
+
+def test_private_sharpness_selection_publishes_nothing_of_it(toy, monkeypatch, tmp_path):
+    """With sparse_data: private the kept layers (and the number of rounds) are statistics of the
+    private data: they stay in the private history, not in the published metrics or progress."""
+    from types import SimpleNamespace
+
+    from tasks import stages
+    from tasks.config import parse_config
+    from tasks.methods import PrivateRows, get_method
+
+    clf, enc, y, init = toy
+    monkeypatch.setattr(stages, "classifier_for", lambda cfg, name, template=None: clf)
+    cfg = parse_config({
+        "method": "privacy_flat", "experiment": "x", "state_dir": str(tmp_path), "allow_nonprivate_baselines": True,
+        "data": {"name": "sst2", "labels": LABELS}, "models": {"local": "tiny-bert"},
+        "methods": {"privacy_flat": {"n_tokens": 2, "flat": {"sparse": True, "layers": 1, "sharpness_examples": 8}}}})
+    method = get_method("privacy_flat")
+    plan = method.plan(cfg, 16, 1e-5)
+    rows = PrivateRows([f"text {i}" for i in range(16)], [LABELS[i % 2] for i in range(16)])
+    calls = []
+    out = method.flat_options(SimpleNamespace(cfg=cfg, seed=0, paths=None), plan, rows,
+                              progress=lambda *a: calls.append(a))
+    assert not calls and not any(k.startswith("flat.layer") for k in out["metrics"])
+    assert any("flat.sharpness_round" in h for h in out["history"])

@@ -25,6 +25,8 @@ of the prefix at once: the soft prompt's expanded-leaf scheme (tested against a 
 
 from __future__ import annotations
 
+import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -72,6 +74,10 @@ def kv_sites(model: nn.Module) -> list[KVSite]:
                         raise ValueError(f"{name}.{f_name} is not a fused q/k/v projection (width {width})")
                     sites.append(KVSite(fused, None, width // 3))
                     break
+    n_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if sites and n_layers is not None and len({id(s.key) for s in sites}) < n_layers:
+        raise ValueError(f"{type(model).__name__} shares its attention modules across layers ({len(sites)} "
+                         f"projection(s) for {n_layers} layers, e.g. ALBERT): a prefix per layer cannot be placed")
     if not sites:
         raise ValueError(f"{type(model).__name__}: no self-attention key/value projections found "
                          f"(looked for {', '.join(a + '/' + b for a, b in _SEPARATE)} and {', '.join(_FUSED)}); "
@@ -85,6 +91,22 @@ def prefix_shape(model: nn.Module, n_tokens: int) -> tuple[int, int, int, int]:
     if len(widths) != 1:
         raise ValueError(f"layers have different key/value widths {sorted(widths)}")
     return (len(sites), 2, int(n_tokens), widths.pop())
+
+
+# models whose default position ids start after the padding index (create_position_ids_from_input_ids)
+_PADDING_OFFSET_MODELS = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "longformer")
+
+
+def prefix_position_ids(model: nn.Module, batch_size: int, T: int, n: int, device) -> torch.Tensor:
+    """Position ids for n placeholders then T − n text positions: the placeholders take the first
+    position, the text the positions it has without a prompt (after RoBERTa-style padding offsets)."""
+    cfg = getattr(model, "config", None)
+    start = 0
+    if getattr(cfg, "model_type", "") in _PADDING_OFFSET_MODELS and getattr(cfg, "pad_token_id", None) is not None:
+        start = int(cfg.pad_token_id) + 1
+    row = torch.cat([torch.full((n,), start, dtype=torch.long, device=device),
+                     start + torch.arange(T - n, device=device)])
+    return row.unsqueeze(0).expand(batch_size, T)
 
 
 def is_prefix(tensor) -> bool:
@@ -102,10 +124,59 @@ def _replace_front(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows.to(out.dtype), out[:, n:]], dim=1)
 
 
+# The hooks are installed once per model and read the prefix of the CURRENT THREAD: the backbone is
+# shared (cached per process), so threads (audit shadows on a threaded Dask worker, say) each see
+# only their own prefix, and a forward without one passes through untouched.
+_ACTIVE = threading.local()
+_INSTALLED: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_INSTALL_LOCK = threading.Lock()
+
+
+def _active_rows(model: nn.Module):
+    state = getattr(_ACTIVE, "state", None)
+    return state[1] if state is not None and state[0] is model else None
+
+
+def active_prefix_tokens(model: nn.Module) -> int:
+    """n of the prefix this thread has in place on ``model`` (0: none)."""
+    rows = _active_rows(model)
+    return 0 if rows is None else int(rows.shape[3])
+
+
+def _install(model: nn.Module, sites: list[KVSite]) -> None:
+    with _INSTALL_LOCK:
+        if model in _INSTALLED:
+            return
+
+        def separate(layer, slot):
+            def hook(module, args, out):
+                rows = _active_rows(model)
+                return out if rows is None else _replace_front(out, rows[:, layer, slot])
+            return hook
+
+        def fused(layer, width):
+            def hook(module, args, out):
+                rows = _active_rows(model)
+                if rows is None:
+                    return out
+                q, k, v = out.split(width, dim=2)
+                return torch.cat([q, _replace_front(k, rows[:, layer, 0]), _replace_front(v, rows[:, layer, 1])], dim=2)
+            return hook
+
+        handles = []
+        for layer, site in enumerate(sites):
+            if site.value is None:
+                handles.append(site.key.register_forward_hook(fused(layer, site.width)))
+            else:
+                handles.append(site.key.register_forward_hook(separate(layer, 0)))
+                handles.append(site.value.register_forward_hook(separate(layer, 1)))
+        _INSTALLED[model] = handles
+
+
 @contextmanager
 def prefix_hooks(model: nn.Module, prefix: torch.Tensor, batch_size: int):
-    """Within the block, every self-attention layer's keys and values at the first ``n``
-    positions are the prefix's (see module docstring)."""
+    """Within the block, in this thread, every self-attention layer's keys and values at the
+    first ``n`` positions are the prefix's (see module docstring)."""
     sites = kv_sites(model)
     if prefix.dim() == 4:
         prefix = prefix.unsqueeze(0).expand(batch_size, *prefix.shape)
@@ -113,29 +184,14 @@ def prefix_hooks(model: nn.Module, prefix: torch.Tensor, batch_size: int):
             or prefix.shape[2] != 2 or prefix.shape[4] != sites[0].width:
         raise ValueError(f"prefix must be ({len(sites)}, 2, n, {sites[0].width}) or "
                          f"({batch_size}, {len(sites)}, 2, n, {sites[0].width}), got {tuple(prefix.shape)}")
-    handles = []
-
-    def separate(rows):
-        return lambda module, args, out: _replace_front(out, rows)
-
-    def fused(keys, values, width):
-        def hook(module, args, out):
-            q, k, v = out.split(width, dim=2)
-            return torch.cat([q, _replace_front(k, keys), _replace_front(v, values)], dim=2)
-        return hook
-
+    _install(model, sites)
+    if getattr(_ACTIVE, "state", None) is not None:
+        raise RuntimeError("prefix_hooks do not nest: a prefix is already in place in this thread")
+    _ACTIVE.state = (model, prefix)
     try:
-        for layer, site in enumerate(sites):
-            keys, values = prefix[:, layer, 0], prefix[:, layer, 1]
-            if site.value is None:
-                handles.append(site.key.register_forward_hook(fused(keys, values, site.width)))
-            else:
-                handles.append(site.key.register_forward_hook(separate(keys)))
-                handles.append(site.value.register_forward_hook(separate(values)))
         yield
     finally:
-        for h in handles:
-            h.remove()
+        _ACTIVE.state = None
 
 
 @torch.no_grad()

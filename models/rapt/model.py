@@ -20,7 +20,7 @@ from models.classifiers import _first_token_ids, mlm_head
 from models.rapt.encoding import PrivatizedEncoding
 from models.rapt.head import ReconstructionHead
 from models.registry import Backbone
-from models.prompts.prefix import prefix_hooks, prefix_shape
+from models.prompts.prefix import prefix_hooks, prefix_position_ids, prefix_shape
 from models.soft_prompt import PrefixPrompt, SoftPrompt
 
 
@@ -123,11 +123,9 @@ class RaptClassifier(nn.Module):
             raise ValueError(f"prompt + input is {embeds.shape[1]} positions, the model allows {limit}")
         if not prefix:
             return self._backbone.model.base_model(inputs_embeds=embeds, attention_mask=attn).last_hidden_state[:, n:]
-        T = embeds.shape[1]
-        positions = torch.cat([torch.zeros(n, dtype=torch.long, device=dev), torch.arange(T - n, device=dev)])
+        positions = prefix_position_ids(self._backbone.model, B, embeds.shape[1], n, dev)
         with prefix_hooks(self._backbone.model, self.prompt.weight, B):
-            out = self._backbone.model.base_model(inputs_embeds=embeds, attention_mask=attn,
-                                                  position_ids=positions.unsqueeze(0).expand(B, T))
+            out = self._backbone.model.base_model(inputs_embeds=embeds, attention_mask=attn, position_ids=positions)
         return out.last_hidden_state[:, n:]
 
     def task_logits_from_hidden(self, hidden: torch.Tensor, text_mask: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,25 @@ class PrefixDPSGD(PromptDPSGD):
     def extra_params(self, cfg) -> dict:
         return {"prefix.n_tokens": self.settings(cfg).n_tokens}
 
+    def prepare(self, ctx, progress=None) -> dict:
+        """Before any budget is reserved: the local model must take prefixes (a model without
+        self-attention key/value projections, or sharing them across layers, is refused here)."""
+        from models.prompts.prefix import prefix_shape
+        from models.registry import load_backbone
+
+        from ..errors import ConfigError
+
+        cfg = ctx.cfg
+        try:
+            shape = prefix_shape(load_backbone(cfg.models.local, seed=cfg.seed).model, self.settings(cfg).n_tokens)
+        except ValueError as e:
+            raise ConfigError(f"methods.{self.name}: {e}") from None
+        self.check_model(cfg, shape[0])
+        return {}
+
+    def check_model(self, cfg, n_layers: int) -> None:
+        """Settings checked against the model (before any budget is reserved)."""
+
     def diagnostics(self, ctx, prompt_path, mctx) -> dict:
         """Flatness of the published prefix on the TEST split (never training rows): loss along a
         random and an adversarial direction, and Definition 1's sharpness (Privacy-Flat Figures 1, 3)."""

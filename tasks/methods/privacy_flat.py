@@ -98,10 +98,13 @@ class PrivacyFlat(PrefixDPSGD):
         out = {"init_prompt": init, "metrics": {}, "history": []}
         layers = None
         if f.sparse:
-            layers, rounds = self._select_layers(mctx, clf, init, rows, f, progress)
+            public = f.sparse_data == "public"
+            # on private data the number of rounds (it stops when the sharpness stops falling) is a
+            # statistic of that data: no progress reports, and the selection stays in the private history
+            layers, rounds = self._select_layers(mctx, clf, init, rows, f, progress if public else None)
             out["history"] += [{"flat.sharpness_round": i + 1, **r} for i, r in enumerate(rounds)]
-            out["metrics"]["flat.layers_kept"] = len(layers)
-            if f.sparse_data == "public":  # a function of public data only: publishable
+            if public:  # a function of public data only: publishable
+                out["metrics"]["flat.layers_kept"] = len(layers)
                 out["metrics"].update({f"flat.layer_kept.{l}": 1.0 for l in layers})
         w_nor = None
         if f.regularizer:  # trained once per seed and reused across ε (cached under private/)
@@ -151,6 +154,12 @@ class PrivacyFlat(PrefixDPSGD):
 
         n_layers = init.shape[0]
         keep = f.layers if f.layers is not None else max(1, n_layers // 2)
-        if keep > n_layers:
-            raise ValueError(f"methods.privacy_flat.flat.layers = {keep}, the model has {n_layers} prefix layers")
         return eliminate_layers(sharpness_of, n_layers, keep, progress)
+
+    def check_model(self, cfg, n_layers: int) -> None:
+        f = self.settings(cfg).flat
+        if f.sparse and f.layers is not None and f.layers > n_layers:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"methods.privacy_flat.flat.layers = {f.layers}: model {cfg.models.local!r} has "
+                              f"{n_layers} prefix layers")
