@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -291,14 +292,23 @@ def cmd_ui(args) -> int:
     paths = state_paths(args.state_dir)
     configure_environment(paths)
     env = dict(os.environ)
+    api = f"http://127.0.0.1:{args.prefect_port}/api"  # the UI's API on the port asked for (default: 4200)
+    env.update({"PREFECT_UI_API_URL": api, "PREFECT_SERVER_UI_API_URL": api})
+    # each server in its own process group, stopped as a group (the MLflow UI runs uvicorn and job
+    # consumers as children); SIGTERM stops them like Ctrl-C
     procs = [
         subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                          "--port", str(args.prefect_port)], env=env),
+                          "--port", str(args.prefect_port)], env=env, start_new_session=True),
         subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(paths),
-                          "--host", "127.0.0.1", "--port", str(args.mlflow_port)], env=env),
+                          "--host", "127.0.0.1", "--port", str(args.mlflow_port)], env=env, start_new_session=True),
     ]
     print(f"Prefect UI: http://127.0.0.1:{args.prefect_port}   MLflow UI: http://127.0.0.1:{args.mlflow_port}"
-          "   (Ctrl-C stops both)")
+          "   (Ctrl-C stops both)", flush=True)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         while all(p.poll() is None for p in procs):
             time.sleep(1)
@@ -306,9 +316,15 @@ def cmd_ui(args) -> int:
         pass
     finally:
         for p in procs:
-            p.terminate()
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         for p in procs:
-            p.wait(timeout=30)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
     return 0
 
 

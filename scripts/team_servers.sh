@@ -38,11 +38,11 @@ start)
   "${RUN_AS[@]}" "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_DATA/postgres.log" -w \
     -o "-p $PG_PORT -k /tmp -c listen_addresses=127.0.0.1" start >/dev/null
   "${RUN_AS[@]}" "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U privprompt mlflow 2>/dev/null || true  # exists
-  nohup $PY -m mlflow server --host 127.0.0.1 --port "$MLFLOW_PORT" \
+  setsid nohup $PY -m mlflow server --host 127.0.0.1 --port "$MLFLOW_PORT" \
     --backend-store-uri "postgresql+psycopg2://privprompt@127.0.0.1:$PG_PORT/mlflow" \
     --artifacts-destination "$DIR/artifacts" --serve-artifacts --workers 1 \
     >"$DIR/logs/mlflow.log" 2>&1 & echo $! >"$DIR/mlflow.pid"
-  PREFECT_HOME="$DIR/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false nohup $PY -m prefect server start \
+  PREFECT_HOME="$DIR/prefect" PREFECT_SERVER_ANALYTICS_ENABLED=false setsid nohup $PY -m prefect server start \
     --host 127.0.0.1 --port "$PREFECT_PORT" >"$DIR/logs/prefect.log" 2>&1 & echo $! >"$DIR/prefect.pid"
   for url in "http://127.0.0.1:$MLFLOW_PORT/health" "http://127.0.0.1:$PREFECT_PORT/api/health"; do
     for _ in $(seq 1 180); do
@@ -58,7 +58,8 @@ start)
   ;;
 stop)
   for name in mlflow prefect; do
-    if [ -f "$DIR/$name.pid" ]; then kill "$(cat "$DIR/$name.pid")" 2>/dev/null || true; rm -f "$DIR/$name.pid"; fi
+    # each server leads its own process group (setsid): stop it with its workers
+    if [ -f "$DIR/$name.pid" ]; then kill -TERM -- "-$(cat "$DIR/$name.pid")" 2>/dev/null || true; rm -f "$DIR/$name.pid"; fi
   done
   if [ -n "$PG_BIN" ] && [ -d "$PG_DATA" ]; then
     "${RUN_AS[@]}" "$PG_BIN/pg_ctl" -D "$PG_DATA" -m fast stop >/dev/null 2>&1 || true
