@@ -4,7 +4,7 @@ a table) and, over seeds, gives each variant's mean ± standard deviation."""
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, task
 
 from flows.parent_run import parent_run
 from flows.method_flow import method_flow
@@ -89,6 +89,33 @@ def _row(label: str, variant, run_id: str, metrics: dict, resumed: bool) -> dict
     return row
 
 
+@task(name="sweep-variant", task_run_name="variant-{label}")
+def variant_task(vcfg: dict, label: str, threads: int) -> dict:
+    """One variant's method flow, on a Dask worker (a nested flow run of the sweep)."""
+    import torch
+
+    torch.set_num_threads(threads)  # one worker per core, not oversubscribed
+    out = method_flow.with_options(flow_run_name=f"{vcfg['method']}:{label}")(vcfg)
+    return {k: out[k] for k in ("mlflow_run_id", "metrics", "budget")}
+
+
+def run_in_parallel(items: list[tuple[str, dict]], dcfg) -> dict[str, dict]:
+    """Variants as tasks on a DaskTaskRunner (a local cluster of processes, or ``dcfg.address``)."""
+    from prefect_dask import DaskTaskRunner
+
+    runner = (DaskTaskRunner(address=dcfg.address) if dcfg.address else DaskTaskRunner(
+        cluster_class="distributed.LocalCluster", cluster_kwargs={
+            "n_workers": dcfg.n_workers, "threads_per_worker": dcfg.threads_per_worker, "processes": True,
+            "dashboard_address": None}))
+
+    @flow(name="sweep-variants", task_runner=runner, log_prints=False)
+    def variants_flow(items):
+        futures = {label: variant_task.submit(vcfg, label, dcfg.threads_per_worker) for label, vcfg in items}
+        return {label: f.result() for label, f in futures.items()}
+
+    return variants_flow(items)
+
+
 @flow(name="sweep", log_prints=False)
 def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
     """Every variant (``sweep:`` list and ``grid:`` product) × seed as one method flow run.
@@ -114,16 +141,32 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
             "privacy.target_delta": cfg.privacy.target_delta or "default: the method's"}) as run:
         paths, record = run.paths, run.parent
         rows = []
+
+        def vconfig(variant):
+            vcfg = variant.model_dump(mode="json")
+            vcfg["state_dir"] = str(paths.root)
+            return vcfg
+
+        # with sweep_dask, variants without an audit run as Dask tasks (an audit starts its own
+        # cluster, which cannot start inside a Dask worker: audited variants run here, serially)
+        parallel = {}
+        if cfg.sweep_dask is not None:
+            items = [(label, vconfig(v)) for label, v in todo if not v.audit.enabled]
+            if items:
+                logger.info("sweep: %d variants on Dask (%s)", len(items),
+                            cfg.sweep_dask.address or f"local cluster, {cfg.sweep_dask.n_workers} workers")
+                parallel = run_in_parallel(items, cfg.sweep_dask)
         for label, variant in variants:
             previous = done[label]
             if previous is not None:
                 logger.info("sweep variant %s: FINISHED before as run %s, not run again", label, previous.info.run_id)
                 rows.append(_row(label, variant, previous.info.run_id, previous.data.metrics, True))
                 continue
-            logger.info("sweep variant %s", label)
-            vcfg = variant.model_dump(mode="json")
-            vcfg["state_dir"] = str(paths.root)
-            out = method_flow.with_options(flow_run_name=f"{variant.method}:{label}")(vcfg)
+            if label in parallel:
+                out = parallel[label]
+            else:
+                logger.info("sweep variant %s", label)
+                out = method_flow.with_options(flow_run_name=f"{variant.method}:{label}")(vconfig(variant))
             record.mlflow.set_tag(out["mlflow_run_id"], "sweep.variant", label)
             rows.append(_row(label, variant, out["mlflow_run_id"], out["metrics"], False))
             fingerprint = out.get("budget", {}).get("dataset.fingerprint")

@@ -61,6 +61,9 @@ class PrivPromptConfig(_Block):
     seeds: list[int] = Field(
         default_factory=list,
         description="run the config (every sweep variant) once per seed; the summary gives mean ± std")
+    sweep_dask: DaskConfig | None = Field(
+        None, description="run a sweep's variants as tasks on a DaskTaskRunner (a local cluster of n_workers "
+                          "processes, or `address`); variants with an audit run serially in the sweep flow")
 
     @field_validator("grid")
     @classmethod
@@ -202,7 +205,7 @@ def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
     import itertools
 
     base = cfg.model_dump(mode="json")
-    base["sweep"], base["seeds"], base["grid"] = [], [], {}
+    base["sweep"], base["seeds"], base["grid"], base["sweep_dask"] = [], [], {}, None
     grid = [dict(zip(cfg.grid, combo)) for combo in itertools.product(*cfg.grid.values())] if cfg.grid else []
     variants = list(cfg.sweep) + grid or [{}]  # seeds alone: the config itself, once per seed
     seeds = cfg.seeds or [None]
@@ -230,7 +233,7 @@ def config_hash(cfg: PrivPromptConfig) -> str:
     import hashlib
 
     data = cfg.model_dump(mode="json")
-    for key in ("state_dir", "sweep", "grid", "seeds"):
+    for key in ("state_dir", "sweep", "grid", "seeds", "sweep_dask"):
         data.pop(key, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:20]
 

@@ -80,3 +80,24 @@ def test_bad_sweep_input_is_one_clear_error(toy, tmp_path, override, needle):
         cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
     with pytest.raises(ConfigError, match=needle):
         parse_config(cfg)
+
+
+def test_sweep_variants_run_as_dask_tasks(prefect_harness, toy, tmp_path):
+    """sweep_dask: the variants run on a local Dask cluster (two worker processes), each its own
+    method flow run; the ledger composes both and the summary has both rows, in order."""
+    from flows.sweep import sweep_flow
+    from privacy.ledger import Ledger
+
+    cfg = _cfg(toy, tmp_path / "state", grid={"privacy.target_epsilon": [2.0, 4.0]},
+               sweep_dask={"n_workers": 2, "threads_per_worker": 1})
+    out = sweep_flow(cfg)
+    labels = [r["variant"] for r in out["variants"]]
+    assert labels == ["privacy.target_epsilon=2.0", "privacy.target_epsilon=4.0"]
+    eps = [r["privacy.epsilon"] for r in out["variants"]]
+    assert 1.9 <= eps[0] <= 2.0 and 3.9 <= eps[1] <= 4.0
+    assert len({r["mlflow_run_id"] for r in out["variants"]}) == 2
+    (entry,) = Ledger(tmp_path / "state" / "ledger.sqlite").datasets()
+    assert entry["committed_runs"] == 2 and entry["reserved_runs"] == 0
+    client = _mlflow(tmp_path / "state")
+    for r in out["variants"]:
+        assert client.get_run(r["mlflow_run_id"]).data.tags["sweep.variant"] == r["variant"]
