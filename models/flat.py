@@ -5,8 +5,9 @@
   ``g`` (one ascent step: AWP's ``argmax_v L(w + v)`` in its usual one-step form, scaled per
   trainable layer as in Wu et al.); the DP noise is added to the final gradient only and the
   update is applied at ``w``. ``v`` reads private data without noise.
-* **Cross-layer** (§3.1, Definition 1): prefix sharpness
-  ``max_{η∈[0,1]} (L(w − η∇L(w)) − L(w)) / (1 + L(w))²`` and greedy elimination of prefix layers:
+* **Cross-layer** (§3.1, Definition 1): prefix sharpness ``max_{w'∈C_η} (L(w') − L(w)) / (1 + L(w))²``
+  over a box around w (sampled towards its ascent corner, see :func:`prefix_sharpness`) and greedy
+  elimination of prefix layers:
   each round removes the layer whose removal gives the lowest sharpness, until ``keep`` layers
   remain or the sharpness stops decreasing. A removed layer is frozen at its initial value (its
   keys and values stay, untrained; see the README for why it is not deleted).
@@ -107,18 +108,27 @@ def mean_loss(classifier: PromptClassifier, enc, labels, weight: torch.Tensor, b
     return total / n
 
 
-ETAS = (0.0, 0.25, 0.5, 0.75, 1.0)  # the sampled step sizes η ∈ [0, 1] of Definition 1
+STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the segment from w to the box's ascent corner is sampled
+BOX = 0.1  # the side η of the box C_η, relative to the RMS of the trainable weights
 
 
 def prefix_sharpness(loss_fn, grad_fn, weight: torch.Tensor, mask: torch.Tensor | None = None,
-                     etas=ETAS) -> float:
-    """Definition 1, sampled along the gradient: max_η (L(w − η g) − L(w)) / (1 + L(w))² with
-    ``g = ∇L(w)`` restricted to the trainable layers (``mask``)."""
+                     box: float = BOX, steps=STEPS) -> float:
+    """Definition 1 (Keskar et al.'s box sharpness): max over w' in the box C_η of side η centred
+    at w of (L(w') − L(w)) / (1 + L(w))², with η = ``box`` · RMS of the trainable weights
+    (``mask``: the kept layers). The maximum is sampled on the segment from w to the box's corner
+    in the ascent direction, w + t · (η/2) · sign(∇L(w)), t ∈ ``steps`` — the first-order
+    maximiser of L over the box. (The paper writes the samples as w − η∇L(w), η ∈ [0, 1]: along
+    the descent direction that maximum is 0 whenever the loss decreases, which it did in every
+    run we measured, so nothing would ever be eliminated.)"""
     base = loss_fn(weight)
+    m = torch.ones_like(weight) if mask is None else mask
+    if float(m.sum()) == 0:
+        return 0.0
     g = grad_fn(weight)
-    if mask is not None:
-        g = g * mask
-    worst = max(loss_fn(weight - eta * g) - base for eta in etas)
+    rms = float(((weight * m) ** 2).sum() / m.sum()) ** 0.5
+    corner = (box * rms / 2) * torch.sign(g) * m
+    worst = max(loss_fn(weight + t * corner) - base for t in steps)
     return worst / (1.0 + base) ** 2
 
 

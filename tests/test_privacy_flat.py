@@ -112,15 +112,21 @@ def test_greedy_elimination_removes_the_layer_whose_removal_lowers_sharpness_mos
 
 
 def test_prefix_sharpness_definition_on_a_quadratic():
-    a = 3.0  # L(w) = a/2 ‖w‖², ∇L = a w: L(w − η a w) = a/2 (1 − η a)² ‖w‖², worst at η = 1
+    """L(w) = a/2 ‖w‖² at w = 1 (4 entries, RMS 1): the box of side η = 0.1 has its ascent corner at
+    w + 0.05 · sign(∇L) = 1.05 · w, where L = a/2 · 4 · 1.05²: the maximum over the box."""
+    a = 3.0
     w = torch.ones(1, 2, 1, 2)
     loss = lambda p: float(a / 2 * (p ** 2).sum())  # noqa: E731
     grad = lambda p: a * p  # noqa: E731
     base = loss(w)
-    expected = (a / 2 * (1 - a) ** 2 * 4 - base) / (1 + base) ** 2
-    assert prefix_sharpness(loss, grad, w) == pytest.approx(expected)
-    mask = torch.zeros_like(w)  # nothing trainable: no direction, no sharpness
+    expected = (a / 2 * 4 * 1.05 ** 2 - base) / (1 + base) ** 2
+    assert prefix_sharpness(loss, grad, w) == pytest.approx(expected, rel=1e-5)
+    assert prefix_sharpness(loss, grad, w, box=0.2) > expected  # a larger box reaches higher
+    mask = torch.zeros_like(w)  # nothing trainable: no box, no sharpness
     assert prefix_sharpness(loss, grad, w, mask) == 0.0
+    # a layer that cannot move (masked out) adds no sharpness: the kept layer alone
+    mask[0, 0] = 1.0
+    assert 0 < prefix_sharpness(loss, grad, w, mask) < expected
 
 
 def test_guarantee_labels_follow_the_settings(tmp_path):
