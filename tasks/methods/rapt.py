@@ -137,12 +137,12 @@ class Rapt(Method):
         with torch.random.fork_rng(devices=[]):  # the head's initialisation, seeded (not DP randomness)
             torch.manual_seed(seed)
             model = self._classifier(cfg, prompt, data.n_plain, head_vocab)
-        if progress is not None:
-            progress(0, block.steps)
+        def report(step, _losses):  # steps only: the losses are exact statistics of private data
+            if progress is not None and ((step + 1) % 10 == 0 or step + 1 == block.steps):
+                progress(step + 1, block.steps)
+
         train_rapt(model, data, label_indices(labels, cfg.data.labels), block.steps, block.batch_size, block.lr,
-                   generator=torch.Generator().manual_seed(seed))
-        if progress is not None:
-            progress(block.steps, block.steps)
+                   generator=torch.Generator().manual_seed(seed), on_step=report)
         return model, data
 
     def shared_draw(self, mctx, texts: list[str], split: str, stream: int, out_path: Path):
