@@ -267,6 +267,11 @@ def cmd_report(args) -> int:
                               {"flow": "report", "stage": "report"})
     out = log_report(record, rows, f"{args.experiment}: privacy–utility by method")
     record.end()
+    if args.out:  # the same files, for a folder of results (e.g. docs/results/)
+        from pathlib import Path
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        mlflow.download_artifacts(record.run_id, "report", args.out)
     from tasks.comparison import comparison_table
 
     print(comparison_table(rows), end="")
@@ -345,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     report = sub.add_parser("report", help="privacy–utility table and figure of an experiment, from MLflow")
     report.add_argument("experiment")
+    report.add_argument("--out", default=None, help="also write the report's table and figures to this folder")
     sub.add_parser("ledger", help="DP spend per dataset against its cap, and non-private uses")
     ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
     ui.add_argument("--prefect-port", type=int, default=4200)
