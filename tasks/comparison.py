@@ -107,6 +107,32 @@ def comparison_figure(rows: list[dict], title: str):
     return fig
 
 
+def label_summary(rows: list[dict]) -> str:
+    """Per method label and target ε: runs (seeds), test accuracy and loss-MIA AUC as mean ± sample
+    std over them, ε spent, and the test loss at 0.3‖w‖ along the adversarial direction where logged."""
+    import numpy as np
+
+    def stat(values):
+        v = np.array([x for x in values if x is not None], float)
+        if not len(v):
+            return "-"
+        return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}" if len(v) > 1 else f"{v[0]:.4f}"
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["method"], r["guarantee"], None if r["guarantee"] != "dp" else r["target_epsilon"])
+        groups.setdefault(key, []).append(r)
+    lines = ["| method | guarantee | target ε | runs | test accuracy | loss-MIA AUC (audit statistic) | ε spent | "
+             "test loss, adversarial 0.3‖w‖ |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for (label, guarantee, eps), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0)):
+        spent = [m["epsilon"] for m in members if m["epsilon"] is not None]
+        lines.append(f"| {label} | {guarantee} | {'-' if eps is None else f'{eps:g}'} | {len(members)} | "
+                     f"{stat(m['accuracy'] for m in members)} | {stat(m['mia_auc'] for m in members)} | "
+                     f"{f'{max(spent):.4f}' if spent else '-'} | "
+                     f"{stat(m.get('flatness', {}).get('flatness.adversarial.r30') for m in members)} |")
+    return "\n".join(lines) + "\n"
+
+
 def ldp_table(rows: list[dict]) -> str | None:
     """RAPT's Table 1 shape: one row per variant (its label), one column per η; each cell the
     test accuracy and the empirical privacy (1 − hidden-state inversion), mean over seeds."""
@@ -161,6 +187,7 @@ def log_report(record, rows: list[dict], title: str) -> dict:
     fig = comparison_figure(rows, title)
     record.log_figure(fig, "report/privacy_utility.png")
     plots.close(fig)
+    record.log_text(label_summary(rows), "report/summary.md")
     ldp = ldp_table(rows)
     if ldp is not None:
         record.log_text(ldp, "report/ldp_table.md")

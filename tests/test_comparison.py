@@ -1,6 +1,6 @@
 """The comparison report's RAPT table (Table 1 shape) and flatness figure, from run rows."""
 
-from tasks.comparison import comparison_figure, flatness_figure, ldp_table
+from tasks.comparison import comparison_figure, flatness_figure, label_summary, ldp_table
 
 
 def _row(method, eta=None, acc=0.5, priv=None, guarantee="ldp", flatness=None, seed="0"):
@@ -33,3 +33,12 @@ def test_flatness_figure_averages_curves_per_label():
     assert sorted(line.get_label() for line in ax.lines) == ["dp_prefix (n=1)", "dp_prefix+awp (n=1)"]
     assert list(ax.lines[0].get_xdata()) == [0.0, 0.1] and list(ax.lines[0].get_ydata()) == [0.5, 0.6]
     assert flatness_figure([_row("zero_shot")], "t") is None
+
+
+def test_label_summary_gives_mean_and_std_over_seeds():
+    rows = [_row("dp_prefix", guarantee="dp", acc=0.70, seed="0"), _row("dp_prefix", guarantee="dp", acc=0.80, seed="1"),
+            _row("zero_shot", guarantee="none", acc=0.6)]
+    rows[0]["epsilon"] = rows[1]["epsilon"] = 7.99
+    lines = label_summary(rows).splitlines()
+    assert lines[2].startswith("| dp_prefix | dp | 8 | 2 | 0.7500 ± 0.0707 | - | 7.9900 |")
+    assert lines[3].startswith("| zero_shot | none | - | 1 | 0.6000 |")

@@ -63,13 +63,13 @@ def test_resumed_sweep_skips_finished_variants(prefect_harness, toy, tmp_path):
     method_runs = [r for r in client.search_runs([exp.experiment_id], "tags.flow = 'method'")]
     assert len(method_runs) == 1  # the rerun trained nothing
     report = client.list_artifacts(again["mlflow_run_id"], "report")
-    assert {a.path for a in report} == {"report/comparison.md", "report/privacy_utility.png"}
+    assert {a.path for a in report} == {"report/comparison.md", "report/privacy_utility.png", "report/summary.md"}
     # `privprompt report EXPERIMENT --out DIR` rebuilds it from MLflow alone and writes the files
     from privprompt_cli import main
 
     assert main(["--state-dir", str(tmp_path / "state"), "report", "tests", "--out", str(tmp_path / "out")]) == 0
     written = {p.name for p in (tmp_path / "out").rglob("*") if p.is_file()}
-    assert {"comparison.md", "privacy_utility.png"} <= written
+    assert {"comparison.md", "privacy_utility.png", "summary.md"} <= written
 
 
 @pytest.mark.parametrize("override,needle", [
