@@ -67,9 +67,12 @@ def comparison_figure(rows: list[dict], title: str):
     finite = [r["epsilon"] for r in eps_rows if r["epsilon"] is not None]
     inf_x = (max(finite) * 1.6) if finite else 1.0
     ldp_privacy = [r for r in ldp_rows if r.get("empirical_privacy") is not None]
-    n_panels = 2 + bool(ldp_rows) + bool(ldp_privacy)
-    fig, axes = plt.subplots(1, n_panels, figsize=(4.6 * n_panels, 3.8))
-    for ax, key, label in ((axes[0], "accuracy", "test accuracy"), (axes[1], "mia_auc", "loss-MIA AUC (not DP)")):
+    eps_panels = 2 if eps_rows or not ldp_rows else 0  # only-ldp experiments (RAPT) get the η panels only
+    n_panels = eps_panels + bool(ldp_rows) + bool(ldp_privacy)
+    fig, axes = plt.subplots(1, n_panels, figsize=(4.6 * n_panels, 3.8), squeeze=False)
+    axes = list(axes[0])
+    eps_axes = ((axes[0], "accuracy", "test accuracy"), (axes[1], "mia_auc", "loss-MIA AUC (not DP)")) if eps_panels else ()
+    for ax, key, label in eps_axes:
         for method in sorted({r["method"] for r in eps_rows}):
             pts = sorted(((r["epsilon"] if r["epsilon"] is not None else inf_x, r[key], r["guarantee"])
                           for r in eps_rows if r["method"] == method and r[key] is not None))
@@ -84,9 +87,10 @@ def comparison_figure(rows: list[dict], title: str):
         ax.set_xscale("log")
         ax.set_xlabel("ε spent (log); no DP at ε=∞")
         ax.set_ylabel(label)
-    axes[0].legend(fontsize=7, title="o dp · x none", title_fontsize=7)
+    if eps_panels:
+        axes[0].legend(fontsize=7, title="o dp · x none", title_fontsize=7)
     if ldp_rows:
-        ax = axes[2]
+        ax = axes[eps_panels]
         for method in sorted({r["method"] for r in ldp_rows}):
             pts = sorted((r["eta"], r["accuracy"]) for r in ldp_rows if r["method"] == method and r["eta"] is not None)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", label=method)
@@ -94,7 +98,7 @@ def comparison_figure(rows: list[dict], title: str):
         ax.set_ylabel("test accuracy")
         ax.legend(fontsize=7)
     if ldp_privacy:
-        ax = axes[3]
+        ax = axes[eps_panels + 1]
         for method in sorted({r["method"] for r in ldp_privacy}):
             pts = sorted((r["eta"], r["empirical_privacy"]) for r in ldp_privacy
                          if r["method"] == method and r["eta"] is not None)
@@ -108,7 +112,7 @@ def comparison_figure(rows: list[dict], title: str):
 
 
 def label_summary(rows: list[dict]) -> str:
-    """Per method label and target ε: runs (seeds), test accuracy and loss-MIA AUC as mean ± sample
+    """Per method label and target ε (η for ldp runs): runs (seeds), test accuracy and loss-MIA AUC as mean ± sample
     std over them, ε spent, and the test loss at 0.3‖w‖ along the adversarial direction where logged."""
     import numpy as np
 
@@ -120,9 +124,10 @@ def label_summary(rows: list[dict]) -> str:
 
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        key = (r["method"], r["guarantee"], None if r["guarantee"] != "dp" else r["target_epsilon"])
+        level = r["target_epsilon"] if r["guarantee"] == "dp" else (r["eta"] if r["guarantee"] == "ldp" else None)
+        key = (r["method"], r["guarantee"], level)
         groups.setdefault(key, []).append(r)
-    lines = ["| method | guarantee | target ε | runs | test accuracy | loss-MIA AUC (audit statistic) | ε spent | "
+    lines = ["| method | guarantee | target ε (dp) / η (ldp) | runs | test accuracy | loss-MIA AUC (audit statistic) | ε spent | "
              "test loss, adversarial 0.3‖w‖ |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for (label, guarantee, eps), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0)):
         spent = [m["epsilon"] for m in members if m["epsilon"] is not None]

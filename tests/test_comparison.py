@@ -21,6 +21,8 @@ def test_ldp_table_has_one_row_per_variant_and_one_column_per_eta():
     assert ldp_table([_row("dp_prefix", guarantee="dp")]) is None
     fig = comparison_figure(rows, "t")
     assert len(fig.axes) == 4  # accuracy, MIA, accuracy vs η, empirical privacy vs η
+    only_ldp = comparison_figure(rows[:4], "t")
+    assert len(only_ldp.axes) == 2  # no empty ε panels when every run is ldp
 
 
 def test_flatness_figure_averages_curves_per_label():
