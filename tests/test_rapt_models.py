@@ -66,6 +66,20 @@ def test_nearest_equals_brute_force_numpy(screen_dtype):
     assert 8 not in index.nearest(vocab32[[8, 8]])  # tie resolved to 7, like numpy's argmin
 
 
+def test_screen_dtype_follows_native_bf16_support(monkeypatch):
+    from models.rapt import privatize
+
+    assert privatize.cpu_has_native_bf16("flags : fpu sse2 avx2 avx512f avx512_bf16 amx_tile")
+    assert privatize.cpu_has_native_bf16("flags : fpu avx2 amx_bf16")
+    assert not privatize.cpu_has_native_bf16("flags : fpu sse2 avx avx2 f16c fma")
+    assert not privatize.cpu_has_native_bf16("flags : avx512f avx512_bf16x")  # whole flags only
+    monkeypatch.setattr(privatize, "cpu_has_native_bf16", lambda cpuinfo=None: False)
+    assert VocabularyIndex(torch.randn(50, 8)).screen_dtype == torch.float32
+    monkeypatch.setattr(privatize, "cpu_has_native_bf16", lambda cpuinfo=None: True)
+    assert VocabularyIndex(torch.randn(50, 8)).screen_dtype == torch.bfloat16
+    assert VocabularyIndex(torch.randn(50, 8), screen_dtype=torch.float32).screen_dtype == torch.float32
+
+
 def test_privatize_ids_specials_padding_and_eta(tiny, tiny_privatizer):
     tok = tiny.tokenizer
     enc = tok(TEXTS, padding=True, return_tensors="pt")

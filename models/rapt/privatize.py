@@ -10,8 +10,9 @@ same noisy vectors (exact ties go to the lowest id, as numpy's argmin does): a l
 screening product scores every vocabulary id, every id whose screening score lies within a
 rigorous rounding-error bound of the row's best is kept (see :meth:`VocabularyIndex._floor`;
 typically 1 to 5 ids), and those are re-scored exactly in float64. The screening runs in
-bfloat16 by default (about 1.7x faster than float32 on 2 AVX512-BF16 cores, the bound covering
-its rounding), or in float32 (windows of 1 to 2 ids).
+bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX: about 1.7x faster than
+float32 there, the bound covering its rounding), otherwise in float32 (windows of 1 to 2 ids): on an
+AVX2-only CPU torch emulates bfloat16 products about 6x slower than float32 ones.
 
 Positions that are padding or hold an excluded id (special tokens) are structure, not user text:
 they are passed through unchanged, and no excluded id is ever produced.
@@ -29,20 +30,40 @@ from privacy.mechanisms import dx_privatize_embeddings
 CHUNK_ROWS = 2048  # queries per screening product (2048 × V scores at once: 125 MB in bfloat16 for MiniLM)
 EXCLUDED_PENALTY = 1e6
 SCREEN_UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}  # u of round-to-nearest
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bfloat16 products
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU multiplies bfloat16 natively (Linux /proc/cpuinfo flags; False elsewhere)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    flags = set(cpuinfo.split())
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def default_screen_dtype() -> torch.dtype:
+    """The faster screening dtype on this CPU: bfloat16 where it is native, float32 otherwise."""
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 class VocabularyIndex:
     """A (V, d) vocabulary prepared once for repeated nearest-neighbour searches: a float64 copy,
     ‖v‖² penalties (+inf for excluded ids), and the screening matrix [v, −½‖v‖²] in
-    ``screen_dtype`` with the norms its error bound needs."""
+    ``screen_dtype`` (None: :func:`default_screen_dtype`) with the norms its error bound needs."""
 
-    def __init__(self, embeddings, exclude_ids: Iterable[int] | None = None, screen_dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, embeddings, exclude_ids: Iterable[int] | None = None, screen_dtype: torch.dtype | None = None):
         emb = embeddings.detach().cpu() if isinstance(embeddings, torch.Tensor) else torch.as_tensor(np.asarray(embeddings))
         if emb.dim() != 2 or emb.shape[0] == 0 or emb.shape[1] == 0:
             raise ValueError(f"embeddings must be a non-empty (V, d) matrix, got shape {tuple(emb.shape)}")
         if not torch.isfinite(emb).all():
             raise ValueError("embeddings must be finite")
         self.vocab64 = emb.to(torch.float64).contiguous()
+        if screen_dtype is None:
+            screen_dtype = default_screen_dtype()
         if screen_dtype not in SCREEN_UNIT_ROUNDOFF:
             raise ValueError(f"screen_dtype must be one of {list(SCREEN_UNIT_ROUNDOFF)}, got {screen_dtype}")
         self.screen_dtype = screen_dtype
