@@ -268,10 +268,15 @@ def cmd_report(args) -> int:
     out = log_report(record, rows, f"{args.experiment}: privacy–utility by method")
     record.end()
     if args.out:  # the same files, for a folder of results (e.g. docs/results/)
+        import tempfile
         from pathlib import Path
 
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        mlflow.download_artifacts(record.run_id, "report", args.out)
+        dest = Path(args.out)
+        dest.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest) as tmp:  # MLflow writes <dst>/report/<files>
+            fetched = Path(mlflow.download_artifacts(record.run_id, "report", tmp))
+            for f in sorted(fetched.iterdir()):  # the report's flat files, replacing older copies
+                os.replace(f, dest / f.name)
     from tasks.comparison import comparison_table
 
     print(comparison_table(rows), end="")
