@@ -58,8 +58,37 @@ def comparison_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _seed_groups(runs: list[dict], group_of, x_of, key: str) -> list[tuple[float, float, float, int, str]]:
+    """Runs of one method grouped by privacy level (seeds together): (mean x, mean y, std y, n,
+    guarantee) per group, sorted by x; std is the sample standard deviation (0 for one run)."""
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault(group_of(r), []).append(r)
+    out = []
+    for members in groups.values():
+        xs, ys = [x_of(r) for r in members], [r[key] for r in members]
+        mean = sum(ys) / len(ys)
+        std = math.sqrt(sum((y - mean) ** 2 for y in ys) / (len(ys) - 1)) if len(ys) > 1 else 0.0
+        out.append((sum(xs) / len(xs), mean, std, len(ys), members[0]["guarantee"]))
+    return sorted(out)
+
+
+def _mean_line(ax, groups, label: str, marker: str | None = None):
+    """One line through the group means, ± one standard deviation where a group has several seeds;
+    the marker of each mean is its guarantee's (or ``marker``)."""
+    n_max = max(g[3] for g in groups)
+    line, = ax.plot([g[0] for g in groups], [g[1] for g in groups], lw=1.2, alpha=0.8,
+                    label=label if n_max == 1 else f"{label} (mean ± sd, n≤{n_max})")
+    for x, mean, std, n, guarantee in groups:
+        ax.errorbar([x], [mean], yerr=[std] if n > 1 else None, marker=marker or MARKERS.get(guarantee, "o"),
+                    color=line.get_color(), capsize=3, zorder=3)
+    return line
+
+
 def comparison_figure(rows: list[dict], title: str):
-    """Accuracy and MIA AUC vs ε (∞ for runs without ε) per method; an η panel for ldp runs."""
+    """Accuracy and MIA AUC vs ε (∞ for runs without ε) per method — a line through the means over
+    seeds at each privacy level with ± one standard deviation, every run a faint marker behind it;
+    η panels for ldp runs."""
     import matplotlib.pyplot as plt
 
     eps_rows = [r for r in rows if r["guarantee"] != "ldp"]
@@ -74,13 +103,15 @@ def comparison_figure(rows: list[dict], title: str):
     eps_axes = ((axes[0], "accuracy", "test accuracy"), (axes[1], "mia_auc", "loss-MIA AUC (not DP)")) if eps_panels else ()
     for ax, key, label in eps_axes:
         for method in sorted({r["method"] for r in eps_rows}):
-            pts = sorted(((r["epsilon"] if r["epsilon"] is not None else inf_x, r[key], r["guarantee"])
-                          for r in eps_rows if r["method"] == method and r[key] is not None))
-            if not pts:
+            runs = [r for r in eps_rows if r["method"] == method and r[key] is not None]
+            if not runs:
                 continue
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, alpha=0.6, label=method)
-            for x, y, g in pts:
-                ax.scatter([x], [y], marker=MARKERS.get(g, "o"), color=line.get_color(), zorder=3)
+            groups = _seed_groups(runs, lambda r: r["target_epsilon"] if r["epsilon"] is not None else math.inf,
+                                  lambda r: r["epsilon"] if r["epsilon"] is not None else inf_x, key)
+            line = _mean_line(ax, groups, method)
+            for x, y, g in sorted((r["epsilon"] if r["epsilon"] is not None else inf_x, r[key], r["guarantee"])
+                                  for r in runs):  # every run, faint behind the means
+                ax.scatter([x], [y], marker=MARKERS.get(g, "o"), color=line.get_color(), alpha=0.35, s=14, zorder=2)
         if finite:
             ax.axvline(inf_x / 1.25, color="0.7", lw=0.8, ls=":")
             ax.text(inf_x, ax.get_ylim()[0], "ε=∞", ha="center", va="bottom", fontsize=8)
@@ -92,17 +123,18 @@ def comparison_figure(rows: list[dict], title: str):
     if ldp_rows:
         ax = axes[eps_panels]
         for method in sorted({r["method"] for r in ldp_rows}):
-            pts = sorted((r["eta"], r["accuracy"]) for r in ldp_rows if r["method"] == method and r["eta"] is not None)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", label=method)
+            runs = [r for r in ldp_rows if r["method"] == method and r["eta"] is not None and r["accuracy"] is not None]
+            if runs:
+                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], lambda r: r["eta"], "accuracy"), method, "s")
         ax.set_xlabel("η (local d_X privacy; no ε)")
         ax.set_ylabel("test accuracy")
         ax.legend(fontsize=7)
     if ldp_privacy:
         ax = axes[eps_panels + 1]
         for method in sorted({r["method"] for r in ldp_privacy}):
-            pts = sorted((r["eta"], r["empirical_privacy"]) for r in ldp_privacy
-                         if r["method"] == method and r["eta"] is not None)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="s", label=method)
+            runs = [r for r in ldp_privacy if r["method"] == method and r["eta"] is not None]
+            if runs:
+                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], lambda r: r["eta"], "empirical_privacy"), method, "s")
         ax.set_xlabel("η (local d_X privacy; no ε)")
         ax.set_ylabel("empirical privacy: 1 − hidden-state inversion")
         ax.legend(fontsize=7)

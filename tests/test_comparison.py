@@ -44,3 +44,25 @@ def test_label_summary_gives_mean_and_std_over_seeds():
     lines = label_summary(rows).splitlines()
     assert lines[2].startswith("| dp_prefix | dp | 8 | 2 | 0.7500 ± 0.0707 | - | 7.9900 |")
     assert lines[3].startswith("| zero_shot | none | - | 1 | 0.6000 |")
+
+
+def test_privacy_utility_figure_draws_seed_means_with_std():
+    def dp(eps, acc, seed):
+        r = _row("prompt_dpsgd", guarantee="dp", acc=acc, seed=seed)
+        r.update(epsilon=eps * 0.999, target_epsilon=eps, mia_auc=0.5)
+        return r
+
+    rows = [dp(1.0, 0.70, "0"), dp(1.0, 0.74, "1"), dp(8.0, 0.80, "0"), dp(8.0, 0.78, "1"), dp(8.0, 0.82, "2"),
+            _row("prompt_sgd", guarantee="none", acc=0.9)]
+    fig = comparison_figure(rows, "t")
+    ax = fig.axes[0]
+    mean_line = next(line for line in ax.lines if line.get_label().startswith("prompt_dpsgd"))
+    assert mean_line.get_label() == "prompt_dpsgd (mean ± sd, n≤3)"
+    assert list(mean_line.get_xdata()) == [0.999, 7.992]
+    assert [round(y, 6) for y in mean_line.get_ydata()] == [0.72, 0.80]
+    # one error bar per multi-seed level: sample std 0.028284 at ε = 1, 0.02 at ε = 8
+    bars = sorted(abs(seg[1][1] - seg[0][1]) / 2 for coll in ax.collections if hasattr(coll, "get_segments")
+                  for seg in coll.get_segments())
+    assert [round(b, 6) for b in bars] == [0.02, 0.028284]
+    non_private = next(line for line in ax.lines if line.get_label() == "prompt_sgd")
+    assert list(non_private.get_ydata()) == [0.9]  # at ε = ∞, one run: no "mean ± sd" label
