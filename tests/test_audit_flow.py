@@ -154,6 +154,7 @@ def test_audit_recorded_as_nonprivate_use_and_pool_stays_private(audited):
     assert pools and not list((audited["state"] / "mlartifacts").rglob("*.parquet"))
 
 
+@pytest.mark.slow  # ≈ 36 s; the audit itself is checked by the default tests above
 def test_cli_style_audit_of_finished_run(audited):
     from flows.audit import run_audit, target_from_run
 

@@ -252,7 +252,8 @@ def test_cli_ledger_lists_spend(cli_run):
     ("privacy.target_epsilon=0", "privacy.target_epsilon"),
     ("privacy.target_delta=2", "privacy.target_delta"),
     ("privacy.nonsense=1", "unknown config key"),
-    ("models.local=no-such-model/really", "cannot load model 'no-such-model/really'"),
+    # fails inside the flow after Prefect starts (≈ 50 s); the message itself: tests/test_models.py
+    pytest.param("models.local=no-such-model/really", "cannot load model 'no-such-model/really'", marks=pytest.mark.slow),
     ("data.path=/nonexistent/folder", "data folder not found"),
 ])
 def test_cli_bad_input_is_one_line_without_traceback(cli_run, override, needle):

@@ -88,6 +88,7 @@ def test_bad_sweep_input_is_one_clear_error(toy, tmp_path, override, needle):
         parse_config(cfg)
 
 
+@pytest.mark.slow  # a LocalCluster of worker processes (≈ 40 s); the serial sweep tests run by default
 def test_sweep_variants_run_as_dask_tasks(prefect_harness, toy, tmp_path):
     """sweep_dask: the variants run on a local Dask cluster (two worker processes), each its own
     method flow run; the ledger composes both and the summary has both rows, in order."""
