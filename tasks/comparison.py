@@ -58,18 +58,30 @@ def comparison_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _seed_groups(runs: list[dict], group_of, x_of, key: str) -> list[tuple[float, float, float, int, str]]:
-    """Runs of one method grouped by privacy level (seeds together): (mean x, mean y, std y, n,
-    guarantee) per group, sorted by x; std is the sample standard deviation (0 for one run)."""
+def privacy_level(r: dict) -> float | None:
+    """The level a run's seeds are pooled at: its target ε (dp), its η (ldp), None (no guarantee)."""
+    return r["target_epsilon"] if r["guarantee"] == "dp" else (r["eta"] if r["guarantee"] == "ldp" else None)
+
+
+def mean_std(values) -> tuple[float, float, int] | None:
+    """Mean, sample standard deviation (0 for one value) and count of the non-None values."""
+    v = [float(x) for x in values if x is not None]
+    if not v:
+        return None
+    mean = sum(v) / len(v)
+    return mean, (math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1)) if len(v) > 1 else 0.0), len(v)
+
+
+def _seed_groups(runs: list[dict], x_of, key: str) -> list[tuple[float, float, float, int, str]]:
+    """Runs of one method pooled by :func:`privacy_level` (seeds together): (mean x, mean y, std y,
+    n, guarantee) per level, sorted by x."""
     groups: dict = {}
     for r in runs:
-        groups.setdefault(group_of(r), []).append(r)
+        groups.setdefault(privacy_level(r), []).append(r)
     out = []
     for members in groups.values():
-        xs, ys = [x_of(r) for r in members], [r[key] for r in members]
-        mean = sum(ys) / len(ys)
-        std = math.sqrt(sum((y - mean) ** 2 for y in ys) / (len(ys) - 1)) if len(ys) > 1 else 0.0
-        out.append((sum(xs) / len(xs), mean, std, len(ys), members[0]["guarantee"]))
+        mean, std, n = mean_std(r[key] for r in members)
+        out.append((sum(x_of(r) for r in members) / len(members), mean, std, n, members[0]["guarantee"]))
     return sorted(out)
 
 
@@ -106,8 +118,7 @@ def comparison_figure(rows: list[dict], title: str):
             runs = [r for r in eps_rows if r["method"] == method and r[key] is not None]
             if not runs:
                 continue
-            groups = _seed_groups(runs, lambda r: r["target_epsilon"] if r["epsilon"] is not None else math.inf,
-                                  lambda r: r["epsilon"] if r["epsilon"] is not None else inf_x, key)
+            groups = _seed_groups(runs, lambda r: r["epsilon"] if r["epsilon"] is not None else inf_x, key)
             line = _mean_line(ax, groups, method)
             for x, y, g in sorted((r["epsilon"] if r["epsilon"] is not None else inf_x, r[key], r["guarantee"])
                                   for r in runs):  # every run, faint behind the means
@@ -125,7 +136,7 @@ def comparison_figure(rows: list[dict], title: str):
         for method in sorted({r["method"] for r in ldp_rows}):
             runs = [r for r in ldp_rows if r["method"] == method and r["eta"] is not None and r["accuracy"] is not None]
             if runs:
-                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], lambda r: r["eta"], "accuracy"), method, "s")
+                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], "accuracy"), method, "s")
         ax.set_xlabel("η (local d_X privacy; no ε)")
         ax.set_ylabel("test accuracy")
         ax.legend(fontsize=7)
@@ -134,7 +145,7 @@ def comparison_figure(rows: list[dict], title: str):
         for method in sorted({r["method"] for r in ldp_privacy}):
             runs = [r for r in ldp_privacy if r["method"] == method and r["eta"] is not None]
             if runs:
-                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], lambda r: r["eta"], "empirical_privacy"), method, "s")
+                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], "empirical_privacy"), method, "s")
         ax.set_xlabel("η (local d_X privacy; no ε)")
         ax.set_ylabel("empirical privacy: 1 − hidden-state inversion")
         ax.legend(fontsize=7)
@@ -146,19 +157,15 @@ def comparison_figure(rows: list[dict], title: str):
 def label_summary(rows: list[dict]) -> str:
     """Per method label and target ε (η for ldp runs): runs (seeds), test accuracy and loss-MIA AUC as mean ± sample
     std over them, ε spent, and the test loss at 0.3‖w‖ along the adversarial direction where logged."""
-    import numpy as np
-
     def stat(values):
-        v = np.array([x for x in values if x is not None], float)
-        if not len(v):
+        ms = mean_std(values)
+        if ms is None:
             return "-"
-        return f"{v.mean():.4f} ± {v.std(ddof=1):.4f}" if len(v) > 1 else f"{v[0]:.4f}"
+        return f"{ms[0]:.4f} ± {ms[1]:.4f}" if ms[2] > 1 else f"{ms[0]:.4f}"
 
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        level = r["target_epsilon"] if r["guarantee"] == "dp" else (r["eta"] if r["guarantee"] == "ldp" else None)
-        key = (r["method"], r["guarantee"], level)
-        groups.setdefault(key, []).append(r)
+        groups.setdefault((r["method"], r["guarantee"], privacy_level(r)), []).append(r)
     lines = ["| method | guarantee | target ε (dp) / η (ldp) | runs | test accuracy | loss-MIA AUC (audit statistic) | ε spent | "
              "test loss, adversarial 0.3‖w‖ |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for (label, guarantee, eps), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0)):
