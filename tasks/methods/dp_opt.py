@@ -145,17 +145,25 @@ class DPOpt(_TextMethod):
         gen, val = self._select_rows(rows, block, mctx.seed)
         engine = engine_for(cfg)
         instruction = _instruction(cfg, block)
-        yhat = predictions(engine, cfg, instruction, gen.texts)  # forward pass: one label per row
-        demos = list(zip(gen.texts, gen.labels, yhat))
+        # forward pass (ŷ: the label each row gets under the initial instruction), computed the first
+        # time a row is drawn into a meta-prompt: ŷ of a row depends on that row alone, so this is the
+        # same mechanism as labelling every row up front, without the rows that are never drawn
+        yhat: dict[int, str] = {}
+
+        def demos_of(idx) -> list[tuple[str, str, str]]:
+            new = [int(i) for i in idx if int(i) not in yhat]
+            yhat.update(zip(new, predictions(engine, cfg, instruction, [gen.texts[i] for i in new])))
+            return [(gen.texts[i], gen.labels[i], yhat[int(i)]) for i in idx]
+
         prefix = engine.encode_prefix(backward_head(instruction))
         q, budget = plan.settings["sample_rate"], plan.settings["max_queries"]
         sampling, mechanism = mctx.randomness.numpy(1), mctx.randomness.numpy(2)  # secret DP streams
 
         def draw_bodies() -> list[list[int]]:  # a fresh Poisson subsample, split into ≤ J groups of k
-            chosen = sampling.permutation(np.flatnonzero(sampling.random(len(demos)) < q))
+            chosen = sampling.permutation(np.flatnonzero(sampling.random(len(gen)) < q))
             groups = min(block.meta_prompts, len(chosen) // block.demos)
-            return [body_ids(engine, [demos[i] for i in chosen[g * block.demos:(g + 1) * block.demos]])
-                    for g in range(groups)]
+            demos = demos_of(chosen[: groups * block.demos])
+            return [body_ids(engine, demos[g * block.demos:(g + 1) * block.demos]) for g in range(groups)]
 
         def select(counts: np.ndarray):
             return limited_domain_top1(counts, block.epsilon0, block.delta0, mechanism, k_bar=block.k_bar,
@@ -190,6 +198,7 @@ class DPOpt(_TextMethod):
         metrics = {"dpopt.queries": queries, "dpopt.bottoms": bottoms,
                    "dpopt.bottom_rate": bottoms / queries if queries else 0.0, "dpopt.tokens": tokens,
                    "dpopt.candidates_nonempty": len(candidates), "dpopt.fallback_initial": float(not candidates),
+                   "dpopt.forward_rows": len(yhat),
                    **{f"dpopt.stops.{k}": v for k, v in stops.items()}}
         return Trained(TextPrompt(chosen), event, queries, metrics,
                        audit_metrics=_leakage(cfg, candidates, gen.texts))
