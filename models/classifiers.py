@@ -156,6 +156,11 @@ class PromptClassifier(nn.Module):
     def n_labels(self) -> int:
         return len(self.labels)
 
+    @property
+    def template_tokens(self) -> int:
+        """Tokens the template (and the tokenizer's special tokens) add around every text."""
+        return self._tokenize.fixed
+
     def encode(self, texts: list[str], max_length: int = 64) -> Batch:
         """Tokenise ``texts`` with the template (right padding, CPU tensors)."""
         return self._tokenize(list(texts), max_length)

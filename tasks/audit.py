@@ -37,7 +37,7 @@ from .errors import PrivPromptError
 from .record import RunRecord, client
 from .lifecycle import shadow_prompt as method_shadow
 from .methods import PrivateRows, get_method
-from .stages import classifier_for, label_indices, prompted
+from .stages import classifier_for, input_length, label_indices, prompted
 from .state import state_paths
 
 
@@ -147,7 +147,7 @@ def _encoded_pool(cfg: PrivPromptConfig, pool_path: str, model: str, template: s
         table = pq.read_table(pool_path)
         texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
         y = label_indices(labels, cfg.data.labels)
-        _POOLS[key] = (clf, clf.encode(texts, max_length=cfg.models.max_length), y,
+        _POOLS[key] = (clf, clf.encode(texts, max_length=input_length(cfg, model, clf)), y,
                        np.asarray(table.column("member").to_pylist(), bool))
     return _POOLS[key]
 
@@ -250,8 +250,8 @@ def canary_audit(target: AuditTarget, acfg: AuditConfig) -> dict | None:
     planted = np.asarray(table.column("planted").to_pylist(), bool)
     clf, prompt = prompted(cfg, target.model, load_prompt_file(target.prompt_path))
     y = label_indices(labels, cfg.data.labels)
-    scores = -per_example_loss(clf, clf.encode(texts, max_length=cfg.models.max_length), y, prompt,
-                               cfg.models.eval_batch_size).numpy()
+    enc = clf.encode(texts, max_length=input_length(cfg, target.model, clf))
+    scores = -per_example_loss(clf, enc, y, prompt, cfg.models.eval_batch_size).numpy()
     m = len(texts)
     ks = [(k, k) for k in sorted({max(1, m // 20), max(1, m // 10), max(1, m // 4)}) if 2 * k <= m]
     delta = target.delta or 0.0

@@ -106,6 +106,14 @@ def prompted(cfg: PrivPromptConfig, model_name: str, prompt):
     return classifier_for(cfg, model_name), prompt
 
 
+def input_length(cfg: PrivPromptConfig, model_name: str, classifier) -> int:
+    """The max_length to encode with under ``classifier``'s template: ``models.max_length`` bounds
+    the input under the model's own template, and a text prompt's instruction comes on top, so a
+    long prompt (ICL's demos) never eats the text's budget or leaves it none."""
+    base = classifier_for(cfg, model_name)
+    return cfg.models.max_length + max(0, classifier.template_tokens - base.template_tokens)
+
+
 def label_indices(names: list[str], labels: list[str]):
     """Label names → a long tensor of their indices in the config's ``labels``."""
     import torch
@@ -167,7 +175,7 @@ def evaluate_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
         for alias, model_name in (models or evaluation_models(cfg)).items():
             clf, forward_prompt = prompted(cfg, model_name, prompt)
             _check_prompt_fits(clf, forward_prompt, model_name)
-            enc, y = encode_split(clf, ctx.part.test_path, cfg.data.labels, cfg.models.max_length)
+            enc, y = encode_split(clf, ctx.part.test_path, cfg.data.labels, input_length(cfg, model_name, clf))
             out[alias] = accuracy(clf, enc, y, forward_prompt, batch_size=cfg.models.eval_batch_size)
             aliases[model_alias(model_name)] = out[alias]
     compute_s = time.perf_counter() - started
@@ -240,8 +248,9 @@ def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
     clf, prompt = prompted(cfg, model, load_prompt_file(prompt_path))
     rng = np.random.default_rng(cfg.seed + 17)
     n = cfg.mia.max_examples
-    enc_in, y_in = encode_split(clf, part.train_path, cfg.data.labels, cfg.models.max_length, n, rng)
-    enc_out, y_out = encode_split(clf, part.holdout_path, cfg.data.labels, cfg.models.max_length, n, rng)
+    length = input_length(cfg, model, clf)
+    enc_in, y_in = encode_split(clf, part.train_path, cfg.data.labels, length, n, rng)
+    enc_out, y_out = encode_split(clf, part.holdout_path, cfg.data.labels, length, n, rng)
     loss_in = per_example_loss(clf, enc_in, y_in, prompt, cfg.models.eval_batch_size).numpy()
     loss_out = per_example_loss(clf, enc_out, y_out, prompt, cfg.models.eval_batch_size).numpy()
     scores = -np.concatenate([loss_in, loss_out])

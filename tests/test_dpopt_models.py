@@ -97,3 +97,30 @@ def test_empty_subsample_still_queries(engine):
     out = dp_generate(engine, SharedPrefix([], None), lambda: [], lambda c: seen.append(c.sum()) or None,
                       lambda n: True, 5, eos_ids={99})
     assert out.queries == 2 and out.bottoms == 2 and seen == [0, 0]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "minilm"])
+def test_a_long_text_prompt_does_not_eat_the_inputs_token_budget(model, tmp_path):
+    """ICL's prompt (instruction + demos) can be longer than models.max_length: the evaluation
+    encodes each input with the same text budget as without a prompt (it once failed with
+    'max_length leaves no room for text')."""
+    from models.prompts import TextPrompt
+    from tasks.config import parse_config
+    from tasks.stages import input_length, prompted
+
+    cfg = parse_config({"method": "icl", "experiment": "x", "state_dir": str(tmp_path),
+                        "allow_nonprivate_baselines": True,
+                        "data": {"name": "sst2", "labels": ["negative", "positive"]},
+                        "models": {"local": model, "max_length": 16}})
+    long_prompt = TextPrompt("Classify the review. " + " ".join(f"Input: review number {i} was fine\nOutput: positive"
+                                                                for i in range(12)))
+    bare, _ = prompted(cfg, model, None)
+    clf, _ = prompted(cfg, model, long_prompt)
+    assert clf.template_tokens > cfg.models.max_length  # the prompt alone is longer than max_length
+    texts = ["a quite long review " * 10, "short"]
+    with_prompt = clf.encode(texts, max_length=input_length(cfg, model, clf))
+    without = bare.encode(texts, max_length=input_length(cfg, model, bare))
+    assert input_length(cfg, model, bare) == cfg.models.max_length
+    text_tokens = lambda enc, c: (enc["attention_mask"].sum(1) - c.template_tokens).tolist()  # noqa: E731
+    assert text_tokens(with_prompt, clf) == text_tokens(without, bare)
+    assert text_tokens(without, bare)[0] == cfg.models.max_length - bare.template_tokens  # truncated to the budget
