@@ -47,13 +47,19 @@ def tiny_privatizer(tiny):
 
 # ---- privatisation ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("screen_dtype", [torch.float32, torch.bfloat16])
-def test_nearest_equals_brute_force_numpy(screen_dtype):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("screen_dtype,device", [(torch.float32, "cpu"), (torch.bfloat16, "cpu"),
+                                                 pytest.param(torch.float32, "cuda", marks=CUDA),
+                                                 pytest.param(torch.bfloat16, "cuda", marks=CUDA)])
+def test_nearest_equals_brute_force_numpy(screen_dtype, device):
     rng = np.random.default_rng(0)
     vocab = rng.standard_normal((3000, 48))
     vocab[7] = vocab[8]  # an exact tie: both numpy and the index must pick the lower id
     exclude = [0, 1, 2, 100]
-    index = VocabularyIndex(torch.from_numpy(vocab).float(), exclude, screen_dtype=screen_dtype)
+    index = VocabularyIndex(torch.from_numpy(vocab).float(), exclude, screen_dtype=screen_dtype, device=device)
+    assert index.augmented_screen.device.type == device
     vocab32 = index.vocab64.numpy()  # what the index searches (the float32 embeddings, widened)
     for eta in (2.0, 10.0, 50.0, 1e4):
         ids = rng.integers(0, 3000, size=400)
@@ -74,10 +80,29 @@ def test_screen_dtype_follows_native_bf16_support(monkeypatch):
     assert not privatize.cpu_has_native_bf16("flags : fpu sse2 avx avx2 f16c fma")
     assert not privatize.cpu_has_native_bf16("flags : avx512f avx512_bf16x")  # whole flags only
     monkeypatch.setattr(privatize, "cpu_has_native_bf16", lambda cpuinfo=None: False)
-    assert VocabularyIndex(torch.randn(50, 8)).screen_dtype == torch.float32
+    assert VocabularyIndex(torch.randn(50, 8), device="cpu").screen_dtype == torch.float32
     monkeypatch.setattr(privatize, "cpu_has_native_bf16", lambda cpuinfo=None: True)
-    assert VocabularyIndex(torch.randn(50, 8)).screen_dtype == torch.bfloat16
-    assert VocabularyIndex(torch.randn(50, 8), screen_dtype=torch.float32).screen_dtype == torch.float32
+    assert VocabularyIndex(torch.randn(50, 8), device="cpu").screen_dtype == torch.bfloat16
+    assert VocabularyIndex(torch.randn(50, 8), screen_dtype=torch.float32, device="cpu").screen_dtype == torch.float32
+    assert privatize.default_screen_dtype("cuda") == torch.float32  # TF32 off, fast enough on a GPU
+
+
+def test_screening_ignores_a_reduced_float32_matmul_precision():
+    """A caller's torch.set_float32_matmul_precision("medium") may let the backend multiply
+    float32 in bfloat16 passes (TF32 on CUDA): the screening product runs at "highest" anyway,
+    stays equal to brute force, and the caller's setting is restored."""
+    rng = np.random.default_rng(1)
+    vocab = rng.standard_normal((2000, 32))
+    index = VocabularyIndex(torch.from_numpy(vocab).float(), [0], screen_dtype=torch.float32)
+    noisy = dx_privatize_embeddings(index.vocab64.numpy()[rng.integers(1, 2000, size=300)], 20.0, rng)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        got = index.nearest(noisy)
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert np.array_equal(got, nearest_neighbor_tokens(noisy, index.vocab64.numpy(), [0]))
 
 
 def test_privatize_ids_specials_padding_and_eta(tiny, tiny_privatizer):

@@ -12,7 +12,11 @@ rigorous rounding-error bound of the row's best is kept (see :meth:`VocabularyIn
 typically 1 to 5 ids), and those are re-scored exactly in float64. The screening runs in
 bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX: about 1.7x faster than
 float32 there, the bound covering its rounding), otherwise in float32 (windows of 1 to 2 ids): on an
-AVX2-only CPU torch emulates bfloat16 products about 6x slower than float32 ones.
+AVX2-only CPU torch emulates bfloat16 products about 6x slower than float32 ones. On CUDA (used when
+present, like every other model computation) the screening product runs on the GPU in float32 with
+TF32 off (IEEE float32 products, so the same bound holds); the candidates come back to the CPU for
+the float64 re-scoring. The product always runs at float32 matmul precision "highest", whatever the
+caller set: a reduced precision would let the backend round inputs beyond what the bound covers.
 
 Positions that are padding or hold an excluded id (special tokens) are structure, not user text:
 they are passed through unchanged, and no excluded id is ever produced.
@@ -21,6 +25,8 @@ they are passed through unchanged, and no excluded id is ever produced.
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -45,25 +51,45 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
-def default_screen_dtype() -> torch.dtype:
-    """The faster screening dtype on this CPU: bfloat16 where it is native, float32 otherwise."""
+def default_screen_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """The faster screening dtype: on a CPU bfloat16 where it is native, float32 otherwise; on
+    CUDA float32 (TF32 off), which the GPU multiplies fast enough."""
+    if torch.device(device).type != "cpu":
+        return torch.float32
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+@contextmanager
+def ieee_float32_products():
+    """float32 matmul precision "highest" inside (no TF32 on CUDA, no bfloat16 passes in oneDNN):
+    the screening bound assumes inputs rounded only to the screening dtype."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 class VocabularyIndex:
     """A (V, d) vocabulary prepared once for repeated nearest-neighbour searches: a float64 copy,
     ‖v‖² penalties (+inf for excluded ids), and the screening matrix [v, −½‖v‖²] in
-    ``screen_dtype`` (None: :func:`default_screen_dtype`) with the norms its error bound needs."""
+    ``screen_dtype`` (None: :func:`default_screen_dtype`) with the norms its error bound needs, on
+    ``device`` (None: CUDA when present, else the CPU) for the screening product."""
 
-    def __init__(self, embeddings, exclude_ids: Iterable[int] | None = None, screen_dtype: torch.dtype | None = None):
+    def __init__(self, embeddings, exclude_ids: Iterable[int] | None = None, screen_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         emb = embeddings.detach().cpu() if isinstance(embeddings, torch.Tensor) else torch.as_tensor(np.asarray(embeddings))
         if emb.dim() != 2 or emb.shape[0] == 0 or emb.shape[1] == 0:
             raise ValueError(f"embeddings must be a non-empty (V, d) matrix, got shape {tuple(emb.shape)}")
         if not torch.isfinite(emb).all():
             raise ValueError("embeddings must be finite")
         self.vocab64 = emb.to(torch.float64).contiguous()
+        from models.device import resolve_device
+
+        self.device = resolve_device(device)
         if screen_dtype is None:
-            screen_dtype = default_screen_dtype()
+            screen_dtype = default_screen_dtype(self.device)
         if screen_dtype not in SCREEN_UNIT_ROUNDOFF:
             raise ValueError(f"screen_dtype must be one of {list(SCREEN_UNIT_ROUNDOFF)}, got {screen_dtype}")
         self.screen_dtype = screen_dtype
@@ -84,8 +110,9 @@ class VocabularyIndex:
         half_pen = -0.5 * (self.vocab64 ** 2).sum(1)
         half_pen[self.excluded] = -EXCLUDED_PENALTY  # never within any window (scores are O(‖q‖))
         augmented = torch.cat([self.vocab64, half_pen.unsqueeze(1)], 1)
-        self.augmented_screen = augmented.to(screen_dtype).contiguous()
-        rounded = self.augmented_screen.to(torch.float64)
+        screen = augmented.to(screen_dtype).contiguous()
+        self.augmented_screen = screen.to(self.device)
+        rounded = screen.to(torch.float64)
         # for the error bound (excluded ids can never win, whatever their screening score):
         self.max_augmented_norm = float(augmented[kept].norm(dim=1).max())  # max ‖a‖
         self.max_rounded_norm = float(rounded[kept].norm(dim=1).max())  # max ‖ã‖
@@ -135,12 +162,14 @@ class VocabularyIndex:
         # product of [q, 1] and [v, −½‖v‖²]
         n = q64.shape[0]
         qa = torch.cat([q64, torch.ones((n, 1), dtype=torch.float64)], 1).to(self.screen_dtype)
-        approx = torch.mm(qa, self.augmented_screen.T)
-        floor = self._floor(q64, qa, approx.max(dim=1).values.to(torch.float64))
+        with ieee_float32_products():
+            approx = torch.mm(qa.to(self.device), self.augmented_screen.T)
+        floor = self._floor(q64, qa, approx.max(dim=1).values.to(device="cpu", dtype=torch.float64))
         # compare in the screening dtype (no full-size copy), the floor lowered by two of its units
         # in the last place first so that rounding it cannot lose a candidate
         low = (floor - floor.abs() * 4.0 * self.unit_roundoff - 1e-30).to(self.screen_dtype)
-        rows, cols = (approx >= low.unsqueeze(1)).nonzero(as_tuple=True)
+        rows, cols = (approx >= low.to(self.device).unsqueeze(1)).nonzero(as_tuple=True)
+        rows, cols = rows.cpu(), cols.cpu()
         exact = self.penalty64[cols] - 2.0 * (q64[rows] * self.vocab64[cols]).sum(1)
         order = np.lexsort((cols.numpy(), exact.numpy(), rows.numpy()))  # by row, then score, then id
         rows_sorted = rows.numpy()[order]
@@ -202,7 +231,7 @@ class BackbonePrivatizer:
     """Privatiser for the ids of a backbone's own tokenizer: its input embeddings are the
     vocabulary, its special ids are excluded (``load_backbone('minilm')`` by default)."""
 
-    def __init__(self, backbone=None, exclude_ids: Iterable[int] | None = None):
+    def __init__(self, backbone=None, exclude_ids: Iterable[int] | None = None, device=None):
         if backbone is None:
             from models.registry import load_backbone
 
@@ -210,7 +239,7 @@ class BackbonePrivatizer:
         self.backbone = backbone
         special = set(getattr(backbone.tokenizer, "all_special_ids", []) or [])
         self.exclude_ids = sorted(special | {int(i) for i in (exclude_ids or [])})
-        self.index = VocabularyIndex(backbone.input_embeddings().weight, self.exclude_ids)
+        self.index = VocabularyIndex(backbone.input_embeddings().weight, self.exclude_ids, device=device)
 
     def __call__(self, ids, attention_mask, eta: float, rng: np.random.Generator) -> torch.Tensor:
         return privatize_ids(ids, attention_mask, None, eta, rng, index=self.index)
