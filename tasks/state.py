@@ -7,6 +7,7 @@ budget ledger, Prefect's home, and ``private/``: the one place private working d
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,23 @@ def installation_secret(private_dir: str | Path) -> bytes:
     finally:
         os.unlink(tmp)
     return path.read_bytes()
+
+
+@contextmanager
+def exclusive(lock_path: str | Path):
+    """An exclusive advisory lock (``flock``) on ``lock_path`` for the block, between threads
+    and processes of this machine (Dask workers): for work that must happen once, like a private
+    draw that is published and shared. Released when the block ends or the process dies."""
+    import fcntl
+
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def state_paths(state_dir: str | None = None) -> StatePaths:

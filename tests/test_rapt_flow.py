@@ -116,3 +116,38 @@ def test_variants_share_one_draw_and_report_every_attack(rapt_run):
                  "attack.attribute.majority_rate"):
         assert 0.0 <= m[name] <= 1.0, name
     assert m["rapt.replace_prob"] == pytest.approx(first.replace_prob)
+
+
+def test_concurrent_variants_make_one_draw(tmp_path):
+    """Two variants of a Dask sweep asking for the same η's draw at once: one privatization is
+    made and both get it (two independent draws of the same private text would weaken the LDP)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from tasks.methods.rapt import draw_once
+
+    shared = tmp_path / "outputs" / "rapt-draws" / "train-key.pt"
+    encoding = {"input_ids": torch.zeros((3, 4), dtype=torch.long)}
+    made, got = [], []
+
+    def draw():
+        time.sleep(0.3)  # long enough for the other thread to arrive
+        made.append(1)
+        return SimpleNamespace(input_ids=torch.full((3, 4), len(made), dtype=torch.long))
+
+    def save(data, path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(data.input_ids, path)
+
+    def load(path):
+        return SimpleNamespace(input_ids=torch.load(path))
+
+    threads = [threading.Thread(target=lambda: got.append(draw_once(shared, encoding, draw, load, save)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1
+    assert len(got) == 2 and all(torch.equal(g.input_ids, got[0].input_ids) for g in got)

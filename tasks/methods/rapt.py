@@ -36,6 +36,21 @@ class RaptConfig(Block):
     attacks: bool = Field(True, description="inversion attacks on the privatized inputs and the model's states")
 
 
+def draw_once(shared: Path, encoding, draw, load, save):
+    """The shared privatized draw at ``shared``: made once, then reused. Variants of a sweep may run
+    at the same time (Dask workers): the draw is made under a lock, so two of them can never
+    publish two independent privatizations of the same private text (which would weaken the
+    local guarantee, as two noisy views of a token are)."""
+    from ..state import exclusive
+
+    with exclusive(shared.with_name(shared.name + ".lock")):
+        data = load(shared) if shared.is_file() else None
+        if data is None or tuple(data.input_ids.shape) != tuple(encoding["input_ids"].shape):
+            data = draw()
+            save(data, shared)
+    return data
+
+
 @register_method
 class Rapt(Method):
     name = "rapt"
@@ -168,10 +183,9 @@ class Rapt(Method):
             "model": cfg.models.local, "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain,
             "split": split, "n": len(texts)}, sort_keys=True, default=str).encode()).hexdigest()[:16]
         shared = mctx.paths.root / "outputs" / "rapt-draws" / f"{split}-{key}.pt"
-        data = self.load_privatized(shared) if shared.is_file() else None
-        if data is None or tuple(data.input_ids.shape) != tuple(encoding["input_ids"].shape):
-            data = privatize_encoding(encoding, plain, BackbonePrivatizer(bb), block.eta, mctx.randomness.numpy(stream))
-            self._save(data, shared)
+        data = draw_once(shared, encoding, lambda: privatize_encoding(
+            encoding, plain, BackbonePrivatizer(bb), block.eta, mctx.randomness.numpy(stream)), self.load_privatized,
+            self._save)
         if not block.reconstruction:
             data, encoding = without_plain(data, encoding)
         self._save(data, out_path)
