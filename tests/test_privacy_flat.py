@@ -225,3 +225,34 @@ def test_private_sharpness_selection_publishes_nothing_of_it(toy, monkeypatch, t
                               progress=lambda *a: calls.append(a))
     assert not calls and not any(k.startswith("flat.layer") for k in out["metrics"])
     assert any("flat.sharpness_round" in h for h in out["history"])
+
+
+def test_flatness_diagnostics_size_is_a_setting_and_zero_turns_them_off(tmp_path):
+    """The flatness diagnostics cost ~18 passes over their test examples: a large local model
+    (SmolLM2) runs them on fewer, or none (``flatness_examples: 0``)."""
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from models.prompts.prefix import prefix_shape
+    from tasks.config import parse_config
+    from tasks.methods import get_method
+    from tasks.prompts import save_prompt_file
+
+    def cfg(examples):
+        return parse_config({"method": "prefix_dpsgd", "experiment": "x", "state_dir": str(tmp_path),
+                             "data": {"name": "sst2", "labels": LABELS},
+                             "models": {"local": "tiny-gpt2", "max_length": 24},
+                             "methods": {"prefix_dpsgd": {"n_tokens": 2, "flatness_examples": examples}}})
+
+    test = tmp_path / "test.parquet"
+    pq.write_table(pa.table({"text": ["a fine film", "dull", "a joy", "bad"] * 3, "label": LABELS * 6}), test)
+    shape = prefix_shape(load_backbone("tiny-gpt2", "cpu").model, 2)
+    prompt = save_prompt_file(tmp_path, "prefix", torch.randn(shape) * 0.1, {})
+    ctx = SimpleNamespace(part=SimpleNamespace(test_path=str(test)))
+    method = get_method("prefix_dpsgd")
+    assert method.diagnostics(ctx, str(prompt), SimpleNamespace(cfg=cfg(0))) == {}
+    out = method.diagnostics(ctx, str(prompt), SimpleNamespace(cfg=cfg(5)))
+    assert "flatness.sharpness" in out["metrics"] and "plots/flatness.png" in out["figures"]
+    assert "(5 test examples)" in out["figures"]["plots/flatness.png"].axes[0].get_ylabel()

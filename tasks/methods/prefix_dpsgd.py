@@ -4,6 +4,8 @@ Gaussian noise σ·C, σ calibrated to the target ε — the soft prompt's DP-SG
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from ..schema import DPSGDConfig
 from . import register_method
 from .base import MethodPlan, Trained
@@ -12,6 +14,9 @@ from .prompt_dpsgd import PromptDPSGD
 
 class PrefixDPSGDConfig(DPSGDConfig):
     """DP-SGD prefix tuning: ``n_tokens`` prefix positions at every attention layer."""
+
+    flatness_examples: int = Field(256, ge=0, description="test examples of the flatness diagnostics (loss "
+                                                            "along two directions; 0: none)")
 
 
 @register_method
@@ -51,7 +56,10 @@ class PrefixDPSGD(PromptDPSGD):
     def diagnostics(self, ctx, prompt_path, mctx) -> dict:
         """Flatness of the published prefix on the TEST split (never training rows): loss along a
         random and an adversarial direction, and Definition 1's sharpness (Privacy-Flat Figures 1, 3)."""
-        return prefix_flatness(mctx.cfg, ctx.part.test_path, prompt_path, self.run_label(mctx.cfg))
+        examples = self.settings(mctx.cfg).flatness_examples
+        if not examples:
+            return {}
+        return prefix_flatness(mctx.cfg, ctx.part.test_path, prompt_path, self.run_label(mctx.cfg), examples)
 
     def flat_options(self, mctx, plan, rows, progress=None) -> dict:
         """Privacy-Flat's additions to the DP step: {"flat": FlatOptions, "init_prompt": tensor,
@@ -72,10 +80,7 @@ class PrefixDPSGD(PromptDPSGD):
                        result.steps, metrics, extra.get("history", []) + result.history)
 
 
-FLATNESS_EXAMPLES = 256
-
-
-def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str) -> dict:
+def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str, examples: int = 256) -> dict:
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -85,7 +90,7 @@ def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str) -> dict:
     from ..stages import classifier_for, encode_split
 
     clf = classifier_for(cfg, cfg.models.local)
-    enc, y = encode_split(clf, test_path, cfg.data.labels, cfg.models.max_length, limit=FLATNESS_EXAMPLES,
+    enc, y = encode_split(clf, test_path, cfg.data.labels, cfg.models.max_length, limit=examples,
                           rng=np.random.default_rng(cfg.seed))
     curves = flatness_curves(clf, enc, y, load_prompt_file(prompt_path), cfg.seed,
                              batch_size=cfg.models.eval_batch_size)
