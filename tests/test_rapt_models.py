@@ -100,6 +100,7 @@ def test_screening_ignores_a_reduced_float32_matmul_precision():
     try:
         got = index.nearest(noisy)
         assert torch.get_float32_matmul_precision() == "medium"
+        assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction  # torch's default, restored
     finally:
         torch.set_float32_matmul_precision(before)
     assert np.array_equal(got, nearest_neighbor_tokens(noisy, index.vocab64.numpy(), [0]))

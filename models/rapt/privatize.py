@@ -61,14 +61,19 @@ def default_screen_dtype(device: torch.device | str = "cpu") -> torch.dtype:
 
 @contextmanager
 def ieee_float32_products():
-    """float32 matmul precision "highest" inside (no TF32 on CUDA, no bfloat16 passes in oneDNN):
-    the screening bound assumes inputs rounded only to the screening dtype."""
+    """float32 matmul precision "highest" inside (no TF32 on CUDA, no bfloat16 passes in oneDNN),
+    and on CUDA no reduced-precision reductions in bfloat16 products: the screening bound assumes
+    inputs rounded only to the screening dtype and sums in float32."""
     before = torch.get_float32_matmul_precision()
+    cuda_matmul = torch.backends.cuda.matmul
+    bf16_reduction = cuda_matmul.allow_bf16_reduced_precision_reduction
     torch.set_float32_matmul_precision("highest")
+    cuda_matmul.allow_bf16_reduced_precision_reduction = False
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+        cuda_matmul.allow_bf16_reduced_precision_reduction = bf16_reduction
 
 
 class VocabularyIndex:
