@@ -97,6 +97,18 @@ def exclusive(lock_path: str | Path):
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def made_once(path: Path, make, load, save, usable=lambda data: True):
+    """The result stored at ``path``, made by ``make()`` and stored by ``save(result, path)`` only
+    when there is none (or ``usable`` refuses the stored one), under :func:`exclusive`: runs on
+    parallel workers that need it at the same moment make it once."""
+    with exclusive(path.with_name(path.name + ".lock")):
+        data = load(path) if path.is_file() else None
+        if data is None or not usable(data):
+            data = make()
+            save(data, path)
+    return data
+
+
 def state_paths(state_dir: str | None = None) -> StatePaths:
     root = state_dir or os.environ.get("PRIVPROMPT_HOME") or ".privprompt"
     return StatePaths(Path(root).expanduser().resolve())

@@ -41,14 +41,10 @@ def draw_once(shared: Path, encoding, draw, load, save):
     at the same time (Dask workers): the draw is made under a lock, so two of them can never
     publish two independent privatizations of the same private text (which would weaken the
     local guarantee, as two noisy views of a token are)."""
-    from ..state import exclusive
+    from ..state import made_once
 
-    with exclusive(shared.with_name(shared.name + ".lock")):
-        data = load(shared) if shared.is_file() else None
-        if data is None or tuple(data.input_ids.shape) != tuple(encoding["input_ids"].shape):
-            data = draw()
-            save(data, shared)
-    return data
+    shape = tuple(encoding["input_ids"].shape)
+    return made_once(shared, draw, load, save, usable=lambda data: tuple(data.input_ids.shape) == shape)
 
 
 @register_method

@@ -69,7 +69,7 @@ def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
     from models.soft_prompt import load_prompt, save_prompt
 
     from ..stages import label_indices
-    from ..state import exclusive
+    from ..state import made_once
 
     cfg = mctx.cfg
     rows_digest = hashlib.sha256("\x1e".join(t + "\x1f" + l for t, l in zip(rows.texts, rows.labels)).encode())
@@ -79,16 +79,19 @@ def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
         "epochs": epochs, "labels": cfg.data.labels, "rows": rows_digest.hexdigest()},
         sort_keys=True).encode()).hexdigest()[:16]
     path = mctx.paths.private / "w_nor" / f"{kind}-{key}.safetensors"  # private: never published
-    with exclusive(path.with_name(path.name + ".lock")):  # runs of one seed on parallel Dask workers train it once
-        if path.is_file():
-            return load_prompt(path)[0]
+
+    def train():
         enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
         tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=epochs, batch_size=block.batch_size,
                                   max_length=cfg.models.max_length, seed=mctx.seed, kind=kind)
-        w_nor = train_prompt(clf, enc, label_indices(rows.labels, cfg.data.labels), tc, seed=mctx.seed,
-                             init_prompt=init).prompt
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+        return train_prompt(clf, enc, label_indices(rows.labels, cfg.data.labels), tc, seed=mctx.seed,
+                            init_prompt=init).prompt
+
+    def save(w_nor, target):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
         save_prompt(tmp, w_nor, {"what": "w_nor: trained without DP"})
-        tmp.replace(path)
-    return w_nor
+        tmp.replace(target)
+
+    # runs of one seed on parallel Dask workers train it once
+    return made_once(path, train, lambda p: load_prompt(p)[0], save)
