@@ -29,6 +29,7 @@ from torch import nn
 
 from models.prompts.prefix import (active_prefix_tokens, is_prefix, prefix_hooks, prefix_position_ids,
                                    prefix_tokens)
+from models.length_groups import in_length_groups, per_example_rows
 from models.registry import Backbone
 
 DEFAULT_CAUSAL_TEMPLATE = "{text} It was"
@@ -169,9 +170,21 @@ class PromptClassifier(nn.Module):
         B = num_examples(batch)
         if B == 0:
             return torch.zeros((0, self.n_labels), device=self.device)
-        embeds, attn, pos = self._embed_inputs(batch, prompt)
-        with self.prompting(prompt, B):
-            return self._logits(embeds, attn, pos)
+        return self._by_length(batch, prompt, self._logits)
+
+    def _by_length(self, batch: Batch, prompt: torch.Tensor | None, head) -> torch.Tensor:
+        """``head(embeds, attn, pos)`` of the prompted rows, run on groups of rows of similar
+        length (``models.length_groups``: less padding, the same per-row outputs)."""
+        per_example = prompt is not None and prompt.dim() == (5 if is_prefix(prompt) else 3)
+
+        def run(rows):
+            part = batch if rows is None else select_rows(batch, rows)
+            p = per_example_rows(prompt, rows, per_example)
+            embeds, attn, pos = self._embed_inputs(part, p)
+            with self.prompting(p, embeds.shape[0]):
+                return head(embeds, attn, pos)
+
+        return in_length_groups(batch["attention_mask"].sum(1), run, self.device)
 
     @property
     def _n_prefix(self) -> int:
@@ -283,9 +296,7 @@ class _Verbalizer(PromptClassifier):
     def vocab_logits(self, batch: Batch, prompt: torch.Tensor | None = None) -> torch.Tensor:
         """(B, V) full-vocabulary logits at the label position: the same forward as
         :meth:`forward`, before the label words are kept (POST's transfer matches these)."""
-        embeds, attn, pos = self._embed_inputs(batch, prompt)
-        with self.prompting(prompt, embeds.shape[0]):
-            return self._vocab_logits(embeds, attn, pos).float()
+        return self._by_length(batch, prompt, self._vocab_logits).float()
 
 
 class VerbalizerCausalLM(_Verbalizer):
@@ -376,9 +387,7 @@ class CosineEncoderClassifier(PromptClassifier):
         return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
 
     def sentence_embeddings(self, batch: Batch, prompt: torch.Tensor | None = None) -> torch.Tensor:
-        embeds, attn, _ = self._embed_inputs(batch, prompt)
-        with self.prompting(prompt, embeds.shape[0]):
-            return self._pool(embeds, attn)
+        return self._by_length(batch, prompt, lambda embeds, attn, _pos: self._pool(embeds, attn))
 
     def _logits(self, embeds, attn, pos):
         text = F.normalize(self._pool(embeds, attn), dim=-1)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.classifiers import _first_token_ids, mlm_head
+from models.length_groups import in_length_groups
 from models.rapt.encoding import PrivatizedEncoding
 from models.rapt.head import ReconstructionHead
 from models.registry import Backbone
@@ -103,8 +104,15 @@ class RaptClassifier(nn.Module):
             raise ValueError(f"inputs carry {batch.n_plain} plain tokens, the model was built for {self.n_plain}")
 
     def hidden_states(self, batch: PrivatizedEncoding) -> torch.Tensor:
-        """G (B, L, h): output states of the input positions (prompt positions dropped)."""
+        """G (B, L, h): output states of the input positions (prompt positions dropped), computed
+        on groups of rows of similar length (``models.length_groups``); L: the longest row."""
         self._check(batch)
+        if not len(batch):
+            return self._states(batch)
+        return in_length_groups(batch.attention_mask.sum(1),
+                                lambda rows: self._states(batch if rows is None else batch.rows(rows)), self.device)
+
+    def _states(self, batch: PrivatizedEncoding) -> torch.Tensor:
         dev = self.device
         L = int(batch.attention_mask.sum(1).max()) if len(batch) else batch.input_ids.shape[1]
         ids = batch.input_ids[:, :L].to(dev)
