@@ -9,6 +9,8 @@ from models.rapt.attacks import (
     attribute_inference,
     embedding_inversion_success,
     hidden_inversion_attack,
+    pooled_text_states,
+    text_states,
     hidden_inversion_nn_success,
 )
 from models.rapt.encoding import (
@@ -289,10 +291,21 @@ def test_hidden_inversion_attack_end_to_end(tiny, tiny_privatizer):
     _, pub_enc, public = _privatized(tiny, tiny_privatizer, eta=250.0, m=0, texts=TEXTS[4:] * 4, seed=1)
     model = _model(tiny, plain, enc, with_head=False, prompt_tokens=2).inference()
     vocab = reconstruction_vocab([pub_enc["input_ids"].reshape(-1)], [999], exclude_ids=tiny_privatizer.exclude_ids)
+    torch.manual_seed(0)  # the inverter's initialisation
     out = hidden_inversion_attack(model, private, enc["input_ids"], public, pub_enc["input_ids"],
                                   tiny_privatizer.index, vocab, epochs=5, generator=torch.Generator().manual_seed(0))
     assert set(out) == {"nn_success", "learned_success"}
     assert all(0.0 <= v <= 1.0 for v in out.values())
+    # states computed once by the caller give the same attack, and their pooled text states are
+    # the model's own pooled_text (the attribute attack's features)
+    states = text_states(model, private), text_states(model, public)
+    torch.manual_seed(0)
+    again = hidden_inversion_attack(model, private, enc["input_ids"], public, pub_enc["input_ids"],
+                                    tiny_privatizer.index, vocab, epochs=5, generator=torch.Generator().manual_seed(0),
+                                    states=states)
+    assert again == out
+    with torch.no_grad():
+        torch.testing.assert_close(pooled_text_states(states[0], private.text_mask), model.pooled_text(private).float())
 
 
 def test_attribute_inference_success_beside_majority_rate():

@@ -131,7 +131,7 @@ def attribute_inference(features: torch.Tensor, attributes, test_fraction: float
 
 
 @torch.no_grad()
-def _text_states(classifier, data, batch_size: int) -> torch.Tensor:
+def text_states(classifier, data, batch_size: int = 32) -> torch.Tensor:
     """(N, L, h) output states of privatised inputs, padded back to the encoding's width."""
     N, L = data.input_ids.shape
     out = None
@@ -143,16 +143,25 @@ def _text_states(classifier, data, batch_size: int) -> torch.Tensor:
     return out if out is not None else torch.zeros((0, L, 1))
 
 
+def pooled_text_states(states: torch.Tensor, text_mask) -> torch.Tensor:
+    """(N, h) mean of the text positions' states (:func:`text_states` output): the features of
+    the attribute-inference attack, as ``RaptClassifier.pooled_text`` computes them."""
+    m = torch.as_tensor(text_mask)[:, :states.shape[1]].unsqueeze(-1).to(states.dtype)
+    return (states * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
 def hidden_inversion_attack(classifier, private_data, private_original_ids, public_data, public_original_ids,
                             index: VocabularyIndex, inverter_vocab: torch.Tensor, batch_size: int = 32,
-                            epochs: int = 20, generator: torch.Generator | None = None) -> dict[str, float]:
+                            epochs: int = 20, generator: torch.Generator | None = None,
+                            states: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
     """Inversion of the tuned model's per-token output states of privatised text (text positions
     only): {'nn_success': nearest input embedding, 'learned_success': an MLP inverter trained on
     PUBLIC text privatised the same way (``public_data`` with its original ids), over
     ``inverter_vocab`` (e.g. the reconstruction vocabulary)}. Reads the private ORIGINAL ids:
-    a non-private use. ``classifier``: a :class:`models.rapt.model.RaptClassifier`."""
-    priv_h = _text_states(classifier, private_data, batch_size)
-    pub_h = _text_states(classifier, public_data, batch_size)
+    a non-private use. ``classifier``: a :class:`models.rapt.model.RaptClassifier`; ``states``:
+    its :func:`text_states` of (private_data, public_data) when the caller has them already."""
+    priv_h, pub_h = states if states is not None else (text_states(classifier, private_data, batch_size),
+                                                       text_states(classifier, public_data, batch_size))
     priv_mask, pub_mask = private_data.text_mask, public_data.text_mask
     priv_ids, pub_ids = torch.as_tensor(private_original_ids).long(), torch.as_tensor(public_original_ids).long()
     nn_success = hidden_inversion_nn_success(priv_h, priv_ids, priv_mask, index)

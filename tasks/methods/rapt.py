@@ -216,10 +216,14 @@ class Rapt(Method):
         embedding, and an MLP inverter trained on PUBLIC text privatized the same way), and
         attribute inference of the source domain (SST-2-like private reviews vs the public texts,
         both privatized) from pooled representations, beside the majority-class rate."""
+        import hashlib
+        import json
+
         import numpy as np
         import torch
 
-        from models.rapt.attacks import attribute_inference, embedding_inversion_success, hidden_inversion_attack
+        from models.rapt.attacks import (attribute_inference, embedding_inversion_success, hidden_inversion_attack,
+                                         pooled_text_states, text_states)
         from models.rapt.encoding import encode_rapt, privatize_encoding
         from models.rapt.privatize import BackbonePrivatizer
 
@@ -235,16 +239,22 @@ class Rapt(Method):
         plain = list(data.plain_ids)
         public = public_texts(cfg, mctx.paths.private)[:n]
         pub_enc = encode_rapt(bb.tokenizer, public, plain, cfg.models.max_length)
-        # public text: its privatization needs no secret randomness
-        pub = privatize_encoding(pub_enc, plain, privatizer, block.eta, np.random.default_rng(cfg.seed))
+        # public text: its privatization needs no secret randomness (seeded), so the variants of
+        # a sweep share one (made once, like the private draws)
+        key = hashlib.sha256(json.dumps({"public": cfg.public.model_dump(mode="json"), "seed": cfg.seed,
+                                         "model": cfg.models.local, "max_length": cfg.models.max_length,
+                                         "eta": block.eta, "plain": plain, "n": n}, sort_keys=True,
+                                        default=str).encode()).hexdigest()[:16]
+        pub = draw_once(mctx.paths.root / "outputs" / "rapt-draws" / f"public-{key}.pt", pub_enc,
+                        lambda: privatize_encoding(pub_enc, plain, privatizer, block.eta,
+                                                   np.random.default_rng(cfg.seed)), self.load_privatized, self._save)
         g = torch.Generator().manual_seed(cfg.seed)
+        states = text_states(inference, sub), text_states(inference, pub)  # once, for both attacks
         inv = hidden_inversion_attack(inference, sub, ids, pub, pub_enc["input_ids"], privatizer.index,
-                                      torch.tensor(mctx.prepared["head_vocab"]), generator=g)
+                                      torch.tensor(mctx.prepared["head_vocab"]), generator=g, states=states)
         out["attack.inversion_hidden.success"] = inv["nn_success"]
         out["attack.inversion_hidden.learned_success"] = inv["learned_success"]
-        with torch.no_grad():
-            feats = torch.cat([inference.pooled_text(d.rows(slice(s, s + 32))).float().cpu()
-                               for d in (sub, pub) for s in range(0, len(d), 32)])
+        feats = torch.cat([pooled_text_states(states[0], sub.text_mask), pooled_text_states(states[1], pub.text_mask)])
         attr = attribute_inference(feats, [0] * len(sub) + [1] * len(pub), generator=g)
         out["attack.attribute.success"] = attr["success"]
         out["attack.attribute.majority_rate"] = attr["majority_rate"]
