@@ -128,7 +128,7 @@ def prefix_sharpness(loss_fn, grad_fn, weight: torch.Tensor, mask: torch.Tensor 
     g = grad_fn(weight)
     rms = float(((weight * m) ** 2).sum() / m.sum()) ** 0.5
     corner = (box * rms / 2) * torch.sign(g) * m
-    worst = max(loss_fn(weight + t * corner) - base for t in steps)
+    worst = max(0.0 if t == 0 else loss_fn(weight + t * corner) - base for t in steps)  # t = 0: L(w) − L(w)
     return worst / (1.0 + base) ** 2
 
 
