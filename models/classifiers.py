@@ -184,7 +184,7 @@ class PromptClassifier(nn.Module):
             with self.prompting(p, embeds.shape[0]):
                 return head(embeds, attn, pos)
 
-        return in_length_groups(batch["attention_mask"].sum(1), run, self.device)
+        return in_length_groups(batch["attention_mask"].sum(1), run, self.device, self.embed_dim)
 
     @property
     def _n_prefix(self) -> int:

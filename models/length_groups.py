@@ -20,13 +20,16 @@ import torch
 import torch.nn.functional as F
 
 
-def call_overhead(device: torch.device | str | None) -> int:
-    """Cost of one more forward call, in padded tokens. ``PRIVPROMPT_LENGTH_GROUP_OVERHEAD``
-    overrides (a huge value switches grouping off)."""
+def call_overhead(device: torch.device | str | None, width: int | None = None) -> int:
+    """Cost of one more forward call, in padded tokens: 256 on CPU, 8,192 on CUDA (one wide call
+    is cheap there), and more for a narrow model (hidden size ``width``), whose per-token work is
+    small next to the fixed cost of a call (4·10⁷ / width²: tiny test models are not split).
+    ``PRIVPROMPT_LENGTH_GROUP_OVERHEAD`` overrides (a huge value switches grouping off)."""
     forced = os.environ.get("PRIVPROMPT_LENGTH_GROUP_OVERHEAD")
     if forced:
         return int(forced)
-    return 8192 if torch.device(device or "cpu").type == "cuda" else 256
+    base = 8192 if torch.device(device or "cpu").type == "cuda" else 256
+    return max(base, int(4e7 / width ** 2)) if width else base
 
 
 def length_groups(lengths: torch.Tensor, overhead: int) -> list[torch.Tensor]:
@@ -61,11 +64,11 @@ def length_groups(lengths: torch.Tensor, overhead: int) -> list[torch.Tensor]:
 
 
 def in_length_groups(lengths: torch.Tensor, run: Callable[[torch.Tensor | None], torch.Tensor],
-                     device: torch.device | str | None = None) -> torch.Tensor:
+                     device: torch.device | str | None = None, width: int | None = None) -> torch.Tensor:
     """``run(rows)`` on each group of :func:`length_groups` (``rows`` None: the whole batch, one
     call), outputs concatenated back in input row order. Outputs (rows, width, ...) of different
     widths are right-padded with zeros to the widest (padding positions of the whole batch)."""
-    groups = length_groups(lengths, call_overhead(device))
+    groups = length_groups(lengths, call_overhead(device, width))
     if len(groups) == 1:
         return run(None)
     outs = [run(g) for g in groups]

@@ -36,6 +36,17 @@ def test_length_groups_is_the_cheapest_contiguous_split():
     assert len(length_groups(torch.tensor([7] * 5), 0)) == 1
 
 
+def test_call_overhead_by_device_and_width(monkeypatch):
+    from models.length_groups import call_overhead
+
+    monkeypatch.delenv("PRIVPROMPT_LENGTH_GROUP_OVERHEAD", raising=False)
+    assert call_overhead("cpu") == 256 and call_overhead("cuda") == 8192
+    assert call_overhead("cpu", 384) == 271 and call_overhead("cpu", 576) == 256  # MiniLM, SmolLM2
+    assert call_overhead("cpu", 32) > 10_000  # a tiny test model: one call
+    monkeypatch.setenv("PRIVPROMPT_LENGTH_GROUP_OVERHEAD", "7")
+    assert call_overhead("cuda", 32) == 7
+
+
 def test_in_length_groups_puts_rows_back_in_order_and_pads_widths():
     lengths = torch.tensor([2, 9, 2, 9, 5])
     calls = []

@@ -110,7 +110,8 @@ class RaptClassifier(nn.Module):
         if not len(batch):
             return self._states(batch)
         return in_length_groups(batch.attention_mask.sum(1),
-                                lambda rows: self._states(batch if rows is None else batch.rows(rows)), self.device)
+                                lambda rows: self._states(batch if rows is None else batch.rows(rows)), self.device,
+                                self._backbone.embed_dim)
 
     def _states(self, batch: PrivatizedEncoding) -> torch.Tensor:
         dev = self.device
