@@ -47,6 +47,16 @@ def draw_once(shared: Path, encoding, draw, load, save):
     return made_once(shared, draw, load, save, usable=lambda data: tuple(data.input_ids.shape) == shape)
 
 
+def draw_path(mctx, prefix: str, fields: dict) -> Path:
+    """Where the draw keyed by ``fields`` (a digest of the config, not of the data) is shared, on
+    the outputs side."""
+    import hashlib
+    import json
+
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return mctx.paths.root / "outputs" / "rapt-draws" / f"{prefix}-{key}.pt"
+
+
 @register_method
 class Rapt(Method):
     name = "rapt"
@@ -163,9 +173,6 @@ class Rapt(Method):
         kept on the outputs side and shared by the variants that differ only in tuning (prompt /
         prefix) and reconstruction: a variant without reconstruction drops the plain positions of
         the same draw (post-processing). The key is derived from the config, not from the data."""
-        import hashlib
-        import json
-
         from models.rapt.encoding import encode_rapt, privatize_encoding, without_plain
         from models.rapt.privatize import BackbonePrivatizer
         from models.registry import load_backbone
@@ -174,11 +181,10 @@ class Rapt(Method):
         bb = load_backbone(cfg.models.local, seed=cfg.seed)
         plain = self._plain(cfg, bb.tokenizer)
         encoding = encode_rapt(bb.tokenizer, texts, plain, cfg.models.max_length)
-        key = hashlib.sha256(json.dumps({
+        shared = draw_path(mctx, split, {
             "data": cfg.data.model_dump(mode="json"), "data_root": cfg.data_root, "seed": cfg.seed,
             "model": cfg.models.local, "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain,
-            "split": split, "n": len(texts)}, sort_keys=True, default=str).encode()).hexdigest()[:16]
-        shared = mctx.paths.root / "outputs" / "rapt-draws" / f"{split}-{key}.pt"
+            "split": split, "n": len(texts)})
         data = draw_once(shared, encoding, lambda: privatize_encoding(
             encoding, plain, BackbonePrivatizer(bb), block.eta, mctx.randomness.numpy(stream)), self.load_privatized,
             self._save)
@@ -216,8 +222,6 @@ class Rapt(Method):
         embedding, and an MLP inverter trained on PUBLIC text privatized the same way), and
         attribute inference of the source domain (SST-2-like private reviews vs the public texts,
         both privatized) from pooled representations, beside the majority-class rate."""
-        import hashlib
-        import json
 
         import numpy as np
         import torch
@@ -241,11 +245,9 @@ class Rapt(Method):
         pub_enc = encode_rapt(bb.tokenizer, public, plain, cfg.models.max_length)
         # public text: its privatization needs no secret randomness (seeded), so the variants of
         # a sweep share one (made once, like the private draws)
-        key = hashlib.sha256(json.dumps({"public": cfg.public.model_dump(mode="json"), "seed": cfg.seed,
-                                         "model": cfg.models.local, "max_length": cfg.models.max_length,
-                                         "eta": block.eta, "plain": plain, "n": n}, sort_keys=True,
-                                        default=str).encode()).hexdigest()[:16]
-        pub = draw_once(mctx.paths.root / "outputs" / "rapt-draws" / f"public-{key}.pt", pub_enc,
+        pub = draw_once(draw_path(mctx, "public", {
+            "public": cfg.public.model_dump(mode="json"), "seed": cfg.seed, "model": cfg.models.local,
+            "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain, "n": n}), pub_enc,
                         lambda: privatize_encoding(pub_enc, plain, privatizer, block.eta,
                                                    np.random.default_rng(cfg.seed)), self.load_privatized, self._save)
         g = torch.Generator().manual_seed(cfg.seed)
