@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import models.rapt.attacks as attacks_module
 from models.rapt.attacks import (
     HiddenStateInverter,
     attribute_inference,
@@ -286,7 +287,7 @@ def test_hidden_state_inversion_attacks(tiny, tiny_privatizer):
     assert inv.success(hidden[mask], torch.full_like(ids, 10 ** 6 - 1)) == 0.0  # outside its vocabulary
 
 
-def test_hidden_inversion_attack_end_to_end(tiny, tiny_privatizer):
+def test_hidden_inversion_attack_end_to_end(tiny, tiny_privatizer, monkeypatch):
     plain, enc, private = _privatized(tiny, tiny_privatizer, eta=250.0, m=0, texts=TEXTS[:4])
     _, pub_enc, public = _privatized(tiny, tiny_privatizer, eta=250.0, m=0, texts=TEXTS[4:] * 4, seed=1)
     model = _model(tiny, plain, enc, with_head=False, prompt_tokens=2).inference()
@@ -306,6 +307,23 @@ def test_hidden_inversion_attack_end_to_end(tiny, tiny_privatizer):
     assert again == out
     with torch.no_grad():
         torch.testing.assert_close(pooled_text_states(states[0], private.text_mask), model.pooled_text(private).float())
+    # the inverter's classes are the vocabulary ids seen among the public training tokens: ids no
+    # public token has change nothing; a vocabulary without any public token is an error
+    unseen = torch.arange(10 ** 5, 10 ** 5 + 500)
+    classes = []
+    original_fit = attacks_module.HiddenStateInverter.fit
+    monkeypatch.setattr(attacks_module.HiddenStateInverter, "fit",
+                        lambda self, *a, **k: classes.append(self.vocab_ids.clone()) or original_fit(self, *a, **k))
+    torch.manual_seed(0)
+    padded = hidden_inversion_attack(model, private, enc["input_ids"], public, pub_enc["input_ids"],
+                                     tiny_privatizer.index, torch.cat([vocab, unseen]), epochs=5,
+                                     generator=torch.Generator().manual_seed(0), states=states)
+    public_tokens = pub_enc["input_ids"][public.text_mask].unique()
+    assert classes[0].tolist() == sorted(set(vocab.tolist()) & set(public_tokens.tolist()))
+    assert padded == out
+    with pytest.raises(ValueError, match="no public training token"):
+        hidden_inversion_attack(model, private, enc["input_ids"], public, pub_enc["input_ids"],
+                                tiny_privatizer.index, unseen, epochs=5, states=states)
 
 
 def test_attribute_inference_success_beside_majority_rate():

@@ -159,12 +159,20 @@ def hidden_inversion_attack(classifier, private_data, private_original_ids, publ
     PUBLIC text privatised the same way (``public_data`` with its original ids), over
     ``inverter_vocab`` (e.g. the reconstruction vocabulary)}. Reads the private ORIGINAL ids:
     a non-private use. ``classifier``: a :class:`models.rapt.model.RaptClassifier`; ``states``:
-    its :func:`text_states` of (private_data, public_data) when the caller has them already."""
+    its :func:`text_states` of (private_data, public_data) when the caller has them already.
+
+    The inverter's classes are the ids of ``inverter_vocab`` that occur among the public training
+    tokens: a class without one training example only ever receives gradients that lower its logit,
+    so dropping it loses the attacker nothing, and the output layer (most of the attack's time) shrinks."""
     priv_h, pub_h = states if states is not None else (text_states(classifier, private_data, batch_size),
                                                        text_states(classifier, public_data, batch_size))
     priv_mask, pub_mask = private_data.text_mask, public_data.text_mask
     priv_ids, pub_ids = torch.as_tensor(private_original_ids).long(), torch.as_tensor(public_original_ids).long()
     nn_success = hidden_inversion_nn_success(priv_h, priv_ids, priv_mask, index)
-    inverter = HiddenStateInverter(priv_h.shape[-1], inverter_vocab)
+    vocab = torch.as_tensor(inverter_vocab).long()
+    vocab = vocab[torch.isin(vocab, pub_ids[pub_mask])]
+    if vocab.numel() == 0:
+        raise ValueError("no public training token is in the inverter's vocabulary")
+    inverter = HiddenStateInverter(priv_h.shape[-1], vocab)
     inverter.fit(pub_h[pub_mask], pub_ids[pub_mask], epochs=epochs, generator=generator)
     return {"nn_success": nn_success, "learned_success": inverter.success(priv_h[priv_mask], priv_ids[priv_mask])}
