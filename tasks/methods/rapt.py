@@ -10,6 +10,8 @@ there. The attacks read the unprivatized text: their numbers are audit statistic
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from typing import Literal
@@ -50,9 +52,6 @@ def draw_once(shared: Path, encoding, draw, load, save):
 def draw_path(mctx, prefix: str, fields: dict) -> Path:
     """Where the draw keyed by ``fields`` (a digest of the config, not of the data) is shared, on
     the outputs side."""
-    import hashlib
-    import json
-
     key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return mctx.paths.root / "outputs" / "rapt-draws" / f"{prefix}-{key}.pt"
 
@@ -222,7 +221,6 @@ class Rapt(Method):
         embedding, and an MLP inverter trained on PUBLIC text privatized the same way), and
         attribute inference of the source domain (SST-2-like private reviews vs the public texts,
         both privatized) from pooled representations, beside the majority-class rate."""
-
         import numpy as np
         import torch
 
