@@ -14,6 +14,7 @@ from .errors import ConfigError
 
 from .schema import (AuditConfig, Block, DaskConfig, DataConfig, DPSGDConfig, MiaConfig,  # noqa: F401
                      ModelsConfig, PrivacyConfig, PromptTuningConfig, PublicDataConfig)
+from .state import digest_key
 
 _Block = Block
 
@@ -230,12 +231,10 @@ def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
 def config_hash(cfg: PrivPromptConfig) -> str:
     """A hash of the validated config minus where it runs (state folder): a rerun of the same
     variant has the same hash (resumable sweeps skip variants with a FINISHED run of it)."""
-    import hashlib
-
     data = cfg.model_dump(mode="json")
     for key in ("state_dir", "sweep", "grid", "seeds", "sweep_dask"):
         data.pop(key, None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:20]
+    return digest_key(data, length=20)
 
 
 def variant_group(label: str) -> str:

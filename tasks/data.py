@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from .config import DataConfig
 from .errors import DataError
+from .state import digest_key
 
 FORMATS = (".jsonl", ".json", ".csv", ".parquet")
 
@@ -226,9 +227,8 @@ def dataset_key(cfg: DataConfig, data_root: str | None, private_dir: str | Path)
 
 
 def partition_key(cfg: DataConfig, seed: int, data_root: str | None) -> str:
-    payload = json.dumps({"data": cfg.model_dump(mode="json"), "seed": seed,
-                          "source": source_signature(cfg, data_root)}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return digest_key({"data": cfg.model_dump(mode="json"), "seed": seed,
+                       "source": source_signature(cfg, data_root)})
 
 
 def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> Partition:

@@ -6,12 +6,21 @@ budget ledger, Prefect's home, and ``private/``: the one place private working d
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def digest_key(fields: dict, length: int = 16) -> str:
+    """The first ``length`` hex digits of the SHA-256 of ``fields`` as sorted JSON: the key under
+    which a made-once result (a partition, a draw, a distilled student, a cached prompt) is found
+    again. Keys of paths on the private side only when ``fields`` digest private data."""
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:length]
 
 
 @dataclass(frozen=True)

@@ -222,3 +222,24 @@ def test_seed_groups_mean_and_sample_std():
     table = summary_table(rows, [g8, g1])
     assert "| privacy.target_epsilon=8.0 | 3 | 8.0000 ± 0.0000 | 0.7200 ± 0.0200 |" in table
     assert "mia.lira.auc" not in table  # columns no run has are left out
+
+
+def test_digest_key_is_the_sorted_json_sha256_prefix():
+    """One helper keys every made-once result (partitions, RAPT draws, students, cached prompts,
+    config hashes); its value must not move, or existing state folders lose their results."""
+    import hashlib
+
+    from tasks.config import config_hash
+    from tasks.state import digest_key
+
+    fields = {"seed": 3, "data": {"name": "sst2", "labels": ["negative", "positive"]}, "eta": 100.0}
+    expected = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    assert digest_key(fields) == expected[:16]
+    assert digest_key(fields, length=20) == expected[:20]
+    assert digest_key(dict(reversed(list(fields.items())))) == digest_key(fields)  # key order is irrelevant
+    assert digest_key({**fields, "seed": 4}) != digest_key(fields)
+    assert digest_key({"path": Path("/x")}) == digest_key({"path": "/x"})  # non-JSON values by their str
+    cfg = load_config(REPO / "configs" / "rapt.yaml")
+    assert config_hash(cfg) == config_hash(load_config(REPO / "configs" / "rapt.yaml", ["state_dir=/elsewhere"]))
+    assert config_hash(cfg) != config_hash(load_config(REPO / "configs" / "rapt.yaml", ["seed=5"]))
+    assert len(config_hash(cfg)) == 20

@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import Field
 
 from ..schema import Block, DPSGDConfig
+from ..state import digest_key
 from . import register_method
 from .base import Method, MethodPlan, PostProcessed, Trained, Variant, dp_unless_debug
 
@@ -72,10 +73,9 @@ def public_texts(cfg, private_dir) -> list[str]:
 
 def student_key(cfg, public: list[str]) -> str:
     d = cfg.methods.post.distill
-    payload = json.dumps({"teacher": cfg.models.target_name, "distill": d.model_dump(), "seed": cfg.seed,
-                          "max_length": cfg.models.max_length,
-                          "public": hashlib.sha256("\x1e".join(public).encode()).hexdigest()}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    return digest_key({"teacher": cfg.models.target_name, "distill": d.model_dump(), "seed": cfg.seed,
+                       "max_length": cfg.models.max_length,
+                       "public": hashlib.sha256("\x1e".join(public).encode()).hexdigest()})
 
 
 def distill_student(ctx, progress=None) -> dict:

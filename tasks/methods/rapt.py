@@ -10,15 +10,13 @@ there. The attacks read the unprivatized text: their numbers are audit statistic
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
-
 from typing import Literal
 
 from pydantic import Field
 
 from ..schema import Block
+from ..state import digest_key
 from . import register_method
 from .base import Method, MethodPlan, Trained
 
@@ -52,8 +50,7 @@ def draw_once(shared: Path, encoding, draw, load, save):
 def draw_path(mctx, prefix: str, fields: dict) -> Path:
     """Where the draw keyed by ``fields`` (a digest of the config, not of the data) is shared, on
     the outputs side."""
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return mctx.paths.root / "outputs" / "rapt-draws" / f"{prefix}-{key}.pt"
+    return mctx.paths.root / "outputs" / "rapt-draws" / f"{prefix}-{digest_key(fields)}.pt"
 
 
 @register_method

@@ -63,21 +63,19 @@ def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
     private rows (no guarantee: a run using it is labelled ``none``). Cached under private/ per
     seed, model, settings and rows, so the runs of one seed at several ε share it; never published."""
     import hashlib
-    import json
 
     from models.dp_prompt_training import PromptTrainingConfig, train_prompt
     from models.soft_prompt import load_prompt, save_prompt
 
     from ..stages import label_indices
-    from ..state import made_once
+    from ..state import digest_key, made_once
 
     cfg = mctx.cfg
     rows_digest = hashlib.sha256("\x1e".join(t + "\x1f" + l for t, l in zip(rows.texts, rows.labels)).encode())
-    key = hashlib.sha256(json.dumps({
+    key = digest_key({
         "model": cfg.models.local, "seed": mctx.seed, "max_length": cfg.models.max_length, "kind": kind,
         "n_tokens": block.n_tokens, "init": block.init, "lr": block.lr, "batch_size": block.batch_size,
-        "epochs": epochs, "labels": cfg.data.labels, "rows": rows_digest.hexdigest()},
-        sort_keys=True).encode()).hexdigest()[:16]
+        "epochs": epochs, "labels": cfg.data.labels, "rows": rows_digest.hexdigest()})
     path = mctx.paths.private / "w_nor" / f"{kind}-{key}.safetensors"  # private: never published
 
     def train():
