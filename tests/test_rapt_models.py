@@ -1,5 +1,7 @@
 """RAPT's model side: fast exact token privatisation, the reconstruction head, the model, attacks."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -258,6 +260,40 @@ def test_model_without_plain_tokens_and_without_head(tiny, tiny_privatizer):
     with pytest.raises(ValueError, match="plain tokens"):
         RaptModel(tiny, SoftPrompt(2, tiny.embed_dim), build_task_head(tiny, ["bad", "good"]), 0,
                   ReconstructionHead(torch.tensor([1, 2]), tiny.embed_dim))
+
+
+
+def test_reconstruction_weight_scales_the_reconstruction_term(tiny, tiny_privatizer):
+    plain, enc, data = _privatized(tiny, tiny_privatizer)
+    model = _model(tiny, plain, enc)
+    labels = torch.tensor(LABELS)
+    with torch.no_grad():
+        base = model.losses(data, labels)
+        assert torch.allclose(base["total"], base["task"] + base["reconstruction"])
+        for weight in (0.0, 0.1, 2.5):
+            model.reconstruction_weight = weight
+            out = model.losses(data, labels)
+            assert torch.allclose(out["task"], base["task"]) and torch.allclose(out["reconstruction"],
+                                                                                base["reconstruction"])
+            assert torch.allclose(out["total"], base["task"] + weight * base["reconstruction"])
+    with pytest.raises(ValueError, match="reconstruction_weight"):
+        RaptModel(tiny, SoftPrompt(2, tiny.embed_dim), build_task_head(tiny, ["bad", "good"]), len(plain),
+                  model.reconstruction_head, reconstruction_weight=-1.0)
+
+
+def test_run_label_names_a_reconstruction_weight_other_than_the_papers():
+    from tasks.config import load_config
+    from tasks.methods import get_method
+
+    path = Path(__file__).resolve().parent.parent / "configs" / "rapt.yaml"
+    method = get_method("rapt")
+    assert method.run_label(load_config(path)) == "rapt[prompt+reconstruction]"
+    cfg = load_config(path, ["methods.rapt.reconstruction_weight=0.1", "methods.rapt.tuning=prefix"])
+    assert method.run_label(cfg) == "rapt[prefix+reconstruction λ=0.1]"
+    assert method.plan(cfg, 100, 1e-5).params["rapt.reconstruction_weight"] == 0.1
+    cfg = load_config(path, ["methods.rapt.reconstruction=false"])
+    assert method.run_label(cfg) == "rapt[prompt]" and method.plan(cfg, 100, 1e-5).params[
+        "rapt.reconstruction_weight"] == 0.0
 
 
 # ---- attacks ----------------------------------------------------------------------------------

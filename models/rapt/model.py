@@ -157,14 +157,17 @@ class RaptClassifier(nn.Module):
 
 class RaptModel(RaptClassifier):
     """Tuning: :class:`RaptClassifier` + an optional :class:`ReconstructionHead`.
-    loss = task + reconstruction (eq. 10)."""
+    loss = task + λ · reconstruction (eq. 10 has λ = 1; ``reconstruction_weight``)."""
 
     def __init__(self, backbone: Backbone, prompt: SoftPrompt, task_head: nn.Module, n_plain: int,
-                 reconstruction_head: ReconstructionHead | None = None):
+                 reconstruction_head: ReconstructionHead | None = None, reconstruction_weight: float = 1.0):
         super().__init__(backbone, prompt, task_head, n_plain)
         if reconstruction_head is not None and n_plain < 1:
             raise ValueError("a reconstruction head needs plain tokens (n_plain >= 1)")
+        if not reconstruction_weight >= 0:
+            raise ValueError(f"reconstruction_weight must be >= 0, got {reconstruction_weight}")
         self.reconstruction_head = reconstruction_head
+        self.reconstruction_weight = float(reconstruction_weight)
 
     def losses(self, batch: PrivatizedEncoding, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """{'task', 'reconstruction' (when a head is present), 'total'}; per-batch means."""
@@ -175,7 +178,7 @@ class RaptModel(RaptClassifier):
             plain_hidden = h[:, 1:1 + self.n_plain]  # after [CLS]: the m plain positions
             rec = self.reconstruction_head.loss(plain_hidden, torch.tensor(batch.plain_ids, device=h.device))
             out["reconstruction"] = rec
-            out["total"] = task + rec
+            out["total"] = task + self.reconstruction_weight * rec
         return out
 
     def inference(self) -> RaptClassifier:

@@ -28,6 +28,8 @@ class RaptConfig(Block):
                                                 "embeddings; prefix: keys and values at every layer")
     reconstruction: bool = Field(True, description="the privatized-token reconstruction head (m plain tokens)")
     plain_tokens: int = Field(40, ge=1, description="m: plain tokens prepended before privatization")
+    reconstruction_weight: float = Field(1.0, ge=0, description="λ in loss = task + λ · reconstruction (the "
+                                         "paper's eq. 10: 1)")
     head_vocab: int = Field(7630, gt=0, description="|T|: most frequent public token ids the head predicts")
     n_tokens: int = Field(10, gt=0, description="soft-prompt / prefix length")
     steps: int = Field(200, gt=0)
@@ -65,7 +67,10 @@ class Rapt(Method):
 
     def run_label(self, cfg):
         block = self.settings(cfg)
-        return f"rapt[{block.tuning}{'+reconstruction' if block.reconstruction else ''}]"
+        if not block.reconstruction:
+            return f"rapt[{block.tuning}]"
+        weight = "" if block.reconstruction_weight == 1.0 else f" λ={block.reconstruction_weight:g}"
+        return f"rapt[{block.tuning}+reconstruction{weight}]"
 
     def uses_public_data(self, cfg) -> bool:
         block = self.settings(cfg)
@@ -84,7 +89,9 @@ class Rapt(Method):
         return MethodPlan(self.name, guarantee, n_train, delta,
                           params={"rapt.eta": block.eta, "rapt.tuning": block.tuning,
                                   "rapt.reconstruction": str(block.reconstruction).lower(),
-                                  "rapt.plain_tokens": block.plain_tokens if block.reconstruction else 0},
+                                  "rapt.plain_tokens": block.plain_tokens if block.reconstruction else 0,
+                                  "rapt.reconstruction_weight": block.reconstruction_weight if block.reconstruction
+                                  else 0.0},
                           note="local d_X privacy of every text with η = rapt.eta (metric LDP); no (ε, δ) claim; "
                                "labels are not privatized")
 
@@ -124,7 +131,7 @@ class Rapt(Method):
         return PrivatizedEncoding(d["input_ids"], d["attention_mask"], d["text_mask"], tuple(d["plain_ids"]),
                                   d["eta"], d["replace_prob"])
 
-    def _classifier(self, cfg, prompt, n_plain: int, head_vocab=None):
+    def _classifier(self, cfg, prompt, n_plain: int, head_vocab=None, reconstruction_weight: float = 1.0):
         from models.rapt.head import ReconstructionHead
         from models.rapt.model import RaptModel, build_task_head
         from models.registry import load_backbone
@@ -134,7 +141,7 @@ class Rapt(Method):
         import torch
 
         recon = ReconstructionHead(torch.tensor(head_vocab), bb.embed_dim) if head_vocab else None
-        return RaptModel(bb, prompt, head, n_plain, recon)
+        return RaptModel(bb, prompt, head, n_plain, recon, reconstruction_weight)
 
     def tune(self, cfg, privatized_path: Path, labels: list[str], seed: int, head_vocab=None, progress=None):
         """The model side's tuning: reads only the privatized ids at ``privatized_path``."""
@@ -153,7 +160,7 @@ class Rapt(Method):
         prompt = kind.init_from_vocab(bb, block.n_tokens, seed=seed)
         with torch.random.fork_rng(devices=[]):  # the head's initialisation, seeded (not DP randomness)
             torch.manual_seed(seed)
-            model = self._classifier(cfg, prompt, data.n_plain, head_vocab)
+            model = self._classifier(cfg, prompt, data.n_plain, head_vocab, block.reconstruction_weight)
         def report(step, _losses):  # steps only: the losses are exact statistics of private data
             if progress is not None and ((step + 1) % 10 == 0 or step + 1 == block.steps):
                 progress(step + 1, block.steps)
