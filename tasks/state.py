@@ -19,7 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 def digest_key(fields: dict, length: int = 16) -> str:
     """The first ``length`` hex digits of the SHA-256 of ``fields`` as sorted JSON: the key under
     which a made-once result (a partition, a draw, a distilled student, a cached prompt) is found
-    again. Keys of paths on the private side only when ``fields`` digest private data."""
+    again. A key whose ``fields`` include a digest of private data names a private-side path only."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:length]
 
 
