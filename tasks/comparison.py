@@ -39,12 +39,20 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),
                          "note": tags.get("privacy.note", ""),
                          "flatness": {k: v for k, v in run.data.metrics.items() if k.startswith("flatness.")},
-                         "empirical_privacy": (1.0 - run.data.metrics["attack.inversion_hidden.success"]
-                                               if "attack.inversion_hidden.success" in run.data.metrics else None)})
+                         "empirical_privacy": _empirical_privacy(run.data.metrics)})
         token = page.token
         if not token:
             break
     return rows
+
+
+def _empirical_privacy(metrics: dict) -> float | None:
+    """1 − hidden-state inversion success (RAPT's audit statistic; runs before the audit.* names
+    logged it as ``attack.inversion_hidden.success``)."""
+    for name in ("audit.attack.inversion_hidden.success", "attack.inversion_hidden.success"):
+        if name in metrics:
+            return 1.0 - metrics[name]
+    return None
 
 
 def comparison_table(rows: list[dict]) -> str:

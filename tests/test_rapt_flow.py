@@ -55,9 +55,11 @@ def test_rapt_run_record_is_ldp_with_eta_and_no_epsilon(rapt_run):
     m, params, tags = run.data.metrics, run.data.params, run.data.tags
     assert tags["privacy.guarantee"] == "ldp" and tags["method"] == "rapt"
     assert params["rapt.eta"] == "20.0" and params["rapt.tuning"] == "prompt" and params["rapt.reconstruction"] == "true"
-    assert "privacy.epsilon" not in m and 0 <= m["rapt.replace_prob"] <= 1 and "test.accuracy" in m
-    assert m["attack.inversion.success"] == pytest.approx(1 - m["rapt.replace_prob"], abs=0.05)
-    assert "attack.inversion_hidden.success" in m
+    assert "privacy.epsilon" not in m and 0 <= m["audit.rapt.replace_prob"] <= 1 and "test.accuracy" in m
+    assert m["audit.attack.inversion.success"] == pytest.approx(1 - m["audit.rapt.replace_prob"], abs=0.05)
+    assert "audit.attack.inversion_hidden.success" in m
+    # every statistic computed on the unprivatized text is published as audit.* (RUN_RECORD.md)
+    assert not [k for k in m if k.startswith(("attack.", "rapt."))]
     arts = {a.path for a in client.list_artifacts(run.info.run_id, "prompt")}
     assert arts == {"prompt/rapt.safetensors"}  # an ldp output: published
 
@@ -71,7 +73,8 @@ def test_model_side_only_loads_privatized_ids(rapt_run):
         assert "private" not in path.relative_to(rapt_run["state"]).parts  # outputs side
         assert type(data).__name__ == "PrivatizedEncoding" and data.eta == 20.0
     train = loaded[0][1]
-    assert 0 < train.replace_prob <= 1  # at η = 20 the mechanism replaced text tokens
+    assert not hasattr(train, "replace_prob")  # the model side gets no statistic of the private text
+    assert set(torch.load(loaded[0][0])) == {"input_ids", "attention_mask", "text_mask", "plain_ids", "eta"}
 
 
 def test_ledger_lists_rapt_as_local_dp_and_the_attacks_as_nonprivate(rapt_run):
@@ -111,11 +114,12 @@ def test_variants_share_one_draw_and_report_every_attack(rapt_run):
     run = client.get_run(summary["mlflow_run_id"])
     m, params = run.data.metrics, run.data.params
     assert params["rapt.tuning"] == "prefix" and params["rapt.reconstruction"] == "false"
-    for name in ("attack.inversion.success", "attack.inversion_hidden.success",
-                 "attack.inversion_hidden.learned_success", "attack.attribute.success",
-                 "attack.attribute.majority_rate"):
+    for name in ("audit.attack.inversion.success", "audit.attack.inversion_hidden.success",
+                 "audit.attack.inversion_hidden.learned_success", "audit.attack.attribute.success",
+                 "audit.attack.attribute.majority_rate", "audit.rapt.replace_prob"):
         assert 0.0 <= m[name] <= 1.0, name
-    assert m["rapt.replace_prob"] == pytest.approx(first.replace_prob)
+    first_run = client.get_run(rapt_run["summary"]["mlflow_run_id"])
+    assert m["audit.rapt.replace_prob"] == pytest.approx(first_run.data.metrics["audit.rapt.replace_prob"])
 
 
 def test_concurrent_variants_make_one_draw(tmp_path):
@@ -151,3 +155,28 @@ def test_concurrent_variants_make_one_draw(tmp_path):
         t.join()
     assert len(made) == 1
     assert len(got) == 2 and all(torch.equal(g.input_ids, got[0].input_ids) for g in got)
+
+
+def test_draw_paths_key_the_texts_and_keep_seeded_draws_private(tmp_path):
+    """A draw of private text made from seeded streams (a debug run, an audit shadow) stays on the
+    private side under its own key, so a released run never reuses it; the key also follows the
+    texts themselves (keyed fingerprint), so a changed source never gets an old draw."""
+    from types import SimpleNamespace
+
+    from tasks.methods.rapt import draw_path
+    from tasks.randomness import DpRandomness
+    from tasks.state import state_paths
+
+    paths = state_paths(str(tmp_path / "state"))
+    secret = SimpleNamespace(paths=paths, randomness=DpRandomness(seeded=False))
+    seeded = SimpleNamespace(paths=paths, randomness=DpRandomness(seeded=True, seed=0))
+    fields, texts = {"eta": 100.0, "split": "train"}, ["a private review", "another one"]
+    released = draw_path(secret, "train", fields, private_texts=texts)
+    assert released.parent == paths.root / "outputs" / "rapt-draws"
+    assert draw_path(secret, "train", fields, private_texts=list(texts)) == released  # shared by variants
+    debug = draw_path(seeded, "train", fields, private_texts=texts)
+    assert debug.parent == paths.private / "rapt-draws" and debug.name != released.name
+    assert draw_path(secret, "train", fields, private_texts=["a changed review", "another one"]) != released
+    assert "private review" not in released.name
+    public = draw_path(seeded, "public", fields)  # public text, seeded: nothing private in it
+    assert public.parent == paths.root / "outputs" / "rapt-draws"

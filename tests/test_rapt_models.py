@@ -21,6 +21,7 @@ from models.rapt.encoding import (
     default_plain_ids,
     encode_rapt,
     privatize_encoding,
+    replaced_share,
 )
 from models.rapt.head import ReconstructionHead, reconstruction_vocab
 from models.rapt.model import RaptModel, build_task_head, train_rapt
@@ -179,10 +180,34 @@ def test_encoding_layout_and_privatized_masks(tiny, tiny_privatizer):
     assert torch.equal(enc["input_ids"][:, 1:41], torch.tensor(plain).expand(len(TEXTS), 40))
     assert not enc["text_mask"][:, :41].any() and enc["text_mask"].any(1).all()
     assert torch.equal(data.attention_mask, enc["attention_mask"]) and torch.equal(data.text_mask, enc["text_mask"])
-    assert 0.0 < data.replace_prob <= 1.0
+    assert 0.0 < replaced_share(enc, data) <= 1.0
+    assert not hasattr(data, "replace_prob")  # no statistic of the private text rides along to the model side
     assert not torch.equal(data.input_ids[:, 1:41], enc["input_ids"][:, 1:41])  # plain tokens privatised too
     with pytest.raises(ValueError, match="max_length"):
         encode_rapt(tiny.tokenizer, TEXTS, plain, max_length=42)
+
+
+
+def test_special_ids_inside_the_text_are_privatized(tiny, tiny_privatizer):
+    """[UNK] (or a literal [MASK]) inside a private text is no longer released as it was: every
+    text position is privatised, only the framing [CLS] / [SEP] / padding passes through."""
+    plain, enc, _ = _privatized(tiny, tiny_privatizer, m=4)
+    tok = tiny.tokenizer
+    ids, text = enc["input_ids"].clone(), enc["text_mask"]
+    first_text = text.float().argmax(1)
+    rows = torch.arange(ids.shape[0])
+    ids[rows, first_text] = tok.unk_token_id
+    ids[rows, first_text + 1] = tok.mask_token_id
+    enc = {**enc, "input_ids": ids}
+    data = privatize_encoding(enc, plain, tiny_privatizer, 1e9, np.random.default_rng(0))  # η huge: no noise
+    special = set(tok.all_special_ids)
+    out = data.input_ids
+    assert not any(int(i) in special for i in out[text])  # never released as a special id
+    assert replaced_share(enc, data) == pytest.approx(2 * len(rows) / int(text.sum()))  # only those changed
+    frame = enc["attention_mask"].bool() & ~text
+    frame[:, 1:5] = False  # plain tokens: privatised (unchanged at this η)
+    assert torch.equal(out[frame], ids[frame])  # [CLS] / [SEP] as they were
+    assert torch.equal(out[~enc["attention_mask"].bool()], ids[~enc["attention_mask"].bool()])  # padding
 
 
 def test_reconstruction_vocab_from_public_ids():
@@ -246,7 +271,7 @@ def test_model_side_takes_only_privatized_inputs(tiny, tiny_privatizer):
         model(enc)
     with pytest.raises(TypeError, match="privatised"):
         train_rapt(model, enc, torch.tensor(LABELS), steps=1)
-    other = PrivatizedEncoding(data.input_ids, data.attention_mask, data.text_mask, tuple(plain[:3]), 8.0, 0.5)
+    other = PrivatizedEncoding(data.input_ids, data.attention_mask, data.text_mask, tuple(plain[:3]), 8.0)
     with pytest.raises(ValueError, match="plain tokens"):
         model(other)
 
@@ -302,9 +327,9 @@ def test_embedding_inversion_is_one_minus_replacement(tiny, tiny_privatizer):
     _plain, enc, data = _privatized(tiny, tiny_privatizer, eta=250.0)
     mask = data.text_mask
     success = embedding_inversion_success(data.input_ids, enc["input_ids"], mask, tiny_privatizer.index)
-    assert success == pytest.approx(1.0 - data.replace_prob)
+    assert success == pytest.approx(1.0 - replaced_share(enc, data))
     rp = replace_probability(enc["input_ids"], data.input_ids, mask, tiny_privatizer.exclude_ids)
-    assert rp == pytest.approx(data.replace_prob)
+    assert rp == pytest.approx(replaced_share(enc, data))
 
 
 def test_hidden_state_inversion_attacks(tiny, tiny_privatizer):

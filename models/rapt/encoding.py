@@ -58,14 +58,14 @@ def encode_rapt(tokenizer, texts: list[str], plain_ids: list[int], max_length: i
 class PrivatizedEncoding:
     """Privatised RAPT inputs (made only by :func:`privatize_encoding`): what tuning and
     inference take. ``plain_ids`` are the ORIGINAL public plain tokens (reconstruction targets),
-    at positions 1..m. ``replace_prob``: share of text tokens (plain tokens excluded) changed."""
+    at positions 1..m. No statistic of the private text rides along (the share of tokens the
+    mechanism changed is an audit statistic, :func:`replaced_share`, computed on the local side)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     text_mask: torch.Tensor
     plain_ids: tuple[int, ...]
     eta: float
-    replace_prob: float
 
     @property
     def n_plain(self) -> int:
@@ -77,21 +77,33 @@ class PrivatizedEncoding:
     def rows(self, idx) -> PrivatizedEncoding:
         idx = torch.as_tensor(idx, dtype=torch.long) if isinstance(idx, list) else idx
         return PrivatizedEncoding(self.input_ids[idx], self.attention_mask[idx], self.text_mask[idx],
-                                  self.plain_ids, self.eta, self.replace_prob)
+                                  self.plain_ids, self.eta)
 
 
 def privatize_encoding(encoding: dict[str, torch.Tensor], plain_ids: list[int], privatizer: BackbonePrivatizer,
                        eta: float, rng: np.random.Generator) -> PrivatizedEncoding:
-    """d_X-privatise every plain and text token of an :func:`encode_rapt` result ([CLS], [SEP]
-    and padding pass through). ``rng``: the secret generator (tests inject a seeded one)."""
+    """d_X-privatise every plain and text token of an :func:`encode_rapt` result, special ids
+    inside the text included (``[UNK]``, a literal ``[MASK]``: none is released as it was); the
+    framing [CLS], [SEP] and padding pass through. ``rng``: the secret generator (tests inject a
+    seeded one)."""
     ids, attn, text = encoding["input_ids"], encoding["attention_mask"], encoding["text_mask"]
     m = len(plain_ids)
     if m and ids.shape[0] and not bool((ids[:, 1:1 + m] == torch.tensor(plain_ids)).all()):
         raise ValueError("the encoding's positions 1..m must hold the plain tokens given")
-    private = privatizer(ids, attn, eta, rng)
+    positions = text.clone()
+    positions[:, 1:1 + m] = attn[:, 1:1 + m].bool()  # the plain tokens; special ids inside the text too
+    private = privatizer(ids, attn, eta, rng, positions=positions)
+    return PrivatizedEncoding(private, attn.clone(), text.clone(), tuple(int(i) for i in plain_ids), float(eta))
+
+
+def replaced_share(encoding: dict[str, torch.Tensor], data: PrivatizedEncoding) -> float:
+    """LOCAL side: the share of text tokens (plain tokens excluded) the mechanism changed — it
+    reads the original ids, so it is an audit statistic of the private text, not DP."""
+    text = encoding["text_mask"]
+    if tuple(text.shape) != tuple(data.input_ids.shape):
+        raise ValueError(f"encoding {tuple(text.shape)} and privatized ids {tuple(data.input_ids.shape)} differ")
     n_text = int(text.sum())
-    replace = float((private[text] != ids[text]).sum()) / n_text if n_text else 0.0
-    return PrivatizedEncoding(private, attn.clone(), text.clone(), tuple(int(i) for i in plain_ids), float(eta), replace)
+    return float((data.input_ids[text] != encoding["input_ids"][text]).sum()) / n_text if n_text else 0.0
 
 
 def without_plain(data: PrivatizedEncoding, encoding: dict[str, torch.Tensor]) -> tuple[PrivatizedEncoding, dict]:
@@ -104,4 +116,4 @@ def without_plain(data: PrivatizedEncoding, encoding: dict[str, torch.Tensor]) -
     keep = torch.tensor([0] + list(range(1 + m, data.input_ids.shape[1])), dtype=torch.long)
     cut = {k: v[:, keep] for k, v in encoding.items()}
     return PrivatizedEncoding(data.input_ids[:, keep], data.attention_mask[:, keep], data.text_mask[:, keep], (),
-                              data.eta, data.replace_prob), cut
+                              data.eta), cut

@@ -184,13 +184,16 @@ class VocabularyIndex:
 
 
 def privatize_ids(ids, attention_mask, embeddings, eta: float, rng: np.random.Generator,
-                  exclude_ids: Iterable[int] | None = None, index: VocabularyIndex | None = None):
+                  exclude_ids: Iterable[int] | None = None, index: VocabularyIndex | None = None,
+                  positions=None):
     """d_X-privatise the text tokens of ``ids`` (N, L): each position with attention 1 whose id is
     not in ``exclude_ids`` becomes the nearest vocabulary id (never an excluded one) of its noised
-    embedding; padding and excluded ids pass through. Noise: ``privacy.mechanisms.
-    dx_privatize_embeddings`` with ``rng`` (the caller passes a secret generator). ``index``
-    (a :class:`VocabularyIndex` of the same embeddings and exclusions) skips the preparation
-    when privatising many batches. Returns a LongTensor like ``ids``."""
+    embedding; padding and excluded ids pass through. ``positions`` (a boolean mask within the
+    attention mask), when given, names the positions to privatise instead — whatever their id, so
+    a special id inside the text (``[UNK]``, a literal ``[MASK]``) is privatised too. Noise:
+    ``privacy.mechanisms.dx_privatize_embeddings`` with ``rng`` (the caller passes a secret
+    generator). ``index`` (a :class:`VocabularyIndex` of the same embeddings and exclusions) skips
+    the preparation when privatising many batches. Returns a LongTensor like ``ids``."""
     ids_t = torch.as_tensor(ids)
     if ids_t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise ValueError(f"ids must be integer token ids, got dtype {ids_t.dtype}")
@@ -204,7 +207,12 @@ def privatize_ids(ids, attention_mask, embeddings, eta: float, rng: np.random.Ge
         raise ValueError("exclude_ids differ from the exclusions the given index was built with")
     if mask.any() and int(ids_t[mask].min()) < 0:
         raise ValueError("ids must be non-negative token ids")
-    text = mask & ~torch.isin(ids_t, index.excluded)
+    if positions is None:
+        text = mask & ~torch.isin(ids_t, index.excluded)
+    else:
+        text = torch.as_tensor(positions).bool()
+        if text.shape != ids_t.shape or bool((text & ~mask).any()):
+            raise ValueError("positions must be a boolean mask of the shape of ids, within the attention mask")
     if text.any() and int(ids_t[text].max()) >= index.size:
         raise ValueError(f"ids must lie in [0, {index.size}) (the vocabulary size)")
     out = ids_t.clone()
@@ -246,8 +254,8 @@ class BackbonePrivatizer:
         self.exclude_ids = sorted(special | {int(i) for i in (exclude_ids or [])})
         self.index = VocabularyIndex(backbone.input_embeddings().weight, self.exclude_ids, device=device)
 
-    def __call__(self, ids, attention_mask, eta: float, rng: np.random.Generator) -> torch.Tensor:
-        return privatize_ids(ids, attention_mask, None, eta, rng, index=self.index)
+    def __call__(self, ids, attention_mask, eta: float, rng: np.random.Generator, positions=None) -> torch.Tensor:
+        return privatize_ids(ids, attention_mask, None, eta, rng, index=self.index, positions=positions)
 
     def replace_probability(self, original, privatized, attention_mask) -> float:
         return replace_probability(original, privatized, attention_mask, self.exclude_ids)

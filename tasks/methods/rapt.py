@@ -49,10 +49,24 @@ def draw_once(shared: Path, encoding, draw, load, save):
     return made_once(shared, draw, load, save, usable=lambda data: tuple(data.input_ids.shape) == shape)
 
 
-def draw_path(mctx, prefix: str, fields: dict) -> Path:
-    """Where the draw keyed by ``fields`` (a digest of the config, not of the data) is shared, on
-    the outputs side."""
-    return mctx.paths.root / "outputs" / "rapt-draws" / f"{prefix}-{digest_key(fields)}.pt"
+def draw_path(mctx, prefix: str, fields: dict, private_texts: list[str] | None = None) -> Path:
+    """Where the draw keyed by ``fields`` (config values) is shared. A draw of PRIVATE texts is
+    keyed also by their keyed fingerprint (HMAC with the installation secret: a changed source is
+    never served an old draw, and without the key the name confirms no guess about a text) and by
+    where its randomness came from: made from the secret source it is the released mechanism
+    output (outputs side); made from seeded streams (a debug run, an audit shadow: no guarantee,
+    nothing published) it stays on the private side and a released run never reuses it. Draws of
+    public text (seeded, nothing private) are on the outputs side."""
+    side = mctx.paths.root / "outputs"
+    if private_texts is not None:
+        from ..data import fingerprint
+        from ..state import installation_secret
+
+        seeded = bool(mctx.randomness.seeded)
+        fields = {**fields, "randomness": "seeded" if seeded else "secret", "texts": fingerprint(
+            private_texts, [""] * len(private_texts), installation_secret(mctx.paths.private))}
+        side = mctx.paths.private if seeded else side
+    return side / "rapt-draws" / f"{prefix}-{digest_key(fields)}.pt"
 
 
 @register_method
@@ -129,7 +143,7 @@ class Rapt(Method):
 
         d = torch.load(path)
         return PrivatizedEncoding(d["input_ids"], d["attention_mask"], d["text_mask"], tuple(d["plain_ids"]),
-                                  d["eta"], d["replace_prob"])
+                                  d["eta"])
 
     def _classifier(self, cfg, prompt, n_plain: int, head_vocab=None, reconstruction_weight: float = 1.0):
         from models.rapt.head import ReconstructionHead
@@ -170,13 +184,14 @@ class Rapt(Method):
         return model, data
 
     def shared_draw(self, mctx, texts: list[str], split: str, stream: int, out_path: Path):
-        """Local: the privatized ids of ``texts`` for this run, written to ``out_path`` (outputs side).
+        """Local: the privatized ids of ``texts`` for this run, written to ``out_path``; returns
+        (privatized, original encoding, share of text tokens changed — an audit statistic).
 
-        One draw per (data, seed, model, max_length, η, m, split), always with the m plain tokens,
-        kept on the outputs side and shared by the variants that differ only in tuning (prompt /
-        prefix) and reconstruction: a variant without reconstruction drops the plain positions of
-        the same draw (post-processing). The key is derived from the config, not from the data."""
-        from models.rapt.encoding import encode_rapt, privatize_encoding, without_plain
+        One draw per (texts, data, seed, model, max_length, η, m, split, randomness), always with
+        the m plain tokens, shared by the variants that differ only in tuning (prompt / prefix),
+        reconstruction and its weight: a variant without reconstruction drops the plain positions
+        of the same draw (post-processing). See :func:`draw_path` for where it is kept."""
+        from models.rapt.encoding import encode_rapt, privatize_encoding, replaced_share, without_plain
         from models.rapt.privatize import BackbonePrivatizer
         from models.registry import load_backbone
 
@@ -187,14 +202,15 @@ class Rapt(Method):
         shared = draw_path(mctx, split, {
             "data": cfg.data.model_dump(mode="json"), "data_root": cfg.data_root, "seed": cfg.seed,
             "model": cfg.models.local, "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain,
-            "split": split, "n": len(texts)})
+            "split": split, "n": len(texts)}, private_texts=texts)
         data = draw_once(shared, encoding, lambda: privatize_encoding(
             encoding, plain, BackbonePrivatizer(bb), block.eta, mctx.randomness.numpy(stream)), self.load_privatized,
             self._save)
+        replaced = replaced_share(encoding, data)  # local: it reads the original ids
         if not block.reconstruction:
             data, encoding = without_plain(data, encoding)
         self._save(data, out_path)
-        return data, encoding
+        return data, encoding, replaced
 
     @staticmethod
     def _save(data, path: Path) -> None:
@@ -203,19 +219,22 @@ class Rapt(Method):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"input_ids": data.input_ids, "attention_mask": data.attention_mask, "text_mask": data.text_mask,
-                    "plain_ids": list(data.plain_ids), "eta": data.eta, "replace_prob": data.replace_prob}, tmp)
+                    "plain_ids": list(data.plain_ids), "eta": data.eta}, tmp)
         tmp.replace(path)
 
     def train(self, mctx, plan, rows, progress=None):
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         directory = mctx.output_dir or (mctx.paths.private / "rapt")
         path = directory / "rapt_privatized_train.pt"
-        data, encoding = self.shared_draw(mctx, rows.texts, "train", 3, path)  # local side
+        data, encoding, replaced = self.shared_draw(mctx, rows.texts, "train", 3, path)  # local side
         head_vocab = mctx.prepared.get("head_vocab") if block.reconstruction else None  # (the attacks use it too)
         model, _ = self.tune(cfg, path, rows.labels, mctx.seed, head_vocab, progress)
-        metrics = {"rapt.replace_prob": data.replace_prob, "train.steps": block.steps}
-        audit = self._attacks(mctx, model, data, encoding) if block.attacks else {}
-        return Trained(model.prompt.weight.detach().cpu().clone(), None, block.steps, metrics, audit_metrics=audit)
+        # audit statistics (they read the unprivatized text; the ledger lists them as non-private uses)
+        audit = {"audit.rapt.replace_prob": replaced}
+        if block.attacks:
+            audit.update(self._attacks(mctx, model, data, encoding))
+        return Trained(model.prompt.weight.detach().cpu().clone(), None, block.steps, {"train.steps": block.steps},
+                       audit_metrics=audit)
 
     ATTACK_ROWS = 300
 
@@ -241,7 +260,7 @@ class Rapt(Method):
         privatizer = BackbonePrivatizer(bb)
         n = min(len(data), self.ATTACK_ROWS)
         sub, ids, mask = data.rows(slice(0, n)), encoding["input_ids"][:n], encoding["text_mask"][:n]
-        out = {"attack.inversion.success": embedding_inversion_success(sub.input_ids, ids, mask, privatizer.index)}
+        out = {"audit.attack.inversion.success": embedding_inversion_success(sub.input_ids, ids, mask, privatizer.index)}
         plain = list(data.plain_ids)
         public = public_texts(cfg, mctx.paths.private)[:n]
         pub_enc = encode_rapt(bb.tokenizer, public, plain, cfg.models.max_length)
@@ -256,12 +275,12 @@ class Rapt(Method):
         states = text_states(inference, sub), text_states(inference, pub)  # once, for both attacks
         inv = hidden_inversion_attack(inference, sub, ids, pub, pub_enc["input_ids"], privatizer.index,
                                       torch.tensor(mctx.prepared["head_vocab"]), generator=g, states=states)
-        out["attack.inversion_hidden.success"] = inv["nn_success"]
-        out["attack.inversion_hidden.learned_success"] = inv["learned_success"]
+        out["audit.attack.inversion_hidden.success"] = inv["nn_success"]
+        out["audit.attack.inversion_hidden.learned_success"] = inv["learned_success"]
         feats = torch.cat([pooled_text_states(states[0], sub.text_mask), pooled_text_states(states[1], pub.text_mask)])
         attr = attribute_inference(feats, [0] * len(sub) + [1] * len(pub), generator=g)
-        out["attack.attribute.success"] = attr["success"]
-        out["attack.attribute.majority_rate"] = attr["majority_rate"]
+        out["audit.attack.attribute.success"] = attr["success"]
+        out["audit.attack.attribute.majority_rate"] = attr["majority_rate"]
         return out
 
     def evaluate_published(self, ctx, prompt_path: str, mctx) -> float:
@@ -274,8 +293,9 @@ class Rapt(Method):
 
         cfg = ctx.cfg
         texts, names = read_partition_split(ctx.part.test_path)
-        path = ctx.output_dir / "rapt_privatized_test.pt"
-        data, _ = self.shared_draw(mctx, texts, "test", 4, path)
+        # released (outputs side) only when made from the secret source, like the training draw
+        path = (ctx.private_run_dir if mctx.randomness.seeded else ctx.output_dir) / "rapt_privatized_test.pt"
+        data, _, _ = self.shared_draw(mctx, texts, "test", 4, path)
         tensor = load_prompt_file(prompt_path)
         prompt = PrefixPrompt(tensor) if tensor.dim() == 4 else SoftPrompt(tensor.shape[0], tensor.shape[1], tensor)
         classifier = self._classifier(cfg, prompt, data.n_plain).inference()
