@@ -591,13 +591,25 @@ class Ledger:
         """
         return self._record_use("nonprivate", fingerprint, run_id, description)
 
-    def record_ldp(self, fingerprint: str, run_id: str, description: str) -> dict[str, Any]:
+    def record_ldp(self, fingerprint: str, run_id: str, description: str, eta: float | None = None
+                   ) -> dict[str, Any]:
         """Record a use under local (metric, d_X) privacy: each record was privatised on the local
         side before use, with no (ε, δ) statement about the dataset. Not composed into ε, listed
-        as local-DP (not as non-private). Recording the same run id again is a no-op."""
-        return self._record_use("ldp", fingerprint, run_id, description)
+        as local-DP (not as non-private). Recording the same run id again is a no-op.
 
-    def _record_use(self, kind: str, fingerprint: str, run_id: str, description: str) -> dict[str, Any]:
+        ``eta``: this entry is one RELEASE — one independent d_X draw of (some of) the dataset's
+        records at privacy parameter η. d_X privacy composes additively: a record in k releases
+        is private at Σ η, so :meth:`datasets` reports ``ldp_eta_bound``, the sum over every
+        release of the dataset (a bound for any one record; record it BEFORE the draw is made)."""
+        event = None
+        if eta is not None:
+            if not (isinstance(eta, (int, float)) and math.isfinite(eta) and eta > 0):
+                raise ValueError(f"eta must be a finite number > 0, got {eta!r}")
+            event = json.dumps({"mechanism": "d_X", "eta": float(eta)})
+        return self._record_use("ldp", fingerprint, run_id, description, event)
+
+    def _record_use(self, kind: str, fingerprint: str, run_id: str, description: str,
+                    event: str | None = None) -> dict[str, Any]:
         _check_text(fingerprint, "fingerprint")
         _check_text(run_id, "run_id")
         _check_text(description, "description")
@@ -610,9 +622,9 @@ class Ledger:
                                      f"{row['kind']} entry for fingerprint {_short(row['fingerprint'])}")
             else:
                 conn.execute(
-                    "INSERT INTO entries (run_id, fingerprint, kind, status, description, created_at,"
-                    " committed_at) VALUES (?, ?, ?, 'committed', ?, ?, ?)",
-                    (run_id, fingerprint, kind, description, _now(), _now()))
+                    "INSERT INTO entries (run_id, fingerprint, kind, status, committed_event, description,"
+                    " created_at, committed_at) VALUES (?, ?, ?, 'committed', ?, ?, ?, ?)",
+                    (run_id, fingerprint, kind, event, description, _now(), _now()))
         return self._entry_dict_for(run_id)
 
     def require_delta(self, fingerprint: str, delta: float) -> None:
@@ -734,6 +746,9 @@ class Ledger:
                 counts = {(k, st): n for k, st, n in conn.execute(
                     "SELECT kind, status, COUNT(*) FROM entries WHERE fingerprint = ? GROUP BY kind, status",
                     (fp,))}
+                releases = [json.loads(r["committed_event"])["eta"] for r in conn.execute(
+                    "SELECT committed_event FROM entries WHERE fingerprint = ? AND kind = 'ldp' "
+                    "AND committed_event IS NOT NULL", (fp,))]
                 out.append({
                     "fingerprint": fp,
                     "name": ds["name"],
@@ -745,7 +760,9 @@ class Ledger:
                     "committed_runs": counts.get(("dp", "committed"), 0),
                     "aborted_runs": counts.get(("dp", "aborted"), 0),
                     "nonprivate_uses": counts.get(("nonprivate", "committed"), 0),
-                    "ldp_uses": counts.get(("ldp", "committed"), 0),
+                    "ldp_uses": counts.get(("ldp", "committed"), 0) - len(releases),
+                    "ldp_releases": len(releases),
+                    "ldp_eta_bound": float(sum(releases)) if releases else None,
                     "created_at": ds["created_at"],
                     "updated_at": ds["updated_at"],
                 })
@@ -757,7 +774,9 @@ class Ledger:
 
     def datasets(self) -> list[dict[str, Any]]:
         """Every registered dataset with its cap, δ, composed spent ε, remaining ε and run counts
-        (``nonprivate_uses``: uses without any DP guarantee)."""
+        (``nonprivate_uses``: uses without any DP guarantee; ``ldp_uses``: runs on locally
+        privatised inputs, ``ldp_releases`` the d_X draws they released and ``ldp_eta_bound`` the
+        composed η of a record in all of them, None when none was recorded)."""
         return self._dataset_dicts(None)
 
     def summary_table(self) -> str:
@@ -781,6 +800,10 @@ class Ledger:
         ldp = [e for e in entries if e["kind"] == "ldp"]
         nonprivate = [e for e in entries if e["kind"] == "nonprivate"]
         out.append("")
+        for d in self.datasets():
+            if d["ldp_releases"]:
+                out.append(f"local-DP releases of {d['name']} ({_short(d['fingerprint'])}): {d['ldp_releases']} d_X "
+                           f"draws; a record in all of them is private at η ≤ {d['ldp_eta_bound']:g} (η adds up)")
         if ldp:
             out.append(f"local-DP uses ({len(ldp)}; inputs privatised locally (d_X), no (ε, δ) claim):")
             for e in ldp:

@@ -103,7 +103,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
                 ledger.record_nonprivate(part.dataset_key, run_key, f"{name}: {plan.note or 'no formal guarantee'}")
         rows = read_private_rows(part, method.uses_validation) if plan.reads_private else PrivateRows([], [])
         mctx = MethodContext(cfg, paths, prepared, randomness.for_config(cfg), cfg.seed,
-                             ctx.output_dir if plan.guarantee in PUBLISHED else ctx.private_run_dir)
+                             ctx.output_dir if plan.guarantee in PUBLISHED else ctx.private_run_dir, part.dataset_key)
         started = time.perf_counter()
         trained = method.train(mctx, plan, rows, progress=progress(name) if progress else None)
         train_s = time.perf_counter() - started

@@ -7,7 +7,8 @@ from privacy.ledger import Ledger
 
 from . import plots
 
-LEDGER_KEYS = ("epsilon_cap", "delta", "spent_epsilon", "remaining_epsilon", "nonprivate_uses", "ldp_uses")
+LEDGER_KEYS = ("epsilon_cap", "delta", "spent_epsilon", "remaining_epsilon", "nonprivate_uses", "ldp_uses",
+               "ldp_releases", "ldp_eta_bound")
 
 
 def budget_record(cfg, part, paths, published: dict, plan_note: str, stages_extra: list[dict]) -> dict:

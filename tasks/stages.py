@@ -222,7 +222,7 @@ def _own_evaluation(ctx: StageContext, name: str, prompt_path: str | None) -> fl
     if prompt_path is None or name not in registered_methods():
         return None
     cfg = ctx.cfg
-    mctx = MethodContext(cfg, ctx.paths, {}, for_config(cfg), cfg.seed, ctx.output_dir)
+    mctx = MethodContext(cfg, ctx.paths, {}, for_config(cfg), cfg.seed, ctx.output_dir, ctx.part.dataset_key)
     return get_method(name).evaluate_published(ctx, prompt_path, mctx)
 
 

@@ -385,6 +385,24 @@ def test_ldp_uses_listed_counted_and_not_composed(ledger):
     assert "non-private uses: none" in table
 
 
+
+def test_ldp_releases_compose_eta_additively(ledger):
+    """Each d_X draw is a release; η adds up over the draws of a dataset (a record in all of them
+    is private at the sum). A shared draw recorded twice (variants of a sweep) counts once."""
+    assert ledger.dataset(FP)["ldp_eta_bound"] is None
+    ledger.record_ldp(FP, "rapt-run", "RAPT: local d_X privacy")  # a run: a use, not a release
+    for key, eta in (("draw-a", 50.0), ("draw-b", 100.0), ("draw-b", 100.0), ("draw-c", 150.0)):
+        ledger.record_ldp(FP, f"rapt-draw:{key}", f"d_X draw {key}", eta=eta)
+    ds = ledger.dataset(FP)
+    assert ds["ldp_releases"] == 3 and ds["ldp_eta_bound"] == pytest.approx(300.0) and ds["ldp_uses"] == 1
+    assert ledger.spent(FP).epsilon == 0.0  # not composed into ε
+    assert "3 d_X draws" in ledger.summary_table() and "η ≤ 300" in ledger.summary_table()
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="eta"):
+            ledger.record_ldp(FP, "rapt-draw:bad", "bad", eta=bad)
+    assert ledger.dataset(FP)["ldp_releases"] == 3  # nothing half-written
+
+
 def test_preview_composes_without_writing(ledger, tmp_path):
     ledger.reserve(FP, "dp-run", EXP)
     spent = ledger.spent(FP).epsilon

@@ -108,8 +108,11 @@ def test_train_spends_at_most_the_plan_and_the_prompt_round_trips(name, contexts
 
     ctx, prepared = contexts[name]
     cfg, method = ctx.cfg, get_method(name)
+    from privacy.ledger import Ledger
+
     plan = method.plan(cfg, len(ROWS), 1e-5)
-    mctx = MethodContext(cfg, ctx.paths, prepared, DpRandomness(), 0)
+    Ledger(ctx.paths.ledger).register_dataset(f"contract-{name}", "contract", 10.0, 1e-5)  # releases record there
+    mctx = MethodContext(cfg, ctx.paths, prepared, DpRandomness(), 0, dataset_key=f"contract-{name}")
     trained = method.train(mctx, plan, ROWS)
     if plan.guarantee == "dp":
         assert trained.event is not None

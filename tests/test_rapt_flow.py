@@ -82,9 +82,10 @@ def test_ledger_lists_rapt_as_local_dp_and_the_attacks_as_nonprivate(rapt_run):
 
     ledger = Ledger(rapt_run["state"] / "ledger.sqlite")
     kinds = [e["kind"] for e in ledger.entries()]
-    assert kinds.count("ldp") == 1 and "dp" not in kinds
+    assert kinds.count("ldp") == 3 and "dp" not in kinds  # the run, and its two releases (train, test draws)
     assert any("attack" in e["description"] for e in ledger.entries() if e["kind"] == "nonprivate")
-    assert ledger.datasets()[0]["ldp_uses"] == 1
+    ds = ledger.datasets()[0]
+    assert ds["ldp_uses"] == 1 and ds["ldp_releases"] == 2 and ds["ldp_eta_bound"] == pytest.approx(40.0)
 
 
 def test_no_unprivatized_private_text_is_published(rapt_run):
@@ -120,6 +121,10 @@ def test_variants_share_one_draw_and_report_every_attack(rapt_run):
         assert 0.0 <= m[name] <= 1.0, name
     first_run = client.get_run(rapt_run["summary"]["mlflow_run_id"])
     assert m["audit.rapt.replace_prob"] == pytest.approx(first_run.data.metrics["audit.rapt.replace_prob"])
+    from privacy.ledger import Ledger
+
+    ds = Ledger(state / "ledger.sqlite").datasets()[0]
+    assert ds["ldp_uses"] == 2 and ds["ldp_releases"] == 2  # the shared draws are not released again
 
 
 def test_concurrent_variants_make_one_draw(tmp_path):

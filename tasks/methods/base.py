@@ -79,6 +79,7 @@ class MethodContext:
     randomness: "DpRandomness"
     seed: int
     output_dir: "Path | None" = None   # where mechanism outputs of this run may be written (outputs side)
+    dataset_key: str | None = None     # the ledger's key of the private dataset (None: audit shadows)
 
 
 @dataclass

@@ -106,8 +106,9 @@ class Rapt(Method):
                                   "rapt.plain_tokens": block.plain_tokens if block.reconstruction else 0,
                                   "rapt.reconstruction_weight": block.reconstruction_weight if block.reconstruction
                                   else 0.0},
-                          note="local d_X privacy of every text with η = rapt.eta (metric LDP); no (ε, δ) claim; "
-                               "labels are not privatized")
+                          note="local d_X privacy of every token with η = rapt.eta (metric LDP) per draw; no "
+                               "(ε, δ) claim; labels and text lengths are not privatized; each draw is a release "
+                               "in the ledger, and η adds up over the draws a text is in (privprompt ledger)")
 
     def prepare(self, ctx, progress=None):
         """The reconstruction head's vocabulary: the most frequent token ids of PUBLIC text."""
@@ -203,6 +204,14 @@ class Rapt(Method):
             "data": cfg.data.model_dump(mode="json"), "data_root": cfg.data_root, "seed": cfg.seed,
             "model": cfg.models.local, "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain,
             "split": split, "n": len(texts)}, private_texts=texts)
+        if not mctx.randomness.seeded:  # a release: in the ledger before it is made (η adds up over draws)
+            if mctx.dataset_key is None:
+                raise RuntimeError("a released RAPT draw needs the dataset's ledger key (MethodContext.dataset_key)")
+            from privacy.ledger import Ledger
+
+            Ledger(mctx.paths.ledger).record_ldp(
+                mctx.dataset_key, f"rapt-draw:{shared.stem}",
+                f"rapt: d_X draw of {len(texts)} {split} texts at η = {block.eta:g} ({shared.name})", eta=block.eta)
         data = draw_once(shared, encoding, lambda: privatize_encoding(
             encoding, plain, BackbonePrivatizer(bb), block.eta, mctx.randomness.numpy(stream)), self.load_privatized,
             self._save)
