@@ -5,7 +5,9 @@ The guarantee is LOCAL (metric, d_X) privacy of each text, with parameter η (``
 (ε, δ) claim about the dataset (``privacy.guarantee=ldp``). Labels are not privatized, as in the
 paper. The privatization runs on the local side (``privatize``); the model side (``tune``,
 ``infer``) receives only the privatized ids, written to the run's outputs and read back from
-there. The attacks read the unprivatized text: their numbers are audit statistics.
+there. Each draw of private text is a release, recorded in the ledger with its η before it is
+made (η adds up over the draws a text is in). The attacks and the replacement share read the
+unprivatized text: their numbers are audit statistics (``audit.*``).
 """
 
 from __future__ import annotations
