@@ -97,6 +97,7 @@ def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
         "replace_prob": priv.replace_probability(ids, out, torch.ones_like(ids)), "equal_to_brute_force": same,
         "screen_dtype": str(priv.index.screen_dtype).removeprefix("torch."), "tokens_per_s_by_screen_dtype": per_dtype,
         "float32_product_only_tokens_per_s": product_only,
+        "vocab": priv.index.size, "dim": priv.index.dim,
     }
 
 
@@ -148,6 +149,21 @@ def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10,
     }
 
 
+def sgemm_peak_gflops(n: int = 4096, repeats: int = 3) -> float:
+    """The machine's dense float32 matrix-product rate (best of ``repeats`` n×n products): what an
+    exact search, one product of 2·(d+1)·V flops per token, can at best run at."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(repeats))
+    return 2 * n ** 3 / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def run(tokens: int = 20000, steps: int = 8, privatization_only: bool = False) -> dict:
     print(f"nproc={os.cpu_count()}, torch threads={torch.get_num_threads()}, load average={os.getloadavg()}")
     a = bench_privatization(tokens)
@@ -160,6 +176,13 @@ def run(tokens: int = 20000, steps: int = 8, privatization_only: bool = False) -
     print(f"    screening picked: {a['screen_dtype']}; " + ", ".join(f"{k} {v:,.0f} tokens/s" for k, v in dt.items())
           + f" (float32/bfloat16 ×{dt['float32'] / dt['bfloat16']:.2f}); the float32 scoring product alone "
           f"{a['float32_product_only_tokens_per_s']:,.0f} tokens/s (the ceiling of an exact search here)")
+    peak = sgemm_peak_gflops()
+    flops_per_token = 2 * (a["dim"] + 1) * a["vocab"]
+    print(f"    dense float32 product peak here {peak:.1f} GFLOP/s (4096², best of 3): an exact search at that "
+          f"rate {peak * 1e9 / flops_per_token:,.0f} tokens/s; the goal needs "
+          f"{GOAL_TOKENS_PER_S * flops_per_token / 1e9:.0f} GFLOP/s, ×{GOAL_TOKENS_PER_S * flops_per_token / 1e9 / peak:.2f} "
+          f"the peak; the search runs at {a['fast_tokens_per_s'] * flops_per_token / 1e9 / peak:.0%} of it")
+    a["sgemm_peak_gflops"] = peak
     if privatization_only:
         return {"privatization": a}
     b = bench_tuning_step(steps)
