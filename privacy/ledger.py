@@ -784,10 +784,11 @@ class Ledger:
         non-private use, which carries no DP guarantee and is not part of the ε column."""
         header = ("dataset", "fingerprint", "delta", "eps_cap", "eps_spent", "eps_left",
                   "reserved", "committed", "aborted", "local-DP", "non-private")
+        datasets = self.datasets()
         rows = [(d["name"], _short(d["fingerprint"]), f"{d['delta']:g}", _fmt(d["epsilon_cap"]),
                  _fmt(d["spent_epsilon"]), _fmt(d["remaining_epsilon"]), str(d["reserved_runs"]),
                  str(d["committed_runs"]), str(d["aborted_runs"]), str(d["ldp_uses"]), str(d["nonprivate_uses"]))
-                for d in self.datasets()]
+                for d in datasets]
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
 
         def line(cells):
@@ -800,7 +801,7 @@ class Ledger:
         ldp = [e for e in entries if e["kind"] == "ldp"]
         nonprivate = [e for e in entries if e["kind"] == "nonprivate"]
         out.append("")
-        for d in self.datasets():
+        for d in datasets:
             if d["ldp_releases"]:
                 out.append(f"local-DP releases of {d['name']} ({_short(d['fingerprint'])}): {d['ldp_releases']} d_X "
                            f"draws; a record in all of them is private at η ≤ {d['ldp_eta_bound']:g} (η adds up)")

@@ -188,13 +188,13 @@ class Rapt(Method):
 
     def shared_draw(self, mctx, texts: list[str], split: str, stream: int, out_path: Path):
         """Local: the privatized ids of ``texts`` for this run, written to ``out_path``; returns
-        (privatized, original encoding, share of text tokens changed — an audit statistic).
+        (privatized, original encoding).
 
         One draw per (texts, data, seed, model, max_length, η, m, split, randomness), always with
         the m plain tokens, shared by the variants that differ only in tuning (prompt / prefix),
         reconstruction and its weight: a variant without reconstruction drops the plain positions
         of the same draw (post-processing). See :func:`draw_path` for where it is kept."""
-        from models.rapt.encoding import encode_rapt, privatize_encoding, replaced_share, without_plain
+        from models.rapt.encoding import encode_rapt, privatize_encoding, without_plain
         from models.rapt.privatize import BackbonePrivatizer
         from models.registry import load_backbone
 
@@ -217,11 +217,10 @@ class Rapt(Method):
         data = draw_once(shared, encoding, lambda: privatize_encoding(
             encoding, plain, BackbonePrivatizer(bb), block.eta, mctx.randomness.numpy(stream)), self.load_privatized,
             self._save)
-        replaced = replaced_share(encoding, data)  # local: it reads the original ids
         if not block.reconstruction:
             data, encoding = without_plain(data, encoding)
         self._save(data, out_path)
-        return data, encoding, replaced
+        return data, encoding
 
     @staticmethod
     def _save(data, path: Path) -> None:
@@ -234,14 +233,16 @@ class Rapt(Method):
         tmp.replace(path)
 
     def train(self, mctx, plan, rows, progress=None):
+        from models.rapt.encoding import replaced_share
+
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         directory = mctx.output_dir or (mctx.paths.private / "rapt")
         path = directory / "rapt_privatized_train.pt"
-        data, encoding, replaced = self.shared_draw(mctx, rows.texts, "train", 3, path)  # local side
+        data, encoding = self.shared_draw(mctx, rows.texts, "train", 3, path)  # local side
         head_vocab = mctx.prepared.get("head_vocab") if block.reconstruction else None  # (the attacks use it too)
         model, _ = self.tune(cfg, path, rows.labels, mctx.seed, head_vocab, progress)
         # audit statistics (they read the unprivatized text; the ledger lists them as non-private uses)
-        audit = {"audit.rapt.replace_prob": replaced}
+        audit = {"audit.rapt.replace_prob": replaced_share(encoding, data)}  # local: reads the original ids
         if block.attacks:
             audit.update(self._attacks(mctx, model, data, encoding))
         return Trained(model.prompt.weight.detach().cpu().clone(), None, block.steps, {"train.steps": block.steps},
@@ -306,7 +307,7 @@ class Rapt(Method):
         texts, names = read_partition_split(ctx.part.test_path)
         # released (outputs side) only when made from the secret source, like the training draw
         path = (ctx.private_run_dir if mctx.randomness.seeded else ctx.output_dir) / "rapt_privatized_test.pt"
-        data, _, _ = self.shared_draw(mctx, texts, "test", 4, path)
+        data, _ = self.shared_draw(mctx, texts, "test", 4, path)
         tensor = load_prompt_file(prompt_path)
         prompt = PrefixPrompt(tensor) if tensor.dim() == 4 else SoftPrompt(tensor.shape[0], tensor.shape[1], tensor)
         classifier = self._classifier(cfg, prompt, data.n_plain).inference()
