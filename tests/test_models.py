@@ -343,7 +343,10 @@ def test_training_reduces_loss_on_toy_task(private):
     dp = DPConfig(noise_multiplier=0.3, max_grad_norm=1.0, sample_rate=0.5) if private else None
     init = SoftPrompt.init_from_vocab(clf.backbone, cfg.init_words, n_tokens=4).weight.detach()
     before = per_example_loss(clf, enc, y, init).mean()
-    res = train_prompt(clf, enc, y, cfg, dp)
+    # fixed DP streams: with secret ones the loss ratio varied 0.30-0.69 over 12 draws (1 above 0.6),
+    # so the utility check failed now and then (the secret streams are tested elsewhere)
+    gs, gn = seeded_dp_generators(0) if private else (None, None)
+    res = train_prompt(clf, enc, y, cfg, dp, sample_generator=gs, noise_generator=gn)
     after = per_example_loss(clf, enc, y, res.prompt).mean()
     assert res.prompt.shape == (4, clf.embed_dim) and res.steps == 40 and res.private == private
     assert after < 0.6 * before, (float(before), float(after))
