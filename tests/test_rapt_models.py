@@ -65,7 +65,7 @@ def test_nearest_equals_brute_force_numpy(screen_dtype, device):
     vocab[7] = vocab[8]  # an exact tie: both numpy and the index must pick the lower id
     exclude = [0, 1, 2, 100]
     index = VocabularyIndex(torch.from_numpy(vocab).float(), exclude, screen_dtype=screen_dtype, device=device)
-    assert index.augmented_screen.device.type == device
+    assert index.screen_vocab.device.type == device
     vocab32 = index.vocab64.numpy()  # what the index searches (the float32 embeddings, widened)
     for eta in (2.0, 10.0, 50.0, 1e4):
         ids = rng.integers(0, 3000, size=400)
@@ -76,6 +76,37 @@ def test_nearest_equals_brute_force_numpy(screen_dtype, device):
         assert np.array_equal(got, expected), f"eta={eta}: {np.mean(got != expected)} differ"
         assert not np.isin(got, exclude).any()
     assert 8 not in index.nearest(vocab32[[8, 8]])  # tie resolved to 7, like numpy's argmin
+
+
+@pytest.mark.parametrize("screen_dtype", [torch.float32, torch.bfloat16])
+def test_nearest_over_several_chunks_and_a_partial_one(monkeypatch, screen_dtype):
+    """The search reuses one (V, chunk) score buffer and mask across chunks: a last, shorter chunk
+    writes into views of them; every chunk must still equal brute force."""
+    from models.rapt import privatize
+
+    monkeypatch.setattr(privatize, "CHUNK_ROWS", 128)
+    rng = np.random.default_rng(3)
+    vocab = rng.standard_normal((1500, 24))
+    index = VocabularyIndex(torch.from_numpy(vocab).float(), [0, 5], screen_dtype=screen_dtype, device="cpu")
+    vocab32 = index.vocab64.numpy()
+    noisy = dx_privatize_embeddings(vocab32[rng.integers(0, 1500, size=300)], 8.0, rng)  # 128 + 128 + 44
+    expected = nearest_neighbor_tokens(noisy, vocab32, [0, 5])
+    assert np.array_equal(index.nearest(noisy), expected)
+    assert np.array_equal(index.nearest(noisy[:7]), expected[:7])  # fewer rows than a chunk
+
+
+def test_minilm_search_equals_brute_force_over_the_eta_grid():
+    """The real vocabulary (MiniLM's 30,522 × 384 input embeddings, specials excluded), the
+    default screening dtype of this machine, 1,200 noisy tokens (more than two chunks) per η of
+    the RAPT grid and beyond: equal to the float64 numpy search."""
+    priv = BackbonePrivatizer(load_backbone("minilm", device="cpu"))
+    vocab = priv.index.vocab64.numpy()
+    rng = np.random.default_rng(11)
+    for eta in (50.0, 100.0, 150.0, 1000.0):
+        ids = rng.integers(1000, priv.index.size, size=1200)
+        noisy = dx_privatize_embeddings(vocab[ids], eta, rng)
+        expected = nearest_neighbor_tokens(noisy, vocab, priv.exclude_ids)
+        assert np.array_equal(priv.index.nearest(noisy), expected), eta
 
 
 def test_screen_dtype_follows_native_bf16_support(monkeypatch):
