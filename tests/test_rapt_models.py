@@ -354,6 +354,19 @@ def test_run_label_names_a_reconstruction_weight_other_than_the_papers():
 
 # ---- attacks ----------------------------------------------------------------------------------
 
+def test_changed_share_counts_the_given_positions_and_refuses_none():
+    from models.rapt.privatize import changed_share
+
+    orig = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
+    priv = torch.tensor([[5, 4, 7, 3], [1, 10, 11, 0]])
+    pos = torch.tensor([[False, True, True, True], [True, True, True, False]])
+    assert changed_share(orig, priv, pos) == pytest.approx(3 / 6)  # position (0, 0) changed nothing, not counted
+    with pytest.raises(ValueError, match="no text tokens"):
+        changed_share(orig, priv, torch.zeros_like(pos))
+    with pytest.raises(ValueError, match="one shape"):
+        changed_share(orig, priv[:, :3], pos)
+
+
 def test_embedding_inversion_is_one_minus_replacement(tiny, tiny_privatizer):
     _plain, enc, data = _privatized(tiny, tiny_privatizer, eta=250.0)
     mask = data.text_mask

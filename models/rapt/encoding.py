@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.rapt.privatize import BackbonePrivatizer
+from models.rapt.privatize import BackbonePrivatizer, changed_share
 
 PLAIN_TOKENS = 40  # m
 
@@ -99,11 +99,7 @@ def privatize_encoding(encoding: dict[str, torch.Tensor], plain_ids: list[int], 
 def replaced_share(encoding: dict[str, torch.Tensor], data: PrivatizedEncoding) -> float:
     """LOCAL side: the share of text tokens (plain tokens excluded) the mechanism changed — it
     reads the original ids, so it is an audit statistic of the private text, not DP."""
-    text = encoding["text_mask"]
-    if tuple(text.shape) != tuple(data.input_ids.shape):
-        raise ValueError(f"encoding {tuple(text.shape)} and privatized ids {tuple(data.input_ids.shape)} differ")
-    n_text = int(text.sum())
-    return float((data.input_ids[text] != encoding["input_ids"][text]).sum()) / n_text if n_text else 0.0
+    return changed_share(encoding["input_ids"], data.input_ids, encoding["text_mask"])
 
 
 def without_plain(data: PrivatizedEncoding, encoding: dict[str, torch.Tensor]) -> tuple[PrivatizedEncoding, dict]:

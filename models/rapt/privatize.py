@@ -260,14 +260,24 @@ def text_token_mask(ids, attention_mask, exclude_ids: Iterable[int]) -> torch.Te
     return mask & ~torch.isin(ids_t, torch.tensor(sorted({int(i) for i in exclude_ids}), dtype=torch.long))
 
 
-def replace_probability(original, privatized, attention_mask, exclude_ids: Iterable[int]) -> float:
-    """Share of text tokens (see :func:`text_token_mask`) whose id changed (RAPT's Table 4)."""
-    text = text_token_mask(original, attention_mask, exclude_ids)
-    n = int(text.sum())
+def changed_share(original, privatized, positions) -> float:
+    """Share of the ``positions`` (a boolean mask) whose id differs between ``original`` and
+    ``privatized`` (RAPT's replacement probability, Table 4). It reads the original ids: on
+    private text an audit statistic, not a DP output."""
+    orig, priv = torch.as_tensor(original).long(), torch.as_tensor(privatized).long()
+    pos = torch.as_tensor(positions).bool()
+    if not (orig.shape == priv.shape == pos.shape):
+        raise ValueError(f"original {tuple(orig.shape)}, privatized {tuple(priv.shape)} and positions "
+                         f"{tuple(pos.shape)} must have one shape")
+    n = int(pos.sum())
     if n == 0:
         raise ValueError("no text tokens: the replacement probability is undefined")
-    changed = torch.as_tensor(original).long()[text] != torch.as_tensor(privatized).long()[text]
-    return float(changed.sum()) / n
+    return float((orig[pos] != priv[pos]).sum()) / n
+
+
+def replace_probability(original, privatized, attention_mask, exclude_ids: Iterable[int]) -> float:
+    """Share of text tokens (see :func:`text_token_mask`) whose id changed (RAPT's Table 4)."""
+    return changed_share(original, privatized, text_token_mask(original, attention_mask, exclude_ids))
 
 
 class BackbonePrivatizer:
