@@ -5,6 +5,7 @@ without reading private rows (only the size of the source and its keyed hash).""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from privacy import accountant as acct
@@ -83,12 +84,23 @@ def plan_runs(variants: list, state_paths) -> dict:
     return {"runs": runs, "datasets": datasets, "fits": all(d["fits"] for d in datasets.values())}
 
 
+_DOTTED_KEY = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)=")
+
+
+def short_labels(labels: list[str]) -> list[str]:
+    """Variant labels with every dotted key cut to its last part (``methods.rapt.eta=100.0`` →
+    ``eta=100.0``), where that keeps distinct labels distinct; otherwise the labels as they are."""
+    short = [_DOTTED_KEY.sub(r"\1=", label) for label in labels]
+    return short if len(set(short)) == len(set(labels)) else list(labels)
+
+
 def format_plan(plan: dict) -> str:
-    lines = [f"{'variant':<32}{'method':<16}{'guarantee':<10}{'n_train':>8}{'planned ε':>12}"]
-    for r in plan["runs"]:
+    labels = short_labels([r["variant"] or "(config)" for r in plan["runs"]])
+    width = max([len("variant"), *map(len, labels)]) + 2
+    lines = [f"{'variant':<{width}}{'method':<16}{'guarantee':<10}{'n_train':>8}{'planned ε':>12}"]
+    for r, label in zip(plan["runs"], labels):
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.4f}"
-        lines.append(f"{(r['variant'] or '(config)')[:31]:<32}{r['method']:<16}{r['guarantee']:<10}"
-                     f"{r['n_train']:>8}{eps:>12}")
+        lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{r['n_train']:>8}{eps:>12}")
     for key, d in plan["datasets"].items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "

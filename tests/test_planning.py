@@ -33,7 +33,9 @@ def test_plan_composes_variants_and_writes_no_run(toy, tmp_path):
     eps = [r["epsilon"] for r in plan["runs"]]
     assert 0.99 <= eps[0] <= 1.0 and 3.96 <= eps[1] <= 4.0  # calibrated σ: ε at or just below the target
     assert max(eps) < d["total_epsilon"] < sum(eps) + 1e-9 and d["spent_epsilon"] == 0 and d["fits"]
-    assert "remaining after" in format_plan(plan)
+    text = format_plan(plan)
+    assert "remaining after" in text
+    assert "\ntarget_epsilon=1.0 " in text and "\ntarget_epsilon=4.0 " in text  # the variants told apart
     assert not (tmp_path / "state" / "mlflow.db").exists() and not (tmp_path / "state" / "ledger.sqlite").exists()
 
 
@@ -108,3 +110,15 @@ def test_sweep_variants_run_as_dask_tasks(prefect_harness, toy, tmp_path):
     client = _mlflow(tmp_path / "state")
     for r in out["variants"]:
         assert client.get_run(r["mlflow_run_id"]).data.tags["sweep.variant"] == r["variant"]
+
+
+def test_short_labels_keep_variants_apart():
+    """The plan printed 31 characters of each label: every variant of a RAPT λ grid read
+    ``methods.rapt.reconstruction_wei``. Keys are cut to their last part, never merging labels."""
+    from tasks.planning import short_labels
+
+    long = "methods.rapt.reconstruction_weight=0.1,methods.rapt.tuning=prefix,methods.rapt.eta=150.0,seed=2"
+    assert short_labels([long]) == ["reconstruction_weight=0.1,tuning=prefix,eta=150.0,seed=2"]
+    clash = ["methods.a.eta=1.0", "methods.b.eta=1.0"]  # shortened they would read the same
+    assert short_labels(clash) == clash
+    assert short_labels(["(config)", "seed=1"]) == ["(config)", "seed=1"]
