@@ -8,7 +8,10 @@
     inputs with 40 plain tokens (the head's own cost), and vs the privatisation-only variant
     without plain tokens (the whole cost of the reconstruction task).
 
-Run:  .venv/bin/python bench/bench_rapt.py [--tokens 20000] [--steps 8]
+(c) With --gradients only: the reconstruction loss's share of the prompt's gradient while training
+    (norm ratio and cosine to the task's; why reconstruction costs accuracy on a short run).
+
+Run:  .venv/bin/python bench/bench_rapt.py [--tokens 20000] [--steps 8] [--gradients]
  or:  .venv/bin/python -m pytest -q -p no:cacheprovider -m bench bench/bench_rapt.py -s
 Prints speeds and ratios measured in one run; always exits 0.
 """
@@ -32,6 +35,7 @@ import torch
 
 SST2 = ROOT.parent / "shared" / "data" / "sst2" / "train.jsonl"
 AGNEWS = ROOT.parent / "shared" / "data" / "agnews" / "test.jsonl"  # public text for the head's vocabulary
+TWEETS = ROOT.parent / "shared" / "data" / "tweet_sentiment" / "test.jsonl"  # configs/rapt.yaml's public side
 GOAL_TOKENS_PER_S = 10_000
 
 
@@ -154,6 +158,63 @@ def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10,
     }
 
 
+def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_texts: int = 256) -> list[dict]:
+    """(c) Why the reconstruction task costs accuracy on a short run: the prompt's gradient of
+    λ·L_rec against that of L_task (norm ratio and cosine) while training as RAPT does (prompt
+    tuning, 40 plain tokens, Adam lr 3e-3, batch 32, η = 100, SST-2 texts; L_rec of eq. 7 sums
+    over the m = 40 plain positions). Not a speed measurement."""
+    import torch.nn.functional as F
+
+    from models.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
+    from models.rapt.head import ReconstructionHead, reconstruction_vocab
+    from models.rapt.model import RaptModel, build_task_head
+    from models.rapt.privatize import BackbonePrivatizer
+    from models.registry import load_backbone
+    from models.soft_prompt import SoftPrompt
+
+    bb = load_backbone("minilm", device="cpu")
+    priv = BackbonePrivatizer(bb)
+    rows = []
+    with SST2.open() as f:
+        for line in f:
+            rows.append(json.loads(line))
+            if len(rows) >= n_texts:
+                break
+    names = ["negative", "positive"]
+    labels = torch.tensor([names.index(r["label"]) for r in rows])
+    plain = default_plain_ids(bb.tokenizer, 40)
+    public = bb.tokenizer(_texts(2_000, TWEETS), add_special_tokens=False)["input_ids"]
+    vocab = reconstruction_vocab(public, plain, exclude_ids=priv.exclude_ids)
+    data = privatize_encoding(encode_rapt(bb.tokenizer, [r["text"] for r in rows], plain, 96), plain, priv, 100.0,
+                              np.random.default_rng(0))
+    out = []
+    for weight in weights:
+        torch.manual_seed(0)
+        model = RaptModel(bb, SoftPrompt.init_from_vocab(bb, 10), build_task_head(bb, names), 40,
+                          ReconstructionHead(vocab, bb.embed_dim), reconstruction_weight=weight)
+        prompt = [p for p in model.prompt.parameters() if p.requires_grad]
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+        gen = torch.Generator().manual_seed(0)
+        for step in range(steps + 1):
+            idx = torch.randperm(len(rows), generator=gen)[:32]
+            losses = model.losses(data.rows(idx), labels[idx])
+            if step % every == 0:
+                g_task = torch.cat([g.flatten() for g in torch.autograd.grad(losses["task"], prompt, retain_graph=True)])
+                g_rec = torch.cat([g.flatten() for g in torch.autograd.grad(weight * losses["reconstruction"], prompt,
+                                                                            retain_graph=True)])
+                out.append({"weight": weight, "step": step, "task_loss": float(losses["task"]),
+                            "rec_loss": float(losses["reconstruction"]), "norm_ratio": float(g_rec.norm() / g_task.norm()),
+                            "cosine": float(F.cosine_similarity(g_task, g_rec, 0))})
+                r = out[-1]
+                print(f"(c) λ={weight:g} step {step}: L_task {r['task_loss']:.3f}, L_rec {r['rec_loss']:.1f}; "
+                      f"|∇λL_rec| / |∇L_task| = {r['norm_ratio']:.2f}, cosine {r['cosine']:+.3f}", flush=True)
+            if step < steps:
+                opt.zero_grad(set_to_none=True)
+                losses["total"].backward()
+                opt.step()
+    return out
+
+
 def sgemm_peak_gflops(n: int = 4096, repeats: int = 3) -> float:
     """The machine's dense float32 matrix-product rate (best of ``repeats`` n×n products into one
     output buffer): what an exact search, one product of 2·(d+1)·V flops per token, can at best
@@ -212,5 +273,10 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, default=20000)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--privatization-only", action="store_true", help="skip (b), the tuning steps")
+    p.add_argument("--gradients", action="store_true", help="only (c), the reconstruction task's share of the "
+                                                             "prompt's gradient while training")
     args = p.parse_args()
-    run(args.tokens, args.steps, args.privatization_only)
+    if args.gradients:
+        gradient_shares()
+    else:
+        run(args.tokens, args.steps, args.privatization_only)
