@@ -39,16 +39,20 @@ TWEETS = ROOT.parent / "shared" / "data" / "tweet_sentiment" / "test.jsonl"  # c
 GOAL_TOKENS_PER_S = 10_000
 
 
-def _texts(n: int, path: Path = SST2) -> list[str]:
+def _rows(n: int, path: Path = SST2) -> list[dict]:
     if not path.is_file():
         raise SystemExit(f"{path} is not available")
     out = []
     with path.open() as f:
         for line in f:
-            out.append(json.loads(line)["text"])
+            out.append(json.loads(line))
             if len(out) >= n:
                 break
     return out
+
+
+def _texts(n: int, path: Path = SST2) -> list[str]:
+    return [row["text"] for row in _rows(n, path)]
 
 
 def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
@@ -174,12 +178,7 @@ def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_text
 
     bb = load_backbone("minilm", device="cpu")
     priv = BackbonePrivatizer(bb)
-    rows = []
-    with SST2.open() as f:
-        for line in f:
-            rows.append(json.loads(line))
-            if len(rows) >= n_texts:
-                break
+    rows = _rows(n_texts)
     names = ["negative", "positive"]
     labels = torch.tensor([names.index(r["label"]) for r in rows])
     plain = default_plain_ids(bb.tokenizer, 40)
