@@ -166,7 +166,9 @@ def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_text
     """(c) Why the reconstruction task costs accuracy on a short run: the prompt's gradient of
     λ·L_rec against that of L_task (norm ratio and cosine) while training as RAPT does (prompt
     tuning, 40 plain tokens, Adam lr 3e-3, batch 32, η = 100, SST-2 texts; L_rec of eq. 7 sums
-    over the m = 40 plain positions). Not a speed measurement."""
+    over the m = 40 plain positions). Not a speed measurement. It prints exact losses of the texts it
+    trains on: a developer's measurement on the public SST-2 benchmark, never to be pointed at
+    private data (the pipeline itself publishes no such losses)."""
     import torch.nn.functional as F
 
     from models.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
