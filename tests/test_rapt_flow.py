@@ -185,3 +185,23 @@ def test_draw_paths_key_the_texts_and_keep_seeded_draws_private(tmp_path):
     assert "private review" not in released.name
     public = draw_path(seeded, "public", fields)  # public text, seeded: nothing private in it
     assert public.parent == paths.root / "outputs" / "rapt-draws"
+
+
+def test_a_split_without_text_tokens_is_refused_before_any_release(tmp_path):
+    """Texts that are all empty after tokenization: a clear error before the ledger records a
+    release or anything is drawn (it used to fail only at the audit step, after tuning)."""
+    from types import SimpleNamespace
+
+    from tasks.config import parse_config
+    from tasks.methods.rapt import Rapt
+    from tasks.randomness import DpRandomness
+    from tasks.state import state_paths
+
+    cfg = parse_config(_config(tmp_path / "data", tmp_path / "state"))
+    paths = state_paths(str(tmp_path / "state"))
+    mctx = SimpleNamespace(cfg=cfg, paths=paths, randomness=DpRandomness(seeded=False), dataset_key="toy",
+                           output_dir=tmp_path / "out")
+    with pytest.raises(ValueError, match="train split has no text tokens"):
+        Rapt().shared_draw(mctx, ["", "   "], "train", 3, tmp_path / "out" / "train.pt")
+    assert not (paths.root / "outputs" / "rapt-draws").exists()
+    assert not paths.ledger.exists() or "rapt-draw" not in paths.ledger.read_bytes().decode("latin-1")

@@ -202,6 +202,9 @@ class Rapt(Method):
         bb = load_backbone(cfg.models.local, seed=cfg.seed)
         plain = self._plain(cfg, bb.tokenizer)
         encoding = encode_rapt(bb.tokenizer, texts, plain, cfg.models.max_length)
+        if not bool(encoding["text_mask"].any()):  # before any release is recorded or drawn
+            raise ValueError(f"RAPT: the {split} split has no text tokens ({len(texts)} texts, all empty "
+                             "after tokenization): nothing to privatize or to tune on")
         shared = draw_path(mctx, split, {
             "data": cfg.data.model_dump(mode="json"), "data_root": cfg.data_root, "seed": cfg.seed,
             "model": cfg.models.local, "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain,
