@@ -95,6 +95,55 @@ def test_nearest_over_several_chunks_and_a_partial_one(monkeypatch, screen_dtype
     assert np.array_equal(index.nearest(noisy[:7]), expected[:7])  # fewer rows than a chunk
 
 
+@pytest.mark.parametrize("screen_dtype", [torch.float32, torch.bfloat16])
+def test_excluded_ids_never_win_however_far_the_query(screen_dtype):
+    """Excluded ids screen as −inf, not a finite penalty: with queries of norm 1e6–1e8 (η ≈ 1e-6)
+    a penalty of 1e6 let an excluded id set the row's best score and come out."""
+    index = VocabularyIndex(np.array([[1500.0, 0.0], [1500.0, 0.0], [0.0, 1.0]]), [0], screen_dtype=screen_dtype)
+    assert index.nearest(np.array([[1500.0, 0.0]])).tolist() == [1]
+    rng = np.random.default_rng(4)
+    vocab = rng.standard_normal((200, 16))
+    index = VocabularyIndex(torch.from_numpy(vocab), [0, 1, 2], screen_dtype=screen_dtype)
+    for eta in (1e-6, 1e-7):
+        noisy = dx_privatize_embeddings(vocab[rng.integers(3, 200, size=2000)], eta, rng)
+        got = index.nearest(noisy)
+        assert not np.isin(got, [0, 1, 2]).any(), eta
+        assert np.array_equal(got, nearest_neighbor_tokens(noisy, vocab, [0, 1, 2])), eta
+
+
+def test_nearest_refuses_queries_it_cannot_screen_exactly():
+    index = VocabularyIndex(np.eye(4), [3], screen_dtype=torch.float32)
+    with pytest.raises(ValueError, match="finite"):
+        index.nearest(np.array([[np.nan, 0, 0, 0], [1.0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="η is far too small"):
+        index.nearest(np.array([[1e39, 0, 0, 0], [1.0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="η is far too small"):  # through the ids entry point
+        privatize_ids(torch.tensor([[0, 1, 2]]), None, None, 1e-40, np.random.default_rng(0), index=index)
+    assert index.nearest(np.array([[1e30, 0, 0, 0]])).tolist() == [0]  # far, but within range
+
+
+@pytest.mark.parametrize("size", [31, 32, 33, 97])
+@pytest.mark.parametrize("screen_dtype", [torch.float32, torch.bfloat16])
+def test_block_maxima_find_every_candidate(size, screen_dtype):
+    """Candidates come from the blocks of BLOCK_ROWS ids whose maximum passes the floor, the
+    vocabulary padded to whole blocks with −inf rows: ties within a block and across a block
+    boundary, and vocabularies shorter than, equal to and past a block, equal brute force."""
+    from models.rapt.privatize import BLOCK_ROWS
+
+    assert BLOCK_ROWS == 32
+    rng = np.random.default_rng(size)
+    vocab = rng.standard_normal((size, 6))
+    vocab[size - 1] = vocab[size // 2]  # a tie the lowest id must win, across blocks when size > 32
+    vocab[1] = vocab[2]  # and one within the first block
+    index = VocabularyIndex(torch.from_numpy(vocab), [0], screen_dtype=screen_dtype)
+    assert index.screen_vocab.shape[0] % BLOCK_ROWS == 0
+    queries = np.concatenate([vocab[[size - 1, size // 2, 2, 1]],
+                              dx_privatize_embeddings(vocab[rng.integers(1, size, size=400)], 4.0, rng)])
+    expected = nearest_neighbor_tokens(queries, vocab, [0])
+    assert expected[0] == expected[1] == size // 2 and expected[2] == expected[3] == 1
+    assert np.array_equal(index.nearest(queries), expected)
+
+
 def test_minilm_search_equals_brute_force_over_the_eta_grid():
     """The real vocabulary (MiniLM's 30,522 × 384 input embeddings, specials excluded), the
     default screening dtype of this machine, 1,200 noisy tokens (more than two chunks) per η of

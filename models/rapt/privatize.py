@@ -6,26 +6,35 @@ dx_privatize_embeddings`` from the numpy Generator the caller passes (a secret o
 production; tests inject a seeded one); only the nearest-neighbour search runs here, in torch.
 
 The search equals the brute-force float64 ``privacy.mechanisms.nearest_neighbor_tokens`` on the
-same noisy vectors (exact ties go to the lowest id, as numpy's argmin does): a low-precision
+same noisy vectors (exact ties go to the lowest id, as numpy's argmin does; two scores a real-arithmetic
+tie apart may differ in float64's last bit between the two sums, which add in different orders, and
+then order differently — a measure-zero event under continuous noise): a low-precision
 screening product scores every vocabulary id, every id whose screening score lies within a
 rigorous rounding-error bound of the row's best is kept (see :meth:`VocabularyIndex._floor`;
 typically 1 to 5 ids), and those are re-scored exactly in float64. The screening runs in
-bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX: about 1.7x faster than
-float32 there, the bound covering its rounding), otherwise in float32 (windows of 1 to 2 ids): on an
-AVX2-only CPU torch emulates bfloat16 products about 6x slower than float32 ones. On CUDA (used when
-present, like every other model computation) the screening product runs on the GPU in float32 with
-TF32 off (IEEE float32 products, so the same bound holds); the candidates come back to the CPU for
-the float64 re-scoring. The product always runs at float32 matmul precision "highest", whatever the
-caller set: a reduced precision would let the backend round inputs beyond what the bound covers.
+bfloat16 where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX, the bound covering its
+rounding; 2.6 candidates per query at η = 100 on MiniLM), otherwise in float32 (windows of 1 to 2
+ids): on an AVX2-only CPU torch emulates bfloat16 products about 6x slower than float32 ones. On
+CUDA (used when present, like every other model computation) the screening product runs on the GPU
+in float32 with TF32 off (IEEE float32 products, so the same bound holds); the candidates come back
+to the CPU for the float64 re-scoring. The product always runs at float32 matmul precision
+"highest", whatever the caller set: a reduced precision would let the backend round inputs beyond
+what the bound covers.
 
 The product is [v, −½‖v‖²] (V, d+1) times [q, 1]ᵀ (in float32 an addmm of the last column and
-the (V, d) vocabulary times qᵀ) into one (V, chunk) buffer reused across chunks: on the 2-core
-AVX2 machine that runs at about 7,500 queries/s on MiniLM against about 4,100–4,400 for the
-(chunk, V) product of d + 1 columns into fresh memory it replaced. Measured and rejected: an 8-bit
-integer screening product (oneDNN's quantized linear kernel, 1.8x the float32 product there).
-Without VNNI its u8·s8 pairs saturate int16 unless the queries keep 7 bits, and then the rigorous
-rounding bound keeps about 3,500 of 30,522 MiniLM ids per query at η = 100 (median; 16 at
-η = 150, 11,940 at η = 50) for re-scoring.
+the (V, d) vocabulary times qᵀ) into one (V, chunk) buffer reused across chunks: on a 2-core
+AVX2 machine that ran at about 7,500 queries/s on MiniLM against about 4,100–4,400 for the
+(chunk, V) product of d + 1 columns into fresh memory it replaced. The candidates come from the
+maxima of blocks of ``BLOCK_ROWS`` ids (one pass over the scores; the vocabulary is padded to whole
+blocks with rows that score −inf): only blocks whose maximum passes a query's floor are compared id
+by id. Comparing all V × chunk scores against the floor and taking ``nonzero`` of that mask cost
+13.5 ms of 46 per 512 queries in bfloat16 on a 2-core AVX512-BF16 machine, as long as half the
+product (28.5 ms); the block maxima made the bfloat16 search 1.35–1.50x faster there (≈ 14,000
+queries/s) and float32 0.98–1.21x. Measured and rejected on the AVX2 machine: an 8-bit integer
+screening product (oneDNN's quantized linear kernel, 1.8x the float32 product there). Without VNNI
+its u8·s8 pairs saturate int16 unless the queries keep 7 bits, and then the rigorous rounding bound
+keeps about 3,500 of 30,522 MiniLM ids per query at η = 100 (median; 16 at η = 150, 11,940 at
+η = 50) for re-scoring.
 
 Positions that are padding or hold an excluded id (special tokens) are structure, not user text:
 they are passed through unchanged, and no excluded id is ever produced.
@@ -43,7 +52,7 @@ import torch
 from privacy.mechanisms import dx_privatize_embeddings
 
 CHUNK_ROWS = 512  # queries per screening product (V × 512 scores: 62.5 MB in float32 for MiniLM; 128 to 2048 ran within 3% of each other here, 128 slower)
-EXCLUDED_PENALTY = 1e6
+BLOCK_ROWS = 32  # vocabulary ids per block maximum (the vocabulary is padded to a multiple with −inf rows)
 SCREEN_UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}  # u of round-to-nearest
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with bfloat16 products
 
@@ -122,9 +131,17 @@ class VocabularyIndex:
         kept = torch.ones(V, dtype=torch.bool)
         kept[self.excluded] = False
         half_pen = -0.5 * (self.vocab64 ** 2).sum(1)
-        half_pen[self.excluded] = -EXCLUDED_PENALTY  # never within any window (scores are O(‖q‖))
+        # excluded ids screen as [0, …, 0, −inf]: a score of −inf for every finite query, so they
+        # never set a row's best score nor pass its floor (a finite penalty could, for queries
+        # of norm ~1e6 and beyond, and then an excluded id came out)
+        half_pen[self.excluded] = float("-inf")
         augmented = torch.cat([self.vocab64, half_pen.unsqueeze(1)], 1)
-        screen = augmented.to(screen_dtype)
+        augmented[self.excluded, :-1] = 0.0
+        # padded with screening-only rows like the excluded ones to whole blocks of BLOCK_ROWS ids
+        pad = -V % BLOCK_ROWS
+        padding = torch.zeros((pad, augmented.shape[1]), dtype=torch.float64)
+        padding[:, -1] = float("-inf")
+        screen = torch.cat([augmented, padding]).to(screen_dtype)
         # the product's operands. float32: the vocabulary (V, d) and −½‖v‖² as the bias column an
         # addmm adds within its float32 sums (d = 384 runs about 1.1x faster than d + 1 = 385 here).
         # bfloat16: the augmented (V, d+1) rows in one mm, so that −½‖v‖² joins the float32 sum
@@ -134,11 +151,14 @@ class VocabularyIndex:
             self.screen_bias = screen[:, -1:].contiguous().to(self.device)
         else:
             self.screen_vocab, self.screen_bias = screen.contiguous().to(self.device), None
-        rounded = screen.to(torch.float64)
-        # for the error bound (excluded ids can never win, whatever their screening score):
+        rounded = screen[:V].to(torch.float64)
+        # for the error bound, over the kept ids (excluded and padding rows score −inf):
         self.max_augmented_norm = float(augmented[kept].norm(dim=1).max())  # max ‖a‖
         self.max_rounded_norm = float(rounded[kept].norm(dim=1).max())  # max ‖ã‖
         self.max_rounding_norm = float((augmented - rounded)[kept].norm(dim=1).max())  # max ‖a − ã‖
+        # the largest ‖[q, 1]‖ the screening scores exactly: |out| ≤ (1 + γ)‖b̃‖‖ã‖ then stays under a
+        # fifth of the dtype's range, so neither the scores nor the bound's terms overflow
+        self.max_query_norm = float(torch.finfo(screen_dtype).max) / (5.0 * max(self.max_rounded_norm, 1.0))
 
     @property
     def size(self) -> int:
@@ -155,16 +175,24 @@ class VocabularyIndex:
         if q.dim() == 0 or q.shape[-1] != self.dim:
             raise ValueError(f"queries must have last dimension {self.dim}, got shape {tuple(q.shape)}")
         flat64 = q.reshape(-1, self.dim).to(torch.float64)
+        if not bool(torch.isfinite(flat64).all()):
+            raise ValueError("queries must be finite (a NaN or infinite noisy embedding)")
+        if flat64.shape[0] and float(flat64.norm(dim=1).max()) + 1.0 > self.max_query_norm:
+            raise ValueError(f"a query's norm {float(flat64.norm(dim=1).max()):.3g} is beyond what the "
+                             f"{str(self.screen_dtype).removeprefix('torch.')} screening scores exactly "
+                             f"({self.max_query_norm:.3g}); for d_X noise (norm ≈ d/η) η is far too small")
         out = torch.empty(flat64.shape[0], dtype=torch.long)
-        # one (V, chunk) score buffer and one mask for all chunks of this call: a product into
-        # fresh memory pays its page faults every time (about 1.3x slower here)
+        # one (V, chunk) score buffer for all chunks of this call: a product into fresh memory pays
+        # its page faults every time (about 1.3x slower on the AVX2 machine)
         rows = min(CHUNK_ROWS, flat64.shape[0])
-        scores = torch.empty((self.size, rows), dtype=self.screen_dtype, device=self.device)
-        mask = torch.empty((self.size, rows), dtype=torch.bool, device=self.device)
+        scores = torch.empty((self.screen_vocab.shape[0], rows), dtype=self.screen_dtype, device=self.device)
         for s in range(0, flat64.shape[0], CHUNK_ROWS):
             chunk = flat64[s:s + CHUNK_ROWS]
             n = chunk.shape[0]
-            out[s:s + n] = self._nearest_chunk(chunk, scores[:, :n], mask[:, :n])
+            found = self._nearest_chunk(chunk, scores[:, :n])
+            if found.shape[0] != n:  # every row's best kept id passes its own floor
+                raise RuntimeError(f"the screening kept no candidate for {n - found.shape[0]} of {n} queries")
+            out[s:s + n] = found
         return out.reshape(q.shape[:-1]).numpy()
 
     def _floor(self, q64: torch.Tensor, q_screen: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
@@ -187,10 +215,10 @@ class VocabularyIndex:
         low = top - u * top.abs() - c - c  # L − C
         return torch.where(low >= 0, low / (1.0 + u), low / (1.0 - u))
 
-    def _nearest_chunk(self, q64: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _nearest_chunk(self, q64: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         # screening score q·v − ½‖v‖² (to maximise; ‖q‖² is constant per query) as ONE low-precision
-        # product [v, −½‖v‖²]·[q, 1]ᵀ into ``scores`` (V, n); this orientation runs about 1.35x
-        # faster than (n, V) on the 2-core AVX2 machine
+        # product [v, −½‖v‖²]·[q, 1]ᵀ into ``scores`` (V padded to whole blocks, n); this orientation
+        # runs about 1.35x faster than (n, V) on the 2-core AVX2 machine
         q_screen = q64.to(self.screen_dtype)
         with ieee_float32_products():
             if self.screen_bias is not None:
@@ -198,13 +226,20 @@ class VocabularyIndex:
             else:
                 ones = torch.ones((q64.shape[0], 1), dtype=self.screen_dtype)
                 torch.mm(self.screen_vocab, torch.cat([q_screen, ones], 1).to(self.device).T, out=scores)
-        floor = self._floor(q64, q_screen, scores.amax(dim=0).to(device="cpu", dtype=torch.float64))
-        # compare in the screening dtype (no full-size copy), the floor lowered by two of its units
-        # in the last place first so that rounding it cannot lose a candidate
-        low = (floor - floor.abs() * 4.0 * self.unit_roundoff - 1e-30).to(self.screen_dtype)
-        torch.ge(scores, low.to(self.device).unsqueeze(0), out=mask)
-        cols, rows = mask.nonzero(as_tuple=True)
-        rows, cols = rows.cpu(), cols.cpu()
+        # the maximum of every block of BLOCK_ROWS ids per query: ONE pass over the scores gives the
+        # row's best (their maximum) and the blocks that can hold a candidate (an id passes the
+        # floor only if its block's maximum does); only those blocks are compared id by id
+        blocks = scores.unflatten(0, (-1, BLOCK_ROWS))  # (V / B, B, n), a view
+        block_max = blocks.amax(dim=1)
+        top = block_max.amax(dim=0)
+        floor = self._floor(q64, q_screen, top.to(device="cpu", dtype=torch.float64))
+        # compare in the screening dtype, the floor lowered by two of its units in the last place
+        # first so that rounding it cannot lose a candidate
+        low = (floor - floor.abs() * 4.0 * self.unit_roundoff - 1e-30).to(self.screen_dtype).to(self.device)
+        block_ids, block_rows = (block_max >= low.unsqueeze(0)).nonzero(as_tuple=True)
+        hit_pairs, offsets = (blocks[block_ids, :, block_rows] >= low[block_rows].unsqueeze(1)).nonzero(as_tuple=True)
+        cols = (block_ids[hit_pairs] * BLOCK_ROWS + offsets).cpu()
+        rows = block_rows[hit_pairs].cpu()
         exact = self.penalty64[cols] - 2.0 * (q64[rows] * self.vocab64[cols]).sum(1)
         order = np.lexsort((cols.numpy(), exact.numpy(), rows.numpy()))  # by row, then score, then id
         rows_sorted = rows.numpy()[order]
