@@ -3,7 +3,9 @@
 (a) Token privatisation on MiniLM's 30,522 × 384 vocabulary (goal ≥ 10,000 tokens/s on 2 cores):
     the numpy float64 path (privacy.mechanisms.dx_privatize_tokens) vs models.rapt.privatize
     (float32 or bfloat16 screening, picked per CPU, + exact float64 re-score), on SST-2 training tokens, η = 100. Both give
-    the same ids for the same noise; the index build is timed apart (once per process).
+    the same ids for the same noise; the index build is timed apart (once per process). Beside it:
+    the search alone in each screening dtype, its scoring product alone (the search's ceiling),
+    and the machine's dense product peak per dtype (bfloat16 where the CPU multiplies it natively).
 (b) Tuning step time on MiniLM with the reconstruction head vs without: the same privatised
     inputs with 40 plain tokens (the head's own cost), and vs the privatisation-only variant
     without plain tokens (the whole cost of the reconstruction task).
@@ -56,7 +58,7 @@ def _texts(n: int, path: Path = SST2) -> list[str]:
 
 
 def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
-    from models.rapt.privatize import CHUNK_ROWS, BackbonePrivatizer, VocabularyIndex
+    from models.rapt.privatize import CHUNK_ROWS, BackbonePrivatizer, VocabularyIndex, cpu_has_native_bf16
     from models.registry import load_backbone
     from privacy.mechanisms import (
         dx_privatize_embeddings,
@@ -94,22 +96,29 @@ def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
         t = time.perf_counter()
         index.nearest(noisy)
         per_dtype[str(dtype).removeprefix("torch.")] = n_cmp / (time.perf_counter() - t)
-    # the search's own product alone (an addmm into a reused (V, chunk) buffer, best of 3), and
-    # the (chunk, V) product of d + 1 columns into fresh memory, as the search ran it before
+    # the search's own product alone per screening dtype (best of 3, into a reused (V, chunk)
+    # buffer): float32 as an addmm of −½‖v‖² and V × qᵀ, bfloat16 as the augmented (V, d+1)
+    # product, as the search runs them; and the float32 (chunk, V) product of d + 1 columns into
+    # fresh memory, as the search ran it before (built here: the index holds the operands of its
+    # own dtype only)
     rows = min(CHUNK_ROWS, n_cmp)
-    q32, v32, bias = noisy[:rows].float(), priv.index.vocab64.float(), priv.index.screen_bias.float().cpu()
+    v64 = priv.index.vocab64
+    q32, v32, bias = noisy[:rows].float(), v64.float(), (-0.5 * (v64 ** 2).sum(1, keepdim=True)).float()
     buffer = torch.empty(v32.shape[0], rows)
-    torch.addmm(bias, v32, q32.T, out=buffer)
-    product_only = rows / min(_timed(lambda: torch.addmm(bias, v32, q32.T, out=buffer)) for _ in range(3))
+    product_only = {"float32": rows / _best_of_3(lambda: torch.addmm(bias, v32, q32.T, out=buffer))}
     q_aug, v_aug = torch.cat([q32, torch.ones(rows, 1)], 1), torch.cat([v32, bias], 1)
-    product_fresh_nv = rows / min(_timed(lambda: torch.mm(q_aug, v_aug.T)) for _ in range(3))
+    if cpu_has_native_bf16():
+        qb, vb = q_aug.bfloat16(), v_aug.bfloat16()
+        buffer_bf16 = torch.empty(v32.shape[0], rows, dtype=torch.bfloat16)
+        product_only["bfloat16"] = rows / _best_of_3(lambda: torch.mm(vb, qb.T, out=buffer_bf16))
+    product_fresh_nv = rows / _best_of_3(lambda: torch.mm(q_aug, v_aug.T))
     return {
         "tokens": len(flat), "eta": eta, "threads": torch.get_num_threads(),
         "index_build_s": build_s, "fast_tokens_per_s": len(flat) / fast_s,
         "numpy_tokens_per_s": n_numpy / numpy_s, "speedup": (len(flat) / fast_s) / (n_numpy / numpy_s),
         "replace_prob": priv.replace_probability(ids, out, torch.ones_like(ids)), "equal_to_brute_force": same,
         "screen_dtype": str(priv.index.screen_dtype).removeprefix("torch."), "tokens_per_s_by_screen_dtype": per_dtype,
-        "float32_product_only_tokens_per_s": product_only, "float32_product_n_by_v_fresh_tokens_per_s": product_fresh_nv,
+        "product_only_tokens_per_s": product_only, "float32_product_n_by_v_fresh_tokens_per_s": product_fresh_nv,
         "vocab": priv.index.size, "dim": priv.index.dim,
     }
 
@@ -216,20 +225,24 @@ def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_text
     return out
 
 
-def sgemm_peak_gflops(n: int = 4096, repeats: int = 3) -> float:
-    """The machine's dense float32 matrix-product rate (best of ``repeats`` n×n products into one
-    output buffer): what an exact search, one product of 2·(d+1)·V flops per token, can at best
-    run at."""
-    a, b, out = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-    torch.mm(a, b, out=out)
-    best = min(_timed(lambda: torch.mm(a, b, out=out)) for _ in range(repeats))
-    return 2 * n ** 3 / best / 1e9
+def matmul_peak_gflops(dtype: torch.dtype = torch.float32, n: int = 4096) -> float:
+    """The machine's dense matrix-product rate in ``dtype`` (best of 3 n×n products into one output
+    buffer): what an exact search, one product of 2·(d+1)·V flops per token, can at best run at."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    return 2 * n ** 3 / _best_of_3(lambda: torch.mm(a, b, out=out)) / 1e9
 
 
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def _best_of_3(fn) -> float:
+    """Seconds of the fastest of three calls after one warm-up call."""
+    fn()
+    return min(_timed(fn) for _ in range(3))
 
 
 def run(tokens: int = 20000, steps: int = 8, privatization_only: bool = False) -> dict:
@@ -240,19 +253,22 @@ def run(tokens: int = 20000, steps: int = 8, privatization_only: bool = False) -
           f"({a['tokens']:,} tokens) vs numpy {a['numpy_tokens_per_s']:,.0f} tokens/s: ×{a['speedup']:.1f}; "
           f"goal {GOAL_TOKENS_PER_S:,}: {verdict}; index build {a['index_build_s']:.2f} s; "
           f"replace_prob {a['replace_prob']:.2f}; equal to brute force: {a['equal_to_brute_force']}")
-    dt = a["tokens_per_s_by_screen_dtype"]
-    print(f"    screening picked: {a['screen_dtype']}; " + ", ".join(f"{k} {v:,.0f} tokens/s" for k, v in dt.items())
-          + f" (float32/bfloat16 ×{dt['float32'] / dt['bfloat16']:.2f}); the float32 scoring product alone "
-          f"{a['float32_product_only_tokens_per_s']:,.0f} tokens/s (the ceiling of this search here; "
-          f"as (chunk, V) into fresh memory {a['float32_product_n_by_v_fresh_tokens_per_s']:,.0f} tokens/s, "
-          f"×{a['float32_product_only_tokens_per_s'] / a['float32_product_n_by_v_fresh_tokens_per_s']:.2f})")
-    peak = sgemm_peak_gflops()
+    dt, product = a["tokens_per_s_by_screen_dtype"], a["product_only_tokens_per_s"]
+    print(f"    screening picked: {a['screen_dtype']}; search alone: " + ", ".join(f"{k} {v:,.0f} tokens/s" for k, v in dt.items())
+          + f" (bfloat16/float32 ×{dt['bfloat16'] / dt['float32']:.2f}); the scoring product alone: "
+          + ", ".join(f"{k} {v:,.0f} tokens/s" for k, v in product.items())
+          + f" (the ceiling of the search in that dtype); the float32 product as (chunk, V) into fresh memory "
+          f"{a['float32_product_n_by_v_fresh_tokens_per_s']:,.0f} tokens/s "
+          f"(reused (V, chunk) ×{product['float32'] / a['float32_product_n_by_v_fresh_tokens_per_s']:.2f})")
     flops_per_token = 2 * (a["dim"] + 1) * a["vocab"]
-    print(f"    dense float32 product peak here {peak:.1f} GFLOP/s (4096², best of 3): an exact search at that "
-          f"rate {peak * 1e9 / flops_per_token:,.0f} tokens/s; the goal needs "
-          f"{GOAL_TOKENS_PER_S * flops_per_token / 1e9:.0f} GFLOP/s, ×{GOAL_TOKENS_PER_S * flops_per_token / 1e9 / peak:.2f} "
-          f"the peak; the search runs at {a['fast_tokens_per_s'] * flops_per_token / 1e9 / peak:.0%} of it")
-    a["sgemm_peak_gflops"] = peak
+    need = GOAL_TOKENS_PER_S * flops_per_token / 1e9
+    a["matmul_peak_gflops"] = {}
+    for dtype in product:
+        peak = a["matmul_peak_gflops"][dtype] = matmul_peak_gflops(getattr(torch, dtype))
+        print(f"    dense {dtype} product peak here {peak:.1f} GFLOP/s (4096², best of 3): an exact search at that "
+              f"rate {peak * 1e9 / flops_per_token:,.0f} tokens/s; the goal needs {need:.0f} GFLOP/s "
+              f"(×{need / peak:.2f} the peak); the {dtype} search runs at "
+              f"{dt[dtype] * flops_per_token / 1e9 / peak:.0%} of it")
     if privatization_only:
         return {"privatization": a}
     b = bench_tuning_step(steps)
