@@ -120,6 +120,10 @@ def test_nearest_refuses_queries_it_cannot_screen_exactly():
     with pytest.raises(ValueError, match="η is far too small"):  # through the ids entry point
         privatize_ids(torch.tensor([[0, 1, 2]]), None, None, 1e-40, np.random.default_rng(0), index=index)
     assert index.nearest(np.array([[1e30, 0, 0, 0]])).tolist() == [0]  # far, but within range
+    with pytest.raises(ValueError, match="η is far too small"):  # the limit itself is refused
+        index.nearest(np.array([[index.max_query_norm, 0, 0, 0]]))
+    with pytest.raises(ValueError, match="embeddings too large"):  # ½‖v‖² beyond float32
+        VocabularyIndex(np.array([[1e20, 0.0], [0.0, 1.0]]), screen_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("size", [31, 32, 33, 97])

@@ -151,6 +151,9 @@ class VocabularyIndex:
             self.screen_bias = screen[:, -1:].contiguous().to(self.device)
         else:
             self.screen_vocab, self.screen_bias = screen.contiguous().to(self.device), None
+        if not bool(torch.isfinite(screen[:V][kept]).all()):
+            raise ValueError(f"embeddings too large for {str(screen_dtype).removeprefix('torch.')} screening "
+                             f"(½‖v‖² overflows it; the largest norm is {float(self.vocab64[kept].norm(dim=1).max()):.3g})")
         rounded = screen[:V].to(torch.float64)
         # for the error bound, over the kept ids (excluded and padding rows score −inf):
         self.max_augmented_norm = float(augmented[kept].norm(dim=1).max())  # max ‖a‖
@@ -177,7 +180,7 @@ class VocabularyIndex:
         flat64 = q.reshape(-1, self.dim).to(torch.float64)
         if not bool(torch.isfinite(flat64).all()):
             raise ValueError("queries must be finite (a NaN or infinite noisy embedding)")
-        if flat64.shape[0] and float(flat64.norm(dim=1).max()) + 1.0 > self.max_query_norm:
+        if flat64.shape[0] and float(flat64.norm(dim=1).max()) + 1.0 >= self.max_query_norm:
             raise ValueError(f"a query's norm {float(flat64.norm(dim=1).max()):.3g} is beyond what the "
                              f"{str(self.screen_dtype).removeprefix('torch.')} screening scores exactly "
                              f"({self.max_query_norm:.3g}); for d_X noise (norm ≈ d/η) η is far too small")
