@@ -180,8 +180,9 @@ class VocabularyIndex:
         flat64 = q.reshape(-1, self.dim).to(torch.float64)
         if not bool(torch.isfinite(flat64).all()):
             raise ValueError("queries must be finite (a NaN or infinite noisy embedding)")
-        if flat64.shape[0] and float(flat64.norm(dim=1).max()) + 1.0 >= self.max_query_norm:
-            raise ValueError(f"a query's norm {float(flat64.norm(dim=1).max()):.3g} is beyond what the "
+        largest = float(flat64.norm(dim=1).max()) if flat64.shape[0] else 0.0
+        if largest + 1.0 >= self.max_query_norm:
+            raise ValueError(f"a query's norm {largest:.3g} is beyond what the "
                              f"{str(self.screen_dtype).removeprefix('torch.')} screening scores exactly "
                              f"({self.max_query_norm:.3g}); for d_X noise (norm ≈ d/η) η is far too small")
         out = torch.empty(flat64.shape[0], dtype=torch.long)
