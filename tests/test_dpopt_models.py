@@ -124,3 +124,12 @@ def test_a_long_text_prompt_does_not_eat_the_inputs_token_budget(model, tmp_path
     text_tokens = lambda enc, c: (enc["attention_mask"].sum(1) - c.template_tokens).tolist()  # noqa: E731
     assert text_tokens(with_prompt, clf) == text_tokens(without, bare)
     assert text_tokens(without, bare)[0] == cfg.models.max_length - bare.template_tokens  # truncated to the budget
+
+
+def test_leakage_report_names_are_audit_statistics():
+    """Exact statistics of private texts are published only under ``audit.`` (RUN_RECORD.md)."""
+    from models.dpopt.leakage import leakage_report
+
+    private = ["the quick brown fox jumps over the lazy dog", "a b"]
+    report = leakage_report(["say: the quick brown fox jumps over the lazy dog!", "classify it"], private)
+    assert report == {"audit.leakage.exact_copies": 1.0, "audit.leakage.prompts": 2.0}

@@ -1,6 +1,8 @@
 """Local leakage report of generated prompts against the private training texts (DP-OPT's
 Appendix B.1 searched nearest neighbours by sentence embeddings; its code only checked exact
-substrings). Returns counts and a similarity, never a text."""
+substrings). Returns counts and a similarity, never a text. They are exact statistics of the
+private texts (not DP), so they are named ``audit.leakage.*``: published only as labelled audit
+statistics, and listed by the ledger as a non-private use (see ../shared/RUN_RECORD.md)."""
 
 from __future__ import annotations
 
@@ -51,17 +53,18 @@ def sentence_embeddings(texts: list[str], backbone, batch_size: int = 64, max_le
 
 def leakage_report(prompts: list[str], private_texts: list[str], encoder=None, n: int = 6,
                    near_threshold: float = 0.9) -> dict[str, float]:
-    """``leakage.exact_copies`` (prompts with an n-gram copy of a private text),
-    ``leakage.near_copies`` (prompts whose nearest private text by sentence embedding has cosine
-    ≥ ``near_threshold``) and ``leakage.max_similarity`` (the largest such cosine)."""
-    report = {"leakage.exact_copies": float(exact_copies(prompts, private_texts, n)),
-              "leakage.prompts": float(len(prompts))}
+    """``audit.leakage.exact_copies`` (prompts with an n-gram copy of a private text),
+    ``audit.leakage.prompts`` (prompts checked), ``audit.leakage.near_copies`` (prompts whose
+    nearest private text by sentence embedding has cosine ≥ ``near_threshold``) and
+    ``audit.leakage.max_similarity`` (the largest such cosine): audit statistics, not DP."""
+    report = {"audit.leakage.exact_copies": float(exact_copies(prompts, private_texts, n)),
+              "audit.leakage.prompts": float(len(prompts))}
     if encoder is not None and prompts and private_texts:
         p = sentence_embeddings(prompts, encoder)
         best = torch.full((len(prompts),), -1.0)
         for i in range(0, len(private_texts), 2048):
             q = sentence_embeddings(private_texts[i:i + 2048], encoder)
             best = torch.maximum(best, (p @ q.T).max(dim=1).values)
-        report["leakage.near_copies"] = float((best >= near_threshold).sum())
-        report["leakage.max_similarity"] = float(best.max())
+        report["audit.leakage.near_copies"] = float((best >= near_threshold).sum())
+        report["audit.leakage.max_similarity"] = float(best.max())
     return report
