@@ -46,6 +46,27 @@ def _point(name: str, accuracy: float, info: dict | None, label: str | None = No
             "guarantee": "no DP" if eps is None else "dp"}
 
 
+def labelled(guarantee: str, reads_private: bool) -> bool:
+    """Whether a baseline's (or variant's) numbers must be labelled as audit statistics on the
+    parent: it read private training data without a DP guarantee of its own (``none``, ``ldp``).
+    Such numbers are shown only as ``audit.baseline.<name>.<metric>``; a baseline that reads no
+    private training data (zero-shot), or one with its own DP spend in the ledger, keeps
+    ``test.accuracy.<name>`` (../shared/RUN_RECORD.md)."""
+    return reads_private and guarantee != "dp"
+
+
+def baseline_name(name: str, metric: str, audit: bool) -> str:
+    """The parent's name of baseline ``name``'s ``metric`` (``test.accuracy``, ``mia.loss.auc``)."""
+    if audit or metric != "test.accuracy":  # an attack on training records is an audit statistic whatever it attacks
+        return f"audit.baseline.{name}.{metric}"
+    return f"test.accuracy.{name}"
+
+
+def audit_label(metrics: dict[str, float]) -> dict[str, float]:
+    """Audit statistics of private data under ``audit.*`` / ``mia.*`` whatever a method named them."""
+    return {k if k.startswith(("audit.", "mia.")) else f"audit.{k}": v for k, v in metrics.items()}
+
+
 @flow(name="method", log_prints=False)
 def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
     """``config``: a validated config dict, or the path of a YAML config (deployments)."""
@@ -90,12 +111,13 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
             model = get_method(name).published_model(cfg, {})
             acc = evaluate_task(ctx, info["prompt_path"], name, info["guarantee"])
             compute[f"evaluate:{name}"] = acc["compute_s"]
-            metrics[f"test.accuracy.{name}"] = acc["target"]
+            audit = labelled(info["guarantee"], get_method(name).reads_private_data(cfg))
+            metrics[baseline_name(name, "test.accuracy", audit)] = acc["target"]
             points.append(_point(name, acc["target"], info))
             if cfg.mia.enabled and info["prompt_path"] is not None and get_method(name).supports_loss_mia:
                 mia = loss_mia_task(ctx, info["prompt_path"], name, info["guarantee"], model)
                 compute[f"mia:{name}"] = mia["compute_s"]
-                metrics[f"baseline.{name}.mia.loss.auc"] = mia["metrics"]["mia.loss.auc"]
+                metrics[baseline_name(name, "mia.loss.auc", True)] = mia["metrics"]["mia.loss.auc"]
 
         prepared = prepare_task(ctx, cfg.method)
         if prepared.get("tags"):
@@ -104,7 +126,9 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         if "prepare" in stage_names:
             runtime[stage_names["prepare"]] = "cached" if prepared.get("cached") else prepared["prepare_s"]
         published = run_method(cfg.method, prepared)
-        metrics.update(published["train_metrics"])  # counts of the training (and labelled audit statistics)
+        audit_metrics = published.get("audit_metrics") or {}
+        metrics.update({k: v for k, v in published["train_metrics"].items() if k not in audit_metrics})
+        metrics.update(audit_label(audit_metrics))  # counts of the training, and labelled audit statistics
         for stage in ("train", "post_process"):
             if stage in published["compute"]:
                 runtime[stage_names.get(stage, stage)] = published["compute"][stage]
@@ -144,7 +168,9 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
                 runtime[v.name] = results[v.name]["compute"]["train"]
             out = evaluate_task(ctx, v.prompt_path, v.name, v.guarantee, {"target": v.model})
             compute[f"evaluate:{v.name}"] = out["compute_s"]
-            accuracies[v.name] = metrics[f"test.accuracy.{v.name}"] = out["target"]
+            # a variant trained on private data without DP (POST's full_pt) is a labelled audit statistic
+            audit = labelled(v.guarantee, v.prompt_path is not None)
+            accuracies[v.name] = metrics[baseline_name(v.name, "test.accuracy", audit)] = out["target"]
         points += [_point(cfg.method, acc["target"], published, method.label or None)]
         points += [{"method": v.label or v.name, "accuracy": accuracies[v.name], "epsilon": v.epsilon,
                     "guarantee": "dp" if v.epsilon is not None else ("no training" if v.prompt_path is None else "no DP")}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_flow import _mlflow, _toy_dataset
+from test_flow import _mlflow, _toy_dataset, assert_baselines_labelled
 
 CANARY = "zqxv canary heliotrope quokka 2209"
 
@@ -81,9 +81,11 @@ def test_dpopt_run_record(dpopt_run):
     for p in ("dpopt.eps0", "dpopt.delta0", "dpopt.sample_rate", "dpopt.max_queries"):
         assert p in params, p
     for k in ("privacy.epsilon", "privacy.epsilon_rdp", "test.accuracy", "test.accuracy.tiny-gpt2",
-              "test.accuracy.remote", "test.accuracy.opt", "dpopt.queries", "dpopt.bottom_rate",
-              "leakage.exact_copies"):
+              "test.accuracy.remote", "audit.baseline.opt.test.accuracy", "audit.baseline.opt.mia.loss.auc",
+              "dpopt.queries", "dpopt.bottom_rate", "audit.leakage.exact_copies", "audit.leakage.prompts"):
         assert k in m, k
+    # the leakage report and the non-private OPT baseline are labelled audit statistics, never bare
+    assert_baselines_labelled(m, {"opt": True})
     assert 0 < m["privacy.epsilon"] <= 8.0 + 1e-6
     # the fake endpoint always answers " positive": its accuracy is the share of positive test rows
     assert 0 < m["test.accuracy.remote"] < 1
@@ -105,6 +107,19 @@ def test_ledger_commit_within_reservation_and_leakage_is_a_nonprivate_use(dpopt_
     assert dp["status"] == "committed" and dp["epsilon_committed"] <= dp["epsilon_reserved"] + 1e-9
     uses = [e["description"] for e in ledger.entries() if e["kind"] == "nonprivate"]
     assert any("audit statistics" in u and "leakage" in u for u in uses)
+    # the OPT baseline's training and its loss attack, whose numbers the parent shows as audit.baseline.opt.*
+    assert any(u.startswith("opt:") for u in uses) and any("membership inference on opt" in u for u in uses)
+
+
+def test_train_runs_label_leakage_as_audit_statistics(dpopt_run):
+    client = _mlflow(dpopt_run["state"])
+    parent = client.get_run(dpopt_run["summary"]["mlflow_run_id"])
+    children = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    train = {c.data.tags["mlflow.runName"]: c.data.metrics for c in children if c.data.tags.get("stage") == "train"}
+    assert {"dp_opt", "opt"} <= set(train)
+    for name, metrics in train.items():
+        assert not [k for k in metrics if k.startswith("leakage.")], name
+    assert "audit.leakage.exact_copies" in train["dp_opt"] and "audit.leakage.exact_copies" in train["opt"]
 
 
 def test_endpoint_received_only_the_test_split(dpopt_run, sst2_dir):

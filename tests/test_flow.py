@@ -53,6 +53,16 @@ def _mlflow(state_dir: Path):
     return MlflowClient(tracking_uri=f"sqlite:///{state_dir / 'mlflow.db'}")
 
 
+def assert_baselines_labelled(metrics: dict, reads_private: dict[str, bool]) -> None:
+    """On a dp parent, nothing computed on private data without DP is shown under a bare name:
+    no ``leakage.*`` or ``baseline.*`` metric, and no ``test.accuracy.<m>`` of a baseline ``m``
+    that read private training data (only ``audit.baseline.<m>.*``, RUN_RECORD.md)."""
+    assert not [k for k in metrics if k.startswith(("leakage.", "baseline."))]
+    for method, private in reads_private.items():
+        assert (f"test.accuracy.{method}" in metrics) == (not private), method
+        assert (f"audit.baseline.{method}.test.accuracy" in metrics) == private, method
+
+
 # ---- in-process flows under one Prefect test harness -------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -80,8 +90,10 @@ def test_run_record_is_complete(flow_run):
               "dpsgd.noise_multiplier", "dpsgd.steps", "dpsgd.max_grad_norm"):
         assert p in params, p
     for m in ("privacy.epsilon", "privacy.delta", "privacy.epsilon_rdp", "test.accuracy", "test.accuracy.tiny-bert",
-              "mia.loss.auc", "test.accuracy.zero_shot", "test.accuracy.prompt_sgd"):
+              "mia.loss.auc", "test.accuracy.zero_shot", "audit.baseline.prompt_sgd.test.accuracy",
+              "audit.baseline.prompt_sgd.mia.loss.auc"):
         assert m in metrics, m
+    assert_baselines_labelled(metrics, {"zero_shot": False, "prompt_sgd": True})
     # a TPR at FPR ≤ x needs ≥ 1/x non-members: reported exactly when there are enough
     n_out = metrics["mia.loss.n_nonmembers"]
     for key, fpr in (("mia.loss.tpr_at_1pct_fpr", 0.01), ("mia.loss.tpr_at_0.1pct_fpr", 0.001)):
