@@ -18,14 +18,28 @@ COLUMNS = ("privacy.epsilon", "test.accuracy", "mia.loss.auc", "mia.lira.auc", "
            "audit.epsilon_lower_bound")
 
 
+def _baseline_accuracy(key: str) -> bool:
+    """``audit.baseline.<m>.test.accuracy``: a baseline trained on private data without DP
+    (an audit statistic, RUN_RECORD.md)."""
+    return key.startswith("audit.baseline.") and key.endswith(".test.accuracy")
+
+
+def _accuracy_column(key: str) -> bool:
+    return key.startswith("test.accuracy.") or _baseline_accuracy(key)
+
+
 def columns_of(rows: list[dict]) -> list[str]:
     """COLUMNS plus every ``test.accuracy.<variant>`` a run reports (a method's variants and
-    baselines, e.g. POST's Compressed PT): no method's names are listed here."""
-    extra = sorted({k for r in rows for k in r if k.startswith("test.accuracy.") and k not in COLUMNS})
+    baselines that read no private data, e.g. POST's Compressed PT, zero-shot) and every
+    ``audit.baseline.<m>.test.accuracy`` (baselines trained on private data without DP, labelled):
+    no method's names are listed here."""
+    extra = sorted({k for r in rows for k in r if _accuracy_column(k) and k not in COLUMNS})
     return list(COLUMNS) + extra
 
 
 def short_name(column: str) -> str:
+    if _baseline_accuracy(column):
+        return ("audit:" + column.removeprefix("audit.baseline.").removesuffix(".test.accuracy"))[:14]
     return {"test.accuracy": "accuracy", "privacy.epsilon": "epsilon"}.get(
         column, column.removeprefix("test.accuracy.").removeprefix("mia.").removeprefix("audit."))[:14]
 
@@ -85,7 +99,7 @@ def _row(label: str, variant, run_id: str, metrics: dict, resumed: bool) -> dict
     row = {"variant": label, "method": variant.method, "mlflow_run_id": run_id,
            "privacy.guarantee": variant.guarantee, "seed": variant.seed, "resumed": resumed}
     row.update({k: metrics.get(k) for k in COLUMNS})
-    row.update({k: v for k, v in metrics.items() if k.startswith("test.accuracy.")})
+    row.update({k: v for k, v in metrics.items() if _accuracy_column(k)})
     return row
 
 

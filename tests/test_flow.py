@@ -317,3 +317,14 @@ def test_cli_summary_separates_model_work_audit_and_orchestration(capsys):
     summary["compute_seconds"].pop("audit")
     privprompt_cli._print_summary(summary, 200.0)
     assert "200.0 s (150.0 s model work, 50.0 s orchestration" in capsys.readouterr().out
+
+
+def test_sweep_table_shows_private_baselines_only_labelled():
+    """The sweep's table keeps baselines' accuracies, a private-data one under its audit label."""
+    from flows.sweep import columns_of, short_name
+
+    rows = [{"test.accuracy.zero_shot": 0.5, "audit.baseline.prompt_sgd.test.accuracy": 0.6,
+             "audit.leakage.exact_copies": 0.0}]
+    extra = columns_of(rows)[-2:]
+    assert extra == ["audit.baseline.prompt_sgd.test.accuracy", "test.accuracy.zero_shot"]
+    assert [short_name(c) for c in extra] == ["audit:prompt_s", "zero_shot"]
