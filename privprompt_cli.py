@@ -156,6 +156,8 @@ def _print_summary(summary: dict, wall: float) -> None:
         print(f"{'privacy:':<28}no formal guarantee ({note})")
     for key in sorted(k for k in m if k.startswith("test.accuracy")):
         print(f"{key + ':':<28}{m[key]:.4f}")
+    for key in sorted(k for k in m if k.startswith("audit.baseline.")):  # trained on private data without DP
+        print(f"{key + ':':<27} {m[key]:.4f} (audit statistic, not DP)")
     _print_attacks(m)
     seconds = summary.get("compute_seconds", {})
     audit = seconds.get("audit", 0.0)
