@@ -328,3 +328,16 @@ def test_sweep_table_shows_private_baselines_only_labelled():
     extra = columns_of(rows)[-2:]
     assert extra == ["audit.baseline.prompt_sgd.test.accuracy", "test.accuracy.zero_shot"]
     assert [short_name(c) for c in extra] == ["audit:prompt_s", "zero_shot"]
+
+
+def test_baseline_names_follow_the_methods_properties():
+    """Labelled iff private training data went in without DP: by guarantee and data read, not by name."""
+    from flows.method_flow import audit_label, baseline_name, labelled
+
+    assert baseline_name("zero_shot", "test.accuracy", labelled("none", False)) == "test.accuracy.zero_shot"
+    assert baseline_name("opt", "test.accuracy", labelled("none", True)) == "audit.baseline.opt.test.accuracy"
+    assert baseline_name("full_pt", "test.accuracy", labelled("ldp", True)) == "audit.baseline.full_pt.test.accuracy"
+    assert baseline_name("compressed_pt", "test.accuracy", labelled("dp", True)) == "test.accuracy.compressed_pt"
+    assert baseline_name("icl", "mia.loss.auc", False) == "audit.baseline.icl.mia.loss.auc"
+    assert audit_label({"leakage.prompts": 2.0, "audit.leakage.exact_copies": 0.0, "mia.x.auc": 0.5}) == {
+        "audit.leakage.prompts": 2.0, "audit.leakage.exact_copies": 0.0, "mia.x.auc": 0.5}
