@@ -1,9 +1,9 @@
 """Partition a labelled text dataset into private train / holdout / test Parquet files.
 
 Plain functions (no Prefect): read JSONL / CSV / Parquet files or a hub dataset, map labels,
-split deterministically by seed, optionally subsample and plant canaries, write Parquet under
-``<state>/private/``, and fingerprint the training partition (the ledger's key).
-Nothing here logs or returns example text.
+split and subsample by a keyed hash of each record (so one source record added or removed changes
+only its own assignment), optionally plant canaries, write Parquet under ``<state>/private/``, and
+fingerprint the training partition. Nothing here logs or returns example text.
 """
 
 from __future__ import annotations
@@ -226,73 +226,140 @@ def dataset_key(cfg: DataConfig, data_root: str | None, private_dir: str | Path)
     return h.hexdigest()
 
 
+# Domain tags of the keyed per-record hashes: independent draws for the train / holdout split,
+# the test subsample and the order of rows in a partition file.
+_TAG_SPLIT = b"privprompt/split/train-holdout\x00"
+_TAG_TEST = b"privprompt/split/test\x00"
+_TAG_ORDER = b"privprompt/order\x00"
+
+
+def record_uniforms(key: bytes, tag: bytes, texts: list[str], labels: list[str]) -> np.ndarray:
+    """u in [0, 1) per record: HMAC-SHA256 (``key``: the installation secret) of ``tag``, the
+    whitespace-normalised text (as ``_text_digest``) and the label. A record's u depends on that
+    record alone, so a split or subsample by u is neighbour-stable: adding or removing one source
+    record changes no other record's assignment. Without the key, u is unpredictable (a PRF), so
+    a split by u is as good as secret randomness, fixed per installation. Duplicated records (same
+    text and label) get the same u and land together."""
+    out = np.empty(len(texts), dtype=np.float64)
+    base = hmac.new(key, tag, hashlib.sha256)
+    for i, (t, y) in enumerate(zip(texts, labels)):
+        h = base.copy()
+        h.update(" ".join(t.split()).encode("utf-8"))
+        h.update(b"\x1f")
+        h.update(y.encode("utf-8"))
+        out[i] = (int.from_bytes(h.digest()[:8], "big") >> 11) / float(1 << 53)  # 53 bits: exact in a double
+    return out
+
+
+def assign_splits(cfg: DataConfig, key: bytes, texts: list[str], labels: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(train mask, holdout mask) over the source's training records: holdout when
+    u < holdout_fraction, training when holdout_fraction ≤ u < holdout_fraction + train rate,
+    otherwise unused. Disjoint by construction; each record by its own u."""
+    u = record_uniforms(key, _TAG_SPLIT, texts, labels)
+    holdout = u < cfg.holdout_fraction
+    train = (u >= cfg.holdout_fraction) & (u < cfg.holdout_fraction + cfg.train_rate)
+    return train, holdout
+
+
+def assign_test(cfg: DataConfig, key: bytes, texts: list[str], labels: list[str]) -> np.ndarray:
+    """Mask of the test records kept: u (another tag: independent of the train split) < test_fraction."""
+    if cfg.test_fraction >= 1.0:
+        return np.ones(len(texts), dtype=bool)
+    return record_uniforms(key, _TAG_TEST, texts, labels) < cfg.test_fraction
+
+
+def _keyed_order(key: bytes, texts: list[str], labels: list[str]) -> list[int]:
+    """Row order of a partition file: by a keyed per-row hash (no seeded permutation; reveals
+    nothing without the key, and never mixes in other records' positions)."""
+    return [int(i) for i in np.argsort(record_uniforms(key, _TAG_ORDER, texts, labels), kind="stable")]
+
+
+def draw_canaries(cfg: DataConfig, seed: int) -> tuple[list[str], list[str], np.ndarray]:
+    """Canary texts, labels and which are planted (each with probability ½), from the seeded audit
+    randomness: canaries are not source records, and the audit knows their draw."""
+    if not cfg.canaries:
+        return [], [], np.zeros(0, dtype=bool)
+    rng = np.random.default_rng(seed)
+    texts, labels = make_canaries(cfg.canaries, cfg.labels, rng)
+    return texts, labels, rng.random(cfg.canaries) < 0.5
+
+
+def split_sizes(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> dict[str, int]:
+    """The sizes a partition of ``cfg`` has (train with planted canaries, holdout, test), computed
+    as :func:`partition_dataset` does, writing nothing: reads the source and hashes its records."""
+    from .state import installation_secret
+
+    key = installation_secret(private_dir)
+    texts, labels = read_split(cfg, data_root, cfg.train_split)
+    train, holdout = assign_splits(cfg, key, texts, labels)
+    test_texts, test_labels = read_split(cfg, data_root, cfg.test_split)
+    return {"n_train": int(train.sum()) + int(draw_canaries(cfg, seed)[2].sum()), "n_holdout": int(holdout.sum()),
+            "n_test": int(assign_test(cfg, key, test_texts, test_labels).sum())}
+
+
 def partition_key(cfg: DataConfig, seed: int, data_root: str | None) -> str:
-    return digest_key({"data": cfg.model_dump(mode="json"), "seed": seed,
-                       "source": source_signature(cfg, data_root)})
+    """Cache key of a partition: the data config and the source files' signature, and the seed only
+    where canaries are planted (the split itself is by keyed hash, not by seed). The installation
+    secret is implicit: partitions live under the private folder whose secret made them."""
+    return digest_key({"data": cfg.model_dump(mode="json"), "split": "keyed-hash-v1",
+                       "seed": seed if cfg.canaries else None, "source": source_signature(cfg, data_root)})
 
 
 def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> Partition:
-    """Deterministic split (by ``seed``) into train / holdout / test, written atomically."""
+    """Split into train / holdout / test by a keyed hash of each record (neighbour-stable: see
+    :func:`record_uniforms`), plant canaries (seeded), written atomically."""
+    from .state import installation_secret
+
     key = partition_key(cfg, seed, data_root)
     out_dir = Path(private_dir) / "partitions" / f"{cfg.name}-{key}"
     manifest = out_dir / "manifest.json"
-    if manifest.is_file():  # same data, config and seed: reuse
+    if manifest.is_file():  # same data and config (and seed, with canaries): reuse
         data = json.loads(manifest.read_text())
         if data.get("dataset_key"):
             return Partition(**data)
         shutil.rmtree(out_dir)  # written before keyed source fingerprints existed: partition again
 
+    secret = installation_secret(private_dir)
     texts, labels = read_split(cfg, data_root, cfg.train_split)
     test_texts, test_labels = read_split(cfg, data_root, cfg.test_split)
-    rng = np.random.default_rng(seed)
+    train_mask, holdout_mask = assign_splits(cfg, secret, texts, labels)
+    if not train_mask.any():
+        raise DataError(f"dataset {cfg.name!r}: the training split is empty after partitioning; raise "
+                        "data.train_fraction")
+    if not holdout_mask.any():
+        raise DataError(f"dataset {cfg.name!r}: the holdout split is empty; raise holdout_fraction")
+    test_mask = assign_test(cfg, secret, test_texts, test_labels)
 
-    order = rng.permutation(len(texts))
-    n_pool = len(order) if cfg.train_size is None else min(cfg.train_size, len(order))
-    n_holdout = int(round(cfg.holdout_fraction * n_pool))
-    # the holdout is drawn from outside the training subsample when there is room, so
-    # subsampling never shrinks it; it is disjoint from training either way
-    holdout_idx = order[n_pool:n_pool + n_holdout] if len(order) - n_pool >= n_holdout else order[:n_holdout]
-    train_idx = order[:n_pool] if len(order) - n_pool >= n_holdout else order[n_holdout:n_pool]
-    if len(train_idx) == 0:
-        raise DataError(f"dataset {cfg.name!r}: the training split is empty after partitioning")
-    if len(holdout_idx) == 0:
-        raise DataError(f"dataset {cfg.name!r}: the holdout split is empty; raise holdout_fraction or train_size")
+    pick = lambda mask, xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
+    tr_texts, tr_labels = pick(train_mask, texts), pick(train_mask, labels)
+    canary_texts, canary_labels, planted = draw_canaries(cfg, seed)
+    tr_texts += pick(planted, canary_texts)
+    tr_labels += pick(planted, canary_labels)
 
-    test_order = rng.permutation(len(test_texts))
-    if cfg.test_size is not None:
-        test_order = test_order[:cfg.test_size]
+    def ordered(xs, ys):
+        order = _keyed_order(secret, xs, ys)
+        return [xs[i] for i in order], [ys[i] for i in order]
 
-    tr_texts = [texts[i] for i in train_idx]
-    tr_labels = [labels[i] for i in train_idx]
-    canary_texts, canary_labels, planted = [], [], np.zeros(0, dtype=bool)
-    if cfg.canaries:
-        canary_texts, canary_labels = make_canaries(cfg.canaries, cfg.labels, rng)
-        planted = rng.random(cfg.canaries) < 0.5
-        for t, y, p in zip(canary_texts, canary_labels, planted):
-            if p:
-                tr_texts.append(t)
-                tr_labels.append(y)
-        perm = rng.permutation(len(tr_texts))
-        tr_texts = [tr_texts[i] for i in perm]
-        tr_labels = [tr_labels[i] for i in perm]
+    tr_texts, tr_labels = ordered(tr_texts, tr_labels)
+    ho_texts, ho_labels = ordered(pick(holdout_mask, texts), pick(holdout_mask, labels))
+    te_texts, te_labels = ordered(pick(test_mask, test_texts), pick(test_mask, test_labels))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
         _write_table(tmp / "train.parquet", tr_texts, tr_labels)
-        _write_table(tmp / "holdout.parquet", [texts[i] for i in holdout_idx], [labels[i] for i in holdout_idx])
-        _write_table(tmp / "test.parquet", [test_texts[i] for i in test_order], [test_labels[i] for i in test_order])
+        _write_table(tmp / "holdout.parquet", ho_texts, ho_labels)
+        _write_table(tmp / "test.parquet", te_texts, te_labels)
         if cfg.canaries:
             _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {"planted": planted.tolist()})
-        from .state import installation_secret
-
         part = Partition(dataset=cfg.name, directory=str(out_dir.resolve()),
-                         fingerprint=fingerprint(tr_texts, tr_labels, installation_secret(private_dir)),
-                         labels=list(cfg.labels), n_train=len(tr_texts), n_holdout=len(holdout_idx),
-                         n_test=len(test_order), n_canaries_planted=int(planted.sum()),
+                         fingerprint=fingerprint(tr_texts, tr_labels, secret),
+                         labels=list(cfg.labels), n_train=len(tr_texts), n_holdout=len(ho_texts),
+                         n_test=len(te_texts), n_canaries_planted=int(planted.sum()),
                          dataset_key=dataset_key(cfg, data_root, private_dir))
         if part.n_test == 0:
-            raise DataError(f"dataset {cfg.name!r}: the test split is empty")
+            raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
+                            ("; raise data.test_fraction" if cfg.test_fraction < 1 else ""))
         (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
         try:
             os.replace(tmp, out_dir)  # atomic: a partition is complete or absent
@@ -352,7 +419,7 @@ def assert_disjoint_from_private(public_file: Path, public_texts: list[str], pri
                                  data_root: str | None, private_dir: str | Path) -> None:
     """Refuse public data that is the private source (same resolved file or the same bytes) or
     shares any text with its train or test split (keyed hashes of whitespace-normalised texts).
-    The error names the files and counts records; it never quotes a text."""
+    The error names the files; it never quotes a text nor says how many texts are shared."""
     from .state import installation_secret
 
     if private.hub:  # hub data: compare the texts (below) of what the hub gives
@@ -375,10 +442,11 @@ def assert_disjoint_from_private(public_file: Path, public_texts: list[str], pri
         except DataError:
             continue
         private_digests.update(_text_digest(key, t) for t in texts)
-    overlap = sum(_text_digest(key, t) in private_digests for t in public_texts)
-    if overlap:
-        raise DataError(f"public data {public_file} overlaps the private dataset {private.name!r}: {overlap} of "
-                        f"its {len(public_texts)} texts are private records; public-data stages may not read them")
+    # no count in the error: whoever writes the public file would learn how many of its texts are
+    # private records (a membership oracle, one guess per file)
+    if any(_text_digest(key, t) in private_digests for t in public_texts):
+        raise DataError(f"public data {public_file} overlaps the private dataset {private.name!r}: some of its "
+                        "texts are private records; public-data stages may not read them")
 
 
 def assert_public(path: str | Path, private_dir: str | Path) -> None:

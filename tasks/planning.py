@@ -1,6 +1,7 @@
 """The budget plan of a config before anything runs (``privprompt plan``, sweeps): every run's
-planned events per dataset, composed with what the ledger holds, WITHOUT writing anything and
-without reading private rows (only the size of the source and its keyed hash)."""
+planned events per dataset, composed with what the ledger holds, WITHOUT writing anything. To
+know each run's n_train it reads the source and hashes its records as a partition would (only
+the counts leave this module; a run publishes n_train anyway)."""
 
 from __future__ import annotations
 
@@ -11,42 +12,35 @@ from pathlib import Path
 from privacy import accountant as acct
 from privacy.ledger import Ledger
 
-from .data import find_split_file, partition_key, resolve_data_folder
+from .data import partition_key
 from .errors import ConfigError
 from .lifecycle import resolve_delta
 from .methods import get_method
 from .state import default_data_root
 
 
-def _count_records(path: Path) -> int:
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
-    with path.open("rb") as fh:
-        lines = sum(1 for line in fh if line.strip())
-    return lines - 1 if suffix == ".csv" else lines
+_N_TRAIN: dict[tuple[str, str], int] = {}  # (private dir, partition key) -> n_train, this process
 
 
 def estimate_n_train(cfg, private_dir: Path) -> int:
-    """The training-partition size a run of ``cfg`` will have: from its partition manifest when it
-    exists, else from the number of source records and the split rule of ``partition_dataset``
-    (planted canaries counted at their expected number)."""
+    """The training-partition size a run of ``cfg`` will have, exactly: from its partition manifest
+    when it exists, else by the split rule of ``partition_dataset`` (each source record's keyed
+    hash, and the seeded canaries), computed without writing anything. Both are the number the
+    run itself uses for its δ and sampling rate, so the plan's events are the run's."""
+    from .data import split_sizes
+
     data_root = default_data_root(cfg.data_root)
-    manifest = Path(private_dir) / "partitions" / f"{cfg.data.name}-{partition_key(cfg.data, cfg.seed, data_root)}" / "manifest.json"
+    key = partition_key(cfg.data, cfg.seed, data_root)
+    manifest = Path(private_dir) / "partitions" / f"{cfg.data.name}-{key}" / "manifest.json"
     if manifest.is_file():
         return int(json.loads(manifest.read_text())["n_train"])
-    if cfg.data.hub:
-        if cfg.data.train_size is None:
-            raise ConfigError(f"data.hub={cfg.data.hub!r}: the plan needs data.train_size (or one run that "
-                              "partitions the dataset)")
-        return cfg.data.train_size + cfg.data.canaries // 2
-    n = _count_records(find_split_file(resolve_data_folder(cfg.data, data_root), cfg.data.train_split))
-    n_pool = n if cfg.data.train_size is None else min(cfg.data.train_size, n)
-    n_holdout = int(round(cfg.data.holdout_fraction * n_pool))
-    n_train = n_pool if n - n_pool >= n_holdout else n_pool - n_holdout
-    return n_train + cfg.data.canaries // 2
+    memo = (str(Path(private_dir).resolve()), key)  # the variants of a sweep share their partition
+    if memo not in _N_TRAIN:
+        _N_TRAIN[memo] = split_sizes(cfg.data, cfg.seed, private_dir, data_root)["n_train"]
+    n_train = _N_TRAIN[memo]
+    if n_train == 0:
+        raise ConfigError(f"data {cfg.data.name!r}: the training split would be empty; raise data.train_fraction")
+    return n_train
 
 
 def plan_runs(variants: list, state_paths) -> dict:

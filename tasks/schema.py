@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Block(BaseModel):
@@ -30,12 +30,45 @@ class DataConfig(Block):
     label_field: str = "label"
     labels: list[str] = Field(min_length=2)
     label_map: dict[str, str] = Field(default_factory=dict, description="raw label -> label name")
-    train_size: int | None = Field(None, gt=0, description="subsample of the private training data")
-    test_size: int | None = Field(None, gt=0)
-    holdout_fraction: float = Field(0.1, gt=0, lt=1, description="held-out validation share")
+    # Splits are by a keyed hash of each record (tasks/data.py): a record's split depends on that
+    # record alone, so adding or removing one SOURCE record changes only its own assignment.
+    holdout_fraction: float = Field(0.1, gt=0, lt=1, description="probability that a source record is held "
+                                    "out (validation); expected holdout size holdout_fraction × records")
+    train_fraction: float | None = Field(None, gt=0, le=1, description="probability that a source record is a "
+                                         "training record (expected size train_fraction × records); default: "
+                                         "every record not held out (1 − holdout_fraction)")
+    test_fraction: float = Field(1.0, gt=0, le=1, description="probability that a record of the test split is "
+                                 "kept (expected size test_fraction × test records)")
     canaries: int = Field(0, ge=0, description="random canary records, each planted with prob. 1/2")
     test_shareable: bool = Field(False, description="the test split may be sent to remote endpoints "
                                                     "(models.endpoints); training rows never are")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_fixed_sizes(cls, data):
+        if isinstance(data, dict):
+            for key, rate, example in (("train_size", "train_fraction", "2,000 of SST-2's 67,349 training records: 0.0297"),
+                                       ("test_size", "test_fraction", "500 of SST-2's 1,821 test records: 0.2746")):
+                if key in data:
+                    raise ValueError(
+                        f"data.{key} is no longer accepted: a subset of a fixed size depends on how many other "
+                        f"records there are, so adding one source record would change which others are chosen. "
+                        f"Use data.{rate}, the probability that each record is kept (by a keyed hash of the "
+                        f"record alone); expected size = {rate} × the number of records (e.g. {example})")
+        return data
+
+    @model_validator(mode="after")
+    def _fractions_fit(self):
+        if self.train_fraction is not None and self.holdout_fraction + self.train_fraction > 1 + 1e-12:
+            raise ValueError(f"data.holdout_fraction ({self.holdout_fraction:g}) + data.train_fraction "
+                             f"({self.train_fraction:g}) exceed 1: each source record lands in at most one of "
+                             "holdout and training; lower one of them")
+        return self
+
+    @property
+    def train_rate(self) -> float:
+        """Probability that a source record is a training record."""
+        return 1.0 - self.holdout_fraction if self.train_fraction is None else self.train_fraction
 
     @field_validator("labels")
     @classmethod

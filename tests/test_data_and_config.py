@@ -32,24 +32,30 @@ def _cfg(folder, **kw):
     return DataConfig(name="toy", path=str(folder), labels=["neg", "pos"], **kw)
 
 
-def test_partition_is_deterministic_and_disjoint(toy, tmp_path):
+def test_partition_is_deterministic_keyed_and_disjoint(toy, tmp_path):
     # p1, p2, p3 are private folders of one installation (one state folder: one secret)
-    a = partition_dataset(_cfg(toy, train_size=120), 3, tmp_path / "p1", None)
-    b = partition_dataset(_cfg(toy, train_size=120), 3, tmp_path / "p2", None)
-    c = partition_dataset(_cfg(toy, train_size=120), 4, tmp_path / "p3", None)
-    assert a.fingerprint == b.fingerprint != c.fingerprint
+    a = partition_dataset(_cfg(toy, train_fraction=0.6), 3, tmp_path / "p1", None)
+    b = partition_dataset(_cfg(toy, train_fraction=0.6), 3, tmp_path / "p2", None)
+    c = partition_dataset(_cfg(toy, train_fraction=0.6), 4, tmp_path / "p3", None)
+    # the split is by keyed hash, not by seed: another seed gives the same partition
+    assert a.fingerprint == b.fingerprint == c.fingerprint
     # the ledger's key is the SOURCE dataset's: the same for every seed and subsample
     assert a.dataset_key == b.dataset_key == c.dataset_key
     # another installation (another secret): other fingerprints for the same data
-    other = partition_dataset(_cfg(toy, train_size=120), 3, tmp_path / "elsewhere" / "private", None)
+    other = partition_dataset(_cfg(toy, train_fraction=0.6), 3, tmp_path / "elsewhere" / "private", None)
     assert other.fingerprint != a.fingerprint and other.dataset_key != a.dataset_key
     train, _ = read_partition_split(a.train_path)
     hold, _ = read_partition_split(a.holdout_path)
     test, _ = read_partition_split(a.test_path)
-    assert len(train) == a.n_train == 120 and len(hold) == a.n_holdout == 12 and len(test) == 40
+    # expected 120 train (0.6 × 200) and 20 holdout (0.1 × 200): binomial, well within 5 sd
+    assert len(train) == a.n_train and 90 <= a.n_train <= 150
+    assert len(hold) == a.n_holdout and 5 <= a.n_holdout <= 35 and len(test) == a.n_test == 40
     assert not set(train) & set(hold)
     assert not (set(train) | set(hold)) & set(test)
     assert read_partition_split(b.train_path) == (train, read_partition_split(a.train_path)[1])
+    # without train_fraction every record not held out trains
+    full = partition_dataset(_cfg(toy), 0, tmp_path / "p1", None)
+    assert full.n_train + full.n_holdout == 200 and set(hold) == set(read_partition_split(full.holdout_path)[0])
 
 
 def test_partition_reuses_existing_and_writes_atomically(toy, tmp_path):
@@ -72,9 +78,15 @@ def test_canaries_planted_with_probability_half(toy, tmp_path):
 
 
 def test_real_sst2_partition(sst2_dir, tmp_path):
-    cfg = DataConfig(name="sst2", path=str(sst2_dir), labels=["negative", "positive"], train_size=500, test_size=100)
-    part = partition_dataset(cfg, 0, tmp_path, None)
-    assert (part.n_train, part.n_test) == (500, 100) and part.n_holdout == 50
+    # SST-2 has 67,349 training and 1,821 test records (this fixture may be a smaller sample)
+    cfg = DataConfig(name="sst2", path=str(sst2_dir), labels=["negative", "positive"], train_fraction=0.5,
+                     holdout_fraction=0.05, test_fraction=0.5)
+    part = partition_dataset(cfg, 0, tmp_path / "private", None)
+    n = sum(1 for line in (sst2_dir / "train.jsonl").open() if line.strip())
+    n_test = sum(1 for line in (sst2_dir / "test.jsonl").open() if line.strip())
+    for size, rate, total in ((part.n_train, 0.5, n), (part.n_holdout, 0.05, n), (part.n_test, 0.5, n_test)):
+        sd = (rate * (1 - rate) * total) ** 0.5
+        assert abs(size - rate * total) <= 5 * sd + 1, (size, rate, total)
     _, labels = read_partition_split(part.train_path)
     assert set(labels) == {"negative", "positive"}
 
@@ -103,9 +115,29 @@ def test_missing_folder_and_file(tmp_path, toy):
         partition_dataset(_cfg(toy), 0, tmp_path / "p", None)
 
 
-def test_empty_holdout_is_an_error(toy, tmp_path):
-    with pytest.raises(DataError, match="holdout split is empty"):
-        partition_dataset(_cfg(toy, train_size=2, holdout_fraction=0.01), 0, tmp_path / "p", None)
+def test_empty_splits_are_errors(toy, tmp_path):
+    # 200 records at rate 1e-6: the holdout (or training, or test) split is empty
+    with pytest.raises(DataError, match="holdout split is empty; raise holdout_fraction"):
+        partition_dataset(_cfg(toy, holdout_fraction=1e-6), 0, tmp_path / "p", None)
+    with pytest.raises(DataError, match="training split is empty after partitioning; raise data.train_fraction"):
+        partition_dataset(_cfg(toy, train_fraction=1e-6), 0, tmp_path / "p", None)
+    with pytest.raises(DataError, match="test split is empty; raise data.test_fraction"):
+        partition_dataset(_cfg(toy, test_fraction=1e-6), 0, tmp_path / "p", None)
+    assert not any(p for p in (tmp_path / "p" / "partitions").iterdir())  # nothing half-written
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"train_size": 120}, "data.train_size is no longer accepted.*Use data.train_fraction"),
+    ({"test_size": 100}, "data.test_size is no longer accepted.*Use data.test_fraction"),
+    ({"train_fraction": 0.95}, r"holdout_fraction \(0.1\) \+ data.train_fraction \(0.95\) exceed 1"),
+    ({"train_fraction": 0}, "train_fraction"),
+    ({"test_fraction": 1.5}, "test_fraction"),
+])
+def test_split_settings_errors(kw, needle):
+    raw = {"method": "prompt_dpsgd", "data": {"name": "toy", "labels": ["neg", "pos"], **kw},
+           "models": {"local": "tiny-gpt2"}}
+    with pytest.raises(ConfigError, match=needle):
+        parse_config(raw)
 
 
 def test_csv_and_parquet_inputs(tmp_path):
