@@ -197,12 +197,19 @@ def _top_counts(counts: np.ndarray, how_many: int, d: int) -> tuple[np.ndarray, 
     return indices, np.concatenate([counts[order], np.zeros(pad)])
 
 
+# How far above h(k̄+1) a token of the top k̄ can stand and still leave the top k̄ in a neighbour:
+# 2 when one record can MOVE a vote (its count −1 and a token two below it +1, winning the tie);
+# 1 would do only if votes were never moved, just added or removed. See limited_domain_top1.
+_BOUNDARY_GAP = 2.0
+
+
 def _threshold(counts, epsilon0, delta0, k_bar, l0_sensitivity, d) -> float | None:
     if k_bar >= d:
         return None
     _, top = _top_counts(counts, k_bar + 1, d)
-    return float(top[k_bar] + 1.0
-                 + 2.0 * math.log(min(l0_sensitivity, k_bar, d - k_bar) / delta0) / epsilon0)
+    return float(top[k_bar] + _BOUNDARY_GAP
+                 + limited_domain_noise_scale(epsilon0)
+                 * math.log(min(l0_sensitivity, k_bar, d - k_bar) / delta0))
 
 
 def limited_domain_noise_scale(epsilon0: float) -> float:
@@ -217,12 +224,18 @@ def limited_domain_noise_scale(epsilon0: float) -> float:
 
 def limited_domain_threshold(counts, epsilon0: float, delta0: float, k_bar: int = 10,
                              l0_sensitivity: int = 2, domain_size: int | None = None) -> float | None:
-    """The noiseless threshold h⊥ = h(k̄+1) + 1 + 2·ln(min(Δ0, k̄, d−k̄)/δ0)/ε0 [DuR19; Hong24,
-    Algorithm 4] (NOTES.md writes the reference code's form, with Gumbel scale 1/ε0 and no 2).
+    """The noiseless threshold h⊥ = h(k̄+1) + 2 + (2/ε0)·ln(min(Δ0, k̄, d−k̄)/δ0).
 
     h(k̄+1) is the (k̄+1)-th largest count of the domain (0 when fewer counts are given), Δ0 the
-    ℓ0 sensitivity of the histogram (how many counts one record can change), d the domain size.
-    ``None`` when k̄ >= d: every token is a candidate and there is no threshold.
+    ℓ0 sensitivity of the histogram (how many counts one record can change: 2 when a vote can
+    move), d the domain size. ``None`` when k̄ >= d: every token is a candidate, no threshold.
+
+    Durfee & Rogers (2019) and DP-OPT [Hong24, Algorithm 4] write "+ 1" (and the reference code
+    Gumbel scale 1/ε0, NOTES.md). "+ 1" holds when a record adds or removes one vote; when it
+    MOVES one (one count −1, another +1), a token at h(k̄+1) + 2 can leave the top k̄ on a tie
+    and its probability under one dataset has no counterpart under the other: the realised δ
+    reaches e^{ε0/2}·δ0/2 per bad token (2.24·δ0 at ε0 = 3). The proof of (ε0, δ0) with "+ 2" is
+    in :func:`limited_domain_top1`; ``tests/test_limited_domain_exact.py`` checks it exactly.
     """
     return _threshold(*_check_limited_domain_args(counts, epsilon0, delta0, k_bar,
                                                   l0_sensitivity, domain_size))
@@ -233,16 +246,40 @@ def limited_domain_top1(counts, epsilon0: float, delta0: float, rng: np.random.G
                         domain_size: int | None = None) -> int | None:
     """LimitedDomain top-1 [DuR19], DP-OPT's per-token vote aggregation [Hong24].
 
-    1. Take the k̄ largest counts h(1) >= … >= h(k̄) of the domain.
-    2. Add i.i.d. Gumbel(0, 2/ε0) noise (:func:`limited_domain_noise_scale`) to each of them and, with its own draw, to the threshold
-       h⊥ (see :func:`limited_domain_threshold`).
+    1. Take the k̄ largest counts h(1) >= … >= h(k̄) of the domain (ties to the lower index).
+    2. Add i.i.d. Gumbel(0, b) noise, b = 2/ε0 (:func:`limited_domain_noise_scale`), to each of
+       them and, with its own draw, to the threshold h⊥ (:func:`limited_domain_threshold`).
     3. Return the index of the noisy maximum if it is >= the noisy threshold, else ``None`` (⊥).
        When k̄ >= d there is no threshold: plain Gumbel-max over the domain, never ⊥.
 
     ``counts`` is the histogram over the domain (e.g. the vocabulary), dense. With
     ``domain_size`` > len(counts) the remaining tokens have count 0 and carry the indices
-    len(counts), …, d−1; such an index can win only when fewer than k̄ counts are given. Ties in
-    the ranking go to the lower index. Accounting: ``LimitedDomainEvent(ε0, δ0)``.
+    len(counts), …, d−1. Accounting: ``LimitedDomainEvent(ε0, δ0)``.
+
+    **Privacy** ((ε0, δ0)-DP for neighbouring histograms: one vote moved, added or removed).
+    By the Gumbel-max trick the output is exactly the softmax of s/b over the outcomes
+    T(D) ∪ {⊥}, T(D) the top-k̄ set, s_⊥ = h⊥(D). Let D' be a neighbour, B = T(D) ∖ T(D'),
+    m = min(Δ0, k̄, d−k̄).
+
+    (a) |B| <= m: |B| = |T(D') ∖ T(D)| <= k̄ and <= d − k̄. A token of T(D) whose count did not
+        fall leaves only if the one token whose count rose passes it, which can push out just
+        the k̄-th; with the one token whose count fell, at most 2 = Δ0 leave.
+    (b) Every o in B has s_o(D) <= h(k̄+1)(D) + 2: in D' at least k̄ tokens rank at or above o,
+        whose counts in D are >= s_o(D') − 1 >= s_o(D) − 2 (at most one count rises, at most
+        one falls), so k̄ + 1 tokens of D have counts >= s_o(D) − 2. Hence
+        h⊥(D) − s_o(D) >= b·ln(m/δ0), and P_D[o] <= P[o's noisy count beats ⊥'s]
+        = 1/(1 + e^{(h⊥ − s_o)/b}) < δ0/m. So P_D[B] < δ0.
+    (c) For o in T(D) ∩ T(D') or ⊥: every score moves by at most 1 (counts, and h(k̄+1), an
+        order statistic), so e^{s_o/b} <= e^{1/b}·e^{s'_o/b}. For the normalisers, pair each
+        token entering T(D') with a distinct one of B: it ranked below it in D, so its new
+        count is <= that token's count + 1; hence Z_{D'} <= e^{1/b}·Z_D, and
+        P_D[o] <= e^{2/b}·P_{D'}[o] = e^{ε0}·P_{D'}[o].
+    So for every set E of outcomes, P_D[E] <= e^{ε0}·P_{D'}[E ∖ B] + P_D[B] <= e^{ε0}·P_{D'}[E] + δ0,
+    and the same with D, D' swapped (the relation is symmetric). With k̄ >= d there is no B and
+    (c) alone gives ε0-DP.
+
+    For DP-OPT the vote histogram must have these neighbours: one record changes at most one
+    member's vote (``tasks/methods/dp_opt.py`` assigns each record to a member on its own).
     """
     rng = _check_rng(rng)
     args = _check_limited_domain_args(counts, epsilon0, delta0, k_bar, l0_sensitivity, domain_size)

@@ -146,7 +146,7 @@ def reference_limited_domain(counts, eps0, delta0, r, k_bar=10, l0=2, d=None):
     if k_bar >= d:
         return best_index
     h_next = counts[ranked[k_bar]]
-    h_bottom = h_next + 1 + 2 * math.log(min(l0, k_bar, d - k_bar) / delta0) / eps0
+    h_bottom = h_next + 2 + 2 * math.log(min(l0, k_bar, d - k_bar) / delta0) / eps0
     return best_index if best_value >= h_bottom + r.gumbel(0.0, 2.0 / eps0) else None
 
 
@@ -194,10 +194,10 @@ def test_limited_domain_threshold_formula():
     counts = [0, 9, 3, 8, 8, 1, 0, 2, 7, 0]
     # sorted: 9 8 8 7 3 2 1 0 0 0; k̄ = 4 -> h(5) = 3; d = 30 -> min(2, 4, 26) = 2
     assert m.limited_domain_threshold(counts, 0.5, 1e-3, k_bar=4, domain_size=30) == pytest.approx(
-        3 + 1 + 2 * math.log(2 / 1e-3) / 0.5)
+        3 + 2 + 2 * math.log(2 / 1e-3) / 0.5)
     # fewer than k̄+1 counts: h(k̄+1) = 0; min(Δ0, k̄, d − k̄) = d − k̄ = 1
     assert m.limited_domain_threshold([5, 4], 1.0, 1e-2, k_bar=10, l0_sensitivity=2,
-                                      domain_size=11) == pytest.approx(1 + 2 * math.log(1 / 1e-2))
+                                      domain_size=11) == pytest.approx(2 + 2 * math.log(1 / 1e-2))
     assert m.limited_domain_threshold([5, 4], 1.0, 1e-2, k_bar=2) is None
 
 
