@@ -53,7 +53,7 @@ def _config(data, state, endpoint_url, **extra):
                    "endpoints": [{"alias": "remote", "base_url": endpoint_url, "model": "any"}]},
         "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
         "methods": {"dp_opt": {"meta_prompts": 4, "demos": 2, "max_new_tokens": 4, "candidates": 2,
-                               "epsilon0": 8.0, "delta0": 1e-9, "validation_size": 16},
+                               "epsilon0": 8.0, "delta0": 1e-9},
                     "opt": {"enabled": True, "meta_prompts": 3, "demos": 2, "max_new_tokens": 4, "candidates": 2}},
         "mia": {"max_examples": 24},
     }

@@ -40,7 +40,7 @@ def _config(state: Path, method: str) -> dict:
                              "transfer": {"steps": 2, "batch_size": 8}},
                     "dpzero": {"n_tokens": 2, "batch_size": 8, "steps": 3},
                     "dp_opt": {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2,
-                               "validation_size": 4, "epsilon0": 4.0, "delta0": 1e-8},
+                               "epsilon0": 4.0, "delta0": 1e-8},
                     "opt": {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2},
                     "dln1": {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2},
                     "icl": {"demos": 2},

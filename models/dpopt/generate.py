@@ -31,11 +31,17 @@ class GenerationResult:
 
 def dp_generate(engine: CausalEngine, prefix: SharedPrefix, draw_bodies: Callable[[], list[list[int]]],
                 select: Callable[[np.ndarray], int | None], can_query: Callable[[int], bool],
-                max_tokens: int, temperature: float = 0.0, generator: torch.Generator | None = None,
+                max_tokens: int, temperature: float = 0.0,
+                new_generator: Callable[[], torch.Generator] | None = None,
                 eos_ids: set[int] | None = None, progress: Callable[[int, int], None] | None = None
                 ) -> GenerationResult:
     """Generate one prompt token by token from a DP ensemble (see the module docstring).
-    ``can_query(n)``: may the run make its n-th query in total? (the caller's budget)."""
+    ``can_query(n)``: may the run make its n-th query in total? (the caller's budget).
+    ``new_generator()``: a fresh generator for the members' sampled proposals of ONE query
+    (temperature > 0); the caller seeds it from its secret stream. Greedy proposals use none."""
+    if temperature > 0 and new_generator is None:  # never torch's global stream (a logged seed may set it)
+        raise ValueError("dp_generate: sampled proposals (temperature > 0) need new_generator, a fresh secret "
+                         "generator per query")
     eos_ids = eos_ids or ({engine.eos_id} if engine.eos_id is not None else set())
     result = GenerationResult()
     bottoms_in_a_row = 0
@@ -48,6 +54,7 @@ def dp_generate(engine: CausalEngine, prefix: SharedPrefix, draw_bodies: Callabl
         if bodies:
             logits = engine.last_logits([b + result.tokens for b in bodies], prefix)
             vocab = logits.shape[1]
+            generator = new_generator() if temperature > 0 and new_generator is not None else None
             proposals = engine.propose(logits, temperature, generator).numpy()
             counts = np.bincount(proposals, minlength=vocab).astype(float)
         else:  # an empty subsample still makes the query (skipping it would reveal the emptiness)

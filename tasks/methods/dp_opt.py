@@ -1,11 +1,14 @@
 """DP-OPT (Hong et al. 2024) and its baselines: a local causal LM writes a DISCRETE prompt.
 
-* ``dp_opt``: Algorithm 1/2 — per token a fresh Poisson subsample of the generation rows, split
-  into J meta-prompts of k demos (backward template with x, y and ŷ from the forward pass), each
-  proposing its next token; the vote histogram goes through LimitedDomain (ε0, δ0; ⊥ retries once,
-  two ⊥ end the prompt); N candidates; DP-argmax on validation correct-counts (disjoint rows:
-  parallel composition). Generation stops before the target ε would be exceeded. δ defaults to
-  1/n (the paper's; min(1e-5, 1/(10n)) leaves a few dozen queries).
+* ``dp_opt``: Algorithm 1/2 — per token a fresh Poisson subsample of the generation rows at rate
+  q = J·k/n, each sampled row joining one of the J members (meta-prompts) on its own, so one
+  record changes at most one member's demos and so at most one vote (moved, added or removed:
+  the neighbours LimitedDomain is proved for); backward template with x, y and ŷ from the forward
+  pass; each member proposes its next token; the vote histogram goes through LimitedDomain (ε0,
+  δ0; ⊥ retries once, two ⊥ end the prompt); N candidates; DP-argmax on the correct-counts of the
+  WHOLE holdout (one record moves each count by at most one; disjoint from generation: parallel
+  composition). Generation stops before the target ε would be exceeded. δ defaults to
+  min(1e-5, 1/(10n)) like every method (the paper's δ = 1/n permits publishing a record).
 * ``opt``: the same ensemble with demos drawn once per prompt and a plain majority vote (ε = ∞).
 * ``dln1``: one meta-prompt per candidate, sampled; selection by validation log-likelihood.
 * ``icl``: the initial instruction with k class-balanced demos (private text: never published).
@@ -16,7 +19,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..schema import Block
 from . import register_method
@@ -28,11 +31,20 @@ class OptConfig(Block):
     instruction: str | None = Field(None, description="initial instruction (default: the paper's Table 6 for "
                                                       "sst2/trec)")
     meta_prompts: int = Field(32, gt=0, description="J: meta-prompts (ensemble members) per token")
-    demos: int = Field(5, gt=0, description="k: demos per meta-prompt")
+    demos: int = Field(5, gt=0, description="k: demos per meta-prompt (dp_opt: expected demos per member, "
+                                            "each sampled record joins one member; at most 2k shown)")
     max_new_tokens: int = Field(30, gt=0)
     candidates: int = Field(4, gt=0, description="N: candidate prompts, one selected on validation rows")
     temperature: float = Field(0.0, ge=0, description="proposal temperature of each member (0: greedy)")
-    validation_size: int = Field(200, gt=0, description="validation (holdout) rows used for selection")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_validation_size(cls, data):
+        if isinstance(data, dict) and "validation_size" in data:
+            raise ValueError("validation_size was removed: a subset of the holdout picked by size depends on "
+                             "every record, so the selection scores the whole holdout; size it with "
+                             "data.holdout_fraction")
+        return data
 
 
 class DPOptConfig(OptConfig):
@@ -63,6 +75,23 @@ def _generation_rate(block, n: int) -> float:
     return q
 
 
+def member_demos(rng: np.random.Generator, n: int, q: float, members: int, cap: int) -> list[np.ndarray]:
+    """One query's meta-prompts from ``n`` rows: each row draws its own pair of uniforms (u, v)
+    from ``rng`` (the run's secret sampling stream); it is sampled when u < q (Poisson at rate q,
+    what the accountant assumes), joins member ⌊u/q·J⌋ (uniform over the J ``members``), and v
+    orders a member's rows, of which the first ``cap`` are its demos. A member without rows
+    casts no vote (its entry is empty). So a row's part depends on its own draws only: adding or removing one record
+    changes at most one member's demos — one vote moved, added or removed, the neighbours
+    LimitedDomain is proved for. (Cutting one shuffled subsample into groups of k, as before,
+    let one record shift every later group.)"""
+    u = rng.random((n, 2))
+    joined = np.flatnonzero(u[:, 0] < q)
+    member = np.minimum((u[joined, 0] / q * members).astype(np.int64), members - 1)
+    order = np.lexsort((u[joined, 1], member))  # by member, then by v
+    bounds = np.searchsorted(member[order], np.arange(members + 1))
+    return [joined[order[bounds[j]:bounds[j + 1]]][:cap] for j in range(members)]
+
+
 def _worst_case_queries(block) -> int:
     """Per candidate, each token takes at most two queries (one ⊥ retry), plus a final ⊥ pair."""
     return block.candidates * (2 * block.max_new_tokens + 2)
@@ -82,16 +111,13 @@ class _TextMethod(Method):
     def published_model(self, cfg, prepared):
         return cfg.models.target_name
 
-    def _select_rows(self, rows, block, seed):
+    def _select_rows(self, rows, seed):
+        """(generation rows, selection rows): the partition's train and its WHOLE holdout. No
+        subset by size (it would depend on every record): one record changes each candidate's
+        correct-count by at most one. Audit shadows, which have no holdout, split their pool."""
         from .text_prompts import split_validation
 
-        gen, val = split_validation(rows, 0.2, seed)
-        if len(val) > block.validation_size:
-            keep = np.sort(np.random.default_rng(seed).choice(len(val), block.validation_size, replace=False))
-            from .base import PrivateRows
-
-            val = PrivateRows([val.texts[i] for i in keep], [val.labels[i] for i in keep])
-        return gen, val
+        return split_validation(rows, 0.2, seed)
 
 
 @register_method
@@ -102,9 +128,6 @@ class DPOpt(_TextMethod):
 
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
-
-    def default_delta(self, n_train: int) -> float:
-        return 1.0 / n_train  # the paper's δ = 1/|D| (see the module docstring)
 
     def plan(self, cfg, n_train, delta):
         from privacy import accountant as acct
@@ -142,7 +165,7 @@ class DPOpt(_TextMethod):
         from .text_prompts import body_ids, correct_counts, decode, engine_for, predictions
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
-        gen, val = self._select_rows(rows, block, mctx.seed)
+        gen, val = self._select_rows(rows, mctx.seed)
         engine = engine_for(cfg)
         instruction = _instruction(cfg, block)
         # forward pass (ŷ: the label each row gets under the initial instruction), computed the first
@@ -157,13 +180,12 @@ class DPOpt(_TextMethod):
 
         prefix = engine.encode_prefix(backward_head(instruction))
         q, budget = plan.settings["sample_rate"], plan.settings["max_queries"]
-        sampling, mechanism = mctx.randomness.numpy(1), mctx.randomness.numpy(2)  # secret DP streams
+        # secret DP streams: sampling, the mechanisms, the members' sampled proposals
+        sampling, mechanism, proposing = (mctx.randomness.numpy(i) for i in (1, 2, 3))
 
-        def draw_bodies() -> list[list[int]]:  # a fresh Poisson subsample, split into ≤ J groups of k
-            chosen = sampling.permutation(np.flatnonzero(sampling.random(len(gen)) < q))
-            groups = min(block.meta_prompts, len(chosen) // block.demos)
-            demos = demos_of(chosen[: groups * block.demos])
-            return [body_ids(engine, demos[g * block.demos:(g + 1) * block.demos]) for g in range(groups)]
+        def draw_bodies() -> list[list[int]]:
+            members = member_demos(sampling, len(gen), q, block.meta_prompts, 2 * block.demos)
+            return [body_ids(engine, demos_of(idx)) for idx in members if idx.size]
 
         def select(counts: np.ndarray):
             return limited_domain_top1(counts, block.epsilon0, block.delta0, mechanism, k_bar=block.k_bar,
@@ -171,11 +193,12 @@ class DPOpt(_TextMethod):
 
         used = {"queries": 0}
         candidates, bottoms, tokens, stops = [], 0, 0, {}
-        proposals = torch.Generator().manual_seed(mctx.seed)  # member proposals: any randomness is fine
+        def new_generator():  # fresh per query, from the secret stream
+            return torch.Generator().manual_seed(int(proposing.integers(2**63)))
         for c in range(block.candidates):
             out = dp_generate(engine, prefix, draw_bodies, select,
                               lambda n: used["queries"] + n <= budget, block.max_new_tokens,
-                              temperature=block.temperature, generator=proposals,
+                              temperature=block.temperature, new_generator=new_generator,
                               progress=None if progress is None else
                               (lambda t, total, c=c: progress(c * total + t, block.candidates * total)))
             used["queries"] += out.queries
@@ -210,7 +233,7 @@ def _leakage(cfg, candidates: list[str], private_texts: list[str]) -> dict[str, 
     from models.registry import load_backbone
 
     if not candidates:
-        return {"leakage.exact_copies": 0.0, "leakage.prompts": 0.0}
+        return {"audit.leakage.exact_copies": 0.0, "audit.leakage.prompts": 0.0}
     return leakage_report(candidates, private_texts, load_backbone("minilm"))
 
 
@@ -268,7 +291,7 @@ class Opt(_TextMethod):
         from .text_prompts import correct_counts
 
         block = self.settings(mctx.cfg)
-        gen, val = self._select_rows(rows, block, mctx.seed)
+        gen, val = self._select_rows(rows, mctx.seed)
         engine, candidates = self._generate(mctx, gen, block.meta_prompts, block.temperature)
         best = candidates[int(np.argmax(correct_counts(engine, mctx.cfg, candidates, val.texts, val.labels)))]
         return Trained(TextPrompt(best), None, len(candidates), {"opt.candidates": len(candidates)},
@@ -289,7 +312,7 @@ class DLN1(Opt):
         from .text_prompts import label_loglik
 
         block = self.settings(mctx.cfg)
-        gen, val = self._select_rows(rows, block, mctx.seed)
+        gen, val = self._select_rows(rows, mctx.seed)
         # one meta-prompt per candidate, sampled (Algorithm 3), selection by log-likelihood
         engine, candidates = self._generate(mctx, gen, 1, max(block.temperature, 0.7))
         best = candidates[int(np.argmax(label_loglik(engine, mctx.cfg, candidates, val.texts, val.labels)))]
