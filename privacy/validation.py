@@ -26,16 +26,24 @@ def check_nonnegative(value, name: str) -> float:
     return float(value)
 
 
-def check_delta(value, name: str = "delta", n: int | None = None) -> float:
-    """δ must lie in the open interval (0, 1); δ ≥ 1/n is allowed but warned about."""
+def check_delta(value, name: str = "delta", n: int | None = None,
+                allow_at_least_one_over_n: bool = True) -> float:
+    """δ must lie in the open interval (0, 1). With ``n`` (the number of records), δ ≥ 1/n —
+    which (ε, δ)-DP lets a mechanism spend on publishing whole records — raises ``ValueError``
+    when ``allow_at_least_one_over_n`` is False, and is warned about when it is True (the default
+    here: a library call states it; the run lifecycle passes False unless the config opts in)."""
     if not _is_number(value) or not (0.0 < value < 1.0):
         raise ValueError(f"{name} must lie in (0, 1), got {value!r}")
-    if n is not None and n > 0 and value >= 1.0 / n:
-        warnings.warn(
-            f"{name}={value:g} is >= 1/n = {1.0 / n:g} for a dataset of n={n} records: "
-            "such a δ permits releasing whole records",
-            stacklevel=3,
-        )
+    if not isinstance(allow_at_least_one_over_n, bool):
+        raise ValueError(f"allow_at_least_one_over_n must be a bool, got {allow_at_least_one_over_n!r}")
+    if n is not None:
+        n = check_count(n, "n", minimum=1)
+        if value >= 1.0 / n:
+            message = (f"{name}={value:g} is >= 1/n = {1.0 / n:g} for a dataset of n={n} records: "
+                       "such a δ permits releasing whole records")
+            if not allow_at_least_one_over_n:
+                raise ValueError(f"{message}; use δ <= 1/(10 n) = {0.1 / n:g}")
+            warnings.warn(message, stacklevel=3)
     return float(value)
 
 

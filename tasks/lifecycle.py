@@ -17,13 +17,14 @@ from pathlib import Path
 
 from privacy import accountant as acct
 from privacy import events as ev
-from privacy.ledger import Ledger
+from privacy.ledger import Ledger, UnknownRunError
 
 from . import plots, randomness
 from .data import Partition, read_partition_split
-from .errors import ConfigError
+from .errors import ConfigError, PrivPromptError
 from .methods import MethodContext, PrivateRows, get_method
-from .prompts import save_prompt_file
+from .methods.base import Trained
+from .prompts import load_prompt_file, save_prompt_file
 
 
 # The publish rule: outputs of a formal guarantee — central DP, or local d_X privacy (the model
@@ -32,10 +33,43 @@ PUBLISHED = ("dp", "ldp")
 
 
 def resolve_delta(cfg, n_train: int, method_name: str | None = None) -> float:
-    """δ of a run: the config's, else the published (or given) method's default."""
+    """δ of a run, under one policy for every method (whatever its ``default_delta`` returns):
+
+    * no ``privacy.target_delta``: the published (or given) method's default, capped at
+      1/(10·n_train);
+    * a configured δ ≥ 1/n_train — which (ε, δ)-DP lets a mechanism spend on publishing whole
+      records — is refused with a :class:`ConfigError`, unless the config opts in with
+      ``privacy.allow_delta_at_least_one_over_n: true`` (then it is warned about, and the run
+      record says so: :func:`delta_opt_in`)."""
+    import numbers
+
+    from privacy.validation import check_delta
+
+    if isinstance(n_train, bool) or not isinstance(n_train, numbers.Integral) or n_train < 1:
+        raise ConfigError(f"a run's δ needs the number of training records n_train >= 1, got {n_train!r}")
+    n_train = int(n_train)
     if cfg.privacy.target_delta:
-        return cfg.privacy.target_delta
-    return get_method(method_name or cfg.method).default_delta(n_train)
+        allow = cfg.privacy.allow_delta_at_least_one_over_n
+        try:
+            return check_delta(cfg.privacy.target_delta, "privacy.target_delta", n=n_train,
+                               allow_at_least_one_over_n=allow)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{exc} (n_train={n_train} training records); or, to accept it knowingly, set "
+                "privacy.allow_delta_at_least_one_over_n: true (the run record then carries "
+                "privacy.delta_opt_in=true)") from None
+    name = method_name or cfg.method
+    default = min(float(get_method(name).default_delta(n_train)), 0.1 / n_train)
+    try:
+        return check_delta(default, f"{name}.default_delta", n=n_train, allow_at_least_one_over_n=False)
+    except ValueError as exc:
+        raise ConfigError(f"method {name!r}: {exc}") from None
+
+
+def delta_opt_in(cfg, n_train: int, delta: float) -> bool:
+    """True when this run's δ is ≥ 1/n_train under ``privacy.allow_delta_at_least_one_over_n``
+    (the run record tags it ``privacy.delta_opt_in``)."""
+    return bool(cfg.privacy.allow_delta_at_least_one_over_n and n_train >= 1 and delta >= 1.0 / n_train)
 
 
 def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) -> dict:
@@ -80,45 +114,168 @@ def _write_private_history(directory: Path, name: str, history: list[dict]) -> s
     return str(path)
 
 
+class ReleaseError(PrivPromptError):
+    """A retried run whose DP output cannot be republished as it was: refused, because making a
+    second DP output under the run's one charge would spend privacy the ledger never counted."""
+
+
+def release_dir(private_run_dir: Path) -> Path:
+    """Where a dp run stores its DP output and its release manifest before the commit (private
+    side: the manifest carries the training's audit statistics; the published copies are made
+    from it)."""
+    return Path(private_run_dir) / "releases"
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def store_release(private_run_dir: Path, name: str, run_key: str, trained: Trained) -> Path:
+    """Store the DP output of run ``run_key`` (method ``name``) and everything republishing it
+    needs (event, steps, metrics, audit statistics, the output file's SHA-256) BEFORE the commit.
+    The manifest is written last and atomically: it exists only when the output beside it is whole."""
+    directory = release_dir(private_run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    prompt_file = digest = None
+    if trained.prompt is not None:
+        path = save_prompt_file(directory, f"{name}_dp_output", trained.prompt, {"method": name, "run_key": run_key})
+        prompt_file, digest = path.name, _sha256(path)
+    manifest = {"run_key": run_key, "method": name, "event": ev.event_to_json(trained.event),
+                "prompt_file": prompt_file, "sha256": digest, "steps": int(trained.steps),
+                "metrics": {k: float(v) for k, v in trained.metrics.items()},
+                "audit_metrics": {k: float(v) for k, v in trained.audit_metrics.items()}}
+    target = directory / f"{name}.json"
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    tmp.replace(target)
+    return target
+
+
+def stored_release(ledger: Ledger, run_key: str, private_run_dir: Path, name: str) -> Trained | None:
+    """The DP output run ``run_key`` already made, as a :class:`Trained` to republish; None when
+    it has made none that was stored (train then). Raises :class:`ReleaseError` when the ledger
+    has committed the run's spend but its stored output is missing or changed, or when a stored
+    output does not match the ledger: never a second DP output under one charge."""
+    try:
+        entry = ledger.entry(run_key)
+    except UnknownRunError:
+        entry = None
+    committed = entry is not None and entry["kind"] == "dp" and entry["status"] == "committed"
+    directory = release_dir(private_run_dir)
+    manifest_path = directory / f"{name}.json"
+    fresh_run = "start a new flow run (a new run id and a new charge) to train again"
+    if not manifest_path.is_file():
+        if committed:
+            raise ReleaseError(
+                f"run {run_key!r} already committed ε={entry['epsilon']:.4g} for its DP output, but the stored "
+                f"output is missing ({manifest_path} does not exist): refusing to train again under the same "
+                f"charge; restore the run's private state folder, or {fresh_run}")
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        event = ev.event_from_json(manifest["event"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ReleaseError(f"run {run_key!r}: the stored release manifest {manifest_path} is unreadable ({exc}); "
+                           f"refusing to train again under the same charge: {fresh_run}") from None
+    problem = None
+    if manifest.get("run_key") != run_key or manifest.get("method") != name:
+        problem = f"it belongs to run {manifest.get('run_key')!r} of method {manifest.get('method')!r}"
+    elif entry is None or entry["kind"] != "dp":
+        problem = "the ledger holds no dp reservation for this run"
+    elif committed and entry["committed_event"] != json.loads(manifest["event"]):
+        problem = "its event differs from the one the ledger committed"
+    elif manifest.get("prompt_file"):
+        path = directory / manifest["prompt_file"]
+        if not path.is_file():
+            problem = f"its output file {path} is missing"
+        elif _sha256(path) != manifest.get("sha256"):
+            problem = f"its output file {path} was changed after it was stored"
+    if problem:
+        raise ReleaseError(f"run {run_key!r} stored a DP output ({manifest_path}) that cannot be republished: "
+                           f"{problem}; refusing to make a second DP output under the same charge: {fresh_run}")
+    prompt = load_prompt_file(str(directory / manifest["prompt_file"])) if manifest.get("prompt_file") else None
+    return Trained(prompt, event, int(manifest.get("steps", 0)), dict(manifest.get("metrics", {})),
+                   [], dict(manifest.get("audit_metrics", {})))
+
+
 def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
-    """Run method ``name`` through the lifecycle inside flow run ``ctx``; returns paths and numbers."""
+    """Run method ``name`` through the lifecycle inside flow run ``ctx``; returns paths and numbers.
+
+    Retries (a Prefect task or flow retry calls this again with the same flow run id, so the same
+    ``run_key``) never make a second DP output under the run's one charge:
+
+    * the DP output (with its event, counts and audit statistics) is stored under the run's
+      private folder (:func:`store_release`) BEFORE ``ledger.commit``; every later step —
+      commit, post-processing (public data only), publishing — starts from that stored output;
+    * a retry of a run whose stored output exists (committed, or crashed between storing and
+      committing) reads no private row and does not train: it commits the stored event (a no-op
+      when committed) and republishes the stored output (:func:`stored_release`);
+    * a retry of a committed run whose stored output is missing or changed is refused
+      (:class:`ReleaseError`), never trained again;
+    * a retry after a crash between the reservation and the storing trains again under the same
+      reservation (``reserve`` is idempotent: no second charge). That is sound: the reservation,
+      the declared worst case, stays spent and counts in full; the crashed attempt's output only
+      ever existed in that attempt's memory and was never stored or published, so the one output
+      ever released is the retry's, a single run of the mechanism under the charge. (The crash
+      must not depend on the noise or the data; the ones that retry — lost workers, out of memory,
+      timeouts — do not.)
+    """
     method = get_method(name)
     cfg, part, paths = ctx.cfg, ctx.part, ctx.paths
     delta = resolve_delta(cfg, part.n_train)  # the run's δ (its published method's): one δ per run
+    opt_in = delta_opt_in(cfg, part.n_train, delta)
     plan = method.plan(cfg, part.n_train, delta)
     run_key = f"{ctx.flow_run_id}:{name}"
     ledger = Ledger(paths.ledger)
     ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)
-    child = ctx.parent.child(name, {"method": name, "stage": "train", "privacy.guarantee": plan.guarantee})
+    if opt_in:  # the run record says that this run's δ is ≥ 1/n by the config's explicit opt-in
+        ctx.parent.set_tags({"privacy.delta_opt_in": "true"})
+    child = ctx.parent.child(name, {"method": name, "stage": "train", "privacy.guarantee": plan.guarantee,
+                                    **({"privacy.delta_opt_in": "true"} if opt_in else {})})
     try:
         reservation = None
+        stored = None
         if plan.reads_private:
             # before any private row is read: reserve the worst case, or record the use as what it is
             if plan.guarantee == "dp":
+                stored = stored_release(ledger, run_key, ctx.private_run_dir, name)
+                note = f" (δ={delta:g} ≥ 1/n by privacy.allow_delta_at_least_one_over_n)" if opt_in else ""
                 reservation = ledger.reserve(part.dataset_key, run_key, plan.event,
-                                             description=f"{name} flow run {ctx.flow_run_id}")
+                                             description=f"{name} flow run {ctx.flow_run_id}{note}")
             elif plan.guarantee == "ldp":
                 ledger.record_ldp(part.dataset_key, run_key, f"{name}: local d_X privacy, no (ε, δ) claim")
             else:
                 ledger.record_nonprivate(part.dataset_key, run_key, f"{name}: {plan.note or 'no formal guarantee'}")
-        rows = read_private_rows(part, method.uses_validation) if plan.reads_private else PrivateRows([], [])
         mctx = MethodContext(cfg, paths, prepared, randomness.for_config(cfg), cfg.seed,
                              ctx.output_dir if plan.guarantee in PUBLISHED else ctx.private_run_dir, part.dataset_key)
-        started = time.perf_counter()
-        trained = method.train(mctx, plan, rows, progress=progress(name) if progress else None)
-        train_s = time.perf_counter() - started
-        del rows
+        if stored is not None:  # a retry: the stored DP output, no private read, no training
+            trained, train_s = stored, 0.0
+        else:
+            rows = read_private_rows(part, method.uses_validation) if plan.reads_private else PrivateRows([], [])
+            started = time.perf_counter()
+            trained = method.train(mctx, plan, rows, progress=progress(name) if progress else None)
+            train_s = time.perf_counter() - started
+            del rows
         info: dict = {"method": name, "guarantee": plan.guarantee, "private": plan.guarantee == "dp",
                       "params": plan.params, "steps": trained.steps, "compute": {"train": train_s},
-                      "prompt_path": None, "source_prompt_path": None, "spend": None, "event": None}
+                      "prompt_path": None, "source_prompt_path": None, "spend": None, "event": None,
+                      "republished": stored is not None}
         metrics = dict(trained.metrics)
         if plan.guarantee == "dp":
             if trained.event is None:
                 raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
+            if stored is None:
+                store_release(ctx.private_run_dir, name, run_key, trained)  # a retry republishes this one
             ledger.commit(run_key, trained.event)  # refuses (after recording it) a spend above the reservation
             spend = acct.spend(trained.event, delta)
             info.update({"spend": spend.to_dict(), "event": ev.event_to_dict(trained.event),
-                         "reserved_new": reservation.new})
+                         "reserved_new": reservation.new if reservation is not None else None})
             metrics.update({"privacy.epsilon": spend.epsilon, "privacy.delta": delta,
                             "privacy.epsilon_rdp": spend.epsilon_rdp})
         _write_private_history(ctx.private_run_dir, name, trained.history)
@@ -129,7 +286,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
             metrics.update(trained.audit_metrics)
             info["audit_metrics"] = trained.audit_metrics
         info["train_metrics"] = dict(metrics)
-        child.log_params(plan.params)
+        child.log_params({**plan.params, **({"privacy.delta_opt_in": "true"} if opt_in else {})})
         child.log_metrics(metrics)
         if trained.prompt is not None:
             published = plan.guarantee in PUBLISHED  # the publish rule

@@ -109,8 +109,14 @@ class PrivacyConfig(Block):
     (clipping norm, noise) belong to the method blocks."""
 
     target_epsilon: float = Field(8.0, description="ε the DP method spends")
-    target_delta: float | None = Field(None, description="δ; default: the method's (most: min(1e-5, 1/(10 n_train)))")
+    target_delta: float | None = Field(None, description="δ; default: the method's, never above 1/(10 n_train) "
+                                       "(most: min(1e-5, 1/(10 n_train))); δ ≥ 1/n_train is refused unless "
+                                       "allow_delta_at_least_one_over_n")
     dataset_epsilon_cap: float = Field(10.0, description="total ε allowed on this dataset (ledger)")
+    allow_delta_at_least_one_over_n: bool = Field(
+        False, description="accept a target_delta ≥ 1/n_train, which (ε, δ)-DP lets a mechanism spend on "
+        "publishing whole records (e.g. DP-OPT's paper setting δ = 1/n); recorded in the run record as "
+        "privacy.delta_opt_in")
 
     @field_validator("target_epsilon", "dataset_epsilon_cap")
     @classmethod
@@ -127,6 +133,14 @@ class PrivacyConfig(Block):
     def _delta_range(cls, v):
         if v is not None and not (0 < v < 1):
             raise ValueError(f"must lie in (0, 1), got {v}")
+        return v
+
+    @field_validator("allow_delta_at_least_one_over_n")
+    @classmethod
+    def _opt_in_names_its_delta(cls, v, info):
+        if v and "target_delta" in info.data and info.data["target_delta"] is None:
+            raise ValueError("true needs an explicit privacy.target_delta (the default δ is never ≥ 1/n): write "
+                             "the δ you accept, or remove the opt-in")
         return v
 
 
