@@ -600,7 +600,10 @@ class Ledger:
         ``eta``: this entry is one RELEASE — one independent d_X draw of (some of) the dataset's
         records at privacy parameter η. d_X privacy composes additively: a record in k releases
         is private at Σ η, so :meth:`datasets` reports ``ldp_eta_bound``, the sum over every
-        release of the dataset (a bound for any one record; record it BEFORE the draw is made)."""
+        release of the dataset (a bound for any one record; record it BEFORE the draw is made).
+        Since recording a run id again is a no-op, every draw actually made needs its own run id
+        (e.g. a fresh random suffix per draw): a draw made afresh under a reused id would be
+        missing from the bound. A stored draw read back is no new release."""
         event = None
         if eta is not None:
             if not (isinstance(eta, (int, float)) and math.isfinite(eta) and eta > 0):

@@ -205,3 +205,37 @@ def test_a_split_without_text_tokens_is_refused_before_any_release(tmp_path):
         Rapt().shared_draw(mctx, ["", "   "], "train", 3, tmp_path / "out" / "train.pt")
     assert not (paths.root / "outputs" / "rapt-draws").exists()
     assert not paths.ledger.exists() or "rapt-draw" not in paths.ledger.read_bytes().decode("latin-1")
+
+
+def test_every_draw_made_is_its_own_release(tmp_path):
+    """A draw read back from its file is no new release; a draw made afresh after its file was
+    removed is a second one: the ledger counts two releases and the η bound doubles."""
+    from types import SimpleNamespace
+
+    from privacy.ledger import Ledger
+    from tasks.config import parse_config
+    from tasks.methods.rapt import Rapt
+    from tasks.randomness import DpRandomness
+    from tasks.state import state_paths
+
+    cfg = parse_config(_config(tmp_path / "data", tmp_path / "state"))
+    paths = state_paths(str(tmp_path / "state")).create()
+    ledger = Ledger(paths.ledger)
+    ledger.register_dataset("toy-key", "toy", 10.0, 1e-5)
+    mctx = SimpleNamespace(cfg=cfg, paths=paths, randomness=DpRandomness(seeded=False), dataset_key="toy-key",
+                           output_dir=tmp_path / "out")
+    texts = ["a private review of a film", "another private review", "the third one"]
+    first, _ = Rapt().shared_draw(mctx, texts, "train", 3, tmp_path / "out" / "a.pt")
+    again, _ = Rapt().shared_draw(mctx, texts, "train", 3, tmp_path / "out" / "b.pt")  # read back: no release
+    assert torch.equal(first.input_ids, again.input_ids)
+    ds = ledger.dataset("toy-key")
+    assert ds["ldp_releases"] == 1 and ds["ldp_eta_bound"] == pytest.approx(20.0)
+    (stored,) = (paths.root / "outputs" / "rapt-draws").glob("train-*.pt")
+    stored.unlink()  # the draw is made afresh: a second, independent release of the same texts
+    Rapt().shared_draw(mctx, texts, "train", 3, tmp_path / "out" / "c.pt")
+    ds = ledger.dataset("toy-key")
+    assert ds["ldp_releases"] == 2 and ds["ldp_eta_bound"] == pytest.approx(40.0)
+    draws = [e for e in ledger.entries() if e["kind"] == "ldp"]
+    assert len({e["run_id"] for e in draws}) == 2 and all(e["run_id"].startswith(f"rapt-draw:{stored.stem}:")
+                                                           for e in draws)
+    assert all(e["committed_event"] == {"mechanism": "d_X", "eta": 20.0} for e in draws)

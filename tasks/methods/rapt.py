@@ -5,9 +5,10 @@ The guarantee is LOCAL (metric, d_X) privacy of each text, with parameter η (``
 (ε, δ) claim about the dataset (``privacy.guarantee=ldp``). Labels are not privatized, as in the
 paper. The privatization runs on the local side (``privatize``); the model side (``tune``,
 ``infer``) receives only the privatized ids, written to the run's outputs and read back from
-there. Each draw of private text is a release, recorded in the ledger with its η before it is
-made (η adds up over the draws a text is in). The attacks and the replacement share read the
-unprivatized text: their numbers are audit statistics (``audit.*``).
+there. Each draw of private text actually made is a release, recorded in the ledger under its own
+entry with its η before it is made (η adds up over the draws a text is in); a stored draw read
+again is not. The attacks and the replacement share read the unprivatized text: their numbers
+are audit statistics (``audit.*``).
 """
 
 from __future__ import annotations
@@ -209,17 +210,27 @@ class Rapt(Method):
             "data": cfg.data.model_dump(mode="json"), "data_root": cfg.data_root, "seed": cfg.seed,
             "model": cfg.models.local, "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain,
             "split": split, "n": len(texts)}, private_texts=texts)
-        if not mctx.randomness.seeded:  # a release: in the ledger before it is made (η adds up over draws)
-            if mctx.dataset_key is None:
-                raise RuntimeError("a released RAPT draw needs the dataset's ledger key (MethodContext.dataset_key)")
+
+        def draw():
+            return privatize_encoding(encoding, plain, BackbonePrivatizer(bb), block.eta, mctx.randomness.numpy(stream))
+
+        def released_draw():
+            # every draw actually made is a release, in the ledger before it is made, under its own
+            # entry (a fresh id per draw: one made afresh after its file was removed is a second
+            # release, and η adds up); a stored draw loaded again is no new release
+            import secrets
+
             from privacy.ledger import Ledger
 
             Ledger(mctx.paths.ledger).record_ldp(
-                mctx.dataset_key, f"rapt-draw:{shared.stem}",
+                mctx.dataset_key, f"rapt-draw:{shared.stem}:{secrets.token_hex(8)}",
                 f"rapt: d_X draw of {len(texts)} {split} texts at η = {block.eta:g} ({shared.name})", eta=block.eta)
-        data = draw_once(shared, encoding, lambda: privatize_encoding(
-            encoding, plain, BackbonePrivatizer(bb), block.eta, mctx.randomness.numpy(stream)), self.load_privatized,
-            self._save)
+            return draw()
+
+        if not mctx.randomness.seeded and mctx.dataset_key is None:
+            raise RuntimeError("a released RAPT draw needs the dataset's ledger key (MethodContext.dataset_key)")
+        data = draw_once(shared, encoding, draw if mctx.randomness.seeded else released_draw, self.load_privatized,
+                         self._save)
         if not block.reconstruction:
             data, encoding = without_plain(data, encoding)
         self._save(data, out_path)
