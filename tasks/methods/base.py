@@ -152,6 +152,9 @@ class Method:
         return True
 
     def default_delta(self, n_train: int) -> float:
+        """δ when the config sets none. Whatever a method returns here, the lifecycle
+        (``tasks.lifecycle.resolve_delta``) uses at most 1/(10·n_train): δ ≥ 1/n lets a mechanism
+        publish whole records."""
         return min(1e-5, 1.0 / (10 * n_train))
 
     def uses_public_data(self, cfg: "PrivPromptConfig") -> bool:
