@@ -40,7 +40,8 @@ def test_fingerprint_is_keyed_a_known_record_guess_cannot_be_confirmed():
 
 def test_two_installations_give_different_fingerprints(tmp_path):
     data = _write(tmp_path / "data", _rows())
-    cfg = DataConfig(name="toy", path=str(data), labels=["neg", "pos"])
+    # 40 records split by a fresh secret: holdout_fraction 0.5 leaves no split empty but with p ~ 1e-12
+    cfg = DataConfig(name="toy", path=str(data), labels=["neg", "pos"], holdout_fraction=0.5)
     a = partition_dataset(cfg, 0, tmp_path / "install-a" / "private", None)
     b = partition_dataset(cfg, 0, tmp_path / "install-b" / "private", None)
     assert a.fingerprint != b.fingerprint and a.dataset_key != b.dataset_key
