@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+SST2_RECORDS = 67_349  # SST-2 training records: the splits are rates (per-record keyed hash), these give the sizes
 sys.path.insert(0, str(REPO))
 
 
@@ -41,8 +42,8 @@ def main() -> None:
 
     config = {
         "method": "prompt_dpsgd", "experiment": "bench-audit", "seed": 0, "state_dir": str(state),
-        "data": {"name": "sst2", "labels": ["negative", "positive"], "train_size": args.train_size,
-                 "test_size": 100, "holdout_fraction": 0.99},
+        "data": {"name": "sst2", "labels": ["negative", "positive"], "train_fraction": args.train_size / SST2_RECORDS,
+                 "test_fraction": 0.0549, "holdout_fraction": args.train_size / SST2_RECORDS},  # expected sizes
         "models": {"local": "minilm", "max_length": 40},
         "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
         "methods": {"prompt_dpsgd": {"n_tokens": 10, "epochs": 4, "batch_size": 16}},

@@ -36,3 +36,28 @@ def sst2_dir():
     if not (SHARED_DATA / "sst2" / "train.jsonl").is_file():
         pytest.skip("../shared/data/sst2 is not available")
     return SHARED_DATA / "sst2"
+
+
+def key_with_records_in_training(state_dir, data: dict, texts: list[str], labels: list[str]) -> bytes:
+    """Write ``<state_dir>/secrets/installation.key``: the first of a fixed series of keys under
+    which every given record (planted canaries) falls in the TRAINING split. Splits are keyed
+    per-record hashes, so with a fresh random key a canary sits in the holdout some of the time
+    and a leak test would test less; this makes the tests deterministic and always strong."""
+    import hashlib
+
+    from tasks.data import assign_splits
+    from tasks.schema import DataConfig
+
+    cfg = DataConfig(**data)
+    for i in range(10_000):
+        key = hashlib.sha256(f"privprompt-test-key-{i}".encode()).digest()
+        train, _ = assign_splits(cfg, key, texts, labels)
+        if train.all():
+            break
+    else:
+        raise AssertionError("no test key puts every record in training")
+    folder = Path(state_dir) / "secrets"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    (folder / "installation.key").write_bytes(key)
+    (folder / "installation.key").chmod(0o600)
+    return key

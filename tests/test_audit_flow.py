@@ -92,7 +92,7 @@ def _audit_config(data_dir, state_dir, **audit):
     return {
         "method": "prompt_dpsgd", "experiment": "audit-tests", "seed": 0, "state_dir": str(state_dir),
         "data": {"name": "toy-audit", "path": str(data_dir), "labels": ["negative", "positive"],
-                 "train_size": 40, "holdout_fraction": 0.9, "canaries": 30},
+                 "train_fraction": 0.2, "holdout_fraction": 0.18, "canaries": 30},
         "models": {"local": "tiny-gpt2", "max_length": 24},
         "privacy": {"target_epsilon": 4.0, "dataset_epsilon_cap": 100.0},
         "methods": {"prompt_dpsgd": {"n_tokens": 3, "epochs": 1, "batch_size": 16}},

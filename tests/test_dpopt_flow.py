@@ -9,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import key_with_records_in_training
 
 from test_flow import _mlflow, _toy_dataset, assert_baselines_labelled
 
@@ -68,8 +69,10 @@ def dpopt_run(prefect_harness, sst2_dir, tmp_path_factory, endpoint):
     root = tmp_path_factory.mktemp("dpopt")
     data = _toy_dataset(root / "data", sst2_dir, n_train=120, n_test=30, canaries=[CANARY])
     state = root / "state"
+    cfg = _config(data, state, endpoint)
+    key_with_records_in_training(state, cfg["data"], [f"{CANARY} , a film"], ["positive"])
     _Endpoint.received.clear()
-    summary = method_flow(_config(data, state, endpoint))
+    summary = method_flow(cfg)
     return {"summary": summary, "state": state, "received": list(_Endpoint.received)}
 
 

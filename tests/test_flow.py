@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import key_with_records_in_training
 
 REPO = Path(__file__).resolve().parent.parent
 CANARIES = ["zqxv canary wombat ultramarine 7731", "plover canary heliotrope quokka 2209"]
@@ -219,6 +220,7 @@ def cli_run(sst2_dir, tmp_path_factory):
     del cfg["state_dir"]
     (root / "run.yaml").write_text(yaml.safe_dump(cfg))
     state = root / "state"
+    key_with_records_in_training(state, cfg["data"], [f"{c} , a film" for c in CANARIES], ["positive"] * 2)
     proc = _cli(["run", str(root / "run.yaml")], {"PRIVPROMPT_HOME": str(state), "PYTHONPATH": str(REPO)}, root)
     return {"proc": proc, "state": state, "root": root}
 

@@ -24,7 +24,7 @@ def _config(state: Path, method: str) -> dict:
         "method": method, "experiment": "contract", "seed": 0, "state_dir": str(state),
         "allow_nonprivate_baselines": True,
         "data": {"name": "sst2", "path": str(SHARED / "sst2"), "labels": ["negative", "positive"],
-                 "train_size": 40, "test_size": 20, "holdout_fraction": 0.25},
+                 "train_fraction": 0.000594, "holdout_fraction": 0.0001485, "test_fraction": 0.011},
         "models": {"local": "tiny-gpt2", "max_length": 24},
         "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
         "public": {"name": "tweet_sentiment", "path": str(SHARED / "tweet_sentiment"), "size": 40},

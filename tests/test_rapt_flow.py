@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import key_with_records_in_training
 
 from test_flow import _mlflow, _toy_dataset
 
@@ -42,8 +43,10 @@ def rapt_run(prefect_harness, sst2_dir, tmp_path_factory):
         return out
 
     Rapt.load_privatized = staticmethod(spy)
+    cfg = _config(data, state)
+    key_with_records_in_training(state, cfg["data"], [f"{CANARY} , a film"], ["positive"])
     try:
-        summary = method_flow(_config(data, state))
+        summary = method_flow(cfg)
     finally:
         Rapt.load_privatized = staticmethod(original)
     return {"summary": summary, "state": state, "loaded": loaded}
