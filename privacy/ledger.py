@@ -17,9 +17,14 @@ partition goes through the ledger:
 
 A spent budget stays spent:
 
-* There is no ``release``. A run that crashes between ``reserve`` and ``commit`` keeps its
-  reservation, and a reservation (status ``'reserved'``) counts in full: the run may have
-  touched the data before it died.
+* A run that crashes after it began reading private data keeps its reservation, and a
+  reservation (status ``'reserved'``) counts in full: the run may have touched the data before
+  it died. The lifecycle calls ``mark_read(run_id)`` BEFORE its first private read; from then
+  on the entry can never be released.
+* ``release(run_id, reason)`` is for a run that failed before that mark (a model that does not
+  load, a config mistake found late): no private record was read, so the reservation costs
+  nothing. The entry stays in the ledger with status ``'released'``, its reason and time (the
+  audit trail); the ledger refuses it for an entry marked read.
 * ``abort(run_id, reason)`` exists **only** for runs that provably never touched private data
   (e.g. config validation failed before any data was loaded). It marks the entry ``'aborted'``
   and the entry then costs nothing. Calling it for a run that did read the data voids the
@@ -73,7 +78,7 @@ __all__ = [
     "UnknownRunError",
 ]
 
-SCHEMA_VERSION = 2  # 2: the 'ldp' kind of use
+SCHEMA_VERSION = 3  # 2: the 'ldp' kind of use; 3: 'released' entries, read marks, reasons of cap changes
 DEFAULT_BUSY_TIMEOUT_S = 120.0
 # Relative slack when comparing a committed ε with the reserved one (the accountant is
 # deterministic; this only absorbs float noise).
@@ -93,7 +98,7 @@ CREATE TABLE IF NOT EXISTS entries (
     run_id             TEXT NOT NULL UNIQUE,
     fingerprint        TEXT NOT NULL REFERENCES datasets(fingerprint),
     kind               TEXT NOT NULL CHECK (kind IN ('dp', 'nonprivate', 'ldp')),
-    status             TEXT NOT NULL CHECK (status IN ('reserved', 'committed', 'aborted')),
+    status             TEXT NOT NULL CHECK (status IN ('reserved', 'committed', 'aborted', 'released')),
     reserved_event     TEXT,
     committed_event    TEXT,
     epsilon_reserved   REAL,
@@ -103,7 +108,10 @@ CREATE TABLE IF NOT EXISTS entries (
     abort_reason       TEXT,
     created_at         TEXT NOT NULL,
     committed_at       TEXT,
-    aborted_at         TEXT
+    aborted_at         TEXT,
+    read_started_at    TEXT,
+    released_at        TEXT,
+    release_reason     TEXT
 );
 CREATE INDEX IF NOT EXISTS entries_by_dataset ON entries(fingerprint);
 CREATE TABLE IF NOT EXISTS cap_changes (
@@ -116,9 +124,14 @@ CREATE TABLE IF NOT EXISTS cap_changes (
     new_cap      REAL NOT NULL,
     new_delta    REAL NOT NULL,
     spent_epsilon_at_change REAL NOT NULL,
-    changed_at   TEXT NOT NULL
+    changed_at   TEXT NOT NULL,
+    reason       TEXT
 );
 """
+
+
+_V2_COLUMNS = ("id, run_id, fingerprint, kind, status, reserved_event, committed_event, epsilon_reserved, "
+               "epsilon_committed, over_reservation, description, abort_reason, created_at, committed_at, aborted_at")
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -137,6 +150,26 @@ class BudgetExceededError(ValueError):
         self.cap = cap
         self.delta = delta
         self.remaining = max(0.0, cap - spent)
+        self.largest_fitting_epsilon: float | None = None  # set by callers that know the run's config
+
+    def with_hint(self, hint: str, largest_fitting_epsilon: float | None = None) -> "BudgetExceededError":
+        """The same refusal with ``hint`` appended to its (one-line) message."""
+        err = BudgetExceededError(f"{self.args[0]}; {hint}", fingerprint=self.fingerprint, name=self.name,
+                                  needed=self.needed, spent=self.spent, total=self.total, cap=self.cap,
+                                  delta=self.delta)
+        err.largest_fitting_epsilon = largest_fitting_epsilon
+        return err
+
+    def __reduce__(self):  # picklable across Prefect / Dask boundaries with its numbers
+        return (_rebuild_budget_error, (self.args[0], self.fingerprint, self.name, self.needed, self.spent,
+                                        self.total, self.cap, self.delta, self.largest_fitting_epsilon))
+
+
+def _rebuild_budget_error(message, fingerprint, name, needed, spent, total, cap, delta, largest):
+    err = BudgetExceededError(message, fingerprint=fingerprint, name=name, needed=needed, spent=spent,
+                              total=total, cap=cap, delta=delta)
+    err.largest_fitting_epsilon = largest
+    return err
 
 
 class _LookupValueError(KeyError, ValueError):
@@ -207,8 +240,9 @@ def _event_json(event, name: str = "event") -> str:
 
 
 def _counted_event_json(row: sqlite3.Row) -> str | None:
-    """The event an entry counts with: committed if committed, reserved if reserved, else none."""
-    if row["kind"] != "dp" or row["status"] == "aborted":
+    """The event an entry counts with: committed if committed, reserved if reserved, else none
+    (aborted and released entries cost nothing)."""
+    if row["kind"] != "dp" or row["status"] in ("aborted", "released"):
         return None
     if row["status"] == "committed":
         return row["committed_event"]
@@ -330,15 +364,18 @@ class Ledger:
                     raise RuntimeError(
                         f"ledger {self.path} has schema version {version}, newer than this code "
                         f"({SCHEMA_VERSION}); upgrade privprompt")
-                if version == 1:  # widen the kind CHECK (SQLite cannot alter a constraint): copy the rows
-                    conn.execute("ALTER TABLE entries RENAME TO entries_v1")
+                if version in (1, 2):  # widen the CHECKs (SQLite cannot alter a constraint): copy the rows
+                    conn.execute("ALTER TABLE entries RENAME TO entries_old")
                     conn.execute("DROP INDEX IF EXISTS entries_by_dataset")
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         conn.execute(statement)
-                if version == 1:
-                    conn.execute("INSERT INTO entries SELECT * FROM entries_v1")
-                    conn.execute("DROP TABLE entries_v1")
+                if version in (1, 2):
+                    conn.execute(f"INSERT INTO entries ({_V2_COLUMNS}) SELECT {_V2_COLUMNS} FROM entries_old")
+                    conn.execute("DROP TABLE entries_old")
+                    columns = {r[1] for r in conn.execute("PRAGMA table_info(cap_changes)")}
+                    if "reason" not in columns:
+                        conn.execute("ALTER TABLE cap_changes ADD COLUMN reason TEXT")
                 conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             except BaseException:
                 conn.execute("ROLLBACK")
@@ -371,7 +408,7 @@ class Ledger:
     def _counted_events(conn: sqlite3.Connection, fingerprint: str, exclude_run_id: str | None = None
                         ) -> list[str]:
         rows = conn.execute(
-            "SELECT * FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status != 'aborted' "
+            "SELECT * FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status NOT IN ('aborted', 'released') "
             "ORDER BY id", (fingerprint,)).fetchall()
         return [_counted_event_json(r) for r in rows if r["run_id"] != exclude_run_id]
 
@@ -418,17 +455,80 @@ class Ledger:
                             f"refusing to change it to name={name!r}, epsilon_cap={epsilon_cap!r}, "
                             f"delta={delta!r} (pass allow_cap_change=True to change it; the change is "
                             "recorded, and caps should only be lowered)")
-                    spent_eps = _compose(self._counted_events(conn, fingerprint), row["delta"]).epsilon
-                    conn.execute(
-                        "INSERT INTO cap_changes (fingerprint, old_name, old_cap, old_delta, new_name,"
-                        " new_cap, new_delta, spent_epsilon_at_change, changed_at)"
-                        " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                        (fingerprint, row["name"], row["epsilon_cap"], row["delta"], name, epsilon_cap,
-                         delta, spent_eps, now))
-                    conn.execute(
-                        "UPDATE datasets SET name = ?, epsilon_cap = ?, delta = ?, updated_at = ?"
-                        " WHERE fingerprint = ?", (name, epsilon_cap, delta, now, fingerprint))
+                    self._change(conn, row, name, epsilon_cap, delta, None)
         return self.dataset(fingerprint)
+
+    def _change(self, conn: sqlite3.Connection, row: sqlite3.Row, name: str, epsilon_cap: float, delta: float,
+                reason: str | None) -> None:
+        """Apply a change of a dataset's name / cap / δ and record it (old and new values, the ε
+        spent at the time, the reason) in ``cap_changes``. A new δ re-states every entry's ε at it."""
+        fingerprint, now = row["fingerprint"], _now()
+        spent_eps = _compose(self._counted_events(conn, fingerprint), row["delta"]).epsilon
+        conn.execute(
+            "INSERT INTO cap_changes (fingerprint, old_name, old_cap, old_delta, new_name,"
+            " new_cap, new_delta, spent_epsilon_at_change, changed_at, reason)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (fingerprint, row["name"], row["epsilon_cap"], row["delta"], name, epsilon_cap,
+             delta, spent_eps, now, reason))
+        conn.execute(
+            "UPDATE datasets SET name = ?, epsilon_cap = ?, delta = ?, updated_at = ?"
+            " WHERE fingerprint = ?", (name, epsilon_cap, delta, now, fingerprint))
+        if not math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0):
+            for entry in conn.execute("SELECT * FROM entries WHERE fingerprint = ? AND kind = 'dp'",
+                                      (fingerprint,)).fetchall():
+                update = {}
+                for column, event_column in (("epsilon_reserved", "reserved_event"),
+                                             ("epsilon_committed", "committed_event")):
+                    if entry[event_column]:
+                        update[column] = _compose([entry[event_column]], delta).epsilon
+                if update:
+                    conn.execute(f"UPDATE entries SET {', '.join(f'{k} = ?' for k in update)} WHERE id = ?",
+                                 (*update.values(), entry["id"]))
+
+    def lower_cap(self, fingerprint: str, epsilon_cap: float, reason: str) -> dict[str, Any]:
+        """Lower the dataset's cap to ``epsilon_cap`` (recorded with ``reason``); raising is refused
+        (a raise is a policy decision, made with ``register_dataset(..., allow_cap_change=True)``).
+        Below what is spent, the dataset has no budget left. Returns its ``datasets()`` row."""
+        _check_text(reason, "reason")
+        epsilon_cap = check_epsilon(epsilon_cap, "epsilon_cap")
+        with self._write() as conn:
+            row = self._dataset_row(conn, fingerprint)
+            if epsilon_cap > row["epsilon_cap"] * (1 + 1e-12):
+                raise ValueError(f"ε cap {epsilon_cap:g} is above dataset {row['name']!r}'s cap ε={row['epsilon_cap']:g}: "
+                                 "a cap is only lowered here")
+            if epsilon_cap < row["epsilon_cap"]:
+                self._change(conn, row, row["name"], epsilon_cap, row["delta"], reason)
+        return self.dataset(fingerprint)
+
+    def change_delta(self, fingerprint: str, delta: float, reason: str) -> dict[str, Any]:
+        """Register the dataset anew at another δ, deliberately: every past entry is composed at the
+        new δ from then on (its ε re-stated), and the change is recorded with ``reason`` and the ε
+        spent at the old δ. Refused while a reservation is open (its run was planned at the old δ).
+        The cap stays; a dataset whose composed spend at the new δ exceeds it has no budget left."""
+        _check_text(reason, "reason")
+        delta = check_delta(delta, "delta")
+        with self._write() as conn:
+            row = self._dataset_row(conn, fingerprint)
+            open_runs = [r["run_id"] for r in conn.execute(
+                "SELECT run_id FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status = 'reserved'",
+                (fingerprint,))]
+            if open_runs:
+                raise ValueError(f"dataset {row['name']!r} has {len(open_runs)} open reservation(s) ({', '.join(open_runs)}) "
+                                 f"planned at δ={row['delta']:g}: change δ when none is open")
+            self._change(conn, row, row["name"], row["epsilon_cap"], delta, reason)
+        return self.dataset(fingerprint)
+
+    def find_dataset(self, name_or_fingerprint: str) -> dict[str, Any]:
+        """The one dataset whose fingerprint starts with, or whose name is, ``name_or_fingerprint``."""
+        _check_text(name_or_fingerprint, "dataset")
+        found = [d for d in self.datasets()
+                 if d["fingerprint"].startswith(name_or_fingerprint) or d["name"] == name_or_fingerprint]
+        if len(found) != 1:
+            known = ", ".join(f"{d['name']} ({_short(d['fingerprint'])})" for d in self.datasets()) or "none"
+            what = "no dataset" if not found else f"{len(found)} datasets"
+            raise UnknownDatasetError(f"{what} named or with a fingerprint starting {name_or_fingerprint!r} in "
+                                      f"ledger {self.path} (datasets: {known}); give a longer fingerprint prefix")
+        return found[0]
 
     def cap_changes(self, fingerprint: str | None = None) -> list[dict[str, Any]]:
         """Every recorded cap change (``register_dataset(..., allow_cap_change=True)``), oldest first."""
@@ -455,8 +555,8 @@ class Ledger:
 
         Idempotent per ``run_id``: the same run id with the same event returns the existing entry
         (``Reservation.new`` is False) without charging again; with a different event, or for a
-        different dataset, it raises ``ValueError``. An entry that was aborted is reserved again
-        (with a fresh budget check).
+        different dataset, it raises ``ValueError``. An entry that was aborted or released is
+        reserved again (with a fresh budget check).
         """
         _check_text(fingerprint, "fingerprint")
         _check_text(run_id, "run_id")
@@ -480,7 +580,7 @@ class Ledger:
                         f"run_id {run_id!r} already reserved a different event "
                         f"({row['reserved_event']}); a retry must reserve the same event "
                         f"(got {event_json}), a new run needs a new run id")
-                if row["status"] != "aborted":
+                if row["status"] not in ("aborted", "released"):
                     total = _compose(self._counted_events(conn, fingerprint), delta).epsilon
                     return Reservation(
                         run_id=run_id, fingerprint=fingerprint, event=event,
@@ -497,9 +597,9 @@ class Ledger:
                 raise BudgetExceededError(
                     f"privacy budget for dataset {ds['name']!r} (fingerprint {_short(fingerprint)}) "
                     f"exhausted: this run needs ε={_fmt(alone)}, already spent ε={_fmt(spent_eps)} "
-                    f"of cap ε={_fmt(cap)} at δ={delta:g}; remaining ε={_fmt(remaining)} "
-                    f"(composed with the {len(existing)} counted entries the total would be "
-                    f"ε={_fmt(total)}); run {run_id!r} was not recorded",
+                    f"of cap ε={_fmt(cap)} at δ={delta:g}; remaining ε={_fmt(remaining)} (cap − spent; ε composes "
+                    f"sub-additively, so a run above it may still fit); composed with the {len(existing)} "
+                    f"counted entries the total would be ε={_fmt(total)}; run {run_id!r} was not recorded",
                     fingerprint=fingerprint, name=ds["name"], needed=alone, spent=spent_eps,
                     total=total, cap=cap, delta=delta)
             now = _now()
@@ -510,10 +610,11 @@ class Ledger:
                     " VALUES (?, ?, 'dp', 'reserved', ?, ?, ?, ?)",
                     (run_id, fingerprint, event_json, alone, description, now))
                 created = now
-            else:  # re-reserving an aborted entry
+            else:  # re-reserving an aborted or released entry (a Prefect retry of a released run)
                 conn.execute(
                     "UPDATE entries SET status = 'reserved', epsilon_reserved = ?, description = ?,"
-                    " abort_reason = NULL, aborted_at = NULL, created_at = ? WHERE run_id = ?",
+                    " abort_reason = NULL, aborted_at = NULL, released_at = NULL, release_reason = NULL,"
+                    " created_at = ? WHERE run_id = ?",
                     (alone, description or row["description"], now, run_id))
                 created = now
         return Reservation(run_id=run_id, fingerprint=fingerprint, event=event, epsilon=alone,
@@ -539,6 +640,9 @@ class Ledger:
             if row["status"] == "aborted":
                 raise ValueError(f"run_id {run_id!r} was aborted ({row['abort_reason']}); an aborted run "
                                  "must not have touched private data, so it cannot commit a spend")
+            if row["status"] == "released":
+                raise ValueError(f"run_id {run_id!r} was released ({row['release_reason']}): it read no private "
+                                 "record, so it cannot commit a spend")
             ds = self._dataset_row(conn, row["fingerprint"])
             if row["status"] == "committed":
                 if row["committed_event"] != event_json:
@@ -577,11 +681,60 @@ class Ledger:
                 raise ValueError(f"run_id {run_id!r} is a non-private use; it cannot be aborted")
             if row["status"] == "committed":
                 raise ValueError(f"run_id {run_id!r} is committed: its spend cannot be undone")
+            if row["status"] == "reserved" and row["read_started_at"] is not None:
+                raise ValueError(f"run_id {run_id!r} began reading private data at {row['read_started_at']}: "
+                                 "its reservation stays spent")
             if row["status"] == "reserved":
                 conn.execute(
                     "UPDATE entries SET status = 'aborted', abort_reason = ?, aborted_at = ?"
                     " WHERE run_id = ?", (reason, _now(), run_id))
         return self._entry_dict_for(run_id)
+
+    def mark_read(self, run_id: str) -> dict[str, Any]:
+        """Record that run ``run_id`` is about to read private records (call it BEFORE the first
+        read). From then on its reservation can never be released: it stays spent. Marking again
+        keeps the first time. Returns its ``entries()`` row."""
+        with self._write() as conn:
+            row = self._entry_row(conn, run_id)
+            if row["kind"] != "dp" or row["status"] not in ("reserved", "committed"):
+                raise ValueError(f"run_id {run_id!r} is a {row['kind']} entry with status {row['status']!r}: only a "
+                                 "dp reservation is marked read")
+            if row["read_started_at"] is None:
+                conn.execute("UPDATE entries SET read_started_at = ? WHERE run_id = ?", (_now(), run_id))
+        return self._entry_dict_for(run_id)
+
+    def release(self, run_id: str, reason: str) -> dict[str, Any]:
+        """Release the reservation of a run that failed before it read any private record: the entry
+        becomes 'released' (costs nothing) and keeps ``reason`` and the time in the ledger. Refused
+        (``ValueError``) for an entry marked read (``mark_read``): after the first read a reservation
+        stays spent. Releasing a released entry again is a no-op. Returns its ``entries()`` row."""
+        _check_text(reason, "reason")
+        with self._write() as conn:
+            row = self._entry_row(conn, run_id)
+            if row["kind"] != "dp":
+                raise ValueError(f"run_id {run_id!r} is a {row['kind']} use; only a dp reservation is released")
+            if row["status"] == "released":
+                return self._entry_dict(row, self._dataset_row(conn, row["fingerprint"])["name"])
+            if row["status"] != "reserved":
+                raise ValueError(f"run_id {run_id!r} is {row['status']}: only an open reservation is released")
+            if row["read_started_at"] is not None:
+                raise ValueError(f"run_id {run_id!r} began reading private data at {row['read_started_at']}: "
+                                 "its reservation stays spent")
+            conn.execute("UPDATE entries SET status = 'released', released_at = ?, release_reason = ? WHERE run_id = ?",
+                         (_now(), reason, run_id))
+        return self._entry_dict_for(run_id)
+
+    def open_reservations(self, fingerprint: str | None = None) -> list[dict[str, Any]]:
+        """Entries holding a reservation (status 'reserved'): runs in progress, or runs that
+        stopped without committing (counted in full; ``read_started_at`` says whether they began
+        reading private data)."""
+        return [e for e in self.entries(fingerprint) if e["kind"] == "dp" and e["status"] == "reserved"]
+
+    def counted_events(self, fingerprint: str) -> list[ev.DpEvent]:
+        """The events the dataset's budget composes (committed, or reserved), oldest first."""
+        with self._read() as conn:
+            self._dataset_row(conn, fingerprint)
+            return [ev.event_from_json(text) for text in self._counted_events(conn, fingerprint)]
 
     def record_nonprivate(self, fingerprint: str, run_id: str, description: str) -> dict[str, Any]:
         """Record a use of the dataset without any DP guarantee (e.g. a non-private baseline).
@@ -682,7 +835,7 @@ class Ledger:
         counted = _counted_event_json(row)
         if row["kind"] != "dp":
             epsilon = None  # no DP guarantee
-        elif row["status"] == "aborted":
+        elif row["status"] in ("aborted", "released"):
             epsilon = 0.0
         elif row["status"] == "committed":
             epsilon = row["epsilon_committed"]
@@ -707,6 +860,9 @@ class Ledger:
             "created_at": row["created_at"],
             "committed_at": row["committed_at"],
             "aborted_at": row["aborted_at"],
+            "read_started_at": row["read_started_at"],
+            "released_at": row["released_at"],
+            "release_reason": row["release_reason"],
         }
 
     def _entry_dict_for(self, run_id: str) -> dict[str, Any]:
@@ -762,6 +918,7 @@ class Ledger:
                     "reserved_runs": counts.get(("dp", "reserved"), 0),
                     "committed_runs": counts.get(("dp", "committed"), 0),
                     "aborted_runs": counts.get(("dp", "aborted"), 0),
+                    "released_runs": counts.get(("dp", "released"), 0),
                     "nonprivate_uses": counts.get(("nonprivate", "committed"), 0),
                     "ldp_uses": counts.get(("ldp", "committed"), 0) - len(releases),
                     "ldp_releases": len(releases),
@@ -782,15 +939,18 @@ class Ledger:
         composed η of a record in all of them, None when none was recorded)."""
         return self._dataset_dicts(None)
 
-    def summary_table(self) -> str:
-        """Plain-text summary (for ``privprompt ledger``): one line per dataset, then every
-        non-private use, which carries no DP guarantee and is not part of the ε column."""
+    def summary_table(self, largest: dict[str, str] | None = None) -> str:
+        """Plain-text summary (for ``privprompt ledger``): one line per dataset, what its columns
+        mean, then every non-private use, which carries no DP guarantee and is not part of the ε
+        column. ``largest``: fingerprint → a line saying the largest target ε of a config that
+        still fits (computed by the caller, which knows the config)."""
         header = ("dataset", "fingerprint", "delta", "eps_cap", "eps_spent", "eps_left",
-                  "reserved", "committed", "aborted", "local-DP", "non-private")
+                  "reserved", "committed", "released", "aborted", "local-DP", "non-private")
         datasets = self.datasets()
         rows = [(d["name"], _short(d["fingerprint"]), f"{d['delta']:g}", _fmt(d["epsilon_cap"]),
                  _fmt(d["spent_epsilon"]), _fmt(d["remaining_epsilon"]), str(d["reserved_runs"]),
-                 str(d["committed_runs"]), str(d["aborted_runs"]), str(d["ldp_uses"]), str(d["nonprivate_uses"]))
+                 str(d["committed_runs"]), str(d["released_runs"]), str(d["aborted_runs"]), str(d["ldp_uses"]),
+                 str(d["nonprivate_uses"]))
                 for d in datasets]
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
 
@@ -800,6 +960,18 @@ class Ledger:
 
         out = [f"privacy ledger {self.path}", line(header), line(["-" * w for w in widths])]
         out += [line(r) for r in rows] if rows else ["(no datasets registered)"]
+        if rows:
+            out += ["",
+                    "eps_spent: the composed ε (accountant, at the dataset's δ) of every committed and reserved DP run;",
+                    "  eps_left = eps_cap − eps_spent is no bound on one run's ε: ε composes sub-additively",
+                    "  (privprompt plan CONFIG / privprompt ledger --config CONFIG: the largest target_epsilon that fits).",
+                    "Counts of DP runs: reserved = holding a reservation (running, or stopped after reading private",
+                    "  data: counted in full; privprompt budget reservations), committed = finished (their actual ε",
+                    "  counts), released = failed before reading any private record (cost nothing), aborted = cancelled",
+                    "  before any private read (cost nothing). local-DP / non-private: uses without an (ε, δ) claim."]
+        for d in datasets:
+            if largest and d["fingerprint"] in largest:
+                out.append(f"{d['name']} ({_short(d['fingerprint'])}): {largest[d['fingerprint']]}")
         entries = self.entries()
         ldp = [e for e in entries if e["kind"] == "ldp"]
         nonprivate = [e for e in entries if e["kind"] == "nonprivate"]
