@@ -205,3 +205,63 @@ def max_limited_domain_queries(target_epsilon: float, delta: float, epsilon0: fl
         else:
             hi = mid
     return lo
+
+
+def largest_fitting_epsilon(events_for, existing: list[ev.DpEvent], delta: float, cap: float,
+                            rel_tol: float = 0.004, max_evaluations: int = 40) -> float | None:
+    """The largest target ε whose run still fits a budget: ``events_for(x)`` gives the run's
+    planned events at target ε = x (raising ``ValueError`` where no run can be planned at x); the
+    run fits when those events composed with ``existing`` (what the dataset has spent) give
+    ε ≤ ``cap`` at ``delta``. Composition is sub-additive, so this is not cap − spent.
+
+    Returns x such that a run at x fits and one at some x' ≤ x·(1 + rel_tol) does not (both
+    evaluated; the composed ε grows with x), or
+    None when no x ≥ cap·1e-4 fits. Bracketed search: interpolation on the composed ε (it is
+    smooth in x), with bisection whenever one side of the bracket stays put (each evaluation
+    calibrates a run, so evaluations are few)."""
+    check_epsilon(cap, "cap")
+    check_delta(delta, "delta")
+    existing = list(existing)
+    memo: dict[float, float] = {}
+
+    def total(x: float) -> float:
+        if x not in memo:
+            if len(memo) >= max_evaluations:
+                raise RuntimeError("largest_fitting_epsilon: no bracket after the maximum of evaluations")
+            try:
+                planned = list(events_for(x))
+            except ValueError:
+                memo[x] = math.inf  # no run can be planned at x
+            else:
+                memo[x] = spend(ev.ComposedEvent(tuple(existing + planned)), delta).epsilon if planned else 0.0
+        return memo[x]
+
+    spent_now = spend(ev.ComposedEvent(tuple(existing)), delta).epsilon if existing else 0.0
+    floor = cap * 1e-4
+    lo = max(cap - spent_now, floor)  # sub-additivity makes cap − spent a good first guess from below
+    while total(lo) > cap:
+        if lo <= floor:
+            return None
+        lo = max(lo / 4.0, floor)
+    hi = max(cap, lo * 1.5)
+    while total(hi) <= cap:
+        lo, hi = hi, hi * 2.0
+        if hi > cap * 1e4:
+            return lo  # the planned events do not grow with x (the run's ε is bounded otherwise)
+    moved = None  # which side moved last, twice in a row → bisect
+    repeats = 0
+    while hi > lo * (1.0 + rel_tol):
+        t_lo, t_hi = total(lo), total(hi)
+        if repeats >= 1 or not math.isfinite(t_hi) or t_hi <= t_lo:
+            x = math.sqrt(lo * hi)
+        else:
+            x = lo + (hi - lo) * (cap - t_lo) / (t_hi - t_lo)
+        x = min(max(x, lo * (1.0 + rel_tol / 4)), hi / (1.0 + rel_tol / 4))
+        side = "lo" if total(x) <= cap else "hi"
+        if side == "lo":
+            lo = x
+        else:
+            hi = x
+        repeats = repeats + 1 if side == moved else 0
+        moved = side
+    return lo  # fits; hi ≤ lo·(1 + rel_tol) does not
