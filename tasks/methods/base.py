@@ -7,6 +7,9 @@ Its hooks, in the order the lifecycle calls them:
   ``none``, derived from the settings), the worst-case privacy event for ``dp``, and the params
   the run record logs.
 * ``prepare(ctx)`` — public data only, may be cached across runs (POST: the student).
+* ``preflight(cfg, prepared)`` — every check that needs no private data (models and tokenizers
+  load, label words / descriptions and template work on them): run by ``privprompt plan``
+  (``prepared`` None) and by a run BEFORE its reservation, so a config mistake spends nothing.
 * ``train(mctx, plan, rows, progress)`` — the ONLY hook that reads private rows; returns the
   trained prompt and the event actually spent (≤ the planned one).
 * ``post_process(mctx, plan, prompt, progress)`` — public data only (POST: the transfer).
@@ -164,6 +167,15 @@ class Method:
     def plan(self, cfg: "PrivPromptConfig", n_train: int, delta: float) -> MethodPlan:
         raise NotImplementedError
 
+    def preflight(self, cfg: "PrivPromptConfig", prepared: dict[str, Any] | None) -> None:
+        """Checks that need no private data, raising a one-line user error (``ConfigError``,
+        ``ModelLoadError``): the same in ``privprompt plan`` (``prepared`` is None: ``prepare`` has
+        not run) and in a run, where the lifecycle calls it before reserving any budget. The
+        default, for methods that train a soft prompt or prefix on ``models.local``: its
+        classifier (model, tokenizer, label words or descriptions, template) is built."""
+        if self.prompt_kind in ("soft", "prefix") and self.reads_private_data(cfg):
+            check_classifier(cfg, cfg.models.local, "models.local")
+
     def prepare(self, ctx, progress: Progress | None = None) -> dict[str, Any]:
         """Public data only. The returned dict is JSON-able; its ``tags`` go on the parent run."""
         return {}
@@ -209,3 +221,34 @@ class Method:
         """Extra statistics of the published prompt computed on the TEST split only (never on
         training rows): {"metrics": {...}, "figures": {artifact path: matplotlib figure}}."""
         return {}
+
+
+def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str) -> None:
+    """Build the frozen classifier of ``model_name`` for the config's labels (cached, so a run pays
+    for it once): the model and tokenizer load, the label words (masked / causal LMs: the first
+    token of each ``models.label_descriptions`` entry, default " <label>") are told apart, the
+    template fits the model. Raises ``ModelLoadError`` or a one-line ``ConfigError``."""
+    from models.registry import ModelLoadError
+
+    from ..errors import ConfigError
+    from ..stages import classifier_for
+
+    try:
+        classifier_for(cfg, model_name)
+    except ModelLoadError:
+        raise
+    except (ValueError, KeyError, IndexError) as exc:
+        raise ConfigError(explain_classifier_error(exc, model_name, role)) from None
+
+
+def explain_classifier_error(exc: BaseException, model_name: str, role: str) -> str:
+    """A one-line message for a classifier that cannot be built on ``model_name``."""
+    text = " ".join(str(exc).split())
+    if "share a first token" in text:
+        return (f"models.label_descriptions on {role}={model_name!r}: {text}; a masked or causal LM scores each "
+                "label by the FIRST token of its label word, so give every label a short word with its own first "
+                "token (e.g. ' great' / ' terrible'); sentences work only for an encoder such as minilm "
+                "(cosine to the description)")
+    if "gives no tokens" in text:
+        return f"models.label_descriptions on {role}={model_name!r}: {text}"
+    return f"models.template / data.labels on {role}={model_name!r}: {type(exc).__name__}: {text}"

@@ -104,9 +104,37 @@ def _events(block, q: float, queries: int, selection_epsilon: float):
     return ev.dpopt_run_event(generation, ev.dpopt_selection_event(selection_epsilon))
 
 
+def check_text_method(cfg, generates: bool) -> None:
+    """A discrete-prompt method's checks that need no private data: the local model is a causal
+    LM (methods that generate) and the label words " <label>" have distinct first tokens on it
+    (the forward pass scores them); the target's classifier builds for the evaluation."""
+    from ..errors import ConfigError
+    from .base import check_classifier, explain_classifier_error
+
+    if generates:
+        from .text_prompts import engine_for, label_words
+
+        engine = engine_for(cfg)
+        ids = []
+        for word in label_words(cfg):
+            toks = engine.ids(word)
+            if not toks:
+                raise ConfigError(explain_classifier_error(ValueError(f"label word {word!r} gives no tokens"),
+                                                           cfg.models.local, "models.local"))
+            ids.append(toks[0])
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"data.labels on models.local={cfg.models.local!r}: the label words "
+                              f"{label_words(cfg)!r} share a first token ({ids}); the forward pass scores each "
+                              "label by its first token: rename the labels (data.label_map) so they differ")
+    check_classifier(cfg, cfg.models.target_name, "models.target")
+
+
 class _TextMethod(Method):
     prompt_kind = "text"
     uses_validation = True
+
+    def preflight(self, cfg, prepared) -> None:
+        check_text_method(cfg, generates=True)
 
     def published_model(self, cfg, prepared):
         return cfg.models.target_name
@@ -326,6 +354,9 @@ class ICL(Method):
     config_class = ICLConfig
     prompt_kind = "text"
     label = "ICL (5 demos)"
+
+    def preflight(self, cfg, prepared) -> None:
+        check_text_method(cfg, generates=False)
 
     def guarantee(self, cfg):
         return "none"

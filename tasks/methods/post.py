@@ -243,6 +243,15 @@ class Post(Method):
             settings=settings, note="distillation: public data only (no privacy cost); transfer: public data "
                                     "and the DP prompt only (post-processing)")
 
+    def preflight(self, cfg, prepared) -> None:
+        """The target (teacher) classifier builds; in a run, also the distilled student's (its
+        tokenizer is the teacher's, so ``privprompt plan`` checks the label words on the teacher)."""
+        from .base import check_classifier
+
+        check_classifier(cfg, cfg.models.target_name, "models.target")
+        if prepared and prepared.get("student_dir"):
+            check_classifier(cfg, prepared["student_dir"], "the POST student")
+
     def prepare(self, ctx, progress=None):
         student = distill_student(ctx, progress=progress)
         return {**student, "tags": {"model.local": student["student_dir"], "post.student": student["registered"],

@@ -34,21 +34,21 @@ class PrefixDPSGD(PromptDPSGD):
     def extra_params(self, cfg) -> dict:
         return {"prefix.n_tokens": self.settings(cfg).n_tokens}
 
-    def prepare(self, ctx, progress=None) -> dict:
-        """Before any budget is reserved: the local model must take prefixes (a model without
-        self-attention key/value projections, or sharing them across layers, is refused here)."""
+    def preflight(self, cfg, prepared) -> None:
+        """Before any budget is reserved (and in ``privprompt plan``): the classifier builds, and the
+        local model takes prefixes (a model without self-attention key/value projections, or sharing
+        them across layers, is refused here)."""
         from models.prompts.prefix import prefix_shape
         from models.registry import load_backbone
 
         from ..errors import ConfigError
 
-        cfg = ctx.cfg
+        super().preflight(cfg, prepared)
         try:
             shape = prefix_shape(load_backbone(cfg.models.local, seed=cfg.seed).model, self.settings(cfg).n_tokens)
         except ValueError as e:
             raise ConfigError(f"methods.{self.name}: {e}") from None
         self.check_model(cfg, shape[0])
-        return {}
 
     def check_model(self, cfg, n_layers: int) -> None:
         """Settings checked against the model (before any budget is reserved)."""

@@ -113,6 +113,23 @@ class Rapt(Method):
                                "(ε, δ) claim; labels and text lengths are not privatized; each draw is a release "
                                "in the ledger, and η adds up over the draws a text is in (privprompt ledger)")
 
+    def preflight(self, cfg, prepared) -> None:
+        """The local model loads and its task head builds (label words' first tokens told apart, or
+        cosine to label descriptions), before any draw is recorded or budget reserved."""
+        from models.rapt.model import build_task_head
+        from models.registry import ModelLoadError, load_backbone
+
+        from ..errors import ConfigError
+        from .base import explain_classifier_error
+
+        bb = load_backbone(cfg.models.local, seed=cfg.seed)
+        try:
+            build_task_head(bb, list(cfg.data.labels), cfg.models.label_descriptions or None)
+        except ModelLoadError:
+            raise
+        except (ValueError, KeyError, IndexError) as exc:
+            raise ConfigError(explain_classifier_error(exc, cfg.models.local, "models.local")) from None
+
     def prepare(self, ctx, progress=None):
         """The reconstruction head's vocabulary: the most frequent token ids of PUBLIC text."""
         block = self.settings(ctx.cfg)
