@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 from flows.parent_run import parent_run
 from tasks import report
 from tasks.config import load_config, parse_config
-from tasks.lifecycle import resolve_delta
+from tasks.lifecycle import preflight, resolve_delta
 from tasks.methods import get_method
 from tasks.prefect_tasks import (endpoint_task, evaluate_task, loss_mia_task, partition_task, prepare_task,
                                  train_task)
@@ -104,9 +104,15 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
             results[name] = info
             return info
 
+        # every method's public-data preparation, then every check that needs no private data
+        # (models, label words, templates, endpoints: what `privprompt plan` checks too), BEFORE any
+        # method reserves budget or reads a private row: a config mistake spends nothing
+        prepared_by = {name: prepare_task(ctx, name) for name in cfg.run_methods}
+        preflight(cfg, prepared_by)
+
         # baselines first, the published method last
         for name in cfg.run_methods[:-1]:
-            info = run_method(name)
+            info = run_method(name, prepared_by[name])
             compute[f"train:{name}"] = info["compute"]["train"]
             model = get_method(name).published_model(cfg, {})
             acc = evaluate_task(ctx, info["prompt_path"], name, info["guarantee"])
@@ -119,7 +125,7 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
                 compute[f"mia:{name}"] = mia["compute_s"]
                 metrics[baseline_name(name, "mia.loss.auc", True)] = mia["metrics"]["mia.loss.auc"]
 
-        prepared = prepare_task(ctx, cfg.method)
+        prepared = prepared_by[cfg.method]
         if prepared.get("tags"):
             parent.set_tags(prepared["tags"])
         parent.log_json({k: v for k, v in prepared.items() if k != "tags"}, "method/prepared.json")

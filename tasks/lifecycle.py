@@ -4,6 +4,12 @@
     (ldp / none) → read private rows → train → commit what was spent (≤ the reservation) →
     post-process (public data only) → publish.
 
+Everything that needs no private data is checked first (:func:`preflight`: the config's models
+and tokenizers, label words and templates on them, endpoints), by ``privprompt plan`` and by a
+run alike, so a config mistake fails before any budget is reserved. A run that fails after its
+reservation but before its first private read releases the reservation (recorded as such); from
+the first read on (``Ledger.mark_read``), the reservation stays spent.
+
 Publish rule, in this one place: the output of a ``dp`` run goes to ``outputs/`` and MLflow;
 every other output stays under ``private/``. Exact statistics of private data (training losses)
 are written under ``private/`` only. A crash after the reservation keeps it spent.
@@ -17,7 +23,7 @@ from pathlib import Path
 
 from privacy import accountant as acct
 from privacy import events as ev
-from privacy.ledger import Ledger, UnknownRunError
+from privacy.ledger import BudgetExceededError, DeltaMismatchError, Ledger, UnknownRunError
 
 from . import plots, randomness
 from .data import Partition, read_partition_split
@@ -72,26 +78,132 @@ def delta_opt_in(cfg, n_train: int, delta: float) -> bool:
     return bool(cfg.privacy.allow_delta_at_least_one_over_n and n_train >= 1 and delta >= 1.0 / n_train)
 
 
-def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) -> dict:
-    """Register the private source dataset in the ledger (keyed by its keyed source hash, so
-    every run drawing from it composes against one cap). A lower cap in the config lowers the
-    stored one (recorded); a higher cap is refused: raising a budget is a deliberate act. A run
-    whose δ differs from the dataset's is refused (its ε would compose at another δ)."""
+def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, delta: float) -> dict | None:
+    """The rules a run's config must meet against the ledger's record of its dataset, checked
+    without writing (``privprompt plan`` and a run apply the same ones): a δ other than the
+    dataset's is refused (its ε would compose at another δ); a cap above the stored one is refused
+    (raising a budget is a deliberate act). Returns the stored row (None: not registered yet)."""
     from privacy.ledger import UnknownDatasetError
 
-    key = part.dataset_key
+    if ledger is None:
+        return None
     try:
         row = ledger.dataset(key)
     except UnknownDatasetError:
-        return ledger.register_dataset(key, part.dataset, cap, delta)
-    ledger.require_delta(key, delta)
-    if cap < row["epsilon_cap"]:
-        return ledger.register_dataset(key, row["name"], cap, row["delta"], allow_cap_change=True)
+        return None
+    try:
+        ledger.require_delta(key, delta)
+    except DeltaMismatchError as exc:
+        raise DeltaMismatchError(f"{exc}: privprompt budget set-delta {key[:12]} DELTA --reason TEXT") from None
     if cap > row["epsilon_cap"] + 1e-12:
         raise ConfigError(
             f"privacy.dataset_epsilon_cap={cap:g} is above the cap ε={row['epsilon_cap']:g} already set for "
-            f"dataset {part.dataset!r} (fingerprint {key[:12]}); caps are only lowered from a run")
+            f"dataset {name!r} (fingerprint {key[:12]}); caps are only lowered from a run (set "
+            f"privacy.dataset_epsilon_cap: {row['epsilon_cap']:g} or lower)")
     return row
+
+
+def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) -> dict:
+    """Register the private source dataset in the ledger (keyed by its keyed source hash, so
+    every run drawing from it composes against one cap), under :func:`check_dataset_terms`. A
+    lower cap in the config lowers the stored one (recorded)."""
+    key = part.dataset_key
+    row = check_dataset_terms(ledger, key, part.dataset, cap, delta)
+    if row is None:
+        return ledger.register_dataset(key, part.dataset, cap, delta)
+    if cap < row["epsilon_cap"]:
+        return ledger.register_dataset(key, row["name"], cap, row["delta"], allow_cap_change=True)
+    return row
+
+
+# ---- what fits -------------------------------------------------------------------------------
+
+def planned_events(cfg, n_train: int, delta: float, target_epsilon: float | None = None) -> list:
+    """The worst-case events of every dp run of ``cfg`` (baselines and the published method), at
+    ``target_epsilon`` instead of the config's when given."""
+    if target_epsilon is not None:
+        cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"target_epsilon": float(target_epsilon)})})
+    events = []
+    for name in cfg.run_methods:
+        plan = get_method(name).plan(cfg, n_train, delta)
+        if plan.event is not None:
+            events.append(plan.event)
+    return events
+
+
+def largest_fitting_target_epsilon(cfg, n_train: int, delta: float, existing: list, cap: float) -> float | None:
+    """The largest ``privacy.target_epsilon`` at which a run of ``cfg`` still fits the dataset's
+    budget: its planned events composed with ``existing`` (the ledger's counted events) by the
+    accountant, ≤ ``cap``. None when no run of ``cfg`` fits, or when it plans no dp event (then the
+    budget does not limit it). Shown rounded down to 3 decimals (:func:`fitting_hint`)."""
+    if not planned_events(cfg, n_train, delta):
+        return None
+    return acct.largest_fitting_epsilon(lambda x: planned_events(cfg, n_train, delta, x), existing, delta, cap)
+
+
+def fitting_hint(largest: float | None) -> str:
+    import math
+
+    if largest is None:
+        return "no target_epsilon fits: the dataset's budget is spent for this config"
+    return f"the largest target_epsilon that still fits: ≈ {math.floor(largest * 1000) / 1000:.3f}"
+
+
+# ---- checks that need no private data ------------------------------------------------------
+
+def check_endpoint(endpoint, timeout_s: float = 10.0) -> None:
+    """The endpoint answers HTTP at all (GET <base_url>/models; nothing is sent)."""
+    import urllib.error
+    import urllib.request
+
+    from models.dpopt.endpoint import EndpointError
+
+    url = endpoint.base_url.rstrip("/") + "/models"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout_s):
+            return
+    except urllib.error.HTTPError:
+        return  # it answered (401, 404, …): reachable
+    except (urllib.error.URLError, TimeoutError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        raise EndpointError(f"models.endpoints[{endpoint.alias}]: {endpoint.base_url} is unreachable "
+                            f"({type(err).__name__}: {reason})") from None
+
+
+def preflight(cfg, prepared: dict[str, dict] | None = None) -> None:
+    """Every check of ``cfg`` that needs no private data, raising a one-line user error: each run
+    method's own (:meth:`Method.preflight`: models, tokenizers, label words / descriptions,
+    templates), the evaluation models', and the endpoints' reachability. ``prepared``: method →
+    what its ``prepare`` returned (None in ``privprompt plan``). A run calls it before it reserves
+    any budget; ``privprompt plan`` calls the same function."""
+    from .methods.base import Method, check_classifier
+    from .stages import evaluation_models
+
+    methods = [get_method(name) for name in cfg.run_methods]
+    for name, method in zip(cfg.run_methods, methods):
+        method.preflight(cfg, None if prepared is None else prepared.get(name))
+    if any(type(m).evaluate_published is Method.evaluate_published for m in methods):
+        for role, model_name in evaluation_models(cfg).items():
+            check_classifier(cfg, model_name, f"models.{role}" if role == "local" else "models.target")
+    for model_name in cfg.models.evaluate_on:
+        check_classifier(cfg, model_name, "models.evaluate_on")
+    for endpoint in cfg.models.endpoints:
+        check_endpoint(endpoint)
+
+
+# ---- what a failed run used ----------------------------------------------------------------
+
+def budget_statement(entry: dict) -> str:
+    """One clause saying what a dp ledger entry of a run used."""
+    eps = entry["epsilon_reserved"]
+    dataset = f"dataset {entry['dataset']!r}"
+    if entry["status"] == "released":
+        return f"no ε used on {dataset}: its reservation of ε={eps:.4f} was released (no private record was read)"
+    if entry["status"] == "aborted":
+        return f"no ε used on {dataset}: its reservation of ε={eps:.4f} was aborted"
+    if entry["status"] == "committed":
+        return f"ε={entry['epsilon']:.4f} used on {dataset} (committed)"
+    return (f"ε={eps:.4f} used on {dataset}: the reservation stays spent (the run had begun reading private data)")
 
 
 def read_private_rows(part: Partition, validation: bool = False) -> PrivateRows:
@@ -234,20 +346,26 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
     run_key = f"{ctx.flow_run_id}:{name}"
     ledger = Ledger(paths.ledger)
     ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)
+    method.preflight(cfg, prepared)  # before the reservation (the flow ran all of them already: cached)
     if opt_in:  # the run record says that this run's δ is ≥ 1/n by the config's explicit opt-in
         ctx.parent.set_tags({"privacy.delta_opt_in": "true"})
     child = ctx.parent.child(name, {"method": name, "stage": "train", "privacy.guarantee": plan.guarantee,
                                     **({"privacy.delta_opt_in": "true"} if opt_in else {})})
+    reservation = stored = None
+    read_begun = False
     try:
-        reservation = None
-        stored = None
         if plan.reads_private:
             # before any private row is read: reserve the worst case, or record the use as what it is
             if plan.guarantee == "dp":
                 stored = stored_release(ledger, run_key, ctx.private_run_dir, name)
                 note = f" (δ={delta:g} ≥ 1/n by privacy.allow_delta_at_least_one_over_n)" if opt_in else ""
-                reservation = ledger.reserve(part.dataset_key, run_key, plan.event,
-                                             description=f"{name} flow run {ctx.flow_run_id}{note}")
+                try:
+                    reservation = ledger.reserve(part.dataset_key, run_key, plan.event,
+                                                 description=f"{name} flow run {ctx.flow_run_id}{note}")
+                except BudgetExceededError as exc:  # say what does fit, for this config
+                    largest = largest_fitting_target_epsilon(cfg, part.n_train, delta,
+                                                             ledger.counted_events(part.dataset_key), exc.cap)
+                    raise exc.with_hint(fitting_hint(largest), largest) from None
             elif plan.guarantee == "ldp":
                 ledger.record_ldp(part.dataset_key, run_key, f"{name}: local d_X privacy, no (ε, δ) claim")
             else:
@@ -257,6 +375,9 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
         if stored is not None:  # a retry: the stored DP output, no private read, no training
             trained, train_s = stored, 0.0
         else:
+            if reservation is not None:
+                ledger.mark_read(run_key)  # from here on the reservation stays spent, whatever happens
+            read_begun = plan.reads_private
             rows = read_private_rows(part, method.uses_validation) if plan.reads_private else PrivateRows([], [])
             started = time.perf_counter()
             trained = method.train(mctx, plan, rows, progress=progress(name) if progress else None)
@@ -312,8 +433,18 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
         child.end()
         info["published"] = plan.guarantee in PUBLISHED and info["prompt_path"] is not None
         return info
-    except BaseException:
+    except BaseException as exc:
         child.end(ok=False)
+        if reservation is not None:
+            if not read_begun and stored is None:
+                try:  # no private record was read: the reservation costs nothing (recorded as released)
+                    ledger.release(run_key, f"{type(exc).__name__} before any private record was read")
+                except ValueError:
+                    pass  # an earlier attempt of this run began reading: it stays spent
+            try:
+                exc.add_note(f"budget: {budget_statement(ledger.entry(run_key))}")
+            except Exception:  # noqa: BLE001 - the statement must never hide the error itself
+                pass
         raise
 
 
