@@ -4,7 +4,8 @@
     privprompt audit RUN_ID [--shadows K]
     privprompt plan CONFIG [--set dotted.key=value ...]
     privprompt report EXPERIMENT
-    privprompt ledger
+    privprompt ledger [--config CONFIG]
+    privprompt budget reservations | lower-cap DATASET EPS --reason R | set-delta DATASET DELTA --reason R
     privprompt ui
 """
 
@@ -48,6 +49,37 @@ def _quiet_user_error_tracebacks(errors) -> None:
 def _fail(message: str) -> int:
     print(f"privprompt: error: {message}", file=sys.stderr)
     return 2
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).splitlines()[0] if str(err).strip() else ""
+    return text or type(err).__name__
+
+
+def _ledger_snapshot(paths) -> dict[str, str]:
+    """run id → status of every DP entry of the ledger (before a run: what it changes is its use)."""
+    from privacy.ledger import Ledger
+
+    if not paths.ledger.is_file():
+        return {}
+    return {e["run_id"]: e["status"] for e in Ledger(paths.ledger).entries() if e["kind"] == "dp"}
+
+
+def _budget_used(paths, before: dict[str, str]) -> str:
+    """What the ledger's DP entries made or changed since ``before`` say this command used."""
+    from privacy.ledger import Ledger
+    from tasks.lifecycle import budget_statement
+
+    try:
+        if not paths.ledger.is_file():
+            return "nothing reserved, no ε used"
+        changed = [e for e in Ledger(paths.ledger).entries()
+                   if e["kind"] == "dp" and before.get(e["run_id"]) != e["status"]]
+    except Exception as exc:  # noqa: BLE001 - never hide the run's own error
+        return f"unknown (the ledger could not be read: {type(exc).__name__}); see privprompt ledger"
+    if not changed:
+        return "nothing reserved, no ε used"
+    return "; ".join(f"run {e['run_id']}: {budget_statement(e)}" for e in changed)
 
 
 def _preflight(cfg) -> None:
@@ -183,18 +215,33 @@ def cmd_run(args) -> int:
     config["state_dir"] = str(paths.root)
 
     errors = _user_errors()
+    if not (cfg.sweep or cfg.seeds or cfg.grid):  # a sweep checks every variant in its plan
+        from tasks.lifecycle import preflight
+
+        try:  # what `privprompt plan` checks, before Prefect starts (models stay cached in-process)
+            preflight(cfg)
+        except errors as err:
+            return _fail(_one_line(err) + " (budget: nothing reserved, no ε used)")
     from tasks.audit import AuditFailure
 
     started = time.perf_counter()
+    before = _ledger_snapshot(paths)
     try:
         with _local_prefect_server():
             _quiet_user_error_tracebacks(errors)  # after the server's settings: logging is set up by then
             summary = _run_flow(cfg, config)
     except errors as err:
-        return _fail(str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return _fail(f"{_one_line(err)} (budget: {_budget_used(paths, before)})")
     except AuditFailure as err:  # measured leakage above the DP claim: loud, distinct exit code
         print(f"privprompt: AUDIT FAILED: {err}", file=sys.stderr)
+        print(f"privprompt: budget: {_budget_used(paths, before)}", file=sys.stderr)
         return 3
+    except Exception:  # a bug: its traceback, then what the run used
+        import traceback
+
+        traceback.print_exc()
+        print(f"privprompt: budget: {_budget_used(paths, before)}", file=sys.stderr)
+        return 1
     _print_summary(summary, time.perf_counter() - started)
     return 0
 
@@ -233,17 +280,16 @@ def cmd_plan(args) -> int:
     """The budget plan of a config (every sweep variant and seed): planned ε per run, composed
     with the ledger per dataset. Creates no run, writes nothing, reads no private rows."""
     from tasks.config import load_config, sweep_variants
-    from tasks.errors import PrivPromptError
     from tasks.planning import format_plan, plan_runs
     from tasks.state import state_paths
 
-    try:
+    try:  # the same rules and checks as `privprompt run`, before its reservation
         cfg = load_config(args.config, args.set)
         _preflight(cfg)
         variants = sweep_variants(cfg) if cfg.sweep or cfg.seeds or cfg.grid else [("", cfg)]
-        plan = plan_runs(variants, state_paths(cfg.state_dir))
-    except PrivPromptError as err:
-        return _fail(str(err))
+        plan = plan_runs(variants, state_paths(cfg.state_dir), largest=True)
+    except _user_errors() as err:
+        return _fail(_one_line(err))
     print(format_plan(plan))
     return 0 if plan["fits"] else 4
 
@@ -287,14 +333,64 @@ def cmd_report(args) -> int:
 
 
 def cmd_ledger(args) -> int:
+    """The ledger's table; with ``--config``, also the largest target_epsilon of that config that
+    still fits its dataset (the answer of `privprompt plan`, from the same function)."""
+    from privacy.ledger import Ledger
+    from tasks.state import state_paths
+
+    paths = state_paths(args.state_dir)
+    largest = {}
+    if args.config:
+        from tasks.config import load_config
+        from tasks.planning import plan_runs
+
+        try:
+            cfg = load_config(args.config, args.set)
+            _preflight(cfg)
+            plan = plan_runs([("", cfg)], state_paths(cfg.state_dir), largest=True)
+        except _user_errors() as err:
+            return _fail(_one_line(err))
+        largest = {k: f"{d['largest_hint']} for {args.config}" for k, d in plan["datasets"].items()
+                   if d.get("largest_hint")}
+    if not paths.ledger.is_file():
+        print(f"no ledger yet at {paths.ledger}: no run has used private data")
+        for hint in largest.values():
+            print(hint)
+        return 0
+    print(Ledger(paths.ledger).summary_table(largest))
+    return 0
+
+
+def cmd_budget(args) -> int:
+    """Deliberate changes to the ledger, each recorded: lower a dataset's cap, register a dataset
+    anew at another δ; and the list of open reservations."""
     from privacy.ledger import Ledger
     from tasks.state import state_paths
 
     paths = state_paths(args.state_dir)
     if not paths.ledger.is_file():
-        print(f"no ledger yet at {paths.ledger}: no run has used private data")
-        return 0
-    print(Ledger(paths.ledger).summary_table())
+        return _fail(f"no ledger at {paths.ledger}: no run has used private data")
+    ledger = Ledger(paths.ledger)
+    try:
+        if args.budget_command == "reservations":
+            rows = ledger.open_reservations()
+            if not rows:
+                print("no open reservations")
+            for e in rows:
+                read = (f"began reading private data at {e['read_started_at']}: counted in full"
+                        if e["read_started_at"] else "has not read private data yet")
+                print(f"{e['dataset']} ({e['fingerprint'][:12]})  run {e['run_id']}  ε={e['epsilon']:.4f}  "
+                      f"since {e['created_at']}  {read}")
+            return 0
+        dataset = ledger.find_dataset(args.dataset)
+        if args.budget_command == "lower-cap":
+            row = ledger.lower_cap(dataset["fingerprint"], args.epsilon, args.reason)
+        else:
+            row = ledger.change_delta(dataset["fingerprint"], args.delta, args.reason)
+    except (*_user_errors(), ValueError) as err:
+        return _fail(_one_line(err))
+    print(f"dataset {row['name']} ({row['fingerprint'][:12]}): cap ε={row['epsilon_cap']:g} at δ={row['delta']:g}, "
+          f"spent ε={row['spent_epsilon']:.4f} (recorded in the ledger's cap changes)")
     return 0
 
 
@@ -358,15 +454,39 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="privacy–utility table and figure of an experiment, from MLflow")
     report.add_argument("experiment")
     report.add_argument("--out", default=None, help="also write the report's table and figures to this folder")
-    sub.add_parser("ledger", help="DP spend per dataset against its cap, and non-private uses")
+    ledger = sub.add_parser("ledger", help="DP spend per dataset against its cap, and non-private uses")
+    ledger.add_argument("--config", default=None, help="also say the largest target_epsilon of this config that fits")
+    ledger.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    budget = sub.add_parser("budget", help="open reservations; lower a cap; register a dataset anew at another δ")
+    budget_sub = budget.add_subparsers(dest="budget_command", required=True)
+    budget_sub.add_parser("reservations", help="runs holding a reservation (running, or stopped after reading data)")
+    lower = budget_sub.add_parser("lower-cap", help="lower a dataset's ε cap (recorded)")
+    lower.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
+    lower.add_argument("epsilon", type=float)
+    lower.add_argument("--reason", required=True, help="why (recorded in the ledger)")
+    redelta = budget_sub.add_parser("set-delta", help="register a dataset anew at another δ: every past entry is "
+                                                      "composed at it from then on (recorded)")
+    redelta.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
+    redelta.add_argument("delta", type=float)
+    redelta.add_argument("--reason", required=True, help="why (recorded in the ledger)")
     ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
     ui.add_argument("--prefect-port", type=int, default=4200)
     ui.add_argument("--mlflow-port", type=int, default=5000)
     args = parser.parse_args(argv)
     if args.state_dir:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
-    return {"run": cmd_run, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
-            "ui": cmd_ui}[args.command](args)
+    command = {"run": cmd_run, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
+               "budget": cmd_budget, "ui": cmd_ui}[args.command]
+    try:
+        rc = command(args)
+        sys.stdout.flush()  # inside the try: a closed pipe is met here, not in the interpreter's exit
+        return rc
+    except BrokenPipeError:  # `privprompt ledger | head`: the reader left; no traceback
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit must not fail again
+        return 141
+    except _user_errors() as err:  # one line, whichever command met it
+        return _fail(_one_line(err))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from privacy.ledger import Ledger
 
 from .data import partition_key
 from .errors import ConfigError
-from .lifecycle import resolve_delta
+from .lifecycle import (check_dataset_terms, fitting_hint, largest_fitting_target_epsilon, planned_events,
+                        preflight, resolve_delta)
 from .methods import get_method
 from .state import default_data_root
 
@@ -43,16 +44,33 @@ def estimate_n_train(cfg, private_dir: Path) -> int:
     return n_train
 
 
-def plan_runs(variants: list, state_paths) -> dict:
-    """``variants``: [(label, config)]. Returns {"runs": [...], "datasets": {key: preview}, "fits": bool}."""
+def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
+    """``variants``: [(label, config)]. Returns {"runs": [...], "datasets": {key: preview}, "fits": bool}.
+
+    The same rules and checks as a run, without writing anything: every check that needs no
+    private data (:func:`tasks.lifecycle.preflight`: models, label words, templates, endpoints),
+    and the ledger's terms of each dataset (:func:`tasks.lifecycle.check_dataset_terms`: its δ, a
+    cap only lowered). With ``largest`` and one config per dataset, each dataset's preview also
+    says the largest ``privacy.target_epsilon`` at which that config still fits
+    (``largest_epsilon``, solved with the accountant; None: nothing fits)."""
     from .data import dataset_key
 
     runs, events, meta = [], {}, {}
+    ledger = Ledger(state_paths.ledger) if state_paths.ledger.is_file() else None
+    checked: set[str] = set()
     for label, cfg in variants:
         n = estimate_n_train(cfg, state_paths.private)
         key = dataset_key(cfg.data, default_data_root(cfg.data_root), state_paths.private)
         delta = resolve_delta(cfg, n)
-        meta.setdefault(key, {"name": cfg.data.name, "delta": delta, "cap": cfg.privacy.dataset_epsilon_cap})
+        check_dataset_terms(ledger, key, cfg.data.name, cfg.privacy.dataset_epsilon_cap, delta)
+        signature = cfg.model_dump_json(include={"models", "data", "method", "methods", "seed"})
+        if signature not in checked:  # the variants of a sweep mostly share their models
+            preflight(cfg, None)
+            checked.add(signature)
+        meta.setdefault(key, {"name": cfg.data.name, "delta": delta, "cap": cfg.privacy.dataset_epsilon_cap,
+                              "configs": []})
+        meta[key]["configs"].append((cfg, n))
+        meta[key]["cap"] = min(meta[key]["cap"], cfg.privacy.dataset_epsilon_cap)
         if abs(meta[key]["delta"] - delta) > 1e-15:
             raise ConfigError(f"{label or cfg.method}: δ={delta:g} differs from δ={meta[key]['delta']:g} of another "
                               f"run on dataset {cfg.data.name!r}; runs on one dataset compose at one δ")
@@ -64,7 +82,6 @@ def plan_runs(variants: list, state_paths) -> dict:
                 row["epsilon"] = acct.spend(plan.event, delta).epsilon
                 events.setdefault(key, []).append(plan.event)
             runs.append(row)
-    ledger = Ledger(state_paths.ledger) if state_paths.ledger.is_file() else None
     datasets = {}
     for key, m in meta.items():
         planned = events.get(key, [])
@@ -74,8 +91,24 @@ def plan_runs(variants: list, state_paths) -> dict:
             d = Ledger.preview_new(planned, m["delta"], cap=m["cap"], name=m["name"])
         if m["cap"] < d["cap"]:  # a run lowers the stored cap to its config's (never raises it)
             d.update(cap=m["cap"], remaining_after=m["cap"] - d["total_epsilon"], fits=d["total_epsilon"] <= m["cap"])
+        if largest and len(m["configs"]) == 1:
+            cfg, n = m["configs"][0]
+            if planned_events(cfg, n, m["delta"]):
+                existing = ledger.counted_events(key) if ledger is not None and _registered(ledger, key) else []
+                d["largest_epsilon"] = largest_fitting_target_epsilon(cfg, n, m["delta"], existing, d["cap"])
+                d["largest_hint"] = fitting_hint(d["largest_epsilon"])
         datasets[key] = d
     return {"runs": runs, "datasets": datasets, "fits": all(d["fits"] for d in datasets.values())}
+
+
+def _registered(ledger: Ledger, key: str) -> bool:
+    from privacy.ledger import UnknownDatasetError
+
+    try:
+        ledger.dataset(key)
+    except UnknownDatasetError:
+        return False
+    return True
 
 
 _DOTTED_KEY = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)=")
@@ -100,4 +133,6 @@ def format_plan(plan: dict) -> str:
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "
                      f"remaining after ε={max(0.0, d['cap'] - d['total_epsilon']):.4f} "
                      f"({'fits' if d['fits'] else 'OVER THE CAP'})")
+        if d.get("largest_hint"):
+            lines.append(f"  {d['largest_hint']} (this config, composed with what the dataset has spent)")
     return "\n".join(lines)
