@@ -50,6 +50,11 @@ class PrefixDPSGD(PromptDPSGD):
             raise ConfigError(f"methods.{self.name}: {e}") from None
         self.check_model(cfg, shape[0])
 
+    def prepare(self, ctx, progress=None) -> dict:
+        """Nothing to prepare; the model checks of :meth:`preflight` (cached), as before any budget."""
+        self.preflight(ctx.cfg, None)
+        return {}
+
     def check_model(self, cfg, n_layers: int) -> None:
         """Settings checked against the model (before any budget is reserved)."""
 
