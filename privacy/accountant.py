@@ -215,7 +215,7 @@ def largest_fitting_epsilon(events_for, existing: list[ev.DpEvent], delta: float
     ε ≤ ``cap`` at ``delta``. Composition is sub-additive, so this is not cap − spent.
 
     Returns x such that a run at x fits and one at some x' ≤ x·(1 + rel_tol) does not (both
-    evaluated; the composed ε grows with x), or
+    evaluated; the composed ε grows with x), at most the cap (or the first guess above it), or
     None when no x ≥ cap·1e-4 fits. Bracketed search: interpolation on the composed ε (it is
     smooth in x), with bisection whenever one side of the bracket stays put (each evaluation
     calibrates a run, so evaluations are few)."""
@@ -244,10 +244,8 @@ def largest_fitting_epsilon(events_for, existing: list[ev.DpEvent], delta: float
             return None
         lo = max(lo / 4.0, floor)
     hi = max(cap, lo * 1.5)
-    while total(hi) <= cap:
-        lo, hi = hi, hi * 2.0
-        if hi > cap * 1e4:
-            return lo  # the planned events do not grow with x (the run's ε is bounded otherwise)
+    if total(hi) <= cap:
+        return hi  # a target above the cap is never asked for: the whole cap fits
     moved = None  # which side moved last, twice in a row → bisect
     repeats = 0
     while hi > lo * (1.0 + rel_tol):

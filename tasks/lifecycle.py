@@ -136,8 +136,13 @@ def largest_fitting_target_epsilon(cfg, n_train: int, delta: float, existing: li
     budget: its planned events composed with ``existing`` (the ledger's counted events) by the
     accountant, ≤ ``cap``. None when no run of ``cfg`` fits, or when it plans no dp event (then the
     budget does not limit it). Shown rounded down to 3 decimals (:func:`fitting_hint`)."""
-    if not planned_events(cfg, n_train, delta):
+    planned = planned_events(cfg, n_train, delta)
+    if not planned:
         return None
+    if not existing and len(planned) == 1:
+        # nothing spent and one dp run: every method calibrates its worst case to ε ≤ its target,
+        # so a run at target = cap fits, and no larger target is meaningful (exact, no search)
+        return float(cap)
     return acct.largest_fitting_epsilon(lambda x: planned_events(cfg, n_train, delta, x), existing, delta, cap)
 
 
