@@ -131,16 +131,18 @@ class VocabularyIndex:
         kept = torch.ones(V, dtype=torch.bool)
         kept[self.excluded] = False
         half_pen = -0.5 * (self.vocab64 ** 2).sum(1)
-        # excluded ids screen as [0, …, 0, −inf]: a score of −inf for every finite query, so they
-        # never set a row's best score nor pass its floor (a finite penalty could, for queries
-        # of norm ~1e6 and beyond, and then an excluded id came out)
-        half_pen[self.excluded] = float("-inf")
+        # excluded ids screen as zero rows whose scores are then set to −inf after every product, so
+        # they never set a row's best score nor pass its floor (a finite penalty could, for queries
+        # of norm ~1e6 and beyond, and then an excluded id came out). Not −inf inside the product:
+        # oneDNN's AVX-512 bfloat16 kernels (no native bf16) multiply a −inf by a zero padding lane
+        # and return NaN for the whole row, and a NaN maximum let no candidate pass.
+        half_pen[self.excluded] = 0.0
         augmented = torch.cat([self.vocab64, half_pen.unsqueeze(1)], 1)
         augmented[self.excluded, :-1] = 0.0
         # padded with screening-only rows like the excluded ones to whole blocks of BLOCK_ROWS ids
         pad = -V % BLOCK_ROWS
         padding = torch.zeros((pad, augmented.shape[1]), dtype=torch.float64)
-        padding[:, -1] = float("-inf")
+        self.masked_rows = torch.cat([self.excluded, torch.arange(V, V + pad, dtype=torch.long)])
         screen = torch.cat([augmented, padding]).to(screen_dtype)
         # the product's operands. float32: the vocabulary (V, d) and −½‖v‖² as the bias column an
         # addmm adds within its float32 sums (d = 384 runs about 1.1x faster than d + 1 = 385 here).
@@ -230,6 +232,8 @@ class VocabularyIndex:
             else:
                 ones = torch.ones((q64.shape[0], 1), dtype=self.screen_dtype)
                 torch.mm(self.screen_vocab, torch.cat([q_screen, ones], 1).to(self.device).T, out=scores)
+        if self.masked_rows.numel():
+            scores[self.masked_rows.to(scores.device)] = float("-inf")
         # the maximum of every block of BLOCK_ROWS ids per query: ONE pass over the scores gives the
         # row's best (their maximum) and the blocks that can hold a candidate (an id passes the
         # floor only if its block's maximum does); only those blocks are compared id by id
