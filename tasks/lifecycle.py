@@ -253,25 +253,46 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def store_release(private_run_dir: Path, name: str, run_key: str, trained: Trained) -> Path:
+def store_release(private_run_dir: Path, name: str, run_key: str, trained: Trained) -> bool:
     """Store the DP output of run ``run_key`` (method ``name``) and everything republishing it
     needs (event, steps, metrics, audit statistics, the output file's SHA-256) BEFORE the commit.
-    The manifest is written last and atomically: it exists only when the output beside it is whole."""
+
+    The first attempt of a run to store wins: the manifest is written whole under an
+    attempt-unique name and then hard-linked into place, which fails when it is already there. So
+    when two attempts of one run are alive at once (a worker declared lost that is still running,
+    and its retry), exactly one DP output is ever stored, and the other attempt's output is
+    removed. Returns True when this attempt's output is the run's, False when another attempt
+    stored first (republish that one: :func:`stored_release`)."""
+    import os
+    import secrets
+
     directory = release_dir(private_run_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    prompt_file = digest = None
+    attempt = secrets.token_hex(8)  # the output file of each attempt has its own name: none overwrites another's
+    prompt_path = prompt_file = digest = None
     if trained.prompt is not None:
-        path = save_prompt_file(directory, f"{name}_dp_output", trained.prompt, {"method": name, "run_key": run_key})
-        prompt_file, digest = path.name, _sha256(path)
+        prompt_path = save_prompt_file(directory, f"{name}_dp_output.{attempt}", trained.prompt,
+                                       {"method": name, "run_key": run_key})
+        prompt_file, digest = prompt_path.name, _sha256(prompt_path)
     manifest = {"run_key": run_key, "method": name, "event": ev.event_to_json(trained.event),
                 "prompt_file": prompt_file, "sha256": digest, "steps": int(trained.steps),
                 "metrics": {k: float(v) for k, v in trained.metrics.items()},
                 "audit_metrics": {k: float(v) for k, v in trained.audit_metrics.items()}}
     target = directory / f"{name}.json"
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    tmp.replace(target)
-    return target
+    tmp = directory / f"{name}.json.{attempt}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(json.dumps(manifest, indent=1, sort_keys=True))
+        handle.flush()
+        os.fsync(handle.fileno())
+    try:
+        os.link(tmp, target)  # atomic, and refused when another attempt's manifest is there
+        return True
+    except FileExistsError:
+        if prompt_path is not None:
+            prompt_path.unlink(missing_ok=True)  # this attempt's output is never released
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def stored_release(ledger: Ledger, run_key: str, private_run_dir: Path, name: str) -> Trained | None:
@@ -388,6 +409,13 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
             trained = method.train(mctx, plan, rows, progress=progress(name) if progress else None)
             train_s = time.perf_counter() - started
             del rows
+            if plan.guarantee == "dp":
+                if trained.event is None:
+                    raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
+                if not store_release(ctx.private_run_dir, name, run_key, trained):  # a retry republishes it
+                    # another attempt of this run, alive at the same time, stored its DP output first:
+                    # that one is the run's output; this attempt's is dropped, never published
+                    trained = stored = stored_release(ledger, run_key, ctx.private_run_dir, name)
         info: dict = {"method": name, "guarantee": plan.guarantee, "private": plan.guarantee == "dp",
                       "params": plan.params, "steps": trained.steps, "compute": {"train": train_s},
                       "prompt_path": None, "source_prompt_path": None, "spend": None, "event": None,
@@ -396,8 +424,6 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
         if plan.guarantee == "dp":
             if trained.event is None:
                 raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
-            if stored is None:
-                store_release(ctx.private_run_dir, name, run_key, trained)  # a retry republishes this one
             ledger.commit(run_key, trained.event)  # refuses (after recording it) a spend above the reservation
             spend = acct.spend(trained.event, delta)
             info.update({"spend": spend.to_dict(), "event": ev.event_to_dict(trained.event),

@@ -148,7 +148,7 @@ def test_a_committed_run_without_its_stored_output_is_refused_not_retrained(tmp_
     _crash_commit(monkeypatch, after=True)
     with pytest.raises(Crash):
         run_method(ctx, "prompt_dpsgd", {})
-    stored = release_dir(ctx.private_run_dir) / "prompt_dpsgd_dp_output.safetensors"
+    (stored,) = release_dir(ctx.private_run_dir).glob("prompt_dpsgd_dp_output.*.safetensors")
     stored.write_bytes(stored.read_bytes()[:-4] + b"\x00\x00\x00\x00")  # changed
     with pytest.raises(ReleaseError, match="was changed after it was stored.*new flow run"):
         run_method(ctx, "prompt_dpsgd", {})
@@ -204,6 +204,41 @@ def test_a_crash_before_anything_was_stored_trains_once_more_under_the_same_rese
     assert entry["status"] == "committed" and entry["epsilon_reserved"] == pytest.approx(reserved["epsilon"])
     files, artifacts = _published_prompts(ctx)
     assert files == ["prompt_dpsgd.safetensors"] and artifacts == ["prompt/prompt_dpsgd.safetensors"]
+
+
+def test_two_attempts_alive_at_once_release_one_output(tmp_path, sst2_dir, monkeypatch, spies):
+    """A worker declared lost keeps running while its retry runs: both train under the one
+    reservation, but the first to store wins and the other publishes the winner's output, so one
+    DP output is ever stored or published under the one charge."""
+    import torch
+
+    from tasks import lifecycle
+    from tasks.lifecycle import release_dir, run_method
+    from tasks.prompts import load_prompt_file
+
+    ctx = _context(tmp_path, sst2_dir)
+    real_store = lifecycle.store_release
+    results = {}
+
+    def store(*args, **kwargs):  # the first attempt, about to store, lets the retry run to the end
+        monkeypatch.setattr(lifecycle, "store_release", real_store)
+        results["retry"] = run_method(ctx, "prompt_dpsgd", {})
+        return real_store(*args, **kwargs)
+
+    monkeypatch.setattr(lifecycle, "store_release", store)
+    first = run_method(ctx, "prompt_dpsgd", {})
+    retry = results["retry"]
+    assert len(spies["trained"]) == 2 and not torch.equal(spies["trained"][0], spies["trained"][1])
+    assert not retry["republished"] and first["republished"]  # the retry stored first: its output is the run's
+    winner = spies["trained"][1]  # the retry trained second but stored first
+    for info in (first, retry):
+        assert torch.equal(load_prompt_file(info["prompt_path"]), winner.to(torch.float32))
+    (entry,) = _dp_entries(ctx)
+    assert entry["status"] == "committed" and first["reserved_new"] is True and retry["reserved_new"] is False
+    assert len(list(release_dir(ctx.private_run_dir).glob("prompt_dpsgd_dp_output.*"))) == 1  # the loser's removed
+    assert not list(release_dir(ctx.private_run_dir).glob("*.tmp"))
+    files, _ = _published_prompts(ctx)
+    assert files == ["prompt_dpsgd.safetensors"]
 
 
 # ---- δ ----------------------------------------------------------------------------------------
