@@ -403,6 +403,27 @@ def read_public_texts(name: str, path: str | None, split: str, text_field: str, 
     return texts
 
 
+def public_texts(cfg, private_dir) -> list[str]:
+    """The config's public texts (``public:``; POST's distillation and transfer, RAPT's vocabulary,
+    Privacy-Flat's public sharpness data); refused when they are, or overlap, the private source."""
+    from .state import default_data_root
+
+    p, root = cfg.public, default_data_root(cfg.data_root)
+    return read_public_texts(p.name, p.path, p.split, p.text_field, root, private_dir, p.size, cfg.seed,
+                             private_source=(cfg.data, root))
+
+
+_PUBLIC: dict = {}
+
+
+def cached_public_texts(cfg, paths) -> list[str]:
+    """Public texts read once per process (audit shadows on one worker share them)."""
+    key = (str(paths.root), json.dumps(cfg.public.model_dump(), sort_keys=True), cfg.seed)
+    if key not in _PUBLIC:
+        _PUBLIC[key] = public_texts(cfg, paths.private)
+    return _PUBLIC[key]
+
+
 def _text_digest(key: bytes, text: str) -> bytes:
     return hmac.new(key, " ".join(text.split()).encode("utf-8"), hashlib.sha256).digest()
 

@@ -19,7 +19,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     these as one line without a traceback. One list, here."""
     from pydantic import ValidationError
 
-    from models.dpopt.endpoint import EndpointError
+    from models.prompts.endpoint import EndpointError
     from models.registry import ModelLoadError
     from privacy.ledger import BudgetExceededError, DeltaMismatchError, UnknownDatasetError
 

@@ -161,7 +161,7 @@ def check_endpoint(endpoint, timeout_s: float = 10.0) -> None:
     import urllib.error
     import urllib.request
 
-    from models.dpopt.endpoint import EndpointError
+    from models.prompts.endpoint import EndpointError
 
     url = endpoint.base_url.rstrip("/") + "/models"
     try:

@@ -191,7 +191,7 @@ def endpoint_evaluate_stage(ctx: StageContext, prompt_path: str, name: str, endp
     TEST split only, and only when the config marks it shareable; training rows never leave."""
     import os
 
-    from models.dpopt.endpoint import CompletionsClient, predict_labels
+    from models.prompts.endpoint import CompletionsClient, predict_labels
 
     cfg = ctx.cfg
     if not cfg.data.test_shareable:  # also refused at config time; checked again where it is sent

@@ -94,6 +94,7 @@ def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
 
     from tasks.lifecycle import log_post_child
     from tasks.methods import MethodContext
+    from tasks.data import public_texts
     from tasks.methods import post as post_mod
     from tasks.prompts import load_prompt_file, save_prompt_file
     from tasks.randomness import DpRandomness
@@ -126,7 +127,7 @@ def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
     try:
         monkeypatch.setattr(io, "open", spy)
         monkeypatch.setattr(builtins, "open", spy)
-        texts = post_mod.public_texts(ctx.cfg, ctx.paths.private)
+        texts = public_texts(ctx.cfg, ctx.paths.private)
         out = transfer_stage(texts)
     finally:
         monkeypatch.undo()

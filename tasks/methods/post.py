@@ -13,7 +13,6 @@ target with public data only.
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import time
 from pathlib import Path
@@ -61,16 +60,6 @@ class PostConfig(Block):
 
 # ---- public data and the student ---------------------------------------------------------------
 
-def public_texts(cfg, private_dir) -> list[str]:
-    """The config's public texts; refused when they are, or overlap, the private source."""
-    from ..data import read_public_texts
-    from ..state import default_data_root
-
-    p, root = cfg.public, default_data_root(cfg.data_root)
-    return read_public_texts(p.name, p.path, p.split, p.text_field, root, private_dir, p.size, cfg.seed,
-                             private_source=(cfg.data, root))
-
-
 def student_key(cfg, public: list[str]) -> str:
     d = cfg.methods.post.distill
     return digest_key({"teacher": cfg.models.target_name, "distill": d.model_dump(), "seed": cfg.seed,
@@ -86,6 +75,8 @@ def distill_student(ctx, progress=None) -> dict:
     from models.distill import DistillConfig as ModelDistillConfig
     from models.distill import build_student, distill, freeze, save_student
     from models.registry import load_backbone
+
+    from ..data import public_texts
 
     cfg, paths = ctx.cfg, ctx.paths
     texts = public_texts(cfg, paths.private)
@@ -194,17 +185,6 @@ def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], prog
     return moved, child
 
 
-_PUBLIC: dict = {}
-
-
-def cached_public_texts(cfg, paths) -> list[str]:
-    """Public texts read once per process (audit shadows on one worker share them)."""
-    key = (str(paths.root), json.dumps(cfg.public.model_dump(), sort_keys=True), cfg.seed)
-    if key not in _PUBLIC:
-        _PUBLIC[key] = public_texts(cfg, paths.private)
-    return _PUBLIC[key]
-
-
 # ---- the method --------------------------------------------------------------------------------
 
 @register_method
@@ -268,6 +248,8 @@ class Post(Method):
                        result.steps, metrics, result.history)
 
     def post_process(self, mctx, plan, prompt, progress=None):
+        from ..data import cached_public_texts
+
         texts = cached_public_texts(mctx.cfg, mctx.paths)  # public data only
         moved, child = transfer_stage(mctx, mctx.prepared["student_dir"], prompt, texts, progress)
         return PostProcessed(moved.prompt, moved.steps, child)

@@ -131,7 +131,7 @@ class PrivacyFlat(PrefixDPSGD):
 
         cfg = mctx.cfg
         if f.sparse_data == "public":
-            from .post import public_texts
+            from ..data import public_texts
 
             texts = public_texts(cfg, mctx.paths.private)
             texts = texts[: f.sharpness_examples]

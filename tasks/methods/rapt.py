@@ -139,7 +139,7 @@ class Rapt(Method):
         from models.rapt.head import reconstruction_vocab
         from models.registry import load_backbone
 
-        from .post import public_texts
+        from ..data import public_texts
 
         bb = load_backbone(ctx.cfg.models.local, seed=ctx.cfg.seed)
         texts = public_texts(ctx.cfg, ctx.paths.private)
@@ -295,7 +295,7 @@ class Rapt(Method):
         from models.rapt.encoding import encode_rapt, privatize_encoding
         from models.rapt.privatize import BackbonePrivatizer
 
-        from .post import public_texts
+        from ..data import public_texts
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         inference = model.inference()
