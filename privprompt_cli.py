@@ -6,6 +6,7 @@
     privprompt report EXPERIMENT
     privprompt ledger [--config CONFIG]
     privprompt budget reservations | lower-cap DATASET EPS --reason R | set-delta DATASET DELTA --reason R
+    privprompt config --schema
     privprompt ui
 """
 
@@ -394,6 +395,15 @@ def cmd_budget(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    """``--schema``: the config reference (every key, type, default, constraint and meaning) as
+    Markdown, generated from the pydantic schema; docs/config.md is this output."""
+    from tasks.config_reference import markdown
+
+    print(markdown(), end="")
+    return 0
+
+
 def cmd_ui(args) -> int:
     from tasks.state import configure_environment, state_paths, tracking_uri
 
@@ -469,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     redelta.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
     redelta.add_argument("delta", type=float)
     redelta.add_argument("--reason", required=True, help="why (recorded in the ledger)")
+    config = sub.add_parser("config", help="the config reference, generated from the schema (docs/config.md)")
+    config.add_argument("--schema", action="store_true", required=True,
+                        help="print every config key with its type, default and meaning as Markdown")
     ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
     ui.add_argument("--prefect-port", type=int, default=4200)
     ui.add_argument("--mlflow-port", type=int, default=5000)
@@ -476,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.state_dir:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
     command = {"run": cmd_run, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
-               "budget": cmd_budget, "ui": cmd_ui}[args.command]
+               "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui}[args.command]
     try:
         rc = command(args)
         sys.stdout.flush()  # inside the try: a closed pipe is met here, not in the interpreter's exit

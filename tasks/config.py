@@ -136,7 +136,10 @@ def _format_error(err: ValidationError) -> str:
         key = ".".join(str(x) for x in e["loc"]) or "<root>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown config key"
+            from .config_reference import did_you_mean
+
+            hint = did_you_mean(tuple(e["loc"]))
+            msg = "unknown config key" + (f" ({hint})" if hint else "")
         elif e["type"] == "missing":
             msg = "required key is missing"
         parts.append(f"{key}: {msg}")

@@ -124,8 +124,12 @@ def _normalise(rows: list[dict], cfg: DataConfig, source: str) -> tuple[list[str
     known = set(cfg.labels)
     for i, row in enumerate(rows, 1):
         if cfg.text_field not in row or cfg.label_field not in row:
-            raise DataError(f"{source} record {i}: missing field "
-                            f"'{cfg.text_field if cfg.text_field not in row else cfg.label_field}'")
+            key, field = (("data.text_field", cfg.text_field) if cfg.text_field not in row
+                          else ("data.label_field", cfg.label_field))
+            names = [str(k) for k in row][:12]  # the file's column names, never a value
+            raise DataError(f"{source} record {i}: missing field '{field}' (the column {key} names; this record "
+                            f"has {', '.join(repr(n) for n in names) or 'no fields'}): set {key} to the "
+                            f"column that holds the {key.split('.')[1].split('_')[0]}")
         text, raw = row[cfg.text_field], row[cfg.label_field]
         if not isinstance(text, str) or not text.strip():
             raise DataError(f"{source} record {i}: field '{cfg.text_field}' must be non-empty text")

@@ -22,14 +22,17 @@ class DataConfig(Block):
     name: str = Field(description="dataset name, also the folder under the data root")
     path: str | None = Field(None, description="folder with train/test files (default: <data_root>/<name>)")
     hub: str | None = Field(None, description="a hub dataset id for `datasets.load_dataset` instead of files")
-    hub_config: str | None = None
+    hub_config: str | None = Field(None, description="the hub dataset's configuration name, if it has several")
     hub_revision: str | None = Field(None, description="pin the hub dataset's revision (part of the ledger's key)")
-    train_split: str = "train"
-    test_split: str = "test"
-    text_field: str = "text"
-    label_field: str = "label"
-    labels: list[str] = Field(min_length=2)
-    label_map: dict[str, str] = Field(default_factory=dict, description="raw label -> label name")
+    train_split: str = Field("train", description="file stem (train.csv / .jsonl / .parquet) or hub split of the "
+                             "private source; training and holdout records are drawn from it")
+    test_split: str = Field("test", description="file stem or hub split of the test records")
+    text_field: str = Field("text", description="column / JSON key holding the input text")
+    label_field: str = Field("label", description="column / JSON key holding the label")
+    labels: list[str] = Field(min_length=2, description="the label names, in order; a raw label is kept when it is "
+                              "one of them (or an integer index into them) after label_map")
+    label_map: dict[str, str] = Field(default_factory=dict, description="raw label (as text, e.g. \"0\" or "
+                                      "\"neg\") -> label name of `labels`")
     # Splits are by a keyed hash of each record (tasks/data.py): a record's split depends on that
     # record alone, so adding or removing one SOURCE record changes only its own assignment.
     holdout_fraction: float = Field(0.1, gt=0, lt=1, description="probability that a source record is held "
@@ -83,7 +86,7 @@ class EndpointConfig(Block):
 
     alias: str = Field(description="name in the run record: test.accuracy.<alias>")
     base_url: str = Field(description="e.g. http://127.0.0.1:8000/v1")
-    model: str
+    model: str = Field(description="the model name the endpoint serves (its `model` request field)")
     api_key_env: str | None = Field(None, description="environment variable holding the API key (never logged)")
 
 
@@ -94,10 +97,17 @@ class ModelsConfig(Block):
                                    "published prompt is evaluated on: test.accuracy.<alias>")
     endpoints: list[EndpointConfig] = Field(default_factory=list, description="remote completions endpoints: "
                                             "they receive only the test split, which data.test_shareable must allow")
-    label_descriptions: dict[str, str] = Field(default_factory=dict)
-    template: str | None = None
-    max_length: int = Field(64, gt=4)
-    eval_batch_size: int = Field(64, gt=0)
+    label_descriptions: dict[str, str] = Field(default_factory=dict, description="label name -> what the model "
+                                               "scores for it. Masked / causal LM (verbalizer): a label word whose "
+                                               "FIRST token is scored (default \" <label>\"; first tokens must "
+                                               "differ). Encoder (minilm): a sentence, cosine to the input "
+                                               "(default: the label name)")
+    template: str | None = Field(None, description="input template with {text} once; masked LMs also need {mask} "
+                                 "after it. Default: causal \"{text} It was\", masked \"{text} It was {mask}.\", "
+                                 "encoder \"{text}\"; text prompts (dp_opt and its baselines, endpoints) "
+                                 "\"Input: {text}\\n\\nOutput:\"")
+    max_length: int = Field(64, gt=4, description="tokens per input, template included (the text is truncated)")
+    eval_batch_size: int = Field(64, gt=0, description="batch size of evaluation and scoring")
 
     @property
     def target_name(self) -> str:
