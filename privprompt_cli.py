@@ -161,13 +161,31 @@ def _print_sweep(summary: dict) -> None:
             print(f"{g['group'][:30]} (n={g['n']})".ljust(40) + cells)
 
 
+AUDIT_NOTE = "(audit statistic, not DP)"
+
+
 def _print_attacks(m: dict) -> None:
+    """Membership-inference and canary statistics: computed on private data without noise, so each
+    line says it is an audit statistic, not covered by ε."""
     for attack in ("loss", "loss_pool", "lira", "lira_offline", "min_k"):
         key = f"mia.{attack}.auc"
         if key in m:
-            print(f"{key + ':':<28}{m[key]:.4f} [{m[key + '_low']:.4f}, {m[key + '_high']:.4f}]")
+            print(f"{key + ':':<28}{m[key]:.4f} [{m[key + '_low']:.4f}, {m[key + '_high']:.4f}] {AUDIT_NOTE}")
     if "audit.epsilon_lower_bound" in m:
-        print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f}")
+        print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f} {AUDIT_NOTE}")
+
+
+def _print_prompt(published: dict | None) -> None:
+    """Where the run's prompt is: the published file and its MLflow artifact, or that it stays private."""
+    if not published or published.get("prompt_path") is None:
+        print(f"{'prompt:':<28}none (the method publishes no prompt)")
+    elif published.get("prompt_published"):
+        print(f"{'published prompt:':<28}{published['prompt_path']}")
+        if published.get("artifact_uri"):
+            print(f"{'':<28}MLflow artifact {published['artifact_uri']}")
+    else:
+        print(f"{'prompt (not published):':<28}{published['prompt_path']} (no formal guarantee: it stays under "
+              "private/ and is never published)")
 
 
 def _print_summary(summary: dict, wall: float) -> None:
@@ -190,8 +208,11 @@ def _print_summary(summary: dict, wall: float) -> None:
     for key in sorted(k for k in m if k.startswith("test.accuracy")):
         print(f"{key + ':':<28}{m[key]:.4f}")
     for key in sorted(k for k in m if k.startswith("audit.baseline.")):  # trained on private data without DP
-        print(f"{key + ':':<27} {m[key]:.4f} (audit statistic, not DP)")
+        print(f"{key + ':':<27} {m[key]:.4f} {AUDIT_NOTE}")
     _print_attacks(m)
+    _print_prompt(summary.get("published"))
+    if summary.get("device"):
+        print(f"{'device:':<28}{summary['device']}")
     seconds = summary.get("compute_seconds", {})
     audit = seconds.get("audit", 0.0)
     compute = sum(v for k, v in seconds.items() if k != "audit")

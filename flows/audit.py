@@ -157,7 +157,7 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
             partition = data
             break
     if partition is None:
-        raise AuditError(f"run {run_id}: its private partition (fingerprint {wanted[:12]}) is not under "
+        raise AuditError(f"run {run_id}: its private partition (data.partition {wanted[:12]}) is not under "
                          f"{paths.private}; audits run where the private data is")
     if tags.get("privacy.guarantee") == "dp":
         found = _find_prompt(Path(artifact("prompt", "published prompt")), method)

@@ -214,7 +214,7 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
 
         from tasks.data import Partition
 
-        budget = report.budget_record(cfg, Partition(**part), paths, published, plan.note, [])
+        budget = report.budget_record(cfg, Partition(**part), paths, published, plan.note, [], parent.run_id)
         parent.log_json(budget, "privacy/budget.json")
         report.log_privacy_utility(parent, points, f"{cfg.data.name}: test accuracy by method")
         for name, table in method.tables(accuracies, published, variants).items():
@@ -224,6 +224,6 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         parent.log_metrics(metrics)
         summary.update({"metrics": metrics, "budget": budget, "guarantee": published["guarantee"], "compute_seconds": compute, "runtime": runtime,
                         "accuracy": accuracies,
-                        "published": {k: published[k] for k in ("method", "prompt_path", "private", "published")}})
+                        "published": budget["published"]})
     logger.info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in metrics.items()}))
     return summary

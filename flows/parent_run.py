@@ -24,6 +24,22 @@ class FlowRun:
     summary: dict  # what the flow returns: ids first, the flow adds its results
 
 
+def device_description() -> str:
+    """The device this run's models use (``PRIVPROMPT_DEVICE``, else CUDA when present, else CPU):
+    ``cpu``, or ``cuda:0 (NVIDIA H100 80GB HBM3)`` with the GPU's name."""
+    import torch
+
+    from models.device import resolve_device
+
+    device = resolve_device(None)
+    if device.type == "cuda":
+        try:
+            return f"{device} ({torch.cuda.get_device_name(device)})"
+        except (RuntimeError, AssertionError):  # a named device this machine lacks: the run fails on it
+            return str(device)
+    return str(device)
+
+
 @contextmanager
 def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
                tags: dict | None = None, params: dict | None = None) -> Iterator[FlowRun]:
@@ -31,13 +47,15 @@ def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
     flow_run_id = str(flow_run.get_id())
     mlflow = client(paths)
     experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)
-    parent = RunRecord.create(mlflow, experiment_id, f"{method}-{flow_run_id[:8]}", {
+    parent_tags = {
         "method": method, "dataset": cfg.data.name, "model.local": cfg.models.local,
         "model.target": cfg.models.target_name, "privacy.guarantee": guarantee,
-        "prefect.flow_run_id": flow_run_id, "flow": flow, "config.hash": config_hash(cfg), **(tags or {})})
+        "prefect.flow_run_id": flow_run_id, "flow": flow, "config.hash": config_hash(cfg),
+        "device": device_description(), **(tags or {})}
+    parent = RunRecord.create(mlflow, experiment_id, f"{method}-{flow_run_id[:8]}", parent_tags)
     run = FlowRun(cfg, paths, flow_run_id, parent, {
         "flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": method,
-        "experiment": cfg.experiment_name})
+        "experiment": cfg.experiment_name, "device": parent_tags["device"]})
     try:
         parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "seed": cfg.seed,
                            **(params or {})})

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from privacy.ledger import Ledger
 
 from . import plots
@@ -11,14 +13,29 @@ LEDGER_KEYS = ("epsilon_cap", "delta", "spent_epsilon", "remaining_epsilon", "no
                "ldp_releases", "ldp_eta_bound")
 
 
-def budget_record(cfg, part, paths, published: dict, plan_note: str, stages_extra: list[dict]) -> dict:
-    """``privacy/budget.json``: the dataset's ledger state, the published method's spend and its
-    stages (what is accounted, what is post-processing or public-data only)."""
+def prompt_record(published: dict, run_id: str | None = None) -> dict:
+    """Where the method's prompt is and what it is, in names that say so (``budget.json``'s and the
+    summary's ``published`` block): ``prompt_published`` — released (``outputs/`` and the parent
+    run's ``prompt/`` artifact, ``artifact_uri``) or kept under ``private/`` (never published);
+    ``formal_dp_guarantee`` — an (ε, δ)-DP output of the private training partition."""
+    path = published.get("prompt_path")
+    released = bool(published.get("published")) and path is not None
+    return {"method": published.get("method"), "prompt_path": path, "prompt_published": released,
+            "guarantee": published.get("guarantee"), "formal_dp_guarantee": published.get("guarantee") == "dp",
+            "artifact_uri": f"runs:/{run_id}/prompt/{Path(path).name}" if released and run_id else None}
+
+
+def budget_record(cfg, part, paths, published: dict, plan_note: str, stages_extra: list[dict],
+                  run_id: str | None = None) -> dict:
+    """``privacy/budget.json``: the dataset's ledger state (``dataset.fingerprint``: the ledger's
+    key, a keyed hash of the SOURCE files; ``data.partition``: the keyed hash of this run's
+    training partition), the published method's spend and its stages (what is accounted, what is
+    post-processing or public-data only), and where its prompt is (:func:`prompt_record`)."""
     row = Ledger(paths.ledger).dataset(part.dataset_key)
-    budget = {"dataset": cfg.data.name, "dataset.fingerprint": part.dataset_key,
+    budget = {"dataset": cfg.data.name, "dataset.fingerprint": part.dataset_key, "data.partition": part.fingerprint,
               "privacy.guarantee": published["guarantee"],
               "ledger": {k: row[k] for k in LEDGER_KEYS if k in row},
-              "published": {k: published.get(k) for k in ("method", "prompt_path", "private", "published")}}
+              "published": prompt_record(published, run_id)}
     if published["guarantee"] == "dp":
         spend = published["spend"]
         budget.update({"accountant": spend["accountant"], "total": spend,

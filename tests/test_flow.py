@@ -115,6 +115,42 @@ def test_run_record_is_complete(flow_run):
     assert budget["stages"][0]["event"]["type"] == "self_composed"
 
 
+def test_run_says_where_its_prompt_is_and_on_which_device(flow_run, capsys):
+    """Issue 29, reading a run: the summary and budget.json name the published prompt's file and
+    MLflow artifact in fields that say what they are, the two hashes apart, and the device."""
+    import mlflow.artifacts
+
+    import privprompt_cli
+    from flows.parent_run import device_description
+
+    summary, state = flow_run["summary"], flow_run["state"]
+    client = _mlflow(state)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.tags["device"] == device_description() == summary["device"]
+    assert run.data.tags["device"] == "cpu" or run.data.tags["device"].startswith("cuda:")
+    budget = json.loads(Path(client.download_artifacts(run.info.run_id, "privacy/budget.json")).read_text())
+    pub = budget["published"]
+    assert set(pub) == {"method", "prompt_path", "prompt_published", "guarantee", "formal_dp_guarantee",
+                        "artifact_uri"}
+    assert pub["prompt_published"] is True and pub["formal_dp_guarantee"] is True and pub["guarantee"] == "dp"
+    assert pub["artifact_uri"] == f"runs:/{run.info.run_id}/prompt/prompt_dpsgd.safetensors"
+    assert summary["published"] == pub
+    fetched = mlflow.artifacts.download_artifacts(artifact_uri=pub["artifact_uri"],
+                                                  tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
+    assert Path(fetched).read_bytes() == Path(pub["prompt_path"]).read_bytes()
+    assert Path(pub["prompt_path"]).is_relative_to(state / "outputs")
+    # the ledger's key (source dataset) and the partition's hash: two names, two values
+    assert budget["dataset.fingerprint"] == run.data.tags["dataset.fingerprint"]
+    assert budget["data.partition"] == run.data.tags["data.partition"] != budget["dataset.fingerprint"]
+    privprompt_cli._print_summary(summary, 100.0)
+    out = capsys.readouterr().out
+    assert f"published prompt:           {pub['prompt_path']}\n" in out
+    assert f"MLflow artifact {pub['artifact_uri']}" in out
+    mia_line = next(line for line in out.splitlines() if line.startswith("mia.loss.auc:"))
+    assert mia_line.endswith("(audit statistic, not DP)")
+    assert f"device:                     {summary['device']}" in out
+
+
 def test_child_runs_and_baselines(flow_run):
     client = _mlflow(flow_run["state"])
     parent = client.get_run(flow_run["summary"]["mlflow_run_id"])
@@ -304,6 +340,8 @@ def test_nonprivate_method_publishes_metrics_only(flow_run, tmp_path):
     assert Path(summary["published"]["prompt_path"]).is_relative_to(state / "private")
     budget = json.loads(Path(_mlflow(state).download_artifacts(run.info.run_id, "privacy/budget.json")).read_text())
     assert budget["total"] is None and "no formal privacy guarantee" in budget["note"]
+    assert budget["published"]["prompt_published"] is False and budget["published"]["artifact_uri"] is None
+    assert budget["published"]["formal_dp_guarantee"] is False and budget["published"]["guarantee"] == "none"
 
 
 def test_cli_summary_separates_model_work_audit_and_orchestration(capsys):

@@ -53,7 +53,7 @@ def test_smoke_run_record_reads_back_from_the_team_servers(servers, tmp_path):
     assert run.data.tags["privacy.guarantee"] == "dp" and run.data.tags["method"] == "prompt_dpsgd"
     assert 0 < run.data.metrics["privacy.epsilon"] <= 8.0 + 1e-6 and "test.accuracy" in run.data.metrics
     budget = json.loads(Path(client.download_artifacts(run.info.run_id, "privacy/budget.json", str(tmp_path))).read_text())
-    assert budget["privacy.guarantee"] == "dp" and budget["published"]
+    assert budget["privacy.guarantee"] == "dp" and budget["published"]["prompt_published"]
     assert any(a.path == "prompt" for a in client.list_artifacts(run.info.run_id))
     assert list((folder / "artifacts").rglob("*.safetensors"))  # stored by the server, not the client
 
