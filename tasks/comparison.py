@@ -31,6 +31,8 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                 continue
             eta = next((float(v) for k, v in run.data.params.items() if k.endswith(".eta")), None)
             rows.append({"run_id": run.info.run_id, "method": tags.get("method.label") or tags["method"],
+                         "dataset": tags.get("dataset", ""),
+                         "zero_shot": run.data.metrics.get("test.accuracy.zero_shot"),
                          "guarantee": tags.get("privacy.guarantee", "none"),
                          "variant": tags.get("sweep.variant", ""), "seed": run.data.params.get("seed"),
                          "epsilon": run.data.metrics.get("privacy.epsilon"), "eta": eta,
@@ -55,14 +57,25 @@ def _empirical_privacy(metrics: dict) -> float | None:
     return None
 
 
+def zero_shot_accuracy(r: dict) -> float | None:
+    """The zero-shot baseline on a run's own test split: its ``test.accuracy.zero_shot``, or its
+    accuracy when the run is the zero-shot method itself."""
+    return r["accuracy"] if r["method"] == "zero_shot" else r.get("zero_shot")
+
+
 def comparison_table(rows: list[dict]) -> str:
-    lines = ["| method | guarantee | ε (spent) | η | test accuracy | loss-MIA AUC (audit statistic) | seed | run |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
-    for r in sorted(rows, key=lambda r: (r["method"], r["epsilon"] if r["epsilon"] is not None else math.inf)):
+    """One row per run, by dataset (runs of different datasets are never pooled), with the zero-shot
+    baseline on the same test split beside the method's accuracy."""
+    lines = ["| dataset | method | guarantee | ε (spent) | η | test accuracy | zero-shot accuracy | "
+             "loss-MIA AUC (audit statistic) | seed | run |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r.get("dataset", ""), r["method"],
+                                         r["epsilon"] if r["epsilon"] is not None else math.inf)):
         f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-        lines.append(f"| {r['method']} | {r['guarantee']}{' (' + r['note'] + ')' if r['note'] else ''} | "
-                     f"{f(r['epsilon'])} | {f(r['eta'])} | {f(r['accuracy'])} | {f(r['mia_auc'])} | "
-                     f"{r['seed'] or '-'} | {r['run_id'][:8]} |")
+        lines.append(f"| {r.get('dataset') or '-'} | {r['method']} | "
+                     f"{r['guarantee']}{' (' + r['note'] + ')' if r['note'] else ''} | "
+                     f"{f(r['epsilon'])} | {f(r['eta'])} | {f(r['accuracy'])} | {f(zero_shot_accuracy(r))} | "
+                     f"{f(r['mia_auc'])} | {r['seed'] or '-'} | {r['run_id'][:8]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -111,6 +124,9 @@ def comparison_figure(rows: list[dict], title: str):
     η panels for ldp runs."""
     import matplotlib.pyplot as plt
 
+    datasets = sorted({r.get("dataset", "") for r in rows})
+    if len(datasets) > 1:  # one line per (method, dataset): runs of different datasets are never pooled
+        rows = [{**r, "method": f"{r['method']} · {r.get('dataset') or '?'}"} for r in rows]
     eps_rows = [r for r in rows if r["guarantee"] != "ldp"]
     ldp_rows = [r for r in rows if r["guarantee"] == "ldp"]
     finite = [r["epsilon"] for r in eps_rows if r["epsilon"] is not None]
@@ -131,10 +147,16 @@ def comparison_figure(rows: list[dict], title: str):
             for x, y, g in sorted((r["epsilon"] if r["epsilon"] is not None else inf_x, r[key], r["guarantee"])
                                   for r in runs):  # every run, faint behind the means
                 ax.scatter([x], [y], marker=MARKERS.get(g, "o"), color=line.get_color(), alpha=0.35, s=14, zorder=2)
+        if key == "accuracy":  # the zero-shot baseline of each dataset, on its own test split
+            for i, dataset in enumerate(datasets):
+                zs = mean_std(zero_shot_accuracy(r) for r in eps_rows + ldp_rows if r.get("dataset", "") == dataset)
+                if zs is not None:
+                    ax.axhline(zs[0], color="0.45", lw=1, ls=("--", "-.", ":")[i % 3],
+                               label="zero-shot" + (f" · {dataset}" if len(datasets) > 1 else ""))
         if finite:
             ax.axvline(inf_x / 1.25, color="0.7", lw=0.8, ls=":")
-            ax.text(inf_x, ax.get_ylim()[0], "ε=∞", ha="center", va="bottom", fontsize=8)
         ax.set_xscale("log")
+        plots.epsilon_ticks(ax, finite, inf_x if any(r["epsilon"] is None for r in eps_rows) else None)
         ax.set_xlabel("ε spent (log); no DP at ε=∞")
         ax.set_ylabel(label)
     if eps_panels:
@@ -159,11 +181,12 @@ def comparison_figure(rows: list[dict], title: str):
         ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
+    plots.drop_overlapping_tick_labels(fig)
     return fig
 
 
 def label_summary(rows: list[dict]) -> str:
-    """Per method label and target ε (η for ldp runs): runs (seeds), test accuracy and loss-MIA AUC as mean ± sample
+    """Per dataset, method label and target ε (η for ldp runs): runs (seeds), test accuracy and loss-MIA AUC as mean ± sample
     std over them, ε spent, and the test loss at 0.3‖w‖ along the adversarial direction where logged."""
     def stat(values):
         ms = mean_std(values)
@@ -173,13 +196,16 @@ def label_summary(rows: list[dict]) -> str:
 
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["method"], r["guarantee"], privacy_level(r)), []).append(r)
-    lines = ["| method | guarantee | target ε (dp) / η (ldp) | runs | test accuracy | loss-MIA AUC (audit statistic) | ε spent | "
-             "test loss, adversarial 0.3‖w‖ |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for (label, guarantee, eps), members in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2] or 0)):
+        groups.setdefault((r.get("dataset", ""), r["method"], r["guarantee"], privacy_level(r)), []).append(r)
+    lines = ["| dataset | method | guarantee | target ε (dp) / η (ldp) | runs | test accuracy | zero-shot accuracy | "
+             "loss-MIA AUC (audit statistic) | ε spent | test loss, adversarial 0.3‖w‖ |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (dataset, label, guarantee, eps), members in sorted(groups.items(),
+                                                            key=lambda kv: (kv[0][0], kv[0][1], kv[0][3] or 0)):
         spent = [m["epsilon"] for m in members if m["epsilon"] is not None]
-        lines.append(f"| {label} | {guarantee} | {'-' if eps is None else f'{eps:g}'} | {len(members)} | "
-                     f"{stat(m['accuracy'] for m in members)} | {stat(m['mia_auc'] for m in members)} | "
+        lines.append(f"| {dataset or '-'} | {label} | {guarantee} | {'-' if eps is None else f'{eps:g}'} | "
+                     f"{len(members)} | {stat(m['accuracy'] for m in members)} | "
+                     f"{stat(zero_shot_accuracy(m) for m in members)} | {stat(m['mia_auc'] for m in members)} | "
                      f"{f'{max(spent):.4f}' if spent else '-'} | "
                      f"{stat(m.get('flatness', {}).get('flatness.adversarial.r30') for m in members)} |")
     return "\n".join(lines) + "\n"

@@ -63,6 +63,40 @@ def privacy_utility_plot(points: list[dict], title: str):
     return fig
 
 
+def epsilon_ticks(ax, values, inf_x: float | None = None) -> None:
+    """A log ε axis labelled at the ε values plotted (2 significant digits, plain numbers) and at
+    ``inf_x`` as "∞" (runs without ε), with no minor-tick labels: matplotlib's own labels of a
+    log axis spanning less than a decade are "3×10⁰ 4×10⁰ 6×10⁰", which collide."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    ticks = sorted({float(f"{v:.2g}") for v in values if v and v > 0})
+    labels = {t: f"{t:g}" for t in ticks}
+    if inf_x is not None:
+        ticks.append(inf_x)
+        labels[inf_x] = "∞"
+    if not ticks:
+        return
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _pos: labels.get(x, f"{x:g}")))
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def drop_overlapping_tick_labels(fig, pad_px: float = 2.0) -> None:
+    """Hide x tick labels that would overlap a neighbour once drawn (call after ``tight_layout``):
+    the last label ("∞") is kept first, then labels left to right."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        kept = []
+        for label in labels[-1:] + labels[:-1]:
+            box = label.get_window_extent(renderer).expanded(1.0, 1.0)
+            if any(box.x0 < k.x1 + pad_px and k.x0 < box.x1 + pad_px for k in kept):
+                label.set_visible(False)
+            else:
+                kept.append(box)
+
+
 def close(fig) -> None:
     plt.close(fig)
 

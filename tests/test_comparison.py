@@ -42,8 +42,8 @@ def test_label_summary_gives_mean_and_std_over_seeds():
             _row("zero_shot", guarantee="none", acc=0.6)]
     rows[0]["epsilon"] = rows[1]["epsilon"] = 7.99
     lines = label_summary(rows).splitlines()
-    assert lines[2].startswith("| dp_prefix | dp | 8 | 2 | 0.7500 ± 0.0707 | - | 7.9900 |")
-    assert lines[3].startswith("| zero_shot | none | - | 1 | 0.6000 |")
+    assert lines[2].startswith("| - | dp_prefix | dp | 8 | 2 | 0.7500 ± 0.0707 | - | - | 7.9900 |")
+    assert lines[3].startswith("| - | zero_shot | none | - | 1 | 0.6000 | 0.6000 |")
 
 
 def test_privacy_utility_figure_draws_seed_means_with_std():
