@@ -37,9 +37,9 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from models.dpopt.engine import CausalEngine
-    from models.dpopt.generate import ensemble_generate, reencode_generate
-    from models.dpopt.templates import backward_body, backward_head
+    from tasks.methods.dp_opt.engine import CausalEngine
+    from tasks.methods.dp_opt.generate import ensemble_generate, reencode_generate
+    from tasks.methods.dp_opt.templates import backward_body, backward_head
     from models.registry import load_backbone
 
     torch.set_num_threads(2)

@@ -47,8 +47,9 @@ def _texts(n: int) -> list[str]:
 
 def run(steps: int = 8, batch: int = 32, n_tokens: int = 5) -> dict:
     from models import build_classifier, load_backbone, per_sample_prompt_gradients
-    from models.dpzero import per_example_losses, two_point_differences
-    from models.flat import awp_perturbation, mean_gradient
+    from tasks.methods.dpzero.training import per_example_losses, two_point_differences
+    from models.landscape import mean_gradient
+    from tasks.methods.privacy_flat.flat import awp_perturbation
     from models.soft_prompt import PrefixPrompt, SoftPrompt
 
     print(f"nproc={os.cpu_count()}, torch threads={torch.get_num_threads()}, load average={os.getloadavg()}")

@@ -46,10 +46,10 @@ def _texts(split: str, n: int, seed: int = 0) -> list[str]:
 def run(steps: int = 6, batch: int = 64) -> dict:
     from models import build_classifier, load_backbone, per_sample_prompt_gradients
     from models.length_groups import call_overhead, length_groups
-    from models.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
-    from models.rapt.head import ReconstructionHead
-    from models.rapt.model import RaptModel, build_task_head
-    from models.rapt.privatize import BackbonePrivatizer
+    from tasks.methods.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
+    from tasks.methods.rapt.head import ReconstructionHead
+    from tasks.methods.rapt.model import RaptModel, build_task_head
+    from tasks.methods.rapt.privatize import BackbonePrivatizer
     from models.soft_prompt import PrefixPrompt, SoftPrompt
 
     print(f"nproc={os.cpu_count()}, torch threads={torch.get_num_threads()}, load average={os.getloadavg()}")

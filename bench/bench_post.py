@@ -30,10 +30,10 @@ def main() -> None:
     import torch
 
     from models.classifiers import build_classifier
-    from models.distill import build_student, freeze
+    from tasks.methods.post.distill import build_student, freeze
     from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
     from models.registry import load_backbone
-    from models.transfer import TransferConfig, transfer_prompt
+    from tasks.methods.post.transfer import TransferConfig, transfer_prompt
 
     labels = ["negative", "positive"]
     desc = {"negative": "a negative, bad movie review", "positive": "a positive, great movie review"}

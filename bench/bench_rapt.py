@@ -1,7 +1,7 @@
 """Speed benchmark of RAPT's model side (issue 11), on this machine's CPU cores.
 
 (a) Token privatisation on MiniLM's 30,522 × 384 vocabulary (goal ≥ 10,000 tokens/s on 2 cores):
-    the numpy float64 path (privacy.mechanisms.dx_privatize_tokens) vs models.rapt.privatize
+    the numpy float64 path (privacy.mechanisms.dx_privatize_tokens) vs tasks.methods.rapt.privatize
     (float32 or bfloat16 screening, picked per CPU, + exact float64 re-score), on SST-2 training tokens, η = 100. Both give
     the same ids for the same noise; the index build is timed apart (once per process). Beside it:
     the search alone in each screening dtype, its scoring product alone (the search's ceiling),
@@ -58,7 +58,7 @@ def _texts(n: int, path: Path = SST2) -> list[str]:
 
 
 def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
-    from models.rapt.privatize import CHUNK_ROWS, BackbonePrivatizer, VocabularyIndex, cpu_has_native_bf16
+    from tasks.methods.rapt.privatize import CHUNK_ROWS, BackbonePrivatizer, VocabularyIndex, cpu_has_native_bf16
     from models.registry import load_backbone
     from privacy.mechanisms import (
         dx_privatize_embeddings,
@@ -124,10 +124,10 @@ def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
 
 
 def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10, max_text: int = 48) -> dict:
-    from models.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
-    from models.rapt.head import ReconstructionHead, reconstruction_vocab
-    from models.rapt.model import RaptModel, build_task_head
-    from models.rapt.privatize import BackbonePrivatizer
+    from tasks.methods.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
+    from tasks.methods.rapt.head import ReconstructionHead, reconstruction_vocab
+    from tasks.methods.rapt.model import RaptModel, build_task_head
+    from tasks.methods.rapt.privatize import BackbonePrivatizer
     from models.registry import load_backbone
     from models.soft_prompt import SoftPrompt
 
@@ -180,10 +180,10 @@ def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_text
     private data (the pipeline itself publishes no such losses)."""
     import torch.nn.functional as F
 
-    from models.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
-    from models.rapt.head import ReconstructionHead, reconstruction_vocab
-    from models.rapt.model import RaptModel, build_task_head
-    from models.rapt.privatize import BackbonePrivatizer
+    from tasks.methods.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
+    from tasks.methods.rapt.head import ReconstructionHead, reconstruction_vocab
+    from tasks.methods.rapt.model import RaptModel, build_task_head
+    from tasks.methods.rapt.privatize import BackbonePrivatizer
     from models.registry import load_backbone
     from models.soft_prompt import SoftPrompt
 

@@ -1,9 +1,11 @@
-"""PrivPrompt's model layer: everything that touches torch.
+"""PrivPrompt's generic model layer: the torch code that knows no method.
 
-Frozen backbones (``registry``), soft prompts (``soft_prompt``), prompt classifiers that
-prepend a soft prompt to the input embeddings (``classifiers``), non-private and DP-SGD
-prompt training (``dp_prompt_training``), batched scoring (``scoring``) and device/seed
-helpers (``device``).
+Frozen backbones (``registry``), prompt kinds (``soft_prompt``, ``prompts``: soft, prefix, text,
+and the remote completions endpoint for text prompts), prompt classifiers that prepend a prompt
+to the input (``classifiers``), non-private and DP-SGD prompt training with per-sample gradients
+and step hooks (``dp_prompt_training``), batched scoring (``scoring``), loss-landscape measures
+(``landscape``) and device/seed helpers (``device``). A method's own torch code lives in its
+package (``tasks/methods/<name>/``).
 
 No Prefect or MLflow here: flows call these plain functions and log what they return.
 """

@@ -39,7 +39,7 @@ from models.classifiers import PromptClassifier, num_examples, select_rows
 from models.soft_prompt import PrefixPrompt, SoftPrompt
 
 if TYPE_CHECKING:
-    from models.flat import FlatOptions
+    from tasks.methods.privacy_flat.flat import FlatOptions
 
 ProgressFn = Callable[[int, int, float | None], None]
 
@@ -221,7 +221,7 @@ def train_prompt(
     streams — Poisson sampling and noise — come from ``sample_generator`` / ``noise_generator``;
     when not given they are SECRET (seeded from OS entropy), never derived from ``seed``
     (:func:`secret_generator`). :func:`seeded_dp_generators` gives reproducible ones for tests.
-    ``flat``: Privacy-Flat's additions to the DP step (``models.flat``); None or all off is plain
+    ``flat``: Privacy-Flat's additions to the DP step (``tasks.methods.privacy_flat.flat``); None or all off is plain
     DP-SGD, step for step.
     """
     seed = config.seed if seed is None else seed

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from . import events as ev
 from . import rdp as rdp_lib
@@ -66,6 +67,13 @@ def spend(event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATIO
     """ε at δ from both accountants; the coarser the PLD discretisation, the faster and the
     more pessimistic (never optimistic) its answer. With ``dataset_size``, δ ≥ 1/n is warned about."""
     check_delta(delta, "delta", n=dataset_size)
+    return _spend(event, float(delta), float(discretization))
+
+
+@lru_cache(maxsize=2048)
+def _spend(event: ev.DpEvent, delta: float, discretization: float) -> PrivacySpend:
+    # a pure function of (event, δ, discretisation): plan, preflight, the largest-fitting search,
+    # the reservation and the commit ask it again and again for the same events
     e_pld = epsilon_pld(event, delta, discretization)
     e_rdp, order = epsilon_rdp(event, delta)
     best = min(_finite_or_inf(e_pld), e_rdp)
@@ -145,7 +153,15 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
     check_delta(delta, "delta")
     check_rate(sample_rate, "sample_rate")
     check_count(steps, "steps", minimum=1)
+    # a pure function of its arguments, computed once per process (each costs ~2 s of accounting;
+    # plan, preflight, the run and the largest-fitting search ask for the same ones)
+    return _calibrate_noise_multiplier(float(target_epsilon), float(delta), float(sample_rate), int(steps),
+                                       float(tolerance))
 
+
+@lru_cache(maxsize=1024)
+def _calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate: float, steps: int,
+                                tolerance: float) -> float:
     def eps_rdp(sigma):
         return epsilon_rdp(ev.dpsgd_event(sample_rate, sigma, steps), delta)[0]
 
@@ -187,7 +203,7 @@ def max_limited_domain_queries(target_epsilon: float, delta: float, epsilon0: fl
     def fits(n: int) -> bool:
         if n == 0:
             return True
-        event = ev.dpopt_generation_event(epsilon0, delta0, sample_rate, n)
+        event = ev.SelfComposedEvent(ev.PoissonSampledEvent(sample_rate, ev.LimitedDomainEvent(epsilon0, delta0)), n)
         if epsilon_rdp(event, delta)[0] <= target_epsilon:  # ε = min(PLD, RDP) ≤ RDP
             return True
         return spend(event, delta).epsilon <= target_epsilon

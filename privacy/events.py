@@ -162,33 +162,10 @@ def event_from_json(text: str) -> DpEvent:
     return event_from_dict(json.loads(text))
 
 
-# ---- the events each method emits -------------------------------------------------------------
+# ---- generic compositions ----------------------------------------------------------------------
+# (a method's own events live in its package, e.g. ``tasks/methods/dp_opt/events.py``)
 
 def dpsgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> DpEvent:
     """``steps`` DP-SGD steps: Poisson-subsampled Gaussian on clipped per-sample gradients."""
     check_count(steps, "steps")
     return SelfComposedEvent(PoissonSampledEvent(sample_rate, GaussianEvent(noise_multiplier)), steps)
-
-
-def dpzero_event(sample_rate: float, noise_multiplier: float, steps: int) -> DpEvent:
-    """``steps`` DPZero steps: Gaussian noise on a clipped scalar (the two-point difference),
-    on a Poisson subsample. The sensitivity is the clip bound, so the event is the same
-    subsampled Gaussian as DP-SGD's, with the noise multiplier relative to that bound."""
-    return dpsgd_event(sample_rate, noise_multiplier, steps)
-
-
-def dpopt_generation_event(epsilon0: float, delta0: float, sample_rate: float, queries: int) -> DpEvent:
-    """``queries`` LimitedDomain token queries, each on a fresh Poisson subsample of the
-    generation data (DP-OPT Algorithm 1)."""
-    check_count(queries, "queries")
-    return SelfComposedEvent(PoissonSampledEvent(sample_rate, LimitedDomainEvent(epsilon0, delta0)), queries)
-
-
-def dpopt_selection_event(epsilon: float) -> DpEvent:
-    """DP-argmax over candidate prompts: Gumbel noise on validation correct-counts (monotone)."""
-    return ExponentialEvent(epsilon, monotone=True)
-
-
-def dpopt_run_event(generation: DpEvent, selection: DpEvent) -> DpEvent:
-    """Generation and selection use disjoint data: the run costs the larger of the two."""
-    return ParallelEvent((generation, selection))

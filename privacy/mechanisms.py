@@ -279,7 +279,7 @@ def limited_domain_top1(counts, epsilon0: float, delta0: float, rng: np.random.G
     (c) alone gives ε0-DP.
 
     For DP-OPT the vote histogram must have these neighbours: one record changes at most one
-    member's vote (``tasks/methods/dp_opt.py`` assigns each record to a member on its own).
+    member's vote (``tasks/methods/dp_opt/method.py`` assigns each record to a member on its own).
     """
     rng = _check_rng(rng)
     args = _check_limited_domain_args(counts, epsilon0, delta0, k_bar, l0_sensitivity, domain_size)

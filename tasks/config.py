@@ -16,8 +16,6 @@ from .schema import (AuditConfig, Block, DaskConfig, DataConfig, DPSGDConfig, Mi
                      ModelsConfig, PrivacyConfig, PromptTuningConfig, PublicDataConfig)
 from .state import digest_key
 
-_Block = Block
-
 
 def _methods_config_class():
     """``methods:``: one block per registered method (``methods.<name>``), defaults filled in."""
@@ -35,7 +33,7 @@ def _methods_config_class():
 MethodsConfig = _methods_config_class()
 
 
-class PrivPromptConfig(_Block):
+class PrivPromptConfig(Block):
     flow: Literal["prompt_tuning"] = "prompt_tuning"
     method: str = Field("prompt_dpsgd", description="the method this run publishes")
     experiment: str | None = Field(None, description="MLflow experiment (default: the method)")
@@ -128,6 +126,22 @@ class PrivPromptConfig(_Block):
     @property
     def experiment_name(self) -> str:
         return self.experiment or self.method
+
+
+def refresh_methods_schema() -> None:
+    """Rebuild the ``methods:`` block when a method is registered after this module was imported
+    (``tasks.methods.register_method`` calls it): one block per registered method, as at import."""
+    global MethodsConfig
+    from pydantic.fields import FieldInfo
+
+    from .methods import registered_methods
+
+    if set(registered_methods()) == set(MethodsConfig.model_fields):
+        return
+    MethodsConfig = _methods_config_class()
+    PrivPromptConfig.__pydantic_fields__["methods"] = FieldInfo.from_annotated_attribute(
+        MethodsConfig, Field(default_factory=MethodsConfig))
+    PrivPromptConfig.model_rebuild(force=True)
 
 
 def _format_error(err: ValidationError) -> str:

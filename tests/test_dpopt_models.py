@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from models.dpopt.engine import CausalEngine, SharedPrefix
-from models.dpopt.generate import dp_generate, ensemble_generate, reencode_generate
+from tasks.methods.dp_opt.engine import CausalEngine, SharedPrefix
+from tasks.methods.dp_opt.generate import dp_generate, ensemble_generate, reencode_generate
 from models.registry import load_backbone
 
 
@@ -128,7 +128,7 @@ def test_a_long_text_prompt_does_not_eat_the_inputs_token_budget(model, tmp_path
 
 def test_leakage_report_names_are_audit_statistics():
     """Exact statistics of private texts are published only under ``audit.`` (RUN_RECORD.md)."""
-    from models.dpopt.leakage import leakage_report
+    from tasks.methods.dp_opt.leakage import leakage_report
 
     private = ["the quick brown fox jumps over the lazy dog", "a b"]
     report = leakage_report(["say: the quick brown fox jumps over the lazy dog!", "classify it"], private)

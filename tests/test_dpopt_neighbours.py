@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tasks.methods.base import PrivateRows
-from tasks.methods.dp_opt import DPOpt, member_demos
+from tasks.methods.dp_opt.method import DPOpt, member_demos
 
 
 def _members(seed, n, q=0.05, members=8, cap=4):
@@ -55,7 +55,7 @@ def test_selection_scores_the_whole_holdout():
 
 
 def test_validation_size_is_refused_with_the_reason():
-    from tasks.methods.dp_opt import DPOptConfig
+    from tasks.methods.dp_opt.method import DPOptConfig
 
     with pytest.raises(ValueError, match="whole holdout"):
         DPOptConfig(validation_size=100)
@@ -64,8 +64,8 @@ def test_validation_size_is_refused_with_the_reason():
 def test_sampled_proposals_need_a_fresh_secret_generator_per_query():
     import torch
 
-    from models.dpopt.engine import SharedPrefix
-    from models.dpopt.generate import dp_generate
+    from tasks.methods.dp_opt.engine import SharedPrefix
+    from tasks.methods.dp_opt.generate import dp_generate
 
     class Engine:  # two members, three-token vocabulary
         eos_id = None

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from models.dpzero import DPZeroConfig, noisy_clipped_sum, train_dpzero, two_point_differences
+from tasks.methods.dpzero.training import DPZeroConfig, noisy_clipped_sum, train_dpzero, two_point_differences
 
 
 def test_differences_are_clipped_to_c_and_noise_has_std_sigma_c():

@@ -151,7 +151,7 @@ def test_unknown_method_fails_at_config_time_listing_the_registered_ones(tmp_pat
     from tasks.config import parse_config
     from tasks.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="not registered; choose one of .*prompt_dpsgd.*post"):
+    with pytest.raises(ConfigError, match="not registered; choose one of .*'post'.*'prompt_dpsgd'"):
         parse_config(_config(tmp_path, "no_such_method"))
 
 

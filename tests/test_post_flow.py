@@ -95,7 +95,7 @@ def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
     from tasks.lifecycle import log_post_child
     from tasks.methods import MethodContext
     from tasks.data import public_texts
-    from tasks.methods import post as post_mod
+    from tasks.methods.post import method as post_mod
     from tasks.prompts import load_prompt_file, save_prompt_file
     from tasks.randomness import DpRandomness
     from tasks.stages import StageContext

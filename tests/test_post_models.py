@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from models import SoftPrompt, build_classifier, load_backbone, select_rows
 from models.classifiers import CosineEncoderClassifier
-from models.distill import (
+from tasks.methods.post.distill import (
     DistillConfig,
     _layer_container,
     _mask_tokens,
@@ -27,7 +27,7 @@ from models.distill import (
     student_layer_indices,
 )
 from models.registry import Backbone, ModelLoadError
-from models.transfer import (
+from tasks.methods.post.transfer import (
     TransferConfig,
     fixed_outputs,
     init_target_prompt,

@@ -9,7 +9,8 @@ import torch
 import models.dp_prompt_training as dpt
 from models import DPConfig, PromptTrainingConfig, build_classifier, load_backbone, select_rows, train_prompt
 from models.dp_prompt_training import seeded_dp_generators
-from models.flat import (FlatOptions, awp_perturbation, eliminate_layers, mean_gradient, prefix_sharpness)
+from models.landscape import mean_gradient, prefix_sharpness
+from tasks.methods.privacy_flat.flat import FlatOptions, awp_perturbation, eliminate_layers
 from models.prompts.prefix import prefix_shape
 from models.soft_prompt import PrefixPrompt
 

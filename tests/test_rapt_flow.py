@@ -29,7 +29,7 @@ def _config(data, state):
 @pytest.fixture(scope="module")
 def rapt_run(prefect_harness, sst2_dir, tmp_path_factory):
     from flows.method_flow import method_flow
-    from tasks.methods.rapt import Rapt
+    from tasks.methods.rapt.method import Rapt
 
     root = tmp_path_factory.mktemp("rapt")
     data = _toy_dataset(root / "data", sst2_dir, n_train=80, n_test=30, canaries=[CANARY])
@@ -68,7 +68,7 @@ def test_rapt_run_record_is_ldp_with_eta_and_no_epsilon(rapt_run):
 
 
 def test_model_side_only_loads_privatized_ids(rapt_run):
-    from tasks.methods.rapt import Rapt
+    from tasks.methods.rapt.method import Rapt
 
     loaded = rapt_run["loaded"]
     assert len(loaded) == 2  # tuning (train split) and inference (test split)
@@ -102,7 +102,7 @@ def test_variants_share_one_draw_and_report_every_attack(rapt_run):
     """A second run with prefix tuning and no reconstruction on the same data and η reuses the
     first run's privatization (its inputs are the same draw with the plain positions dropped)."""
     from flows.method_flow import method_flow
-    from tasks.methods.rapt import Rapt
+    from tasks.methods.rapt.method import Rapt
 
     state = rapt_run["state"]
     cfg = _config(state.parent / "data", state)
@@ -137,7 +137,7 @@ def test_concurrent_variants_make_one_draw(tmp_path):
     import time
     from types import SimpleNamespace
 
-    from tasks.methods.rapt import draw_once
+    from tasks.methods.rapt.method import draw_once
 
     shared = tmp_path / "outputs" / "rapt-draws" / "train-key.pt"
     encoding = {"input_ids": torch.zeros((3, 4), dtype=torch.long)}
@@ -171,7 +171,7 @@ def test_draw_paths_key_the_texts_and_keep_seeded_draws_private(tmp_path):
     texts themselves (keyed fingerprint), so a changed source never gets an old draw."""
     from types import SimpleNamespace
 
-    from tasks.methods.rapt import draw_path
+    from tasks.methods.rapt.method import draw_path
     from tasks.randomness import DpRandomness
     from tasks.state import state_paths
 
@@ -196,7 +196,7 @@ def test_a_split_without_text_tokens_is_refused_before_any_release(tmp_path):
     from types import SimpleNamespace
 
     from tasks.config import parse_config
-    from tasks.methods.rapt import Rapt
+    from tasks.methods.rapt.method import Rapt
     from tasks.randomness import DpRandomness
     from tasks.state import state_paths
 
@@ -217,7 +217,7 @@ def test_every_draw_made_is_its_own_release(tmp_path):
 
     from privacy.ledger import Ledger
     from tasks.config import parse_config
-    from tasks.methods.rapt import Rapt
+    from tasks.methods.rapt.method import Rapt
     from tasks.randomness import DpRandomness
     from tasks.state import state_paths
 

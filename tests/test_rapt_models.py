@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import models.rapt.attacks as attacks_module
-from models.rapt.attacks import (
+import tasks.methods.rapt.attacks as attacks_module
+from tasks.methods.rapt.attacks import (
     HiddenStateInverter,
     attribute_inference,
     embedding_inversion_success,
@@ -16,16 +16,16 @@ from models.rapt.attacks import (
     text_states,
     hidden_inversion_nn_success,
 )
-from models.rapt.encoding import (
+from tasks.methods.rapt.encoding import (
     PrivatizedEncoding,
     default_plain_ids,
     encode_rapt,
     privatize_encoding,
     replaced_share,
 )
-from models.rapt.head import ReconstructionHead, reconstruction_vocab
-from models.rapt.model import RaptModel, build_task_head, train_rapt
-from models.rapt.privatize import (
+from tasks.methods.rapt.head import ReconstructionHead, reconstruction_vocab
+from tasks.methods.rapt.model import RaptModel, build_task_head, train_rapt
+from tasks.methods.rapt.privatize import (
     BackbonePrivatizer,
     VocabularyIndex,
     privatize_ids,
@@ -82,7 +82,7 @@ def test_nearest_equals_brute_force_numpy(screen_dtype, device):
 def test_nearest_over_several_chunks_and_a_partial_one(monkeypatch, screen_dtype):
     """The search reuses one (V, chunk) score buffer and mask across chunks: a last, shorter chunk
     writes into views of them; every chunk must still equal brute force."""
-    from models.rapt import privatize
+    from tasks.methods.rapt import privatize
 
     monkeypatch.setattr(privatize, "CHUNK_ROWS", 128)
     rng = np.random.default_rng(3)
@@ -132,7 +132,7 @@ def test_block_maxima_find_every_candidate(size, screen_dtype):
     """Candidates come from the blocks of BLOCK_ROWS ids whose maximum passes the floor, the
     vocabulary padded to whole blocks with −inf rows: ties within a block and across a block
     boundary, and vocabularies shorter than, equal to and past a block, equal brute force."""
-    from models.rapt.privatize import BLOCK_ROWS
+    from tasks.methods.rapt.privatize import BLOCK_ROWS
 
     assert BLOCK_ROWS == 32
     rng = np.random.default_rng(size)
@@ -163,7 +163,7 @@ def test_minilm_search_equals_brute_force_over_the_eta_grid():
 
 
 def test_screen_dtype_follows_native_bf16_support(monkeypatch):
-    from models.rapt import privatize
+    from tasks.methods.rapt import privatize
 
     assert privatize.cpu_has_native_bf16("flags : fpu sse2 avx2 avx512f avx512_bf16 amx_tile")
     assert privatize.cpu_has_native_bf16("flags : fpu avx2 amx_bf16")
@@ -408,7 +408,7 @@ def test_run_label_names_a_reconstruction_weight_other_than_the_papers():
 # ---- attacks ----------------------------------------------------------------------------------
 
 def test_changed_share_counts_the_given_positions_and_refuses_none():
-    from models.rapt.privatize import changed_share
+    from tasks.methods.rapt.privatize import changed_share
 
     orig = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
     priv = torch.tensor([[5, 4, 7, 3], [1, 10, 11, 0]])

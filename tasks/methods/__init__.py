@@ -2,28 +2,35 @@
 and Opacus's accountant registry). Flows, the CLI, the audit and the sweep look methods up here
 and never compare method names.
 
-Adding a method: a config block and a :class:`~tasks.methods.base.Method` subclass in a module
-of this package, decorated with :func:`register_method`, its import in ``BUILTIN`` below, its
-torch code under ``models/``, a config file and tests (see the README).
+A method lives in ONE package: ``tasks/methods/<name>/`` holds its :class:`~tasks.methods.base.Method`
+subclass (decorated with :func:`register_method`) and config block (``method.py``), its own torch
+code, and its privacy events if it has new ones. Every package in this folder is imported (and so
+registered) on first use: adding a method is adding its package, plus a config file and tests
+(see the README); nothing else lists methods. A package elsewhere registers the same way when it
+is imported (``register_method`` is the public door; the config schema's ``methods:`` block follows).
+
+Generic torch stays in ``models/`` (backbones, prompt kinds, per-sample-gradient DP training with
+its step hooks, scoring); helpers several methods share are the modules beside the packages
+(``soft_prompt.py``: soft-prompt / prefix (DP-)SGD from settings; ``base.py``: the interface).
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
+import sys
 
 from .base import (Method, MethodContext, MethodPlan, PostProcessed, PrivateRows, Trained,  # noqa: F401
                    Variant)
 
 _REGISTRY: dict[str, Method] = {}
-
-# the built-in methods, one module each
-BUILTIN = ("zero_shot", "prompt_sgd", "prompt_dpsgd", "prefix_dpsgd", "privacy_flat", "post", "dpzero", "dp_opt",
-           "rapt")
+_LOADED = False
 
 
 def register_method(cls: type[Method]) -> type[Method]:
     """Class decorator: register ``cls`` under ``cls.name`` (a second registration of a name
-    by another class is an error)."""
+    by another class is an error). A method registered after the config schema was built (a
+    package outside this folder, imported later) gets its ``methods.<name>`` block added to it."""
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a method needs an identifier as its name, got {name!r}")
@@ -31,12 +38,26 @@ def register_method(cls: type[Method]) -> type[Method]:
     if existing is not None and type(existing) is not cls and type(existing).__qualname__ != cls.__qualname__:
         raise ValueError(f"method {name!r} is already registered by {type(existing).__qualname__}")
     _REGISTRY[name] = cls()
+    config = sys.modules.get(__name__.rsplit(".", 1)[0] + ".config")
+    refresh = getattr(config, "refresh_methods_schema", None)  # absent while tasks.config is being imported
+    if refresh is not None:
+        refresh()
     return cls
 
 
 def _load_builtins() -> None:
-    for module in BUILTIN:
-        importlib.import_module(f"{__name__}.{module}")
+    """Import every method package of this folder (once; alphabetical order)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    try:
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+            if info.ispkg:
+                importlib.import_module(f"{__name__}.{info.name}")
+    except BaseException:
+        _LOADED = False
+        raise
 
 
 def registered_methods() -> list[str]:

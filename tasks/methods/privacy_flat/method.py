@@ -1,6 +1,6 @@
 """privacy_flat: Privacy-Flat (white-box, Algorithm 1) on DP prefix tuning — within-layer (AWP),
 cross-layer (sharpness-guided sparse prefix layers) and cross-model (‖w − w_nor‖₂ to a
-non-private copy) weight flattening; the torch code is ``models/flat.py``.
+non-private copy) weight flattening; the torch code is ``flat.py``.
 
 Honest labels: AWP's perturbation, the sharpness selection on private data (Definition 1 uses
 ∇L(w|D)) and w_nor all read private data WITHOUT noise, so a run with any of them has no formal
@@ -16,9 +16,9 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
-from ..schema import Block
-from . import register_method
-from .prefix_dpsgd import PrefixDPSGD, PrefixDPSGDConfig
+from ...schema import Block
+from .. import register_method
+from ..prefix_dpsgd.method import PrefixDPSGD, PrefixDPSGDConfig
 
 
 class FlatConfig(Block):
@@ -82,10 +82,10 @@ class PrivacyFlat(PrefixDPSGD):
         return super().note(cfg, guarantee)
 
     def flat_options(self, mctx, plan, rows, progress=None) -> dict:
-        from models.flat import FlatOptions
+        from .flat import FlatOptions
         from models.soft_prompt import PrefixPrompt
 
-        from ..stages import classifier_for
+        from ...stages import classifier_for
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         f = block.flat
@@ -108,7 +108,7 @@ class PrivacyFlat(PrefixDPSGD):
                 out["metrics"].update({f"flat.layer_kept.{l}": 1.0 for l in layers})
         w_nor = None
         if f.regularizer:  # trained once per seed and reused across ε (cached under private/)
-            from .soft_prompt import nonprivate_copy
+            from ..soft_prompt import nonprivate_copy
 
             w_nor = nonprivate_copy(mctx, clf, init, rows, block, "prefix", f.nor_epochs)
         q, steps = plan.settings["sample_rate"], plan.settings["steps"]
@@ -124,14 +124,15 @@ class PrivacyFlat(PrefixDPSGD):
         import numpy as np
         import torch
 
-        from models.flat import eliminate_layers, mean_gradient, mean_loss, prefix_sharpness
+        from models.landscape import mean_gradient, mean_loss, prefix_sharpness
         from models.scoring import predict_logits
 
-        from ..stages import label_indices
+        from ...stages import label_indices
+        from .flat import eliminate_layers
 
         cfg = mctx.cfg
         if f.sparse_data == "public":
-            from ..data import public_texts
+            from ...data import public_texts
 
             texts = public_texts(cfg, mctx.paths.private)
             texts = texts[: f.sharpness_examples]
@@ -159,7 +160,7 @@ class PrivacyFlat(PrefixDPSGD):
     def check_model(self, cfg, n_layers: int) -> None:
         f = self.settings(cfg).flat
         if f.sparse and f.layers is not None and f.layers > n_layers:
-            from ..errors import ConfigError
+            from ...errors import ConfigError
 
             raise ConfigError(f"methods.privacy_flat.flat.layers = {f.layers}: model {cfg.models.local!r} has "
                               f"{n_layers} prefix layers")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..schema import Block
-from . import register_method
-from .base import Method, MethodPlan, Trained
+from ...schema import Block
+from .. import register_method
+from ..base import Method, MethodPlan, Trained
 
 
 class ZeroShotConfig(Block):

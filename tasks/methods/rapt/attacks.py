@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.rapt.privatize import VocabularyIndex
+from .privatize import VocabularyIndex
 
 
 def _check_pairs(original: torch.Tensor, positions: torch.Tensor) -> None:
@@ -158,7 +158,7 @@ def hidden_inversion_attack(classifier, private_data, private_original_ids, publ
     only): {'nn_success': nearest input embedding, 'learned_success': an MLP inverter trained on
     PUBLIC text privatised the same way (``public_data`` with its original ids), over
     ``inverter_vocab`` (e.g. the reconstruction vocabulary)}. Reads the private ORIGINAL ids:
-    a non-private use. ``classifier``: a :class:`models.rapt.model.RaptClassifier`; ``states``:
+    a non-private use. ``classifier``: a :class:`tasks.methods.rapt.model.RaptClassifier`; ``states``:
     its :func:`text_states` of (private_data, public_data) when the caller has them already.
 
     The inverter's classes are the ids of ``inverter_vocab`` that occur among the public training

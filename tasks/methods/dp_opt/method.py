@@ -21,9 +21,9 @@ import math
 import numpy as np
 from pydantic import Field, model_validator
 
-from ..schema import Block
-from . import register_method
-from .base import Method, MethodPlan, Trained, dp_unless_debug
+from ...schema import Block
+from .. import register_method
+from ..base import Method, MethodPlan, Trained, dp_unless_debug
 
 
 class OptConfig(Block):
@@ -60,7 +60,7 @@ class ICLConfig(Block):
 
 
 def _instruction(cfg, block) -> str:
-    from models.dpopt.templates import initial_instruction
+    from .templates import initial_instruction
 
     return block.instruction or initial_instruction(cfg.data.name)
 
@@ -68,7 +68,7 @@ def _instruction(cfg, block) -> str:
 def _generation_rate(block, n: int) -> float:
     q = block.meta_prompts * block.demos / n
     if q > 1:
-        from ..errors import ConfigError
+        from ...errors import ConfigError
 
         raise ConfigError(f"dp_opt needs meta_prompts × demos = {block.meta_prompts * block.demos} ≤ the "
                           f"{n} generation rows (Poisson rate q = J·k/n ≤ 1)")
@@ -98,18 +98,18 @@ def _worst_case_queries(block) -> int:
 
 
 def _events(block, q: float, queries: int, selection_epsilon: float):
-    from privacy import events as ev
+    from .events import generation_event, run_event, selection_event
 
-    generation = ev.dpopt_generation_event(block.epsilon0, block.delta0, q, max(1, queries))
-    return ev.dpopt_run_event(generation, ev.dpopt_selection_event(selection_epsilon))
+    generation = generation_event(block.epsilon0, block.delta0, q, max(1, queries))
+    return run_event(generation, selection_event(selection_epsilon))
 
 
 def check_text_method(cfg, generates: bool) -> None:
     """A discrete-prompt method's checks that need no private data: the local model is a causal
     LM (methods that generate) and the label words " <label>" have distinct first tokens on it
     (the forward pass scores them); the target's classifier builds for the evaluation."""
-    from ..errors import ConfigError
-    from .base import check_classifier, explain_classifier_error
+    from ...errors import ConfigError
+    from ..base import check_classifier, explain_classifier_error
 
     if generates:
         from .text_prompts import engine_for, label_words
@@ -165,7 +165,7 @@ class DPOpt(_TextMethod):
         affordable = acct.max_limited_domain_queries(cfg.privacy.target_epsilon, delta, block.epsilon0,
                                                      block.delta0, q, limit=_worst_case_queries(block))
         if affordable < 1:
-            from ..errors import ConfigError
+            from ...errors import ConfigError
 
             raise ConfigError(f"dp_opt: ε={cfg.privacy.target_epsilon:g} at δ={delta:g} affords no LimitedDomain "
                               f"query with ε0={block.epsilon0:g}, δ0={block.delta0:g}, q={q:.4g}")
@@ -186,8 +186,8 @@ class DPOpt(_TextMethod):
     def train(self, mctx, plan, rows, progress=None):
         import torch
 
-        from models.dpopt.generate import dp_generate
-        from models.dpopt.templates import backward_head
+        from .generate import dp_generate
+        from .templates import backward_head
         from privacy.mechanisms import dp_argmax, limited_domain_top1
 
         from .text_prompts import body_ids, correct_counts, decode, engine_for, predictions
@@ -257,7 +257,7 @@ class DPOpt(_TextMethod):
 
 def _leakage(cfg, candidates: list[str], private_texts: list[str]) -> dict[str, float]:
     """Exact and near copies of private training texts in the generated candidates (local)."""
-    from models.dpopt.leakage import leakage_report
+    from .leakage import leakage_report
     from models.registry import load_backbone
 
     if not candidates:
@@ -293,8 +293,8 @@ class Opt(_TextMethod):
     def _generate(self, mctx, rows, members: int, temperature: float):
         import torch
 
-        from models.dpopt.generate import ensemble_generate
-        from models.dpopt.templates import backward_head
+        from .generate import ensemble_generate
+        from .templates import backward_head
 
         from .text_prompts import decode, engine_for
 

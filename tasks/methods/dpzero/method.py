@@ -1,7 +1,7 @@
 """dpzero: black-box DP soft-prompt tuning with two-point zeroth-order estimates (DPZero; the
 black-box setting of Privacy-Flat §3.3): only losses are queried. Each step releases one noised
 sum of clipped scalars on a Poisson subsample — the subsampled Gaussian event of DP-SGD, with σ
-calibrated to the target ε (``privacy.events.dpzero_event``)."""
+calibrated to the target ε (``events.py``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import math
 
 from pydantic import ConfigDict, Field
 
-from ..schema import Block
-from . import register_method
-from .base import Method, MethodPlan, Trained, dp_unless_debug
+from ...schema import Block
+from .. import register_method
+from ..base import Method, MethodPlan, Trained, dp_unless_debug
 
 
 class DPZeroConfig(Block):
@@ -43,7 +43,8 @@ class DPZero(Method):
 
     def plan(self, cfg, n_train, delta):
         from privacy import accountant as acct
-        from privacy import events as ev
+
+        from .events import dpzero_event
 
         block = self.settings(cfg)
         q = min(1.0, block.batch_size / n_train)
@@ -52,7 +53,7 @@ class DPZero(Method):
         settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma}
         guarantee = self.guarantee(cfg)
         return MethodPlan(self.name, guarantee, n_train, delta,
-                          event=ev.dpzero_event(q, sigma, steps) if guarantee == "dp" else None,
+                          event=dpzero_event(q, sigma, steps) if guarantee == "dp" else None,
                           params={"dpzero.sample_rate": q, "dpzero.noise_multiplier": sigma, "dpzero.steps": steps,
                                   "dpzero.clip": block.clip, "dpzero.mu": block.mu, "dpzero.lr": block.lr,
                                   "flat.regularizer": block.regularizer,
@@ -67,12 +68,12 @@ class DPZero(Method):
     def train(self, mctx, plan, rows, progress=None):
         import torch
 
-        from models.dpzero import DPZeroConfig as ModelConfig
-        from models.dpzero import train_dpzero
         from models.soft_prompt import SoftPrompt
-        from privacy import events as ev
 
-        from ..stages import classifier_for, label_indices
+        from ...stages import classifier_for, label_indices
+        from .events import dpzero_event
+        from .training import DPZeroConfig as ModelConfig
+        from .training import train_dpzero
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         clf = classifier_for(cfg, cfg.models.local)
@@ -83,9 +84,9 @@ class DPZero(Method):
         s = plan.settings
         regularizer = None
         if block.regularizer:
-            from models.flat import FlatOptions
+            from ..privacy_flat.flat import FlatOptions
 
-            from .soft_prompt import nonprivate_copy
+            from ..soft_prompt import nonprivate_copy
 
             pull = FlatOptions(w_nor=nonprivate_copy(mctx, clf, init, rows, block, "soft", block.nor_epochs),
                                lam=block.lam)
@@ -98,6 +99,6 @@ class DPZero(Method):
             regularizer=regularizer)
         if result.steps != s["steps"]:
             raise RuntimeError(f"DPZero took {result.steps} steps, {s['steps']} were accounted")
-        event = ev.dpzero_event(s["sample_rate"], s["noise_multiplier"], s["steps"]) if plan.guarantee == "dp" else None
+        event = dpzero_event(s["sample_rate"], s["noise_multiplier"], s["steps"]) if plan.guarantee == "dp" else None
         return Trained(result.prompt, event, result.steps,
                        {"train.steps": result.steps, "train.empty_batches": result.empty_batches}, result.history)

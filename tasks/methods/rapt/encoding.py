@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from models.rapt.privatize import BackbonePrivatizer, changed_share
+from .privatize import BackbonePrivatizer, changed_share
 
 PLAIN_TOKENS = 40  # m
 

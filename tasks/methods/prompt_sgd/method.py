@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..schema import PromptTuningConfig
-from . import register_method
-from .base import Method, MethodPlan, Trained
+from ...schema import PromptTuningConfig
+from .. import register_method
+from ..base import Method, MethodPlan, Trained
 
 
 @register_method
@@ -22,7 +22,7 @@ class PromptSGD(Method):
                                "metrics, and its prompt stays under private/")
 
     def train(self, mctx, plan, rows, progress=None):
-        from .soft_prompt import fit_soft_prompt
+        from ..soft_prompt import fit_soft_prompt
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, progress=progress)

@@ -3,9 +3,9 @@ clipping, Gaussian noise σ·C — on the frozen local model; σ calibrated to t
 
 from __future__ import annotations
 
-from ..schema import DPSGDConfig
-from . import register_method
-from .base import Method, MethodPlan, Trained, dp_unless_debug
+from ...schema import DPSGDConfig
+from .. import register_method
+from ..base import Method, MethodPlan, Trained, dp_unless_debug
 
 
 @register_method
@@ -18,7 +18,7 @@ class PromptDPSGD(Method):
         return dp_unless_debug(cfg)
 
     def plan(self, cfg, n_train, delta):
-        from .soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
+        from ..soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
 
         settings = dpsgd_settings(self.settings(cfg), n_train, cfg.privacy.target_epsilon, delta)
         guarantee = self.guarantee(cfg)
@@ -36,7 +36,7 @@ class PromptDPSGD(Method):
                                              "logged seed; no guarantee")
 
     def train(self, mctx, plan, rows, progress=None):
-        from .soft_prompt import dpsgd_event, fit_soft_prompt
+        from ..soft_prompt import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed,

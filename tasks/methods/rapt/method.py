@@ -18,10 +18,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..schema import Block
-from ..state import digest_key
-from . import register_method
-from .base import Method, MethodPlan, Trained
+from ...schema import Block
+from ...state import digest_key
+from .. import register_method
+from ..base import Method, MethodPlan, Trained
 
 
 class RaptConfig(Block):
@@ -46,7 +46,7 @@ def draw_once(shared: Path, encoding, draw, load, save):
     at the same time (Dask workers): the draw is made under a lock, so two of them can never
     publish two independent privatizations of the same private text (which would weaken the
     local guarantee, as two noisy views of a token are)."""
-    from ..state import made_once
+    from ...state import made_once
 
     shape = tuple(encoding["input_ids"].shape)
     return made_once(shared, draw, load, save, usable=lambda data: tuple(data.input_ids.shape) == shape)
@@ -62,8 +62,8 @@ def draw_path(mctx, prefix: str, fields: dict, private_texts: list[str] | None =
     public text (seeded, nothing private) are on the outputs side."""
     side = mctx.paths.root / "outputs"
     if private_texts is not None:
-        from ..data import fingerprint
-        from ..state import installation_secret
+        from ...data import fingerprint
+        from ...state import installation_secret
 
         seeded = bool(mctx.randomness.seeded)
         fields = {**fields, "randomness": "seeded" if seeded else "secret", "texts": fingerprint(
@@ -116,11 +116,11 @@ class Rapt(Method):
     def preflight(self, cfg, prepared) -> None:
         """The local model loads and its task head builds (label words' first tokens told apart, or
         cosine to label descriptions), before any draw is recorded or budget reserved."""
-        from models.rapt.model import build_task_head
+        from .model import build_task_head
         from models.registry import ModelLoadError, load_backbone
 
-        from ..errors import ConfigError
-        from .base import explain_classifier_error
+        from ...errors import ConfigError
+        from ..base import explain_classifier_error
 
         bb = load_backbone(cfg.models.local, seed=cfg.seed)
         try:
@@ -135,11 +135,11 @@ class Rapt(Method):
         block = self.settings(ctx.cfg)
         if not self.uses_public_data(ctx.cfg):
             return {}
-        from models.rapt.encoding import default_plain_ids
-        from models.rapt.head import reconstruction_vocab
+        from .encoding import default_plain_ids
+        from .head import reconstruction_vocab
         from models.registry import load_backbone
 
-        from ..data import public_texts
+        from ...data import public_texts
 
         bb = load_backbone(ctx.cfg.models.local, seed=ctx.cfg.seed)
         texts = public_texts(ctx.cfg, ctx.paths.private)
@@ -151,7 +151,7 @@ class Rapt(Method):
 
     # ---- the local side ----------------------------------------------------------------------
     def _plain(self, cfg, tokenizer):
-        from models.rapt.encoding import default_plain_ids
+        from .encoding import default_plain_ids
 
         return default_plain_ids(tokenizer, self.settings(cfg).plain_tokens, cfg.seed)
 
@@ -160,15 +160,15 @@ class Rapt(Method):
     def load_privatized(path: Path):
         import torch
 
-        from models.rapt.encoding import PrivatizedEncoding
+        from .encoding import PrivatizedEncoding
 
         d = torch.load(path)
         return PrivatizedEncoding(d["input_ids"], d["attention_mask"], d["text_mask"], tuple(d["plain_ids"]),
                                   d["eta"])
 
     def _classifier(self, cfg, prompt, n_plain: int, head_vocab=None, reconstruction_weight: float = 1.0):
-        from models.rapt.head import ReconstructionHead
-        from models.rapt.model import RaptModel, build_task_head
+        from .head import ReconstructionHead
+        from .model import RaptModel, build_task_head
         from models.registry import load_backbone
 
         bb = load_backbone(cfg.models.local, seed=cfg.seed)
@@ -182,11 +182,11 @@ class Rapt(Method):
         """The model side's tuning: reads only the privatized ids at ``privatized_path``."""
         import torch
 
-        from models.rapt.model import train_rapt
+        from .model import train_rapt
         from models.registry import load_backbone
         from models.soft_prompt import PrefixPrompt, SoftPrompt
 
-        from ..stages import label_indices
+        from ...stages import label_indices
 
         block = self.settings(cfg)
         data = self.load_privatized(privatized_path)
@@ -212,8 +212,8 @@ class Rapt(Method):
         the m plain tokens, shared by the variants that differ only in tuning (prompt / prefix),
         reconstruction and its weight: a variant without reconstruction drops the plain positions
         of the same draw (post-processing). See :func:`draw_path` for where it is kept."""
-        from models.rapt.encoding import encode_rapt, privatize_encoding, without_plain
-        from models.rapt.privatize import BackbonePrivatizer
+        from .encoding import encode_rapt, privatize_encoding, without_plain
+        from .privatize import BackbonePrivatizer
         from models.registry import load_backbone
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
@@ -264,7 +264,7 @@ class Rapt(Method):
         tmp.replace(path)
 
     def train(self, mctx, plan, rows, progress=None):
-        from models.rapt.encoding import replaced_share
+        from .encoding import replaced_share
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         directory = mctx.output_dir or (mctx.paths.private / "rapt")
@@ -290,12 +290,12 @@ class Rapt(Method):
         import numpy as np
         import torch
 
-        from models.rapt.attacks import (attribute_inference, embedding_inversion_success, hidden_inversion_attack,
+        from .attacks import (attribute_inference, embedding_inversion_success, hidden_inversion_attack,
                                          pooled_text_states, text_states)
-        from models.rapt.encoding import encode_rapt, privatize_encoding
-        from models.rapt.privatize import BackbonePrivatizer
+        from .encoding import encode_rapt, privatize_encoding
+        from .privatize import BackbonePrivatizer
 
-        from ..data import public_texts
+        from ...data import public_texts
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         inference = model.inference()
@@ -330,9 +330,9 @@ class Rapt(Method):
         """Inference on PRIVATIZED test inputs (the test texts are privatized locally first)."""
         from models.soft_prompt import PrefixPrompt, SoftPrompt
 
-        from ..data import read_partition_split
-        from ..prompts import load_prompt_file
-        from ..stages import label_indices
+        from ...data import read_partition_split
+        from ...prompts import load_prompt_file
+        from ...stages import label_indices
 
         cfg = ctx.cfg
         texts, names = read_partition_split(ctx.part.test_path)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..schema import DPSGDConfig
-from . import register_method
-from .base import MethodPlan, Trained
-from .prompt_dpsgd import PromptDPSGD
+from ...schema import DPSGDConfig
+from .. import register_method
+from ..base import MethodPlan, Trained
+from ..prompt_dpsgd.method import PromptDPSGD
 
 
 class PrefixDPSGDConfig(DPSGDConfig):
@@ -41,7 +41,7 @@ class PrefixDPSGD(PromptDPSGD):
         from models.prompts.prefix import prefix_shape
         from models.registry import load_backbone
 
-        from ..errors import ConfigError
+        from ...errors import ConfigError
 
         super().preflight(cfg, prepared)
         try:
@@ -72,7 +72,7 @@ class PrefixDPSGD(PromptDPSGD):
         return {}
 
     def train(self, mctx, plan, rows, progress=None):
-        from .soft_prompt import dpsgd_event, fit_soft_prompt
+        from ..soft_prompt import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
         extra = self.flat_options(mctx, plan, rows, progress)
@@ -89,10 +89,10 @@ def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str, examples:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from models.flat import flatness_curves
+    from models.landscape import flatness_curves
 
-    from ..prompts import load_prompt_file
-    from ..stages import classifier_for, encode_split
+    from ...prompts import load_prompt_file
+    from ...stages import classifier_for, encode_split
 
     clf = classifier_for(cfg, cfg.models.local)
     enc, y = encode_split(clf, test_path, cfg.data.labels, cfg.models.max_length, limit=examples,
@@ -133,7 +133,7 @@ class PrefixSGD(PrefixDPSGD):
                                "and its prefix stays under private/")
 
     def train(self, mctx, plan, rows, progress=None):
-        from .soft_prompt import fit_soft_prompt
+        from ..soft_prompt import fit_soft_prompt
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, progress=progress,

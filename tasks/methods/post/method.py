@@ -19,10 +19,10 @@ from pathlib import Path
 
 from pydantic import Field
 
-from ..schema import Block, DPSGDConfig
-from ..state import digest_key
-from . import register_method
-from .base import Method, MethodPlan, PostProcessed, Trained, Variant, dp_unless_debug
+from ...schema import Block, DPSGDConfig
+from ...state import digest_key
+from .. import register_method
+from ..base import Method, MethodPlan, PostProcessed, Trained, Variant, dp_unless_debug
 
 STUDENT_TAG = "privprompt.student_key"
 NAMES = {"full_zs": "Full ZS", "full_pt": "Full PT", "compressed_pt": "Compressed PT",
@@ -72,11 +72,11 @@ def distill_student(ctx, progress=None) -> dict:
     the same key exists, else built from the teacher's first and last layers and distilled."""
     from mlflow.exceptions import MlflowException
 
-    from models.distill import DistillConfig as ModelDistillConfig
-    from models.distill import build_student, distill, freeze, save_student
+    from .distill import DistillConfig as ModelDistillConfig
+    from .distill import build_student, distill, freeze, save_student
     from models.registry import load_backbone
 
-    from ..data import public_texts
+    from ...data import public_texts
 
     cfg, paths = ctx.cfg, ctx.paths
     texts = public_texts(cfg, paths.private)
@@ -127,9 +127,9 @@ def distill_student(ctx, progress=None) -> dict:
 # ---- transfer --------------------------------------------------------------------------------
 
 def transfer_config(cfg):
-    """The ``models.transfer`` settings of a config: the target prompt initialised like the
+    """The ``transfer.py`` settings of a config: the target prompt initialised like the
     source prompt."""
-    from models.transfer import TransferConfig as ModelTransferConfig
+    from .transfer import TransferConfig as ModelTransferConfig
 
     t = cfg.methods.post.transfer
     return ModelTransferConfig(steps=t.steps, batch_size=t.batch_size, lr=t.lr, alpha=t.alpha,
@@ -144,9 +144,9 @@ def transfer_on_public(cfg, source_clf, source_prompt, target_clf, texts: list[s
     ``select_size`` held-out public texts. ``texts`` are public; nothing private is read."""
     import numpy as np
 
-    from models.transfer import PublicObjective, transfer_prompt
+    from .transfer import PublicObjective, transfer_prompt
 
-    from ..errors import ConfigError
+    from ...errors import ConfigError
 
     t, config = cfg.methods.post.transfer, transfer_config(cfg)
     report = None if progress is None else (lambda step, total, *_: progress(step, total))
@@ -165,9 +165,9 @@ def transfer_on_public(cfg, source_clf, source_prompt, target_clf, texts: list[s
 
 def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], progress=None):
     """Train the target prompt to behave on the target like the DP prompt on the student, on
-    public texts only. Returns (``models.transfer`` result, the ``transfer`` child run to log)."""
-    from ..data import assert_public
-    from ..stages import classifier_for
+    public texts only. Returns (``transfer.py``'s result, the ``transfer`` child run to log)."""
+    from ...data import assert_public
+    from ...stages import classifier_for
 
     cfg = mctx.cfg
     assert_public(student_dir, mctx.paths.private)
@@ -211,7 +211,7 @@ class Post(Method):
                              "allow_nonprivate_baselines: true to opt in")
 
     def plan(self, cfg, n_train, delta):
-        from .soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
+        from ..soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
 
         block = self.settings(cfg)
         settings = dpsgd_settings(block.tuning, n_train, cfg.privacy.target_epsilon, delta)
@@ -226,7 +226,7 @@ class Post(Method):
     def preflight(self, cfg, prepared) -> None:
         """The target (teacher) classifier builds; in a run, also the distilled student's (its
         tokenizer is the teacher's, so ``privprompt plan`` checks the label words on the teacher)."""
-        from .base import check_classifier
+        from ..base import check_classifier
 
         check_classifier(cfg, cfg.models.target_name, "models.target")
         if prepared and prepared.get("student_dir"):
@@ -238,7 +238,7 @@ class Post(Method):
                                     "post.public": ctx.cfg.public.name}}
 
     def train(self, mctx, plan, rows, progress=None):
-        from .soft_prompt import dpsgd_event, fit_soft_prompt
+        from ..soft_prompt import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg).tuning, mctx.prepared["student_dir"], rows, mctx.seed,
@@ -248,7 +248,7 @@ class Post(Method):
                        result.steps, metrics, result.history)
 
     def post_process(self, mctx, plan, prompt, progress=None):
-        from ..data import cached_public_texts
+        from ...data import cached_public_texts
 
         texts = cached_public_texts(mctx.cfg, mctx.paths)  # public data only
         moved, child = transfer_stage(mctx, mctx.prepared["student_dir"], prompt, texts, progress)

@@ -1,4 +1,4 @@
-"""DP-OPT's generation loops on a :class:`~models.dpopt.engine.CausalEngine`.
+"""DP-OPT's generation loops on a :class:`~tasks.methods.dp_opt.engine.CausalEngine`.
 
 ``dp_generate`` is Algorithm 2 with its DP randomness injected: per token a FRESH subsample of
 meta-prompts (``draw_bodies``: the caller Poisson-samples private demos with a secret generator),

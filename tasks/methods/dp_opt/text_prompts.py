@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 def engine_for(cfg, max_batch: int = 32):
-    from models.dpopt.engine import CausalEngine
+    from .engine import CausalEngine
     from models.registry import load_backbone
 
     bb = load_backbone(cfg.models.local, seed=cfg.seed)
@@ -35,7 +35,7 @@ def clip_words(text: str, limit: int = 48) -> str:
 
 def label_logprobs(engine, cfg, instruction: str | None, texts: list[str]):
     """(N, n_labels) log-probabilities of the labels under the forward template with ``instruction``."""
-    from models.dpopt.templates import eval_prefix
+    from .templates import eval_prefix
 
     template = input_template(cfg)
     return engine.label_logprobs(eval_prefix(instruction), [clip_words(t) for t in texts], label_words(cfg),
@@ -65,7 +65,7 @@ def label_loglik(engine, cfg, candidates: list[str], texts: list[str], labels: l
 
 
 def body_ids(engine, demos: list[tuple[str, str, str]]) -> list[int]:
-    from models.dpopt.templates import backward_body
+    from .templates import backward_body
 
     return engine.ids(backward_body([(clip_words(x), y, yhat) for x, y, yhat in demos]))
 
@@ -78,7 +78,7 @@ def decode(engine, tokens: list[int]) -> str:
 def split_validation(rows, fraction: float, seed: int):
     """(generation rows, validation rows): the run's own validation split when it has one (the
     partition's holdout), else a seeded split of ``rows`` (audit shadows)."""
-    from .base import PrivateRows
+    from ..base import PrivateRows
 
     if rows.validation is not None:
         return rows, rows.validation

@@ -1,0 +1,4 @@
+"""dpzero: DPZero — the method and its config (``method.py``), the zeroth-order DP training loop
+(``training.py``) and its privacy event (``events.py``)."""
+
+from .method import DPZero, DPZeroConfig  # noqa: F401  (registers the method)

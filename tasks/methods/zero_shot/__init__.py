@@ -1,0 +1,3 @@
+"""zero_shot: the model with no prompt (``method.py``)."""
+
+from .method import ZeroShot, ZeroShotConfig  # noqa: F401  (registers the method)
