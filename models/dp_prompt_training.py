@@ -24,22 +24,22 @@ Sampling is Poisson (each example independently with probability ``sample_rate``
 what the accountants assume; empty batches still take the noise-only step (skipping them would
 leak that the batch was empty). The noisy sum is divided by the EXPECTED batch size
 ``sample_rate * N``, not the realised one (which is data dependent).
+
+A method changes a DP step only through :class:`DPStepHook` (hook points of the step, e.g.
+Privacy-Flat's AWP, frozen prefix layers and regulariser); this module knows no method.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from models.classifiers import PromptClassifier, num_examples, select_rows
 from models.soft_prompt import PrefixPrompt, SoftPrompt
-
-if TYPE_CHECKING:
-    from tasks.methods.privacy_flat.flat import FlatOptions
 
 ProgressFn = Callable[[int, int, float | None], None]
 
@@ -110,6 +110,45 @@ class TrainResult:
     steps: int = 0
     empty_batches: int = 0
     private: bool = False
+
+
+class DPStepHook:
+    """The points of a DP-SGD step (``train_prompt(..., dp=..., hooks=[...])``) where a method may
+    act; every default leaves the step plain DP-SGD, so a hook overrides only what it changes.
+    Called in this order:
+
+    * :meth:`trainable_mask` — once, before the first step: a 0/1 tensor of the prompt's shape
+      marking its trainable entries (None: all). Each per-sample gradient is multiplied by it
+      BEFORE clipping, and so is the noise: frozen entries get no gradient, no noise, no
+      sensitivity, and do not move.
+    * :meth:`gradient_point` — every step, after the Poisson batch ``idx`` is drawn: where the
+      per-sample gradients of this step are taken (default: the current weights). The update is
+      still applied to the current weights.
+    * :meth:`adjust_gradient` — every step, after the noise: the noised mean gradient may get
+      further terms before the optimizer step (default: unchanged).
+
+    A hook that reads private data without noise (at any point) voids the DP guarantee: the
+    method that passes it must say so in its plan (``guarantee``)."""
+
+    def trainable_mask(self, shape: torch.Size, device) -> torch.Tensor | None:
+        return None
+
+    def gradient_point(self, step: int, classifier: PromptClassifier, encoded: dict[str, torch.Tensor],
+                       labels: torch.Tensor, idx: torch.Tensor, weight: torch.Tensor,
+                       sample_rate: float) -> torch.Tensor:
+        return weight
+
+    def adjust_gradient(self, grad: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return grad
+
+
+def _combined_mask(hooks: Sequence[DPStepHook], shape, device) -> torch.Tensor | None:
+    mask = None
+    for hook in hooks:
+        m = hook.trainable_mask(shape, device)
+        if m is not None:
+            mask = m if mask is None else mask * m
+    return mask
 
 
 def per_sample_prompt_gradients(
@@ -212,7 +251,7 @@ def train_prompt(
     init_prompt: torch.Tensor | None = None,
     sample_generator: torch.Generator | None = None,
     noise_generator: torch.Generator | None = None,
-    flat: "FlatOptions | None" = None,
+    hooks: Sequence[DPStepHook] = (),
 ) -> TrainResult:
     """Train a soft prompt on the frozen ``classifier``; DP-SGD when ``dp`` is given.
 
@@ -221,8 +260,8 @@ def train_prompt(
     streams — Poisson sampling and noise — come from ``sample_generator`` / ``noise_generator``;
     when not given they are SECRET (seeded from OS entropy), never derived from ``seed``
     (:func:`secret_generator`). :func:`seeded_dp_generators` gives reproducible ones for tests.
-    ``flat``: Privacy-Flat's additions to the DP step (``tasks.methods.privacy_flat.flat``); None or all off is plain
-    DP-SGD, step for step.
+    ``hooks``: :class:`DPStepHook` s acting at the hook points of each DP step (none: plain
+    DP-SGD); ignored without ``dp``.
     """
     seed = config.seed if seed is None else seed
     labels = torch.as_tensor(labels, dtype=torch.long).cpu()
@@ -240,7 +279,8 @@ def train_prompt(
         return _train_nonprivate(classifier, encoded_train, labels, config, prompt, opt, progress, seed)
     g_sample = sample_generator if sample_generator is not None else secret_generator()
     g_noise = noise_generator if noise_generator is not None else secret_generator()
-    return _train_dp(classifier, encoded_train, labels, config, dp, prompt, opt, progress, g_sample, g_noise, flat)
+    return _train_dp(classifier, encoded_train, labels, config, dp, prompt, opt, progress, g_sample, g_noise,
+                     tuple(hooks))
 
 
 def secret_generator() -> torch.Generator:
@@ -285,7 +325,8 @@ def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, se
 
 
 def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progress,
-              g_sample: torch.Generator, g_noise: torch.Generator, flat=None) -> TrainResult:
+              g_sample: torch.Generator, g_noise: torch.Generator,
+              hooks: tuple[DPStepHook, ...] = ()) -> TrainResult:
     N = num_examples(enc)
     q, C, sigma = dp.sample_rate, dp.max_grad_norm, dp.noise_multiplier
     total = config.steps if config.steps is not None else max(1, round(config.epochs / q))
@@ -296,15 +337,15 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
     dev = classifier.device
     shape = prompt.weight.shape
     history, empty, update_checked = [], 0, False
-    mask = None if flat is None else flat.mask(shape, dev)  # trainable part (sparse prefix layers)
+    mask = _combined_mask(hooks, shape, dev)  # hook point 1: the trainable part (None: all of it)
     for step in range(1, total + 1):
         idx = (torch.rand(N, generator=g_sample) < q).nonzero().squeeze(1)  # Poisson sampling
         B = int(idx.numel())
         summed = torch.zeros(shape, device=dev)
         seen, losses, clipped, norm_sum, nonfinite = 0, [], 0, 0.0, 0
-        # AWP (first E epochs only): gradients are taken at w + v, v from the batch's un-noised
-        # mean gradient; the noise below is added only to the final gradient
-        at = prompt.weight if flat is None else flat.perturbed(step, classifier, enc, labels, idx, prompt.weight, q)
+        at = prompt.weight  # hook point 2: where the per-sample gradients are taken (the noise is added below)
+        for hook in hooks:
+            at = hook.gradient_point(step, classifier, enc, labels, idx, at, q)
         for chunk in idx.split(config.physical_batch_size):
             grads, loss = per_sample_prompt_gradients(
                 classifier, select_rows(enc, chunk), labels[chunk], at, return_losses=True
@@ -331,9 +372,8 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
         if mask is not None:
             noise = noise * mask  # frozen layers do not move
         grad = (summed + noise) / expected_batch
-        pull = None if flat is None else flat.regularizer_gradient(prompt.weight.detach(), mask)
-        if pull is not None:  # cross-model flattening: added to the noised gradient
-            grad = grad + pull
+        for hook in hooks:  # hook point 3: terms added to the noised gradient
+            grad = hook.adjust_gradient(grad, prompt.weight.detach(), mask)
         moving = not update_checked and bool(grad.abs().max() > 0)
         before = prompt.weight.detach().clone() if moving else None
         opt.zero_grad(set_to_none=True)

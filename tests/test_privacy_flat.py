@@ -10,7 +10,7 @@ import models.dp_prompt_training as dpt
 from models import DPConfig, PromptTrainingConfig, build_classifier, load_backbone, select_rows, train_prompt
 from models.dp_prompt_training import seeded_dp_generators
 from models.landscape import mean_gradient, prefix_sharpness
-from tasks.methods.privacy_flat.flat import FlatOptions, awp_perturbation, eliminate_layers
+from tasks.methods.privacy_flat.flat import FlatStepHook, awp_perturbation, eliminate_layers
 from models.prompts.prefix import prefix_shape
 from models.soft_prompt import PrefixPrompt
 
@@ -33,12 +33,13 @@ def _run(toy, flat, steps=4, sigma=0.5):
     sample, noise = seeded_dp_generators(3)
     tc = PromptTrainingConfig(n_tokens=2, lr=0.05, steps=steps, batch_size=8, kind="prefix")
     return train_prompt(clf, enc, y, tc, dp=DPConfig(noise_multiplier=sigma, max_grad_norm=1.0, sample_rate=0.5),
-                        seed=0, init_prompt=init, sample_generator=sample, noise_generator=noise, flat=flat)
+                        seed=0, init_prompt=init, sample_generator=sample, noise_generator=noise,
+                        hooks=() if flat is None else [flat])
 
 
 def test_all_components_off_is_plain_dp_prefix_tuning_exactly(toy):
     plain = _run(toy, None)
-    off = _run(toy, FlatOptions())
+    off = _run(toy, FlatStepHook())
     assert torch.equal(plain.prompt, off.prompt)
     assert [h["batch_size"] for h in plain.history] == [h["batch_size"] for h in off.history]
 
@@ -62,7 +63,7 @@ def test_awp_only_in_first_steps_from_the_unnoised_batch_gradient(toy, monkeypat
 
     monkeypatch.setattr(torch.optim.Adam, "step", record)
     gamma = 0.05
-    res = _run(toy, FlatOptions(awp_steps=2, awp_gamma=gamma), steps=5)
+    res = _run(toy, FlatStepHook(awp_steps=2, awp_gamma=gamma), steps=5)
     assert len(calls) == len(weights) == 5  # one physical batch per step here
     for step, ((at, ids, labels), w) in enumerate(zip(calls, weights), start=1):
         if step <= 2:  # perturbed by v = γ‖w_l‖ g_l/‖g_l‖ of the batch's UN-noised mean gradient
@@ -82,7 +83,7 @@ def test_awp_only_in_first_steps_from_the_unnoised_batch_gradient(toy, monkeypat
 def test_sparse_layers_freeze_removed_layers_and_get_no_noise(toy):
     clf, enc, y, init = toy
     L = init.shape[0]
-    res = _run(toy, FlatOptions(layers=[L - 1]), sigma=5.0)
+    res = _run(toy, FlatStepHook(layers=[L - 1]), sigma=5.0)
     assert torch.equal(res.prompt[: L - 1], init[: L - 1])  # removed layers never move, not even by noise
     assert not torch.equal(res.prompt[L - 1], init[L - 1])
 
@@ -92,8 +93,8 @@ def test_regulariser_gradient_is_that_of_the_unsquared_norm():
     w_nor = torch.randn(2, 2, 3, 4)
     p = w.clone().requires_grad_()
     (0.01 * (p - w_nor).norm()).backward()
-    torch.testing.assert_close(FlatOptions(w_nor=w_nor, lam=0.01).regularizer_gradient(w, None), p.grad)
-    assert FlatOptions(w_nor=w_nor, lam=0.0).regularizer_gradient(w, None) is None
+    torch.testing.assert_close(FlatStepHook(w_nor=w_nor, lam=0.01).regularizer_gradient(w, None), p.grad)
+    assert FlatStepHook(w_nor=w_nor, lam=0.0).regularizer_gradient(w, None) is None
 
 
 def test_greedy_elimination_removes_the_layer_whose_removal_lowers_sharpness_most():
@@ -222,7 +223,7 @@ def test_private_sharpness_selection_publishes_nothing_of_it(toy, monkeypatch, t
     plan = method.plan(cfg, 16, 1e-5)
     rows = PrivateRows([f"text {i}" for i in range(16)], [LABELS[i % 2] for i in range(16)])
     calls = []
-    out = method.flat_options(SimpleNamespace(cfg=cfg, seed=0, paths=None), plan, rows,
+    out = method.step_additions(SimpleNamespace(cfg=cfg, seed=0, paths=None), plan, rows,
                               progress=lambda *a: calls.append(a))
     assert not calls and not any(k.startswith("flat.layer") for k in out["metrics"])
     assert any("flat.sharpness_round" in h for h in out["history"])

@@ -27,10 +27,11 @@ def dpsgd_params(settings: dict) -> dict:
 
 
 def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | None = None,
-                    randomness=None, progress=None, kind: str = "soft", init_prompt=None, flat=None):
+                    randomness=None, progress=None, kind: str = "soft", init_prompt=None, hooks=()):
     """Train a soft prompt (or, with ``kind="prefix"``, a prefix) of ``block``'s settings on
-    ``model_name`` with private ``rows`` (DP-SGD when ``dp`` holds the plan's settings; ``flat``:
-    Privacy-Flat's additions). Returns ``models``' ``TrainResult``."""
+    ``model_name`` with private ``rows`` (DP-SGD when ``dp`` holds the plan's settings; ``hooks``:
+    ``models.dp_prompt_training.DPStepHook`` s of the DP step, e.g. Privacy-Flat's). Returns
+    ``models``' ``TrainResult``."""
     from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
 
     from ..stages import classifier_for, label_indices
@@ -49,8 +50,8 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
         sample, noise = randomness.torch_generators()
         generators = {"sample_generator": sample, "noise_generator": noise}
     report = None if progress is None else (lambda step, total, *_: progress(step, total))
-    if flat is not None:
-        generators["flat"] = flat
+    if hooks:
+        generators["hooks"] = hooks
     result = train_prompt(clf, enc, y, tc, dp=dp_config, progress=report, seed=seed, init_prompt=init_prompt,
                           **generators)
     if dp is not None and result.steps != dp["steps"]:

@@ -84,11 +84,11 @@ class DPZero(Method):
         s = plan.settings
         regularizer = None
         if block.regularizer:
-            from ..privacy_flat.flat import FlatOptions
+            from ..privacy_flat.flat import FlatStepHook
 
             from ..soft_prompt import nonprivate_copy
 
-            pull = FlatOptions(w_nor=nonprivate_copy(mctx, clf, init, rows, block, "soft", block.nor_epochs),
+            pull = FlatStepHook(w_nor=nonprivate_copy(mctx, clf, init, rows, block, "soft", block.nor_epochs),
                                lam=block.lam)
             regularizer = lambda w: pull.regularizer_gradient(w, None)  # noqa: E731
         sample, noise = mctx.randomness.torch_generators()

@@ -66,8 +66,8 @@ class PrefixDPSGD(PromptDPSGD):
             return {}
         return prefix_flatness(mctx.cfg, ctx.part.test_path, prompt_path, self.run_label(mctx.cfg), examples)
 
-    def flat_options(self, mctx, plan, rows, progress=None) -> dict:
-        """Privacy-Flat's additions to the DP step: {"flat": FlatOptions, "init_prompt": tensor,
+    def step_additions(self, mctx, plan, rows, progress=None) -> dict:
+        """Additions to the DP step (Privacy-Flat's): {"hooks": [DPStepHook], "init_prompt": tensor,
         "metrics": publishable counts, "history": private records}; {} for plain DP prefix tuning."""
         return {}
 
@@ -75,10 +75,10 @@ class PrefixDPSGD(PromptDPSGD):
         from ..soft_prompt import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
-        extra = self.flat_options(mctx, plan, rows, progress)
+        extra = self.step_additions(mctx, plan, rows, progress)
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, dp=plan.settings,
                                  randomness=mctx.randomness, progress=progress, kind="prefix",
-                                 flat=extra.get("flat"), init_prompt=extra.get("init_prompt"))
+                                 hooks=extra.get("hooks", ()), init_prompt=extra.get("init_prompt"))
         metrics = {"train.steps": result.steps, "train.empty_batches": result.empty_batches,
                    **extra.get("metrics", {})}
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,

@@ -26,12 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from models.classifiers import PromptClassifier, select_rows
+from models.dp_prompt_training import DPStepHook
 from models.landscape import mean_gradient
 
 
 @dataclass
-class FlatOptions:
-    """What Privacy-Flat adds to a DP-SGD prefix step (all off: plain DP-SGD, step for step).
+class FlatStepHook(DPStepHook):
+    """What Privacy-Flat adds to a DP-SGD prefix step, at the generic step's hook points (all off:
+    plain DP-SGD, step for step): the kept layers as the trainable mask, AWP's ``w + v`` as the
+    gradient point, the cross-model regulariser added to the noised gradient.
 
     ``layers``: indices of the trainable prefix layers (None: all); ``awp_steps``: DP steps with
     AWP (0: none); ``awp_gamma``: relative perturbation size; ``w_nor`` and ``lam``: the
@@ -73,6 +76,19 @@ class FlatOptions:
         if norm == 0:
             return torch.zeros_like(weight)
         return self.lam * diff / norm
+
+    # ---- the hook points of models.dp_prompt_training ------------------------------------------
+    def trainable_mask(self, shape, device):
+        return self.mask(shape, device)  # sparse prefix layers: the removed ones are frozen
+
+    def gradient_point(self, step, classifier, encoded, labels, idx, weight, sample_rate):
+        # AWP (first E epochs only): gradients are taken at w + v, v from the batch's un-noised
+        # mean gradient; the noise is added only to the final gradient
+        return self.perturbed(step, classifier, encoded, labels, idx, weight, sample_rate)
+
+    def adjust_gradient(self, grad, weight, mask):
+        pull = self.regularizer_gradient(weight, mask)
+        return grad if pull is None else grad + pull  # cross-model flattening: added to the noised gradient
 
 
 def awp_perturbation(weight: torch.Tensor, grad: torch.Tensor, gamma: float) -> torch.Tensor:

@@ -81,8 +81,8 @@ class PrivacyFlat(PrefixDPSGD):
                     "under private/ and only its evaluation and audit statistics are reported")
         return super().note(cfg, guarantee)
 
-    def flat_options(self, mctx, plan, rows, progress=None) -> dict:
-        from .flat import FlatOptions
+    def step_additions(self, mctx, plan, rows, progress=None) -> dict:
+        from .flat import FlatStepHook
         from models.soft_prompt import PrefixPrompt
 
         from ...stages import classifier_for
@@ -114,9 +114,9 @@ class PrivacyFlat(PrefixDPSGD):
         q, steps = plan.settings["sample_rate"], plan.settings["steps"]
         awp_steps = min(steps, math.ceil(f.awp_epochs / q)) if f.awp else 0
         out["metrics"]["flat.awp_steps"] = awp_steps
-        out["flat"] = FlatOptions(layers=layers if layers is not None and len(layers) < n_layers else None,
-                                  awp_steps=awp_steps, awp_gamma=f.awp_gamma, w_nor=w_nor,
-                                  lam=f.lam if f.regularizer else 0.0)
+        out["hooks"] = [FlatStepHook(layers=layers if layers is not None and len(layers) < n_layers else None,
+                                      awp_steps=awp_steps, awp_gamma=f.awp_gamma, w_nor=w_nor,
+                                      lam=f.lam if f.regularizer else 0.0)]
         return out
 
     # ---- cross-layer: Definition 1 and the greedy elimination -----------------------------------
