@@ -1,6 +1,7 @@
-"""A persistent privacy budget ledger on SQLite.
+"""A persistent privacy budget ledger in a database: the embedded SQLite file of one machine, or a
+team's PostgreSQL, reached by URL (:mod:`privacy.ledger_store`).
 
-Every private training partition is identified by a *fingerprint* (e.g. the sha256 of its
+Every private training partition is identified by a *fingerprint* (e.g. the keyed hash of its
 records) and gets a cap (ε_cap, δ) when it is first registered. Every run that touches the
 partition goes through the ledger:
 
@@ -9,9 +10,10 @@ partition goes through the ledger:
    composes the events of *all* counted entries of the dataset plus the new one with the
    accountant (``spend(ComposedEvent(...), δ)``: composition of the stored events, never a sum
    of ε's) and refuses with :class:`BudgetExceededError` if the composed ε exceeds the cap.
-   Reservation is atomic across processes: the check and the insert run in one
-   ``BEGIN IMMEDIATE`` transaction, so concurrent reservations are serialised and can never
-   overspend together.
+   Reservation is atomic across processes and machines: the check and the insert run in one
+   transaction holding the ledger's write lock (SQLite: ``BEGIN IMMEDIATE``; PostgreSQL:
+   ``pg_advisory_xact_lock``), so concurrent reservations are serialised by the database and
+   can never overspend together.
 2. ``commit(run_id, event)`` after the run, with the event it actually spent (it may be smaller,
    e.g. after early stopping). From then on the committed event is the one composed.
 
@@ -23,8 +25,8 @@ A spent budget stays spent:
   on the entry can never be released.
 * ``release(run_id, reason)`` is for a run that failed before that mark (a model that does not
   load, a config mistake found late): no private record was read, so the reservation costs
-  nothing. The entry stays in the ledger with status ``'released'``, its reason and time (the
-  audit trail); the ledger refuses it for an entry marked read.
+  nothing. The entry stays in the ledger with status ``'released'``, its reason and time; the
+  ledger refuses it for an entry marked read.
 * ``abort(run_id, reason)`` exists **only** for runs that provably never touched private data
   (e.g. config validation failed before any data was loaded). It marks the entry ``'aborted'``
   and the entry then costs nothing. Calling it for a run that did read the data voids the
@@ -39,99 +41,71 @@ only the run id). A run that touches two datasets reserves once per dataset with
 Reserving again with the same run id and the same event returns the existing reservation
 (Prefect task retries must not charge twice); a different event under the same run id is an error.
 
+Every change (register, cap or δ change, reserve, commit, abort, release, mark_read, a
+non-private or local-DP use, the team key, an import) appends a row to the append-only
+``trail`` (time, action, dataset, run, details, machine, OS user, process) in the same
+transaction as the change; a refused reservation changes nothing and appends nothing.
+``export()`` returns the whole ledger as JSON-able data and ``import_ledger`` restores it into
+an empty ledger. A shared ledger also keeps the team's key of keyed fingerprints (``team_key``):
+every machine names a dataset the same way.
+
 Every ε the ledger reports comes from ``spend(ComposedEvent(events), δ)``, also for a single
 entry. A ``ParallelEvent`` (disjoint data, e.g. DP-OPT's generation vs. selection) is therefore
 always nested inside a composition, where the accountant bounds it less tightly than at the top
 level (PLD composes the parts sequentially, RDP takes the pointwise maximum of their curves):
 the ledger may count such a run slightly above the run's own report, never below it.
 
-Events are stored as JSON (``event_to_dict``). The database uses WAL mode and a busy timeout, so
-several processes (or machines sharing a local file system that supports SQLite locking) can use
-one ledger file.
-
-Pure stdlib ``sqlite3`` plus the accountant: no torch, Prefect or MLflow here.
+Events are stored as JSON (``event_to_dict``). SQLAlchemy plus the accountant: no torch, Prefect
+or MLflow here.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import math
 import os
-import sqlite3
-import time
-from contextlib import contextmanager
+import secrets
+import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+import sqlalchemy as sa
 
 from . import events as ev
 from .accountant import PrivacySpend, spend
+from .ledger_store import (DEFAULT_BUSY_TIMEOUT_S, SCHEMA_VERSION, LedgerError, LedgerUnavailableError,  # noqa: F401
+                           LedgerURLError, Store, mask_url)
 from .validation import check_delta, check_epsilon
 
 __all__ = [
     "BudgetExceededError",
     "DeltaMismatchError",
     "Ledger",
+    "LedgerError",
+    "LedgerKeyError",
+    "LedgerURLError",
+    "LedgerUnavailableError",
     "Reservation",
     "UnknownDatasetError",
     "UnknownRunError",
 ]
 
-SCHEMA_VERSION = 3  # 2: the 'ldp' kind of use; 3: 'released' entries, read marks, reasons of cap changes
-DEFAULT_BUSY_TIMEOUT_S = 120.0
 # Relative slack when comparing a committed ε with the reserved one (the accountant is
 # deterministic; this only absorbs float noise).
 _EPS_RTOL = 1e-9
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS datasets (
-    fingerprint  TEXT PRIMARY KEY,
-    name         TEXT NOT NULL,
-    epsilon_cap  REAL NOT NULL CHECK (epsilon_cap > 0),
-    delta        REAL NOT NULL CHECK (delta > 0 AND delta < 1),
-    created_at   TEXT NOT NULL,
-    updated_at   TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS entries (
-    id                 INTEGER PRIMARY KEY AUTOINCREMENT,
-    run_id             TEXT NOT NULL UNIQUE,
-    fingerprint        TEXT NOT NULL REFERENCES datasets(fingerprint),
-    kind               TEXT NOT NULL CHECK (kind IN ('dp', 'nonprivate', 'ldp')),
-    status             TEXT NOT NULL CHECK (status IN ('reserved', 'committed', 'aborted', 'released')),
-    reserved_event     TEXT,
-    committed_event    TEXT,
-    epsilon_reserved   REAL,
-    epsilon_committed  REAL,
-    over_reservation   INTEGER NOT NULL DEFAULT 0,
-    description        TEXT NOT NULL DEFAULT '',
-    abort_reason       TEXT,
-    created_at         TEXT NOT NULL,
-    committed_at       TEXT,
-    aborted_at         TEXT,
-    read_started_at    TEXT,
-    released_at        TEXT,
-    release_reason     TEXT
-);
-CREATE INDEX IF NOT EXISTS entries_by_dataset ON entries(fingerprint);
-CREATE TABLE IF NOT EXISTS cap_changes (
-    id           INTEGER PRIMARY KEY AUTOINCREMENT,
-    fingerprint  TEXT NOT NULL REFERENCES datasets(fingerprint),
-    old_name     TEXT NOT NULL,
-    old_cap      REAL NOT NULL,
-    old_delta    REAL NOT NULL,
-    new_name     TEXT NOT NULL,
-    new_cap      REAL NOT NULL,
-    new_delta    REAL NOT NULL,
-    spent_epsilon_at_change REAL NOT NULL,
-    changed_at   TEXT NOT NULL,
-    reason       TEXT
-);
-"""
+EXPORT_FORMAT = "privprompt-ledger"
+_TABLES = ("datasets", "entries", "cap_changes", "trail")
 
 
-_V2_COLUMNS = ("id, run_id, fingerprint, kind, status, reserved_event, committed_event, epsilon_reserved, "
-               "epsilon_committed, over_reservation, description, abort_reason, created_at, committed_at, aborted_at")
+def _q(conn: sa.Connection, sql: str, params: tuple = ()):
+    """Run ``sql`` with ``?`` placeholders bound to ``params`` in order; rows as mappings."""
+    parts = sql.split("?")
+    if len(parts) - 1 != len(params):
+        raise AssertionError(f"{len(parts) - 1} placeholders, {len(params)} parameters: {sql}")
+    named = parts[0] + "".join(f":p{i}{part}" for i, part in enumerate(parts[1:]))
+    return conn.execute(sa.text(named), {f"p{i}": v for i, v in enumerate(params)}).mappings()
 
 
 # ---- errors -------------------------------------------------------------------------------------
@@ -179,6 +153,10 @@ class _LookupValueError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
+class LedgerKeyError(LedgerError):
+    """The shared ledger's team key is missing where it must not be minted, or differs."""
+
+
 class DeltaMismatchError(ValueError):
     """A run's δ differs from the δ its dataset is composed at."""
 
@@ -221,6 +199,23 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
+def _store_tables():
+    from .ledger_store import cap_changes_table, datasets_table, entries_table, trail_table
+
+    return (datasets_table, entries_table, cap_changes_table, trail_table)
+
+
+def _host() -> str:
+    return socket.gethostname() or "unknown"
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry and no $USER: the numeric id
+        return f"uid {os.getuid()}"
+
+
 def _short(fingerprint: str, n: int = 12) -> str:
     return fingerprint if len(fingerprint) <= n else fingerprint[:n] + "…"
 
@@ -239,7 +234,7 @@ def _event_json(event, name: str = "event") -> str:
         raise ValueError(f"{name} must be a privacy event (privacy.events), got {event!r}") from exc
 
 
-def _counted_event_json(row: sqlite3.Row) -> str | None:
+def _counted_event_json(row: Any) -> str | None:
     """The event an entry counts with: committed if committed, reserved if reserved, else none
     (aborted and released entries cost nothing)."""
     if row["kind"] != "dp" or row["status"] in ("aborted", "released"):
@@ -274,122 +269,55 @@ def _fmt(x: float | None) -> str:
 # ---- the ledger ---------------------------------------------------------------------------------
 
 class Ledger:
-    """Persistent privacy budget ledger in one SQLite file (created with its directory).
+    """Persistent privacy budget ledger: a SQLite file (created with its directory) given by path
+    or ``sqlite:////abs/path`` URL, or a team's PostgreSQL given by ``postgresql://`` URL.
 
     Each operation opens its own short-lived connection, so a ``Ledger`` object can be created in
-    one process and used after ``fork``/``spawn``, and several processes can share the file.
+    one process and used after ``fork``/``spawn``, and several processes (and, on PostgreSQL,
+    machines) can share one ledger.
     """
 
-    def __init__(self, path: str | os.PathLike, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
-        if not isinstance(path, (str, os.PathLike)) or not str(path):
-            raise ValueError(f"path must be a file path, got {path!r}")
-        if str(path) == ":memory:":
-            raise ValueError("path must be a file: an in-memory ledger would not persist, got ':memory:'")
-        if not isinstance(busy_timeout_s, (int, float)) or isinstance(busy_timeout_s, bool) \
-                or not busy_timeout_s > 0:
-            raise ValueError(f"busy_timeout_s must be a number > 0, got {busy_timeout_s!r}")
-        self.path = Path(path).expanduser().resolve()
-        self.busy_timeout_s = float(busy_timeout_s)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._init_db()
+    def __init__(self, path, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
+        self._store = Store(path, busy_timeout_s)
+        self.path = self._store.path       # the SQLite file; None for a PostgreSQL ledger
+        self.url = self._store.masked_url  # where the ledger lives, password masked
+        self.busy_timeout_s = self._store.busy_timeout_s
+        self._store.init_schema()
 
     def __repr__(self) -> str:
-        return f"Ledger({str(self.path)!r})"
+        return f"Ledger({str(self.path) if self.path is not None else self.url!r})"
 
-    # -- connection handling --
+    @property
+    def location(self) -> str:
+        """Where the ledger lives, for people: the file path, or the URL with its password masked."""
+        return str(self.path) if self.path is not None else self.url
 
-    def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(str(self.path), timeout=self.busy_timeout_s, isolation_level=None)
-        conn.row_factory = sqlite3.Row
-        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
-        conn.execute("PRAGMA foreign_keys = ON")
-        conn.execute("PRAGMA synchronous = FULL")  # a committed reservation survives power loss
-        return conn
+    @property
+    def shared(self) -> bool:
+        """True for a database server's ledger (PostgreSQL), False for an embedded SQLite file."""
+        return self.path is None
 
-    @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
-        """A write transaction that takes the database's write lock up front (BEGIN IMMEDIATE):
-        everything read inside it is current until it commits, across processes."""
-        conn = self._connect()
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-        finally:
-            conn.close()
+    def _write(self):
+        return self._store.write()
 
-    @contextmanager
-    def _read(self) -> Iterator[sqlite3.Connection]:
-        """A read transaction: one consistent snapshot for all its queries."""
-        conn = self._connect()
-        try:
-            conn.execute("BEGIN")
-            try:
-                yield conn
-            finally:
-                conn.execute("ROLLBACK")
-        finally:
-            conn.close()
+    def _read(self):
+        return self._store.read()
 
-    def _set_wal(self, conn: sqlite3.Connection) -> str:
-        """Switch to WAL. Switching is not covered by the busy handler when several processes
-        create the same new ledger at once, so retry 'database is locked' until the timeout."""
-        deadline = time.monotonic() + self.busy_timeout_s
-        pause = 0.005
-        while True:
-            try:
-                return conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(pause)
-                pause = min(pause * 2, 0.2)
-
-    def _init_db(self) -> None:
-        conn = self._connect()
-        try:
-            mode = self._set_wal(conn)
-            if str(mode).lower() != "wal":
-                raise RuntimeError(f"could not switch ledger {self.path} to WAL mode (got {mode!r})")
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                version = conn.execute("PRAGMA user_version").fetchone()[0]
-                if version > SCHEMA_VERSION:
-                    raise RuntimeError(
-                        f"ledger {self.path} has schema version {version}, newer than this code "
-                        f"({SCHEMA_VERSION}); upgrade privprompt")
-                if version in (1, 2):  # widen the CHECKs (SQLite cannot alter a constraint): copy the rows
-                    conn.execute("ALTER TABLE entries RENAME TO entries_old")
-                    conn.execute("DROP INDEX IF EXISTS entries_by_dataset")
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-                if version in (1, 2):
-                    conn.execute(f"INSERT INTO entries ({_V2_COLUMNS}) SELECT {_V2_COLUMNS} FROM entries_old")
-                    conn.execute("DROP TABLE entries_old")
-                    columns = {r[1] for r in conn.execute("PRAGMA table_info(cap_changes)")}
-                    if "reason" not in columns:
-                        conn.execute("ALTER TABLE cap_changes ADD COLUMN reason TEXT")
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-        finally:
-            conn.close()
+    @staticmethod
+    def _trail(conn: sa.Connection, action: str, fingerprint: str | None = None, run_id: str | None = None,
+               **detail) -> None:
+        """Append one row to the audit trail, in the transaction of the change it records."""
+        _q(conn, "INSERT INTO trail (at, action, fingerprint, run_id, detail, host, os_user, pid)"
+                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+           (_now(), action, fingerprint, run_id, json.dumps(detail, sort_keys=True, default=str),
+            _host(), _os_user(), os.getpid()))
 
     # -- internal queries --
 
     @staticmethod
-    def _dataset_row(conn: sqlite3.Connection, fingerprint: str) -> sqlite3.Row:
+    def _dataset_row(conn: sa.Connection, fingerprint: str) -> Any:
         _check_text(fingerprint, "fingerprint")
-        row = conn.execute("SELECT * FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
+        row = _q(conn, "SELECT * FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
         if row is None:
             raise UnknownDatasetError(
                 f"unknown dataset fingerprint {fingerprint!r}: register it first with "
@@ -397,22 +325,22 @@ class Ledger:
         return row
 
     @staticmethod
-    def _entry_row(conn: sqlite3.Connection, run_id: str) -> sqlite3.Row:
+    def _entry_row(conn: sa.Connection, run_id: str) -> Any:
         _check_text(run_id, "run_id")
-        row = conn.execute("SELECT * FROM entries WHERE run_id = ?", (run_id,)).fetchone()
+        row = _q(conn, "SELECT * FROM entries WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             raise UnknownRunError(f"no ledger entry for run_id {run_id!r}")
         return row
 
     @staticmethod
-    def _counted_events(conn: sqlite3.Connection, fingerprint: str, exclude_run_id: str | None = None
+    def _counted_events(conn: sa.Connection, fingerprint: str, exclude_run_id: str | None = None
                         ) -> list[str]:
-        rows = conn.execute(
+        rows = _q(conn, 
             "SELECT * FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status NOT IN ('aborted', 'released') "
             "ORDER BY id", (fingerprint,)).fetchall()
         return [_counted_event_json(r) for r in rows if r["run_id"] != exclude_run_id]
 
-    def _spent_in(self, conn: sqlite3.Connection, fingerprint: str) -> tuple[sqlite3.Row, PrivacySpend]:
+    def _spent_in(self, conn: sa.Connection, fingerprint: str) -> tuple[Any, PrivacySpend]:
         ds = self._dataset_row(conn, fingerprint)
         return ds, _compose(self._counted_events(conn, fingerprint), ds["delta"])
 
@@ -437,12 +365,13 @@ class Ledger:
         if not isinstance(allow_cap_change, bool):
             raise ValueError(f"allow_cap_change must be a bool, got {allow_cap_change!r}")
         with self._write() as conn:
-            row = conn.execute("SELECT * FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
+            row = _q(conn, "SELECT * FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
             now = _now()
             if row is None:
-                conn.execute(
+                _q(conn, 
                     "INSERT INTO datasets (fingerprint, name, epsilon_cap, delta, created_at, updated_at)"
                     " VALUES (?, ?, ?, ?, ?, ?)", (fingerprint, name, epsilon_cap, delta, now, now))
+                self._trail(conn, "register", fingerprint, name=name, epsilon_cap=epsilon_cap, delta=delta)
             else:
                 same = (row["name"] == name
                         and math.isclose(row["epsilon_cap"], epsilon_cap, rel_tol=1e-12, abs_tol=0.0)
@@ -458,23 +387,26 @@ class Ledger:
                     self._change(conn, row, name, epsilon_cap, delta, None)
         return self.dataset(fingerprint)
 
-    def _change(self, conn: sqlite3.Connection, row: sqlite3.Row, name: str, epsilon_cap: float, delta: float,
+    def _change(self, conn: sa.Connection, row: Any, name: str, epsilon_cap: float, delta: float,
                 reason: str | None) -> None:
         """Apply a change of a dataset's name / cap / δ and record it (old and new values, the ε
         spent at the time, the reason) in ``cap_changes``. A new δ re-states every entry's ε at it."""
         fingerprint, now = row["fingerprint"], _now()
         spent_eps = _compose(self._counted_events(conn, fingerprint), row["delta"]).epsilon
-        conn.execute(
+        _q(conn, 
             "INSERT INTO cap_changes (fingerprint, old_name, old_cap, old_delta, new_name,"
             " new_cap, new_delta, spent_epsilon_at_change, changed_at, reason)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (fingerprint, row["name"], row["epsilon_cap"], row["delta"], name, epsilon_cap,
              delta, spent_eps, now, reason))
-        conn.execute(
+        self._trail(conn, "cap_change", fingerprint, old_name=row["name"], old_cap=row["epsilon_cap"],
+                    old_delta=row["delta"], new_name=name, new_cap=epsilon_cap, new_delta=delta,
+                    spent_epsilon=spent_eps, reason=reason)
+        _q(conn, 
             "UPDATE datasets SET name = ?, epsilon_cap = ?, delta = ?, updated_at = ?"
             " WHERE fingerprint = ?", (name, epsilon_cap, delta, now, fingerprint))
         if not math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0):
-            for entry in conn.execute("SELECT * FROM entries WHERE fingerprint = ? AND kind = 'dp'",
+            for entry in _q(conn, "SELECT * FROM entries WHERE fingerprint = ? AND kind = 'dp'",
                                       (fingerprint,)).fetchall():
                 update = {}
                 for column, event_column in (("epsilon_reserved", "reserved_event"),
@@ -482,7 +414,7 @@ class Ledger:
                     if entry[event_column]:
                         update[column] = _compose([entry[event_column]], delta).epsilon
                 if update:
-                    conn.execute(f"UPDATE entries SET {', '.join(f'{k} = ?' for k in update)} WHERE id = ?",
+                    _q(conn, f"UPDATE entries SET {', '.join(f'{k} = ?' for k in update)} WHERE id = ?",
                                  (*update.values(), entry["id"]))
 
     def lower_cap(self, fingerprint: str, epsilon_cap: float, reason: str) -> dict[str, Any]:
@@ -509,7 +441,7 @@ class Ledger:
         delta = check_delta(delta, "delta")
         with self._write() as conn:
             row = self._dataset_row(conn, fingerprint)
-            open_runs = [r["run_id"] for r in conn.execute(
+            open_runs = [r["run_id"] for r in _q(conn, 
                 "SELECT run_id FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status = 'reserved'",
                 (fingerprint,))]
             if open_runs:
@@ -527,17 +459,17 @@ class Ledger:
             known = ", ".join(f"{d['name']} ({_short(d['fingerprint'])})" for d in self.datasets()) or "none"
             what = "no dataset" if not found else f"{len(found)} datasets"
             raise UnknownDatasetError(f"{what} named or with a fingerprint starting {name_or_fingerprint!r} in "
-                                      f"ledger {self.path} (datasets: {known}); give a longer fingerprint prefix")
+                                      f"ledger {self.location} (datasets: {known}); give a longer fingerprint prefix")
         return found[0]
 
     def cap_changes(self, fingerprint: str | None = None) -> list[dict[str, Any]]:
         """Every recorded cap change (``register_dataset(..., allow_cap_change=True)``), oldest first."""
         with self._read() as conn:
             if fingerprint is None:
-                rows = conn.execute("SELECT * FROM cap_changes ORDER BY id").fetchall()
+                rows = _q(conn, "SELECT * FROM cap_changes ORDER BY id").fetchall()
             else:
                 self._dataset_row(conn, fingerprint)
-                rows = conn.execute("SELECT * FROM cap_changes WHERE fingerprint = ? ORDER BY id",
+                rows = _q(conn, "SELECT * FROM cap_changes WHERE fingerprint = ? ORDER BY id",
                                     (fingerprint,)).fetchall()
         return [{k: r[k] for k in r.keys() if k != "id"} for r in rows]
 
@@ -566,7 +498,7 @@ class Ledger:
         with self._write() as conn:
             ds = self._dataset_row(conn, fingerprint)
             cap, delta = ds["epsilon_cap"], ds["delta"]
-            row = conn.execute("SELECT * FROM entries WHERE run_id = ?", (run_id,)).fetchone()
+            row = _q(conn, "SELECT * FROM entries WHERE run_id = ?", (run_id,)).fetchone()
             if row is not None:
                 if row["fingerprint"] != fingerprint:
                     raise ValueError(
@@ -604,19 +536,24 @@ class Ledger:
                     total=total, cap=cap, delta=delta)
             now = _now()
             if row is None:
-                conn.execute(
+                _q(conn, 
                     "INSERT INTO entries (run_id, fingerprint, kind, status, reserved_event,"
                     " epsilon_reserved, description, created_at)"
                     " VALUES (?, ?, 'dp', 'reserved', ?, ?, ?, ?)",
                     (run_id, fingerprint, event_json, alone, description, now))
                 created = now
+                self._trail(conn, "reserve", fingerprint, run_id, epsilon=alone, spent_epsilon=total, cap=cap,
+                            event=json.loads(event_json), description=description)
             else:  # re-reserving an aborted or released entry (a Prefect retry of a released run)
-                conn.execute(
+                _q(conn, 
                     "UPDATE entries SET status = 'reserved', epsilon_reserved = ?, description = ?,"
                     " abort_reason = NULL, aborted_at = NULL, released_at = NULL, release_reason = NULL,"
                     " created_at = ? WHERE run_id = ?",
                     (alone, description or row["description"], now, run_id))
                 created = now
+                self._trail(conn, "reserve", fingerprint, run_id, epsilon=alone, spent_epsilon=total, cap=cap,
+                            event=json.loads(event_json), description=description or row["description"],
+                            again_after=row["status"])
         return Reservation(run_id=run_id, fingerprint=fingerprint, event=event, epsilon=alone,
                            delta=delta, epsilon_cap=cap, spent_epsilon=total,
                            remaining_epsilon=max(0.0, cap - total), status="reserved",
@@ -654,10 +591,13 @@ class Ledger:
             else:
                 alone = spend(ev.ComposedEvent((ev.event_from_json(event_json),)), ds["delta"]).epsilon
                 over = alone > row["epsilon_reserved"] * (1.0 + _EPS_RTOL) + 1e-12
-                conn.execute(
+                _q(conn, 
                     "UPDATE entries SET status = 'committed', committed_event = ?, epsilon_committed = ?,"
                     " over_reservation = ?, committed_at = ? WHERE run_id = ?",
                     (event_json, alone, int(over), _now(), run_id))
+                self._trail(conn, "commit", row["fingerprint"], run_id, epsilon=alone,
+                            epsilon_reserved=row["epsilon_reserved"], over_reservation=over,
+                            event=json.loads(event_json))
         if over:
             raise ValueError(
                 f"run {run_id!r} committed ε={_fmt(alone)} but reserved only "
@@ -685,9 +625,11 @@ class Ledger:
                 raise ValueError(f"run_id {run_id!r} began reading private data at {row['read_started_at']}: "
                                  "its reservation stays spent")
             if row["status"] == "reserved":
-                conn.execute(
+                _q(conn, 
                     "UPDATE entries SET status = 'aborted', abort_reason = ?, aborted_at = ?"
                     " WHERE run_id = ?", (reason, _now(), run_id))
+                self._trail(conn, "abort", row["fingerprint"], run_id, reason=reason,
+                            epsilon_reserved=row["epsilon_reserved"])
         return self._entry_dict_for(run_id)
 
     def mark_read(self, run_id: str) -> dict[str, Any]:
@@ -700,7 +642,8 @@ class Ledger:
                 raise ValueError(f"run_id {run_id!r} is a {row['kind']} entry with status {row['status']!r}: only a "
                                  "dp reservation is marked read")
             if row["read_started_at"] is None:
-                conn.execute("UPDATE entries SET read_started_at = ? WHERE run_id = ?", (_now(), run_id))
+                _q(conn, "UPDATE entries SET read_started_at = ? WHERE run_id = ?", (_now(), run_id))
+                self._trail(conn, "mark_read", row["fingerprint"], run_id, epsilon_reserved=row["epsilon_reserved"])
         return self._entry_dict_for(run_id)
 
     def release(self, run_id: str, reason: str) -> dict[str, Any]:
@@ -720,8 +663,10 @@ class Ledger:
             if row["read_started_at"] is not None:
                 raise ValueError(f"run_id {run_id!r} began reading private data at {row['read_started_at']}: "
                                  "its reservation stays spent")
-            conn.execute("UPDATE entries SET status = 'released', released_at = ?, release_reason = ? WHERE run_id = ?",
+            _q(conn, "UPDATE entries SET status = 'released', released_at = ?, release_reason = ? WHERE run_id = ?",
                          (_now(), reason, run_id))
+            self._trail(conn, "release", row["fingerprint"], run_id, reason=reason,
+                        epsilon_reserved=row["epsilon_reserved"])
         return self._entry_dict_for(run_id)
 
     def open_reservations(self, fingerprint: str | None = None) -> list[dict[str, Any]]:
@@ -771,16 +716,18 @@ class Ledger:
         _check_text(description, "description")
         with self._write() as conn:
             self._dataset_row(conn, fingerprint)
-            row = conn.execute("SELECT * FROM entries WHERE run_id = ?", (run_id,)).fetchone()
+            row = _q(conn, "SELECT * FROM entries WHERE run_id = ?", (run_id,)).fetchone()
             if row is not None:
                 if row["kind"] != kind or row["fingerprint"] != fingerprint:
                     raise ValueError(f"run_id {run_id!r} is already in the ledger as a "
                                      f"{row['kind']} entry for fingerprint {_short(row['fingerprint'])}")
             else:
-                conn.execute(
+                _q(conn, 
                     "INSERT INTO entries (run_id, fingerprint, kind, status, committed_event, description,"
                     " created_at, committed_at) VALUES (?, ?, ?, 'committed', ?, ?, ?, ?)",
                     (run_id, fingerprint, kind, event, description, _now(), _now()))
+                self._trail(conn, kind, fingerprint, run_id, description=description,
+                            event=json.loads(event) if event else None)
         return self._entry_dict_for(run_id)
 
     def require_delta(self, fingerprint: str, delta: float) -> None:
@@ -801,7 +748,7 @@ class Ledger:
         arguments. Returns {name, cap, delta, spent_epsilon, planned_epsilon (each event alone),
         total_epsilon, remaining_after, fits}."""
         with self._read() as conn:
-            row = conn.execute("SELECT * FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
+            row = _q(conn, "SELECT * FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
             existing = self._counted_events(conn, fingerprint) if row is not None else []
         if row is None:
             return Ledger.preview_new(events, delta, cap, name)
@@ -817,6 +764,127 @@ class Ledger:
             raise ValueError("a preview for an unregistered dataset needs its cap")
         return _preview([], events, check_delta(delta, "delta"), check_epsilon(cap, "cap"), name or "")
 
+    # -- the team key, the trail, export and import --
+
+    def team_key(self, mint: bool = True) -> bytes | None:
+        """The team's key of keyed dataset fingerprints and keyed splits, kept with this ledger
+        (never logged, never returned in a result). When there is none, ``mint`` creates one
+        (32 bytes from ``secrets``) in one locked transaction: every machine gets the same key.
+        Minting is refused (:class:`LedgerKeyError`) over a ledger that already has datasets: their
+        fingerprints were made with another key, and a new key would give each a fresh cap."""
+        with self._read() as conn:
+            row = _q(conn, "SELECT key FROM team_key WHERE id = 1").fetchone()
+        if row is not None or not mint:
+            return bytes(row["key"]) if row is not None else None
+        return self._store_team_key(secrets.token_bytes(32), minted=True)
+
+    def set_team_key(self, key: bytes) -> bytes:
+        """Keep ``key`` (32 bytes: e.g. the ``installation.key`` of the machine whose ledger was
+        imported) as the team key. A ledger that has a different key refuses; the same key again
+        is a no-op."""
+        if not isinstance(key, (bytes, bytearray)) or len(key) != 32:
+            raise LedgerKeyError(f"a team key is 32 bytes, got {len(key) if isinstance(key, (bytes, bytearray)) else key!r}")
+        return self._store_team_key(bytes(key), minted=False)
+
+    def _store_team_key(self, key: bytes, minted: bool) -> bytes:
+        with self._write() as conn:
+            row = _q(conn, "SELECT key FROM team_key WHERE id = 1").fetchone()
+            if row is not None:
+                if minted or bytes(row["key"]) == key:
+                    return bytes(row["key"])  # another machine minted it first: everyone uses that one
+                raise LedgerKeyError(f"ledger {self.location} already keeps a different team key: refusing to "
+                                     "replace it (every registered fingerprint depends on it)")
+            n = _q(conn, "SELECT COUNT(*) AS n FROM datasets").fetchone()["n"]
+            if minted and n:
+                raise LedgerKeyError(
+                    f"ledger {self.location} has {n} registered dataset(s) but no team key: their fingerprints were "
+                    "made with another key, and minting a new one would give each dataset a fresh cap; store the key "
+                    "they were made with: privprompt ledger set-key PATH (e.g. <state>/secrets/installation.key "
+                    "of the machine whose ledger was imported)")
+            _q(conn, "INSERT INTO team_key (id, key, created_at, host, os_user) VALUES (1, ?, ?, ?, ?)",
+               (key, _now(), _host(), _os_user()))
+            self._trail(conn, "team_key", None, None, how="minted" if minted else "set",
+                        datasets_registered=n)
+        return key
+
+    def trail(self, fingerprint: str | None = None, run_id: str | None = None) -> list[dict[str, Any]]:
+        """The audit trail, oldest first (of one dataset and/or run): every change to the ledger with
+        its time, action, details, machine (``host``), OS user and process id."""
+        clauses, params = [], []
+        if fingerprint is not None:
+            clauses.append("fingerprint = ?")
+            params.append(fingerprint)
+        if run_id is not None:
+            clauses.append("run_id = ?")
+            params.append(run_id)
+        where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
+        with self._read() as conn:
+            rows = _q(conn, f"SELECT * FROM trail{where} ORDER BY id", tuple(params)).fetchall()
+        return [{**dict(r), "detail": json.loads(r["detail"])} for r in rows]
+
+    def export(self) -> dict[str, Any]:
+        """The whole ledger as JSON-able data, from one snapshot: every row of ``datasets``,
+        ``entries``, ``cap_changes`` and ``trail`` as stored (events as JSON text), and a computed
+        ``summary`` (:meth:`datasets`). The team key is not exported (only whether there is one):
+        keep it apart, and restore it with ``import_ledger(..., team_key=...)``."""
+        with self._read() as conn:
+            tables = {t: [dict(r) for r in _q(conn, f"SELECT * FROM {t} ORDER BY "
+                                                   f"{'fingerprint' if t == 'datasets' else 'id'}").fetchall()]
+                      for t in _TABLES}
+            has_key = _q(conn, "SELECT COUNT(*) AS n FROM team_key").fetchone()["n"] > 0
+        return {"format": EXPORT_FORMAT, "schema_version": SCHEMA_VERSION, "exported_at": _now(),
+                "ledger": self.location, "team_key": "kept apart (not exported)" if has_key else None,
+                **tables, "summary": self.datasets()}
+
+    def import_ledger(self, data: dict[str, Any], team_key: bytes | None = None) -> dict[str, int]:
+        """Restore an :meth:`export` into this ledger, which must be empty (no dataset, entry, cap
+        change or trail row): the rows keep their ids, times and statuses, so a restored ledger
+        composes exactly as the exported one. ``team_key``: also keep this key as the team key.
+        Appends one 'import' row to the trail. Returns the number of rows per table."""
+        if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
+            raise ValueError(f"not a ledger export (its 'format' is not {EXPORT_FORMAT!r}): "
+                             "make one with privprompt ledger --json")
+        if not isinstance(data.get("schema_version"), int) or data["schema_version"] > SCHEMA_VERSION:
+            raise ValueError(f"ledger export of schema version {data.get('schema_version')!r}; this code reads up "
+                             f"to {SCHEMA_VERSION}: upgrade privprompt")
+        for t in _TABLES:
+            if not isinstance(data.get(t, []), list) or not all(isinstance(r, dict) for r in data.get(t, [])):
+                raise ValueError(f"ledger export: {t!r} must be a list of rows")
+        columns = {t.name: [c.name for c in t.columns] for t in _store_tables()}
+        if team_key is not None and (not isinstance(team_key, (bytes, bytearray)) or len(team_key) != 32):
+            raise LedgerKeyError("a team key is 32 bytes")
+        with self._write() as conn:
+            present = {t: _q(conn, f"SELECT COUNT(*) AS n FROM {t}").fetchone()["n"] for t in _TABLES}
+            if any(present.values()):
+                raise ValueError(f"ledger {self.location} is not empty ("
+                                 + ", ".join(f"{n} {t}" for t, n in present.items() if n)
+                                 + "): import restores into an empty ledger only")
+            counts = {}
+            for t in _TABLES:
+                rows = data.get(t, [])
+                for r in rows:
+                    unknown = set(r) - set(columns[t])
+                    if unknown:
+                        raise ValueError(f"ledger export: unknown column(s) {sorted(unknown)} in table {t!r}")
+                    names = [c for c in columns[t] if c in r]
+                    _q(conn, f"INSERT INTO {t} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
+                       tuple(r[c] for c in names))
+                counts[t] = len(rows)
+            if self._store.dialect == "postgresql":  # the sequences continue after the restored ids
+                for t in ("entries", "cap_changes", "trail"):
+                    _q(conn, f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), COALESCE(MAX(id), 1), "
+                             f"MAX(id) IS NOT NULL) FROM {t}")
+            if team_key is not None:
+                row = _q(conn, "SELECT key FROM team_key WHERE id = 1").fetchone()
+                if row is not None and bytes(row["key"]) != bytes(team_key):
+                    raise LedgerKeyError(f"ledger {self.location} already keeps a different team key")
+                if row is None:
+                    _q(conn, "INSERT INTO team_key (id, key, created_at, host, os_user) VALUES (1, ?, ?, ?, ?)",
+                       (bytes(team_key), _now(), _host(), _os_user()))
+            self._trail(conn, "import", None, None, source_ledger=data.get("ledger"),
+                        exported_at=data.get("exported_at"), rows=counts, team_key=team_key is not None)
+        return counts
+
     # -- queries --
 
     def spent(self, fingerprint: str) -> PrivacySpend:
@@ -831,7 +899,7 @@ class Ledger:
         return max(0.0, ds["epsilon_cap"] - s.epsilon)
 
     @staticmethod
-    def _entry_dict(row: sqlite3.Row, name: str) -> dict[str, Any]:
+    def _entry_dict(row: Any, name: str) -> dict[str, Any]:
         counted = _counted_event_json(row)
         if row["kind"] != "dp":
             epsilon = None  # no DP guarantee
@@ -883,29 +951,29 @@ class Ledger:
         (no guarantee). ``event`` is the event it is composed with (JSON dict).
         """
         with self._read() as conn:
-            names = {r["fingerprint"]: r["name"] for r in conn.execute("SELECT fingerprint, name FROM datasets")}
+            names = {r["fingerprint"]: r["name"] for r in _q(conn, "SELECT fingerprint, name FROM datasets")}
             if fingerprint is None:
-                rows = conn.execute("SELECT * FROM entries ORDER BY id").fetchall()
+                rows = _q(conn, "SELECT * FROM entries ORDER BY id").fetchall()
             else:
                 self._dataset_row(conn, fingerprint)
-                rows = conn.execute("SELECT * FROM entries WHERE fingerprint = ? ORDER BY id",
+                rows = _q(conn, "SELECT * FROM entries WHERE fingerprint = ? ORDER BY id",
                                     (fingerprint,)).fetchall()
         return [self._entry_dict(r, names[r["fingerprint"]]) for r in rows]
 
     def _dataset_dicts(self, fingerprint: str | None) -> list[dict[str, Any]]:
         with self._read() as conn:
             if fingerprint is None:
-                rows = conn.execute("SELECT * FROM datasets ORDER BY created_at, fingerprint").fetchall()
+                rows = _q(conn, "SELECT * FROM datasets ORDER BY created_at, fingerprint").fetchall()
             else:
                 rows = [self._dataset_row(conn, fingerprint)]
             out = []
             for ds in rows:
                 fp = ds["fingerprint"]
                 s = _compose(self._counted_events(conn, fp), ds["delta"])
-                counts = {(k, st): n for k, st, n in conn.execute(
-                    "SELECT kind, status, COUNT(*) FROM entries WHERE fingerprint = ? GROUP BY kind, status",
+                counts = {(r["kind"], r["status"]): r["n"] for r in _q(conn,
+                    "SELECT kind, status, COUNT(*) AS n FROM entries WHERE fingerprint = ? GROUP BY kind, status",
                     (fp,))}
-                releases = [json.loads(r["committed_event"])["eta"] for r in conn.execute(
+                releases = [json.loads(r["committed_event"])["eta"] for r in _q(conn, 
                     "SELECT committed_event FROM entries WHERE fingerprint = ? AND kind = 'ldp' "
                     "AND committed_event IS NOT NULL", (fp,))]
                 out.append({
@@ -958,7 +1026,7 @@ class Ledger:
             return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                              for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
-        out = [f"privacy ledger {self.path}", line(header), line(["-" * w for w in widths])]
+        out = [f"privacy ledger {self.location}", line(header), line(["-" * w for w in widths])]
         out += [line(r) for r in rows] if rows else ["(no datasets registered)"]
         if rows:
             out += ["",
