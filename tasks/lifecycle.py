@@ -131,11 +131,25 @@ def planned_events(cfg, n_train: int, delta: float, target_epsilon: float | None
     return events
 
 
+def _shown_digits(x: float) -> int:
+    """Decimals that show ``x`` with 4 significant digits (never fewer than 0)."""
+    import math
+
+    return max(3 - math.floor(math.log10(x)), 0)
+
+
 def largest_fitting_target_epsilon(cfg, n_train: int, delta: float, existing: list, cap: float) -> float | None:
     """The largest ``privacy.target_epsilon`` at which a run of ``cfg`` still fits the dataset's
     budget: its planned events composed with ``existing`` (the ledger's counted events) by the
     accountant, ≤ ``cap``. None when no run of ``cfg`` fits, or when it plans no dp event (then the
-    budget does not limit it). Shown rounded down to 3 decimals (:func:`fitting_hint`)."""
+    budget does not limit it).
+
+    The answer is the number a user types: rounded DOWN to 4 significant digits and checked to
+    fit as rounded. (Rounding down alone is not enough: calibration meets each target only to a
+    tolerance, so the composed ε is not monotone in the target at that scale, and 2.422 could
+    compose to 3.0003 where 2.4226 composed to ≤ 3.)"""
+    import math
+
     planned = planned_events(cfg, n_train, delta)
     if not planned:
         return None
@@ -143,15 +157,33 @@ def largest_fitting_target_epsilon(cfg, n_train: int, delta: float, existing: li
         # nothing spent and one dp run: every method calibrates its worst case to ε ≤ its target,
         # so a run at target = cap fits, and no larger target is meaningful (exact, no search)
         return float(cap)
-    return acct.largest_fitting_epsilon(lambda x: planned_events(cfg, n_train, delta, x), existing, delta, cap)
+
+    def fits(x: float) -> bool:
+        try:
+            events = planned_events(cfg, n_train, delta, x)
+        except ValueError:
+            return False
+        return acct.spend(ev.ComposedEvent(tuple(existing + events)), delta).epsilon <= cap
+
+    found = acct.largest_fitting_epsilon(lambda x: planned_events(cfg, n_train, delta, x), existing, delta, cap)
+    if found is None:
+        return None
+    digits = _shown_digits(found)
+    step = 10.0 ** -digits
+    shown = math.floor(found / step) * step
+    for _ in range(10):  # a step or two down at most, in practice
+        if shown <= 0:
+            break
+        if fits(round(shown, digits)):
+            return round(shown, digits)
+        shown -= step
+    return found  # fits (the search checked it), unrounded
 
 
 def fitting_hint(largest: float | None) -> str:
-    import math
-
     if largest is None:
         return "no target_epsilon fits: the dataset's budget is spent for this config"
-    return f"the largest target_epsilon that still fits: ≈ {math.floor(largest * 1000) / 1000:.3f}"
+    return f"the largest target_epsilon that still fits: ≈ {largest:.{_shown_digits(largest)}f}"
 
 
 # ---- checks that need no private data ------------------------------------------------------
