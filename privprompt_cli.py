@@ -4,7 +4,7 @@
     privprompt audit RUN_ID [--shadows K]
     privprompt plan CONFIG [--set dotted.key=value ...]
     privprompt report EXPERIMENT
-    privprompt ledger [--config CONFIG]
+    privprompt ledger [--config CONFIG] [--json] | ledger import FILE [--key KEYFILE] | ledger set-key KEYFILE
     privprompt budget reservations | lower-cap DATASET EPS --reason R | set-delta DATASET DELTA --reason R
     privprompt config --schema
     privprompt ui
@@ -59,22 +59,19 @@ def _one_line(err: BaseException) -> str:
 
 def _ledger_snapshot(paths) -> dict[str, str]:
     """run id → status of every DP entry of the ledger (before a run: what it changes is its use)."""
-    from privacy.ledger import Ledger
-
-    if not paths.ledger.is_file():
+    if not paths.ledger_exists():
         return {}
-    return {e["run_id"]: e["status"] for e in Ledger(paths.ledger).entries() if e["kind"] == "dp"}
+    return {e["run_id"]: e["status"] for e in paths.open_ledger().entries() if e["kind"] == "dp"}
 
 
 def _budget_used(paths, before: dict[str, str]) -> str:
     """What the ledger's DP entries made or changed since ``before`` say this command used."""
-    from privacy.ledger import Ledger
     from tasks.lifecycle import budget_statement
 
     try:
-        if not paths.ledger.is_file():
+        if not paths.ledger_exists():
             return "nothing reserved, no ε used"
-        changed = [e for e in Ledger(paths.ledger).entries()
+        changed = [e for e in paths.open_ledger().entries()
                    if e["kind"] == "dp" and before.get(e["run_id"]) != e["status"]]
     except Exception as exc:  # noqa: BLE001 - never hide the run's own error
         return f"unknown (the ledger could not be read: {type(exc).__name__}); see privprompt ledger"
@@ -224,15 +221,15 @@ def _print_summary(summary: dict, wall: float) -> None:
 def cmd_run(args) -> int:
     from tasks.config import load_config
     from tasks.errors import PrivPromptError
-    from tasks.state import configure_environment, state_paths
+    from tasks.state import config_state_paths, configure_environment
 
     try:
         cfg = load_config(args.config, args.set)
         _preflight(cfg)
     except PrivPromptError as err:
         return _fail(str(err))
-    paths = state_paths(cfg.state_dir)
-    configure_environment(paths)  # before Prefect is imported
+    paths = config_state_paths(cfg)
+    configure_environment(paths)  # before Prefect is imported (exports the config's ledger.url)
     config = cfg.model_dump(mode="json")
     config["state_dir"] = str(paths.root)
 
@@ -302,17 +299,20 @@ def cmd_plan(args) -> int:
     """The budget plan of a config (every sweep variant and seed): planned ε per run, composed
     with the ledger per dataset. Creates no run, writes nothing, reads no private rows."""
     from tasks.config import load_config, sweep_variants
+    from privacy.ledger import LedgerError
     from tasks.planning import format_plan, plan_runs
-    from tasks.state import state_paths
+    from tasks.state import config_state_paths
 
     try:  # the same rules and checks as `privprompt run`, before its reservation
         cfg = load_config(args.config, args.set)
         _preflight(cfg)
         variants = sweep_variants(cfg) if cfg.sweep or cfg.seeds or cfg.grid else [("", cfg)]
-        plan = plan_runs(variants, state_paths(cfg.state_dir), largest=True)
-    except _user_errors() as err:
+        paths = config_state_paths(cfg)
+        plan = plan_runs(variants, paths, largest=True)
+    except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     print(format_plan(plan))
+    print(f"ledger: {paths.ledger_location}" + ("" if paths.ledger_exists() else " (none yet: nothing spent)"))
     return 0 if plan["fits"] else 4
 
 
@@ -355,45 +355,108 @@ def cmd_report(args) -> int:
 
 
 def cmd_ledger(args) -> int:
-    """The ledger's table; with ``--config``, also the largest target_epsilon of that config that
-    still fits its dataset (the answer of `privprompt plan`, from the same function)."""
-    from privacy.ledger import Ledger
-    from tasks.state import state_paths
+    """The ledger's table (and where the ledger lives); with ``--config``, also the largest
+    target_epsilon of that config that still fits its dataset (the answer of `privprompt plan`,
+    from the same function); ``--json``: the whole ledger (datasets, entries, cap changes, audit
+    trail) as JSON for backup; ``import FILE``: restore such a file into an empty ledger;
+    ``set-key PATH``: keep a key file as a shared ledger's team key."""
+    import json
+
+    from privacy.ledger import LedgerError
+    from tasks.state import config_state_paths, state_paths
 
     paths = state_paths(args.state_dir)
-    largest = {}
-    if args.config:
-        from tasks.config import load_config
-        from tasks.planning import plan_runs
+    command = getattr(args, "ledger_command", None)
+    try:
+        if command == "import":
+            return _ledger_import(paths, args)
+        if command == "set-key":
+            return _ledger_set_key(paths, args)
+        largest = {}
+        if args.config:
+            from tasks.config import load_config
+            from tasks.planning import plan_runs
 
-        try:
             cfg = load_config(args.config, args.set)
             _preflight(cfg)
-            plan = plan_runs([("", cfg)], state_paths(cfg.state_dir), largest=True)
-        except _user_errors() as err:
-            return _fail(_one_line(err))
-        largest = {k: f"{d['largest_hint']} for {args.config}" for k, d in plan["datasets"].items()
-                   if d.get("largest_hint")}
-    if not paths.ledger.is_file():
-        print(f"no ledger yet at {paths.ledger}: no run has used private data")
-        for hint in largest.values():
-            print(hint)
-        return 0
-    print(Ledger(paths.ledger).summary_table(largest))
+            paths = config_state_paths(cfg)
+            plan = plan_runs([("", cfg)], paths, largest=True)
+            largest = {k: f"{d['largest_hint']} for {args.config}" for k, d in plan["datasets"].items()
+                       if d.get("largest_hint")}
+        if not paths.ledger_exists():
+            if args.json:
+                print(json.dumps({"format": "privprompt-ledger", "ledger": paths.ledger_location, "datasets": [],
+                                  "entries": [], "cap_changes": [], "trail": []}, indent=1))
+                return 0
+            print(f"no ledger yet at {paths.ledger_location}: no run has used private data")
+            for hint in largest.values():
+                print(hint)
+            return 0
+        ledger = paths.open_ledger()
+        if args.json:
+            print(json.dumps(ledger.export(), indent=1, ensure_ascii=False))
+            return 0
+        print(ledger.summary_table(largest), end="")
+        print(f"ledger: {paths.ledger_location}" + (" (shared; it keeps the team key)" if paths.ledger_is_shared
+                                                   else " (this state folder's own)"))
+    except (*_user_errors(), LedgerError) as err:
+        return _fail(_one_line(err))
     return 0
+
+
+def _ledger_import(paths, args) -> int:
+    import json
+
+    try:
+        with open(args.file, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError) as exc:
+        return _fail(f"cannot read ledger export {args.file}: {exc}")
+    key = None
+    if args.key:
+        if not paths.ledger_is_shared:
+            return _fail(f"--key is for a shared ledger; this state folder's own ledger uses "
+                         f"{paths.root / 'secrets' / 'installation.key'}: copy the key file there")
+        key = _read_key(args.key)
+    counts = paths.open_ledger().import_ledger(data, team_key=key)
+    print(f"imported into {paths.ledger_location}: " + ", ".join(f"{n} {t}" for t, n in counts.items())
+          + ("; team key kept" if key else ""))
+    return 0
+
+
+def _ledger_set_key(paths, args) -> int:
+    if not paths.ledger_is_shared:
+        return _fail(f"set-key is for a shared ledger (ledger.url / $PRIVPROMPT_LEDGER_URL); this state folder's "
+                     f"ledger uses {paths.root / 'secrets' / 'installation.key'}")
+    paths.open_ledger().set_team_key(_read_key(args.key_file))
+    print(f"team key kept in {paths.ledger_location}")
+    return 0
+
+
+def _read_key(path: str) -> bytes:
+    from privacy.ledger import LedgerKeyError
+
+    try:
+        with open(path, "rb") as handle:
+            key = handle.read()
+    except OSError as exc:
+        raise LedgerKeyError(f"cannot read key file {path}: {exc.strerror}") from None
+    if len(key) != 32:
+        raise LedgerKeyError(f"{path} is not a 32-byte key (an installation.key file)")
+    return key
 
 
 def cmd_budget(args) -> int:
     """Deliberate changes to the ledger, each recorded: lower a dataset's cap, register a dataset
     anew at another δ; and the list of open reservations."""
-    from privacy.ledger import Ledger
+    from privacy.ledger import LedgerError
     from tasks.state import state_paths
 
     paths = state_paths(args.state_dir)
-    if not paths.ledger.is_file():
-        return _fail(f"no ledger at {paths.ledger}: no run has used private data")
-    ledger = Ledger(paths.ledger)
+    if not paths.ledger_exists():
+        return _fail(f"no ledger at {paths.ledger_location}: no run has used private data")
     try:
+        ledger = paths.open_ledger()
         if args.budget_command == "reservations":
             rows = ledger.open_reservations()
             if not rows:
@@ -409,7 +472,7 @@ def cmd_budget(args) -> int:
             row = ledger.lower_cap(dataset["fingerprint"], args.epsilon, args.reason)
         else:
             row = ledger.change_delta(dataset["fingerprint"], args.delta, args.reason)
-    except (*_user_errors(), ValueError) as err:
+    except (*_user_errors(), LedgerError, ValueError) as err:
         return _fail(_one_line(err))
     print(f"dataset {row['name']} ({row['fingerprint'][:12]}): cap ε={row['epsilon_cap']:g} at δ={row['delta']:g}, "
           f"spent ε={row['spent_epsilon']:.4f} (recorded in the ledger's cap changes)")
@@ -470,7 +533,7 @@ def cmd_ui(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="privprompt", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--state-dir", default=None, help="state folder (default $PRIVPROMPT_HOME or ./.privprompt)")
+    parser.add_argument("--state-dir", default=None, help="state folder (default $PRIVPROMPT_HOME, else a per-user folder: privprompt plan / ledger say where)")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a config's flow in-process (embedded Prefect, local MLflow)")
     run.add_argument("config")
@@ -488,6 +551,16 @@ def main(argv: list[str] | None = None) -> int:
     ledger = sub.add_parser("ledger", help="DP spend per dataset against its cap, and non-private uses")
     ledger.add_argument("--config", default=None, help="also say the largest target_epsilon of this config that fits")
     ledger.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ledger.add_argument("--json", action="store_true", help="the whole ledger (datasets, entries, cap changes, audit "
+                                                            "trail) as JSON, for backup")
+    ledger_sub = ledger.add_subparsers(dest="ledger_command")
+    restore = ledger_sub.add_parser("import", help="restore a `privprompt ledger --json` file into an empty ledger")
+    restore.add_argument("file")
+    restore.add_argument("--key", default=None, help="a shared ledger: also keep this key file (the installation.key "
+                                                     "the imported fingerprints were made with) as the team key")
+    setkey = ledger_sub.add_parser("set-key", help="a shared ledger: keep this key file as the team key (the key its "
+                                                   "registered fingerprints were made with)")
+    setkey.add_argument("key_file")
     budget = sub.add_parser("budget", help="open reservations; lower a cap; register a dataset anew at another δ")
     budget_sub = budget.add_subparsers(dest="budget_command", required=True)
     budget_sub.add_parser("reservations", help="runs holding a reservation (running, or stopped after reading data)")

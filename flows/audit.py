@@ -14,7 +14,6 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task, unmapped
 from prefect.runtime import flow_run
 
-from privacy.ledger import Ledger
 
 from tasks.audit import (AuditFailure, AuditTarget, attack_metrics, audit_dir, build_pool, canary_audit,
                          check_audit, train_shadow, write_results)
@@ -62,7 +61,7 @@ def audit_flow(target: dict, audit_config: dict) -> dict:
     audit_run = RunRecord(mlflow, t.run_id).child("audit", {
         "method": t.method, "stage": "audit", "privacy.guarantee": "none", "prefect.flow_run_id": audit_id})
     try:
-        Ledger(paths.ledger).record_nonprivate(
+        paths.open_ledger().record_nonprivate(
             t.part.dataset_key, f"{audit_id}:audit",
             f"membership audit of run {t.run_id}: {acfg.shadows} shadow prompts and attack statistics (not DP)")
         audit_run.log_params({"audit.shadows": acfg.shadows, "audit.pool_members": sizes["n_members"],

@@ -4,6 +4,7 @@ CLI prints. The run ends FINISHED when the flow's block completes and FAILED whe
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -12,7 +13,7 @@ from prefect.runtime import flow_run
 
 from tasks.config import PrivPromptConfig, config_hash, config_to_yaml
 from tasks.record import RunRecord, client, ensure_experiment
-from tasks.state import StatePaths, state_paths
+from tasks.state import LEDGER_URL_ENV, StatePaths, config_state_paths
 
 
 @dataclass
@@ -43,7 +44,9 @@ def device_description() -> str:
 @contextmanager
 def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
                tags: dict | None = None, params: dict | None = None) -> Iterator[FlowRun]:
-    paths = state_paths(cfg.state_dir).create()
+    paths = config_state_paths(cfg).create()
+    if paths.ledger_setting:  # the config's ledger.url: this run's tasks and workers use it too
+        os.environ[LEDGER_URL_ENV] = paths.ledger_setting
     flow_run_id = str(flow_run.get_id())
     mlflow = client(paths)
     experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)

@@ -12,7 +12,7 @@ from tasks import plots
 from tasks.config import load_config, parse_config, sweep_variants, variant_group
 from tasks.errors import ConfigError
 from tasks.planning import format_plan, plan_runs
-from tasks.state import state_paths
+from tasks.state import config_state_paths
 
 COLUMNS = ("privacy.epsilon", "test.accuracy", "mia.loss.auc", "mia.lira.auc", "mia.lira.tpr_at_1pct_fpr",
            "audit.epsilon_lower_bound")
@@ -142,7 +142,7 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
     cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
     variants = sweep_variants(cfg)  # every variant validated before anything runs
     logger = get_run_logger()
-    paths = state_paths(cfg.state_dir)
+    paths = config_state_paths(cfg)
     mlflow = client(paths) if paths.mlflow_db.is_file() else None
     done = {label: finished_run(mlflow, v.experiment_name, config_hash(v)) if mlflow else None for label, v in variants}
     todo = [(label, v) for label, v in variants if done[label] is None]

@@ -842,21 +842,21 @@ class Ledger:
         composes exactly as the exported one. ``team_key``: also keep this key as the team key.
         Appends one 'import' row to the trail. Returns the number of rows per table."""
         if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
-            raise ValueError(f"not a ledger export (its 'format' is not {EXPORT_FORMAT!r}): "
+            raise LedgerError(f"not a ledger export (its 'format' is not {EXPORT_FORMAT!r}): "
                              "make one with privprompt ledger --json")
         if not isinstance(data.get("schema_version"), int) or data["schema_version"] > SCHEMA_VERSION:
-            raise ValueError(f"ledger export of schema version {data.get('schema_version')!r}; this code reads up "
+            raise LedgerError(f"ledger export of schema version {data.get('schema_version')!r}; this code reads up "
                              f"to {SCHEMA_VERSION}: upgrade privprompt")
         for t in _TABLES:
             if not isinstance(data.get(t, []), list) or not all(isinstance(r, dict) for r in data.get(t, [])):
-                raise ValueError(f"ledger export: {t!r} must be a list of rows")
+                raise LedgerError(f"ledger export: {t!r} must be a list of rows")
         columns = {t.name: [c.name for c in t.columns] for t in _store_tables()}
         if team_key is not None and (not isinstance(team_key, (bytes, bytearray)) or len(team_key) != 32):
             raise LedgerKeyError("a team key is 32 bytes")
         with self._write() as conn:
             present = {t: _q(conn, f"SELECT COUNT(*) AS n FROM {t}").fetchone()["n"] for t in _TABLES}
             if any(present.values()):
-                raise ValueError(f"ledger {self.location} is not empty ("
+                raise LedgerError(f"ledger {self.location} is not empty ("
                                  + ", ".join(f"{n} {t}" for t, n in present.items() if n)
                                  + "): import restores into an empty ledger only")
             counts = {}
@@ -865,7 +865,7 @@ class Ledger:
                 for r in rows:
                     unknown = set(r) - set(columns[t])
                     if unknown:
-                        raise ValueError(f"ledger export: unknown column(s) {sorted(unknown)} in table {t!r}")
+                        raise LedgerError(f"ledger export: unknown column(s) {sorted(unknown)} in table {t!r}")
                     names = [c for c in columns[t] if c in r]
                     _q(conn, f"INSERT INTO {t} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
                        tuple(r[c] for c in names))

@@ -33,13 +33,37 @@ def _methods_config_class():
 MethodsConfig = _methods_config_class()
 
 
+class LedgerConfig(Block):
+    url: str | None = Field(
+        None, description="the privacy ledger's database: sqlite:////abs/path.sqlite or postgresql://user@host:port/db "
+                          "(a team's shared ledger); default $PRIVPROMPT_LEDGER_URL, else the SQLite file in the state "
+                          "folder. No password here (the config is logged): use $PRIVPROMPT_LEDGER_URL or ~/.pgpass")
+
+    @field_validator("url")
+    @classmethod
+    def _ledger_url(cls, v):
+        if v is None:
+            return v
+        from privacy.ledger_store import mask_url, resolve
+
+        if "://" not in v:
+            raise ValueError(f"{v!r} is not a ledger URL: use sqlite:////abs/path.sqlite or postgresql://user@host/db")
+        url, _ = resolve(v)
+        if url.password:
+            raise ValueError(f"{mask_url(v)} carries a password, and the config is logged to MLflow: put the URL in "
+                             "$PRIVPROMPT_LEDGER_URL (or the password in ~/.pgpass) instead")
+        return v
+
+
 class PrivPromptConfig(Block):
     flow: Literal["prompt_tuning"] = "prompt_tuning"
     method: str = Field("prompt_dpsgd", description="the method this run publishes")
     experiment: str | None = Field(None, description="MLflow experiment (default: the method)")
     seed: int = 0
-    state_dir: str | None = Field(None, description="default $PRIVPROMPT_HOME or ./.privprompt")
+    state_dir: str | None = Field(None, description="default $PRIVPROMPT_HOME, else one folder per user "
+                                                     "(platformdirs user_data_dir: ~/.local/share/privprompt on Linux)")
     data_root: str | None = Field(None, description="default $PRIVPROMPT_DATA_ROOT or ../shared/data")
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig, description="where the privacy budget ledger lives")
     allow_nonprivate_baselines: bool = Field(False, description="opt-in for non-private baselines")
     data: DataConfig
     models: ModelsConfig
@@ -246,10 +270,10 @@ def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
 
 
 def config_hash(cfg: PrivPromptConfig) -> str:
-    """A hash of the validated config minus where it runs (state folder): a rerun of the same
+    """A hash of the validated config minus where it runs (state folder, ledger): a rerun of the same
     variant has the same hash (resumable sweeps skip variants with a FINISHED run of it)."""
     data = cfg.model_dump(mode="json")
-    for key in ("state_dir", "sweep", "grid", "seeds", "sweep_dask"):
+    for key in ("state_dir", "ledger", "sweep", "grid", "seeds", "sweep_dask"):
         data.pop(key, None)
     return digest_key(data, length=20)
 

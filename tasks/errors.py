@@ -21,7 +21,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     from models.prompts.endpoint import EndpointError
     from models.registry import ModelLoadError
-    from privacy.ledger import BudgetExceededError, DeltaMismatchError, UnknownDatasetError
+    from privacy.ledger import BudgetExceededError, DeltaMismatchError, LedgerError, UnknownDatasetError
 
-    return (PrivPromptError, ModelLoadError, BudgetExceededError, DeltaMismatchError, UnknownDatasetError,
+    return (PrivPromptError, ModelLoadError, BudgetExceededError, DeltaMismatchError, UnknownDatasetError, LedgerError,
             EndpointError, ValidationError)

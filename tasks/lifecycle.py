@@ -402,7 +402,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
     opt_in = delta_opt_in(cfg, part.n_train, delta)
     plan = method.plan(cfg, part.n_train, delta)
     run_key = f"{ctx.flow_run_id}:{name}"
-    ledger = Ledger(paths.ledger)
+    ledger = paths.open_ledger()  # the state folder's file, or the team's ledger by URL
     ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)
     method.preflight(cfg, prepared)  # before the reservation (the flow ran all of them already: cached)
     if opt_in:  # the run record says that this run's δ is ≥ 1/n by the config's explicit opt-in

@@ -56,7 +56,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
     from .data import dataset_key
 
     runs, events, meta = [], {}, {}
-    ledger = Ledger(state_paths.ledger) if state_paths.ledger.is_file() else None
+    ledger = state_paths.open_ledger() if state_paths.ledger_exists() else None
     checked: set[str] = set()
     for label, cfg in variants:
         n = estimate_n_train(cfg, state_paths.private)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from privacy.ledger import Ledger
 
 from . import plots
 
@@ -31,7 +30,7 @@ def budget_record(cfg, part, paths, published: dict, plan_note: str, stages_extr
     key, a keyed hash of the SOURCE files; ``data.partition``: the keyed hash of this run's
     training partition), the published method's spend and its stages (what is accounted, what is
     post-processing or public-data only), and where its prompt is (:func:`prompt_record`)."""
-    row = Ledger(paths.ledger).dataset(part.dataset_key)
+    row = paths.open_ledger().dataset(part.dataset_key)
     budget = {"dataset": cfg.data.name, "dataset.fingerprint": part.dataset_key, "data.partition": part.fingerprint,
               "privacy.guarantee": published["guarantee"],
               "ledger": {k: row[k] for k in LEDGER_KEYS if k in row},

@@ -15,7 +15,6 @@ from typing import Callable
 import numpy as np
 
 from privacy import audit
-from privacy.ledger import Ledger
 
 from . import plots
 from .config import PrivPromptConfig, parse_config
@@ -45,7 +44,7 @@ class StageContext:
 
     @property
     def paths(self) -> StatePaths:
-        return state_paths(self.state_dir)
+        return state_paths(self.state_dir, (self.config.get("ledger") or {}).get("url"))
 
     @property
     def part(self) -> Partition:
@@ -241,7 +240,7 @@ def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
 
     started = time.perf_counter()
     cfg, part = ctx.cfg, ctx.part
-    Ledger(ctx.paths.ledger).record_nonprivate(
+    ctx.paths.open_ledger().record_nonprivate(
         part.dataset_key, f"{ctx.flow_run_id}:mia:{name}",
         f"loss-threshold membership inference on {name}'s prompt: audit statistics (not DP)")
     model = model or cfg.models.local

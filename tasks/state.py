@@ -1,7 +1,15 @@
 """The state folder and the environment of an in-process run (embedded Prefect, SQLite MLflow).
 
-``$PRIVPROMPT_HOME`` (default ``./.privprompt``) holds the MLflow database and artifacts, the
-budget ledger, Prefect's home, and ``private/``: the one place private working data is written.
+The state folder — the config's ``state_dir``, else ``$PRIVPROMPT_HOME``, else one stable folder
+per user (``platformdirs.user_data_dir("privprompt")``, e.g. ``~/.local/share/privprompt``; never
+relative to the working folder, so running from another folder never starts a new ledger) —
+holds the MLflow database and artifacts, the budget ledger (unless the ledger is elsewhere),
+Prefect's home, and ``private/``: the one place private working data is written.
+
+The ledger: the config's ``ledger.url``, else ``$PRIVPROMPT_LEDGER_URL``, else the SQLite file
+``<state>/ledger.sqlite``. A ledger elsewhere (a team's PostgreSQL, or a SQLite file outside the
+state folder) also keeps the key of keyed fingerprints and splits (:func:`installation_secret`),
+so that every machine using it names a dataset the same way.
 """
 
 from __future__ import annotations
@@ -23,9 +31,20 @@ def digest_key(fields: dict, length: int = 16) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:length]
 
 
+LEDGER_URL_ENV = "PRIVPROMPT_LEDGER_URL"
+
+
+def default_state_dir() -> Path:
+    """The per-user state folder used when neither the config nor $PRIVPROMPT_HOME names one."""
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("privprompt", appauthor=False))
+
+
 @dataclass(frozen=True)
 class StatePaths:
     root: Path
+    ledger_setting: str | None = None  # the config's ledger.url (None: $PRIVPROMPT_LEDGER_URL or the file)
 
     @property
     def mlflow_db(self) -> Path:
@@ -37,7 +56,42 @@ class StatePaths:
 
     @property
     def ledger(self) -> Path:
+        """The embedded ledger file of this state folder (used when no ledger URL is set)."""
         return self.root / "ledger.sqlite"
+
+    @property
+    def ledger_url(self) -> str:
+        """Where this state folder's runs keep their budget: the config's ``ledger.url``, else
+        ``$PRIVPROMPT_LEDGER_URL``, else ``sqlite:///<state>/ledger.sqlite``."""
+        from privacy.ledger_store import sqlite_url
+
+        return self.ledger_setting or os.environ.get(LEDGER_URL_ENV) or sqlite_url(self.ledger)
+
+    @property
+    def ledger_is_shared(self) -> bool:
+        """True when the ledger is not this state folder's own file (a team's database, or a file
+        elsewhere): it then keeps the team key of fingerprints and splits."""
+        from privacy.ledger_store import resolve
+
+        return resolve(self.ledger_url)[1] != self.ledger.resolve()
+
+    @property
+    def ledger_location(self) -> str:
+        """The ledger's URL with its password masked (for people and logs)."""
+        from privacy.ledger_store import mask_url
+
+        return mask_url(self.ledger_url)
+
+    def ledger_exists(self) -> bool:
+        """Whether a ledger is there to read without creating one: the file exists, or the
+        ledger is a database elsewhere (opened, and its tables made, on first use)."""
+        return self.ledger_is_shared or self.ledger.is_file()
+
+    def open_ledger(self):
+        """The :class:`privacy.ledger.Ledger` of this state folder (created if it does not exist)."""
+        from privacy.ledger import Ledger
+
+        return Ledger(self.ledger_url)
 
     @property
     def prefect_home(self) -> Path:
@@ -56,17 +110,31 @@ class StatePaths:
 SECRET_NAME = "installation.key"
 
 
-def installation_secret(private_dir: str | Path) -> bytes:
-    """This installation's secret key (32 bytes from ``secrets``), kept in
-    ``<state>/secrets/installation.key`` (mode 0600; ``<state>`` is the parent of ``private_dir``):
-    the HMAC key of dataset fingerprints, so that a published fingerprint confirms no guess about
-    the data to anyone without it. Not under ``private/``: public-data stages use it to check that
-    public data does not overlap the private source. Created atomically on first use; never
-    logged or returned in a result."""
+_TEAM_KEYS: dict[str, bytes] = {}
+
+
+def installation_secret(private_dir: str | Path, ledger_url: str | None = None) -> bytes:
+    """This installation's secret key (32 bytes from ``secrets``): the HMAC key of dataset
+    fingerprints and keyed splits, so that a published fingerprint confirms no guess about the
+    data to anyone without it. Never logged or returned in a result.
+
+    With a ledger elsewhere (``ledger_url``, else ``$PRIVPROMPT_LEDGER_URL``, other than this
+    state folder's own file) it is the TEAM key kept in that ledger (created once, by whichever
+    machine comes first; refused over a ledger that has datasets and no key): every machine names
+    a dataset the same way. Otherwise it is kept in ``<state>/secrets/installation.key`` (mode
+    0600; ``<state>`` is the parent of ``private_dir``), created atomically on first use. Not under
+    ``private/``: public-data stages use it to check that public data does not overlap the
+    private source."""
     import secrets
     import tempfile
 
-    directory = Path(private_dir).resolve().parent / "secrets"
+    paths = StatePaths(Path(private_dir).resolve().parent, ledger_url)
+    if paths.ledger_is_shared:
+        url = paths.ledger_url
+        if url not in _TEAM_KEYS:
+            _TEAM_KEYS[url] = paths.open_ledger().team_key(mint=True)
+        return _TEAM_KEYS[url]
+    directory = paths.root / "secrets"
     path = directory / SECRET_NAME
     if path.is_file():
         key = path.read_bytes()
@@ -118,9 +186,18 @@ def made_once(path: Path, make, load, save, usable=lambda data: True):
     return data
 
 
-def state_paths(state_dir: str | None = None) -> StatePaths:
-    root = state_dir or os.environ.get("PRIVPROMPT_HOME") or ".privprompt"
-    return StatePaths(Path(root).expanduser().resolve())
+def state_paths(state_dir: str | None = None, ledger_url: str | None = None) -> StatePaths:
+    """The state folder: ``state_dir`` (the config's), else ``$PRIVPROMPT_HOME``, else the per-user
+    :func:`default_state_dir`. ``ledger_url``: the config's ``ledger.url`` (None: the environment's
+    or the state folder's file)."""
+    root = state_dir or os.environ.get("PRIVPROMPT_HOME") or default_state_dir()
+    return StatePaths(Path(root).expanduser().resolve(), ledger_url or None)
+
+
+def config_state_paths(cfg) -> StatePaths:
+    """:func:`state_paths` of a config (its ``state_dir`` and ``ledger.url``)."""
+    ledger = getattr(cfg, "ledger", None)
+    return state_paths(cfg.state_dir, getattr(ledger, "url", None))
 
 
 def default_data_root(config_value: str | None = None) -> str | None:
@@ -159,4 +236,6 @@ def configure_environment(paths: StatePaths) -> None:
     for k, v in env.items():
         os.environ.setdefault(k, v)
     os.environ["PREFECT_HOME"] = str(paths.prefect_home)
+    if paths.ledger_setting:  # the config's ledger: this process's and its workers' (Dask) from now on
+        os.environ[LEDGER_URL_ENV] = paths.ledger_setting
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(paths.prefect_home / "storage")
