@@ -3,7 +3,7 @@ EXPERIMENT``, and the sweep's summary): parent runs only, pulled back with ``sea
 
 Accuracy vs ε and MIA AUC vs ε, one line per method (its ``method.label``: Privacy-Flat's rungs apart), markers by ``privacy.guarantee``; runs
 without an ε (non-private methods, ``none``) stand at ε = ∞ on the right; local-DP runs (``ldp``,
-no ε) get their own panel against their privacy parameter (a ``*.eta`` param)."""
+no ε) get their own panel against their privacy parameter (the method's ``ldp_level``, RAPT's η)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
             tags = run.data.tags
             if "mlflow.parentRunId" in tags or tags.get("flow") == "sweep" or "method" not in tags:
                 continue
-            eta = next((float(v) for k, v in run.data.params.items() if k.endswith(".eta")), None)
+            eta = _ldp_level(tags["method"], run.data.params)
             rows.append({"run_id": run.info.run_id, "method": tags.get("method.label") or tags["method"],
                          "dataset": tags.get("dataset", ""),
                          "zero_shot": run.data.metrics.get("test.accuracy.zero_shot"),
@@ -46,6 +46,17 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
         if not token:
             break
     return rows
+
+
+def _ldp_level(method: str, params: dict) -> float | None:
+    """A local-DP run's privacy parameter, as its method reads it from the params (None for a
+    method no longer registered)."""
+    from .methods import get_method
+
+    try:
+        return get_method(method).ldp_level(params)
+    except KeyError:
+        return None
 
 
 def _empirical_privacy(metrics: dict) -> float | None:

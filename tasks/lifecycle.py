@@ -485,7 +485,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
             if post.prompt is not trained.prompt:
                 info["compute"]["post_process"] = time.perf_counter() - started
                 info["source_prompt_path"] = str(save_prompt_file(directory, f"{name}_source", trained.prompt, {
-                    **meta, "model": prepared.get("student_dir", cfg.models.local), "stage": "train"}))
+                    **meta, "model": method.source_model(cfg, prepared), "stage": "train"}))
             info["prompt_path"] = str(save_prompt_file(directory, name, post.prompt, meta))
             if info["source_prompt_path"] is None:
                 info["source_prompt_path"] = info["prompt_path"]

@@ -203,6 +203,15 @@ class Method:
         """The model the published prompt is used on (and attacked on)."""
         return cfg.models.local
 
+    def source_model(self, cfg: "PrivPromptConfig", prepared: dict[str, Any]) -> str:
+        """The model ``train``'s prompt is trained on, before ``post_process`` (POST: the student)."""
+        return cfg.models.local
+
+    def ldp_level(self, params: dict[str, str]) -> float | None:
+        """The local-DP parameter of a run of this method (an ``ldp`` run has no ε), read back from
+        its logged params for the report (RAPT: η); None when the method has none."""
+        return None
+
     def variants(self, ctx, result: dict, prepared: dict[str, Any], run_method) -> list[Variant]:
         """Extra evaluated prompts. ``run_method(name)`` runs another registered method through
         the lifecycle (e.g. a non-private upper bound) and returns its result."""

@@ -257,6 +257,9 @@ class Post(Method):
     def published_model(self, cfg, prepared):
         return cfg.models.target_name
 
+    def source_model(self, cfg, prepared):
+        return prepared.get("student_dir", cfg.models.local)
+
     def missing_prepared(self, prepared):
         student = prepared.get("student_dir")
         return "" if student and Path(student).is_dir() else f"the run's POST student, not found at {student}"

@@ -100,6 +100,10 @@ class Rapt(Method):
             raise ValueError(f"models.max_length={cfg.models.max_length} must hold RAPT's {m} plain tokens, "
                              "[CLS], [SEP] and the text (at least 8 text tokens)")
 
+    def ldp_level(self, params):
+        eta = params.get("rapt.eta")
+        return None if eta is None else float(eta)
+
     def plan(self, cfg, n_train, delta):
         block = self.settings(cfg)
         guarantee = self.guarantee(cfg)
