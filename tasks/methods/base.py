@@ -137,6 +137,13 @@ class Method:
     label: ClassVar[str] = ""             # a human name for tables
 
     # ---- configuration ------------------------------------------------------------------
+    @classmethod
+    def contract_test_config(cls) -> dict[str, Any]:
+        """Settings of ``methods.<name>`` small enough to train in seconds on the tiny test models
+        (tiny-gpt2, 20 rows): the contract test (``tests/test_method_contract.py``) runs every
+        registered method with them. {}: the defaults are small enough."""
+        return {}
+
     def settings(self, cfg: "PrivPromptConfig"):
         """This method's config block."""
         return getattr(cfg.methods, self.name)

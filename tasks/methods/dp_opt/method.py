@@ -154,6 +154,11 @@ class DPOpt(_TextMethod):
     config_class = DPOptConfig
     label = "DP-OPT"
 
+    @classmethod
+    def contract_test_config(cls):
+        return {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2, "epsilon0": 4.0,
+                "delta0": 1e-8}
+
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
 
@@ -284,6 +289,10 @@ class Opt(_TextMethod):
     config_class = OptConfig
     label = "OPT (ε = ∞)"
 
+    @classmethod
+    def contract_test_config(cls):
+        return {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2}
+
     def guarantee(self, cfg):
         return "none"
 
@@ -354,6 +363,10 @@ class ICL(Method):
     config_class = ICLConfig
     prompt_kind = "text"
     label = "ICL (5 demos)"
+
+    @classmethod
+    def contract_test_config(cls):
+        return {"demos": 2}
 
     def preflight(self, cfg, prepared) -> None:
         check_text_method(cfg, generates=False)

@@ -38,6 +38,10 @@ class DPZero(Method):
     config_class = DPZeroConfig
     label = "DPZero (black-box)"
 
+    @classmethod
+    def contract_test_config(cls):
+        return {"n_tokens": 2, "batch_size": 8, "steps": 3}
+
     def guarantee(self, cfg):
         return "none" if self.settings(cfg).regularizer else dp_unless_debug(cfg)
 

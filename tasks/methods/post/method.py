@@ -194,6 +194,11 @@ class Post(Method):
     label = "POST"
     stage_names = {"prepare": "distill", "train": "tune", "post_process": "transfer"}
 
+    @classmethod
+    def contract_test_config(cls):
+        return {"tuning": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
+                "distill": {"steps": 2, "batch_size": 8}, "transfer": {"steps": 2, "batch_size": 8}}
+
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
 

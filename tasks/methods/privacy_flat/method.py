@@ -51,6 +51,11 @@ class PrivacyFlat(PrefixDPSGD):
     config_class = PrivacyFlatConfig
     label = "Privacy-Flat (DP prefix tuning + flattening)"
 
+    @classmethod
+    def contract_test_config(cls):
+        return {**super().contract_test_config(),
+                "flat": {"awp": True, "sparse": True, "layers": 1, "regularizer": True, "sharpness_examples": 8}}
+
     def guarantee(self, cfg):
         if self.settings(cfg).flat.reads_private_without_noise():
             return "none"

@@ -14,6 +14,10 @@ class PromptDPSGD(Method):
     config_class = DPSGDConfig
     label = "prompt tuning (DP-SGD)"
 
+    @classmethod
+    def contract_test_config(cls):
+        return {"n_tokens": 2, "epochs": 1, "batch_size": 8}
+
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
 

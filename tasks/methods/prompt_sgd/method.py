@@ -13,6 +13,10 @@ class PromptSGD(Method):
     config_class = PromptTuningConfig
     label = "prompt tuning (non-private)"
 
+    @classmethod
+    def contract_test_config(cls):
+        return {"n_tokens": 2, "epochs": 1, "batch_size": 8}
+
     def guarantee(self, cfg):
         return "none"
 

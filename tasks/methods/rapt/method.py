@@ -79,6 +79,10 @@ class Rapt(Method):
     label = "RAPT"
     supports_loss_mia = False  # its model only takes privatized inputs: the attacks below measure it
 
+    @classmethod
+    def contract_test_config(cls):
+        return {"plain_tokens": 4, "head_vocab": 60, "n_tokens": 2, "steps": 2, "batch_size": 4}
+
     def guarantee(self, cfg):
         return "none" if cfg.debug_seeded_dp_randomness else "ldp"
 
