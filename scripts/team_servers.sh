@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
 # Start a team's servers on this machine, for trying the shared set-up or for the on-demand test
-# (tests/test_team_servers.py): PostgreSQL (Debian's package), an MLflow tracking server backed by
-# it (artifacts served by MLflow from a folder), and a Prefect server. Prints the two URLs to export.
+# (tests/test_team_servers.py): PostgreSQL (Debian's package) with two databases, `mlflow` (the
+# tracking server's store) and `ledger` (the team's privacy budget ledger), an MLflow tracking server
+# backed by it (artifacts served by MLflow from a folder), and a Prefect server. Prints the three
+# URLs to export.
 #
 #   bash scripts/team_servers.sh start DIR   # DIR holds the database cluster, artifacts, logs and pids
 #   bash scripts/team_servers.sh stop DIR
 #
 # On several machines: run the servers once, then on every machine
-#   export MLFLOW_TRACKING_URI=http://<host>:5055  PREFECT_API_URL=http://<host>:4299/api
-# and `privprompt run CONFIG` (or a Prefect worker on the work pool of prefect.yaml) logs there.
+#   export MLFLOW_TRACKING_URI=http://<host>:5055  PREFECT_API_URL=http://<host>:4299/api \
+#          PRIVPROMPT_LEDGER_URL=postgresql://privprompt@<host>:5433/ledger
+# and `privprompt run CONFIG` (or a Prefect worker on the work pool of prefect.yaml) logs there and
+# spends every dataset's one budget in the shared ledger (which also keeps the team key). The
+# cluster here trusts local connections (--auth=trust, listening on 127.0.0.1 only): for machines
+# on a network, give the role a password (in ~/.pgpass or the URL in the environment, never in a
+# config) and allow their addresses in pg_hba.conf.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ACTION=${1:?start or stop}
@@ -38,6 +45,7 @@ start)
   "${RUN_AS[@]}" "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_DATA/postgres.log" -w \
     -o "-p $PG_PORT -k /tmp -c listen_addresses=127.0.0.1" start >/dev/null
   "${RUN_AS[@]}" "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U privprompt mlflow 2>/dev/null || true  # exists
+  "${RUN_AS[@]}" "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U privprompt ledger 2>/dev/null || true  # exists
   setsid nohup $PY -m mlflow server --host 127.0.0.1 --port "$MLFLOW_PORT" \
     --backend-store-uri "postgresql+psycopg2://privprompt@127.0.0.1:$PG_PORT/mlflow" \
     --artifacts-destination "$DIR/artifacts" --serve-artifacts --workers 1 \
@@ -54,7 +62,8 @@ start)
     $PY -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$url" \
       || { echo "server at $url did not come up; logs in $DIR/logs" >&2; exit 1; }
   done
-  echo "export MLFLOW_TRACKING_URI=http://127.0.0.1:$MLFLOW_PORT PREFECT_API_URL=http://127.0.0.1:$PREFECT_PORT/api"
+  echo "export MLFLOW_TRACKING_URI=http://127.0.0.1:$MLFLOW_PORT PREFECT_API_URL=http://127.0.0.1:$PREFECT_PORT/api" \
+    "PRIVPROMPT_LEDGER_URL=postgresql://privprompt@127.0.0.1:$PG_PORT/ledger"
   ;;
 stop)
   for name in mlflow prefect; do
