@@ -334,6 +334,8 @@ class Store:
     def init_schema(self) -> None:
         if self.dialect == "sqlite":
             self._set_wal()
+        if self._current_version() == SCHEMA_VERSION:
+            return  # nothing to create or migrate: no write lock taken
         with self.write() as conn:
             if self.dialect == "sqlite":
                 version = conn.exec_driver_sql("PRAGMA user_version").scalar()
@@ -363,6 +365,12 @@ class Store:
                              {"v": str(SCHEMA_VERSION)})
                 if self.dialect == "sqlite":
                     conn.exec_driver_sql(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _current_version(self) -> int:
+        with self.read() as conn:
+            if self.dialect == "sqlite":
+                return conn.exec_driver_sql("PRAGMA user_version").scalar()
+            return self._meta_version(conn)
 
     @staticmethod
     def _meta_version(conn: sa.Connection) -> int:

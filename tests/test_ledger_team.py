@@ -481,3 +481,56 @@ def test_ledger_and_budget_commands_use_the_ledger_url(tmp_path, monkeypatch, ca
     with redirect_stdout(buf):
         assert main(["--state-dir", str(tmp_path / "s"), "budget", "reservations"]) == 0
     assert "no open reservations" in buf.getvalue()
+
+
+# ---- a writer killed while it holds the ledger's write lock ---------------------------------------
+
+_HOLDER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from privacy.ledger import Ledger, _q
+led = Ledger({url!r})
+with led._store.write() as conn:  # the write lock, and a reservation inserted but not committed
+    _q(conn, "INSERT INTO entries (run_id, fingerprint, kind, status, reserved_event, epsilon_reserved, description,"
+             " created_at) VALUES ('killed', ?, 'dp', 'reserved', '{{}}', 1.0, '', 'now')", ({fp!r},))
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def kill_writer_holding_the_lock(url: str) -> float:
+    """kill -9 a process inside a write transaction; the next reservation must go through at once,
+    and nothing of the killed transaction may be in the ledger. Returns the wait in seconds."""
+    import signal
+    import sys
+    import time
+
+    led = Ledger(url)
+    led.register_dataset(FP, "sst2", 8.0, DELTA)
+    led.reserve(FP, "before", EXP)
+    repo = str(Path(__file__).resolve().parents[1])
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER.format(repo=repo, url=url, fp=FP)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    started = time.monotonic()
+    r = led.reserve(FP, "after", EXP)
+    waited = time.monotonic() - started
+    assert r.spent_epsilon == pytest.approx(composed(2))
+    assert [e["run_id"] for e in led.entries()] == ["before", "after"]   # nothing of the killed writer
+    assert [t["run_id"] for t in led.trail() if t["action"] == "reserve"] == ["before", "after"]
+    return waited
+
+
+def test_killed_writer_leaves_no_lock_and_no_row_on_sqlite(tmp_path):
+    assert kill_writer_holding_the_lock(f"sqlite:///{tmp_path / 'team.sqlite'}") < 10
+
+
+@pytest.mark.servers
+def test_killed_writer_leaves_no_lock_and_no_row_on_postgres(postgres):
+    assert kill_writer_holding_the_lock(postgres.database()) < 10
