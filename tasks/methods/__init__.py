@@ -38,11 +38,24 @@ def register_method(cls: type[Method]) -> type[Method]:
     if existing is not None and type(existing) is not cls and type(existing).__qualname__ != cls.__qualname__:
         raise ValueError(f"method {name!r} is already registered by {type(existing).__qualname__}")
     _REGISTRY[name] = cls()
+    _refresh_config_schema()
+    return cls
+
+
+def unregister_method(name: str) -> None:
+    """Remove ``name`` from the registry (and its block from the config schema): a method added
+    for a while (a test's toy method, a plugin being reloaded)."""
+    _load_builtins()
+    if _REGISTRY.pop(name, None) is None:
+        raise KeyError(f"method {name!r} is not registered")
+    _refresh_config_schema()
+
+
+def _refresh_config_schema() -> None:
     config = sys.modules.get(__name__.rsplit(".", 1)[0] + ".config")
     refresh = getattr(config, "refresh_methods_schema", None)  # absent while tasks.config is being imported
     if refresh is not None:
         refresh()
-    return cls
 
 
 def _load_builtins() -> None:

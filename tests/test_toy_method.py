@@ -1,0 +1,167 @@
+"""A method added as ONE package runs through the CLI (issue 26): the package below is written to
+a temporary folder — its config block, its method class, its own torch code (a DP step hook) —
+registered through the registry's public door when imported, and then planned and run with
+``privprompt plan`` / ``privprompt run`` on the tiny model of the contract test. No file of the
+project names it: no list of methods to extend, no flow, CLI, schema or deployment edited."""
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = REPO.parent / "shared" / "data"
+NAME = "toy_decayed_dpsgd"
+
+PACKAGE = {
+    "__init__.py": '''
+        """A toy method: DP-SGD soft-prompt tuning whose noised update also decays the prompt."""
+
+        from .method import ToyDecayedDPSGD  # noqa: F401  (registers the method)
+        ''',
+    "decay.py": '''
+        """The toy method's torch code: a DP step hook (data-independent: post-processing of the
+        noised gradient, so the DP-SGD event is unchanged)."""
+
+        from models.dp_prompt_training import DPStepHook
+
+
+        class DecayHook(DPStepHook):
+            def __init__(self, decay: float):
+                self.decay = decay
+
+            def adjust_gradient(self, grad, weight, mask):
+                return grad + self.decay * weight
+        ''',
+    "method.py": '''
+        from pydantic import Field
+
+        from privacy import accountant as acct
+        from privacy import events as ev
+        from tasks.methods import register_method
+        from tasks.methods.base import Method, MethodPlan, Trained, dp_unless_debug
+        from tasks.schema import Block
+
+
+        class ToyConfig(Block):
+            enabled: bool = False
+            n_tokens: int = Field(2, gt=0)
+            steps: int = Field(3, gt=0)
+            batch_size: int = Field(8, gt=0)
+            lr: float = Field(0.05, gt=0)
+            max_grad_norm: float = Field(1.0, gt=0)
+            decay: float = Field(0.01, ge=0)
+
+
+        @register_method
+        class ToyDecayedDPSGD(Method):
+            name = "toy_decayed_dpsgd"
+            config_class = ToyConfig
+            label = "toy: DP-SGD with a decayed update"
+
+            def guarantee(self, cfg):
+                return dp_unless_debug(cfg)
+
+            def plan(self, cfg, n_train, delta):
+                block = self.settings(cfg)
+                q = min(1.0, block.batch_size / n_train)
+                sigma = acct.calibrate_noise_multiplier(cfg.privacy.target_epsilon, delta, q, block.steps)
+                guarantee = self.guarantee(cfg)
+                return MethodPlan(self.name, guarantee, n_train, delta,
+                                  event=ev.dpsgd_event(q, sigma, block.steps) if guarantee == "dp" else None,
+                                  params={"toy.noise_multiplier": sigma, "toy.decay": block.decay},
+                                  settings={"sample_rate": q, "noise_multiplier": sigma})
+
+            def train(self, mctx, plan, rows, progress=None):
+                from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
+                from tasks.stages import classifier_for, label_indices
+
+                from .decay import DecayHook
+
+                cfg, block = mctx.cfg, self.settings(mctx.cfg)
+                clf = classifier_for(cfg, cfg.models.local)
+                sample, noise = mctx.randomness.torch_generators()
+                result = train_prompt(
+                    clf, clf.encode(rows.texts, max_length=cfg.models.max_length),
+                    label_indices(rows.labels, cfg.data.labels),
+                    PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, steps=block.steps,
+                                         batch_size=block.batch_size, seed=mctx.seed),
+                    dp=DPConfig(plan.settings["noise_multiplier"], block.max_grad_norm, plan.settings["sample_rate"]),
+                    seed=mctx.seed, sample_generator=sample, noise_generator=noise, hooks=[DecayHook(block.decay)])
+                event = (ev.dpsgd_event(plan.settings["sample_rate"], plan.settings["noise_multiplier"], result.steps)
+                         if plan.guarantee == "dp" else None)
+                return Trained(result.prompt, event, result.steps, {"train.steps": result.steps}, result.history)
+        ''',
+}
+
+
+@pytest.fixture
+def toy_package(tmp_path, monkeypatch):
+    """The package, written outside the project and imported: registered while the test runs."""
+    from tasks.config import PrivPromptConfig
+    from tasks.methods import registered_methods, unregister_method
+
+    folder = tmp_path / "plugins" / NAME
+    folder.mkdir(parents=True)
+    for file, text in PACKAGE.items():
+        (folder / file).write_text(textwrap.dedent(text).lstrip())
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+    __import__(NAME)
+    try:
+        assert NAME in registered_methods()
+        assert NAME in PrivPromptConfig.model_fields["methods"].annotation.model_fields  # its config block
+        yield folder
+    finally:
+        unregister_method(NAME)
+        for module in [m for m in sys.modules if m == NAME or m.startswith(NAME + ".")]:
+            del sys.modules[module]
+    assert NAME not in registered_methods()
+
+
+def _config(state: Path) -> dict:
+    return {
+        "method": NAME, "experiment": "toy", "seed": 0, "state_dir": str(state),
+        "data": {"name": "sst2", "path": str(SHARED / "sst2"), "labels": ["negative", "positive"],
+                 "train_fraction": 0.000594, "holdout_fraction": 0.0001485, "test_fraction": 0.011},
+        "models": {"local": "tiny-gpt2", "max_length": 24},
+        "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
+        "methods": {NAME: {"steps": 3, "decay": 0.05}},
+        "mia": {"max_examples": 10},
+    }
+
+
+def test_a_method_in_one_package_runs_through_plan_and_run(toy_package, tmp_path, monkeypatch, prefect_harness,
+                                                           sst2_dir):
+    from prefect.settings import PREFECT_API_URL
+
+    from privprompt_cli import main
+    from tasks.record import client
+    from tasks.state import state_paths
+
+    state = tmp_path / "state"
+    config = tmp_path / "toy.yaml"
+    config.write_text(yaml.safe_dump(_config(state)))
+    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())  # the session's test server
+
+    assert main(["plan", str(config)]) == 0
+    assert main(["run", str(config)]) == 0
+
+    mlflow = client(state_paths(str(state)))
+    exp = mlflow.get_experiment_by_name("toy")
+    parents = [r for r in mlflow.search_runs([exp.experiment_id], f"tags.method = '{NAME}'")
+               if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1
+    run = parents[0]
+    assert run.data.tags["privacy.guarantee"] == "dp"
+    assert 0.0 <= run.data.metrics["test.accuracy"] <= 1.0
+    assert 0.0 < run.data.metrics["privacy.epsilon"] <= 8.0 * (1 + 1e-6)
+    assert float(run.data.params["toy.decay"]) == 0.05
+    entries = state_paths(str(state)).open_ledger().entries()
+    assert [e["status"] for e in entries if e["kind"] == "dp"] == ["committed"]  # its spend, in the ledger
+
+    # nothing of the project names the method: it lives in its package alone
+    for path in [*REPO.glob("*.py"), *REPO.glob("*.yaml"), *(REPO / "configs").glob("*.yaml"),
+                 *(p for d in ("tasks", "flows", "models", "privacy") for p in (REPO / d).rglob("*.py"))]:
+        assert NAME not in path.read_text(), path
