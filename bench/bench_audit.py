@@ -37,7 +37,7 @@ def main() -> None:
     configure_environment(paths)
     import privprompt_cli
     from flows.audit import run_audit, target_from_run
-    from flows.prompt_tuning import prompt_tuning_flow
+    from flows.method_flow import method_flow
     from tasks.config import parse_config
 
     config = {
@@ -53,7 +53,7 @@ def main() -> None:
     cfg = parse_config(config)
     results = {}
     with privprompt_cli._local_prefect_server():
-        summary = prompt_tuning_flow(cfg.model_dump(mode="json") | {"state_dir": str(state)})
+        summary = method_flow(cfg.model_dump(mode="json") | {"state_dir": str(state)})
         for workers in (1, 2):
             target, acfg = target_from_run(summary["mlflow_run_id"], str(state), args.shadows)
             acfg = acfg.model_copy(update={"dask": acfg.dask.model_copy(update={"n_workers": workers})})

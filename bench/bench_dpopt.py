@@ -40,7 +40,7 @@ def main() -> None:
     from tasks.methods.dp_opt.engine import CausalEngine
     from tasks.methods.dp_opt.generate import ensemble_generate, reencode_generate
     from tasks.methods.dp_opt.templates import backward_body, backward_head
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
 
     torch.set_num_threads(2)
     bb = load_backbone(args.model)

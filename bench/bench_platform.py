@@ -75,7 +75,7 @@ def bench_steps() -> dict:
         _optimizer,
         per_sample_prompt_gradients,
     )
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
 
     t0 = time.perf_counter()
     bb = load_backbone("minilm")

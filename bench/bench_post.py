@@ -32,7 +32,7 @@ def main() -> None:
     from models.classifiers import build_classifier
     from tasks.methods.post.distill import build_student, freeze
     from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
     from tasks.methods.post.transfer import TransferConfig, transfer_prompt
 
     labels = ["negative", "positive"]

@@ -59,7 +59,7 @@ def _texts(n: int, path: Path = SST2) -> list[str]:
 
 def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
     from tasks.methods.rapt.privatize import CHUNK_ROWS, BackbonePrivatizer, VocabularyIndex, cpu_has_native_bf16
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
     from privacy.mechanisms import (
         dx_privatize_embeddings,
         dx_privatize_tokens,
@@ -128,7 +128,7 @@ def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10,
     from tasks.methods.rapt.head import ReconstructionHead, reconstruction_vocab
     from tasks.methods.rapt.model import RaptModel, build_task_head
     from tasks.methods.rapt.privatize import BackbonePrivatizer
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
     from models.soft_prompt import SoftPrompt
 
     bb = load_backbone("minilm", device="cpu")
@@ -184,7 +184,7 @@ def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_text
     from tasks.methods.rapt.head import ReconstructionHead, reconstruction_vocab
     from tasks.methods.rapt.model import RaptModel, build_task_head
     from tasks.methods.rapt.privatize import BackbonePrivatizer
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
     from models.soft_prompt import SoftPrompt
 
     bb = load_backbone("minilm", device="cpu")

@@ -1,6 +1,6 @@
 """PrivPrompt's generic model layer: the torch code that knows no method.
 
-Frozen backbones (``registry``), prompt kinds (``soft_prompt``, ``prompts``: soft, prefix, text,
+Frozen backbones (``backbones``: loading, caching), prompt kinds (``soft_prompt``, ``prompts``: soft, prefix, text,
 and the remote completions endpoint for text prompts), prompt classifiers that prepend a prompt
 to the input (``classifiers``), non-private and DP-SGD prompt training with per-sample gradients
 and step hooks (``dp_prompt_training``), batched scoring (``scoring``), loss-landscape measures
@@ -27,7 +27,7 @@ from models.dp_prompt_training import (
     per_sample_prompt_gradients,
     train_prompt,
 )
-from models.registry import Backbone, ModelLoadError, clear_backbone_cache, load_backbone
+from models.backbones import Backbone, ModelLoadError, clear_backbone_cache, load_backbone
 from models.scoring import accuracy, per_example_loss, predict_logits
 from models.soft_prompt import SoftPrompt, load_prompt, save_prompt
 

@@ -30,7 +30,7 @@ from torch import nn
 from models.prompts.prefix import (active_prefix_tokens, is_prefix, prefix_hooks, prefix_position_ids,
                                    prefix_tokens)
 from models.length_groups import in_length_groups, per_example_rows
-from models.registry import Backbone
+from models.backbones import Backbone
 
 DEFAULT_CAUSAL_TEMPLATE = "{text} It was"
 DEFAULT_MASKED_TEMPLATE = "{text} It was {mask}."

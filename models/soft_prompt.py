@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 if TYPE_CHECKING:
-    from models.registry import Backbone
+    from models.backbones import Backbone
 
 PROMPT_KEY = "prompt"
 

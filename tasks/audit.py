@@ -193,7 +193,7 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
     run.end()
     import os
 
-    from models.registry import LOAD_COUNTS
+    from models.backbones import LOAD_COUNTS
 
     return {"index": index, "scores_path": str(path), "steps": steps, "compute_s": compute_s,
             "started_at": started_at, "ended_at": time.time(), "pid": os.getpid(), "model_loads_in_process": LOAD_COUNTS.get(target.model, 0),

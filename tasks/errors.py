@@ -20,7 +20,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from pydantic import ValidationError
 
     from models.prompts.endpoint import EndpointError
-    from models.registry import ModelLoadError
+    from models.backbones import ModelLoadError
     from privacy.ledger import BudgetExceededError, DeltaMismatchError, LedgerError, UnknownDatasetError
 
     return (PrivPromptError, ModelLoadError, BudgetExceededError, DeltaMismatchError, UnknownDatasetError, LedgerError,

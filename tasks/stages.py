@@ -84,7 +84,7 @@ def classifier_for(cfg: PrivPromptConfig, model_name: str, template: str | None 
     """The frozen classifier of ``model_name`` for the config's labels (cached per process);
     ``template`` overrides the config's (a text prompt extends it)."""
     from models.classifiers import build_classifier
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
 
     template = template or cfg.models.template
     key = (model_name, tuple(cfg.data.labels), json.dumps(cfg.models.label_descriptions, sort_keys=True),

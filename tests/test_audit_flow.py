@@ -26,7 +26,7 @@ def _fine_tuned(texts, labels, seed, label_names=None):
     import copy
 
     from models.classifiers import build_classifier
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
 
     base = load_backbone("tiny-gpt2", seed=0)
     backbone = copy.copy(base)
@@ -73,7 +73,7 @@ def test_attacks_find_planted_memorisation():
 
 def test_attack_on_examples_never_seen_is_chance():
     from models.classifiers import build_classifier
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
     from models.scoring import per_example_loss
 
     rng = np.random.default_rng(1)
@@ -103,7 +103,7 @@ def _audit_config(data_dir, state_dir, **audit):
 
 @pytest.fixture(scope="module")
 def audited(prefect_harness, sst2_dir, tmp_path_factory):
-    from flows.prompt_tuning import prompt_tuning_flow
+    from flows.method_flow import method_flow
 
     root = tmp_path_factory.mktemp("audit")
     data = root / "data"
@@ -112,7 +112,7 @@ def audited(prefect_harness, sst2_dir, tmp_path_factory):
     (data / "train.jsonl").write_text("".join(lines[:200]))
     (data / "test.jsonl").write_text("".join((sst2_dir / "test.jsonl").open().readlines()[:40]))
     state = root / "state"
-    summary = prompt_tuning_flow(_audit_config(data, state))
+    summary = method_flow(_audit_config(data, state))
     return {"summary": summary, "state": state, "data": data, "root": root}
 
 
@@ -177,11 +177,11 @@ def test_audit_bad_input_fails_before_training(audited, tmp_path):
     with pytest.raises(AuditError, match="not a prompt-tuning run"):
         target_from_run(child.info.run_id, state)
     n_before = len(client.search_runs([client.get_run(run_id).info.experiment_id]))
-    from flows.prompt_tuning import prompt_tuning_flow
+    from flows.method_flow import method_flow
 
     cfg = _audit_config(audited["data"], audited["state"], fprs=[0.001])
     with pytest.raises(AuditError, match="audit pool too small: .* needs at least 1000"):
-        prompt_tuning_flow(cfg)
+        method_flow(cfg)
     runs = client.search_runs([client.get_run(run_id).info.experiment_id])
     assert len(runs) == n_before + 1  # only the refused run's parent run, FAILED: no training, no shadows
     (refused,) = [r for r in runs if r.info.start_time == max(x.info.start_time for x in runs)]

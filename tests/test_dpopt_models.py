@@ -7,7 +7,7 @@ import torch
 
 from tasks.methods.dp_opt.engine import CausalEngine, SharedPrefix
 from tasks.methods.dp_opt.generate import dp_generate, ensemble_generate, reencode_generate
-from models.registry import load_backbone
+from models.backbones import load_backbone
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])

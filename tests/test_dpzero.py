@@ -43,7 +43,7 @@ def test_one_example_moves_the_release_by_at_most_c():
 
 def test_train_dpzero_steps_and_moves_along_public_directions():
     from models.classifiers import build_classifier
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
 
     clf = build_classifier(load_backbone("tiny-bert", seed=0), ["negative", "positive"])
     enc = clf.encode(["good", "bad", "fine film", "awful"] * 4, max_length=12)

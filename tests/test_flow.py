@@ -68,12 +68,12 @@ def assert_baselines_labelled(metrics: dict, reads_private: dict[str, bool]) -> 
 
 @pytest.fixture(scope="module")
 def flow_run(prefect_harness, sst2_dir, tmp_path_factory):
-    from flows.prompt_tuning import prompt_tuning_flow
+    from flows.method_flow import method_flow
 
     root = tmp_path_factory.mktemp("flow")
     data = _toy_dataset(root / "data", sst2_dir)
     state = root / "state"
-    summary = prompt_tuning_flow(_config(data, state))
+    summary = method_flow(_config(data, state))
     return {"summary": summary, "state": state, "data": data, "root": root}
 
 
@@ -180,7 +180,7 @@ def test_ledger_records_dp_spend_and_nonprivate_use(flow_run):
 
 
 def test_rerun_reuses_partition_and_composes_budget(flow_run):
-    from flows.prompt_tuning import prompt_tuning_flow
+    from flows.method_flow import method_flow
     from privacy.ledger import Ledger
 
     part_dir = Path(flow_run["summary"]["budget"]["dataset.fingerprint"] and
@@ -190,7 +190,7 @@ def test_rerun_reuses_partition_and_composes_budget(flow_run):
     cfg["methods"]["zero_shot"]["enabled"] = False
     cfg["methods"]["prompt_sgd"]["enabled"] = False
     cfg["mia"]["enabled"] = False
-    second = prompt_tuning_flow(cfg)
+    second = method_flow(cfg)
     assert (part_dir / "manifest.json").stat().st_mtime_ns == stamp
     assert len(list((flow_run["state"] / "private" / "partitions").iterdir())) == 1
     ds = Ledger(flow_run["state"] / "ledger.sqlite").datasets()[0]
@@ -222,14 +222,14 @@ def test_retried_training_never_charges_twice(flow_run):
 
 
 def test_run_refused_by_ledger(flow_run, tmp_path):
-    from flows.prompt_tuning import prompt_tuning_flow
+    from flows.method_flow import method_flow
     from privacy.ledger import BudgetExceededError, Ledger
 
     state = tmp_path / "state"
     cfg = _config(flow_run["data"], state, **{"privacy.dataset_epsilon_cap": 1.0})
     cfg["methods"]["prompt_sgd"]["enabled"] = False
     with pytest.raises(BudgetExceededError, match=r"remaining ε=1(\.0+)?\b"):
-        prompt_tuning_flow(cfg)
+        method_flow(cfg)
     ds = Ledger(state / "ledger.sqlite").datasets()[0]
     assert ds["spent_epsilon"] == 0 and ds["reserved_runs"] == 0 and ds["committed_runs"] == 0
     client = _mlflow(state)
@@ -325,13 +325,13 @@ def test_cli_bad_input_is_one_line_without_traceback(cli_run, override, needle):
 
 
 def test_nonprivate_method_publishes_metrics_only(flow_run, tmp_path):
-    from flows.prompt_tuning import prompt_tuning_flow
+    from flows.method_flow import method_flow
 
     state = tmp_path / "state"
     cfg = _config(flow_run["data"], state, method="prompt_sgd")
     cfg["methods"]["zero_shot"]["enabled"] = False
     cfg["mia"]["enabled"] = False
-    summary = prompt_tuning_flow(cfg)
+    summary = method_flow(cfg)
     run = _mlflow(state).get_run(summary["mlflow_run_id"])
     assert run.data.tags["privacy.guarantee"] == "none" and run.data.tags["method"] == "prompt_sgd"
     assert "privacy.epsilon" not in run.data.metrics and "test.accuracy" in run.data.metrics

@@ -8,7 +8,7 @@ import torch
 
 from models.classifiers import build_classifier
 from models.length_groups import in_length_groups, length_groups
-from models.registry import load_backbone
+from models.backbones import load_backbone
 from models.soft_prompt import PrefixPrompt, SoftPrompt
 
 TEXTS = ["good", "a truly dreadful film , slow and long and without any reason to exist at all , sadly",

@@ -128,7 +128,7 @@ def test_minilm_loads_from_pypi_package_and_ranks_sentiment():
 
 def test_minilm_unprompted_embeddings_match_sentence_transformers():
     st = pytest.importorskip("sentence_transformers")
-    from models.registry import minilm_path
+    from models.backbones import minilm_path
 
     ref_model = st.SentenceTransformer(str(minilm_path()), device="cpu")
     c = build_classifier(load_backbone("minilm", DEV), LABELS)

@@ -32,11 +32,11 @@ def _config(state, sst2_dir, **extra):
 def post_run(prefect_harness, sst2_dir, tmp_path_factory):
     if not (SHARED / "tweet_sentiment" / "validation.jsonl").is_file():
         pytest.skip("../shared/data/tweet_sentiment is not available")
-    from flows.post import post_flow
+    from flows.method_flow import method_flow
 
     state = tmp_path_factory.mktemp("post") / "state"
-    first = post_flow(_config(state, sst2_dir))
-    second = post_flow(_config(state, sst2_dir))
+    first = method_flow(_config(state, sst2_dir))
+    second = method_flow(_config(state, sst2_dir))
     return {"first": first, "second": second, "state": state, "sst2": sst2_dir}
 
 
@@ -149,13 +149,13 @@ def test_post_audit_shadows_rerun_dp_tuning_and_transfer(post_run):
     from mlflow.tracking import MlflowClient
 
     from flows.audit import target_from_run
-    from flows.post import post_flow
+    from flows.method_flow import method_flow
 
     cfg = _config(post_run["state"], post_run["sst2"],
                   audit={"enabled": True, "shadows": 2, "attacks": ["loss", "lira"], "fprs": [0.1],
                          "dask": {"n_workers": 1, "threads_per_worker": 1}})
     cfg["data"]["canaries"] = 20
-    out = post_flow(cfg)
+    out = method_flow(cfg)
     m = out["metrics"]
     assert out["runtime"]["distill"] == "cached"  # the shadows reuse the student as well
     seconds = out["compute_seconds"]

@@ -26,7 +26,7 @@ from tasks.methods.post.distill import (
     save_student,
     student_layer_indices,
 )
-from models.registry import Backbone, ModelLoadError
+from models.backbones import Backbone, ModelLoadError
 from tasks.methods.post.transfer import (
     TransferConfig,
     fixed_outputs,

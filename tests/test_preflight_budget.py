@@ -110,7 +110,7 @@ def test_sentences_as_verbalizer_words_fail_before_the_reservation(prefect_harne
 
 
 def test_an_unloadable_local_model_fails_before_the_reservation(prefect_harness, toy, tmp_path, monkeypatch):
-    from models.registry import ModelLoadError
+    from models.backbones import ModelLoadError
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here: the load fails at once, as it would after retries
     cfg = _cfg(toy, tmp_path / "state", **{"models.local": "no-such-org/no-such-model"})

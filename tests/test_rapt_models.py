@@ -31,7 +31,7 @@ from tasks.methods.rapt.privatize import (
     privatize_ids,
     replace_probability,
 )
-from models.registry import load_backbone
+from models.backbones import load_backbone
 from models.soft_prompt import SoftPrompt
 from privacy.mechanisms import dx_privatize_embeddings, nearest_neighbor_tokens
 

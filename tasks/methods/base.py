@@ -244,7 +244,7 @@ def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str) -> Non
     for it once): the model and tokenizer load, the label words (masked / causal LMs: the first
     token of each ``models.label_descriptions`` entry, default " <label>") are told apart, the
     template fits the model. Raises ``ModelLoadError`` or a one-line ``ConfigError``."""
-    from models.registry import ModelLoadError
+    from models.backbones import ModelLoadError
 
     from ..errors import ConfigError
     from ..stages import classifier_for

@@ -263,7 +263,7 @@ class DPOpt(_TextMethod):
 def _leakage(cfg, candidates: list[str], private_texts: list[str]) -> dict[str, float]:
     """Exact and near copies of private training texts in the generated candidates (local)."""
     from .leakage import leakage_report
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
 
     if not candidates:
         return {"audit.leakage.exact_copies": 0.0, "audit.leakage.prompts": 0.0}

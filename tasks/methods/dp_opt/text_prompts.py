@@ -11,7 +11,7 @@ from ...errors import ConfigError
 
 def engine_for(cfg, max_batch: int = 32):
     from .engine import CausalEngine
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
 
     bb = load_backbone(cfg.models.local, seed=cfg.seed)
     if bb.kind != "causal":

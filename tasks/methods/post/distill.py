@@ -48,7 +48,7 @@ from torch import nn
 from models.classifiers import mlm_head
 from models.device import resolve_device
 from models.dp_prompt_training import StepProgress
-from models.registry import Backbone, Kind, detect_kind, quiet_loading
+from models.backbones import Backbone, Kind, detect_kind, quiet_loading
 
 ProgressFn = Callable[[int, int, float | None], None]
 STUDENT_META = "privprompt_student.json"

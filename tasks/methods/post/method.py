@@ -74,7 +74,7 @@ def distill_student(ctx, progress=None) -> dict:
 
     from .distill import DistillConfig as ModelDistillConfig
     from .distill import build_student, distill, freeze, save_student
-    from models.registry import load_backbone
+    from models.backbones import load_backbone
 
     from ...data import public_texts
 

@@ -39,7 +39,7 @@ class PrefixDPSGD(PromptDPSGD):
         local model takes prefixes (a model without self-attention key/value projections, or sharing
         them across layers, is refused here)."""
         from models.prompts.prefix import prefix_shape
-        from models.registry import load_backbone
+        from models.backbones import load_backbone
 
         from ...errors import ConfigError
 

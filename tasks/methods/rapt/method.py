@@ -125,7 +125,7 @@ class Rapt(Method):
         """The local model loads and its task head builds (label words' first tokens told apart, or
         cosine to label descriptions), before any draw is recorded or budget reserved."""
         from .model import build_task_head
-        from models.registry import ModelLoadError, load_backbone
+        from models.backbones import ModelLoadError, load_backbone
 
         from ...errors import ConfigError
         from ..base import explain_classifier_error
@@ -145,7 +145,7 @@ class Rapt(Method):
             return {}
         from .encoding import default_plain_ids
         from .head import reconstruction_vocab
-        from models.registry import load_backbone
+        from models.backbones import load_backbone
 
         from ...data import public_texts
 
@@ -177,7 +177,7 @@ class Rapt(Method):
     def _classifier(self, cfg, prompt, n_plain: int, head_vocab=None, reconstruction_weight: float = 1.0):
         from .head import ReconstructionHead
         from .model import RaptModel, build_task_head
-        from models.registry import load_backbone
+        from models.backbones import load_backbone
 
         bb = load_backbone(cfg.models.local, seed=cfg.seed)
         head = build_task_head(bb, list(cfg.data.labels), cfg.models.label_descriptions or None)
@@ -191,7 +191,7 @@ class Rapt(Method):
         import torch
 
         from .model import train_rapt
-        from models.registry import load_backbone
+        from models.backbones import load_backbone
         from models.soft_prompt import PrefixPrompt, SoftPrompt
 
         from ...stages import label_indices
@@ -222,7 +222,7 @@ class Rapt(Method):
         of the same draw (post-processing). See :func:`draw_path` for where it is kept."""
         from .encoding import encode_rapt, privatize_encoding, without_plain
         from .privatize import BackbonePrivatizer
-        from models.registry import load_backbone
+        from models.backbones import load_backbone
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         bb = load_backbone(cfg.models.local, seed=cfg.seed)

@@ -20,7 +20,7 @@ from models.classifiers import _first_token_ids, mlm_head
 from models.length_groups import in_length_groups
 from .encoding import PrivatizedEncoding
 from .head import ReconstructionHead
-from models.registry import Backbone
+from models.backbones import Backbone
 from models.prompts.prefix import prefix_hooks, prefix_position_ids, prefix_shape
 from models.soft_prompt import PrefixPrompt, SoftPrompt
 

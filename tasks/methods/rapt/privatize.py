@@ -329,7 +329,7 @@ class BackbonePrivatizer:
 
     def __init__(self, backbone=None, exclude_ids: Iterable[int] | None = None, device=None):
         if backbone is None:
-            from models.registry import load_backbone
+            from models.backbones import load_backbone
 
             backbone = load_backbone("minilm", device="cpu")
         self.backbone = backbone
