@@ -218,6 +218,8 @@ def resolve(target) -> tuple[URL, Path | None]:
         path = Path(database).resolve()
         return url.set(drivername="sqlite", database=str(path)), path
     if backend == "postgresql":
+        if not url.database:  # what the URL says is checked before what this machine has installed
+            raise LedgerURLError(f"ledger URL {mask_url(url)!r} names no database: {_SCHEMES}")
         if "+" not in url.drivername:
             url = url.set(drivername=f"postgresql+{_pg_driver()}")
         else:
@@ -230,8 +232,6 @@ def resolve(target) -> tuple[URL, Path | None]:
             except sa_exc.NoSuchModuleError:
                 raise LedgerURLError(f"ledger URL {mask_url(url)!r}: SQLAlchemy knows no PostgreSQL driver "
                                      f"{driver!r}; use postgresql:// (psycopg2)") from None
-        if not url.database:
-            raise LedgerURLError(f"ledger URL {mask_url(url)!r} names no database: {_SCHEMES}")
         return url, None
     raise LedgerURLError(f"unknown ledger URL scheme {url.drivername!r} in {mask_url(url)!r}: use {_SCHEMES}")
 

@@ -48,10 +48,16 @@ class LedgerConfig(Block):
 
         if "://" not in v:
             raise ValueError(f"{v!r} is not a ledger URL: use sqlite:////abs/path.sqlite or postgresql://user@host/db")
-        url, _ = resolve(v)
-        if url.password:
+        from sqlalchemy.engine import make_url
+
+        try:  # the password first: the rest (driver installed?) is checked by resolve
+            has_password = bool(make_url(v).password)
+        except Exception:  # noqa: BLE001 - malformed: resolve says so in one line
+            has_password = False
+        if has_password:
             raise ValueError(f"{mask_url(v)} carries a password, and the config is logged to MLflow: put the URL in "
                              "$PRIVPROMPT_LEDGER_URL (or the password in ~/.pgpass) instead")
+        resolve(v)
         return v
 
 

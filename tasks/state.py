@@ -111,6 +111,9 @@ SECRET_NAME = "installation.key"
 
 
 _TEAM_KEYS: dict[str, bytes] = {}
+# state folder → the ledger.url of the config that named it in this process (state_paths with a
+# ledger_url): code that knows only a folder (the keyed fingerprint of a dataset) uses that ledger too
+_CONFIGURED_LEDGERS: dict[Path, str] = {}
 
 
 def installation_secret(private_dir: str | Path, ledger_url: str | None = None) -> bytes:
@@ -128,7 +131,8 @@ def installation_secret(private_dir: str | Path, ledger_url: str | None = None) 
     import secrets
     import tempfile
 
-    paths = StatePaths(Path(private_dir).resolve().parent, ledger_url)
+    root = Path(private_dir).resolve().parent
+    paths = StatePaths(root, ledger_url or _CONFIGURED_LEDGERS.get(root))
     if paths.ledger_is_shared:
         url = paths.ledger_url
         if url not in _TEAM_KEYS:
@@ -190,8 +194,10 @@ def state_paths(state_dir: str | None = None, ledger_url: str | None = None) -> 
     """The state folder: ``state_dir`` (the config's), else ``$PRIVPROMPT_HOME``, else the per-user
     :func:`default_state_dir`. ``ledger_url``: the config's ``ledger.url`` (None: the environment's
     or the state folder's file)."""
-    root = state_dir or os.environ.get("PRIVPROMPT_HOME") or default_state_dir()
-    return StatePaths(Path(root).expanduser().resolve(), ledger_url or None)
+    root = Path(state_dir or os.environ.get("PRIVPROMPT_HOME") or default_state_dir()).expanduser().resolve()
+    if ledger_url:
+        _CONFIGURED_LEDGERS[root] = ledger_url
+    return StatePaths(root, ledger_url or None)
 
 
 def config_state_paths(cfg) -> StatePaths:

@@ -534,3 +534,14 @@ def test_killed_writer_leaves_no_lock_and_no_row_on_sqlite(tmp_path):
 @pytest.mark.servers
 def test_killed_writer_leaves_no_lock_and_no_row_on_postgres(postgres):
     assert kill_writer_holding_the_lock(postgres.database()) < 10
+
+
+def test_a_configured_ledger_url_names_the_key_of_its_state_folder(tmp_path, monkeypatch):
+    """plan and run build their paths from the config (ledger.url); the keyed fingerprint, made
+    from the state folder alone, must use the same ledger's team key without any environment."""
+    monkeypatch.delenv("PRIVPROMPT_LEDGER_URL", raising=False)
+    url = f"sqlite:///{tmp_path / 'team.sqlite'}"
+    paths = state_paths(str(tmp_path / "cfg-state"), url)
+    key = installation_secret(paths.private)
+    assert key == Ledger(url).team_key(mint=False)
+    assert not (tmp_path / "cfg-state" / "secrets").exists()
