@@ -45,6 +45,9 @@ def device_description() -> str:
 def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
                tags: dict | None = None, params: dict | None = None) -> Iterator[FlowRun]:
     paths = config_state_paths(cfg).create()
+    from privacy import calibration_cache
+
+    calibration_cache.enable(paths.root)  # noise calibrations kept between runs (deployments too)
     if paths.ledger_setting:  # the config's ledger.url: this run's tasks and workers use it too
         os.environ[LEDGER_URL_ENV] = paths.ledger_setting
     flow_run_id = str(flow_run.get_id())

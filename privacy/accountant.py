@@ -155,8 +155,11 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
     check_count(steps, "steps", minimum=1)
     # a pure function of its arguments, computed once per process (each costs ~2 s of accounting;
     # plan, preflight, the run and the largest-fitting search ask for the same ones)
-    return _calibrate_noise_multiplier(float(target_epsilon), float(delta), float(sample_rate), int(steps),
-                                       float(tolerance))
+    # and across processes, in the state folder's accounting cache (calibration_cache.py)
+    from .calibration_cache import cached
+
+    return cached("noise_multiplier", _calibrate_noise_multiplier, float(target_epsilon), float(delta),
+                  float(sample_rate), int(steps), float(tolerance))
 
 
 @lru_cache(maxsize=1024)

@@ -1,0 +1,218 @@
+"""Where a small run's seconds go (issue 29): `privprompt run configs/smoke.yaml` with a timestamp
+at every phase boundary, and the model work the CLI reports.
+
+    .venv/bin/python bench/bench_overhead.py [--runs N] [--config configs/smoke.yaml] [--json OUT]
+    .venv/bin/python bench/bench_overhead.py --child CONFIG   # one traced run (what each run spawns)
+
+Each run is a fresh interpreter (``--child``); the first uses a fresh ``PRIVPROMPT_HOME`` (databases
+created), the others the same one (warm: what a user's second run meets; ``--fresh-each`` for cold
+runs only), and the median is over the warm ones. The parent measures
+the subprocess wall (interpreter start to exit); the child wraps the CLI's phases (imports, config
+and data checks, the checks before the reservation, the embedded Prefect server, the flow and its
+tasks, server stop) with ``time.perf_counter`` stamps, taken relative to the interpreter's start
+(``time.perf_counter`` at the first line of this file, plus the interpreter's own start-up read from
+``-X importtime``-free ``python -c pass`` timing, reported separately). overhead = subprocess wall −
+model work (the CLI's "s model work": the sum of each stage's compute seconds).
+"""
+
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+WALL_RE = re.compile(r"wall time:\s*([\d.]+) s \(([\d.]+) s model work")
+STAMPS: list[tuple[str, float]] = []
+
+
+def stamp(name: str) -> None:
+    STAMPS.append((name, time.perf_counter() - T0))
+
+
+def _wrap(module, attr: str, label: str) -> None:
+    original = getattr(module, attr)
+
+    def wrapped(*args, **kwargs):
+        stamp(f"{label} start")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            stamp(f"{label} end")
+
+    setattr(module, attr, wrapped)
+
+
+def child(config: str) -> int:
+    """One traced `privprompt run CONFIG` in this process; stamps go to stderr as JSON."""
+    sys.path.insert(0, str(REPO))
+    stamp("interpreter up")
+    import privprompt_cli
+
+    stamp("privprompt_cli imported")
+    import tasks.config as tconfig
+
+    stamp("tasks.config imported")
+    _wrap(privprompt_cli, "load_config", "load config") if hasattr(privprompt_cli, "load_config") else None
+    _wrap(tconfig, "load_config", "load config")
+    import tasks.lifecycle as lifecycle
+
+    stamp("tasks.lifecycle imported")
+    _wrap(lifecycle, "preflight", "preflight")
+    server = privprompt_cli._local_prefect_server
+    enter, exit_ = server.__enter__, server.__exit__
+
+    def traced_enter(self):
+        stamp("prefect server start")
+        out = enter(self)
+        stamp("prefect server up")
+        return out
+
+    def traced_exit(self, *exc):
+        stamp("prefect server stop")
+        out = exit_(self, *exc)
+        stamp("prefect server stopped")
+        return out
+
+    server.__enter__, server.__exit__ = traced_enter, traced_exit
+    run_flow = privprompt_cli._run_flow
+
+    def traced_run_flow(cfg, config):
+        stamp("flow call")
+        import flows.method_flow  # noqa: F401
+
+        stamp("flows.method_flow imported")
+        import tasks.prefect_tasks as pt
+
+        for name in ("partition_task", "prepare_task", "train_task", "evaluate_task", "loss_mia_task"):
+            task = getattr(pt, name)
+            fn = task.fn
+
+            @functools.wraps(fn)  # Prefect binds parameters by the signature
+            def timed(*a, _fn=fn, _n=name, **k):
+                stamp(f"{_n} body start")
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    stamp(f"{_n} body end")
+
+            task.fn = timed
+        out = run_flow(cfg, config)
+        stamp("flow returned")
+        return out
+
+    privprompt_cli._run_flow = traced_run_flow
+    import atexit
+
+    # atexit runs last-registered first: this one before every handler registered during the run
+    # (Prefect's, MLflow's, threads' joins), the one registered at the start after all of them
+    atexit.register(lambda: print(f"EXIT atexit done {time.perf_counter() - T0:.3f}", file=sys.stderr, flush=True))
+    rc = privprompt_cli.main(["run", config])
+    stamp("cli returned")
+    atexit.register(lambda: print(f"EXIT atexit start {time.perf_counter() - T0:.3f}", file=sys.stderr, flush=True))
+    sys.stdout.flush()
+    print("STAMPS " + json.dumps(STAMPS), file=sys.stderr, flush=True)
+    exit_now = getattr(privprompt_cli, "_exit_now", None)  # end as the console script does, where it can
+    if exit_now is not None:
+        exit_now(rc)
+    return rc
+
+
+def run_once(config: str, log_dir: Path, tag: str, home: str | None = None) -> dict:
+    home = home or tempfile.mkdtemp(prefix=f"privprompt-overhead-{tag}-")
+    env = dict(os.environ, PRIVPROMPT_HOME=home)
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", config], cwd=str(REPO), env=env,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    (log_dir / f"{tag}.stdout").write_text(proc.stdout)
+    (log_dir / f"{tag}.stderr").write_text(proc.stderr)
+    out = {"tag": tag, "rc": proc.returncode, "wall_s": wall, "home": home}
+    m = WALL_RE.search(proc.stdout)
+    stamps = next((json.loads(line[7:]) for line in proc.stderr.splitlines() if line.startswith("STAMPS ")), None)
+    if proc.returncode != 0 or m is None or stamps is None:
+        out["error"] = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        return out
+    exits = dict(re.findall(r"^EXIT atexit (start|done) ([\d.]+)$", proc.stderr, re.M))
+    if len(exits) == 2:  # the other handlers' time; the rest of the exit is the interpreter's teardown
+        stamps += [["atexit handlers start", float(exits["start"])], ["atexit handlers done", float(exits["done"])]]
+    out.update({"cli_wall_s": float(m.group(1)), "model_work_s": float(m.group(2)),
+                "overhead_s": wall - float(m.group(2)), "stamps": stamps})
+    return out
+
+
+def interpreter_start() -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    return time.perf_counter() - started
+
+
+def phases(stamps: list) -> list[tuple[str, float]]:
+    """Seconds between consecutive stamps (a phase may occur twice: the CLI's preflight and the flow's)."""
+    out, prev = [], ("process start", 0.0)
+    for name, t in stamps:
+        out.append((f"{prev[0]} → {name}", t - prev[1]))
+        prev = (name, t)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--config", default="configs/smoke.yaml")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--fresh-each", action="store_true", help="a fresh PRIVPROMPT_HOME for every run")
+    ap.add_argument("--home", default=None, help="this PRIVPROMPT_HOME (kept between calls: interleaved A/B runs)")
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child)
+    log_dir = Path(tempfile.mkdtemp(prefix="privprompt-overhead-logs-"))
+    print(f"nproc={os.cpu_count()} loadavg={os.getloadavg()} logs: {log_dir}")
+    results = {"loadavg_start": os.getloadavg(), "python_c_pass_s": interpreter_start(), "runs": []}
+    home = args.home
+    for i in range(args.runs):  # run 0 in a fresh state folder (cold: databases created), then warm reruns
+        fresh = args.fresh_each or home is None or not Path(home).is_dir() or not any(Path(home).iterdir())
+        if home:
+            Path(home).mkdir(parents=True, exist_ok=True)
+        r = run_once(args.config, log_dir, f"run{i}", None if args.fresh_each else home)
+        home = r["home"]
+        r["state"] = "fresh" if fresh else "warm (same state folder)"
+        results["runs"].append(r)
+        if "error" in r:
+            print(f"run {i}: FAILED rc={r['rc']}: {r['error']}")
+            continue
+        print(f"\nrun {i} ({r['state']}): subprocess wall {r['wall_s']:.1f} s, model work {r['model_work_s']:.1f} s, "
+              f"overhead {r['overhead_s']:.1f} s (CLI wall {r['cli_wall_s']:.1f} s)")
+        for name, dt in phases(r["stamps"]):
+            print(f"  {dt:7.2f} s  {name}")
+        print(f"  {r['wall_s'] - r['stamps'][-1][1]:7.2f} s  cli returned → process exit (as the parent saw it)")
+    ok = [r for r in results["runs"] if "error" not in r and (args.fresh_each or r["state"] != "fresh")] or \
+        [r for r in results["runs"] if "error" not in r]
+    if ok:
+        results["median_wall_s"] = statistics.median(r["wall_s"] for r in ok)
+        results["median_model_work_s"] = statistics.median(r["model_work_s"] for r in ok)
+        results["median_overhead_s"] = statistics.median(r["overhead_s"] for r in ok)
+        print(f"\nmedian over {len(ok)} {'warm ' if len(results['runs']) > 1 and not args.fresh_each else ''}runs: wall {results['median_wall_s']:.1f} s, model work "
+              f"{results['median_model_work_s']:.1f} s, overhead {results['median_overhead_s']:.1f} s; "
+              f"`python -c pass` {results['python_c_pass_s']:.2f} s")
+    results["loadavg_end"] = os.getloadavg()
+    print(f"loadavg at end: {results['loadavg_end']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

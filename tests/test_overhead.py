@@ -1,0 +1,118 @@
+"""Issue 29, orchestration overhead: what was cut from every run keeps its behaviour — noise
+calibrations cached on disk give the accountant's own σ, the embedded Prefect server starts in
+the background and answers inside the block, the console script's fast exit loses no output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from privacy import accountant, calibration_cache
+from privacy import events as ev
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def cache_file(tmp_path, monkeypatch):
+    path = tmp_path / "state" / "cache" / "accounting.json"
+    monkeypatch.delenv(calibration_cache.ENV, raising=False)
+    calibration_cache.enable(tmp_path / "state")
+    assert os.environ[calibration_cache.ENV] == str(path)
+    real = accountant._calibrate_noise_multiplier
+    real.cache_clear()
+    yield path
+    real.cache_clear()
+
+
+def test_calibration_is_cached_on_disk_and_keyed_by_the_code(cache_file, monkeypatch):
+    calls = []
+    real = accountant._calibrate_noise_multiplier
+
+    def counting(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(accountant, "_calibrate_noise_multiplier", counting)
+    sigma = accountant.calibrate_noise_multiplier(8.0, 1e-5, 0.1, 10)
+    assert len(calls) == 1 and cache_file.is_file()
+    stored = json.loads(cache_file.read_text())
+    assert stored["code"] == calibration_cache.code_key() and list(stored["values"].values()) == [sigma]
+    # another process (no in-process cache): the disk answer, not a new calibration
+    assert accountant.calibrate_noise_multiplier(8.0, 1e-5, 0.1, 10) == sigma and len(calls) == 1
+    # the cached σ is the accountant's: it spends at most the target, and a little less noise would not
+    assert accountant.spend(ev.dpsgd_event(0.1, sigma, 10), 1e-5).epsilon <= 8.0 + 1e-9
+    assert accountant.spend(ev.dpsgd_event(0.1, sigma * 0.99, 10), 1e-5).epsilon > 8.0
+    # other numbers: calibrated afresh
+    accountant.calibrate_noise_multiplier(4.0, 1e-5, 0.1, 10)
+    assert len(calls) == 2 and len(json.loads(cache_file.read_text())["values"]) == 2
+    # a cache written by other accounting code is ignored (and replaced)
+    stored["code"] = "another-accountant"
+    cache_file.write_text(json.dumps(stored))
+    assert accountant.calibrate_noise_multiplier(8.0, 1e-5, 0.1, 10) == pytest.approx(sigma)
+    assert len(calls) == 3 and json.loads(cache_file.read_text())["code"] == calibration_cache.code_key()
+
+
+def test_calibration_without_a_cache_or_with_a_broken_one(tmp_path, monkeypatch):
+    monkeypatch.delenv(calibration_cache.ENV, raising=False)
+    assert calibration_cache.cached("k", lambda x: x * 2, 1.5) == 3.0  # no state folder: no file
+    bad = tmp_path / "accounting.json"
+    bad.write_text("{not json")
+    monkeypatch.setenv(calibration_cache.ENV, str(bad))
+    assert calibration_cache.cached("k", lambda x: x * 2, 1.5) == 3.0
+    assert json.loads(bad.read_text())["values"] == {"k:[1.5]": 3.0}
+
+
+def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch):
+    import privprompt_cli
+    from tasks.state import configure_environment, state_paths
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    for key in ("PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))  # restored after the test
+    configure_environment(state_paths(str(tmp_path / "state")))
+    started = time.perf_counter()
+    server = privprompt_cli._local_prefect_server().start()
+    try:
+        assert time.perf_counter() - started < 5  # returns before the server is up
+        assert server.process is not None and server.process.poll() is None
+        with server:
+            assert os.environ["PREFECT_API_URL"] == server.api_url
+            with urllib.request.urlopen(f"{server.api_url}/health", timeout=5) as response:
+                assert response.status == 200
+            from prefect.settings import PREFECT_API_URL
+
+            assert PREFECT_API_URL.value() == server.api_url
+        assert server.process is None and "PREFECT_API_URL" not in os.environ
+    finally:
+        server.stop()
+
+
+def test_a_named_server_is_used_as_is(monkeypatch):
+    import privprompt_cli
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    server = privprompt_cli._local_prefect_server().start()
+    assert server.process is None
+    with server:
+        assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
+    assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
+
+
+def test_console_script_exits_fast_without_losing_output():
+    from tasks.config_reference import markdown
+
+    proc = subprocess.run([sys.executable, "-m", "privprompt_cli", "config", "--schema"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == markdown()  # every byte flushed before os._exit
+    proc = subprocess.run([sys.executable, "-m", "privprompt_cli", "run", "no/such/config.yaml"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "config file not found: no/such/config.yaml" in proc.stderr
