@@ -129,11 +129,16 @@ def child(config: str) -> int:
     return rc
 
 
-def run_once(config: str, log_dir: Path, tag: str, home: str | None = None) -> dict:
+def run_once(config: str, log_dir: Path, tag: str, home: str | None = None, repo: Path = REPO) -> dict:
+    """One traced run of ``repo``'s code (another checkout: this file is copied into its bench/)."""
     home = home or tempfile.mkdtemp(prefix=f"privprompt-overhead-{tag}-")
     env = dict(os.environ, PRIVPROMPT_HOME=home)
+    script = Path(__file__).resolve()
+    if repo.resolve() != REPO:
+        script = repo / "bench" / "bench_overhead_copy.py"
+        script.write_bytes(Path(__file__).read_bytes())
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--child", config], cwd=str(REPO), env=env,
+    proc = subprocess.run([sys.executable, str(script), "--child", config], cwd=str(repo), env=env,
                           capture_output=True, text=True)
     wall = time.perf_counter() - started
     (log_dir / f"{tag}.stdout").write_text(proc.stdout)
@@ -175,9 +180,13 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--fresh-each", action="store_true", help="a fresh PRIVPROMPT_HOME for every run")
     ap.add_argument("--home", default=None, help="this PRIVPROMPT_HOME (kept between calls: interleaved A/B runs)")
+    ap.add_argument("--against", default=None, help="a checkout of older code (e.g. `git worktree add /tmp/old REV`): "
+                    "its runs and this code's alternate, each in a warm state folder of its own, and the ratio is printed")
     args = ap.parse_args()
     if args.child:
         return child(args.child)
+    if args.against:
+        return compare(args.config, Path(args.against), args.runs, args.json)
     log_dir = Path(tempfile.mkdtemp(prefix="privprompt-overhead-logs-"))
     print(f"nproc={os.cpu_count()} loadavg={os.getloadavg()} logs: {log_dir}")
     results = {"loadavg_start": os.getloadavg(), "python_c_pass_s": interpreter_start(), "runs": []}
@@ -212,6 +221,38 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0 if ok else 1
+
+
+def compare(config: str, other: Path, runs: int, json_out: str | None) -> int:
+    """Alternate runs of ``other``'s code (A) and this code (B) on one machine in one session, so
+    both meet the same load: one cold run each first (not counted), then ``runs`` warm pairs.
+    Prints the medians and the ratios A/B."""
+    log_dir = Path(tempfile.mkdtemp(prefix="privprompt-overhead-ab-"))
+    print(f"nproc={os.cpu_count()} loadavg={os.getloadavg()} logs: {log_dir}")
+    homes = {"A": None, "B": None}
+    repos = {"A": other, "B": REPO}
+    rows: dict[str, list[dict]] = {"A": [], "B": []}
+    for i in range(runs + 1):
+        for side in ("A", "B"):
+            r = run_once(config, log_dir, f"{side}{i}", homes[side], repos[side])
+            if "error" in r:
+                print(f"{side} run {i}: FAILED rc={r['rc']}: {r['error']}")
+                return 1
+            homes[side] = r["home"]
+            print(f"{side} run {i} ({'cold' if i == 0 else 'warm'}): wall {r['wall_s']:.1f} s, model work "
+                  f"{r['model_work_s']:.1f} s, overhead {r['overhead_s']:.1f} s", flush=True)
+            if i:
+                rows[side].append(r)
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "model_work_s", "overhead_s")}
+           for side, rs in rows.items()}
+    for side in ("A", "B"):
+        print(f"{side} ({repos[side]}): median of {runs} warm runs: wall {med[side]['wall_s']:.1f} s, model work "
+              f"{med[side]['model_work_s']:.1f} s, overhead {med[side]['overhead_s']:.1f} s")
+    print(f"ratio A/B: wall x{med['A']['wall_s'] / med['B']['wall_s']:.2f}, overhead "
+          f"x{med['A']['overhead_s'] / med['B']['overhead_s']:.2f}; loadavg at end {os.getloadavg()}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"medians": med, "runs": rows}, indent=1, default=str))
+    return 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,14 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+@pytest.fixture(autouse=True)
+def _no_accounting_cache_left_by_an_earlier_test():
+    """A flow run in this process enables its state folder's accounting cache (an environment
+    variable, privacy/calibration_cache.py); every test starts without one, as a fresh process does."""
+    os.environ.pop("PRIVPROMPT_ACCOUNTING_CACHE", None)
+    yield
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """One Prefect test server for the whole session (each one costs 11-15 s)."""
