@@ -8,7 +8,10 @@ Everything that needs no private data is checked first (:func:`preflight`: the c
 and tokenizers, label words and templates on them, endpoints), by ``privprompt plan`` and by a
 run alike, so a config mistake fails before any budget is reserved. A run that fails after its
 reservation but before its first private read releases the reservation (recorded as such); from
-the first read on (``Ledger.mark_read``), the reservation stays spent.
+the first read on (``Ledger.mark_read``), the reservation stays spent. A run killed outright
+(SIGKILL, out of memory) releases nothing: its reservation stays counted (``read_started_at`` says
+whether it had begun reading) until an operator releases it (``privprompt budget release``), which
+the ledger refuses once the run was marked read (tests/test_crash_stages.py).
 
 Publish rule, in this one place: the output of a ``dp`` run goes to ``outputs/`` and MLflow;
 every other output stays under ``private/``. Exact statistics of private data (training losses)
