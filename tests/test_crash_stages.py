@@ -313,3 +313,45 @@ def test_kill_at_every_stage(sst2_dir, tmp_path, monkeypatch):
     for k in killed[2:]:
         _retry_same_flow_run(setup, k)
     _release_rule(setup, killed, monkeypatch)
+
+
+def test_the_sweep_fails_only_runs_of_this_host_whose_owner_is_gone(tmp_path):
+    """No model: runs made by hand with owner tags. Swept: this host's dead owner (and its RUNNING
+    child, not its FINISHED one), a reused pid (same pid, another start time). Left alone: a live
+    owner, another host's run, a run without owner tags, a run that already ended."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks import record
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("sweep", artifact_location=(tmp_path / "artifacts").as_uri())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_tags = {record.OWNER_HOST: record._host(), record.OWNER_PID: str(dead.pid),
+                 record.OWNER_STARTED: repr(record._process_started(dead.pid) or 0.0)}
+    dead.wait()
+    alive = record.owner_tags()
+    runs = {
+        "dead": dead_tags,
+        "reused_pid": {**alive, record.OWNER_STARTED: repr(float(alive[record.OWNER_STARTED]) - 100.0)},
+        "alive": alive,
+        "other_host": {**dead_tags, record.OWNER_HOST: record._host() + "-elsewhere"},
+        "no_owner": {},
+        "ended": dead_tags,
+    }
+    ids = {name: record.RunRecord.create(client, exp, name, tags).run_id for name, tags in runs.items()}
+    record.RunRecord(client, ids["ended"]).end(ok=True)
+    child = record.RunRecord(client, ids["dead"]).child("train", {})
+    done_child = record.RunRecord(client, ids["dead"]).child("evaluate", {})
+    done_child.end(ok=True)
+
+    swept = record.sweep_dead_runs(client, by="the test")
+    assert sorted(swept) == sorted([ids["dead"], ids["reused_pid"], child.run_id])
+    status = {name: client.get_run(i).info.status for name, i in ids.items()}
+    assert status == {"dead": "FAILED", "reused_pid": "FAILED", "alive": "RUNNING", "other_host": "RUNNING",
+                      "no_owner": "RUNNING", "ended": "FINISHED"}
+    assert client.get_run(child.run_id).info.status == "FAILED"
+    assert client.get_run(done_child.run_id).info.status == "FINISHED"
+    why = client.get_run(ids["dead"]).data.tags[record.SWEPT]
+    assert f"owner process {dead.pid} on {record._host()}" in why and why.endswith("by the test")
+    assert record.SWEPT not in client.get_run(ids["alive"]).data.tags
+    assert record.sweep_dead_runs(client) == []  # nothing left to sweep
