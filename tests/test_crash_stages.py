@@ -309,9 +309,20 @@ def test_kill_at_every_stage(sst2_dir, tmp_path, monkeypatch):
         if len(killed) > 1:  # this run's start swept the previous killed run
             previous = {r.info.run_id: r for r in _runs(setup)}[killed[-2]["run_id"]]
             assert previous.info.status == "FAILED" and "privprompt.swept" in previous.data.tags
-    _rerun(setup, killed)
+    rerun = _rerun(setup, killed)
     for k in killed[2:]:
         _retry_same_flow_run(setup, k)
+    entries = _dp_entries(setup)
+    counted = [k for k in killed if entries[f"{k['flow_run_id']}:{METHOD}"]["status"] in ("reserved", "committed")]
+    uncommitted_publishing = [k for k in killed if entries[f"{k['flow_run_id']}:{METHOD}"]["status"] != "committed"
+                              and (_output_files(setup, k["flow_run_id"])
+                                   or _prompt_artifacts(setup, _parents(setup)[k["flow_run_id"]]))]
+    running = [r for r in _runs(setup) if r.info.status == "RUNNING"]
+    assert len(counted) == 4 and uncommitted_publishing == [] and running == []
+    print(f"\ncrash figures: stages killed {len(killed)}, killed reservations still counted {len(counted)}/4, "
+          f"outputs published without a commit {len(uncommitted_publishing)}, MLflow runs RUNNING after the "
+          f"sweep {len(running)}, rerun ok (ε spent {rerun['spent']:.4f} composed over "
+          f"{len(entries)} entries), same-flow-run retries republished 2/2")
     _release_rule(setup, killed, monkeypatch)
 
 
