@@ -532,7 +532,8 @@ def _read_key(path: str) -> bytes:
 
 def cmd_budget(args) -> int:
     """Deliberate changes to the ledger, each recorded: lower a dataset's cap, register a dataset
-    anew at another δ; and the list of open reservations."""
+    anew at another δ, release the reservation of a run that died before its first private read;
+    and the list of open reservations."""
     from privacy.ledger import LedgerError
     from tasks.state import state_paths
 
@@ -550,6 +551,11 @@ def cmd_budget(args) -> int:
                         if e["read_started_at"] else "has not read private data yet")
                 print(f"{e['dataset']} ({e['fingerprint'][:12]})  run {e['run_id']}  ε={e['epsilon']:.4f}  "
                       f"since {e['created_at']}  {read}")
+            return 0
+        if args.budget_command == "release":  # a run killed before its first private read (kill -9 cannot release)
+            entry = ledger.release(args.run, args.reason)
+            print(f"run {entry['run_id']}: its reservation of ε={entry['epsilon_reserved']:.4f} on dataset "
+                  f"{entry['dataset']!r} is released (recorded with the reason)")
             return 0
         dataset = ledger.find_dataset(args.dataset)
         if args.budget_command == "lower-cap":
@@ -667,6 +673,11 @@ def main(argv: list[str] | None = None) -> int:
     budget = sub.add_parser("budget", help="open reservations; lower a cap; register a dataset anew at another δ")
     budget_sub = budget.add_subparsers(dest="budget_command", required=True)
     budget_sub.add_parser("reservations", help="runs holding a reservation (running, or stopped after reading data)")
+    release = budget_sub.add_parser(
+        "release", help="release the open reservation of a run that died before its first private read (a run killed "
+                        "outright cannot release its own); refused once the run began reading private data")
+    release.add_argument("run", help="the run's ledger id, <flow run id>:<method> (privprompt budget reservations)")
+    release.add_argument("--reason", required=True, help="why (recorded in the ledger)")
     lower = budget_sub.add_parser("lower-cap", help="lower a dataset's ε cap (recorded)")
     lower.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
     lower.add_argument("epsilon", type=float)

@@ -1,6 +1,11 @@
 """The parent run every flow opens (../shared/RUN_RECORD.md): the state folder, the MLflow
 experiment, the parent run with the shared tags, params and ``config.yaml``, and the summary the
-CLI prints. The run ends FINISHED when the flow's block completes and FAILED when it raises."""
+CLI prints. The run ends FINISHED when the flow's block completes and FAILED when it raises.
+
+A process killed outright (SIGKILL, out of memory) ends neither: its runs stay RUNNING. So the
+parent run carries its owner process (host, pid, start time) as tags, and every parent run, before
+it starts, marks FAILED the runs of this host whose owner is gone (:func:`tasks.record.sweep_dead_runs`,
+tag ``privprompt.swept``)."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from typing import Iterator
 from prefect.runtime import flow_run
 
 from tasks.config import PrivPromptConfig, config_hash, config_to_yaml
-from tasks.record import RunRecord, client, ensure_experiment
+from tasks.record import RunRecord, client, ensure_experiment, owner_tags, sweep_dead_runs
 from tasks.state import LEDGER_URL_ENV, StatePaths, config_state_paths
 
 
@@ -52,12 +57,18 @@ def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
         os.environ[LEDGER_URL_ENV] = paths.ledger_setting
     flow_run_id = str(flow_run.get_id())
     mlflow = client(paths)
+    try:  # runs left RUNNING by killed processes of this host: FAILED, with the reason
+        sweep_dead_runs(mlflow, by=f"flow run {flow_run_id}")
+    except Exception as exc:  # noqa: BLE001 - housekeeping must never stop a run
+        import warnings
+
+        warnings.warn(f"the sweep of runs left RUNNING by dead processes failed: {type(exc).__name__}: {exc}")
     experiment_id = ensure_experiment(mlflow, cfg.experiment_name, paths)
     parent_tags = {
         "method": method, "dataset": cfg.data.name, "model.local": cfg.models.local,
         "model.target": cfg.models.target_name, "privacy.guarantee": guarantee,
         "prefect.flow_run_id": flow_run_id, "flow": flow, "config.hash": config_hash(cfg),
-        "device": device_description(), **(tags or {})}
+        "device": device_description(), **owner_tags(), **(tags or {})}
     parent = RunRecord.create(mlflow, experiment_id, f"{method}-{flow_run_id[:8]}", parent_tags)
     run = FlowRun(cfg, paths, flow_run_id, parent, {
         "flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": method,

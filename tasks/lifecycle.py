@@ -8,7 +8,10 @@ Everything that needs no private data is checked first (:func:`preflight`: the c
 and tokenizers, label words and templates on them, endpoints), by ``privprompt plan`` and by a
 run alike, so a config mistake fails before any budget is reserved. A run that fails after its
 reservation but before its first private read releases the reservation (recorded as such); from
-the first read on (``Ledger.mark_read``), the reservation stays spent.
+the first read on (``Ledger.mark_read``), the reservation stays spent. A run killed outright
+(SIGKILL, out of memory) releases nothing: its reservation stays counted (``read_started_at`` says
+whether it had begun reading) until an operator releases it (``privprompt budget release``), which
+the ledger refuses once the run was marked read (tests/test_crash_stages.py).
 
 Publish rule, in this one place: the output of a ``dp`` run goes to ``outputs/`` and MLflow;
 every other output stays under ``private/``. Exact statistics of private data (training losses)
@@ -18,6 +21,7 @@ are written under ``private/`` only. A crash after the reservation keeps it spen
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -374,6 +378,25 @@ def stored_release(ledger: Ledger, run_key: str, private_run_dir: Path, name: st
                    [], dict(manifest.get("audit_metrics", {})))
 
 
+# TEST-ONLY (tests/test_crash_stages.py kills a run with SIGKILL at each stage of the lifecycle):
+# PRIVPROMPT_TEST_PAUSE_AT="<stage>:<marker file>" makes the run write its pid to the marker file
+# at that stage point and sleep there, so that the test can kill it at a known point. Unset (always,
+# outside that test) it does nothing. The stages: reserved (after the reservation, before the first
+# private read), training (after mark_read and the private read, before training), committed (after
+# the ledger's commit, before post-processing and publishing), publishing (the prompt written to
+# outputs/, not yet logged to MLflow).
+TEST_PAUSE_ENV = "PRIVPROMPT_TEST_PAUSE_AT"
+TEST_PAUSE_STAGES = ("reserved", "training", "committed", "publishing")
+
+
+def _test_pause(stage: str) -> None:
+    spec = os.environ.get(TEST_PAUSE_ENV)
+    if not spec or spec.partition(":")[0] != stage:
+        return
+    Path(spec.partition(":")[2]).write_text(str(os.getpid()))
+    time.sleep(300)  # the test kills the process here; bounded, so a forgotten run still ends
+
+
 def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
     """Run method ``name`` through the lifecycle inside flow run ``ctx``; returns paths and numbers.
 
@@ -434,9 +457,12 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
             trained, train_s = stored, 0.0
         else:
             if reservation is not None:
+                _test_pause("reserved")
                 ledger.mark_read(run_key)  # from here on the reservation stays spent, whatever happens
             read_begun = plan.reads_private
             rows = read_private_rows(part, method.uses_validation) if plan.reads_private else PrivateRows([], [])
+            if reservation is not None:
+                _test_pause("training")
             started = time.perf_counter()
             trained = method.train(mctx, plan, rows, progress=progress(name) if progress else None)
             train_s = time.perf_counter() - started
@@ -457,6 +483,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
             if trained.event is None:
                 raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
             ledger.commit(run_key, trained.event)  # refuses (after recording it) a spend above the reservation
+            _test_pause("committed")
             spend = acct.spend(trained.event, delta)
             info.update({"spend": spend.to_dict(), "event": ev.event_to_dict(trained.event),
                          "reserved_new": reservation.new if reservation is not None else None})
@@ -490,6 +517,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
             if info["source_prompt_path"] is None:
                 info["source_prompt_path"] = info["prompt_path"]
             if published:
+                _test_pause("publishing")
                 child.log_file(info["prompt_path"], "prompt")
             if post.child:
                 log_post_child(ctx, post.child, plan.guarantee)

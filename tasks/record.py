@@ -5,6 +5,7 @@ would silently start a top-level run). Only numbers, names and DP outputs are lo
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -94,3 +95,80 @@ class RunRecord:
     def end(self, ok: bool = True) -> None:
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
         self.mlflow.set_terminated(self.run_id, status=status)
+
+
+# ---- runs left RUNNING by a process that died (kill -9, out of memory, power loss) ------------
+
+OWNER_HOST = "privprompt.owner.host"
+OWNER_PID = "privprompt.owner.pid"
+OWNER_STARTED = "privprompt.owner.started"  # the owner process's start time: a reused pid is another process
+SWEPT = "privprompt.swept"
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _process_started(pid: int) -> float | None:
+    """The start time of live process ``pid`` (seconds since the epoch); None when it is gone."""
+    import psutil  # a dependency of peft and distributed (both required)
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return process.create_time()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def owner_tags() -> dict[str, str]:
+    """Tags naming the process that owns a parent run (host, pid, its start time), for
+    :func:`sweep_dead_runs`."""
+    pid = os.getpid()
+    return {OWNER_HOST: _host(), OWNER_PID: str(pid), OWNER_STARTED: repr(_process_started(pid))}
+
+
+def owner_is_gone(tags: dict[str, str]) -> bool | None:
+    """Whether the process that owned a run (its :func:`owner_tags`) is gone: True / False on this
+    host, None when the run belongs to another host or names no owner (then nobody here can tell)."""
+    if tags.get(OWNER_HOST) != _host() or not tags.get(OWNER_PID):
+        return None
+    try:
+        pid, started = int(tags[OWNER_PID]), float(tags.get(OWNER_STARTED, "nan"))
+    except ValueError:
+        return None
+    now = _process_started(pid)
+    return now is None or not abs(now - started) < 1.0  # nan (unknown start) compares False: gone
+
+
+def sweep_dead_runs(mlflow: MlflowClient, by: str = "") -> list[str]:
+    """Mark FAILED every parent run still RUNNING whose owner process on this host is gone (a run
+    killed with SIGKILL never ends its MLflow run), and its child runs still RUNNING, each with
+    the tag ``privprompt.swept`` saying why. Runs of other hosts, and runs without owner tags, are
+    left alone. Every flow's parent run calls this before it starts (flows/parent_run.py).
+    Returns the ids marked FAILED."""
+    from mlflow.entities import ViewType
+
+    experiments = [e.experiment_id for e in mlflow.search_experiments(view_type=ViewType.ALL)]
+    if not experiments:
+        return []
+    running = "attributes.status = 'RUNNING'"
+    dead = [r for r in mlflow.search_runs(experiments, f"{running} and tags.`{OWNER_HOST}` = '{_host()}'",
+                                          run_view_type=ViewType.ALL, max_results=50_000)
+            if owner_is_gone(r.data.tags)]
+    swept = []
+    for run in dead:
+        children = mlflow.search_runs([run.info.experiment_id],
+                                      f"{running} and tags.mlflow.parentRunId = '{run.info.run_id}'",
+                                      run_view_type=ViewType.ALL, max_results=50_000)
+        why = (f"its owner process {run.data.tags[OWNER_PID]} on {run.data.tags[OWNER_HOST]} ended without ending "
+               f"the run (killed or crashed); marked FAILED at {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+               + (f" by {by}" if by else ""))
+        for r in [*children, run]:  # the children first: a parent swept half-way is swept again
+            mlflow.set_tag(r.info.run_id, SWEPT, why)
+            mlflow.set_terminated(r.info.run_id, status=RunStatus.to_string(RunStatus.FAILED))
+            swept.append(r.info.run_id)
+    return swept
