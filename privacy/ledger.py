@@ -1247,6 +1247,11 @@ class Ledger:
                     "  counts), released = failed before reading any private record (cost nothing), aborted = cancelled",
                     "  before any private read (cost nothing). local-DP / non-private: uses without an (ε, δ) claim."]
         for d in datasets:
+            if not d["records_known"]:
+                out.append(f"{d['name']} ({_short(d['fingerprint'])}): its records are not known yet (registered before the "
+                           "ledger kept record digests, or without them): its next run on the same files keeps them; "
+                           "until then a copy of its records in another export is not recognised")
+        for d in datasets:
             if largest and d["fingerprint"] in largest:
                 out.append(f"{d['name']} ({_short(d['fingerprint'])}): {largest[d['fingerprint']]}")
         entries = self.entries()

@@ -18,8 +18,9 @@ changes; 4 the append-only audit trail (``trail``), the team key (``team_key``) 
 5 the keyed record digests of each dataset (``record_sets``: one row per dataset whose records are
 known; ``dataset_records``: one row per keyed record digest, 16 bytes, unique across the ledger).
 Datasets of a version-4 ledger keep their keys and get their digests at the next run on their
-source (matched by the old file-bytes key). SQLite files of versions 1-4 are migrated in place (version in ``PRAGMA user_version`` and
-``ledger_meta``); a PostgreSQL ledger keeps its version in ``ledger_meta``.
+source (matched by the old file-bytes key). SQLite files of versions 1-4 are migrated in place
+(version in ``PRAGMA user_version`` and ``ledger_meta``); a PostgreSQL ledger keeps its version in
+``ledger_meta`` and is migrated the same way (version 5 only adds tables).
 
 Depends on SQLAlchemy (and a PostgreSQL driver, psycopg2 or psycopg, for a PostgreSQL ledger) only.
 """

@@ -331,3 +331,67 @@ def _make_v4_ledger(path: Path, fingerprint: str) -> None:
         db.execute("DROP TABLE record_sets")
         db.execute("UPDATE ledger_meta SET value = '4' WHERE name = 'schema_version'")
         db.execute("PRAGMA user_version = 4")
+
+
+def test_a_flow_on_a_copy_is_tagged_and_charged_as_the_registered_dataset(prefect_harness, sources, tmp_path):
+    """The method flow on a Parquet re-export of registered records: `dataset.fingerprint` is
+    the registered dataset's key, its reservation and commit are that dataset's, and its record
+    digests reach neither MLflow nor Prefect (they stay in the ledger and under private/)."""
+    from flows.method_flow import method_flow
+    from test_flow import _mlflow
+
+    state = tmp_path / "state"
+    part, _, ledger = _charge(_data_cfg(sources["jsonl"], "toy-sst2", state))
+    summary = method_flow(_data_cfg(sources["parquet"], "toy-parquet", state))
+    run = _mlflow(state).get_run(summary["mlflow_run_id"])
+    assert run.data.tags["dataset.fingerprint"] == part.dataset_key
+    assert run.data.tags["dataset"] == "toy-parquet"
+    (ds,) = ledger.datasets()
+    assert ds["fingerprint"] == part.dataset_key and ds["committed_runs"] == 1
+    assert ds["spent_epsilon"] == pytest.approx(run.data.metrics["privacy.epsilon"], rel=1e-3)
+    assert summary["budget"]["dataset.fingerprint"] == part.dataset_key
+    digests = ledger.record_digests(part.dataset_key)
+    logged = json.dumps({"tags": run.data.tags, "params": run.data.params, "summary": summary}, default=str)
+    for i in range(0, 64 * 16, 16):  # no digest, in hex, reaches the run record
+        assert digests[i:i + 16].hex() not in logged
+
+
+@pytest.mark.servers
+def test_the_record_rule_on_a_postgres_ledger(tmp_path, request):
+    """The same rule on a team's PostgreSQL ledger: register, a grown copy charged to it, a source
+    over two datasets refused, export / import (PostgreSQL → SQLite) keeping the digests."""
+    import hashlib
+    import hmac
+
+    from privacy.ledger import Ledger, RecordOverlapError
+
+    postgres = request.getfixturevalue("postgres")
+    led = Ledger(postgres.database())
+
+    def digests(texts):
+        return sorted(hmac.new(b"k" * 32, t.encode(), hashlib.sha256).digest()[:16] for t in texts)
+
+    a, b = digests(f"a{i}" for i in range(5000)), digests(f"b{i}" for i in range(3000))
+    assert led.register_source("a" * 64, "A", 8.0, 1e-5, a)["how"] == "new"
+    assert led.register_source("b" * 64, "B", 8.0, 1e-5, b"".join(b))["how"] == "new"
+    grown = a + digests(["a-new"])
+    assert led.match_source("c" * 64, grown)["fingerprint"] == "a" * 64
+    row = led.register_source("c" * 64, "A grown", 8.0, 1e-5, grown)
+    assert row["fingerprint"] == "a" * 64 and row["how"] == "records" and len(led.datasets()) == 2
+    with pytest.raises(RecordOverlapError, match="'A' .*'B'"):
+        led.register_source("d" * 64, "mix", 8.0, 1e-5, a[:1] + b[:1])
+    assert len(led.record_digests("a" * 64)) == 16 * 5001
+    data = json.loads(json.dumps(led.export()))
+    back = Ledger(tmp_path / "back.sqlite")
+    assert back.import_ledger(data)["record_digests"] == 8001
+    assert back.record_digests("a" * 64) == led.record_digests("a" * 64)
+    assert back.match_source("e" * 64, b[:10])["fingerprint"] == "b" * 64
+
+
+def _postgres_fixture():
+    from test_ledger_team import postgres  # noqa: F401 - the throwaway cluster fixture
+
+    return postgres
+
+
+postgres = _postgres_fixture()
