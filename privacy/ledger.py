@@ -81,6 +81,7 @@ import math
 import os
 import secrets
 import socket
+import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -624,14 +625,25 @@ class Ledger:
                     set_id = self._record_set_id(conn, fp)
                 held = owners.get(fp, set())
                 missing = [d for d in digest_list if d not in held]  # sorted: appends to the B-tree
-                if missing:
-                    from .ledger_store import records_table
-
-                    conn.execute(records_table.insert(), [{"digest": d, "set_id": set_id} for d in missing])
+                self._insert_digests(conn, set_id, missing)
                 if how != "new" and missing:
                     self._trail(conn, "records", fp, source_key=key, source_name=name, matched_by=how,
                                 records_added=len(missing))
         return {**self.dataset(fp), "how": how}
+
+    def _insert_digests(self, conn: sa.Connection, set_id: int, digests: list[bytes]) -> None:
+        """Bulk insert (one executemany): SQLite through its driver (SQLAlchemy's per-row parameter
+        handling took 3/4 of a 69k-record registration), PostgreSQL through SQLAlchemy's batched
+        multi-row VALUES."""
+        if not digests:
+            return
+        if self._store.dialect == "sqlite":
+            conn.exec_driver_sql("INSERT INTO dataset_records (digest, set_id) VALUES (?, ?)",
+                                 [(d, set_id) for d in digests])
+        else:
+            from .ledger_store import records_table
+
+            conn.execute(records_table.insert(), [{"digest": d, "set_id": set_id} for d in digests])
 
     def record_digests(self, fingerprint: str) -> bytes:
         """The keyed record digests a dataset holds, sorted, end to end (b"" when none are known)."""
@@ -1063,15 +1075,13 @@ class Ledger:
                        tuple(r[c] for c in names))
                 counts[t] = len(rows)
             n_digests = 0
-            from .ledger_store import records_table
-
             for fp, digest_list in decoded.items():
                 _q(conn, "INSERT INTO record_sets (fingerprint, created_at) VALUES (?, ?)", (fp, _now()))
                 set_id = self._record_set_id(conn, fp)
                 if digest_list:
                     try:  # the transaction rolls back whole
-                        conn.execute(records_table.insert(), [{"digest": d, "set_id": set_id} for d in digest_list])
-                    except sa.exc.IntegrityError:
+                        self._insert_digests(conn, set_id, digest_list)
+                    except (sa.exc.IntegrityError, sqlite3.IntegrityError):
                         raise LedgerError(f"ledger export: a record digest of dataset {_short(fp)} is also another "
                                           "dataset's (a record belongs to one dataset)") from None
                 n_digests += len(digest_list)
