@@ -395,3 +395,32 @@ def _postgres_fixture():
 
 
 postgres = _postgres_fixture()
+
+
+def test_a_run_whose_source_was_charged_elsewhere_meanwhile_stops_before_its_reservation(sources, tmp_path):
+    """The flow tags a run with the dataset its source resolves to; if another run registers records
+    of that source in between, the run stops before its reservation (one line) instead of
+    reserving against a dataset other than the one it was tagged and planned with."""
+    from privacy.ledger import LedgerError
+    from tasks.config import parse_config
+    from tasks.data import partition_dataset
+    from tasks.lifecycle import resolve_partition, run_method
+    from tasks.record import RunRecord, client, ensure_experiment
+    from tasks.stages import StageContext
+    from tasks.state import state_paths
+
+    state = tmp_path / "state"
+    cfg = parse_config(_data_cfg(sources["appended"], "toy-grown", state))
+    paths = state_paths(str(state)).create()
+    part = partition_dataset(cfg.data, cfg.seed, paths.private, None)
+    resolved, note = resolve_partition(paths.open_ledger(), part.to_dict())  # the flow: a new dataset then
+    assert resolved["dataset_key"] == part.source_key and note is None
+    other, _, ledger = _charge(_data_cfg(sources["jsonl"], "toy-sst2", state))  # meanwhile, another run
+    mlflow = client(paths)
+    parent = RunRecord.create(mlflow, ensure_experiment(mlflow, cfg.experiment, paths), "parent", {})
+    ctx = StageContext(config=cfg.model_dump(mode="json"), state_dir=str(state), partition=resolved,
+                       parent_run_id=parent.run_id, flow_run_id="flow-run-1")
+    with pytest.raises(LedgerError, match="nothing was reserved: run it again") as info:
+        run_method(ctx, "prompt_dpsgd", {})
+    assert other.dataset_key[:12] in str(info.value) and "\n" not in str(info.value)
+    assert ledger.entries() == [] and [d["fingerprint"] for d in ledger.datasets()] == [other.dataset_key]
