@@ -424,3 +424,28 @@ def test_a_run_whose_source_was_charged_elsewhere_meanwhile_stops_before_its_res
         run_method(ctx, "prompt_dpsgd", {})
     assert other.dataset_key[:12] in str(info.value) and "\n" not in str(info.value)
     assert ledger.entries() == [] and [d["fingerprint"] for d in ledger.datasets()] == [other.dataset_key]
+
+
+def test_a_plan_of_several_sources_applies_the_rule_among_them(sources, tmp_path):
+    """Variants of one plan on sources no ledger has seen: a grown copy of an earlier variant's
+    records is charged with it (one dataset, the runs composed), and a source over two earlier
+    variants' datasets is refused, as the runs in that order would be."""
+    from privacy.ledger import RecordOverlapError
+    from tasks.config import parse_config
+    from tasks.planning import plan_runs
+    from tasks.state import state_paths
+
+    state = tmp_path / "state"
+    variants = [(name, parse_config(_data_cfg(sources[name], f"toy-{name}", state))) for name in ("jsonl", "appended")]
+    plan = plan_runs(variants, state_paths(str(state)))
+    (key,) = plan["datasets"]
+    d = plan["datasets"][key]
+    assert d["name"] == "toy-jsonl" and len(plan["runs"]) == 2
+    assert d["total_epsilon"] > max(r["epsilon"] for r in plan["runs"])  # both runs composed in one budget
+    (note,) = d["notes"]
+    assert "'toy-appended' shares records with dataset 'toy-jsonl'" in note
+    variants = [(name, parse_config(_data_cfg(sources[name], f"toy-{name}", state))) for name in ("half-a", "half-b", "both")]
+    with pytest.raises(RecordOverlapError, match="'toy-both' .* 2 datasets that earlier runs of this plan register: "
+                                                 "'toy-half-a' .*'toy-half-b'"):
+        plan_runs(variants, state_paths(str(state)))
+    assert not state_paths(str(state)).ledger_exists()  # a plan writes nothing
