@@ -158,6 +158,8 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
     if partition is None:
         raise AuditError(f"run {run_id}: its private partition (data.partition {wanted[:12]}) is not under "
                          f"{paths.private}; audits run where the private data is")
+    # the ledger dataset the run was charged to (its source may be charged to another registered dataset)
+    partition = {**partition, "dataset_key": tags["dataset.fingerprint"]}
     if tags.get("privacy.guarantee") == "dp":
         found = _find_prompt(Path(artifact("prompt", "published prompt")), method)
         if found is None:

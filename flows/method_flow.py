@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 from flows.parent_run import parent_run
 from tasks import report
 from tasks.config import load_config, parse_config
-from tasks.lifecycle import preflight, resolve_delta
+from tasks.lifecycle import preflight, resolve_delta, resolve_partition
 from tasks.methods import get_method
 from tasks.prefect_tasks import (endpoint_task, evaluate_task, loss_mia_task, partition_task, prepare_task,
                                  train_task)
@@ -33,7 +33,7 @@ def partition(cfg, paths, data_root) -> dict:
                 private_dir=str(paths.private), data_root=data_root)
     part = partition_task(**args)
     manifest = Path(part["directory"]) / "manifest.json"
-    if not manifest.is_file() or "dataset_key" not in part:  # cached, but files were removed or are stale
+    if not manifest.is_file() or not part.get("source_key"):  # cached, but files were removed or are stale
         part = partition_task.with_options(refresh_cache=True)(**args)
     return part
 
@@ -77,6 +77,11 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
                     params={"privacy.dataset_epsilon_cap": cfg.privacy.dataset_epsilon_cap}) as run:
         paths, parent, flow_run_id, summary = run.paths, run.parent, run.flow_run_id, run.summary
         part = partition(cfg, paths, default_data_root(cfg.data_root))
+        # the ledger dataset its source is charged to (by its records; refused when they lie in several
+        # registered datasets), before anything is tagged, registered or reserved
+        part, charged = resolve_partition(paths.open_ledger(), part)
+        if charged:
+            logger.info(charged)
         delta = resolve_delta(cfg, part["n_train"])
         plan = method.plan(cfg, part["n_train"], delta)  # pure: validates the settings before any work
         parent.set_tags({"dataset.fingerprint": part["dataset_key"], "data.partition": part["fingerprint"],

@@ -49,6 +49,19 @@ transaction as the change; a refused reservation changes nothing and appends not
 an empty ledger. A shared ledger also keeps the team's key of keyed fingerprints (``team_key``):
 every machine names a dataset the same way.
 
+Datasets are known by their records (schema 5). With :meth:`register_source` a run's data source
+comes with its *keyed record digests* (16 bytes each: an HMAC, under the installation's or team's
+key, of each normalised record; never text, never an unkeyed hash) and its own key; the ledger
+keeps every registered dataset's digests (``dataset_records``: the digest is the primary key, so a
+record belongs to at most one dataset ledger-wide) and charges the source to the ONE registered
+dataset it shares a key or any record with, adding the source's other records to that dataset.
+A source that shares records with two or more registered datasets is refused
+(:class:`RecordOverlapError`): each record's budget lives in one dataset, and a run on that
+source would draw on several at once. A source that shares nothing is registered as a new dataset.
+So the record sets of the registered datasets stay disjoint, every source is charged to the
+dataset holding all of its records, and a record never gets a second cap. :meth:`match_source`
+answers the same question without writing (plans).
+
 Every ε the ledger reports comes from ``spend(ComposedEvent(events), δ)``, also for a single
 entry. A ``ParallelEvent`` (disjoint data, e.g. DP-OPT's generation vs. selection) is therefore
 always nested inside a composition, where the accountant bounds it less tightly than at the top
@@ -61,12 +74,14 @@ or MLflow here.
 
 from __future__ import annotations
 
+import base64
 import getpass
 import json
 import math
 import os
 import secrets
 import socket
+import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -75,8 +90,8 @@ import sqlalchemy as sa
 
 from . import events as ev
 from .accountant import PrivacySpend, spend
-from .ledger_store import (DEFAULT_BUSY_TIMEOUT_S, SCHEMA_VERSION, LedgerError, LedgerUnavailableError,  # noqa: F401
-                           LedgerURLError, Store, mask_url)
+from .ledger_store import (DEFAULT_BUSY_TIMEOUT_S, RECORD_DIGEST_BYTES, SCHEMA_VERSION, LedgerError,  # noqa: F401
+                           LedgerUnavailableError, LedgerURLError, Store, mask_url)
 from .validation import check_delta, check_epsilon
 
 __all__ = [
@@ -87,6 +102,7 @@ __all__ = [
     "LedgerKeyError",
     "LedgerURLError",
     "LedgerUnavailableError",
+    "RecordOverlapError",
     "Reservation",
     "UnknownDatasetError",
     "UnknownRunError",
@@ -155,6 +171,11 @@ class _LookupValueError(KeyError, ValueError):
 
 class LedgerKeyError(LedgerError):
     """The shared ledger's team key is missing where it must not be minted, or differs."""
+
+
+class RecordOverlapError(LedgerError):
+    """A data source shares records with more than one registered dataset: no one budget covers
+    a run on it. Nothing was recorded."""
 
 
 class DeltaMismatchError(ValueError):
@@ -472,6 +493,167 @@ class Ledger:
                 rows = _q(conn, "SELECT * FROM cap_changes WHERE fingerprint = ? ORDER BY id",
                                     (fingerprint,)).fetchall()
         return [{k: r[k] for k in r.keys() if k != "id"} for r in rows]
+
+    # -- datasets known by their records --
+
+    @staticmethod
+    def _digest_list(digests) -> list[bytes]:
+        """``digests`` (16-byte keyed record digests end to end, or an iterable of them) as a sorted
+        list of distinct digests."""
+        n = RECORD_DIGEST_BYTES
+        if isinstance(digests, (bytes, bytearray, memoryview)):
+            raw = bytes(digests)
+            if len(raw) % n:
+                raise ValueError(f"record digests must be {n}-byte digests end to end, got {len(raw)} bytes")
+            items = {raw[i:i + n] for i in range(0, len(raw), n)}
+        else:
+            items = set()
+            for d in digests:
+                if not isinstance(d, (bytes, bytearray)) or len(d) != n:
+                    raise ValueError(f"a record digest is {n} bytes, got a {type(d).__name__}")
+                items.add(bytes(d))
+        return sorted(items)
+
+    _CHUNK = 900  # bound parameters per lookup (below SQLite's oldest limit, 999)
+
+    @classmethod
+    def _owners(cls, conn: sa.Connection, digests: list[bytes]) -> dict[str, set[bytes]]:
+        """fingerprint → those of ``digests`` that registered dataset holds (indexed lookups)."""
+        stmt = sa.text("SELECT r.digest AS digest, s.fingerprint AS fingerprint FROM dataset_records r "
+                       "JOIN record_sets s ON s.id = r.set_id WHERE r.digest IN :d"
+                       ).bindparams(sa.bindparam("d", expanding=True))
+        out: dict[str, set[bytes]] = {}
+        for i in range(0, len(digests), cls._CHUNK):
+            for row in conn.execute(stmt, {"d": digests[i:i + cls._CHUNK]}):
+                out.setdefault(row.fingerprint, set()).add(bytes(row.digest))
+        return out
+
+    @staticmethod
+    def _record_set_id(conn: sa.Connection, fingerprint: str) -> int | None:
+        row = _q(conn, "SELECT id FROM record_sets WHERE fingerprint = ?", (fingerprint,)).fetchone()
+        return None if row is None else int(row["id"])
+
+    def _source_match(self, conn: sa.Connection, key: str, digests: list[bytes], legacy_key: str | None
+                      ) -> tuple[dict[str, str], dict[str, set[bytes]] | None]:
+        """The registered datasets a source is bound to (fingerprint → how: 'key', its own key is
+        registered; 'legacy', its file-bytes key of ledgers before schema 5; 'records', it shares
+        records), and which of its digests each holds (None: not looked up). The lookup is skipped
+        only when the source's own key is registered WITH records: that dataset then holds every
+        record of the source (a key is the HMAC of its record set, and records are never removed),
+        and no other dataset holds any (record sets are disjoint)."""
+        found: dict[str, str] = {}
+        for fp, how in ((key, "key"), (legacy_key, "legacy")):
+            if fp and fp not in found and _q(conn, "SELECT fingerprint FROM datasets WHERE fingerprint = ?",
+                                             (fp,)).fetchone() is not None:
+                found[fp] = how
+        if found.get(key) == "key" and len(found) == 1 and self._record_set_id(conn, key) is not None:
+            return found, None
+        owners = self._owners(conn, digests) if digests else {}
+        for fp in owners:
+            found.setdefault(fp, "records")
+        return found, owners
+
+    @staticmethod
+    def _overlap_error(conn: sa.Connection, found: dict[str, str], key: str, name: str) -> RecordOverlapError:
+        names = {r["fingerprint"]: r["name"] for r in _q(conn, "SELECT fingerprint, name FROM datasets")}
+        listed = ", ".join(f"{names[fp]!r} (fingerprint {_short(fp)})" for fp in sorted(found, key=lambda f: names[f]))
+        # no count of shared records: whoever writes a source file would learn how many of its
+        # records another dataset holds (a membership oracle)
+        return RecordOverlapError(
+            f"data source {name!r} (records key {_short(key)}) shares records with {len(found)} registered datasets: "
+            f"{listed}; each record is charged to the one dataset that holds it, and a run on this source would "
+            "draw on several budgets at once: use a source whose records lie in one registered dataset (or in "
+            "none); nothing was recorded")
+
+    def match_source(self, key: str, digests=b"", legacy_key: str | None = None, name: str = "source"
+                     ) -> dict[str, Any] | None:
+        """The registered dataset a source (its own key, its keyed record digests, its old
+        file-bytes key) is charged to, WITHOUT writing: its :meth:`datasets` row with ``how``
+        ('key', 'legacy' or 'records'); None when it is a new dataset. Raises
+        :class:`RecordOverlapError` when it shares records with two or more registered datasets
+        (the rule of :meth:`register_source`)."""
+        _check_text(key, "key")
+        digest_list = self._digest_list(digests)
+        with self._read() as conn:
+            found, _ = self._source_match(conn, key, digest_list, legacy_key)
+            if len(found) > 1:
+                raise self._overlap_error(conn, found, key, name)
+        if not found:
+            return None
+        ((fp, how),) = found.items()
+        return {**self.dataset(fp), "how": how}
+
+    def register_source(self, key: str, name: str, epsilon_cap: float, delta: float, digests,
+                        legacy_key: str | None = None) -> dict[str, Any]:
+        """Charge a data source to its dataset, in one transaction under the ledger's write lock
+        (concurrent runs on overlapping new sources cannot both register): returns the
+        :meth:`datasets` row of the dataset charged, with ``how``:
+
+        * 'new': it shares no key and no record with any registered dataset: registered under
+          ``key`` with (``name``, ``epsilon_cap``, ``delta``) and its record digests;
+        * 'key' / 'legacy' / 'records': it is, or shares records with, exactly one registered
+          dataset: charged to it (its cap, δ and name stay; the caller checks its terms), and
+          the source's records that dataset did not hold are added to it (so any later source
+          holding them is charged to it too);
+        * two or more: refused (:class:`RecordOverlapError`), nothing recorded.
+
+        ``digests``: the source's keyed record digests (16 bytes each, end to end or as a list);
+        ``legacy_key``: its key before schema 5 (a dataset registered then has no digests and
+        gets them here)."""
+        _check_text(key, "key")
+        _check_text(name, "name")
+        epsilon_cap = check_epsilon(epsilon_cap, "epsilon_cap")
+        delta = check_delta(delta, "delta")
+        digest_list = self._digest_list(digests)
+        with self._write() as conn:
+            found, owners = self._source_match(conn, key, digest_list, legacy_key)
+            if len(found) > 1:
+                raise self._overlap_error(conn, found, key, name)
+            now = _now()
+            if not found:
+                fp, how = key, "new"
+                _q(conn, "INSERT INTO datasets (fingerprint, name, epsilon_cap, delta, created_at, updated_at)"
+                         " VALUES (?, ?, ?, ?, ?, ?)", (key, name, epsilon_cap, delta, now, now))
+                self._trail(conn, "register", key, name=name, epsilon_cap=epsilon_cap, delta=delta,
+                            records=len(digest_list))
+            else:
+                ((fp, how),) = found.items()
+            if owners is not None and digest_list:  # None: the dataset holds every record already
+                set_id = self._record_set_id(conn, fp)
+                if set_id is None:
+                    _q(conn, "INSERT INTO record_sets (fingerprint, created_at) VALUES (?, ?)", (fp, now))
+                    set_id = self._record_set_id(conn, fp)
+                held = owners.get(fp, set())
+                missing = [d for d in digest_list if d not in held]  # sorted: appends to the B-tree
+                self._insert_digests(conn, set_id, missing)
+                if how != "new" and missing:
+                    self._trail(conn, "records", fp, source_key=key, source_name=name, matched_by=how,
+                                records_added=len(missing))
+        return {**self.dataset(fp), "how": how}
+
+    def _insert_digests(self, conn: sa.Connection, set_id: int, digests: list[bytes]) -> None:
+        """Bulk insert (one executemany): SQLite through its driver (SQLAlchemy's per-row parameter
+        handling took 3/4 of a 69k-record registration), PostgreSQL through SQLAlchemy's batched
+        multi-row VALUES."""
+        if not digests:
+            return
+        if self._store.dialect == "sqlite":
+            conn.exec_driver_sql("INSERT INTO dataset_records (digest, set_id) VALUES (?, ?)",
+                                 [(d, set_id) for d in digests])
+        else:
+            from .ledger_store import records_table
+
+            conn.execute(records_table.insert(), [{"digest": d, "set_id": set_id} for d in digests])
+
+    def record_digests(self, fingerprint: str) -> bytes:
+        """The keyed record digests a dataset holds, sorted, end to end (b"" when none are known)."""
+        with self._read() as conn:
+            self._dataset_row(conn, fingerprint)
+            set_id = self._record_set_id(conn, fingerprint)
+            if set_id is None:
+                return b""
+            rows = _q(conn, "SELECT digest FROM dataset_records WHERE set_id = ? ORDER BY digest", (set_id,))
+            return b"".join(bytes(r["digest"]) for r in rows)
 
     # -- reserving, committing, aborting --
 
@@ -824,17 +1006,26 @@ class Ledger:
 
     def export(self) -> dict[str, Any]:
         """The whole ledger as JSON-able data, from one snapshot: every row of ``datasets``,
-        ``entries``, ``cap_changes`` and ``trail`` as stored (events as JSON text), and a computed
-        ``summary`` (:meth:`datasets`). The team key is not exported (only whether there is one):
+        ``entries``, ``cap_changes`` and ``trail`` as stored (events as JSON text), each dataset's
+        keyed record digests (``record_digests``: fingerprint → base64 of its sorted 16-byte
+        digests end to end; keyed, never text), and a computed ``summary`` (:meth:`datasets`). The team key is not exported (only whether there is one):
         keep it apart, and restore it with ``import_ledger(..., team_key=...)``."""
         with self._read() as conn:
             tables = {t: [dict(r) for r in _q(conn, f"SELECT * FROM {t} ORDER BY "
                                                    f"{'fingerprint' if t == 'datasets' else 'id'}").fetchall()]
                       for t in _TABLES}
             has_key = _q(conn, "SELECT COUNT(*) AS n FROM team_key").fetchone()["n"] > 0
+            digests: dict[str, list[bytes]] = {}
+            for r in _q(conn, "SELECT s.fingerprint AS fingerprint, r.digest AS digest FROM dataset_records r "
+                              "JOIN record_sets s ON s.id = r.set_id ORDER BY s.fingerprint, r.digest"):
+                digests.setdefault(r["fingerprint"], []).append(bytes(r["digest"]))
+            for r in _q(conn, "SELECT fingerprint FROM record_sets"):
+                digests.setdefault(r["fingerprint"], [])
+        # keyed digests only (base64 of the sorted 16-byte digests end to end): as private as the ledger
+        records = {fp: base64.b64encode(b"".join(ds)).decode("ascii") for fp, ds in sorted(digests.items())}
         return {"format": EXPORT_FORMAT, "schema_version": SCHEMA_VERSION, "exported_at": _now(),
                 "ledger": self.location, "team_key": "kept apart (not exported)" if has_key else None,
-                **tables, "summary": self.datasets()}
+                **tables, "record_digests": records, "summary": self.datasets()}
 
     def import_ledger(self, data: dict[str, Any], team_key: bytes | None = None) -> dict[str, int]:
         """Restore an :meth:`export` into this ledger, which must be empty (no dataset, entry, cap
@@ -850,6 +1041,19 @@ class Ledger:
         for t in _TABLES:
             if not isinstance(data.get(t, []), list) or not all(isinstance(r, dict) for r in data.get(t, [])):
                 raise LedgerError(f"ledger export: {t!r} must be a list of rows")
+        records = data.get("record_digests") or {}
+        if not isinstance(records, dict) or not all(isinstance(v, str) for v in records.values()):
+            raise LedgerError("ledger export: 'record_digests' must map fingerprints to base64 text")
+        known = {r.get("fingerprint") for r in data.get("datasets", [])}
+        decoded: dict[str, list[bytes]] = {}
+        for fp, text in records.items():
+            if fp not in known:
+                raise LedgerError(f"ledger export: record digests of an unknown dataset {_short(str(fp))}")
+            try:
+                decoded[fp] = self._digest_list(base64.b64decode(text.encode("ascii"), validate=True))
+            except (ValueError, UnicodeEncodeError):
+                raise LedgerError(f"ledger export: the record digests of dataset {_short(fp)} are not "
+                                  f"{RECORD_DIGEST_BYTES}-byte digests in base64") from None
         columns = {t.name: [c.name for c in t.columns] for t in _store_tables()}
         if team_key is not None and (not isinstance(team_key, (bytes, bytearray)) or len(team_key) != 32):
             raise LedgerKeyError("a team key is 32 bytes")
@@ -870,8 +1074,21 @@ class Ledger:
                     _q(conn, f"INSERT INTO {t} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})",
                        tuple(r[c] for c in names))
                 counts[t] = len(rows)
+            n_digests = 0
+            for fp, digest_list in decoded.items():
+                _q(conn, "INSERT INTO record_sets (fingerprint, created_at) VALUES (?, ?)", (fp, _now()))
+                set_id = self._record_set_id(conn, fp)
+                if digest_list:
+                    try:  # the transaction rolls back whole
+                        self._insert_digests(conn, set_id, digest_list)
+                    except (sa.exc.IntegrityError, sqlite3.IntegrityError):
+                        raise LedgerError(f"ledger export: a record digest of dataset {_short(fp)} is also another "
+                                          "dataset's (a record belongs to one dataset)") from None
+                n_digests += len(digest_list)
+            if n_digests:
+                counts["record_digests"] = n_digests
             if self._store.dialect == "postgresql":  # the sequences continue after the restored ids
-                for t in ("entries", "cap_changes", "trail"):
+                for t in ("entries", "cap_changes", "trail", "record_sets"):
                     _q(conn, f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), COALESCE(MAX(id), 1), "
                              f"MAX(id) IS NOT NULL) FROM {t}")
             if team_key is not None:
@@ -966,6 +1183,7 @@ class Ledger:
                 rows = _q(conn, "SELECT * FROM datasets ORDER BY created_at, fingerprint").fetchall()
             else:
                 rows = [self._dataset_row(conn, fingerprint)]
+            known = {r["fingerprint"] for r in _q(conn, "SELECT fingerprint FROM record_sets")}
             out = []
             for ds in rows:
                 fp = ds["fingerprint"]
@@ -991,6 +1209,7 @@ class Ledger:
                     "ldp_uses": counts.get(("ldp", "committed"), 0) - len(releases),
                     "ldp_releases": len(releases),
                     "ldp_eta_bound": float(sum(releases)) if releases else None,
+                    "records_known": fp in known,  # its keyed record digests are kept (schema 5)
                     "created_at": ds["created_at"],
                     "updated_at": ds["updated_at"],
                 })
@@ -1037,6 +1256,11 @@ class Ledger:
                     "  data: counted in full; privprompt budget reservations), committed = finished (their actual ε",
                     "  counts), released = failed before reading any private record (cost nothing), aborted = cancelled",
                     "  before any private read (cost nothing). local-DP / non-private: uses without an (ε, δ) claim."]
+        for d in datasets:
+            if not d["records_known"]:
+                out.append(f"{d['name']} ({_short(d['fingerprint'])}): its records are not known yet (registered before the "
+                           "ledger kept record digests, or without them): its next run on the same files keeps them; "
+                           "until then a copy of its records in another export is not recognised")
         for d in datasets:
             if largest and d["fingerprint"] in largest:
                 out.append(f"{d['name']} ({_short(d['fingerprint'])}): {largest[d['fingerprint']]}")

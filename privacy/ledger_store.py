@@ -14,9 +14,13 @@ One code path (SQLAlchemy Core, ``text`` SQL that both dialects accept); only th
 statement and the append-only trigger of the audit trail differ per dialect.
 
 Schema versions: 2 added the 'ldp' kind of use; 3 'released' entries, read marks and reasons of cap
-changes; 4 the append-only audit trail (``trail``), the team key (``team_key``) and ``ledger_meta``.
-SQLite files of versions 1-3 are migrated in place (version in ``PRAGMA user_version`` and
-``ledger_meta``); a PostgreSQL ledger keeps its version in ``ledger_meta``.
+changes; 4 the append-only audit trail (``trail``), the team key (``team_key``) and ``ledger_meta``;
+5 the keyed record digests of each dataset (``record_sets``: one row per dataset whose records are
+known; ``dataset_records``: one row per keyed record digest, 16 bytes, unique across the ledger).
+Datasets of a version-4 ledger keep their keys and get their digests at the next run on their
+source (matched by the old file-bytes key). SQLite files of versions 1-4 are migrated in place
+(version in ``PRAGMA user_version`` and ``ledger_meta``); a PostgreSQL ledger keeps its version in
+``ledger_meta`` and is migrated the same way (version 5 only adds tables).
 
 Depends on SQLAlchemy (and a PostgreSQL driver, psycopg2 or psycopg, for a PostgreSQL ledger) only.
 """
@@ -36,7 +40,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 DEFAULT_BUSY_TIMEOUT_S = 120.0
 # pg_advisory_xact_lock key of the ledger's write lock (any fixed 64-bit number; "privledg")
 PG_LOCK_KEY = 0x7072_6976_6C65_6467
@@ -132,6 +136,24 @@ team_key_table = sa.Table(  # at most one row: the team's key of keyed fingerpri
     sa.Column("host", sa.Text, nullable=False),
     sa.Column("os_user", sa.Text, nullable=False),
     sa.CheckConstraint("id = 1"),
+)
+
+record_sets_table = sa.Table(  # a dataset whose records the ledger knows (schema 5)
+    "record_sets", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("fingerprint", sa.Text, sa.ForeignKey("datasets.fingerprint"), nullable=False, unique=True),
+    sa.Column("created_at", sa.Text, nullable=False),
+    sqlite_autoincrement=True,
+)
+
+RECORD_DIGEST_BYTES = 16
+
+records_table = sa.Table(  # keyed digests of every record of every dataset: never text, never unkeyed
+    "dataset_records", metadata,
+    # the primary key: one dataset per record, ledger-wide (a record never gets two caps)
+    sa.Column("digest", sa.LargeBinary(RECORD_DIGEST_BYTES), primary_key=True),
+    sa.Column("set_id", sa.Integer, sa.ForeignKey("record_sets.id"), nullable=False),
+    sqlite_with_rowid=False,  # one B-tree keyed by the digest: about 20 bytes a record on disk
 )
 
 meta_table = sa.Table(

@@ -2,8 +2,9 @@
 
 Plain functions (no Prefect): read JSONL / CSV / Parquet files or a hub dataset, map labels,
 split and subsample by a keyed hash of each record (so one source record added or removed changes
-only its own assignment), optionally plant canaries, write Parquet under ``<state>/private/``, and
-fingerprint the training partition. Nothing here logs or returns example text.
+only its own assignment), optionally plant canaries, write Parquet under ``<state>/private/``,
+fingerprint the training partition, and keep the source's keyed record digests (the ledger knows a
+dataset by its records: :func:`record_digests`). Nothing here logs or returns example text.
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ class Partition:
     n_holdout: int
     n_test: int
     n_canaries_planted: int
-    dataset_key: str = ""     # keyed hash of the private SOURCE dataset: the ledger's key
+    # the ledger's key of the private SOURCE dataset: in the manifest, the source's own records key
+    # (``source_key``); a run replaces it by the key of the registered dataset the source is charged
+    # to (:func:`tasks.lifecycle.source_dataset`), which may be another one sharing its records
+    dataset_key: str = ""
+    source_key: str = ""      # keyed hash of the source's record set (:func:`records_key`)
+    legacy_key: str = ""      # the source's key before ledger schema 5 (keyed hash of its files' bytes)
 
     @property
     def train_path(self) -> str:
@@ -58,6 +64,14 @@ class Partition:
     @property
     def canaries_path(self) -> str:
         return str(Path(self.directory) / "canaries.parquet")
+
+    @property
+    def records_path(self) -> str:
+        """The source's keyed record digests (:func:`record_digests`), private working data."""
+        return str(Path(self.directory) / RECORDS_FILE)
+
+    def source_records(self) -> "SourceRecords":
+        return SourceRecords(self.source_key, Path(self.records_path).read_bytes(), self.legacy_key)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -210,10 +224,78 @@ def _write_table(path: Path, texts: list[str], labels: list[str], extra: dict | 
     pq.write_table(pa.table(columns), path)
 
 
+# ---- datasets known by their records -----------------------------------------------------------
+
+RECORDS_FILE = "records.bin"
+RECORD_DIGEST_BYTES = 16
+_TAG_RECORD = b"privprompt/record\x00"
+_TAG_DATASET = b"privprompt/dataset-records\x00"
+
+
+@dataclass(frozen=True)
+class SourceRecords:
+    """A private source as the ledger knows it: its records key, its keyed record digests (sorted,
+    16 bytes each, end to end) and its key before ledger schema 5. No text."""
+
+    key: str
+    digests: bytes
+    legacy_key: str = ""
+
+    def __len__(self) -> int:
+        return len(self.digests) // RECORD_DIGEST_BYTES
+
+
+def record_digests(key: bytes, texts: list[str]) -> bytes:
+    """The keyed digests of a source's records, sorted and distinct, 16 bytes each end to end:
+    HMAC-SHA256 (``key``: the installation or team secret) of the whitespace-normalised text,
+    truncated to 128 bits. The TEXT is the record: format, order, field names and labels do not
+    change a digest, so a re-export (JSONL → CSV / Parquet, reordered) or a relabelled copy (another
+    label_map or label set, a corrected label) holds the same records. Without the key a digest
+    confirms no guess about a text."""
+    base = hmac.new(key, _TAG_RECORD, hashlib.sha256)
+    out = set()
+    for t in texts:
+        h = base.copy()
+        h.update(" ".join(t.split()).encode("utf-8"))
+        out.add(h.digest()[:RECORD_DIGEST_BYTES])
+    return b"".join(sorted(out))
+
+
+def records_key(key: bytes, digests: bytes) -> str:
+    """The key of a record set: HMAC-SHA256 (``key``) of its sorted distinct digests. The same
+    records in any format or order give the same key."""
+    return hmac.new(key, _TAG_DATASET + digests, hashlib.sha256).hexdigest()
+
+
+def source_records(cfg: DataConfig, data_root: str | None, private_dir: str | Path, seed: int = 0) -> SourceRecords:
+    """The private source's :class:`SourceRecords`: from its partition when one exists (written by
+    :func:`partition_dataset`), else by reading its train and test splits (writing nothing)."""
+    from .state import installation_secret
+
+    manifest = Path(private_dir) / "partitions" / f"{cfg.name}-{partition_key(cfg, seed, data_root)}" / "manifest.json"
+    if manifest.is_file():
+        data = json.loads(manifest.read_text())
+        if data.get("source_key") and (manifest.parent / RECORDS_FILE).is_file():
+            return Partition(**data).source_records()
+    secret = installation_secret(private_dir)
+    texts = read_split(cfg, data_root, cfg.train_split)[0] + read_split(cfg, data_root, cfg.test_split)[0]
+    digests = record_digests(secret, texts)
+    return SourceRecords(records_key(secret, digests), digests, legacy_dataset_key(cfg, data_root, private_dir))
+
+
 def dataset_key(cfg: DataConfig, data_root: str | None, private_dir: str | Path) -> str:
-    """The ledger's key of the private SOURCE dataset: an HMAC (installation secret) of the bytes
-    of its train and test split files, or of the hub id, config and revision. Every run drawing
-    from that source — any seed, subsample, holdout or canaries — composes against one budget."""
+    """The private source's own records key (:func:`records_key` of its train and test records):
+    the ledger's key of the dataset when the source is registered as itself. Every run drawing
+    from it — any seed, subsample, holdout or canaries — composes against one budget; a source
+    sharing records with a registered dataset is charged to that one (:func:`source_records`,
+    ``Ledger.register_source``)."""
+    return source_records(cfg, data_root, private_dir).key
+
+
+def legacy_dataset_key(cfg: DataConfig, data_root: str | None, private_dir: str | Path) -> str:
+    """The ledger's key of a source before schema 5: an HMAC (installation secret) of the bytes
+    of its train and test split files, or of the hub id, config and revision. Kept only to find a
+    dataset registered then, which gets its record digests at its next run."""
     from .state import installation_secret
 
     h = hmac.new(installation_secret(private_dir), digestmod=hashlib.sha256)
@@ -319,9 +401,9 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
     manifest = out_dir / "manifest.json"
     if manifest.is_file():  # same data and config (and seed, with canaries): reuse
         data = json.loads(manifest.read_text())
-        if data.get("dataset_key"):
+        if data.get("source_key") and (out_dir / RECORDS_FILE).is_file():
             return Partition(**data)
-        shutil.rmtree(out_dir)  # written before keyed source fingerprints existed: partition again
+        shutil.rmtree(out_dir)  # written before datasets were known by their records: partition again
 
     secret = installation_secret(private_dir)
     texts, labels = read_split(cfg, data_root, cfg.train_split)
@@ -356,11 +438,15 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
         _write_table(tmp / "test.parquet", te_texts, te_labels)
         if cfg.canaries:
             _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {"planted": planted.tolist()})
+        digests = record_digests(secret, texts + test_texts)  # the source's records (canaries are none of them)
+        (tmp / RECORDS_FILE).write_bytes(digests)
+        source_key = records_key(secret, digests)
         part = Partition(dataset=cfg.name, directory=str(out_dir.resolve()),
                          fingerprint=fingerprint(tr_texts, tr_labels, secret),
                          labels=list(cfg.labels), n_train=len(tr_texts), n_holdout=len(ho_texts),
                          n_test=len(te_texts), n_canaries_planted=int(planted.sum()),
-                         dataset_key=dataset_key(cfg, data_root, private_dir))
+                         dataset_key=source_key, source_key=source_key,
+                         legacy_key=legacy_dataset_key(cfg, data_root, private_dir))
         if part.n_test == 0:
             raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
                             ("; raise data.test_fraction" if cfg.test_fraction < 1 else ""))

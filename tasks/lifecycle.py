@@ -30,7 +30,7 @@ from privacy import events as ev
 from privacy.ledger import BudgetExceededError, DeltaMismatchError, Ledger, UnknownRunError
 
 from . import plots, randomness
-from .data import Partition, read_partition_split
+from .data import Partition, SourceRecords, read_partition_split
 from .errors import ConfigError, PrivPromptError
 from .methods import MethodContext, PrivateRows, get_method
 from .methods.base import Trained
@@ -107,17 +107,79 @@ def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, 
     return row
 
 
+def _records_of(part) -> "SourceRecords | None":
+    """The source's keyed record digests kept with a partition (None: a partition object without
+    them, which is then known by its key alone)."""
+    path = getattr(part, "records_path", None)
+    if not path or not getattr(part, "source_key", "") or not Path(path).is_file():
+        return None
+    return part.source_records()
+
+
+def source_dataset(ledger: Ledger | None, records, name: str) -> dict | None:
+    """The registered dataset a private source is charged to, WITHOUT writing (``privprompt plan``
+    and the flow, before any run registers or reserves): its ledger row with ``how`` ('key': the
+    source is that dataset's record set; 'records': it shares records with it; 'legacy': it is
+    the dataset a ledger before schema 5 registered by its files' bytes); None: a new dataset.
+    Raises ``RecordOverlapError`` (one line, naming the datasets) when the source shares records
+    with two or more registered datasets. The rule (``Ledger.register_source``): a source is
+    charged to the one registered dataset holding any of its records, and that dataset takes in
+    its other records; so no record is ever in two datasets and never gets a second cap."""
+    if ledger is None:
+        return None
+    return ledger.match_source(records.key, records.digests, records.legacy_key or None, name)
+
+
+def charged_note(match: dict | None, name: str) -> str | None:
+    """One line saying that a source is charged to another registered dataset (None: it is its own)."""
+    if match is None or match["how"] == "key":
+        return None
+    why = ("shares records with" if match["how"] == "records" else
+           "is (by its files, registered before the ledger kept records)")
+    return (f"data source {name!r} {why} registered dataset {match['name']!r} (fingerprint "
+            f"{match['fingerprint'][:12]}): its runs are charged against that dataset's budget (cap "
+            f"ε={match['epsilon_cap']:g} at δ={match['delta']:g})")
+
+
+def resolve_partition(ledger: Ledger | None, part: dict) -> tuple[dict, str | None]:
+    """``part`` (a partition's dict) with ``dataset_key`` set to the key of the ledger dataset its
+    source is charged to (:func:`source_dataset`, without writing), and the note saying so."""
+    records = _records_of(Partition(**part))
+    if records is None:
+        return part, None
+    match = source_dataset(ledger, records, part["dataset"])
+    return {**part, "dataset_key": match["fingerprint"] if match else records.key}, charged_note(match, part["dataset"])
+
+
 def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) -> dict:
-    """Register the private source dataset in the ledger (keyed by its keyed source hash, so
-    every run drawing from it composes against one cap), under :func:`check_dataset_terms`. A
-    lower cap in the config lowers the stored one (recorded)."""
-    key = part.dataset_key
-    row = check_dataset_terms(ledger, key, part.dataset, cap, delta)
-    if row is None:
-        return ledger.register_dataset(key, part.dataset, cap, delta)
+    """Charge the private source of ``part`` to its ledger dataset, under :func:`check_dataset_terms`
+    (checked first, against the dataset it will be charged to: a refusal writes nothing). A source
+    is known by its keyed record digests: it is registered as a new dataset when it shares no
+    record with a registered one, charged to the one registered dataset sharing its records
+    otherwise (that dataset keeps its cap, δ and name, and takes in the source's other records),
+    and refused when it shares records with several (``Ledger.register_source``). A lower cap in
+    the config lowers the stored one (recorded). Returns the dataset's row (``how``: how the
+    source was matched)."""
+    records = _records_of(part)
+    if records is None:  # a partition without record digests: known by its key alone
+        key = part.dataset_key
+        row = check_dataset_terms(ledger, key, part.dataset, cap, delta)
+        if row is None:
+            return ledger.register_dataset(key, part.dataset, cap, delta)
+        if cap < row["epsilon_cap"]:
+            return ledger.register_dataset(key, row["name"], cap, row["delta"], allow_cap_change=True)
+        return row
+    match = source_dataset(ledger, records, part.dataset)
+    expected = match["fingerprint"] if match else records.key
+    if match is not None:
+        check_dataset_terms(ledger, expected, match["name"], cap, delta)
+    row = ledger.register_source(records.key, part.dataset, cap, delta, records.digests, records.legacy_key or None)
+    how = row["how"]
+    if row["fingerprint"] != expected:  # another run registered an overlapping source in between
+        check_dataset_terms(ledger, row["fingerprint"], row["name"], cap, delta)
     if cap < row["epsilon_cap"]:
-        return ledger.register_dataset(key, row["name"], cap, row["delta"], allow_cap_change=True)
-    return row
+        row = ledger.register_dataset(row["fingerprint"], row["name"], cap, row["delta"], allow_cap_change=True)
+    return {**row, "how": how}
 
 
 # ---- what fits -------------------------------------------------------------------------------
@@ -426,7 +488,13 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
     plan = method.plan(cfg, part.n_train, delta)
     run_key = f"{ctx.flow_run_id}:{name}"
     ledger = paths.open_ledger()  # the state folder's file, or the team's ledger by URL
-    ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)
+    charged = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)["fingerprint"]
+    if charged != part.dataset_key:  # the flow tagged and planned the run against another dataset
+        from privacy.ledger import LedgerError
+
+        raise LedgerError(f"data source {part.dataset!r} is now charged to dataset fingerprint {charged[:12]}, not "
+                          f"{part.dataset_key[:12]} that this run started with (another run registered a source "
+                          "sharing its records meanwhile); nothing was reserved: run it again")
     method.preflight(cfg, prepared)  # before the reservation (the flow ran all of them already: cached)
     if opt_in:  # the run record says that this run's δ is ≥ 1/n by the config's explicit opt-in
         ctx.parent.set_tags({"privacy.delta_opt_in": "true"})

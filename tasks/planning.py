@@ -14,8 +14,8 @@ from privacy.ledger import Ledger
 
 from .data import partition_key
 from .errors import ConfigError
-from .lifecycle import (check_dataset_terms, fitting_hint, largest_fitting_target_epsilon, planned_events,
-                        preflight, resolve_delta)
+from .lifecycle import (charged_note, check_dataset_terms, fitting_hint, largest_fitting_target_epsilon,
+                        planned_events, preflight, resolve_delta, source_dataset)
 from .methods import get_method
 from .state import default_data_root
 
@@ -53,27 +53,51 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
     cap only lowered). With ``largest`` and one config per dataset, each dataset's preview also
     says the largest ``privacy.target_epsilon`` at which that config still fits
     (``largest_epsilon``, solved with the accountant; None: nothing fits)."""
-    from .data import dataset_key
+    from privacy.ledger import RecordOverlapError
+
+    from .data import RECORD_DIGEST_BYTES, source_records
 
     runs, events, meta = [], {}, {}
     ledger = state_paths.open_ledger() if state_paths.ledger_exists() else None
     checked: set[str] = set()
+    pending: dict[str, set[bytes]] = {}  # sources new to the ledger that earlier variants register
     for label, cfg in variants:
         n = estimate_n_train(cfg, state_paths.private)
-        key = dataset_key(cfg.data, default_data_root(cfg.data_root), state_paths.private)
+        records = source_records(cfg.data, default_data_root(cfg.data_root), state_paths.private, cfg.seed)
+        # the dataset it is charged to: as a run finds it (tasks.lifecycle.ensure_dataset)
+        match = source_dataset(ledger, records, cfg.data.name)
+        key, dname, note = records.key, cfg.data.name, charged_note(match, cfg.data.name)
+        mine = {records.digests[i:i + RECORD_DIGEST_BYTES] for i in range(0, len(records.digests), RECORD_DIGEST_BYTES)}
+        if match is not None:
+            key, dname = match["fingerprint"], match["name"]
+        else:
+            shared = [k for k, held in pending.items() if k == records.key or not held.isdisjoint(mine)]
+            if len(shared) > 1:
+                raise RecordOverlapError(
+                    f"data source {cfg.data.name!r} (records key {records.key[:12]}…) shares records with "
+                    f"{len(shared)} datasets that earlier runs of this plan register: "
+                    + ", ".join(f"{meta[k]['name']!r} (fingerprint {k[:12]}…)" for k in shared)
+                    + "; a run on it would draw on several budgets at once")
+            if shared and shared[0] != records.key:
+                key, dname = shared[0], meta[shared[0]]["name"]
+                note = (f"data source {cfg.data.name!r} shares records with dataset {dname!r} (fingerprint "
+                        f"{key[:12]}) that an earlier run of this plan registers: charged against its budget")
+        pending.setdefault(key, set()).update(mine)  # what the dataset holds once this variant ran
         delta = resolve_delta(cfg, n)
-        check_dataset_terms(ledger, key, cfg.data.name, cfg.privacy.dataset_epsilon_cap, delta)
+        check_dataset_terms(ledger, key, dname, cfg.privacy.dataset_epsilon_cap, delta)
         signature = cfg.model_dump_json(include={"models", "data", "method", "methods", "seed"})
         if signature not in checked:  # the variants of a sweep mostly share their models
             preflight(cfg, None)
             checked.add(signature)
-        meta.setdefault(key, {"name": cfg.data.name, "delta": delta, "cap": cfg.privacy.dataset_epsilon_cap,
-                              "configs": []})
+        meta.setdefault(key, {"name": dname, "delta": delta, "cap": cfg.privacy.dataset_epsilon_cap,
+                              "configs": [], "notes": []})
+        if note and note not in meta[key]["notes"]:
+            meta[key]["notes"].append(note)
         meta[key]["configs"].append((cfg, n))
         meta[key]["cap"] = min(meta[key]["cap"], cfg.privacy.dataset_epsilon_cap)
         if abs(meta[key]["delta"] - delta) > 1e-15:
             raise ConfigError(f"{label or cfg.method}: δ={delta:g} differs from δ={meta[key]['delta']:g} of another "
-                              f"run on dataset {cfg.data.name!r}; runs on one dataset compose at one δ")
+                              f"run on dataset {dname!r}; runs on one dataset compose at one δ")
         for name in cfg.run_methods:
             plan = get_method(name).plan(cfg, n, delta)
             row = {"variant": label, "method": name, "dataset": cfg.data.name, "n_train": n,
@@ -97,6 +121,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
                 existing = ledger.counted_events(key) if ledger is not None and _registered(ledger, key) else []
                 d["largest_epsilon"] = largest_fitting_target_epsilon(cfg, n, m["delta"], existing, d["cap"])
                 d["largest_hint"] = fitting_hint(d["largest_epsilon"])
+        d["notes"] = m["notes"]
         datasets[key] = d
     return {"runs": runs, "datasets": datasets, "fits": all(d["fits"] for d in datasets.values())}
 
@@ -133,6 +158,8 @@ def format_plan(plan: dict) -> str:
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "
                      f"remaining after ε={max(0.0, d['cap'] - d['total_epsilon']):.4f} "
                      f"({'fits' if d['fits'] else 'OVER THE CAP'})")
+        for note in d.get("notes", []):
+            lines.append(f"  {note}")
         if d.get("largest_hint"):
             lines.append(f"  {d['largest_hint']} (this config, composed with what the dataset has spent)")
     return "\n".join(lines)

@@ -44,8 +44,8 @@ def _partition_cache_key(context, parameters) -> str:
 def partition_task(data_config: dict, seed: int, private_dir: str, data_root: str | None) -> dict:
     part = partition_dataset(DataConfig.model_validate(data_config), seed, private_dir, data_root)
     get_run_logger().info("partition %s: %d train / %d holdout / %d test (this partition: data.partition %s; "
-                          "its source dataset, the ledger's key: dataset.fingerprint %s)", part.dataset,
-                          part.n_train, part.n_holdout, part.n_test, part.fingerprint[:12], part.dataset_key[:12])
+                          "its source's records key %s)", part.dataset,
+                          part.n_train, part.n_holdout, part.n_test, part.fingerprint[:12], part.source_key[:12])
     return part.to_dict()
 
 
