@@ -141,7 +141,7 @@ class TruncatedNegativeBinomial:
         log_1mg = math.log1p(-gamma)
         with np.errstate(invalid="ignore", divide="ignore"):
             if eta == 0.0:
-                out = k * log_1mg - np.log(k) - math.log(math.log(1.0 / gamma))
+                out = k * log_1mg - np.log(k) - math.log(-math.log(gamma))
             else:
                 # Π_{ℓ=0}^{k−1}(ℓ+η) = η·Γ(k+η)/Γ(1+η); its sign is that of η, as is the sign of
                 # γ^{−η} − 1, so the ratio is positive and computed from absolute values.
@@ -157,7 +157,7 @@ class TruncatedNegativeBinomial:
     def mean(self) -> float:
         eta, gamma = self.eta, self.gamma
         if eta == 0.0:
-            return (1.0 / gamma - 1.0) / math.log(1.0 / gamma)
+            return (1.0 - gamma) / (gamma * -math.log(gamma))
         # η(1−γ) / (γ(1 − γ^η)), with 1 − γ^η = −expm1(η log γ) for accuracy near η = 0
         return eta * (1.0 - gamma) / (gamma * -math.expm1(eta * math.log(gamma)))
 
@@ -278,7 +278,7 @@ def repeat_and_select_rdp(trial_rdp: TrialRdp, distribution: TrialCount, orders=
     eps = _trial_curve(trial_rdp, grid, trial_orders)
 
     if isinstance(distribution, TruncatedNegativeBinomial):
-        log_inv_gamma = math.log(1.0 / distribution.gamma)
+        log_inv_gamma = -math.log(distribution.gamma)
         with np.errstate(invalid="ignore"):
             per_hat = (1.0 - 1.0 / grid) * eps + log_inv_gamma / grid
         constant = (1.0 + distribution.eta) * min(log_inv_gamma, float(np.nanmin(per_hat)))
