@@ -396,3 +396,24 @@ def test_plan_dpsgd_selection_hits_target_and_reports_naive_composition():
 def test_bad_arguments_name_the_parameter(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_selection_is_one_ledger_entry_with_its_rdp_epsilon(tmp_path):
+    from privacy.ledger import Ledger
+
+    ledger = Ledger(tmp_path / "ledger.db")
+    ledger.register_dataset("fp-select", "toy", epsilon_cap=8.0, delta=DELTA)
+    d = sel.TruncatedNegativeBinomial(1.0, 0.1)
+    event = sel.selection_event([sel.trial_event(ev.dpsgd_event(0.01, 1.0, 1000), 20.0),
+                                 sel.trial_event(None, 20.0)], d)
+    reserved = ledger.reserve("fp-select", "run-select", event)
+    # the ledger composes its entries (ComposedEvent of one), through the RDP path for a selection
+    assert reserved.epsilon == pytest.approx(acct.spend(ev.ComposedEvent((event,)), DELTA).epsilon, rel=1e-9)
+    assert reserved.epsilon == pytest.approx(acct.spend(event, DELTA).epsilon, rel=1e-9)
+    row = ledger.commit("run-select", event)
+    assert ev.event_from_dict(row["event"]) == event
+    assert ledger.spent("fp-select").epsilon_pld is None
+    other = ev.dpsgd_event(0.02, 1.1, 200)
+    ledger.reserve("fp-select", "run-other", other)
+    curve = rdp_lib.rdp_of_event(event)[0] + rdp_lib.rdp_of_event(other)[0]
+    assert ledger.spent("fp-select").epsilon == pytest.approx(rdp_lib.rdp_to_epsilon(ORDERS, curve, DELTA)[0], rel=1e-9)
