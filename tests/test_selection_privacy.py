@@ -417,3 +417,13 @@ def test_selection_is_one_ledger_entry_with_its_rdp_epsilon(tmp_path):
     ledger.reserve("fp-select", "run-other", other)
     curve = rdp_lib.rdp_of_event(event)[0] + rdp_lib.rdp_of_event(other)[0]
     assert ledger.spent("fp-select").epsilon == pytest.approx(rdp_lib.rdp_to_epsilon(ORDERS, curve, DELTA)[0], rel=1e-9)
+
+
+def test_count_k_equals_k_separate_compositions_for_a_selection():
+    event = sel.selection_event([sel.trial_event(ev.dpsgd_event(0.01, 1.0, 300), 20.0)],
+                                sel.TruncatedNegativeBinomial(0.0, 0.05))
+    once = acct.spend(ev.SelfComposedEvent(event, 3), DELTA)
+    separate = acct.spend(ev.ComposedEvent((event, event, event)), DELTA)
+    assert once.epsilon == pytest.approx(separate.epsilon, rel=1e-12)
+    assert once.epsilon_pld is None and separate.epsilon_pld is None
+    assert once.epsilon > acct.spend(event, DELTA).epsilon
