@@ -31,6 +31,12 @@ splits). With the candidate chosen at random independently of the data, Q's outp
 The theorems (Papernot & Steinke, "Hyperparameter Tuning with Rényi Differential Privacy",
 ICLR 2022, arXiv 2110.03620v2)
 ------------------------------------------------------------------------------------------
+Source note: the paper's full text was not readable where this was written (only its abstract);
+the statements below are the ones dp-accounting 0.6.0 implements in
+``rdp_privacy_accountant._compute_rdp_repeat_and_select``, whose comments cite Theorem 2 and
+Theorem 6 of v2 with the same symbols (the condition on ε̂ in Theorem 6 is reconstructed from its
+choice ε̂ = log(1 + 1/(λ−1))). The tests check the formulas against exact divergences.
+
 Let Q: X^n → Y be a randomised algorithm with a totally ordered output space Y (here: ordered by
 the noisy score; ties broken by a fixed data-independent rule), and A: X^n → Y the algorithm that
 draws K from a distribution on ℕ, runs Q K times independently and outputs the best output (⊥ if
