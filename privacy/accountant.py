@@ -77,6 +77,11 @@ def _spend(event: ev.DpEvent, delta: float, discretization: float) -> PrivacySpe
     e_pld = epsilon_pld(event, delta, discretization)
     e_rdp, order = epsilon_rdp(event, delta)
     best = min(_finite_or_inf(e_pld), e_rdp)
+    if e_pld is None:
+        # no cross-check: the PLD accountant cannot express the event (e.g. a private selection,
+        # whose bound is an RDP statement); say so in the record
+        return PrivacySpend(epsilon=best, delta=delta, epsilon_pld=None, epsilon_rdp=e_rdp, rdp_order=order,
+                            accountant="rdp (no pld for this event)")
     return PrivacySpend(epsilon=best, delta=delta, epsilon_pld=e_pld, epsilon_rdp=e_rdp, rdp_order=order)
 
 

@@ -23,6 +23,11 @@ Conventions (add/remove neighbouring datasets throughout):
 * ``SelfComposedEvent(e, k)``, ``ComposedEvent([e1, e2, …])``: sequential composition.
 * ``ParallelEvent([e1, e2, …])``: parts that touch disjoint subsets of the data; the cost is the
   largest part's (parallel composition).
+* ``RepeatAndSelectEvent(trials, distribution, …)``: private selection / hyperparameter tuning
+  (Papernot & Steinke 2022): K ~ truncated negative binomial D_{η,γ} or Poisson(μ) trials, each
+  running one of ``trials`` (chosen independently of the data), and only the best trial is
+  published. Its cost is an RDP statement (``privacy/selection.py`` derives it); the PLD
+  accountant cannot express it and refuses it, so ``spend`` reports the RDP bound alone.
 """
 
 from __future__ import annotations
@@ -31,7 +36,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from .validation import check_count, check_epsilon, check_positive, check_rate
+import math
+
+from .validation import check_count, check_epsilon, check_open_interval, check_positive, check_rate
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,47 @@ class ParallelEvent:
             raise ValueError("ParallelEvent needs at least one part, got none")
 
 
+TRIAL_COUNT_DISTRIBUTIONS = ("truncated_negative_binomial", "poisson")
+
+
+@dataclass(frozen=True)
+class RepeatAndSelectEvent:
+    """Best of K trials, K random, one winner published (Papernot & Steinke 2022).
+
+    ``trials``: the events of the possible trials (one candidate each: its training plus its DP
+    holdout score); each trial runs one of them, picked independently of the data, so a trial's
+    RDP is at most the largest of theirs at each order. ``distribution``:
+    ``"truncated_negative_binomial"`` with ``eta`` > −1 and ``gamma`` in (0, 1), or ``"poisson"``
+    with ``mu`` ≥ 1 (the other parameters left None).
+    """
+
+    trials: tuple
+    distribution: str
+    eta: float | None = None
+    gamma: float | None = None
+    mu: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "trials", tuple(self.trials))
+        if not self.trials:
+            raise ValueError("RepeatAndSelectEvent needs at least one trial event, got none")
+        if self.distribution == "truncated_negative_binomial":
+            check_open_interval(self.eta, -1.0, math.inf, "eta")
+            check_open_interval(self.gamma, 0.0, 1.0, "gamma")
+            if self.mu is not None:
+                raise ValueError(f"mu is a Poisson parameter; leave it None here, got {self.mu!r}")
+        elif self.distribution == "poisson":
+            check_positive(self.mu, "mu")
+            if self.mu < 1.0:
+                raise ValueError(f"mu must be >= 1 for a Poisson selection (its RDP bound needs it), got {self.mu!r}")
+            if self.eta is not None or self.gamma is not None:
+                raise ValueError("eta and gamma are truncated-negative-binomial parameters; "
+                                 f"leave them None for poisson, got eta={self.eta!r}, gamma={self.gamma!r}")
+        else:
+            raise ValueError(f"distribution must be one of {TRIAL_COUNT_DISTRIBUTIONS}, "
+                             f"got {self.distribution!r}")
+
+
 DpEvent = Union[
     GaussianEvent,
     ExponentialEvent,
@@ -106,6 +154,7 @@ DpEvent = Union[
     SelfComposedEvent,
     ComposedEvent,
     ParallelEvent,
+    RepeatAndSelectEvent,
 ]
 
 _TYPES = {
@@ -116,6 +165,7 @@ _TYPES = {
     "self_composed": SelfComposedEvent,
     "composed": ComposedEvent,
     "parallel": ParallelEvent,
+    "repeat_and_select": RepeatAndSelectEvent,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
@@ -132,6 +182,9 @@ def event_to_dict(event: DpEvent) -> dict[str, Any]:
         return {"type": name, "count": event.count, "event": event_to_dict(event.event)}
     if isinstance(event, (ComposedEvent, ParallelEvent)):
         return {"type": name, "events": [event_to_dict(e) for e in event.events]}
+    if isinstance(event, RepeatAndSelectEvent):
+        return {"type": name, "trials": [event_to_dict(e) for e in event.trials],
+                "distribution": event.distribution, "eta": event.eta, "gamma": event.gamma, "mu": event.mu}
     out = {"type": name}
     out.update(event.__dict__)
     return out
@@ -151,6 +204,9 @@ def event_from_dict(data: dict[str, Any]) -> DpEvent:
         return cls(event_from_dict(args["event"]), args["count"])
     if cls in (ComposedEvent, ParallelEvent):
         return cls(tuple(event_from_dict(e) for e in args["events"]))
+    if cls is RepeatAndSelectEvent:
+        return cls(tuple(event_from_dict(e) for e in args["trials"]), args["distribution"],
+                   args.get("eta"), args.get("gamma"), args.get("mu"))
     return cls(**args)
 
 

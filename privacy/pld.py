@@ -14,6 +14,9 @@ directly, with dp-accounting's constructors, and composed with ``compose`` / ``s
   top level the accountant takes the maximum over parts instead.
 
 Returns ``None`` for an event shape it cannot represent; the accountant then falls back to RDP.
+A ``RepeatAndSelectEvent`` (best of K trials, Papernot & Steinke) has no PLD here at all:
+``pld_of_event`` raises ``NotImplementedError`` for it (its bound is an RDP statement), and
+``pld_for`` turns that refusal into ``None`` so ``spend`` states the RDP bound alone.
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ def pld_of_event(event: ev.DpEvent, discretization: float = DISCRETIZATION):
             return pld_lib.identity(value_discretization_interval=discretization)
         inner = pld_of_event(event.event, discretization)
         return None if inner is None else inner.self_compose(event.count)
+    if isinstance(event, ev.RepeatAndSelectEvent):
+        raise NotImplementedError(
+            "the PLD accountant cannot express a RepeatAndSelectEvent (best of K trials): its "
+            "privacy is the RDP bound of Papernot & Steinke (2022), see privacy/selection.py")
     if isinstance(event, (ev.ComposedEvent, ev.ParallelEvent)):
         total = pld_lib.identity(value_discretization_interval=discretization)
         for e in event.events:
@@ -109,8 +116,20 @@ def _only_gaussian(event: ev.DpEvent) -> bool:
     return False
 
 
+def _has_selection(event: ev.DpEvent) -> bool:
+    if isinstance(event, ev.RepeatAndSelectEvent):
+        return True
+    if isinstance(event, (ev.PoissonSampledEvent, ev.SelfComposedEvent)):
+        return _has_selection(event.event)
+    if isinstance(event, (ev.ComposedEvent, ev.ParallelEvent)):
+        return any(_has_selection(e) for e in event.events)
+    return False
+
+
 def pld_for(event: ev.DpEvent, discretization: float = DISCRETIZATION):
     """PLD of an event on one grid (PLDs on different grids do not compose): Gaussian-only
     events use the coarser ``GAUSSIAN_DISCRETIZATION`` when it is coarser than asked."""
+    if _has_selection(event):
+        return None  # pld_of_event refuses it (NotImplementedError); the accountant states RDP
     grid = max(discretization, GAUSSIAN_DISCRETIZATION) if _only_gaussian(event) else discretization
     return pld_of_event(event, grid)

@@ -14,6 +14,8 @@ Sources, next to the formulas below:
   with linear interpolation of the cumulant (which is convex in α) in between.
 * Approximate RDP (LimitedDomain's δ0): the δ-parts add under composition; Poisson sampling maps
   (RDP, δ0) to (RDP subsampled at q(1−δ0)/(1−qδ0), q·δ0), as in DP-OPT's accountant.
+* Best of K trials, K random (private selection): Papernot & Steinke (2022), Theorems 2 and 6,
+  in ``selection.py``.
 * Conversion to (ε, δ): Balle et al. (2020) / Bun et al. "BBGHS" Theorem 21, the one Opacus uses.
 """
 
@@ -226,6 +228,8 @@ def pure_epsilon(event: ev.DpEvent) -> float:
         return sum(pure_epsilon(e) for e in event.events)
     if isinstance(event, ev.ParallelEvent):
         return max(pure_epsilon(e) for e in event.events)
+    if isinstance(event, ev.RepeatAndSelectEvent):
+        return math.inf  # no pure-DP bound is claimed for best-of-K (an RDP statement only)
     raise TypeError(f"not a privacy event: {event!r}")
 
 
@@ -269,6 +273,10 @@ def _rdp(event: ev.DpEvent, orders: np.ndarray) -> tuple[np.ndarray, float]:
     if isinstance(event, ev.ParallelEvent):
         parts = [rdp_of_event(e, tuple(orders)) for e in event.events]
         return np.max([c for c, _ in parts], axis=0), max(d for _, d in parts)
+    if isinstance(event, ev.RepeatAndSelectEvent):
+        from .selection import rdp_of_repeat_and_select  # selection.py builds on this module
+
+        return rdp_of_repeat_and_select(event, orders), 0.0
     raise TypeError(f"not a privacy event: {event!r}")
 
 

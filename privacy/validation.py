@@ -64,3 +64,10 @@ def check_positive(value, name: str) -> float:
     if not _is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return float(value)
+
+
+def check_open_interval(value, low: float, high: float, name: str) -> float:
+    """A finite number in the open interval (low, high) (``high`` may be ``math.inf``)."""
+    if not _is_number(value) or math.isnan(value) or not (low < value < high):
+        raise ValueError(f"{name} must lie in ({low:g}, {high:g}), got {value!r}")
+    return float(value)

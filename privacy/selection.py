@@ -1,0 +1,473 @@
+"""Private selection / hyperparameter tuning, accounted as ONE mechanism (Papernot & Steinke 2022).
+
+The procedure (random search with a random number of trials)
+-----------------------------------------------------------
+Candidates: a method's hyperparameter grid plus "no prompt" (zero-shot). Draw K from a trial-count
+distribution with the secret DP generator; run K trials; each trial picks one candidate uniformly at
+random (independently of the data), trains it with its own DP mechanism on the TRAIN split, and
+releases its holdout score with noise (:func:`release_holdout_score`): the correct count on the
+HOLDOUT split plus N(0, σ_s²). Publish the trial with the highest noisy score (its candidate, its
+trained prompt, its noisy score); with K = 0 (possible under Poisson) publish ⊥ ("no winner").
+
+Neighbouring relation: add/remove ONE SOURCE record
+--------------------------------------------------------
+Every source record falls in exactly one split by a keyed hash of the record itself, so adding or
+removing one record changes exactly one of (train split, holdout split) by that one record and
+leaves the other unchanged. Let Q be one trial (as a randomised function of the whole dataset).
+
+* Record in the train split: the candidate's training is (λ, ε_train(λ))-RDP; the noisy score is
+  computed from the trained output and the unchanged holdout, i.e. post-processing.
+* Record in the holdout split: training sees identical data (same output distribution); the correct
+  count of each candidate changes by at most 1 (the record is counted or not), so the released
+  count is the Gaussian mechanism at L2 sensitivity 1: RDP λ/(2σ_s²) (Mironov 2017, Prop. 7).
+  (The other trials' counts change too, but each trial releases only its own count, with its own
+  noise, and Q is one trial.)
+
+Hence, at each order, ε_Q(λ) ≤ max(ε_train(λ), λ/(2σ_s²)) (parallel composition over the disjoint
+splits). With the candidate chosen at random independently of the data, Q's output law is a mixture
+Σ_c w_c Q_c with the same weights on both neighbours; exp((λ−1)D_λ) is jointly convex, so
+ε_Q(λ) ≤ max_c ε_{Q_c}(λ). The zero-shot candidate has ε_train ≡ 0 (it trains nothing).
+
+The theorems (Papernot & Steinke, "Hyperparameter Tuning with Rényi Differential Privacy",
+ICLR 2022, arXiv 2110.03620v2)
+------------------------------------------------------------------------------------------
+Source note: the paper's full text was not readable where this was written (only its abstract);
+the statements below are the ones dp-accounting 0.6.0 implements in
+``rdp_privacy_accountant._compute_rdp_repeat_and_select``, whose comments cite Theorem 2 and
+Theorem 6 of v2 with the same symbols (the condition on ε̂ in Theorem 6 is reconstructed from its
+choice ε̂ = log(1 + 1/(λ−1))). The tests check the formulas against exact divergences.
+
+Let Q: X^n → Y be a randomised algorithm with a totally ordered output space Y (here: ordered by
+the noisy score; ties broken by a fixed data-independent rule), and A: X^n → Y the algorithm that
+draws K from a distribution on ℕ, runs Q K times independently and outputs the best output (⊥ if
+K = 0). A's output is only the best trial; nothing else is published.
+
+Definition (truncated negative binomial D_{η,γ}), η > −1, γ ∈ (0, 1), support k = 1, 2, …:
+
+    η ≠ 0:  P[K = k] = (1−γ)^k / (γ^{−η} − 1) · Π_{ℓ=0}^{k−1} (ℓ+η)/(ℓ+1),
+            E[K] = η (1−γ) / (γ (1 − γ^η));
+    η = 0:  P[K = k] = (1−γ)^k / (k · log(1/γ))   (logarithmic distribution),
+            E[K] = (1/γ − 1) / log(1/γ).
+
+η = 1 is the geometric distribution P[K = k] = γ(1−γ)^{k−1}, E[K] = 1/γ. For η > 0 it is the
+negative binomial NB(η, γ) conditioned on K ≥ 1 (``scipy.stats.nbinom(η, γ)``); for η = 0 it is
+``scipy.stats.logser(1−γ)``.
+
+Theorem 2 (truncated negative binomial). Suppose Q is (λ, ε)-RDP and (λ̂, ε̂)-RDP for some
+ε, ε̂ ≥ 0, λ ∈ (1, ∞), λ̂ ∈ [1, ∞). Let η ∈ (−1, ∞), γ ∈ (0, 1) and K ~ D_{η,γ}. Then A is
+(λ, ε')-RDP with
+
+    ε' = ε + (1+η)·(1 − 1/λ̂)·ε̂ + (1+η)·log(1/γ)/λ̂ + log(E[K])/(λ−1).
+
+Theorem 6 (Poisson). Suppose Q is (λ, ε)-RDP and (ε̂, δ̂)-DP for some λ ∈ (1, ∞) and
+ε, ε̂, δ̂ ≥ 0 with e^{ε̂} ≤ 1 + 1/(λ−1). Let K ~ Poisson(μ), μ > 0. Then A is (λ, ε')-RDP with
+
+    ε' = ε + μ·δ̂ + log(μ)/(λ−1).
+
+Used here only with μ ≥ 1 (as dp-accounting does): at μ < 1 the log(μ) term is negative, and an
+exact enumeration (μ = 0.5, a discretised Gaussian trial) gives a Rényi divergence of order 1.5
+above the formula's value, so the formula is not used there.
+
+How they are evaluated here (:func:`repeat_and_select_rdp`)
+-----------------------------------------------------------------
+Given the trial's RDP curve ε(·) on a grid of orders G (all > 1):
+
+* Theorem 2 holds for every λ̂ separately, so the constant term is minimised over λ̂ ∈ G ∪ {1}:
+  c = (1+η)·min( log(1/γ), min_{λ̂∈G} [(1 − 1/λ̂)·ε(λ̂) + log(1/γ)/λ̂] ) (λ̂ = 1 gives the first
+  entry: (1 − 1/1)·ε̂ = 0 whatever the trial's KL bound ε̂ is, and it is finite whenever the curve
+  is finite at some order, RDP being non-decreasing in the order). Then
+  ε'(λ) = ε(λ) + c + log(E[K])/(λ−1).
+* Theorem 6 is applied at each λ with ε̂ = log(1 + 1/(λ−1)) (the largest the condition allows) and
+  δ̂ the smallest δ at which the trial's RDP curve gives (ε̂, δ)-DP, by the project's RDP→(ε, δ)
+  conversion (``rdp.rdp_to_delta``, BBGHS).
+* Rényi divergence is non-decreasing in the order, so an (λ', ε')-RDP statement is one for every
+  λ ≤ λ': the curve is replaced by its suffix minimum over the grid.
+* (ε, δ) from ε'(·) with the project's conversion ``rdp.rdp_to_epsilon``.
+
+This is the same computation as dp-accounting's ``RepeatAndSelectDpEvent`` in its RDP accountant
+(which parametrises D_{η,γ} by its mean and shape η ≥ 0); ``tests/test_selection_privacy.py``
+checks the two against each other, and checks the bound against the exact Rényi divergence of a
+best-of-K mechanism enumerated on a small output domain.
+
+Why RDP only. The theorems are RDP statements about a mixture over K; a privacy-loss
+distribution of A is not available from the trial's PLD, so the PLD accountant refuses
+``RepeatAndSelectEvent`` (``privacy/pld.py``) and ``accountant.spend`` reports the RDP bound alone
+(``epsilon_pld`` None, ``accountant`` naming the RDP path). Trials with a δ-part (approximate RDP,
+e.g. LimitedDomain) are refused: the theorems need RDP of the trial.
+
+The random number of trials must come from the run's secret DP generator (``privacy.rng``), never
+from a configured seed: K is part of the mechanism.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence, Union
+
+import numpy as np
+from scipy import special
+
+from . import events as ev
+from . import rdp as rdp_lib
+from .mechanisms import gaussian_mechanism
+from .validation import (check_count, check_delta, check_epsilon, check_nonnegative, check_open_interval,
+                         check_positive)
+
+TrialRdp = Union[Callable[[np.ndarray], np.ndarray], Sequence[float], np.ndarray]
+
+
+def _check_rng(rng) -> np.random.Generator:
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator (the run's secret DP stream), got {rng!r}")
+    return rng
+
+
+# ---- trial-count distributions ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TruncatedNegativeBinomial:
+    """D_{η,γ} of Papernot & Steinke (definition in the module docstring), support {1, 2, …}."""
+
+    eta: float
+    gamma: float
+
+    def __post_init__(self):
+        object.__setattr__(self, "eta", check_open_interval(self.eta, -1.0, math.inf, "eta"))
+        object.__setattr__(self, "gamma", check_open_interval(self.gamma, 0.0, 1.0, "gamma"))
+
+    @property
+    def name(self) -> str:
+        return "truncated_negative_binomial"
+
+    def log_pmf(self, k) -> np.ndarray:
+        """log P[K = k] for integer k (−inf off the support k ≥ 1)."""
+        k = np.asarray(k, dtype=float)
+        eta, gamma = self.eta, self.gamma
+        log_1mg = math.log1p(-gamma)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            if eta == 0.0:
+                out = k * log_1mg - np.log(k) - math.log(-math.log(gamma))
+            else:
+                # Π_{ℓ=0}^{k−1}(ℓ+η) = η·Γ(k+η)/Γ(1+η); its sign is that of η, as is the sign of
+                # γ^{−η} − 1, so the ratio is positive and computed from absolute values.
+                log_prod = math.log(abs(eta)) + special.gammaln(k + eta) - special.gammaln(1.0 + eta)
+                log_norm = math.log(abs(math.expm1(-eta * math.log(gamma))))
+                out = k * log_1mg + log_prod - special.gammaln(k + 1.0) - log_norm
+        return np.where((k >= 1) & (k == np.floor(k)), out, -np.inf)
+
+    def pmf(self, k) -> np.ndarray:
+        return np.exp(self.log_pmf(k))
+
+    @property
+    def mean(self) -> float:
+        eta, gamma = self.eta, self.gamma
+        if eta == 0.0:
+            return (1.0 - gamma) / (gamma * -math.log(gamma))
+        # η(1−γ) / (γ(1 − γ^η)), with 1 − γ^η = −expm1(η log γ) for accuracy near η = 0
+        return eta * (1.0 - gamma) / (gamma * -math.expm1(eta * math.log(gamma)))
+
+    def sample(self, rng: np.random.Generator, size: int | None = None):
+        """K (or ``size`` draws of it) by inversion of the CDF, from the caller's generator."""
+        return _sample_by_inversion(self.log_pmf, 1, _check_rng(rng), size)
+
+
+@dataclass(frozen=True)
+class PoissonTrials:
+    """K ~ Poisson(μ), support {0, 1, …}; K = 0 publishes ⊥ (no winner)."""
+
+    mu: float
+
+    def __post_init__(self):
+        object.__setattr__(self, "mu", check_positive(self.mu, "mu"))
+
+    @property
+    def name(self) -> str:
+        return "poisson"
+
+    def log_pmf(self, k) -> np.ndarray:
+        k = np.asarray(k, dtype=float)
+        with np.errstate(invalid="ignore"):
+            out = k * math.log(self.mu) - self.mu - special.gammaln(k + 1.0)
+        return np.where((k >= 0) & (k == np.floor(k)), out, -np.inf)
+
+    def pmf(self, k) -> np.ndarray:
+        return np.exp(self.log_pmf(k))
+
+    @property
+    def mean(self) -> float:
+        return self.mu
+
+    def sample(self, rng: np.random.Generator, size: int | None = None):
+        draws = _check_rng(rng).poisson(self.mu, size=size)
+        return int(draws) if size is None else draws.astype(int)
+
+
+TrialCount = Union[TruncatedNegativeBinomial, PoissonTrials]
+
+
+def _sample_by_inversion(log_pmf, start: int, rng: np.random.Generator, size: int | None):
+    n = 1 if size is None else check_count(size, "size", minimum=1)
+    u = rng.random(n)
+    out = np.empty(n, dtype=int)
+    pending = np.arange(n)
+    cum, k0, chunk = 0.0, start, 4096
+    while pending.size:
+        ks = np.arange(k0, k0 + chunk)
+        cdf = cum + np.cumsum(np.exp(log_pmf(ks)))
+        idx = np.searchsorted(cdf, u[pending], side="left")
+        hit = idx < chunk
+        out[pending[hit]] = ks[idx[hit]]
+        pending = pending[~hit]
+        if pending.size and cdf[-1] <= cum:  # the tail underflowed: the remaining mass is < 1e-300
+            out[pending] = ks[-1]
+            break
+        cum, k0 = float(cdf[-1]), k0 + chunk
+    return int(out[0]) if size is None else out
+
+
+def trial_count_distribution(event: ev.RepeatAndSelectEvent) -> TrialCount:
+    """The K distribution that a ``RepeatAndSelectEvent`` accounts for (sample K from this)."""
+    if event.distribution == "poisson":
+        return PoissonTrials(event.mu)
+    return TruncatedNegativeBinomial(event.eta, event.gamma)
+
+
+# ---- the RDP bound -----------------------------------------------------------------------------
+
+def _orders_array(orders, name: str = "orders") -> np.ndarray:
+    a = np.asarray(orders, dtype=float).ravel()
+    if a.size == 0 or not np.all(np.isfinite(a)) or np.any(a <= 1.0):
+        raise ValueError(f"{name} must be finite Rényi orders > 1, got {orders!r}")
+    return a
+
+
+def _trial_curve(trial_rdp: TrialRdp, grid: np.ndarray, orders_given) -> np.ndarray:
+    if callable(trial_rdp):
+        curve = np.asarray(trial_rdp(grid), dtype=float)
+    else:
+        curve = np.asarray(trial_rdp, dtype=float)
+        if orders_given is None:
+            raise ValueError("a trial RDP array needs the orders it is evaluated at (trial_orders)")
+    if curve.shape != grid.shape:
+        raise ValueError(f"trial RDP curve has shape {curve.shape}, expected {grid.shape}")
+    if np.any(np.isnan(curve)) or np.any(curve < 0):
+        raise ValueError(f"trial RDP values must be >= 0 (or inf), got {curve!r}")
+    return curve
+
+
+def repeat_and_select_rdp(trial_rdp: TrialRdp, distribution: TrialCount, orders=None,
+                          trial_orders=None) -> np.ndarray:
+    """RDP curve ε'(λ) of publishing the best of K trials, at each of ``orders``.
+
+    ``trial_rdp``: the RDP of ONE trial, either a callable ``f(order_array) -> rdp_array`` (then it
+    is evaluated on ``orders`` ∪ ``trial_orders``, default ``rdp.DEFAULT_ORDERS``, the grid over
+    which λ̂ is optimised), or an array of its values at ``trial_orders`` (then ``orders`` default
+    to ``trial_orders`` and must be among them). ``distribution``: the law of K.
+    Theorem 2 / Theorem 6 of Papernot & Steinke, as derived in the module docstring.
+    """
+    if not isinstance(distribution, (TruncatedNegativeBinomial, PoissonTrials)):
+        raise TypeError(f"distribution must be TruncatedNegativeBinomial or PoissonTrials, got {distribution!r}")
+    if callable(trial_rdp):
+        base = rdp_lib.DEFAULT_ORDERS if trial_orders is None else trial_orders
+        want = _orders_array(base if orders is None else orders)
+        grid = np.unique(np.concatenate([_orders_array(base, "trial_orders"), want]))
+    else:
+        if trial_orders is None:
+            raise ValueError("a trial RDP array needs the orders it is evaluated at (trial_orders)")
+        grid = _orders_array(trial_orders, "trial_orders")
+        want = grid if orders is None else _orders_array(orders)
+        if not np.all(np.isin(want, grid)):
+            raise ValueError("orders must be among trial_orders when the trial RDP is given as an array")
+        order_idx = np.argsort(grid)
+        grid, trial_rdp = grid[order_idx], np.asarray(trial_rdp, dtype=float)[order_idx]
+    eps = _trial_curve(trial_rdp, grid, trial_orders)
+
+    if isinstance(distribution, TruncatedNegativeBinomial):
+        log_inv_gamma = -math.log(distribution.gamma)
+        with np.errstate(invalid="ignore"):
+            per_hat = (1.0 - 1.0 / grid) * eps + log_inv_gamma / grid
+        constant = (1.0 + distribution.eta) * min(log_inv_gamma, float(np.nanmin(per_hat)))
+        out = eps + constant + math.log(distribution.mean) / (grid - 1.0)
+    else:
+        mu = distribution.mu
+        if mu < 1.0:
+            # below 1 the log(μ) term is negative and the bound can fall below the exact Rényi
+            # divergence (tests/test_selection_privacy.py enumerates a case); dp-accounting also
+            # requires a mean of at least 1
+            raise ValueError(f"mu must be >= 1 for the Poisson selection bound, got {mu!r}")
+        out = np.empty_like(grid)
+        for i, lam in enumerate(grid):
+            eps_hat = math.log1p(1.0 / (lam - 1.0))
+            delta_hat, _ = rdp_lib.rdp_to_delta(grid, eps, eps_hat)
+            out[i] = eps[i] + mu * delta_hat + math.log(mu) / (lam - 1.0)
+    # monotonicity in the order: (λ', ε')-RDP implies (λ, ε')-RDP for λ ≤ λ'
+    out = np.minimum.accumulate(out[::-1])[::-1]
+    return out[np.searchsorted(grid, want)]
+
+
+def selection_epsilon(trial_rdp: TrialRdp, distribution: TrialCount, delta: float,
+                      orders=rdp_lib.DEFAULT_ORDERS) -> tuple[float, float]:
+    """(ε, best order) of the best-of-K selection at δ (project's RDP→(ε, δ) conversion)."""
+    delta = check_delta(delta, "delta")
+    orders = _orders_array(orders)
+    curve = repeat_and_select_rdp(trial_rdp, distribution, orders=orders,
+                                  trial_orders=None if callable(trial_rdp) else orders)
+    return rdp_lib.rdp_to_epsilon(orders, curve, delta)
+
+
+def rdp_of_repeat_and_select(event: ev.RepeatAndSelectEvent, orders: np.ndarray) -> np.ndarray:
+    """RDP of a ``RepeatAndSelectEvent`` at ``orders`` (``rdp._rdp`` dispatches here).
+
+    A trial's curve is the maximum over its possible trial events (the candidate is chosen
+    independently of the data); trials with a δ-part are refused."""
+    for trial in event.trials:
+        _, delta_part = rdp_lib.rdp_of_event(trial, (2.0,))
+        if delta_part > 0:
+            raise ValueError(f"the Papernot-Steinke bound needs RDP trials; this trial has a δ-part "
+                             f"{delta_part:g} (approximate RDP): {trial!r}")
+
+    def trial_curve(o: np.ndarray) -> np.ndarray:
+        key = tuple(float(x) for x in o)
+        return np.max([rdp_lib.rdp_of_event(t, key)[0] for t in event.trials], axis=0)
+
+    return repeat_and_select_rdp(trial_curve, trial_count_distribution(event), orders=orders)
+
+
+# ---- the DP holdout score and the events of a selection ---------------------------------------
+
+def release_holdout_score(correct_count: int, noise_multiplier: float, rng: np.random.Generator) -> float:
+    """One candidate's holdout correct-count plus N(0, σ²) (Gaussian mechanism, L2 sensitivity 1:
+    one source record is in the holdout or not, and changes this count by at most one).
+    Accounted as ``GaussianEvent(σ)``: RDP λ/(2σ²). Returns the noisy count only."""
+    correct_count = check_count(int(correct_count) if isinstance(correct_count, np.integer) else correct_count,
+                                "correct_count")
+    return gaussian_mechanism(float(correct_count), noise_multiplier, 1.0, _check_rng(rng))
+
+
+def holdout_score_event(noise_multiplier: float) -> ev.DpEvent:
+    return ev.GaussianEvent(noise_multiplier)
+
+
+def trial_event(train_event: ev.DpEvent | None, score_noise_multiplier: float) -> ev.DpEvent:
+    """One trial of one candidate: its DP training on the train split (None: trains nothing, the
+    zero-shot candidate) in parallel with its noisy holdout score (disjoint splits: the RDP is the
+    maximum of the two at each order)."""
+    score = holdout_score_event(score_noise_multiplier)
+    if train_event is None:
+        return score
+    return ev.ParallelEvent((train_event, score))
+
+
+def selection_event(trials: Sequence[ev.DpEvent], distribution: TrialCount) -> ev.RepeatAndSelectEvent:
+    """The whole selection as one event (one ε in the record and the ledger)."""
+    if isinstance(distribution, TruncatedNegativeBinomial):
+        return ev.RepeatAndSelectEvent(tuple(trials), distribution.name, eta=distribution.eta,
+                                       gamma=distribution.gamma)
+    if isinstance(distribution, PoissonTrials):
+        return ev.RepeatAndSelectEvent(tuple(trials), distribution.name, mu=distribution.mu)
+    raise TypeError(f"distribution must be TruncatedNegativeBinomial or PoissonTrials, got {distribution!r}")
+
+
+def gamma_for_mean(eta: float, mean: float, tolerance: float = 1e-12) -> float:
+    """The γ of D_{η,γ} with E[K] = ``mean`` (> 1); E[K] decreases in γ, solved by bisection."""
+    eta = check_open_interval(eta, -1.0, math.inf, "eta")
+    mean = check_open_interval(mean, 1.0, math.inf, "mean")
+    lo, hi = 1e-300, 1.0 - 1e-16
+    if TruncatedNegativeBinomial(eta, hi).mean > mean:
+        raise ValueError(f"mean={mean!r} is too close to 1 for eta={eta!r}")
+    while hi - lo > tolerance * hi:
+        mid = 0.5 * (lo + hi)
+        if TruncatedNegativeBinomial(eta, mid).mean > mean:
+            lo = mid
+        else:
+            hi = mid
+    return hi  # mean at hi is <= the asked mean
+
+
+# ---- calibration and the comparison with naive composition -----------------------------------
+
+@dataclass(frozen=True)
+class SelectionPlan:
+    """What a selection of DP-SGD trials costs, next to naive composition of the same trials."""
+
+    target_epsilon: float
+    delta: float
+    distribution: str
+    expected_trials: float
+    n_candidates: int
+    noise_multiplier: float          # DP-SGD σ of every trial
+    score_noise_multiplier: float    # σ of the holdout correct-count
+    trial_epsilon: float             # one trial (training ∥ score) at δ, full accountant
+    selection_epsilon: float         # the whole selection at δ (RDP, P&S)
+    naive_epsilon_expected_trials: float  # ⌈E[K]⌉ trials composed, same σ (full accountant)
+    naive_epsilon_candidates: float       # n_candidates trials composed, same σ (full accountant)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_dpsgd_selection(target_epsilon: float, delta: float, distribution: TrialCount, sample_rate: float,
+                         steps: int, score_noise_multiplier: float, n_candidates: int,
+                         tolerance: float = 1e-3) -> SelectionPlan:
+    """The smallest DP-SGD σ (to ``tolerance`` relative) for which a selection whose trials train
+    ``steps`` Poisson-subsampled steps at ``sample_rate`` (and release a noisy holdout count with
+    ``score_noise_multiplier``) spends at most ``target_epsilon`` at ``delta``; with the single-trial
+    ε to use and the ε of naive composition of ⌈E[K]⌉ and of ``n_candidates`` such trials.
+
+    Raises ValueError when the score noise alone (a zero-shot-only selection) exceeds the target.
+    """
+    from . import accountant
+
+    target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
+    delta = check_delta(delta, "delta")
+    check_count(steps, "steps", minimum=1)
+    check_count(n_candidates, "n_candidates", minimum=1)
+    score_sigma = check_positive(score_noise_multiplier, "score_noise_multiplier")
+    check_nonnegative(tolerance, "tolerance")
+
+    def sel_event(sigma: float) -> ev.RepeatAndSelectEvent:
+        train = ev.dpsgd_event(sample_rate, sigma, steps)
+        return selection_event([trial_event(train, score_sigma), trial_event(None, score_sigma)], distribution)
+
+    def sel_eps(sigma: float) -> float:
+        return accountant.spend(sel_event(sigma), delta).epsilon
+
+    floor_eps, _ = selection_epsilon(lambda o: rdp_lib.gaussian_rdp(score_sigma, o), distribution, delta)
+    if floor_eps >= target_epsilon:
+        raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable: the holdout score noise "
+                         f"score_noise_multiplier={score_sigma:g} alone costs ε={floor_eps:.4g} in this selection")
+    hi = 1.0
+    while sel_eps(hi) > target_epsilon:
+        hi *= 2.0
+        if hi > 1e4:
+            raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable for these settings")
+    lo = hi / 2.0
+    while lo > 1e-3 and sel_eps(lo) <= target_epsilon:
+        hi, lo = lo, lo / 2.0
+    while hi / lo > 1.0 + tolerance:
+        mid = math.sqrt(lo * hi)
+        if sel_eps(mid) <= target_epsilon:
+            hi = mid
+        else:
+            lo = mid
+    sigma = hi
+    trial = trial_event(ev.dpsgd_event(sample_rate, sigma, steps), score_sigma)
+    expected = distribution.mean
+    return SelectionPlan(
+        target_epsilon=target_epsilon, delta=delta, distribution=distribution.name,
+        expected_trials=expected, n_candidates=int(n_candidates), noise_multiplier=sigma,
+        score_noise_multiplier=score_sigma,
+        trial_epsilon=accountant.spend(trial, delta).epsilon,
+        selection_epsilon=sel_eps(sigma),
+        naive_epsilon_expected_trials=accountant.spend(_composed(trial, math.ceil(expected)), delta).epsilon,
+        naive_epsilon_candidates=accountant.spend(_composed(trial, n_candidates), delta).epsilon,
+    )
+
+
+def _composed(trial: ev.DpEvent, count: int) -> ev.DpEvent:
+    # each trial touches both splits: composing the trials composes their training parts and their
+    # score parts; written part-wise so the top-level parallel max stays exact (train ∥ score)
+    if isinstance(trial, ev.ParallelEvent):
+        return ev.ParallelEvent(tuple(ev.SelfComposedEvent(p, count) for p in trial.events))
+    return ev.SelfComposedEvent(trial, count)
