@@ -76,6 +76,10 @@ def _spend(event: ev.DpEvent, delta: float, discretization: float) -> PrivacySpe
     # the reservation and the commit ask it again and again for the same events
     e_pld = epsilon_pld(event, delta, discretization)
     e_rdp, order = epsilon_rdp(event, delta)
+    if e_pld is not None and not rdp_lib.rdp_is_proven(event):
+        # the RDP curve of a subsampled δ-part mechanism is not a proven bound: PLD alone decides
+        return PrivacySpend(epsilon=_finite_or_inf(e_pld), delta=delta, epsilon_pld=e_pld, epsilon_rdp=e_rdp,
+                            rdp_order=order, accountant="pld (rdp: unproven for this event, cross-check only)")
     best = min(_finite_or_inf(e_pld), e_rdp)
     if e_pld is None:
         # no cross-check: the PLD accountant cannot express the event (e.g. a private selection,
@@ -94,6 +98,8 @@ def delta_for_epsilon(event: ev.DpEvent, epsilon: float) -> float:
     pld = pld_for(event, DISCRETIZATION)
     if pld is not None:
         candidates.append(float(pld.get_delta_for_epsilon(epsilon)))
+        if not rdp_lib.rdp_is_proven(event):  # see spend: PLD alone decides
+            return candidates[0]
     curve, delta_part = rdp_lib.rdp_of_event(event)
     d_rdp, _ = rdp_lib.rdp_to_delta(rdp_lib.DEFAULT_ORDERS, curve, epsilon)
     candidates.append(min(1.0, d_rdp + delta_part))

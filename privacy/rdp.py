@@ -239,6 +239,28 @@ def _rdp_cached(event: ev.DpEvent, orders: tuple[float, ...]) -> tuple[tuple[flo
     return tuple(float(x) for x in curve), float(delta)
 
 
+def rdp_is_proven(event: ev.DpEvent) -> bool:
+    """False when the event holds a Poisson-subsampled mechanism with a δ-part (LimitedDomain):
+    its RDP curve here uses the DP-OPT reference's rule — amplify the pure part at
+    q(1−δ0)/(1−qδ0) and add qδ0 — which has no proof for that mechanism (the subsampling theorem
+    needs the base mechanism's RDP in both directions, and a LimitedDomain pair is infinitely
+    divergent on the tokens one side can return). Such an event's ε is the PLD accountant's alone;
+    the RDP number is kept as a cross-check only (privacy/accountant.py)."""
+    if isinstance(event, ev.PoissonSampledEvent):
+        if rdp_of_event(event.event, (2.0,))[1] > 0:
+            return False
+        return rdp_is_proven(event.event)
+    inner = getattr(event, "events", None)
+    if inner is not None:
+        return all(rdp_is_proven(e) for e in inner)
+    if isinstance(event, ev.SelfComposedEvent):
+        return rdp_is_proven(event.event)
+    trials = getattr(event, "trials", None)
+    if trials is not None:
+        return all(rdp_is_proven(e) for e in trials)
+    return True
+
+
 def rdp_of_event(event: ev.DpEvent, orders=DEFAULT_ORDERS) -> tuple[np.ndarray, float]:
     """(RDP at each order, additive δ-part) of an event."""
     curve, delta = _rdp_cached(event, tuple(float(o) for o in orders))

@@ -272,7 +272,7 @@ def source_records(cfg: DataConfig, data_root: str | None, private_dir: str | Pa
     :func:`partition_dataset`), else by reading its train and test splits (writing nothing)."""
     from .state import installation_secret
 
-    manifest = Path(private_dir) / "partitions" / f"{cfg.name}-{partition_key(cfg, seed, data_root)}" / "manifest.json"
+    manifest = Path(private_dir) / "partitions" / f"{cfg.name}-{partition_key(cfg, seed, data_root, private_dir)}" / "manifest.json"
     if manifest.is_file():
         data = json.loads(manifest.read_text())
         if data.get("source_key") and (manifest.parent / RECORDS_FILE).is_file():
@@ -383,12 +383,16 @@ def split_sizes(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: 
             "n_test": int(assign_test(cfg, key, test_texts, test_labels).sum())}
 
 
-def partition_key(cfg: DataConfig, seed: int, data_root: str | None) -> str:
-    """Cache key of a partition: the data config and the source files' signature, and the seed only
-    where canaries are planted (the split itself is by keyed hash, not by seed). The installation
-    secret is implicit: partitions live under the private folder whose secret made them."""
+def partition_key(cfg: DataConfig, seed: int, data_root: str | None, private_dir: str | Path) -> str:
+    """Cache key of a partition: the data config and the source files' signature, the seed only
+    where canaries are planted (the split itself is by keyed hash, not by seed), and the id of the
+    key that split it and named its source (:func:`tasks.state.key_id`): a state folder that joins
+    a team ledger (another key) partitions anew instead of charging under its old key's name."""
+    from .state import key_id
+
     return digest_key({"data": cfg.model_dump(mode="json"), "split": "keyed-hash-v1",
-                       "seed": seed if cfg.canaries else None, "source": source_signature(cfg, data_root)})
+                       "seed": seed if cfg.canaries else None, "source": source_signature(cfg, data_root),
+                       "key": key_id(private_dir)})
 
 
 def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> Partition:
@@ -396,7 +400,7 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
     :func:`record_uniforms`), plant canaries (seeded), written atomically."""
     from .state import installation_secret
 
-    key = partition_key(cfg, seed, data_root)
+    key = partition_key(cfg, seed, data_root, private_dir)
     out_dir = Path(private_dir) / "partitions" / f"{cfg.name}-{key}"
     manifest = out_dir / "manifest.json"
     if manifest.is_file():  # same data and config (and seed, with canaries): reuse

@@ -31,7 +31,7 @@ def estimate_n_train(cfg, private_dir: Path) -> int:
     from .data import split_sizes
 
     data_root = default_data_root(cfg.data_root)
-    key = partition_key(cfg.data, cfg.seed, data_root)
+    key = partition_key(cfg.data, cfg.seed, data_root, private_dir)
     manifest = Path(private_dir) / "partitions" / f"{cfg.data.name}-{key}" / "manifest.json"
     if manifest.is_file():
         return int(json.loads(manifest.read_text())["n_train"])

@@ -35,7 +35,7 @@ def transient_only(task, task_run, state) -> bool:
 
 def _partition_cache_key(context, parameters) -> str:
     cfg = DataConfig.model_validate(parameters["data_config"])
-    key = partition_key(cfg, parameters["seed"], parameters["data_root"])
+    key = partition_key(cfg, parameters["seed"], parameters["data_root"], parameters["private_dir"])
     return f"partition-{key}-{abs(hash(str(Path(parameters['private_dir']).resolve()))) % 10**8}"
 
 

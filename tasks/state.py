@@ -116,6 +116,15 @@ _TEAM_KEYS: dict[str, bytes] = {}
 _CONFIGURED_LEDGERS: dict[Path, str] = {}
 
 
+def key_id(private_dir: str | Path) -> str:
+    """A name of the key :func:`installation_secret` gives for ``private_dir`` (an HMAC of a
+    constant under it: it tells keys apart and reveals nothing of the key)."""
+    import hashlib
+    import hmac
+
+    return hmac.new(installation_secret(private_dir), b"privprompt/key-id", hashlib.sha256).hexdigest()[:16]
+
+
 def installation_secret(private_dir: str | Path, ledger_url: str | None = None) -> bytes:
     """This installation's secret key (32 bytes from ``secrets``): the HMAC key of dataset
     fingerprints and keyed splits, so that a published fingerprint confirms no guess about the

@@ -247,3 +247,23 @@ def test_exponential_rdp_against_brute_force_divergence(monotone):
     bound = rdp_lib.exponential_rdp(e, orders, monotone=monotone)
     assert np.all(worst <= bound + 1e-9)
     assert worst.max() > 0.3 * bound.max()  # the neighbours used are not trivially weak
+
+
+def test_subsampled_limited_domain_is_decided_by_pld_alone():
+    """The RDP rule for a Poisson-subsampled mechanism with a δ-part (the DP-OPT reference's
+    q(1−δ0)/(1−qδ0) amplification) has no proof: where it would have given the smaller ε (a
+    review found q = 0.002, 2,000 queries, ε0 = 1: RDP 0.400 < PLD 0.458), PLD's number is
+    the published one; events with a proven RDP curve still take the smaller of the two."""
+
+    query = ev.PoissonSampledEvent(0.002, ev.LimitedDomainEvent(1.0, 5e-9))
+    event = ev.SelfComposedEvent(query, 2000)
+    assert not rdp_lib.rdp_is_proven(event) and not rdp_lib.rdp_is_proven(ev.ComposedEvent((event,)))
+    spent = acct.spend(event, 1e-5)
+    assert spent.epsilon_rdp < spent.epsilon_pld  # the unproven curve would have won
+    assert spent.epsilon == spent.epsilon_pld and spent.accountant.startswith("pld")
+    assert acct.delta_for_epsilon(event, spent.epsilon) <= 1e-5 * (1 + 1e-6)
+    dpsgd = ev.dpsgd_event(0.01, 1.0, 3000)
+    assert rdp_lib.rdp_is_proven(dpsgd)
+    plain = acct.spend(dpsgd, 1e-5)
+    assert plain.epsilon == min(plain.epsilon_pld, plain.epsilon_rdp) and plain.accountant == "min(pld, rdp)"
+    assert rdp_lib.rdp_is_proven(ev.LimitedDomainEvent(1.0, 1e-6))  # unsampled: the plain EM bound + δ0

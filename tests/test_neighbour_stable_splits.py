@@ -195,3 +195,19 @@ def test_overlap_refusal_states_no_count(tmp_path, source):
     message = str(err.value).replace(str(tmp_path), "")
     assert not any(ch.isdigit() for ch in message), message
     assert "record 0" not in message and "train record" not in message
+
+
+def test_a_state_folder_that_joins_a_team_ledger_partitions_anew_under_the_team_key(tmp_path, source, monkeypatch):
+    """A cached partition is keyed by the key that split it: a machine that partitioned a dataset
+    under its own key and then joins a team ledger must name the dataset as every team machine
+    does (a review charged one dataset twice, under the old and the team key, at 2 × the cap)."""
+    train, test = source
+    base = _write(tmp_path / "base", train, test)
+    monkeypatch.delenv("PRIVPROMPT_LEDGER_URL", raising=False)
+    alone = partition_dataset(_cfg(base), 0, tmp_path / "a" / "private", None)
+    monkeypatch.setenv("PRIVPROMPT_LEDGER_URL", f"sqlite:///{tmp_path / 'team.sqlite'}")
+    joined = partition_dataset(_cfg(base), 0, tmp_path / "a" / "private", None)
+    fresh = partition_dataset(_cfg(base), 0, tmp_path / "b" / "private", None)
+    assert joined.directory != alone.directory and joined.source_key != alone.source_key
+    assert (joined.source_key, joined.fingerprint) == (fresh.source_key, fresh.fingerprint)
+    assert _assignment(joined, train, test) == _assignment(fresh, train, test)
