@@ -184,6 +184,22 @@ def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) ->
 
 # ---- what fits -------------------------------------------------------------------------------
 
+def planned_epsilon(cfg, name: str, plan, delta: float) -> float:
+    """ε of a dp plan's worst case (its event, by the accountant), refused with a
+    :class:`ConfigError` when above ``privacy.target_epsilon``: a method's calibration (σ, number of
+    queries) must meet the target, and one that does not — a bug, or a stale or tampered accounting
+    cache (privacy/calibration_cache.py) — is stopped before anything is reserved. ``plan`` and a
+    run check it alike."""
+    epsilon = acct.spend(plan.event, delta).epsilon
+    target = float(cfg.privacy.target_epsilon)
+    if not epsilon <= target * (1 + 1e-6):
+        raise ConfigError(f"{name}: its plan would spend ε = {epsilon:.4f} at δ = {delta:g}, above "
+                          f"privacy.target_epsilon = {target:g} (a calibration that misses its target; if the "
+                          "state folder's cache/accounting.json was edited or copied from elsewhere, remove it); "
+                          "nothing reserved")
+    return epsilon
+
+
 def planned_events(cfg, n_train: int, delta: float, target_epsilon: float | None = None) -> list:
     """The worst-case events of every dp run of ``cfg`` (baselines and the published method), at
     ``target_epsilon`` instead of the config's when given."""
@@ -477,9 +493,11 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
       reservation (``reserve`` is idempotent: no second charge). That is sound: the reservation,
       the declared worst case, stays spent and counts in full; the crashed attempt's output only
       ever existed in that attempt's memory and was never stored or published, so the one output
-      ever released is the retry's, a single run of the mechanism under the charge. (The crash
-      must not depend on the noise or the data; the ones that retry — lost workers, out of memory,
-      timeouts — do not.)
+      ever released is the retry's, a single run of the mechanism under the charge. When the
+      crashed attempt had begun reading private rows (marked read), the retry commits the whole
+      reservation rather than its own (possibly smaller) spend: what the lost attempt showed on the
+      way (a progress report of DP-OPT's queries) is then covered too. (The crash must not depend
+      on the noise or the data; the ones that retry — lost workers, out of memory, timeouts — do not.)
     """
     method = get_method(name)
     cfg, part, paths = ctx.cfg, ctx.part, ctx.paths
@@ -506,6 +524,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
         if plan.reads_private:
             # before any private row is read: reserve the worst case, or record the use as what it is
             if plan.guarantee == "dp":
+                planned_epsilon(cfg, name, plan, delta)
                 stored = stored_release(ledger, run_key, ctx.private_run_dir, name)
                 note = f" (δ={delta:g} ≥ 1/n by privacy.allow_delta_at_least_one_over_n)" if opt_in else ""
                 try:
@@ -524,8 +543,13 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
         if stored is not None:  # a retry: the stored DP output, no private read, no training
             trained, train_s = stored, 0.0
         else:
+            read_before = False
             if reservation is not None:
                 _test_pause("reserved")
+                # an earlier attempt of this run that read private rows and was lost before storing
+                # its output may have shown some of its mechanism's outputs on the way (progress of
+                # DP-OPT's queries): this attempt then spends the whole reservation, not its own part
+                read_before = ledger.entry(run_key).get("read_started_at") is not None
                 ledger.mark_read(run_key)  # from here on the reservation stays spent, whatever happens
             read_begun = plan.reads_private
             rows = read_private_rows(part, method.uses_validation) if plan.reads_private else PrivateRows([], [])
@@ -538,6 +562,8 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
             if plan.guarantee == "dp":
                 if trained.event is None:
                     raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
+                if read_before:  # see above: the stored, committed and published event is the reservation's
+                    trained.event = reservation.event
                 if not store_release(ctx.private_run_dir, name, run_key, trained):  # a retry republishes it
                     # another attempt of this run, alive at the same time, stored its DP output first:
                     # that one is the run's output; this attempt's is dropped, never published

@@ -14,7 +14,7 @@ from privacy.ledger import Ledger
 
 from .data import partition_key
 from .errors import ConfigError
-from .lifecycle import (charged_note, check_dataset_terms, fitting_hint, largest_fitting_target_epsilon,
+from .lifecycle import (charged_note, check_dataset_terms, fitting_hint, largest_fitting_target_epsilon, planned_epsilon,
                         planned_events, preflight, resolve_delta, source_dataset)
 from .methods import get_method
 from .state import default_data_root
@@ -103,7 +103,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
             row = {"variant": label, "method": name, "dataset": cfg.data.name, "n_train": n,
                    "guarantee": plan.guarantee, "delta": delta, "epsilon": None}
             if plan.event is not None:
-                row["epsilon"] = acct.spend(plan.event, delta).epsilon
+                row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
                 events.setdefault(key, []).append(plan.event)
             runs.append(row)
     datasets = {}

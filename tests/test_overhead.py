@@ -116,3 +116,26 @@ def test_console_script_exits_fast_without_losing_output():
     proc = subprocess.run([sys.executable, "-m", "privprompt_cli", "run", "no/such/config.yaml"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "config file not found: no/such/config.yaml" in proc.stderr
+
+
+def test_a_tampered_calibration_is_refused_before_any_reservation(cache_file):
+    """The cache only saves time: a σ in it that misses its target (edited, or copied from other
+    code) cannot make a run spend above privacy.target_epsilon — plan and run refuse the plan."""
+    import yaml
+
+    from tasks.config import parse_config
+    from tasks.errors import ConfigError
+    from tasks.lifecycle import planned_epsilon
+    from tasks.methods import get_method
+
+    cfg = parse_config(yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text()))
+    method = get_method(cfg.method)
+    honest = planned_epsilon(cfg, cfg.method, method.plan(cfg, 1000, 1e-5), 1e-5)
+    assert honest <= cfg.privacy.target_epsilon * (1 + 1e-6)
+    stored = json.loads(cache_file.read_text())
+    assert stored["values"]  # the calibration went through the cache
+    stored["values"] = {k: v * 0.3 for k, v in stored["values"].items()}  # far less noise than needed
+    cache_file.write_text(json.dumps(stored))
+    accountant._calibrate_noise_multiplier.cache_clear()
+    with pytest.raises(ConfigError, match="above privacy.target_epsilon .* nothing reserved"):
+        planned_epsilon(cfg, cfg.method, method.plan(cfg, 1000, 1e-5), 1e-5)

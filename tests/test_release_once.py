@@ -330,3 +330,52 @@ def test_sweep_config_uses_a_delta_far_below_one_over_n():
     for path in sorted((REPO / "configs").glob("*.yaml")):  # no config opts in to δ ≥ 1/n silently
         privacy = (yaml.safe_load(path.read_text()) or {}).get("privacy") or {}
         assert not privacy.get("allow_delta_at_least_one_over_n", False), path
+
+
+def test_a_retry_after_a_lost_attempt_that_read_data_commits_the_whole_reservation(tmp_path, sst2_dir,
+                                                                                   monkeypatch, spies):
+    """An attempt lost after it began reading may have shown some of its mechanism's outputs on
+    the way (DP-OPT's per-query progress): its retry spends the whole reservation even when its
+    own training stopped early, and the published ε says so. A first attempt keeps its own spend."""
+    import dataclasses
+
+    from privacy import accountant as acct
+    from privacy import events as ev
+    from tasks import lifecycle
+    from tasks.lifecycle import run_method
+    from tasks.methods import get_method
+
+    method_cls = type(get_method("prompt_dpsgd"))
+    trained_by_spy = method_cls.train
+
+    def early_stop(self, mctx, plan, rows, progress=None):  # half the steps: a smaller event
+        out = trained_by_spy(self, mctx, plan, rows, progress)
+        q, sigma = plan.settings["sample_rate"], plan.settings["noise_multiplier"]
+        return dataclasses.replace(out, event=ev.dpsgd_event(q, sigma, max(1, out.steps // 2)))
+
+    monkeypatch.setattr(method_cls, "train", early_stop)
+    # a first attempt that completes commits its own, smaller spend
+    first = run_method(_context(tmp_path / "a", sst2_dir), "prompt_dpsgd", {})
+    (entry,) = _dp_entries(_context(tmp_path / "a", sst2_dir))
+    assert entry["epsilon"] < entry["epsilon_reserved"] and first["spend"]["epsilon"] == pytest.approx(entry["epsilon"])
+
+    ctx = _context(tmp_path / "b", sst2_dir)
+    real_store = lifecycle.store_release
+    attempts = []
+
+    def store(*args, **kwargs):
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise Crash("worker lost while training, after reading")
+        return real_store(*args, **kwargs)
+
+    monkeypatch.setattr(lifecycle, "store_release", store)
+    with pytest.raises(Crash):
+        run_method(ctx, "prompt_dpsgd", {})
+    (reserved,) = _dp_entries(ctx)
+    assert reserved["read_started_at"] is not None
+    again = run_method(ctx, "prompt_dpsgd", {})
+    (entry,) = _dp_entries(ctx)
+    assert entry["status"] == "committed" and entry["epsilon"] == pytest.approx(entry["epsilon_reserved"])
+    assert again["spend"]["epsilon"] == pytest.approx(entry["epsilon_reserved"])
+    assert again["spend"]["epsilon"] == pytest.approx(acct.spend(ev.event_from_dict(again["event"]), again["spend"]["delta"]).epsilon)
