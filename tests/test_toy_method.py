@@ -165,3 +165,28 @@ def test_a_method_in_one_package_runs_through_plan_and_run(toy_package, tmp_path
     for path in [*REPO.glob("*.py"), *REPO.glob("*.yaml"), *(REPO / "configs").glob("*.yaml"),
                  *(p for d in ("tasks", "flows", "models", "privacy") for p in (REPO / d).rglob("*.py"))]:
         assert NAME not in path.read_text(), path
+
+
+def test_an_installed_package_registers_through_its_entry_point(toy_package, monkeypatch):
+    """A method kept in its own repository declares its package under the ``privprompt.methods``
+    entry-point group; the registry imports it on first use (CLI, deployments, workers), and a
+    plugin that fails to import is named in one line."""
+    from importlib.metadata import EntryPoint
+
+    import tasks.methods as registry
+
+    unregister = registry.unregister_method
+    unregister(NAME)
+    del sys.modules[NAME], sys.modules[f"{NAME}.method"]  # as in a fresh process: not imported yet
+    points = [EntryPoint(NAME, NAME, registry.PLUGIN_GROUP)]
+    monkeypatch.setattr("importlib.metadata.entry_points",
+                        lambda group=None: [p for p in points if p.group == group])
+    monkeypatch.setattr(registry, "_LOADED", False)
+    assert NAME in registry.registered_methods()
+    points[:] = [EntryPoint("broken", "no_such_privprompt_plugin", registry.PLUGIN_GROUP)]
+    monkeypatch.setattr(registry, "_LOADED", False)
+    with pytest.raises(ImportError, match="method plugin 'broken' .* failed to import: ModuleNotFoundError"):
+        registry.registered_methods()
+    points.clear()
+    monkeypatch.setattr(registry, "_LOADED", False)
+    assert NAME in registry.registered_methods()  # still registered from the import above

@@ -58,8 +58,14 @@ def _refresh_config_schema() -> None:
         refresh()
 
 
+PLUGIN_GROUP = "privprompt.methods"
+
+
 def _load_builtins() -> None:
-    """Import every method package of this folder (once; alphabetical order)."""
+    """Import every method package of this folder (once; alphabetical order), then the packages
+    installed distributions declare under the ``privprompt.methods`` entry-point group (a method
+    kept in its own repository: ``[project.entry-points."privprompt.methods"] my_method =
+    "my_package"``), so the CLI, deployments and workers know it without an import of their own."""
     global _LOADED
     if _LOADED:
         return
@@ -68,6 +74,14 @@ def _load_builtins() -> None:
         for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
             if info.ispkg:
                 importlib.import_module(f"{__name__}.{info.name}")
+        from importlib.metadata import entry_points
+
+        for point in sorted(entry_points(group=PLUGIN_GROUP), key=lambda p: p.name):
+            try:
+                point.load()
+            except Exception as exc:  # noqa: BLE001 - one line naming the plugin
+                raise ImportError(f"method plugin {point.name!r} ({point.value}, entry point group {PLUGIN_GROUP}) "
+                                  f"failed to import: {type(exc).__name__}: {exc}") from exc
     except BaseException:
         _LOADED = False
         raise
