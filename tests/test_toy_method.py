@@ -190,3 +190,53 @@ def test_an_installed_package_registers_through_its_entry_point(toy_package, mon
     points.clear()
     monkeypatch.setattr(registry, "_LOADED", False)
     assert NAME in registry.registered_methods()  # still registered from the import above
+
+
+def test_the_toy_method_runs_through_sweep_report_and_audit(toy_package, tmp_path, monkeypatch, prefect_harness,
+                                                            sst2_dir):
+    """The same one-package method through the rest of the lifecycle's doors: a sweep over seeds
+    (`privprompt run` of a config with `seeds:`), `privprompt report` of its experiment and
+    `privprompt audit` of a finished run, whose shadow prompts the toy method trains on a Dask
+    worker process (it imports the method through $PRIVPROMPT_METHOD_PLUGINS)."""
+    import os
+
+    from prefect.settings import PREFECT_API_URL
+
+    from privprompt_cli import main
+    from tasks.record import client
+    from tasks.state import state_paths
+
+    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(toy_package.parent), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PRIVPROMPT_METHOD_PLUGINS", NAME)
+    state = tmp_path / "state"
+    cfg = _config(state)
+    cfg["seeds"] = [0, 1]
+    cfg["mia"] = {"enabled": False}
+    cfg["audit"] = {"shadows": 2, "fprs": [0.2], "attacks": ["loss", "lira"], "dask": {"n_workers": 1}}
+    config = tmp_path / "toy-sweep.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+
+    assert main(["run", str(config)]) == 0
+    mlflow = client(state_paths(str(state)))
+    exp = mlflow.get_experiment_by_name("toy")
+
+    def published():
+        return [r for r in mlflow.search_runs([exp.experiment_id], f"tags.method = '{NAME}'")
+                if "mlflow.parentRunId" not in r.data.tags and "privacy.epsilon" in r.data.metrics]
+
+    runs = published()
+    assert sorted(r.data.params["seed"] for r in runs) == ["0", "1"]  # one run per seed of the sweep
+
+    out = tmp_path / "report"
+    assert main(["--state-dir", str(state), "report", "toy", "--out", str(out)]) == 0
+    written = {p.name: p for p in out.iterdir()}
+    tables = [p.read_text() for p in written.values() if p.suffix == ".md"]
+    assert any(NAME in t or "toy: DP-SGD" in t for t in tables), sorted(written)
+    assert any(p.suffix == ".png" for p in written.values())
+
+    before = {r.info.run_id for r in mlflow.search_runs([exp.experiment_id])}
+    assert main(["--state-dir", str(state), "audit", runs[0].info.run_id]) == 0
+    new = [r for r in mlflow.search_runs([exp.experiment_id]) if r.info.run_id not in before]
+    aucs = [r.data.metrics[k] for r in new for k in r.data.metrics if k.startswith("mia.lira") and k.endswith("auc")]
+    assert aucs and all(0.0 <= a <= 1.0 for a in aucs)

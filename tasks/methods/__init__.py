@@ -17,6 +17,7 @@ its step hooks, scoring); helpers several methods share are the modules beside t
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -59,13 +60,16 @@ def _refresh_config_schema() -> None:
 
 
 PLUGIN_GROUP = "privprompt.methods"
+PLUGIN_ENV = "PRIVPROMPT_METHOD_PLUGINS"
 
 
 def _load_builtins() -> None:
-    """Import every method package of this folder (once; alphabetical order), then the packages
-    installed distributions declare under the ``privprompt.methods`` entry-point group (a method
-    kept in its own repository: ``[project.entry-points."privprompt.methods"] my_method =
-    "my_package"``), so the CLI, deployments and workers know it without an import of their own."""
+    """Import every method package of this folder (once; alphabetical order), then the modules
+    named in ``$PRIVPROMPT_METHOD_PLUGINS`` (comma-separated, importable from ``sys.path``: inherited
+    by Dask workers and subprocesses), then the packages installed distributions declare under the
+    ``privprompt.methods`` entry-point group (a method kept in its own repository:
+    ``[project.entry-points."privprompt.methods"] my_method = "my_package"``), so the CLI,
+    deployments and workers know it without an import of their own."""
     global _LOADED
     if _LOADED:
         return
@@ -74,6 +78,12 @@ def _load_builtins() -> None:
         for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
             if info.ispkg:
                 importlib.import_module(f"{__name__}.{info.name}")
+        for module in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
+            try:
+                importlib.import_module(module)
+            except Exception as exc:  # noqa: BLE001 - one line naming the plugin
+                raise ImportError(f"method plugin {module!r} (${PLUGIN_ENV}) failed to import: "
+                                  f"{type(exc).__name__}: {exc}") from exc
         from importlib.metadata import entry_points
 
         for point in sorted(entry_points(group=PLUGIN_GROUP), key=lambda p: p.name):
