@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 from flows.parent_run import parent_run
 from tasks import report
 from tasks.config import load_config, parse_config
-from tasks.lifecycle import preflight, resolve_delta
+from tasks.lifecycle import RunOutcome, preflight, resolve_delta
 from tasks.methods import get_method
 from tasks.prefect_tasks import (endpoint_task, evaluate_task, loss_mia_task, partition_task, prepare_task,
                                  train_task)
@@ -38,10 +38,10 @@ def partition(cfg, paths, data_root) -> dict:
     return part
 
 
-def _point(name: str, accuracy: float, info: dict | None, label: str | None = None) -> dict:
-    if info is None or info.get("prompt_path") is None and info.get("guarantee") == "none":
+def _point(name: str, accuracy: float, info: RunOutcome | None, label: str | None = None) -> dict:
+    if info is None or info.prompt_path is None and info.guarantee == "none":
         return {"method": label or name, "accuracy": accuracy, "epsilon": None, "guarantee": "no training"}
-    eps = (info.get("spend") or {}).get("epsilon")
+    eps = info.epsilon
     return {"method": label or name, "accuracy": accuracy, "epsilon": eps,
             "guarantee": "no DP" if eps is None else "dp"}
 
@@ -96,9 +96,9 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         compute: dict[str, float] = {}  # seconds of model work per stage (the rest is orchestration)
         runtime: dict[str, float | str] = {}
         stage_names = getattr(method, "stage_names", {})
-        results: dict[str, dict] = {}
+        results: dict[str, RunOutcome] = {}
 
-        def run_method(name: str, prepared: dict | None = None) -> dict:
+        def run_method(name: str, prepared: dict | None = None) -> RunOutcome:
             prepared = prepared if prepared is not None else prepare_task(ctx, name)
             info = train_task(ctx, name, prepared)
             results[name] = info
@@ -113,15 +113,15 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         # baselines first, the published method last
         for name in cfg.run_methods[:-1]:
             info = run_method(name, prepared_by[name])
-            compute[f"train:{name}"] = info["compute"]["train"]
+            compute[f"train:{name}"] = info.compute["train"]
             model = get_method(name).published_model(cfg, {})
-            acc = evaluate_task(ctx, info["prompt_path"], name, info["guarantee"])
+            acc = evaluate_task(ctx, info.prompt_path, name, info.guarantee)
             compute[f"evaluate:{name}"] = acc["compute_s"]
-            audit = labelled(info["guarantee"], get_method(name).reads_private_data(cfg))
+            audit = labelled(info.guarantee, get_method(name).reads_private_data(cfg))
             metrics[baseline_name(name, "test.accuracy", audit)] = acc["target"]
             points.append(_point(name, acc["target"], info))
-            if cfg.mia.enabled and info["prompt_path"] is not None and get_method(name).supports_loss_mia:
-                mia = loss_mia_task(ctx, info["prompt_path"], name, info["guarantee"], model)
+            if cfg.mia.enabled and info.prompt_path is not None and get_method(name).supports_loss_mia:
+                mia = loss_mia_task(ctx, info.prompt_path, name, info.guarantee, model)
                 compute[f"mia:{name}"] = mia["compute_s"]
                 metrics[baseline_name(name, "mia.loss.auc", True)] = mia["metrics"]["mia.loss.auc"]
 
@@ -132,24 +132,24 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         if "prepare" in stage_names:
             runtime[stage_names["prepare"]] = "cached" if prepared.get("cached") else prepared["prepare_s"]
         published = run_method(cfg.method, prepared)
-        audit_metrics = published.get("audit_metrics") or {}
-        metrics.update({k: v for k, v in published["train_metrics"].items() if k not in audit_metrics})
+        audit_metrics = published.audit_metrics
+        metrics.update({k: v for k, v in published.train_metrics.items() if k not in audit_metrics})
         metrics.update(audit_label(audit_metrics))  # counts of the training, and labelled audit statistics
         for stage in ("train", "post_process"):
-            if stage in published["compute"]:
-                runtime[stage_names.get(stage, stage)] = published["compute"][stage]
+            if stage in published.compute:
+                runtime[stage_names.get(stage, stage)] = published.compute[stage]
         model = method.published_model(cfg, prepared)
-        acc = evaluate_task(ctx, published["prompt_path"], cfg.method, published["guarantee"])
+        acc = evaluate_task(ctx, published.prompt_path, cfg.method, published.guarantee)
         compute[f"evaluate:{cfg.method}"] = acc["compute_s"]
         accuracies = {cfg.method: acc["target"]}
         metrics["test.accuracy"] = acc["target"]
         metrics.update({f"test.accuracy.{alias}": v for alias, v in acc["per_model"].items()})
-        if published["prompt_path"] is not None:  # test-split statistics of the prompt (flatness)
+        if published.prompt_path is not None:  # test-split statistics of the prompt (flatness)
             from tasks import plots
             from tasks.methods import MethodContext
             from tasks.randomness import for_config
 
-            diag = method.diagnostics(ctx, published["prompt_path"],
+            diag = method.diagnostics(ctx, published.prompt_path,
                                       MethodContext(cfg, paths, prepared, for_config(cfg), cfg.seed, ctx.output_dir))
             metrics.update(diag.get("metrics", {}))
             for artifact, fig in diag.get("figures", {}).items():
@@ -157,12 +157,12 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
                 plots.close(fig)
         cross = {model_alias(model): acc["target"]}  # the published prompt on every target (Table 3)
         for other in cfg.models.evaluate_on:
-            out = evaluate_task(ctx, published["prompt_path"], f"{cfg.method}@{model_alias(other)}",
-                                published["guarantee"], {"target": other})
+            out = evaluate_task(ctx, published.prompt_path, f"{cfg.method}@{model_alias(other)}",
+                                published.guarantee, {"target": other})
             compute[f"evaluate:{cfg.method}@{model_alias(other)}"] = out["compute_s"]
             cross[model_alias(other)] = metrics[f"test.accuracy.{model_alias(other)}"] = out["target"]
         for endpoint in cfg.models.endpoints:
-            out = endpoint_task(ctx, published["prompt_path"], cfg.method, endpoint.model_dump())
+            out = endpoint_task(ctx, published.prompt_path, cfg.method, endpoint.model_dump())
             compute[f"evaluate:{cfg.method}@{endpoint.alias}"] = out["compute_s"]
             cross[endpoint.alias] = metrics[f"test.accuracy.{endpoint.alias}"] = out["accuracy"]
         if len(cross) > 1:
@@ -171,7 +171,7 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         variants = method.variants(ctx, published, prepared, run_method)
         for v in variants:
             if v.name in results:  # a variant that trained (a non-private upper bound)
-                runtime[v.name] = results[v.name]["compute"]["train"]
+                runtime[v.name] = results[v.name].compute["train"]
             out = evaluate_task(ctx, v.prompt_path, v.name, v.guarantee, {"target": v.model})
             compute[f"evaluate:{v.name}"] = out["compute_s"]
             # a variant trained on private data without DP (POST's full_pt) is a labelled audit statistic
@@ -184,26 +184,26 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         compute.update({f"{k}": v for k, v in runtime.items() if isinstance(v, float)})
         if stage_names:
             metrics.update({f"runtime.{k}_s": v for k, v in runtime.items() if isinstance(v, float)})
-        if cfg.mia.enabled and published["prompt_path"] is not None and method.supports_loss_mia:
-            mia = loss_mia_task(ctx, published["prompt_path"], cfg.method, published["guarantee"], model)
+        if cfg.mia.enabled and published.prompt_path is not None and method.supports_loss_mia:
+            mia = loss_mia_task(ctx, published.prompt_path, cfg.method, published.guarantee, model)
             compute[f"mia:{cfg.method}"] = mia["compute_s"]
             metrics.update(mia["metrics"])
             parent.log_file(mia["roc_plot"], "plots")
-        if published["guarantee"] == "dp":
-            spend = published["spend"]
+        if published.guarantee == "dp":
+            spend = published.spend
             metrics.update({"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
                             "privacy.epsilon_rdp": spend["epsilon_rdp"]})
-        if published["published"]:
-            parent.log_file(published["prompt_path"], "prompt")  # the DP output: published
-            if published["source_prompt_path"] != published["prompt_path"]:
-                parent.log_file(published["source_prompt_path"], "prompt/source")
+        if published.published:
+            parent.log_file(published.prompt_path, "prompt")  # the DP output: published
+            if published.source_prompt_path != published.prompt_path:
+                parent.log_file(published.source_prompt_path, "prompt/source")
 
         if cfg.audit.enabled:
             from flows.audit import run_audit
             from tasks.audit import AuditTarget
 
-            spend = published.get("spend") or {}
-            target = AuditTarget(config=ctx.config, partition=part, prompt_path=published["prompt_path"],
+            spend = published.spend or {}
+            target = AuditTarget(config=ctx.config, partition=part, prompt_path=published.prompt_path,
                                  method=cfg.method, epsilon=spend.get("epsilon"), delta=spend.get("delta"),
                                  run_id=parent.run_id, flow_run_id=flow_run_id, state_dir=str(paths.root),
                                  prepared={k: v for k, v in prepared.items() if k != "tags"})
@@ -222,7 +222,7 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         if runtime:
             parent.log_text(report.runtime_table(runtime), "tables/runtime.md")
         parent.log_metrics(metrics)
-        summary.update({"metrics": metrics, "budget": budget, "guarantee": published["guarantee"], "compute_seconds": compute, "runtime": runtime,
+        summary.update({"metrics": metrics, "budget": budget, "guarantee": published.guarantee, "compute_seconds": compute, "runtime": runtime,
                         "accuracy": accuracies,
                         "published": budget["published"]})
     logger.info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in metrics.items()}))

@@ -216,7 +216,7 @@ def test_retried_training_never_charges_twice(flow_run):
     first = run_method(ctx, "prompt_dpsgd", {})
     after_first = ledger.spent(ctx.part.dataset_key).epsilon
     again = run_method(ctx, "prompt_dpsgd", {})  # what a Prefect retry does
-    assert first["reserved_new"] and not again["reserved_new"]
+    assert first.reserved_new and not again.reserved_new
     assert ledger.spent(ctx.part.dataset_key).epsilon == pytest.approx(after_first)
     assert after_first > before
 
