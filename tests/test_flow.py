@@ -372,7 +372,7 @@ def test_sweep_table_shows_private_baselines_only_labelled():
 
 def test_baseline_names_follow_the_methods_properties():
     """Labelled iff private training data went in without DP: by guarantee and data read, not by name."""
-    from flows.method_flow import audit_label, baseline_name, labelled
+    from tasks.pipeline import audit_label, baseline_name, labelled
 
     assert baseline_name("zero_shot", "test.accuracy", labelled("none", False)) == "test.accuracy.zero_shot"
     assert baseline_name("opt", "test.accuracy", labelled("none", True)) == "audit.baseline.opt.test.accuracy"
