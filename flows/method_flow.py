@@ -95,7 +95,7 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         variants = method.variants(ctx, published, prepared, run_method)
         rec.variant_results(variants, [evaluate_task(ctx, v.prompt_path, v.name, v.guarantee, {"target": v.model})
                                        for v in variants], trained)
-        rec.published_point(published)
+        rec.points_and_runtime(published)
         if pipeline.runs_loss_mia(cfg, cfg.method, published):
             model = method.published_model(cfg, prepared)
             rec.loss_mia(loss_mia_task(ctx, published.prompt_path, cfg.method, published.guarantee, model))

@@ -197,7 +197,7 @@ class RunReport:
             audit = labelled(v.guarantee, v.prompt_path is not None)
             self.accuracies[v.name] = self.metrics[baseline_name(v.name, "test.accuracy", audit)] = out["target"]
 
-    def published_point(self, published: RunOutcome) -> None:
+    def points_and_runtime(self, published: RunOutcome) -> None:
         """The published method's and its variants' points, and the runtime of each stage."""
         self.points.append(point(self.cfg.method, self.accuracies[self.cfg.method], published,
                                  self.method.label or None))
