@@ -26,7 +26,7 @@ if ROOT not in sys.path:
 
 _t0 = time.perf_counter()
 from privacy import accountant, events, pld, rdp  # noqa: E402
-from tasks.methods.dp_opt import events as dpopt_ev  # noqa: E402
+from tasks.methods.dp_opt import events as dp_opt_events  # noqa: E402
 IMPORT_SECONDS = time.perf_counter() - _t0
 
 
@@ -72,7 +72,7 @@ def main() -> int:
     print("\n(b) DP-OPT ε, ε0=1.8, δ0=5e-7, q=205*5/66674, δ=1/66674, limit 1 s")
     for n in (2000, 1600):
         secs, sp = timed(lambda: accountant.spend(
-            dpopt_ev.generation_event(1.8, 5e-7, 205 * 5 / 66674, n), 1 / 66674))
+            dp_opt_events.generation_event(1.8, 5e-7, 205 * 5 / 66674, n), 1 / 66674))
         ratio = secs / 1.0
         setting = f"DP-OPT {n} queries"
         print(f"  {setting:32s} {secs:8.3f} s  limit 1 s  ratio {ratio:6.3f} {verdict(ratio)}  "

@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 from tasks.audit import (AuditFailure, AuditTarget, attack_metrics, audit_dir, build_pool, canary_audit,
                          check_audit, train_shadow, write_results)
 from tasks.config import AuditConfig
-from tasks.prefect_tasks import GPU_TAG, transient_only
+from tasks.prefect_tasks import GPU_TAG, dask_task_runner, transient_only
 from tasks.record import RunRecord, client
 from tasks.state import state_paths
 
@@ -37,16 +37,6 @@ def shadow_task(target: dict, audit_config: dict, pool: dict, index: int, audit_
     out = train_shadow(AuditTarget(**target), acfg, pool, index, audit_run_id)
     get_run_logger().info("shadow %d: %d steps in %.1f s", index, out["steps"], out["compute_s"])
     return out
-
-
-def dask_runner(acfg: AuditConfig):
-    from prefect_dask import DaskTaskRunner
-
-    if acfg.dask.address:
-        return DaskTaskRunner(address=acfg.dask.address)
-    return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
-        "n_workers": acfg.dask.n_workers, "threads_per_worker": acfg.dask.threads_per_worker,
-        "processes": True, "dashboard_address": None})
 
 
 @flow(name="audit", log_prints=False)
@@ -97,7 +87,7 @@ def run_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     import time
 
     started = time.perf_counter()
-    out = audit_flow.with_options(task_runner=dask_runner(acfg))(target.to_dict(), acfg.model_dump(mode="json"))
+    out = audit_flow.with_options(task_runner=dask_task_runner(acfg.dask))(target.to_dict(), acfg.model_dump(mode="json"))
     return {**out, "wall_s": time.perf_counter() - started}
 
 

@@ -9,9 +9,11 @@ from prefect import flow, get_run_logger, task
 from flows.parent_run import parent_run
 from flows.method_flow import method_flow
 from tasks import plots
+from tasks.comparison import mean_std
 from tasks.config import load_config, parse_config, sweep_variants, variant_group
 from tasks.errors import ConfigError
 from tasks.planning import format_plan, plan_runs
+from tasks.prefect_tasks import dask_task_runner
 from tasks.state import config_state_paths
 
 COLUMNS = ("privacy.epsilon", "test.accuracy", "mia.loss.auc", "mia.lira.auc", "mia.lira.tpr_at_1pct_fpr",
@@ -51,9 +53,8 @@ def present_columns(rows: list[dict]) -> list[str]:
 
 def seed_groups(rows: list[dict]) -> list[dict]:
     """Per variant (its label without the seed): n, and mean / sample std of every column over
-    the seeds that produced it (std 0 for one seed; None where no run has the column)."""
-    import numpy as np
-
+    the seeds that produced it (std 0 for one seed; None where no run has the column):
+    :func:`tasks.comparison.mean_std`, the one place these are computed."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
         groups.setdefault(variant_group(row["variant"]), []).append(row)
@@ -61,10 +62,9 @@ def seed_groups(rows: list[dict]) -> list[dict]:
     for name, members in groups.items():
         g = {"group": name, "n": len(members), "seeds": [m.get("seed") for m in members]}
         for c in columns_of(rows):
-            values = np.array([m[c] for m in members if m.get(c) is not None], float)
-            g[c] = {"mean": float(values.mean()) if len(values) else None,
-                    "std": float(values.std(ddof=1)) if len(values) > 1 else (0.0 if len(values) else None),
-                    "n": int(len(values))}
+            stats = mean_std(m.get(c) for m in members)
+            mean, std, n = stats if stats is not None else (None, None, 0)
+            g[c] = {"mean": mean, "std": std, "n": n}
         out.append(g)
     return out
 
@@ -115,14 +115,7 @@ def variant_task(vcfg: dict, label: str, threads: int) -> dict:
 
 def run_in_parallel(items: list[tuple[str, dict]], dcfg) -> dict[str, dict]:
     """Variants as tasks on a DaskTaskRunner (a local cluster of processes, or ``dcfg.address``)."""
-    from prefect_dask import DaskTaskRunner
-
-    runner = (DaskTaskRunner(address=dcfg.address) if dcfg.address else DaskTaskRunner(
-        cluster_class="distributed.LocalCluster", cluster_kwargs={
-            "n_workers": dcfg.n_workers, "threads_per_worker": dcfg.threads_per_worker, "processes": True,
-            "dashboard_address": None}))
-
-    @flow(name="sweep-variants", task_runner=runner, log_prints=False)
+    @flow(name="sweep-variants", task_runner=dask_task_runner(dcfg), log_prints=False)
     def variants_flow(items):
         futures = {label: variant_task.submit(vcfg, label, dcfg.threads_per_worker) for label, vcfg in items}
         return {label: f.result() for label, f in futures.items()}

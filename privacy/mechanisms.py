@@ -162,7 +162,7 @@ def exponential_mechanism_probabilities(scores, epsilon: float, sensitivity: flo
 def dp_argmax(counts, epsilon: float, rng: np.random.Generator) -> int:
     """DP-OPT's private prompt selection [Hong24]: Gumbel(1/ε) noise on the validation
     correct-counts, return the noisy argmax. Counts are monotone with sensitivity 1, so this is
-    ε-DP, accounted as ``ExponentialEvent(ε, monotone=True)`` (= ``dpopt_selection_event(ε)``)."""
+    ε-DP, accounted as ``ExponentialEvent(ε, monotone=True)`` (= ``tasks.methods.dp_opt.events.selection_event(ε)``)."""
     epsilon = check_epsilon(_scalar(epsilon), "epsilon")
     return gumbel_argmax(counts, 1.0 / epsilon, rng)
 

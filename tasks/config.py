@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -61,8 +61,12 @@ class LedgerConfig(Block):
         return v
 
 
+# A key configs had while there was one flow per method (its one value named the flow); no code
+# read it. Old configs still validate (it is dropped), and config hashes stay what they were.
+LEGACY_FLOW_KEY = ("flow", "prompt_tuning")
+
+
 class PrivPromptConfig(Block):
-    flow: Literal["prompt_tuning"] = "prompt_tuning"
     method: str = Field("prompt_dpsgd", description="the method this run publishes")
     experiment: str | None = Field(None, description="MLflow experiment (default: the method)")
     seed: int = 0
@@ -108,6 +112,14 @@ class PrivPromptConfig(Block):
         if len(set(v)) != len(v):
             raise ValueError(f"seeds must be distinct, got {v}")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_legacy_flow_key(cls, data):
+        key, value = LEGACY_FLOW_KEY
+        if isinstance(data, dict) and data.get(key) == value:  # any other value stays an unknown key
+            data = {k: v for k, v in data.items() if k != key}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -281,6 +293,7 @@ def config_hash(cfg: PrivPromptConfig) -> str:
     data = cfg.model_dump(mode="json")
     for key in ("state_dir", "ledger", "sweep", "grid", "seeds", "sweep_dask"):
         data.pop(key, None)
+    data[LEGACY_FLOW_KEY[0]] = LEGACY_FLOW_KEY[1]  # hashed as before: stored runs' config.hash still match
     return digest_key(data, length=20)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from privacy import accountant as acct
@@ -475,8 +476,46 @@ def _test_pause(stage: str) -> None:
     time.sleep(300)  # the test kills the process here; bounded, so a forgotten run still ends
 
 
-def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
-    """Run method ``name`` through the lifecycle inside flow run ``ctx``; returns paths and numbers.
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What one method's pass through the lifecycle produced: paths and numbers, no tensor (a
+    Prefect task result: plain fields, so it pickles into result storage).
+
+    ``guarantee``: the plan's (``dp`` | ``ldp`` | ``none``); ``prompt_path``: the output after
+    post-processing (``outputs/`` when ``published``, else ``private/``; None when the method
+    makes no prompt); ``source_prompt_path``: the prompt as trained (the same file without
+    post-processing); ``spend`` / ``event``: the committed (ε, δ) and event (dp only);
+    ``compute``: seconds of model work per stage (``train``, ``post_process``);
+    ``train_metrics``: the training's metrics as logged on its child run (audit statistics
+    included), ``audit_metrics``: those of them that are audit statistics of private data;
+    ``republished``: a retry that republished the stored DP output; ``reserved_new``: whether
+    this call made the run's reservation (None: no reservation)."""
+
+    method: str
+    guarantee: str
+    private: bool
+    params: dict = field(default_factory=dict)
+    steps: int = 0
+    compute: dict = field(default_factory=dict)
+    prompt_path: str | None = None
+    source_prompt_path: str | None = None
+    spend: dict | None = None
+    event: dict | None = None
+    republished: bool = False
+    reserved_new: bool | None = None
+    train_metrics: dict = field(default_factory=dict)
+    audit_metrics: dict = field(default_factory=dict)
+    published: bool = False
+
+    @property
+    def epsilon(self) -> float | None:
+        """The committed ε (None: no dp spend)."""
+        return (self.spend or {}).get("epsilon")
+
+
+def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
+    """Run method ``name`` through the lifecycle inside flow run ``ctx``; returns a :class:`RunOutcome`.
 
     Retries (a Prefect task or flow retry calls this again with the same flow run id, so the same
     ``run_key``) never make a second DP output under the run's one charge:
@@ -617,7 +656,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> dict:
                 log_post_child(ctx, post.child, plan.guarantee)
         child.end()
         info["published"] = plan.guarantee in PUBLISHED and info["prompt_path"] is not None
-        return info
+        return RunOutcome(**info)
     except BaseException as exc:
         child.end(ok=False)
         if reservation is not None:

@@ -33,6 +33,19 @@ def transient_only(task, task_run, state) -> bool:
     return False
 
 
+def dask_task_runner(dask):
+    """The one DaskTaskRunner of every fan-out (an audit's shadows, a sweep's variants), from a
+    ``DaskConfig``: an existing scheduler at ``address``, else a local cluster of ``n_workers``
+    processes with ``threads_per_worker`` threads each."""
+    from prefect_dask import DaskTaskRunner
+
+    if dask.address:
+        return DaskTaskRunner(address=dask.address)
+    return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
+        "n_workers": dask.n_workers, "threads_per_worker": dask.threads_per_worker, "processes": True,
+        "dashboard_address": None})
+
+
 def _partition_cache_key(context, parameters) -> str:
     cfg = DataConfig.model_validate(parameters["data_config"])
     key = partition_key(cfg, parameters["seed"], parameters["data_root"], parameters["private_dir"])

@@ -4,27 +4,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-
+from typing import TYPE_CHECKING
 
 from . import plots
+
+if TYPE_CHECKING:
+    from .lifecycle import RunOutcome
 
 LEDGER_KEYS = ("epsilon_cap", "delta", "spent_epsilon", "remaining_epsilon", "nonprivate_uses", "ldp_uses",
                "ldp_releases", "ldp_eta_bound")
 
 
-def prompt_record(published: dict, run_id: str | None = None) -> dict:
+def prompt_record(published: RunOutcome, run_id: str | None = None) -> dict:
     """Where the method's prompt is and what it is, in names that say so (``budget.json``'s and the
     summary's ``published`` block): ``prompt_published`` — released (``outputs/`` and the parent
     run's ``prompt/`` artifact, ``artifact_uri``) or kept under ``private/`` (never published);
     ``formal_dp_guarantee`` — an (ε, δ)-DP output of the private training partition."""
-    path = published.get("prompt_path")
-    released = bool(published.get("published")) and path is not None
-    return {"method": published.get("method"), "prompt_path": path, "prompt_published": released,
-            "guarantee": published.get("guarantee"), "formal_dp_guarantee": published.get("guarantee") == "dp",
+    path = published.prompt_path
+    released = bool(published.published) and path is not None
+    return {"method": published.method, "prompt_path": path, "prompt_published": released,
+            "guarantee": published.guarantee, "formal_dp_guarantee": published.guarantee == "dp",
             "artifact_uri": f"runs:/{run_id}/prompt/{Path(path).name}" if released and run_id else None}
 
 
-def budget_record(cfg, part, paths, published: dict, plan_note: str, stages_extra: list[dict],
+def budget_record(cfg, part, paths, published: RunOutcome, plan_note: str, stages_extra: list[dict],
                   run_id: str | None = None) -> dict:
     """``privacy/budget.json``: the dataset's ledger state (``dataset.fingerprint``: the ledger's
     key, a keyed hash of the SOURCE files; ``data.partition``: the keyed hash of this run's
@@ -32,19 +35,19 @@ def budget_record(cfg, part, paths, published: dict, plan_note: str, stages_extr
     post-processing or public-data only), and where its prompt is (:func:`prompt_record`)."""
     row = paths.open_ledger().dataset(part.dataset_key)
     budget = {"dataset": cfg.data.name, "dataset.fingerprint": part.dataset_key, "data.partition": part.fingerprint,
-              "privacy.guarantee": published["guarantee"],
+              "privacy.guarantee": published.guarantee,
               "ledger": {k: row[k] for k in LEDGER_KEYS if k in row},
               "published": prompt_record(published, run_id)}
-    if published["guarantee"] == "dp":
-        spend = published["spend"]
+    if published.guarantee == "dp":
+        spend = published.spend
         budget.update({"accountant": spend["accountant"], "total": spend,
-                       "stages": [{"stage": f"{published['method']}: train", "event": published["event"], **spend},
+                       "stages": [{"stage": f"{published.method}: train", "event": published.event, **spend},
                                   *stages_extra]})
         if plan_note:
             budget["note"] = plan_note
     else:
         budget.update({"total": None, "stages": stages_extra,
-                       "note": plan_note or f"{published['method']} has no formal (ε, δ) guarantee: nothing was "
+                       "note": plan_note or f"{published.method} has no formal (ε, δ) guarantee: nothing was "
                                             "published but metrics, and its prompt stays under private/"})
     return budget
 

@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from .state import StatePaths, state_paths
 
 Progress = Callable[[int, int, float | None], None]
 
+if TYPE_CHECKING:
+    from .methods import MethodContext
+
 
 @dataclass
 class StageContext:
@@ -38,9 +41,34 @@ class StageContext:
     flow_run_id: str
     outputs: dict = field(default_factory=dict)
 
+    @classmethod
+    def for_run(cls, cfg: PrivPromptConfig, paths: StatePaths, partition: dict, parent_run_id: str,
+                flow_run_id: str) -> "StageContext":
+        """The context of a flow run of ``cfg`` (its config parsed already: not parsed again)."""
+        ctx = cls(config=cfg.model_dump(mode="json"), state_dir=str(paths.root), partition=partition,
+                  parent_run_id=parent_run_id, flow_run_id=flow_run_id)
+        ctx._parsed = (_config_key(ctx.config), cfg)
+        return ctx
+
     @property
     def cfg(self) -> PrivPromptConfig:
-        return parse_config(self.config)
+        """The config, parsed once per content (a stage that changes ``config`` gets it parsed again)."""
+        key = _config_key(self.config)
+        parsed = self.__dict__.get("_parsed")
+        if parsed is None or parsed[0] != key:
+            parsed = self._parsed = (key, parse_config(self.config))
+        return parsed[1]
+
+    def __getstate__(self) -> dict:  # the parsed config is a cache: never pickled with the context
+        return {k: v for k, v in self.__dict__.items() if k != "_parsed"}
+
+    def method_context(self, prepared: dict, dataset_key: str | None = None) -> "MethodContext":
+        """A method's view of this run (no tracking, no orchestration), its outputs under ``outputs/``."""
+        from .methods import MethodContext
+        from .randomness import for_config
+
+        cfg = self.cfg
+        return MethodContext(cfg, self.paths, prepared, for_config(cfg), cfg.seed, self.output_dir, dataset_key)
 
     @property
     def paths(self) -> StatePaths:
@@ -66,6 +94,10 @@ class StageContext:
         d = self.paths.private / "runs" / self.flow_run_id
         d.mkdir(parents=True, exist_ok=True)
         return d
+
+
+def _config_key(config: dict) -> str:
+    return json.dumps(config, sort_keys=True, default=str)
 
 
 def model_alias(model_name: str) -> str:
@@ -215,14 +247,11 @@ def endpoint_evaluate_stage(ctx: StageContext, prompt_path: str, name: str, endp
 
 
 def _own_evaluation(ctx: StageContext, name: str, prompt_path: str | None) -> float | None:
-    from .methods import MethodContext, get_method, registered_methods
-    from .randomness import for_config
+    from .methods import get_method, registered_methods
 
     if prompt_path is None or name not in registered_methods():
         return None
-    cfg = ctx.cfg
-    mctx = MethodContext(cfg, ctx.paths, {}, for_config(cfg), cfg.seed, ctx.output_dir, ctx.part.dataset_key)
-    return get_method(name).evaluate_published(ctx, prompt_path, mctx)
+    return get_method(name).evaluate_published(ctx, prompt_path, ctx.method_context({}, ctx.part.dataset_key))
 
 
 def supported_fprs(n_nonmembers: int, fprs=(0.01, 0.001)) -> tuple[float, ...]:

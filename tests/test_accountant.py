@@ -12,7 +12,7 @@ from dp_accounting.rdp import rdp_privacy_accountant
 from privacy import accountant as acct
 from privacy import events as ev
 from privacy import rdp as rdp_lib
-from tasks.methods.dp_opt import events as dpopt_ev
+from tasks.methods.dp_opt import events as dp_opt_events
 from tasks.methods.dpzero.events import dpzero_event
 
 GRID = [  # (q, sigma, steps)
@@ -68,8 +68,8 @@ Q_SST2 = 205 * 5 / N_SST2
 
 
 @pytest.mark.parametrize("queries,reference", [(100, 2.07), (800, 5.40), (1600, 8.07)])
-def test_dpopt_reproduces_reference_accounting(queries, reference):
-    event = dpopt_ev.generation_event(1.8, 5e-7, Q_SST2, queries)
+def test_dp_opt_reproduces_reference_accounting(queries, reference):
+    event = dp_opt_events.generation_event(1.8, 5e-7, Q_SST2, queries)
     spent = acct.spend(event, 1.0 / N_SST2)
     assert spent.epsilon_rdp == pytest.approx(reference, rel=0.02)
     # the primary answer may be tighter, never looser
@@ -77,17 +77,17 @@ def test_dpopt_reproduces_reference_accounting(queries, reference):
     assert spent.epsilon <= reference * 1.02
 
 
-def test_dpopt_reference_integer_orders_exact():
+def test_dp_opt_reference_integer_orders_exact():
     # On the reference's own order grid (integers 2..199) the RDP path gives its numbers to 3 digits.
     orders = tuple(float(a) for a in range(2, 200))
-    event = dpopt_ev.generation_event(1.8, 5e-7, Q_SST2, 800)
+    event = dp_opt_events.generation_event(1.8, 5e-7, Q_SST2, 800)
     curve, delta_part = rdp_lib.rdp_of_event(event, orders)
     eps, _ = rdp_lib.rdp_to_epsilon(orders, curve, 1.0 / N_SST2 - delta_part)
     assert eps == pytest.approx(5.40, abs=0.005)
 
 
-def test_dpopt_delta0_terms_exhaust_delta_at_2000_queries():
-    event = dpopt_ev.generation_event(1.8, 5e-7, Q_SST2, 2000)
+def test_dp_opt_delta0_terms_exhaust_delta_at_2000_queries():
+    event = dp_opt_events.generation_event(1.8, 5e-7, Q_SST2, 2000)
     _, delta_part = rdp_lib.rdp_of_event(event)
     assert delta_part > 1.0 / N_SST2
     spent = acct.spend(event, 1.0 / N_SST2)
@@ -96,17 +96,17 @@ def test_dpopt_delta0_terms_exhaust_delta_at_2000_queries():
 
 def test_limited_domain_query_budget():
     n = acct.max_limited_domain_queries(8.0, 1.0 / N_SST2, 1.8, 5e-7, Q_SST2)
-    assert acct.spend(dpopt_ev.generation_event(1.8, 5e-7, Q_SST2, n), 1.0 / N_SST2).epsilon <= 8.0
-    assert acct.spend(dpopt_ev.generation_event(1.8, 5e-7, Q_SST2, n + 1), 1.0 / N_SST2).epsilon > 8.0
+    assert acct.spend(dp_opt_events.generation_event(1.8, 5e-7, Q_SST2, n), 1.0 / N_SST2).epsilon <= 8.0
+    assert acct.spend(dp_opt_events.generation_event(1.8, 5e-7, Q_SST2, n + 1), 1.0 / N_SST2).epsilon > 8.0
     # The reference's RDP path reaches ε ≈ 8.07 at 1,600 queries; the PLD of the same (ε0, δ0)
     # queries is tighter and affords more, until the δ0 terms alone exhaust δ (< 2,000).
     assert 1600 < n < 2000
 
 
 def test_parallel_composition_is_max_over_parts():
-    generation = dpopt_ev.generation_event(1.8, 5e-7, Q_SST2, 400)
-    selection = dpopt_ev.selection_event(2.0)
-    run = dpopt_ev.run_event(generation, selection)
+    generation = dp_opt_events.generation_event(1.8, 5e-7, Q_SST2, 400)
+    selection = dp_opt_events.selection_event(2.0)
+    run = dp_opt_events.run_event(generation, selection)
     d = 1.0 / N_SST2
     parts = [acct.spend(generation, d).epsilon, acct.spend(selection, d).epsilon]
     assert acct.spend(run, d).epsilon == pytest.approx(max(parts))
@@ -116,7 +116,7 @@ def test_parallel_composition_is_max_over_parts():
 
 def test_monotone_selection_is_pure_epsilon():
     # monotone EM ∝ exp(ε·score) is ε-DP: at any δ the accountant never claims more than ε
-    spent = acct.spend(dpopt_ev.selection_event(1.0), 1e-6)
+    spent = acct.spend(dp_opt_events.selection_event(1.0), 1e-6)
     assert spent.epsilon <= 1.0 + 1e-3
 
 
@@ -162,7 +162,7 @@ def test_delta_for_epsilon_inverts_epsilon():
 
 
 def test_events_round_trip_json():
-    run = dpopt_ev.run_event(dpopt_ev.generation_event(1.8, 5e-7, Q_SST2, 10), dpopt_ev.selection_event(1.0))
+    run = dp_opt_events.run_event(dp_opt_events.generation_event(1.8, 5e-7, Q_SST2, 10), dp_opt_events.selection_event(1.0))
     for event in EVENT_TYPES + [run, ev.dpsgd_event(0.1, 1.0, 5), dpzero_event(0.1, 2.0, 3)]:
         assert ev.event_from_json(ev.event_to_json(event)) == event
         json.loads(ev.event_to_json(event))

@@ -253,13 +253,13 @@ def _retry_same_flow_run(setup, killed: dict) -> None:
         info = lifecycle.run_method(ctx, METHOD, {})
     finally:
         lifecycle.read_private_rows = real_read
-    assert info["republished"] and info["reserved_new"] is False and reads == []
+    assert info.republished and info.reserved_new is False and reads == []
     entry = _dp_entries(setup)[f"{killed['flow_run_id']}:{METHOD}"]
     assert entry["status"] == "committed" and entry["epsilon"] == pytest.approx(killed["entry"]["epsilon"])
     assert _composed_spend(setup)[0] == pytest.approx(spent)  # one charge
     (stored,) = (setup["state"] / "private" / "runs" / killed["flow_run_id"] / "releases").glob(
         f"{METHOD}_dp_output.*.safetensors")
-    assert torch.equal(load_prompt_file(info["prompt_path"]), load_prompt_file(str(stored)))
+    assert torch.equal(load_prompt_file(info.prompt_path), load_prompt_file(str(stored)))
     assert _output_files(setup, killed["flow_run_id"]) == [f"{METHOD}.safetensors"]
     _assert_nothing_published_without_a_commit(setup)
 

@@ -276,3 +276,21 @@ def test_digest_key_is_the_sorted_json_sha256_prefix():
     assert config_hash(cfg) == config_hash(load_config(REPO / "configs" / "rapt.yaml", ["state_dir=/elsewhere"]))
     assert config_hash(cfg) != config_hash(load_config(REPO / "configs" / "rapt.yaml", ["seed=5"]))
     assert len(config_hash(cfg)) == 20
+
+
+def test_old_configs_with_the_flow_key_still_validate_and_hash_the_same():
+    """``flow: prompt_tuning`` (a key no code read) is dropped: old configs validate, and a config's
+    hash is what it was, so resumable sweeps find their stored runs; any other value is an unknown key."""
+    from tasks.config import config_hash, parse_config
+    from tasks.state import digest_key
+
+    raw = {"method": "prompt_dpsgd", "data": {"name": "sst2", "labels": ["a", "b"]}, "models": {"local": "tiny-bert"}}
+    new, old = parse_config(raw), parse_config({"flow": "prompt_tuning", **raw})
+    assert "flow" not in new.model_dump() and new == old
+    # the hash as computed before the key was removed: its dump carried flow: prompt_tuning
+    before = {"flow": "prompt_tuning", **new.model_dump(mode="json")}
+    for key in ("state_dir", "ledger", "sweep", "grid", "seeds", "sweep_dask"):
+        before.pop(key, None)
+    assert config_hash(new) == config_hash(old) == digest_key(before, length=20)
+    with pytest.raises(ConfigError, match="flow: unknown config key"):
+        parse_config({"flow": "sweep", **raw})

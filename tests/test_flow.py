@@ -216,7 +216,7 @@ def test_retried_training_never_charges_twice(flow_run):
     first = run_method(ctx, "prompt_dpsgd", {})
     after_first = ledger.spent(ctx.part.dataset_key).epsilon
     again = run_method(ctx, "prompt_dpsgd", {})  # what a Prefect retry does
-    assert first["reserved_new"] and not again["reserved_new"]
+    assert first.reserved_new and not again.reserved_new
     assert ledger.spent(ctx.part.dataset_key).epsilon == pytest.approx(after_first)
     assert after_first > before
 
@@ -372,7 +372,7 @@ def test_sweep_table_shows_private_baselines_only_labelled():
 
 def test_baseline_names_follow_the_methods_properties():
     """Labelled iff private training data went in without DP: by guarantee and data read, not by name."""
-    from flows.method_flow import audit_label, baseline_name, labelled
+    from tasks.pipeline import audit_label, baseline_name, labelled
 
     assert baseline_name("zero_shot", "test.accuracy", labelled("none", False)) == "test.accuracy.zero_shot"
     assert baseline_name("opt", "test.accuracy", labelled("none", True)) == "audit.baseline.opt.test.accuracy"
@@ -381,3 +381,27 @@ def test_baseline_names_follow_the_methods_properties():
     assert baseline_name("icl", "mia.loss.auc", False) == "audit.baseline.icl.mia.loss.auc"
     assert audit_label({"leakage.prompts": 2.0, "audit.leakage.exact_copies": 0.0, "mia.x.auc": 0.5}) == {
         "audit.leakage.prompts": 2.0, "audit.leakage.exact_copies": 0.0, "mia.x.auc": 0.5}
+
+
+def test_stage_context_parses_its_config_once_and_outcomes_pickle(tmp_path):
+    """ctx.cfg is parsed once per config content (a changed config is parsed again), the parsed
+    config is neither pickled nor part of Prefect's input hash; a RunOutcome pickles whole."""
+    import pickle
+
+    from prefect.utilities.hashing import hash_objects
+
+    from tasks.config import parse_config
+    from tasks.lifecycle import RunOutcome
+    from tasks.stages import StageContext
+    from tasks.state import state_paths
+
+    cfg = parse_config(_config(tmp_path / "data", tmp_path / "state"))
+    ctx = StageContext.for_run(cfg, state_paths(tmp_path / "state"), {"n_train": 10}, "parent", "flow")
+    before = hash_objects(ctx)
+    assert ctx.cfg is cfg and ctx.cfg is ctx.cfg and hash_objects(ctx) == before
+    copy = pickle.loads(pickle.dumps(ctx))
+    assert "_parsed" not in copy.__dict__ and copy == ctx and copy.cfg == cfg and hash_objects(copy) == before
+    ctx.config["privacy"]["target_epsilon"] = 1.5
+    assert ctx.cfg.privacy.target_epsilon == 1.5 and cfg.privacy.target_epsilon == 4.0
+    out = RunOutcome("prompt_dpsgd", "dp", True, spend={"epsilon": 1.0, "delta": 1e-5}, compute={"train": 0.5})
+    assert pickle.loads(pickle.dumps(out)) == out and out.epsilon == 1.0

@@ -8,7 +8,7 @@ from scipy import stats
 
 from privacy import events as ev
 from privacy import mechanisms as m
-from tasks.methods.dp_opt import events as dpopt_ev
+from tasks.methods.dp_opt import events as dp_opt_events
 
 ALPHA = 1e-3  # significance level of every goodness-of-fit test
 
@@ -60,7 +60,7 @@ def test_event_mapping_exponential():
     target = np.exp(e * SCORES) / np.exp(e * SCORES).sum()
     np.testing.assert_allclose(m.exponential_mechanism_probabilities(SCORES, 2 * e), target)
     np.testing.assert_allclose(m.exponential_mechanism_probabilities(SCORES, e, monotone=True), target)
-    assert dpopt_ev.selection_event(e) == ev.ExponentialEvent(e, monotone=True)
+    assert dp_opt_events.selection_event(e) == ev.ExponentialEvent(e, monotone=True)
     # dp_argmax consumes the same Gumbel draws as gumbel_argmax(counts, 1/ε)
     counts = np.array([5, 9, 7, 9, 1])
     r1, r2 = rng(4), rng(4)

@@ -199,7 +199,7 @@ def test_a_failure_before_the_first_private_read_releases_the_reservation(tmp_pa
     out = lifecycle.run_method(ctx, "prompt_dpsgd", {})
     (entry,) = [e for e in ledger.entries() if e["kind"] == "dp"]
     assert entry["status"] == "committed" and entry["read_started_at"] is not None
-    assert ledger.spent(ctx.part.dataset_key).epsilon == pytest.approx(out["spend"]["epsilon"], rel=1e-6)
+    assert ledger.spent(ctx.part.dataset_key).epsilon == pytest.approx(out.spend["epsilon"], rel=1e-6)
 
 
 def test_a_failure_after_the_read_began_keeps_the_reservation_spent(tmp_path, sst2_dir, monkeypatch):
@@ -270,7 +270,7 @@ def test_the_refusal_says_what_fits_and_records_nothing(tmp_path, sst2_dir):
         run_method(ctx, "prompt_dpsgd", {})
     assert _one_line(info.value) and _contents(ledger) == before
     largest = info.value.largest_fitting_epsilon
-    assert first["spend"]["epsilon"] < 2.5 and 0 < largest < 2.5
+    assert first.spend["epsilon"] < 2.5 and 0 < largest < 2.5
     # what it says fits, fits
     ctx.flow_run_id = "flow-run-3"
     ctx.config["privacy"]["target_epsilon"] = float(f"{largest:.3f}") - 0.001

@@ -122,22 +122,22 @@ def test_a_retry_after_the_commit_republishes_the_one_output_under_one_charge(tm
     spent = Ledger(ctx.paths.ledger).spent(ctx.part.dataset_key).epsilon
 
     again = run_method(ctx, "prompt_dpsgd", {})  # the Prefect retry: same flow run id, same run key
-    assert again["republished"] and again["reserved_new"] is False
+    assert again.republished and again.reserved_new is False
     assert len(spies["trained"]) == 1 and spies["reads"] == 1  # no second training, no private read
     assert calls == ["flow-run-1:prompt_dpsgd"] * 2  # the retry's commit is the idempotent no-op
     (after,) = _dp_entries(ctx)  # one charge
     assert after["status"] == "committed" and after["epsilon"] == pytest.approx(entry["epsilon"])
     assert Ledger(ctx.paths.ledger).spent(ctx.part.dataset_key).epsilon == pytest.approx(spent)
-    assert again["spend"]["epsilon"] == pytest.approx(entry["epsilon"], rel=1e-3)
+    assert again.spend["epsilon"] == pytest.approx(entry["epsilon"], rel=1e-3)
     files, artifacts = _published_prompts(ctx)
     assert files == ["prompt_dpsgd.safetensors"] and artifacts == ["prompt/prompt_dpsgd.safetensors"]
-    published = load_prompt_file(again["prompt_path"])
+    published = load_prompt_file(again.prompt_path)
     assert torch.equal(published, spies["trained"][0].to(published.dtype))  # the first training's output
     assert (release_dir(ctx.private_run_dir) / "prompt_dpsgd.json").is_file()
     assert release_dir(ctx.private_run_dir).parent.parent.parent == ctx.paths.private  # stored on the private side
 
     third = run_method(ctx, "prompt_dpsgd", {})  # retrying a finished run is harmless too
-    assert torch.equal(load_prompt_file(third["prompt_path"]), published) and len(spies["trained"]) == 1
+    assert torch.equal(load_prompt_file(third.prompt_path), published) and len(spies["trained"]) == 1
     assert len(_dp_entries(ctx)) == 1 and _published_prompts(ctx)[0] == ["prompt_dpsgd.safetensors"]
 
 
@@ -174,9 +174,9 @@ def test_a_crash_between_storing_and_committing_reuses_the_stored_output(tmp_pat
         run_method(ctx, "prompt_dpsgd", {})
     assert [e["status"] for e in _dp_entries(ctx)] == ["reserved"]  # counts in full meanwhile
     again = run_method(ctx, "prompt_dpsgd", {})
-    assert again["republished"] and len(spies["trained"]) == 1 and spies["reads"] == 1
+    assert again.republished and len(spies["trained"]) == 1 and spies["reads"] == 1
     assert [e["status"] for e in _dp_entries(ctx)] == ["committed"]
-    assert torch.equal(load_prompt_file(again["prompt_path"]), spies["trained"][0].to(torch.float32))
+    assert torch.equal(load_prompt_file(again.prompt_path), spies["trained"][0].to(torch.float32))
 
 
 def test_a_crash_before_anything_was_stored_trains_once_more_under_the_same_reservation(tmp_path, sst2_dir,
@@ -199,7 +199,7 @@ def test_a_crash_before_anything_was_stored_trains_once_more_under_the_same_rese
         run_method(ctx, "prompt_dpsgd", {})
     (reserved,) = _dp_entries(ctx)
     again = run_method(ctx, "prompt_dpsgd", {})
-    assert not again["republished"] and again["reserved_new"] is False and len(spies["trained"]) == 2
+    assert not again.republished and again.reserved_new is False and len(spies["trained"]) == 2
     (entry,) = _dp_entries(ctx)
     assert entry["status"] == "committed" and entry["epsilon_reserved"] == pytest.approx(reserved["epsilon"])
     files, artifacts = _published_prompts(ctx)
@@ -229,12 +229,12 @@ def test_two_attempts_alive_at_once_release_one_output(tmp_path, sst2_dir, monke
     first = run_method(ctx, "prompt_dpsgd", {})
     retry = results["retry"]
     assert len(spies["trained"]) == 2 and not torch.equal(spies["trained"][0], spies["trained"][1])
-    assert not retry["republished"] and first["republished"]  # the retry stored first: its output is the run's
+    assert not retry.republished and first.republished  # the retry stored first: its output is the run's
     winner = spies["trained"][1]  # the retry trained second but stored first
     for info in (first, retry):
-        assert torch.equal(load_prompt_file(info["prompt_path"]), winner.to(torch.float32))
+        assert torch.equal(load_prompt_file(info.prompt_path), winner.to(torch.float32))
     (entry,) = _dp_entries(ctx)
-    assert entry["status"] == "committed" and first["reserved_new"] is True and retry["reserved_new"] is False
+    assert entry["status"] == "committed" and first.reserved_new is True and retry.reserved_new is False
     assert len(list(release_dir(ctx.private_run_dir).glob("prompt_dpsgd_dp_output.*"))) == 1  # the loser's removed
     assert not list(release_dir(ctx.private_run_dir).glob("*.tmp"))
     files, _ = _published_prompts(ctx)
@@ -316,7 +316,7 @@ def test_an_opted_in_run_says_so_in_its_run_record(tmp_path, sst2_dir):
     assert client.get_run(ctx.parent_run_id).data.tags["privacy.delta_opt_in"] == "true"
     parent = client.get_run(ctx.parent_run_id)
     (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{ctx.parent_run_id}'")
-    assert child.data.params["privacy.delta_opt_in"] == "true" and info["spend"]["delta"] == pytest.approx(1.0 / n)
+    assert child.data.params["privacy.delta_opt_in"] == "true" and info.spend["delta"] == pytest.approx(1.0 / n)
     (entry,) = [e for e in Ledger(ctx.paths.ledger).entries() if e["kind"] == "dp"]
     assert "allow_delta_at_least_one_over_n" in entry["description"]
 
@@ -357,7 +357,7 @@ def test_a_retry_after_a_lost_attempt_that_read_data_commits_the_whole_reservati
     # a first attempt that completes commits its own, smaller spend
     first = run_method(_context(tmp_path / "a", sst2_dir), "prompt_dpsgd", {})
     (entry,) = _dp_entries(_context(tmp_path / "a", sst2_dir))
-    assert entry["epsilon"] < entry["epsilon_reserved"] and first["spend"]["epsilon"] == pytest.approx(entry["epsilon"])
+    assert entry["epsilon"] < entry["epsilon_reserved"] and first.epsilon == pytest.approx(entry["epsilon"])
 
     ctx = _context(tmp_path / "b", sst2_dir)
     real_store = lifecycle.store_release
@@ -377,5 +377,5 @@ def test_a_retry_after_a_lost_attempt_that_read_data_commits_the_whole_reservati
     again = run_method(ctx, "prompt_dpsgd", {})
     (entry,) = _dp_entries(ctx)
     assert entry["status"] == "committed" and entry["epsilon"] == pytest.approx(entry["epsilon_reserved"])
-    assert again["spend"]["epsilon"] == pytest.approx(entry["epsilon_reserved"])
-    assert again["spend"]["epsilon"] == pytest.approx(acct.spend(ev.event_from_dict(again["event"]), again["spend"]["delta"]).epsilon)
+    assert again.epsilon == pytest.approx(entry["epsilon_reserved"])
+    assert again.epsilon == pytest.approx(acct.spend(ev.event_from_dict(again.event), again.spend["delta"]).epsilon)

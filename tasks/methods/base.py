@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from privacy.events import DpEvent
+    from tasks.lifecycle import RunOutcome
 
     from ..config import PrivPromptConfig
     from ..randomness import DpRandomness
@@ -219,12 +220,13 @@ class Method:
         its logged params for the report (RAPT: η); None when the method has none."""
         return None
 
-    def variants(self, ctx, result: dict, prepared: dict[str, Any], run_method) -> list[Variant]:
-        """Extra evaluated prompts. ``run_method(name)`` runs another registered method through
-        the lifecycle (e.g. a non-private upper bound) and returns its result."""
+    def variants(self, ctx, result: "RunOutcome", prepared: dict[str, Any], run_method) -> list[Variant]:
+        """Extra evaluated prompts. ``result``: the published method's outcome; ``run_method(name)``
+        runs another registered method through the lifecycle (e.g. a non-private upper bound) and
+        returns its :class:`~tasks.lifecycle.RunOutcome`."""
         return []
 
-    def tables(self, accuracies: dict[str, float], result: dict, variants: list[Variant]) -> dict[str, str]:
+    def tables(self, accuracies: dict[str, float], result: "RunOutcome", variants: list[Variant]) -> dict[str, str]:
         """Markdown tables to log on the parent run (``tables/<name>.md``)."""
         return {}
 

@@ -271,19 +271,19 @@ class Post(Method):
 
     def variants(self, ctx, result, prepared, run_method):
         cfg, teacher, student = ctx.cfg, ctx.cfg.models.target_name, prepared["student_dir"]
-        eps = (result.get("spend") or {}).get("epsilon")
-        guarantee = result["guarantee"]
+        eps = result.epsilon
+        guarantee = result.guarantee
         out = [Variant("full_zs", None, teacher, "none", label=NAMES["full_zs"]),
-               Variant("compressed_pt", result["source_prompt_path"], student, guarantee, eps, NAMES["compressed_pt"]),
-               Variant("direct_transfer", result["source_prompt_path"], teacher, guarantee, eps,
+               Variant("compressed_pt", result.source_prompt_path, student, guarantee, eps, NAMES["compressed_pt"]),
+               Variant("direct_transfer", result.source_prompt_path, teacher, guarantee, eps,
                        NAMES["direct_transfer"])]
         if self.settings(cfg).full_pt:  # non-private tuning on the target: an upper bound, opt-in
             full = run_method("prompt_sgd")
-            out.append(Variant("full_pt", full["prompt_path"], teacher, "none", label=NAMES["full_pt"]))
+            out.append(Variant("full_pt", full.prompt_path, teacher, "none", label=NAMES["full_pt"]))
         return out
 
     def tables(self, accuracies, result, variants):
-        eps = (result.get("spend") or {}).get("epsilon")
+        eps = result.epsilon
         rows = ["| method | test accuracy | privacy |", "|---|---:|---|"]
         for key in ("full_zs", "full_pt", "compressed_pt", "direct_transfer", "post"):
             if key not in accuracies:

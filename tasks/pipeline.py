@@ -1,0 +1,249 @@
+"""What a method flow assembles from its tasks' results, the same for every method: the run's
+plan (δ and the published method's plan, once), how a baseline's or a variant's numbers are named
+on the parent run, the privacy–utility points, the cross-model and runtime tables, the budget
+record and the summary the flow returns.
+
+:class:`RunReport` collects as the flow's tasks return (in the flow's order, which is the order
+of the parent's metrics, the runtime table and the compute summary) and writes the parent run's
+record once, at the end (:meth:`RunReport.record`). The flow itself (``flows/method_flow.py``)
+only calls tasks in order and hands their results here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import plots, report
+from .methods import get_method
+from .stages import model_alias
+
+if TYPE_CHECKING:
+    from .config import PrivPromptConfig
+    from .lifecycle import RunOutcome
+    from .methods.base import Method, MethodPlan, Variant
+    from .record import RunRecord
+    from .stages import StageContext
+
+
+# ---- names on the parent run (../shared/RUN_RECORD.md) ----------------------------------------
+
+def labelled(guarantee: str, reads_private: bool) -> bool:
+    """Whether a baseline's (or variant's) numbers must be labelled as audit statistics on the
+    parent: it read private training data without a DP guarantee of its own (``none``, ``ldp``).
+    Such numbers are shown only as ``audit.baseline.<name>.<metric>``; a baseline that reads no
+    private training data (zero-shot), or one with its own DP spend in the ledger, keeps
+    ``test.accuracy.<name>`` (../shared/RUN_RECORD.md)."""
+    return reads_private and guarantee != "dp"
+
+
+def baseline_name(name: str, metric: str, audit: bool) -> str:
+    """The parent's name of baseline ``name``'s ``metric`` (``test.accuracy``, ``mia.loss.auc``)."""
+    if audit or metric != "test.accuracy":  # an attack on training records is an audit statistic whatever it attacks
+        return f"audit.baseline.{name}.{metric}"
+    return f"test.accuracy.{name}"
+
+
+def audit_label(metrics: dict[str, float]) -> dict[str, float]:
+    """Audit statistics of private data under ``audit.*`` / ``mia.*`` whatever a method named them."""
+    return {k if k.startswith(("audit.", "mia.")) else f"audit.{k}": v for k, v in metrics.items()}
+
+
+def point(name: str, accuracy: float, outcome: RunOutcome | None, label: str | None = None) -> dict:
+    """One method's point of the privacy–utility plot."""
+    if outcome is None or outcome.prompt_path is None and outcome.guarantee == "none":
+        return {"method": label or name, "accuracy": accuracy, "epsilon": None, "guarantee": "no training"}
+    eps = outcome.epsilon
+    return {"method": label or name, "accuracy": accuracy, "epsilon": eps,
+            "guarantee": "no DP" if eps is None else "dp"}
+
+
+def variant_point(v: Variant, accuracy: float) -> dict:
+    return {"method": v.label or v.name, "accuracy": accuracy, "epsilon": v.epsilon,
+            "guarantee": "dp" if v.epsilon is not None else ("no training" if v.prompt_path is None else "no DP")}
+
+
+def cross_model_table(cross: dict[str, float]) -> str:
+    """The published prompt's test accuracy on every target model (``tables/cross_model.md``)."""
+    return "| model | test accuracy |\n|---|---:|\n" + "".join(f"| {k} | {v:.4f} |\n" for k, v in cross.items())
+
+
+# ---- the run's plan, once --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunPlan:
+    """δ of the run and the published method's plan: computed once, before any work."""
+
+    delta: float
+    plan: MethodPlan
+
+
+def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
+    """The run's δ and the published method's plan (pure: validates the settings before any
+    work), on the parent's tags and params; an audit that cannot run is refused here, before any
+    training."""
+    from .lifecycle import resolve_delta
+
+    cfg, part = ctx.cfg, ctx.partition
+    delta = resolve_delta(cfg, part["n_train"])
+    plan = get_method(cfg.method).plan(cfg, part["n_train"], delta)
+    parent.set_tags({"dataset.fingerprint": part["dataset_key"], "data.partition": part["fingerprint"],
+                     "method.label": get_method(cfg.method).run_label(cfg)})
+    parent.log_params({"privacy.target_delta": delta, "data.n_train": part["n_train"],
+                       "data.n_holdout": part["n_holdout"], "data.n_test": part["n_test"], **plan.params})
+    if cfg.audit.enabled:
+        from .audit import check_pool_size
+
+        check_pool_size(ctx.part, cfg.audit)
+    return RunPlan(delta, plan)
+
+
+def runs_loss_mia(cfg: PrivPromptConfig, name: str, outcome: RunOutcome) -> bool:
+    """Whether the flow attacks method ``name``'s prompt with the loss-threshold MIA."""
+    return cfg.mia.enabled and outcome.prompt_path is not None and get_method(name).supports_loss_mia
+
+
+def audit_target(ctx: StageContext, published: RunOutcome, prepared: dict):
+    """The audit flow's view of the published method's run."""
+    from .audit import AuditTarget
+
+    spend = published.spend or {}
+    return AuditTarget(config=ctx.config, partition=ctx.partition, prompt_path=published.prompt_path,
+                       method=ctx.cfg.method, epsilon=spend.get("epsilon"), delta=spend.get("delta"),
+                       run_id=ctx.parent_run_id, flow_run_id=ctx.flow_run_id, state_dir=ctx.state_dir,
+                       prepared={k: v for k, v in prepared.items() if k != "tags"})
+
+
+# ---- the run's record, collected as the tasks return -------------------------------------------
+
+@dataclass
+class RunReport:
+    """The parent run's metrics, points, tables and summary of one method flow run."""
+
+    cfg: PrivPromptConfig
+    method: Method
+    parent: RunRecord
+    metrics: dict[str, float] = field(default_factory=dict)
+    points: list[dict] = field(default_factory=list)
+    compute: dict[str, float] = field(default_factory=dict)  # seconds of model work per stage (the rest is orchestration)
+    runtime: dict[str, float | str] = field(default_factory=dict)
+    accuracies: dict[str, float] = field(default_factory=dict)
+    cross: dict[str, float] = field(default_factory=dict)  # the published prompt on every target (Table 3)
+    variants: list = field(default_factory=list)
+    audit: dict | None = None
+
+    @property
+    def stage_names(self) -> dict[str, str]:
+        return getattr(self.method, "stage_names", {})
+
+    def baseline(self, name: str, outcome: RunOutcome, acc: dict, mia: dict | None) -> None:
+        """A baseline's training, evaluation and (when run) loss MIA."""
+        self.compute[f"train:{name}"] = outcome.compute["train"]
+        self.compute[f"evaluate:{name}"] = acc["compute_s"]
+        audit = labelled(outcome.guarantee, get_method(name).reads_private_data(self.cfg))
+        self.metrics[baseline_name(name, "test.accuracy", audit)] = acc["target"]
+        self.points.append(point(name, acc["target"], outcome))
+        if mia is not None:
+            self.compute[f"mia:{name}"] = mia["compute_s"]
+            self.metrics[baseline_name(name, "mia.loss.auc", True)] = mia["metrics"]["mia.loss.auc"]
+
+    def prepared(self, prepared: dict) -> None:
+        """The published method's public-data preparation, on the parent."""
+        if prepared.get("tags"):
+            self.parent.set_tags(prepared["tags"])
+        self.parent.log_json({k: v for k, v in prepared.items() if k != "tags"}, "method/prepared.json")
+        if "prepare" in self.stage_names:
+            self.runtime[self.stage_names["prepare"]] = "cached" if prepared.get("cached") else prepared["prepare_s"]
+
+    def trained(self, published: RunOutcome) -> None:
+        """The published method's training: its counts, and its audit statistics labelled."""
+        audit_metrics = published.audit_metrics
+        self.metrics.update({k: v for k, v in published.train_metrics.items() if k not in audit_metrics})
+        self.metrics.update(audit_label(audit_metrics))
+        for stage in ("train", "post_process"):
+            if stage in published.compute:
+                self.runtime[self.stage_names.get(stage, stage)] = published.compute[stage]
+
+    def evaluated(self, acc: dict, model: str) -> None:
+        """The published prompt's test accuracy on the method's own model (and its per-model aliases)."""
+        self.compute[f"evaluate:{self.cfg.method}"] = acc["compute_s"]
+        self.accuracies[self.cfg.method] = acc["target"]
+        self.metrics["test.accuracy"] = acc["target"]
+        self.metrics.update({f"test.accuracy.{alias}": v for alias, v in acc["per_model"].items()})
+        self.cross[model_alias(model)] = acc["target"]
+
+    def diagnostics(self, diag: dict) -> None:
+        """Test-split statistics of the published prompt (flatness)."""
+        self.metrics.update(diag.get("metrics", {}))
+        for artifact, fig in diag.get("figures", {}).items():
+            self.parent.log_figure(fig, artifact)
+            plots.close(fig)
+
+    def other_model(self, alias: str, accuracy: float, compute_s: float) -> None:
+        """The published prompt on another target model (``models.evaluate_on``) or an endpoint."""
+        self.compute[f"evaluate:{self.cfg.method}@{alias}"] = compute_s
+        self.cross[alias] = self.metrics[f"test.accuracy.{alias}"] = accuracy
+
+    def variant_results(self, variants: list[Variant], evaluated: list[dict],
+                        trained: dict[str, RunOutcome]) -> None:
+        """The method's variants, each evaluated (``trained``: the ones that trained, a non-private
+        upper bound); then every point of the plot and the runtime of each stage."""
+        self.variants = list(variants)
+        for v, out in zip(variants, evaluated):
+            if v.name in trained:
+                self.runtime[v.name] = trained[v.name].compute["train"]
+            self.compute[f"evaluate:{v.name}"] = out["compute_s"]
+            # a variant trained on private data without DP (POST's full_pt) is a labelled audit statistic
+            audit = labelled(v.guarantee, v.prompt_path is not None)
+            self.accuracies[v.name] = self.metrics[baseline_name(v.name, "test.accuracy", audit)] = out["target"]
+
+    def points_and_runtime(self, published: RunOutcome) -> None:
+        """The published method's and its variants' points, and the runtime of each stage."""
+        self.points.append(point(self.cfg.method, self.accuracies[self.cfg.method], published,
+                                 self.method.label or None))
+        self.points += [variant_point(v, self.accuracies[v.name]) for v in self.variants]
+        self.compute.update({f"{k}": v for k, v in self.runtime.items() if isinstance(v, float)})
+        if self.stage_names:
+            self.metrics.update({f"runtime.{k}_s": v for k, v in self.runtime.items() if isinstance(v, float)})
+
+    def loss_mia(self, mia: dict) -> None:
+        """The published prompt's loss-threshold MIA (audit statistics)."""
+        self.compute[f"mia:{self.cfg.method}"] = mia["compute_s"]
+        self.metrics.update(mia["metrics"])
+        self.parent.log_file(mia["roc_plot"], "plots")
+
+    def released(self, published: RunOutcome) -> None:
+        """The published method's spend on the parent, and its output when the publish rule allows."""
+        if published.guarantee == "dp":
+            spend = published.spend
+            self.metrics.update({"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
+                                 "privacy.epsilon_rdp": spend["epsilon_rdp"]})
+        if published.published:
+            self.parent.log_file(published.prompt_path, "prompt")  # the DP output: published
+            if published.source_prompt_path != published.prompt_path:
+                self.parent.log_file(published.source_prompt_path, "prompt/source")
+
+    def audited(self, audited: dict) -> None:
+        self.compute["audit"] = audited["wall_s"]
+        self.metrics.update(audited["metrics"])
+        self.audit = audited
+
+    def record(self, ctx: StageContext, published: RunOutcome, run_plan: RunPlan) -> dict[str, Any]:
+        """Write the parent's record (budget record, plot, tables, metrics); returns the summary's
+        fields."""
+        cfg, parent = self.cfg, self.parent
+        if len(self.cross) > 1:
+            parent.log_text(cross_model_table(self.cross), "tables/cross_model.md")
+        budget = report.budget_record(cfg, ctx.part, ctx.paths, published, run_plan.plan.note, [], parent.run_id)
+        parent.log_json(budget, "privacy/budget.json")
+        report.log_privacy_utility(parent, self.points, f"{cfg.data.name}: test accuracy by method")
+        for name, table in self.method.tables(self.accuracies, published, self.variants).items():
+            parent.log_text(table, f"tables/{name}.md")
+        if self.runtime:
+            parent.log_text(report.runtime_table(self.runtime), "tables/runtime.md")
+        parent.log_metrics(self.metrics)
+        summary: dict[str, Any] = {} if self.audit is None else {"audit": self.audit}
+        summary.update({"metrics": self.metrics, "budget": budget, "guarantee": published.guarantee,
+                        "compute_seconds": self.compute, "runtime": self.runtime, "accuracy": self.accuracies,
+                        "published": budget["published"]})
+        return summary
