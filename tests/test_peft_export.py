@@ -100,3 +100,66 @@ def test_soft_prompt_of_the_wrong_width_is_refused(tmp_path):
     backbone = load_backbone("tiny-gpt2", "cpu")
     with pytest.raises(PeftExportError, match="width 7"):
         save_peft_adapter(tmp_path / "peft", torch.zeros(3, 7), backbone.model, "causal", "x")
+
+
+def _opacus_peft(backbone, config, weights=None):
+    """A PEFT model of ``config`` on a copy of the backbone under Opacus' GradSampleModule (hooks)."""
+    GradSampleModule = pytest.importorskip("opacus").GradSampleModule  # the dev extra installs it
+    from peft import get_peft_model
+
+    model = get_peft_model(copy.deepcopy(backbone.model), config)
+    emb = model.prompt_encoder["default"].embedding
+    if weights is not None:
+        with torch.no_grad():
+            emb.weight.copy_(weights)
+    return GradSampleModule(model, batch_first=True, loss_reduction="sum"), emb
+
+
+def test_opacus_per_sample_gradients_of_a_peft_prefix_equal_privprompts():
+    """An independent reference for the DP step's per-sample gradients: Opacus' hooks on PEFT's
+    prefix encoder (right for prefix tuning, NOTES.md) give, row for row, what PrivPrompt's
+    expanded-leaf gradients give for the same prefix (GPT-2: the layouts map by a reshape)."""
+    from peft import PrefixTuningConfig
+
+    from models.dp_prompt_training import per_sample_prompt_gradients
+    from models.prompts.peft_export import peft_prompt_embeddings
+
+    backbone = load_backbone("tiny-gpt2", "cpu")
+    clf = build_classifier(backbone, LABELS)
+    prefix = _prompt(clf, "prefix")
+    enc, y = clf.encode(TEXTS), torch.tensor([1, 0, 1, 1, 0])
+    ours = per_sample_prompt_gradients(clf, enc, y, prefix)  # (B, L, 2, n, d)
+    gsm, emb = _opacus_peft(backbone, PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+                            peft_prompt_embeddings(prefix, backbone.model))
+    T = int(enc["attention_mask"].sum(1).max())
+    logits = gsm(input_ids=enc["input_ids"][:, :T], attention_mask=enc["attention_mask"][:, :T]).logits
+    scores = F.log_softmax(logits[torch.arange(len(TEXTS)), enc["label_pos"]].float(), -1)[:, clf.label_token_ids]
+    F.cross_entropy(scores, y, reduction="sum").backward()
+    L, _, n, d = prefix.shape
+    assert emb.weight.grad_sample.shape == (len(TEXTS), n, L * 2 * d)
+    theirs = emb.weight.grad_sample.reshape(len(TEXTS), n, L, 2, d).permute(0, 2, 3, 1, 4)
+    torch.testing.assert_close(theirs, ours, atol=1e-6, rtol=1e-4)
+    assert ours.abs().amax(dim=(1, 2, 3, 4)).min() > 0  # every row has a gradient
+
+
+def test_opacus_on_peft_prompt_tuning_clips_the_batch_as_one_sample():
+    """Why PrivPrompt keeps its own per-sample gradients for soft prompts: under Opacus, PEFT's
+    prompt tuning yields ONE grad_sample row for the whole batch (the trap of NOTES.md), while
+    PrivPrompt's are one row per example."""
+    from peft import PromptTuningConfig
+
+    from models.dp_prompt_training import per_sample_prompt_gradients
+
+    backbone = load_backbone("tiny-gpt2", "cpu")
+    clf = build_classifier(backbone, LABELS)
+    enc, y = clf.encode(TEXTS), torch.tensor([1, 0, 1, 1, 0])
+    gsm, emb = _opacus_peft(backbone, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    T = int(enc["attention_mask"].sum(1).max())
+    logits = gsm(input_ids=enc["input_ids"][:, :T], attention_mask=enc["attention_mask"][:, :T]).logits
+    scores = F.log_softmax(logits[torch.arange(len(TEXTS)), enc["label_pos"] + 3].float(), -1)[:, clf.label_token_ids]
+    F.cross_entropy(scores, y, reduction="sum").backward()
+    assert emb.weight.grad_sample.shape[0] == 1 != len(TEXTS)
+    ours = per_sample_prompt_gradients(clf, enc, y, emb.weight.detach().clone())
+    assert ours.shape == (len(TEXTS), 3, clf.embed_dim)
+    # Opacus' one "sample" is the whole batch's summed gradient: clipping it bounds no example
+    torch.testing.assert_close(emb.weight.grad_sample[0], ours.sum(0), atol=1e-6, rtol=1e-4)
