@@ -143,6 +143,66 @@ def test_predict_on_the_whole_test_split_matches_the_runs_test_accuracy(dp_run, 
     assert acc == pytest.approx(metrics["test.accuracy"], abs=1e-6)  # the metric is a float32 mean
 
 
+@pytest.fixture(scope="module")
+def prefix_run(prefect_harness, sst2_dir, tmp_path_factory):
+    from flows.method_flow import method_flow
+
+    root = tmp_path_factory.mktemp("registry-prefix")
+    data = _toy_dataset(root / "data", sst2_dir, n_train=160, n_test=40)
+    state = root / "state"
+    cfg = _config(data, state, method="prefix_dpsgd", **{
+        "models.local": "tiny-gpt2", "methods.zero_shot.enabled": False, "methods.prompt_sgd.enabled": False,
+        "mia.enabled": False,
+        "methods.prefix_dpsgd": {"n_tokens": 3, "epochs": 1, "batch_size": 32, "flatness_examples": 0}})
+    summary = method_flow(cfg)
+    rows = [json.loads(line) for line in (data / "test.jsonl").read_text().splitlines()]
+    return {"summary": summary, "state": state, "config": cfg, "test_rows": rows}
+
+
+def test_a_dp_prefix_is_a_peft_prefix_adapter_and_predicts_the_runs_labels(prefix_run, tmp_path, capsys):
+    import copy
+
+    import torch.nn.functional as F
+    from peft import PeftModel
+
+    from models import build_classifier, load_backbone
+    from models.prompts import load_prompt_artifact
+    from privprompt_cli import main
+
+    client = _mlflow(prefix_run["state"])
+    parent = client.get_run(prefix_run["summary"]["mlflow_run_id"])
+    (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
+                                  "and tags.stage = 'train' and tags.method = 'prefix_dpsgd'")
+    assert child.data.tags["peft.adapter"] == "peft/ (prefix tuning)"
+    (version,) = client.search_model_versions("name='privprompt.toy-sst2.prefix_dpsgd'")
+    assert version.run_id == parent.info.run_id and version.tags["privacy.guarantee"] == "dp"
+    assert float(version.tags["privacy.epsilon"]) == pytest.approx(parent.data.metrics["privacy.epsilon"])
+    folder = Path(client.download_artifacts(child.info.run_id, "peft"))
+    assert json.loads((folder / "adapter_config.json").read_text())["peft_type"] == "PREFIX_TUNING"
+    # PEFT's forward on the adapter gives the run's scores
+    backbone = load_backbone("tiny-gpt2", seed=0)
+    clf = build_classifier(backbone, ["negative", "positive"])
+    prompt, _ = load_prompt_artifact(prefix_run["summary"]["published"]["prompt_path"])
+    texts = [r["text"] for r in prefix_run["test_rows"][:8]]
+    enc = clf.encode(texts, max_length=32)
+    T = int(enc["attention_mask"].sum(1).max())
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(backbone.model), str(folder)).eval()
+    with torch.no_grad():
+        ours = clf(enc, prompt).cpu()
+        out = peft_model(input_ids=enc["input_ids"][:, :T].to(backbone.device),
+                         attention_mask=enc["attention_mask"][:, :T].to(backbone.device)).logits
+    theirs = F.log_softmax(out[torch.arange(len(texts)), enc["label_pos"]].float(), -1)[:, clf.label_token_ids]
+    torch.testing.assert_close(theirs.cpu(), ours, atol=2e-5, rtol=1e-4)
+    # and predict gives the run's own labels on 20 test rows
+    rows = prefix_run["test_rows"][:20]
+    src, dst = tmp_path / "rows.csv", tmp_path / "out.jsonl"
+    pd.DataFrame(rows).to_csv(src, index=False)
+    assert main(["--state-dir", str(prefix_run["state"]), "predict", "models:/privprompt.toy-sst2.prefix_dpsgd/latest",
+                 "--input", str(src), "--output", str(dst)]) == 0
+    out = pd.read_json(dst, lines=True)
+    assert out["prediction"].tolist() == _own_labels(prefix_run, [r["text"] for r in rows])
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
