@@ -165,10 +165,17 @@ def check_registrable(guarantee: str, prompt_path: str | Path, private_dir: str 
 def register_output(client, run_id: str, model_name: str, spec: dict, prompt_path: str | Path, guarantee: str,
                     spend: dict | None, dataset_key: str, private_dir: str | Path):
     """Log the pyfunc under run ``run_id`` (``registered_model/``) and register it as a new version
-    of ``model_name`` with the privacy tags; returns the ModelVersion."""
+    of ``model_name`` with the privacy tags; returns the ModelVersion. A run's output is registered
+    once: a retry that republishes it (``tasks.lifecycle``) gets the version it already has."""
     from mlflow.exceptions import MlflowException
 
     check_registrable(guarantee, prompt_path, private_dir)
+    try:
+        existing = client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
+    except MlflowException:
+        existing = []
+    if existing:
+        return existing[0]
     with tempfile.TemporaryDirectory(prefix="pyfunc-") as tmp:
         folder = save_pyfunc(Path(tmp) / MODEL_ARTIFACT, spec, prompt_path)
         client.log_artifacts(run_id, str(folder), MODEL_ARTIFACT)

@@ -60,6 +60,12 @@ def test_pyfunc_version_predicts_privprompts_labels_and_carries_the_tags(state):
                               _spec(backbone_reference("tiny-gpt2", 0)), prompt_path, "dp", SPEND, "fp123",
                               state["paths"].private)
     assert str(version.version) == "1" and version.run_id == state["run_id"]
+    # a retry republishing the same run's output gets the same version, not a second one
+    again = register_output(state["client"], state["run_id"], "privprompt.toy.prompt_dpsgd",
+                            _spec(backbone_reference("tiny-gpt2", 0)), prompt_path, "dp", SPEND, "fp123",
+                            state["paths"].private)
+    assert str(again.version) == "1"
+    assert len(state["client"].search_model_versions("name='privprompt.toy.prompt_dpsgd'")) == 1
     got = state["client"].get_model_version("privprompt.toy.prompt_dpsgd", "1")
     assert got.tags == {"privacy.epsilon": "3.5", "privacy.delta": "1e-05", "privacy.guarantee": "dp",
                         "privacy.accountant": "min(pld, rdp)", "privacy.unit": "record", "dataset.fingerprint": "fp123"}
