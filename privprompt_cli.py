@@ -657,7 +657,7 @@ def cmd_predict(args) -> int:
     """Labels and per-label scores of a registered model (``models:/NAME/VERSION`` or ``/latest``,
     ``runs:/…``) for the ``text`` column of a file; an input ``label`` column gives the accuracy."""
     from tasks.registry_model import input_texts
-    from tasks.state import state_paths, tracking_uri
+    from tasks.state import state_paths
 
     if args.device:
         os.environ["PRIVPROMPT_DEVICE"] = args.device
@@ -667,13 +667,17 @@ def cmd_predict(args) -> int:
         texts = input_texts(frame)
     except (OSError, ValueError, KeyError) as exc:
         return _fail(f"cannot read {args.input}: {_one_line(exc)}")
-    import mlflow
+    import tempfile
+
     import mlflow.pyfunc
 
-    mlflow.set_tracking_uri(tracking_uri(state_paths(args.state_dir)))
-    mlflow.set_registry_uri(mlflow.get_tracking_uri())
+    from tasks.record import client
+    from tasks.registry_model import download_model
+
     try:
-        model = mlflow.pyfunc.load_model(args.model_uri)
+        with tempfile.TemporaryDirectory(prefix="privprompt-model-") as tmp:
+            model = mlflow.pyfunc.load_model(str(download_model(client(state_paths(args.state_dir)),
+                                                                args.model_uri, tmp)))
     except Exception as exc:  # noqa: BLE001 - reported as one line
         cause = _model_load_error(exc)
         if cause is not None:

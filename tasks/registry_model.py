@@ -142,6 +142,39 @@ def save_pyfunc(directory: Path, spec: dict, prompt_path: str | Path) -> Path:
     return directory
 
 
+def download_model(client, model_uri: str, dst: str | Path) -> Path:
+    """The pyfunc folder ``model_uri`` names (``models:/NAME/VERSION``, ``models:/NAME/latest``,
+    ``models:/NAME@ALIAS``, ``runs:/RUN/PATH`` or a local folder), fetched with ``client``'s own
+    tracking and registry URIs: no process-wide MLflow setting is read or changed."""
+    import mlflow.artifacts
+    from mlflow.exceptions import MlflowException
+
+    if Path(model_uri).is_dir():
+        return Path(model_uri)
+    tracking = client.tracking_uri
+    try:
+        if model_uri.startswith("models:/"):
+            rest = model_uri[len("models:/"):].strip("/")
+            if "@" in rest:
+                name, alias = rest.split("@", 1)
+                version = client.get_model_version_by_alias(name, alias).version
+            else:
+                name, _, version = rest.rpartition("/")
+                if not name:
+                    raise ValueError(f"{model_uri!r} is not models:/NAME/VERSION, models:/NAME/latest or models:/NAME@ALIAS")
+                if version == "latest":
+                    versions = client.search_model_versions(f"name='{name}'")
+                    if not versions:
+                        raise ValueError(f"registered model {name!r} has no versions")
+                    version = max(int(v.version) for v in versions)
+            source = client.get_model_version_download_uri(name, str(version))
+        else:
+            source = model_uri
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst), tracking_uri=tracking))
+    except MlflowException as exc:
+        raise ValueError(str(exc.message).splitlines()[0]) from None
+
+
 def version_tags(guarantee: str, spend: dict | None, dataset_key: str) -> dict[str, str]:
     spend = spend or {}
     none = "none (local d_X privacy: no (ε, δ) claim)" if guarantee == "ldp" else "none"

@@ -51,8 +51,7 @@ def test_pyfunc_version_predicts_privprompts_labels_and_carries_the_tags(state):
     from models import build_classifier, load_backbone
     from models.backbone_ref import backbone_reference
     from models.prompts import load_prompt_artifact
-    from tasks.registry_model import register_output
-    from tasks.state import tracking_uri
+    from tasks.registry_model import download_model, register_output
 
     backbone = load_backbone("tiny-gpt2", "cpu")
     prompt_path = _soft_prompt(state["outputs"] / "prompt_dpsgd.safetensors", backbone.embed_dim)
@@ -73,8 +72,10 @@ def test_pyfunc_version_predicts_privprompts_labels_and_carries_the_tags(state):
     names = {a.path for a in state["client"].list_artifacts(state["run_id"], "registered_model/artifacts")}
     assert names == {"registered_model/artifacts/spec.json", "registered_model/artifacts/prompt_dpsgd.safetensors"}
 
-    mlflow.set_tracking_uri(tracking_uri(state["paths"]))
-    model = mlflow.pyfunc.load_model("models:/privprompt.toy.prompt_dpsgd/latest")
+    # fetched with the state's own client (no process-wide MLflow URI is set: later tests keep theirs)
+    local = download_model(state["client"], "models:/privprompt.toy.prompt_dpsgd/latest", state["paths"].root / "dl")
+    assert (local / "MLmodel").is_file()
+    model = mlflow.pyfunc.load_model(str(local))
     out = model.predict(pd.DataFrame({"text": TEXTS}))
     clf = build_classifier(backbone, LABELS)
     prompt, _ = load_prompt_artifact(prompt_path)
@@ -140,6 +141,11 @@ def test_predict_names_a_backbone_it_cannot_find_in_one_line(state, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert err[0] == f"privprompt: error: cannot load backbone {gone!r}: its folder {gone} is not on this machine"
+    # a model the registry does not hold: one line naming it
+    rc = main(["--state-dir", str(state["paths"].root), "predict", "models:/privprompt.toy.none/latest",
+               "--input", str(data)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "privprompt.toy.none" in err[0] and err[0].startswith("privprompt: error: ")
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
