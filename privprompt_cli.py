@@ -8,6 +8,7 @@
     privprompt budget reservations | lower-cap DATASET EPS --reason R | set-delta DATASET DELTA --reason R
     privprompt config --schema
     privprompt ui
+    privprompt predict MODEL_URI --input FILE [--output FILE] [--batch-size N] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -620,6 +621,96 @@ def cmd_ui(args) -> int:
     return 0
 
 
+def _read_table(path: str):
+    """A JSONL / JSON / CSV / Parquet file as a DataFrame (by its extension)."""
+    import pandas as pd
+
+    suffix = os.path.splitext(path)[1].lower()
+    readers = {".jsonl": lambda: pd.read_json(path, lines=True), ".json": lambda: pd.read_json(path, lines=True),
+               ".csv": lambda: pd.read_csv(path), ".parquet": lambda: pd.read_parquet(path)}
+    if suffix not in readers:
+        raise ValueError(f"{path}: unknown input format {suffix!r} (JSONL, CSV or Parquet)")
+    return readers[suffix]()
+
+
+def _write_table(frame, path: str | None) -> None:
+    if path is None:
+        sys.stdout.write(frame.to_json(orient="records", lines=True, force_ascii=False))
+        return
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in (".jsonl", ".json"):
+        frame.to_json(path, orient="records", lines=True, force_ascii=False)
+    elif suffix == ".csv":
+        frame.to_csv(path, index=False)
+    elif suffix == ".parquet":
+        frame.to_parquet(path, index=False)
+    else:
+        raise ValueError(f"{path}: unknown output format {suffix!r} (JSONL, CSV or Parquet)")
+
+
+def _model_load_error(exc: BaseException):
+    from models.backbones import ModelLoadError
+
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, ModelLoadError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def cmd_predict(args) -> int:
+    """Labels and per-label scores of a registered model (``models:/NAME/VERSION`` or ``/latest``,
+    ``runs:/…``) for the ``text`` column of a file; an input ``label`` column gives the accuracy."""
+    from tasks.registry_model import input_texts
+    from tasks.state import state_paths
+
+    if args.device:
+        os.environ["PRIVPROMPT_DEVICE"] = args.device
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # our own progress line only
+    try:
+        frame = _read_table(args.input)
+        texts = input_texts(frame)
+    except (OSError, ValueError, KeyError) as exc:
+        return _fail(f"cannot read {args.input}: {_one_line(exc)}")
+    import tempfile
+
+    import mlflow.pyfunc
+
+    from tasks.record import client
+    from tasks.registry_model import download_model
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="privprompt-model-") as tmp:
+            model = mlflow.pyfunc.load_model(str(download_model(client(state_paths(args.state_dir)),
+                                                                args.model_uri, tmp)))
+    except Exception as exc:  # noqa: BLE001 - reported as one line
+        cause = _model_load_error(exc)
+        if cause is not None:
+            return _fail(_one_line(cause))
+        return _fail(f"cannot load {args.model_uri}: {_one_line(exc)}")
+    predictor = model.unwrap_python_model().predictor
+    started = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        print(f"\rpredict: {done}/{total} texts ({time.perf_counter() - started:.1f} s)", end="",
+              file=sys.stderr, flush=True)
+
+    out = predictor.predict(texts, args.batch_size, progress)
+    print(file=sys.stderr)
+    result = frame.copy()
+    result["prediction"] = out["label"].to_numpy()
+    for column in out.columns[1:]:
+        result[column] = out[column].to_numpy()
+    _write_table(result, args.output)
+    if "label" in frame.columns and len(frame):
+        acc = float((frame["label"].astype(str).to_numpy() == out["label"].to_numpy()).mean())
+        print(f"accuracy on the {len(frame)} rows' label column: {acc:.4f}", file=sys.stderr)
+    if args.output:
+        print(f"predictions of {len(texts)} texts on {predictor.classifier.device}: {args.output}", file=sys.stderr)
+    return 0
+
+
 def _exit_now(rc: int) -> None:
     """End the process once the command is done: what a normal exit runs that matters (threads'
     exit hooks — Prefect's event and log workers drain there — and atexit handlers: MLflow's,
@@ -693,11 +784,18 @@ def main(argv: list[str] | None = None) -> int:
     ui = sub.add_parser("ui", help="start the Prefect server and the MLflow UI on localhost")
     ui.add_argument("--prefect-port", type=int, default=4200)
     ui.add_argument("--mlflow-port", type=int, default=5000)
+    predict = sub.add_parser("predict", help="labels and scores of a registered model for a JSONL / CSV / Parquet "
+                                             "file's text column")
+    predict.add_argument("model_uri", help="models:/NAME/VERSION (or /latest), as `privprompt run` registered it")
+    predict.add_argument("--input", required=True, help="JSONL, CSV or Parquet with a 'text' column")
+    predict.add_argument("--output", default=None, help="JSONL, CSV or Parquet (default: JSONL on stdout)")
+    predict.add_argument("--batch-size", type=int, default=64)
+    predict.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
     args = parser.parse_args(argv)
     if args.state_dir:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
     command = {"run": cmd_run, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
-               "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui}[args.command]
+               "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict}[args.command]
     try:
         rc = command(args)
         sys.stdout.flush()  # inside the try: a closed pipe is met here, not in the interpreter's exit

@@ -4,8 +4,9 @@ Frozen backbones (``backbones``: loading, caching), prompt kinds (``soft_prompt`
 and the remote completions endpoint for text prompts), prompt classifiers that prepend a prompt
 to the input (``classifiers``), non-private and DP-SGD prompt training with per-sample gradients
 and step hooks (``dp_prompt_training``), batched scoring (``scoring``), loss-landscape measures
-(``landscape``) and device/seed helpers (``device``). A method's own torch code lives in its
-package (``tasks/methods/<name>/``).
+(``landscape``) and device/seed helpers (``device``). Outside PrivPrompt: soft prompts and prefixes as
+PEFT adapters (``prompts.peft_export``) and portable backbone references (``backbone_ref``). A
+method's own torch code lives in its package (``tasks/methods/<name>/``).
 
 No Prefect or MLflow here: flows call these plain functions and log what they return.
 """

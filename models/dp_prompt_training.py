@@ -18,7 +18,13 @@ that, trains, and reports an epsilon -- while the per-example sensitivity bound,
 guarantee, is silently void (reproduced: a batch of 4 gives grad_sample of shape (1, 4, 32);
 see shared NOTES.md). Therefore every DP step below checks that the per-sample gradient's batch
 dimension equals the number of sampled examples and raises RuntimeError otherwise, and the
-tests compare these gradients to a per-example autograd loop.
+tests compare these gradients to a per-example autograd loop. Opacus is a test dependency only:
+``tests/test_peft_export.py`` reproduces the trap (one ``grad_sample`` row, the batch's sum) and
+uses Opacus' hooks on PEFT's prefix tuning, which are right there, as an independent reference for
+the prefix gradients below (equal row for row). Training keeps its own gradients because they
+cost one ordinary backward pass for every prompt kind, need no hooks on the shared frozen
+backbone, and cannot silently lose the batch dimension. What is published is still usable with
+PEFT: ``models.prompts.peft_export`` writes it as a PEFT adapter with the same forward.
 
 Sampling is Poisson (each example independently with probability ``sample_rate``), which is
 what the accountants assume; empty batches still take the noise-only step (skipping them would

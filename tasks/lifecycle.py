@@ -652,6 +652,9 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
             if published:
                 _test_pause("publishing")
                 child.log_file(info["prompt_path"], "prompt")
+                from .publish import publish_usable  # PEFT adapter + registered model version
+
+                publish_usable(ctx, child, name, plan.guarantee, info["prompt_path"], info["spend"])
             if post.child:
                 log_post_child(ctx, post.child, plan.guarantee)
         child.end()

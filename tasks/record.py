@@ -17,7 +17,10 @@ from .state import StatePaths, tracking_uri
 
 
 def client(paths: StatePaths) -> MlflowClient:
-    return MlflowClient(tracking_uri=tracking_uri(paths))
+    """Tracking and Model Registry both at the state's store (a client given only a tracking URI
+    takes the process-wide registry URI, which ``mlflow.set_registry_uri`` may point elsewhere)."""
+    uri = tracking_uri(paths)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def ensure_experiment(mlflow: MlflowClient, name: str, paths: StatePaths) -> str:

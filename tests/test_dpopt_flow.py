@@ -151,3 +151,22 @@ def test_remote_endpoint_refused_unless_the_test_split_is_shareable(tmp_path, en
     cfg = _config(tmp_path, tmp_path / "s", endpoint, method="prompt_dpsgd")
     with pytest.raises(ConfigError, match="only text prompts go to an endpoint"):
         parse_config(cfg)
+
+
+def test_text_prompt_is_a_template_and_a_registered_version(dpopt_run):
+    """A text prompt is no PEFT adapter: the run record says so and carries the template; the
+    registry holds it as a predictor whose template holds the instruction (issue 27)."""
+    client = _mlflow(dpopt_run["state"])
+    parent = client.get_run(dpopt_run["summary"]["mlflow_run_id"])
+    (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
+                                  "and tags.stage = 'train' and tags.method = 'dp_opt'")
+    assert child.data.tags["peft.adapter"].startswith("none: a text prompt is a template")
+    template = json.loads(Path(client.download_artifacts(child.info.run_id, "peft/template.json")).read_text())
+    prompt = json.loads(Path(client.download_artifacts(parent.info.run_id, "prompt/dp_opt.json")).read_text())
+    safe = prompt["instruction"].replace("{", "(").replace("}", ")")
+    assert template["template"].startswith(f"Instruction: {safe}") and "{text}" in template["template"]
+    (version,) = client.search_model_versions("name='privprompt.sst2.dp_opt'")
+    assert version.run_id == parent.info.run_id and version.tags["privacy.guarantee"] == "dp"
+    assert float(version.tags["privacy.epsilon"]) == pytest.approx(parent.data.metrics["privacy.epsilon"])
+    # the non-private OPT baseline is not registered
+    assert [m.name for m in client.search_registered_models()] == ["privprompt.sst2.dp_opt"]

@@ -47,8 +47,9 @@ def test_prefix_shape_finds_every_attention_layer(clf):
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
 def test_causal_prefix_equals_library_kv_cache(name):
     """Independent reference: the same keys/values handed to the model as a pre-filled
-    DynamicCache (text at positions 0..T-1, attention over prefix + text) give the same hidden
-    states at every text position."""
+    DynamicCache (prefix at positions 0..2, text at 3..T+2, attention over prefix + text; a rotary
+    model's cached keys rotated to their positions by the library's own rotary code) give the same
+    hidden states at every text position."""
     from transformers import DynamicCache
 
     clf = VerbalizerCausalLM(load_backbone(name, "cpu"), LABELS)
@@ -64,10 +65,15 @@ def test_causal_prefix_equals_library_kv_cache(name):
     for layer in range(prefix.shape[0]):
         k, v = (prefix[layer, j].view(3, heads, head_dim).transpose(0, 1).unsqueeze(0).expand(B, -1, -1, -1)
                 for j in (0, 1))
+        if name == "tiny-llama":  # keys are cached after the rotation at their positions 0..2
+            from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+            cos, sin = model.base_model.rotary_emb(k, torch.arange(3).expand(B, 3))
+            k, _ = apply_rotary_pos_emb(k, k, cos, sin)
         cache.update(k.contiguous(), v.contiguous(), layer)
     with torch.no_grad():
         ref = model.base_model(input_ids=ids, attention_mask=torch.cat([torch.ones(B, 3, dtype=attn.dtype), attn], 1),
-                               position_ids=torch.arange(T).expand(B, T), past_key_values=cache,
+                               position_ids=3 + torch.arange(T).expand(B, T), past_key_values=cache,
                                use_cache=True).last_hidden_state
         embeds, mask, _ = clf._embed_inputs(enc, prefix)
         with clf.prompting(prefix, B):
@@ -197,7 +203,7 @@ def test_models_sharing_attention_across_layers_are_refused():
         prefix_shape(model, 2)
 
 
-def test_roberta_text_keeps_its_padding_offset_positions():
+def test_roberta_positions_keep_their_padding_offset():
     from transformers import RobertaConfig, RobertaModel
 
     from models.prompts.prefix import prefix_position_ids
@@ -205,7 +211,7 @@ def test_roberta_text_keeps_its_padding_offset_positions():
     model = RobertaModel(RobertaConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=16, pad_token_id=1))
     ids = prefix_position_ids(model, 1, 5, 2, "cpu")
-    assert ids.tolist() == [[2, 2, 2, 3, 4]]  # RoBERTa's text positions start at pad_token_id + 1
+    assert ids.tolist() == [[2, 3, 4, 5, 6]]  # RoBERTa's positions start at pad_token_id + 1, prefix first
 
 
 def test_nonfinite_per_example_gradient_contributes_nothing(monkeypatch):

@@ -67,6 +67,19 @@ def test_rapt_run_record_is_ldp_with_eta_and_no_epsilon(rapt_run):
     assert arts == {"prompt/rapt.safetensors"}  # an ldp output: published
 
 
+def test_rapt_output_is_neither_a_peft_adapter_nor_registered_and_says_why(rapt_run):
+    """RAPT's prompt is evaluated on privatized inputs: neither a PEFT adapter nor the registry's
+    predictor (plain text in) reproduces it, so nothing is exported and the run record says so."""
+    client = _mlflow(rapt_run["state"])
+    parent = client.get_run(rapt_run["summary"]["mlflow_run_id"])
+    (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' "
+                                  "and tags.stage = 'train' and tags.method = 'rapt'")
+    for tag in ("peft.adapter", "registry.model"):
+        assert child.data.tags[tag].startswith("not exported: rapt evaluates its published prompt its own way")
+    assert "peft" not in {a.path for a in client.list_artifacts(child.info.run_id)}
+    assert client.search_registered_models() == []
+
+
 def test_model_side_only_loads_privatized_ids(rapt_run):
     from tasks.methods.rapt.method import Rapt
 

@@ -10,10 +10,11 @@ positions in front of the text (attention mask 1, so the text attends to them) a
 on each layer's key and value projections replace the projections' outputs at those positions by
 the prefix. Every text position therefore sees exactly the prefix's keys and values at every
 layer, and nothing else of the placeholders: their hidden states only feed their own (replaced)
-keys and values and their own queries, and the classifier excludes them from pooling. Text
-positions keep the position ids they have without a prompt; the placeholders take position 0
-(for rotary models the key rotation at position 0 is the identity, so the stored key is used
-as is). This works on encoders (BERT/MiniLM), masked LMs and causal LMs (GPT-2's fused
+keys and values and their own queries, and the classifier excludes them from pooling. The
+placeholders take positions 0..n−1 and the text n.. — the layout of a key/value cache holding the
+prefix, which is how PEFT's prefix tuning runs (it offsets the text's positions by n), so a
+published prefix gives the same outputs as a PEFT adapter (``models.prompts.peft_export``; rotary
+models rotate the stored keys by their placeholder position, which the export reads back). This works on encoders (BERT/MiniLM), masked LMs and causal LMs (GPT-2's fused
 ``c_attn``, Llama's ``k_proj``/``v_proj``) without touching the library's cache classes, whose
 encoder support changed across transformers versions.
 
@@ -98,15 +99,14 @@ _PADDING_OFFSET_MODELS = ("roberta", "xlm-roberta", "camembert", "data2vec-text"
 
 
 def prefix_position_ids(model: nn.Module, batch_size: int, T: int, n: int, device) -> torch.Tensor:
-    """Position ids for n placeholders then T − n text positions: the placeholders take the first
-    position, the text the positions it has without a prompt (after RoBERTa-style padding offsets)."""
+    """Position ids for n placeholders then T − n text positions: consecutive from the model's
+    first position (after RoBERTa-style padding offsets), the placeholders first, as for a prefix
+    held in a key/value cache (PEFT's prefix tuning)."""
     cfg = getattr(model, "config", None)
     start = 0
     if getattr(cfg, "model_type", "") in _PADDING_OFFSET_MODELS and getattr(cfg, "pad_token_id", None) is not None:
         start = int(cfg.pad_token_id) + 1
-    row = torch.cat([torch.full((n,), start, dtype=torch.long, device=device),
-                     start + torch.arange(T - n, device=device)])
-    return row.unsqueeze(0).expand(batch_size, T)
+    return (start + torch.arange(T, device=device)).unsqueeze(0).expand(batch_size, T)
 
 
 def is_prefix(tensor) -> bool:

@@ -1,0 +1,224 @@
+"""A published prompt as an MLflow pyfunc model in the Model Registry: predicts labels (and scores)
+for texts, outside PrivPrompt's flows (``privprompt predict``, ``mlflow models serve``).
+
+The model's artifacts are the published prompt file (soft prompt / prefix tensors, or a text
+prompt's instruction) and ``spec.json``: the backbone reference (``models.backbone_ref``), the
+template, the labels, the label words / descriptions and the input length. No training data.
+
+Registration (:func:`register_output`) is refused for anything but a ``dp`` / ``ldp`` output, and
+for any file under the state folder's ``private/``. One registered model per (dataset, method);
+each version points at its run and carries the privacy tags of ../shared/RUN_RECORD.md.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlflow.pyfunc
+
+SPEC_FILE = "spec.json"
+MODEL_ARTIFACT = "registered_model"  # where the pyfunc sits in its run's artifacts
+REGISTERED = ("dp", "ldp")  # the publish rule (tasks.lifecycle.PUBLISHED)
+
+
+class RegistrationRefused(ValueError):
+    """An output the registry must never hold (no formal guarantee, or private)."""
+
+
+def registered_model_name(dataset: str, method: str) -> str:
+    return f"privprompt.{dataset}.{method}"
+
+
+def predictor_spec(cfg, method: str, model_name: str, backbone_ref: dict) -> dict:
+    """What the pyfunc needs besides the prompt file, from the run's config (no private data)."""
+    return {"method": method, "backbone": backbone_ref, "model": model_name, "labels": list(cfg.data.labels),
+            "label_descriptions": dict(cfg.models.label_descriptions or {}), "template": cfg.models.template,
+            "max_length": int(cfg.models.max_length), "seed": int(cfg.seed)}
+
+
+@dataclass
+class Predictor:
+    """Classifier + the prompt its forward takes, built like the run's own evaluation
+    (``tasks.stages.prompted`` / ``input_length``)."""
+
+    classifier: object
+    prompt: object
+    max_length: int
+    labels: list[str]
+
+    @classmethod
+    def build(cls, spec: dict, prompt_path: str | Path, device=None) -> "Predictor":
+        from models.backbone_ref import load_referenced
+        from models.classifiers import build_classifier
+        from models.prompts import load_prompt_artifact
+
+        backbone = load_referenced(spec["backbone"], device)
+        labels, desc = list(spec["labels"]), spec.get("label_descriptions") or None
+        base = build_classifier(backbone, labels, desc, spec.get("template"))
+        prompt, _ = load_prompt_artifact(prompt_path)
+        if getattr(prompt, "kind", None) == "text":  # the instruction is part of the template
+            clf = build_classifier(backbone, labels, desc, prompt.template(base.template))
+            return cls(clf, None, spec["max_length"] + max(0, clf.template_tokens - base.template_tokens), labels)
+        return cls(base, prompt, spec["max_length"], labels)
+
+    def logits(self, texts: list[str], batch_size: int = 64,
+               progress: Callable[[int, int], None] | None = None):
+        import torch
+
+        from models.scoring import predict_logits
+
+        out = []
+        for start in range(0, len(texts), batch_size):
+            chunk = [str(t) for t in texts[start:start + batch_size]]
+            enc = self.classifier.encode(chunk, max_length=self.max_length)
+            out.append(predict_logits(self.classifier, enc, self.prompt, batch_size=batch_size))
+            if progress is not None:
+                progress(min(start + batch_size, len(texts)), len(texts))
+        return torch.cat(out) if out else torch.zeros((0, len(self.labels)))
+
+    def predict(self, texts: list[str], batch_size: int = 64, progress=None):
+        """DataFrame: ``label`` and ``score.<label>`` (softmax over the labels) per text."""
+        import pandas as pd
+
+        logits = self.logits(texts, batch_size, progress)
+        probs = logits.double().softmax(dim=1).numpy()
+        frame = pd.DataFrame({"label": [self.labels[i] for i in logits.argmax(dim=1).tolist()]})
+        for j, label in enumerate(self.labels):
+            frame[f"score.{label}"] = probs[:, j]
+        return frame
+
+
+def input_texts(model_input) -> list[str]:
+    """Texts from a DataFrame (column ``text``, else its only column), a dict or a list."""
+    import pandas as pd
+
+    if isinstance(model_input, pd.DataFrame):
+        if "text" in model_input.columns:
+            return model_input["text"].astype(str).tolist()
+        if len(model_input.columns) == 1:
+            return model_input.iloc[:, 0].astype(str).tolist()
+        raise ValueError(f"input needs a 'text' column (columns: {list(model_input.columns)})")
+    if isinstance(model_input, dict):
+        return [str(t) for t in model_input["text"]]
+    return [str(t) for t in model_input]
+
+
+class PromptClassifierModel(mlflow.pyfunc.PythonModel):
+    """MLflow pyfunc: texts in (a ``text`` column), labels and per-label scores out."""
+
+    def load_context(self, context):
+        spec = json.loads(Path(context.artifacts["spec"]).read_text())
+        self.predictor = Predictor.build(spec, context.artifacts["prompt"])
+
+    def predict(self, context, model_input, params=None):
+        batch_size = int((params or {}).get("batch_size", 64))
+        return self.predictor.predict(input_texts(model_input), batch_size)
+
+
+def save_pyfunc(directory: Path, spec: dict, prompt_path: str | Path) -> Path:
+    """Write the pyfunc model folder (MLflow format) to ``directory``."""
+    import importlib.metadata as md
+
+    import pandas as pd
+    from mlflow.models import infer_signature
+
+    work = Path(tempfile.mkdtemp(prefix="pyfunc-"))
+    try:
+        spec_path = work / SPEC_FILE
+        spec_path.write_text(json.dumps(spec, indent=2, sort_keys=True))
+        example = pd.DataFrame({"text": ["an example input"]})
+        out = pd.DataFrame({"label": [spec["labels"][0]], **{f"score.{l}": [0.5] for l in spec["labels"]}})
+        reqs = [f"{p}=={md.version(p)}" for p in ("torch", "transformers", "safetensors", "pandas", "mlflow")]
+        mlflow.pyfunc.save_model(str(directory), python_model=PromptClassifierModel(),
+                                 artifacts={"spec": str(spec_path), "prompt": str(prompt_path)},
+                                 signature=infer_signature(example, out), pip_requirements=reqs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return directory
+
+
+def download_model(client, model_uri: str, dst: str | Path) -> Path:
+    """The pyfunc folder ``model_uri`` names (``models:/NAME/VERSION``, ``models:/NAME/latest``,
+    ``models:/NAME@ALIAS``, ``runs:/RUN/PATH`` or a local folder), fetched with ``client``'s own
+    tracking and registry URIs: no process-wide MLflow setting is read or changed."""
+    import mlflow.artifacts
+    from mlflow.exceptions import MlflowException
+
+    if Path(model_uri).is_dir():
+        return Path(model_uri)
+    tracking = client.tracking_uri
+    try:
+        if model_uri.startswith("models:/"):
+            rest = model_uri[len("models:/"):].strip("/")
+            if "@" in rest:
+                name, alias = rest.split("@", 1)
+                version = client.get_model_version_by_alias(name, alias).version
+            else:
+                name, _, version = rest.rpartition("/")
+                if not name:
+                    raise ValueError(f"{model_uri!r} is not models:/NAME/VERSION, models:/NAME/latest or models:/NAME@ALIAS")
+                if version == "latest":
+                    versions = client.search_model_versions(f"name='{name}'")
+                    if not versions:
+                        raise ValueError(f"registered model {name!r} has no versions")
+                    version = max(int(v.version) for v in versions)
+            source = client.get_model_version_download_uri(name, str(version))
+        else:
+            source = model_uri
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst), tracking_uri=tracking))
+    except MlflowException as exc:
+        raise ValueError(str(exc.message).splitlines()[0]) from None
+
+
+def version_tags(guarantee: str, spend: dict | None, dataset_key: str) -> dict[str, str]:
+    spend = spend or {}
+    none = "none (local d_X privacy: no (ε, δ) claim)" if guarantee == "ldp" else "none"
+    return {"privacy.epsilon": str(spend["epsilon"]) if "epsilon" in spend else none,
+            "privacy.delta": str(spend["delta"]) if "delta" in spend else none,
+            "privacy.guarantee": guarantee,
+            "privacy.accountant": str(spend.get("accountant", "none")),
+            "privacy.unit": "record",
+            "dataset.fingerprint": dataset_key}
+
+
+def check_registrable(guarantee: str, prompt_path: str | Path, private_dir: str | Path) -> None:
+    """Refuse what the registry must never hold: no formal guarantee, or a file under ``private/``."""
+    if guarantee not in REGISTERED:
+        raise RegistrationRefused(f"an output with guarantee {guarantee!r} is never registered (only {REGISTERED})")
+    path, private = Path(prompt_path).resolve(), Path(private_dir).resolve()
+    if path == private or private in path.parents:
+        raise RegistrationRefused(f"{path} is under the state folder's private/ and never leaves it")
+
+
+def register_output(client, run_id: str, model_name: str, spec: dict, prompt_path: str | Path, guarantee: str,
+                    spend: dict | None, dataset_key: str, private_dir: str | Path):
+    """Log the pyfunc under run ``run_id`` (``registered_model/``) and register it as a new version
+    of ``model_name`` with the privacy tags; returns the ModelVersion. A run's output is registered
+    once: a retry that republishes it (``tasks.lifecycle``) gets the version it already has."""
+    from mlflow.exceptions import MlflowException
+
+    check_registrable(guarantee, prompt_path, private_dir)
+    try:
+        existing = client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
+    except MlflowException:
+        existing = []
+    if existing:
+        return existing[0]
+    with tempfile.TemporaryDirectory(prefix="pyfunc-") as tmp:
+        folder = save_pyfunc(Path(tmp) / MODEL_ARTIFACT, spec, prompt_path)
+        client.log_artifacts(run_id, str(folder), MODEL_ARTIFACT)
+    try:
+        client.create_registered_model(model_name, description="PrivPrompt: prompts published with a formal "
+                                       "privacy guarantee (dp or ldp) for one dataset and method")
+    except MlflowException as exc:
+        if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
+            raise
+    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{MODEL_ARTIFACT}"
+    return client.create_model_version(model_name, source, run_id=run_id,
+                                       tags=version_tags(guarantee, spend, dataset_key),
+                                       description=f"{spec['method']} on {spec['model']}")
