@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# two pytest workers, one test file each (module fixtures run once): the suite waits on Prefect,
+# MLflow and SQLite as much as on torch, so two processes on two cores take ~0.7x the time of one
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"

@@ -131,8 +131,15 @@ def _prompt_artifacts(setup, run) -> list[str]:
 
 
 def _output_files(setup, flow_run_id: str) -> list[str]:
+    """The published prompt files of a flow run. Its other forms (the PEFT adapter folder
+    ``<method>_peft/``, written after the prompt was logged) only ever sit beside such a file."""
     folder = setup["state"] / "outputs" / flow_run_id
-    return sorted(p.name for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    for derived in (p for p in folder.iterdir() if p.is_dir()):
+        assert derived.name.endswith("_peft") and f"{derived.name[:-5]}.safetensors" in files, derived
+    return files
 
 
 def _assert_nothing_published_without_a_commit(setup) -> int:

@@ -192,6 +192,7 @@ def test_an_installed_package_registers_through_its_entry_point(toy_package, mon
     assert NAME in registry.registered_methods()  # still registered from the import above
 
 
+@pytest.mark.slow  # a sweep of two runs and an audit on a Dask worker process: ~30 s
 def test_the_toy_method_runs_through_sweep_report_and_audit(toy_package, tmp_path, monkeypatch, prefect_harness,
                                                             sst2_dir):
     """The same one-package method through the rest of the lifecycle's doors: a sweep over seeds
