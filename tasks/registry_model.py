@@ -13,13 +13,16 @@ each version points at its run and carries the privacy tags of ../shared/RUN_REC
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import mlflow.pyfunc
+import pandas as pd
 
 SPEC_FILE = "spec.json"
 MODEL_ARTIFACT = "registered_model"  # where the pyfunc sits in its run's artifacts
@@ -83,8 +86,6 @@ class Predictor:
 
     def predict(self, texts: list[str], batch_size: int = 64, progress=None):
         """DataFrame: ``label`` and ``score.<label>`` (softmax over the labels) per text."""
-        import pandas as pd
-
         logits = self.logits(texts, batch_size, progress)
         probs = logits.double().softmax(dim=1).numpy()
         frame = pd.DataFrame({"label": [self.labels[i] for i in logits.argmax(dim=1).tolist()]})
@@ -95,8 +96,6 @@ class Predictor:
 
 def input_texts(model_input) -> list[str]:
     """Texts from a DataFrame (column ``text``, else its only column), a dict or a list."""
-    import pandas as pd
-
     if isinstance(model_input, pd.DataFrame):
         if "text" in model_input.columns:
             return model_input["text"].astype(str).tolist()
@@ -115,7 +114,9 @@ class PromptClassifierModel(mlflow.pyfunc.PythonModel):
         spec = json.loads(Path(context.artifacts["spec"]).read_text())
         self.predictor = Predictor.build(spec, context.artifacts["prompt"])
 
-    def predict(self, context, model_input, params=None):
+    def predict(self, context, model_input: pd.DataFrame, params=None):
+        # the DataFrame hint: MLflow infers no schema from it (the signature is given at save time)
+        # and stops advising type hints in every run's and prediction's output
         batch_size = int((params or {}).get("batch_size", 64))
         return self.predictor.predict(input_texts(model_input), batch_size)
 
@@ -124,7 +125,6 @@ def save_pyfunc(directory: Path, spec: dict, prompt_path: str | Path) -> Path:
     """Write the pyfunc model folder (MLflow format) to ``directory``."""
     import importlib.metadata as md
 
-    import pandas as pd
     from mlflow.models import infer_signature
 
     work = Path(tempfile.mkdtemp(prefix="pyfunc-"))
@@ -134,9 +134,19 @@ def save_pyfunc(directory: Path, spec: dict, prompt_path: str | Path) -> Path:
         example = pd.DataFrame({"text": ["an example input"]})
         out = pd.DataFrame({"label": [spec["labels"][0]], **{f"score.{l}": [0.5] for l in spec["labels"]}})
         reqs = [f"{p}=={md.version(p)}" for p in ("torch", "transformers", "safetensors", "pandas", "mlflow")]
-        mlflow.pyfunc.save_model(str(directory), python_model=PromptClassifierModel(),
-                                 artifacts={"spec": str(spec_path), "prompt": str(prompt_path)},
-                                 signature=infer_signature(example, out), pip_requirements=reqs)
+        # the class is pickled by reference to this module (loading it imports PrivPrompt anyway),
+        # and the signature is given: MLflow's cautions about both are left out of the run's output
+        pyfunc_log = logging.getLogger("mlflow.pyfunc")
+        level = pyfunc_log.level
+        pyfunc_log.setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*input example was not provided", category=UserWarning)
+                mlflow.pyfunc.save_model(str(directory), python_model=PromptClassifierModel(),
+                                         artifacts={"spec": str(spec_path), "prompt": str(prompt_path)},
+                                         signature=infer_signature(example, out), pip_requirements=reqs)
+        finally:
+            pyfunc_log.setLevel(level)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return directory
