@@ -170,6 +170,24 @@ _TYPES = {
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
+def sub_events(event: DpEvent) -> tuple:
+    """The events an event is made of (its direct parts; none for a mechanism)."""
+    if isinstance(event, (PoissonSampledEvent, SelfComposedEvent)):
+        return (event.event,)
+    if isinstance(event, (ComposedEvent, ParallelEvent)):
+        return event.events
+    if isinstance(event, RepeatAndSelectEvent):
+        return event.trials
+    return ()
+
+
+def all_events(event: DpEvent):
+    """The event and, depth first, every event it is made of."""
+    yield event
+    for part in sub_events(event):
+        yield from all_events(part)
+
+
 def event_to_dict(event: DpEvent) -> dict[str, Any]:
     """A JSON-ready dict with a ``type`` key; nested events become nested dicts."""
     name = _NAMES.get(type(event))

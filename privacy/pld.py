@@ -106,24 +106,16 @@ def pld_of_event(event: ev.DpEvent, discretization: float = DISCRETIZATION):
     raise TypeError(f"not a privacy event: {event!r}")
 
 
+_GAUSSIAN_TREE = (ev.GaussianEvent, ev.PoissonSampledEvent, ev.SelfComposedEvent, ev.ComposedEvent, ev.ParallelEvent)
+
+
 def _only_gaussian(event: ev.DpEvent) -> bool:
-    if isinstance(event, ev.GaussianEvent):
-        return True
-    if isinstance(event, (ev.PoissonSampledEvent, ev.SelfComposedEvent)):
-        return _only_gaussian(event.event)
-    if isinstance(event, (ev.ComposedEvent, ev.ParallelEvent)):
-        return all(_only_gaussian(e) for e in event.events)
-    return False
+    """Gaussian mechanisms under sampling and composition only (a leaf of these is a Gaussian)."""
+    return all(isinstance(e, _GAUSSIAN_TREE) for e in ev.all_events(event))
 
 
 def _has_selection(event: ev.DpEvent) -> bool:
-    if isinstance(event, ev.RepeatAndSelectEvent):
-        return True
-    if isinstance(event, (ev.PoissonSampledEvent, ev.SelfComposedEvent)):
-        return _has_selection(event.event)
-    if isinstance(event, (ev.ComposedEvent, ev.ParallelEvent)):
-        return any(_has_selection(e) for e in event.events)
-    return False
+    return any(isinstance(e, ev.RepeatAndSelectEvent) for e in ev.all_events(event))
 
 
 def pld_for(event: ev.DpEvent, discretization: float = DISCRETIZATION):

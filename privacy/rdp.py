@@ -246,19 +246,8 @@ def rdp_is_proven(event: ev.DpEvent) -> bool:
     needs the base mechanism's RDP in both directions, and a LimitedDomain pair is infinitely
     divergent on the tokens one side can return). Such an event's ε is the PLD accountant's alone;
     the RDP number is kept as a cross-check only (privacy/accountant.py)."""
-    if isinstance(event, ev.PoissonSampledEvent):
-        if rdp_of_event(event.event, (2.0,))[1] > 0:
-            return False
-        return rdp_is_proven(event.event)
-    inner = getattr(event, "events", None)
-    if inner is not None:
-        return all(rdp_is_proven(e) for e in inner)
-    if isinstance(event, ev.SelfComposedEvent):
-        return rdp_is_proven(event.event)
-    trials = getattr(event, "trials", None)
-    if trials is not None:
-        return all(rdp_is_proven(e) for e in trials)
-    return True
+    return not any(isinstance(e, ev.PoissonSampledEvent) and rdp_of_event(e.event, (2.0,))[1] > 0
+                   for e in ev.all_events(event))
 
 
 def rdp_of_event(event: ev.DpEvent, orders=DEFAULT_ORDERS) -> tuple[np.ndarray, float]:
