@@ -74,14 +74,6 @@ def test_the_dp_output_is_a_registered_version_with_its_guarantee(dp_run):
 
 
 def test_the_training_run_carries_a_peft_adapter_that_scores_like_the_run(dp_run):
-    import copy
-
-    import torch.nn.functional as F
-    from peft import PeftModel
-
-    from models import build_classifier, load_backbone
-    from models.prompts import load_prompt_artifact
-
     client = _mlflow(dp_run["state"])
     parent = dp_run["summary"]["mlflow_run_id"]
     child = [r for r in client.search_runs([client.get_run(parent).info.experiment_id],
@@ -92,20 +84,7 @@ def test_the_training_run_carries_a_peft_adapter_that_scores_like_the_run(dp_run
     folder = Path(client.download_artifacts(child.info.run_id, "peft"))
     assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     # tiny-bert is a masked LM: PEFT's forward, read at the mask, gives the run's label scores
-    backbone = load_backbone("tiny-bert", seed=0)
-    clf = build_classifier(backbone, ["negative", "positive"])
-    prompt, _ = load_prompt_artifact(dp_run["summary"]["published"]["prompt_path"])
-    texts = [r["text"] for r in dp_run["test_rows"][:8]]
-    enc = clf.encode(texts, max_length=32)
-    T = int(enc["attention_mask"].sum(1).max())
-    peft_model = PeftModel.from_pretrained(copy.deepcopy(backbone.model), str(folder)).eval()
-    with torch.no_grad():
-        ours = clf(enc, prompt).cpu()
-        out = peft_model(input_ids=enc["input_ids"][:, :T].to(backbone.device),
-                         attention_mask=enc["attention_mask"][:, :T].to(backbone.device)).logits
-    n = prompt.shape[0]
-    theirs = F.log_softmax(out[torch.arange(len(texts)), enc["label_pos"] + n].float(), -1)[:, clf.label_token_ids]
-    torch.testing.assert_close(theirs.cpu(), ours, atol=2e-5, rtol=1e-4)
+    assert_peft_scores_like_ours("tiny-bert", dp_run, folder, prompt_positions=True)
 
 
 def test_predict_gives_the_runs_own_labels(dp_run, tmp_path, capsys):
@@ -160,13 +139,6 @@ def prefix_run(prefect_harness, sst2_dir, tmp_path_factory):
 
 
 def test_a_dp_prefix_is_a_peft_prefix_adapter_and_predicts_the_runs_labels(prefix_run, tmp_path, capsys):
-    import copy
-
-    import torch.nn.functional as F
-    from peft import PeftModel
-
-    from models import build_classifier, load_backbone
-    from models.prompts import load_prompt_artifact
     from privprompt_cli import main
 
     client = _mlflow(prefix_run["state"])
@@ -180,19 +152,7 @@ def test_a_dp_prefix_is_a_peft_prefix_adapter_and_predicts_the_runs_labels(prefi
     folder = Path(client.download_artifacts(child.info.run_id, "peft"))
     assert json.loads((folder / "adapter_config.json").read_text())["peft_type"] == "PREFIX_TUNING"
     # PEFT's forward on the adapter gives the run's scores
-    backbone = load_backbone("tiny-gpt2", seed=0)
-    clf = build_classifier(backbone, ["negative", "positive"])
-    prompt, _ = load_prompt_artifact(prefix_run["summary"]["published"]["prompt_path"])
-    texts = [r["text"] for r in prefix_run["test_rows"][:8]]
-    enc = clf.encode(texts, max_length=32)
-    T = int(enc["attention_mask"].sum(1).max())
-    peft_model = PeftModel.from_pretrained(copy.deepcopy(backbone.model), str(folder)).eval()
-    with torch.no_grad():
-        ours = clf(enc, prompt).cpu()
-        out = peft_model(input_ids=enc["input_ids"][:, :T].to(backbone.device),
-                         attention_mask=enc["attention_mask"][:, :T].to(backbone.device)).logits
-    theirs = F.log_softmax(out[torch.arange(len(texts)), enc["label_pos"]].float(), -1)[:, clf.label_token_ids]
-    torch.testing.assert_close(theirs.cpu(), ours, atol=2e-5, rtol=1e-4)
+    assert_peft_scores_like_ours("tiny-gpt2", prefix_run, folder, prompt_positions=False)
     # and predict gives the run's own labels on 20 test rows
     rows = prefix_run["test_rows"][:20]
     src, dst = tmp_path / "rows.csv", tmp_path / "out.jsonl"
@@ -243,3 +203,31 @@ def test_mlflow_models_serve_answers_with_the_same_labels(dp_run, tmp_path):
         os.killpg(proc.pid, 15)
         proc.wait(timeout=30)
         log.close()
+
+
+def assert_peft_scores_like_ours(backbone_name: str, run: dict, folder: Path, prompt_positions: bool) -> None:
+    """PEFT's forward on the exported adapter gives the run's label scores on 8 test rows.
+    ``prompt_positions``: prompt tuning puts its virtual tokens in front of PEFT's outputs (the
+    label position moves by their number); a prefix adds none."""
+    import copy
+
+    import torch.nn.functional as F
+    from peft import PeftModel
+
+    from models import build_classifier, load_backbone
+    from models.prompts import load_prompt_artifact
+
+    backbone = load_backbone(backbone_name, seed=0)
+    clf = build_classifier(backbone, ["negative", "positive"])
+    prompt, _ = load_prompt_artifact(run["summary"]["published"]["prompt_path"])
+    texts = [r["text"] for r in run["test_rows"][:8]]
+    enc = clf.encode(texts, max_length=32)
+    T = int(enc["attention_mask"].sum(1).max())
+    peft_model = PeftModel.from_pretrained(copy.deepcopy(backbone.model), str(folder)).eval()
+    with torch.no_grad():
+        ours = clf(enc, prompt).cpu()
+        out = peft_model(input_ids=enc["input_ids"][:, :T].to(backbone.device),
+                         attention_mask=enc["attention_mask"][:, :T].to(backbone.device)).logits
+    position = enc["label_pos"] + (prompt.shape[0] if prompt_positions else 0)
+    theirs = F.log_softmax(out[torch.arange(len(texts)), position].float(), -1)[:, clf.label_token_ids]
+    torch.testing.assert_close(theirs.cpu(), ours, atol=2e-5, rtol=1e-4)
