@@ -74,8 +74,10 @@ def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
         "flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": method,
         "experiment": cfg.experiment_name, "device": parent_tags["device"]})
     try:
-        parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "seed": cfg.seed,
-                           **(params or {})})
+        # privacy.unit: every ε of this run is for adding or removing one record of the source
+        # (user-level units are not implemented yet: issue 28)
+        parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "privacy.unit": "record",
+                           "seed": cfg.seed, **(params or {})})
         parent.log_text(config_to_yaml(cfg), "config.yaml")
         yield run
     except BaseException:

@@ -87,9 +87,10 @@ def test_run_record_is_complete(flow_run):
         assert tags.get(tag), tag
     assert tags["method"] == "prompt_dpsgd" and tags["privacy.guarantee"] == "dp"
     assert tags["prefect.flow_run_id"] == flow_run["summary"]["flow_run_id"]
-    for p in ("privacy.target_epsilon", "privacy.target_delta", "seed", "dpsgd.sample_rate",
+    for p in ("privacy.target_epsilon", "privacy.target_delta", "privacy.unit", "seed", "dpsgd.sample_rate",
               "dpsgd.noise_multiplier", "dpsgd.steps", "dpsgd.max_grad_norm"):
         assert p in params, p
+    assert params["privacy.unit"] == "record"
     for m in ("privacy.epsilon", "privacy.delta", "privacy.epsilon_rdp", "test.accuracy", "test.accuracy.tiny-bert",
               "mia.loss.auc", "test.accuracy.zero_shot", "audit.baseline.prompt_sgd.test.accuracy",
               "audit.baseline.prompt_sgd.mia.loss.auc"):
