@@ -76,8 +76,10 @@ def _spend(event: ev.DpEvent, delta: float, discretization: float) -> PrivacySpe
     # the reservation and the commit ask it again and again for the same events
     e_pld = epsilon_pld(event, delta, discretization)
     e_rdp, order = epsilon_rdp(event, delta)
-    if e_pld is not None and not rdp_lib.rdp_is_proven(event):
-        # the RDP curve of a subsampled δ-part mechanism is not a proven bound: PLD alone decides
+    if not rdp_lib.rdp_is_proven(event):
+        # the RDP curve of a subsampled δ-part mechanism is not a proven bound: PLD alone decides,
+        # and where PLD cannot express the event (composed with a private selection, say) nothing
+        # proven bounds it: ε = ∞, so the ledger refuses it rather than under-count
         return PrivacySpend(epsilon=_finite_or_inf(e_pld), delta=delta, epsilon_pld=e_pld, epsilon_rdp=e_rdp,
                             rdp_order=order, accountant="pld (rdp: unproven for this event, cross-check only)")
     best = min(_finite_or_inf(e_pld), e_rdp)
@@ -96,10 +98,10 @@ def delta_for_epsilon(event: ev.DpEvent, epsilon: float) -> float:
         return max(delta_for_epsilon(e, epsilon) for e in event.events)
     candidates = []
     pld = pld_for(event, DISCRETIZATION)
+    if not rdp_lib.rdp_is_proven(event):  # see spend: PLD alone decides, and without it nothing does
+        return float(pld.get_delta_for_epsilon(epsilon)) if pld is not None else 1.0
     if pld is not None:
         candidates.append(float(pld.get_delta_for_epsilon(epsilon)))
-        if not rdp_lib.rdp_is_proven(event):  # see spend: PLD alone decides
-            return candidates[0]
     curve, delta_part = rdp_lib.rdp_of_event(event)
     d_rdp, _ = rdp_lib.rdp_to_delta(rdp_lib.DEFAULT_ORDERS, curve, epsilon)
     candidates.append(min(1.0, d_rdp + delta_part))
@@ -218,8 +220,8 @@ def max_limited_domain_queries(target_epsilon: float, delta: float, epsilon0: fl
         if n == 0:
             return True
         event = ev.SelfComposedEvent(ev.PoissonSampledEvent(sample_rate, ev.LimitedDomainEvent(epsilon0, delta0)), n)
-        if epsilon_rdp(event, delta)[0] <= target_epsilon:  # ε = min(PLD, RDP) ≤ RDP
-            return True
+        # (no RDP shortcut: a subsampled LimitedDomain's RDP curve is not a proven bound, and its ε
+        # is PLD's alone — rdp.rdp_is_proven)
         return spend(event, delta).epsilon <= target_epsilon
 
     if not fits(1):

@@ -267,3 +267,29 @@ def test_subsampled_limited_domain_is_decided_by_pld_alone():
     plain = acct.spend(dpsgd, 1e-5)
     assert plain.epsilon == min(plain.epsilon_pld, plain.epsilon_rdp) and plain.accountant == "min(pld, rdp)"
     assert rdp_lib.rdp_is_proven(ev.LimitedDomainEvent(1.0, 1e-6))  # unsampled: the plain EM bound + δ0
+
+
+def test_an_unproven_rdp_curve_is_never_the_published_number_even_without_pld():
+    """A review composed a DP-OPT entry with a private selection in one dataset's ledger: PLD
+    cannot express the composition, and the unproven RDP rule then gave 1.02 where the DP-OPT entry
+    alone is 1.70 by PLD. Without a proven bound the ε is ∞ (the ledger refuses), and DP-OPT's query
+    count is calibrated on PLD alone, so its plan meets its target."""
+    from privacy import selection
+
+    dp_opt = ev.SelfComposedEvent(ev.PoissonSampledEvent(0.002, ev.LimitedDomainEvent(1.0, 5e-9)), 2000)
+    pick = selection.selection_event([selection.trial_event(None, 30.0)],
+                                     selection.TruncatedNegativeBinomial(eta=1.0, gamma=0.1))
+    both = ev.ComposedEvent((dp_opt, pick))
+    assert pld_pkg_none(both)
+    spent = acct.spend(both, 1e-5)
+    assert math.isinf(spent.epsilon) and spent.epsilon > acct.spend(dp_opt, 1e-5).epsilon
+    assert acct.delta_for_epsilon(both, 5.0) == 1.0
+    n = acct.max_limited_domain_queries(1.0, 1e-5, 1.0, 5e-9, 0.002, limit=20_000)
+    event = ev.SelfComposedEvent(ev.PoissonSampledEvent(0.002, ev.LimitedDomainEvent(1.0, 5e-9)), n)
+    assert acct.spend(event, 1e-5).epsilon <= 1.0 < acct.spend(ev.SelfComposedEvent(event.event, n + 1), 1e-5).epsilon
+
+
+def pld_pkg_none(event) -> bool:
+    from privacy.pld import pld_for
+
+    return pld_for(event) is None
