@@ -528,15 +528,13 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
       when committed) and republishes the stored output (:func:`stored_release`);
     * a retry of a committed run whose stored output is missing or changed is refused
       (:class:`ReleaseError`), never trained again;
-    * a retry after a crash between the reservation and the storing trains again under the same
-      reservation (``reserve`` is idempotent: no second charge). That is sound: the reservation,
-      the declared worst case, stays spent and counts in full; the crashed attempt's output only
-      ever existed in that attempt's memory and was never stored or published, so the one output
-      ever released is the retry's, a single run of the mechanism under the charge. When the
-      crashed attempt had begun reading private rows (marked read), the retry commits the whole
-      reservation rather than its own (possibly smaller) spend: what the lost attempt showed on the
-      way (a progress report of DP-OPT's queries) is then covered too. (The crash must not depend
-      on the noise or the data; the ones that retry — lost workers, out of memory, timeouts — do not.)
+    * a retry after a crash between the reservation and the first private read (nothing read,
+      nothing shown) runs under the same reservation (``reserve`` is idempotent: no second charge);
+    * a retry after a crash between the first private read and the storing is refused
+      (:class:`ReleaseError`): the lost attempt ran part of the mechanism and may have shown some
+      of its outputs on the way (DP-OPT's per-query progress), which its reservation — the declared
+      worst case, kept spent — covers; running the mechanism again would need a second charge.
+      Such a run fails; a new ``privprompt run`` is a new run with its own reservation.
     """
     method = get_method(name)
     cfg, part, paths = ctx.cfg, ctx.part, ctx.paths
@@ -582,13 +580,17 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
         if stored is not None:  # a retry: the stored DP output, no private read, no training
             trained, train_s = stored, 0.0
         else:
-            read_before = False
             if reservation is not None:
                 _test_pause("reserved")
-                # an earlier attempt of this run that read private rows and was lost before storing
-                # its output may have shown some of its mechanism's outputs on the way (progress of
-                # DP-OPT's queries): this attempt then spends the whole reservation, not its own part
-                read_before = ledger.entry(run_key).get("read_started_at") is not None
+                if ledger.entry(run_key).get("read_started_at") is not None:
+                    # an earlier attempt of this run read private rows and was lost before it stored
+                    # its output; it may have shown some of its mechanism's outputs on the way
+                    # (progress of DP-OPT's queries), which the reservation covers. A second run of
+                    # the mechanism would need a second charge: refused, the reservation stays spent
+                    raise ReleaseError(
+                        f"run {run_key}: an earlier attempt began reading private data and was lost before it "
+                        "stored its DP output; its reservation stays spent and this attempt does not run the "
+                        "mechanism again under it (a new `privprompt run` is a new charge)")
                 ledger.mark_read(run_key)  # from here on the reservation stays spent, whatever happens
             read_begun = plan.reads_private
             rows = read_private_rows(part, method.uses_validation) if plan.reads_private else PrivateRows([], [])
@@ -601,8 +603,6 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
             if plan.guarantee == "dp":
                 if trained.event is None:
                     raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
-                if read_before:  # see above: the stored, committed and published event is the reservation's
-                    trained.event = reservation.event
                 if not store_release(ctx.private_run_dir, name, run_key, trained):  # a retry republishes it
                     # another attempt of this run, alive at the same time, stored its DP output first:
                     # that one is the run's output; this attempt's is dropped, never published
