@@ -148,8 +148,11 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
     if partition is None:
         raise AuditError(f"run {run_id}: its private partition (data.partition {wanted[:12]}) is not under "
                          f"{paths.private}; audits run where the private data is")
-    # the ledger dataset the run was charged to (its source may be charged to another registered dataset)
-    partition = {**partition, "dataset_key": tags["dataset.fingerprint"]}
+    # the ledger dataset the run's source is charged to (perhaps another registered dataset holding
+    # its records: the run's tag names the source only), found in the local ledger by its records
+    from tasks.lifecycle import resolve_partition
+
+    partition, _ = resolve_partition(paths.open_ledger(), partition)
     if tags.get("privacy.guarantee") == "dp":
         found = _find_prompt(Path(artifact("prompt", "published prompt")), method)
         if found is None:

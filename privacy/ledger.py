@@ -627,8 +627,9 @@ class Ledger:
                 missing = [d for d in digest_list if d not in held]  # sorted: appends to the B-tree
                 self._insert_digests(conn, set_id, missing)
                 if how != "new" and missing:
-                    self._trail(conn, "records", fp, source_key=key, source_name=name, matched_by=how,
-                                records_added=len(missing))
+                    # no count of the records added: with the source's size it would tell whoever
+                    # wrote the source how many of its rows the dataset held (the refusals give none)
+                    self._trail(conn, "records", fp, source_key=key, source_name=name, matched_by=how)
         return {**self.dataset(fp), "how": how}
 
     def _insert_digests(self, conn: sa.Connection, set_id: int, digests: list[bytes]) -> None:

@@ -73,6 +73,14 @@ class Partition:
     def source_records(self) -> "SourceRecords":
         return SourceRecords(self.source_key, Path(self.records_path).read_bytes(), self.legacy_key)
 
+    @property
+    def published_key(self) -> str:
+        """The ``dataset.fingerprint`` a run publishes: the keyed hash of its SOURCE's own records,
+        never the key of the ledger dataset it is charged to — which dataset that is depends on
+        whether one record also lies in another source (a published charged key would tell a
+        record's presence with certainty). The charged key stays in the local ledger."""
+        return self.source_key or self.dataset_key
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -638,7 +638,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
             meta = {"method": name, "privacy.guarantee": plan.guarantee, "model": method.published_model(cfg, prepared)}
             if info["spend"] is not None:
                 meta.update({"privacy.epsilon": f"{info['spend']['epsilon']:.6f}", "privacy.delta": f"{delta:.3g}",
-                             "dataset.fingerprint": part.dataset_key})
+                             "dataset.fingerprint": part.published_key})
             meta.update({k: str(v) for k, v in plan.params.items()})
             started = time.perf_counter()
             post = method.post_process(mctx, plan, trained.prompt, progress=progress(f"{name}:post") if progress else None)

@@ -87,7 +87,7 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
     cfg, part = ctx.cfg, ctx.partition
     delta = resolve_delta(cfg, part["n_train"])
     plan = get_method(cfg.method).plan(cfg, part["n_train"], delta)
-    parent.set_tags({"dataset.fingerprint": part["dataset_key"], "data.partition": part["fingerprint"],
+    parent.set_tags({"dataset.fingerprint": ctx.part.published_key, "data.partition": part["fingerprint"],
                      "method.label": get_method(cfg.method).run_label(cfg)})
     parent.log_params({"privacy.target_delta": delta, "data.n_train": part["n_train"],
                        "data.n_holdout": part["n_holdout"], "data.n_test": part["n_test"], **plan.params})

@@ -11,8 +11,6 @@ from . import plots
 if TYPE_CHECKING:
     from .lifecycle import RunOutcome
 
-LEDGER_KEYS = ("epsilon_cap", "delta", "spent_epsilon", "remaining_epsilon", "nonprivate_uses", "ldp_uses",
-               "ldp_releases", "ldp_eta_bound")
 
 
 def prompt_record(published: RunOutcome, run_id: str | None = None) -> dict:
@@ -29,14 +27,17 @@ def prompt_record(published: RunOutcome, run_id: str | None = None) -> dict:
 
 def budget_record(cfg, part, paths, published: RunOutcome, plan_note: str, stages_extra: list[dict],
                   run_id: str | None = None) -> dict:
-    """``privacy/budget.json``: the dataset's ledger state (``dataset.fingerprint``: the ledger's
-    key, a keyed hash of the SOURCE files; ``data.partition``: the keyed hash of this run's
-    training partition), the published method's spend and its stages (what is accounted, what is
-    post-processing or public-data only), and where its prompt is (:func:`prompt_record`)."""
-    row = paths.open_ledger().dataset(part.dataset_key)
-    budget = {"dataset": cfg.data.name, "dataset.fingerprint": part.dataset_key, "data.partition": part.fingerprint,
+    """``privacy/budget.json``: the run's privacy statement (``dataset.fingerprint``: a keyed hash
+    of the SOURCE's records, :attr:`Partition.published_key`; ``data.partition``: the keyed hash of
+    this run's training partition), the published method's spend and its stages (what is accounted,
+    what is post-processing or public-data only), and where its prompt is (:func:`prompt_record`).
+    The ledger's state of the dataset the source is charged to (its total spend, what remains) is
+    not published: which dataset that is, and so its totals, depends on whether a record also lies
+    in another source; ``privprompt ledger`` shows it on the machine."""
+    budget = {"dataset": cfg.data.name, "dataset.fingerprint": part.published_key, "data.partition": part.fingerprint,
               "privacy.guarantee": published.guarantee,
-              "ledger": {k: row[k] for k in LEDGER_KEYS if k in row},
+              "ledger": {"epsilon_cap": cfg.privacy.dataset_epsilon_cap,
+                         "where": "the dataset's spend and what remains: privprompt ledger (not published)"},
               "published": prompt_record(published, run_id)}
     if published.guarantee == "dp":
         spend = published.spend

@@ -334,22 +334,28 @@ def _make_v4_ledger(path: Path, fingerprint: str) -> None:
 
 
 def test_a_flow_on_a_copy_is_tagged_and_charged_as_the_registered_dataset(prefect_harness, sources, tmp_path):
-    """The method flow on a Parquet re-export of registered records: `dataset.fingerprint` is
-    the registered dataset's key, its reservation and commit are that dataset's, and its record
-    digests reach neither MLflow nor Prefect (they stay in the ledger and under private/)."""
+    """The method flow on a re-export of registered records with one row appended: its reservation and commit
+    are the registered dataset's, yet it publishes `dataset.fingerprint` = its own source's keyed
+    records hash, never the registered dataset's key (which dataset a source is charged to depends
+    on single records: published, it would tell one record's presence), and no ledger totals; its
+    record digests reach neither MLflow nor Prefect (they stay in the ledger and under private/)."""
     from flows.method_flow import method_flow
     from test_flow import _mlflow
 
     state = tmp_path / "state"
     part, _, ledger = _charge(_data_cfg(sources["jsonl"], "toy-sst2", state))
-    summary = method_flow(_data_cfg(sources["parquet"], "toy-parquet", state))
+    summary = method_flow(_data_cfg(sources["appended"], "toy-parquet", state))  # the records + one more
     run = _mlflow(state).get_run(summary["mlflow_run_id"])
-    assert run.data.tags["dataset.fingerprint"] == part.dataset_key
+    (copy,) = [json.loads(m.read_text()) for m in (state / "private" / "partitions").glob("*/manifest.json")
+               if json.loads(m.read_text())["dataset"] == "toy-parquet"]
+    assert copy["source_key"] != part.dataset_key
+    assert run.data.tags["dataset.fingerprint"] == copy["source_key"]  # its own source, not the charged dataset
     assert run.data.tags["dataset"] == "toy-parquet"
     (ds,) = ledger.datasets()
-    assert ds["fingerprint"] == part.dataset_key and ds["committed_runs"] == 1
+    assert ds["fingerprint"] == part.dataset_key and ds["committed_runs"] == 1  # charged to the registered one
     assert ds["spent_epsilon"] == pytest.approx(run.data.metrics["privacy.epsilon"], rel=1e-3)
-    assert summary["budget"]["dataset.fingerprint"] == part.dataset_key
+    assert summary["budget"]["dataset.fingerprint"] == copy["source_key"]
+    assert "spent_epsilon" not in json.dumps(summary["budget"]) and part.dataset_key not in json.dumps(summary, default=str)
     digests = ledger.record_digests(part.dataset_key)
     logged = json.dumps({"tags": run.data.tags, "params": run.data.params, "summary": summary}, default=str)
     for i in range(0, 64 * 16, 16):  # no digest, in hex, reaches the run record
