@@ -255,16 +255,22 @@ class SourceRecords:
 
 def record_digests(key: bytes, texts: list[str]) -> bytes:
     """The keyed digests of a source's records, sorted and distinct, 16 bytes each end to end:
-    HMAC-SHA256 (``key``: the installation or team secret) of the whitespace-normalised text,
-    truncated to 128 bits. The TEXT is the record: format, order, field names and labels do not
-    change a digest, so a re-export (JSONL → CSV / Parquet, reordered) or a relabelled copy (another
-    label_map or label set, a corrected label) holds the same records. Without the key a digest
+    HMAC-SHA256 (``key``: the installation or team secret) of the normalised text (HTML entities
+    unescaped, Unicode NFKC, case-folded, whitespace collapsed), truncated to 128 bits. The TEXT is
+    the record: format, order, field names and labels do not change a digest, so a re-export (JSONL
+    → CSV / Parquet, reordered), a relabelled copy (another label_map or label set, a corrected
+    label) or a text-normalised one (lower-cased, another Unicode form, HTML-escaped) holds the same
+    records. Two texts that differ only so count as one record: the ledger then charges their
+    sources together, never apart (it may over-count, never under-count). Without the key a digest
     confirms no guess about a text."""
+    import html
+    import unicodedata
+
     base = hmac.new(key, _TAG_RECORD, hashlib.sha256)
     out = set()
     for t in texts:
         h = base.copy()
-        h.update(" ".join(t.split()).encode("utf-8"))
+        h.update(" ".join(unicodedata.normalize("NFKC", html.unescape(t)).casefold().split()).encode("utf-8"))
         out.add(h.digest()[:RECORD_DIGEST_BYTES])
     return b"".join(sorted(out))
 

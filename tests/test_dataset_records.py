@@ -455,3 +455,25 @@ def test_a_plan_of_several_sources_applies_the_rule_among_them(sources, tmp_path
                                                  "'toy-half-a' .*'toy-half-b'"):
         plan_runs(variants, state_paths(str(state)))
     assert not state_paths(str(state)).ledger_exists()  # a plan writes nothing
+
+
+def test_a_text_normalised_copy_holds_the_same_records():
+    """Lower-cased, another Unicode form, HTML-escaped, other spaces: the same record (a review
+    registered a lower-cased re-export as a new dataset with a cap of its own)."""
+    import unicodedata
+
+    from tasks.data import RECORD_DIGEST_BYTES, record_digests
+
+    key = b"k" * 32
+    texts = ["Café & Crème — it's “great”", "A  second\trecord"]
+    variants = [
+        [t.lower() for t in texts],
+        [unicodedata.normalize("NFD", t) for t in texts],
+        [t.replace("&", "&amp;").replace("'", "&#39;") for t in texts],
+        [t.replace(" ", "\u00a0") for t in texts],
+    ]
+    original = record_digests(key, texts)
+    assert len(original) == 2 * RECORD_DIGEST_BYTES
+    for variant in variants:
+        assert record_digests(key, variant) == original, variant
+    assert record_digests(key, ["Café & Crème — it's “good”", texts[1]]) != original  # another text is another record
