@@ -476,7 +476,6 @@ def _test_pause(stage: str) -> None:
     time.sleep(300)  # the test kills the process here; bounded, so a forgotten run still ends
 
 
-
 @dataclass(frozen=True)
 class RunOutcome:
     """What one method's pass through the lifecycle produced: paths and numbers, no tensor (a
