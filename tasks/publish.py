@@ -46,6 +46,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
     model_name = cfg.models.target_name
     backbone = load_backbone(model_name, seed=cfg.seed)
     ref = backbone_reference(model_name, cfg.seed, backbone.model)
+    check_registrable(guarantee, prompt_path, paths.private, ref)  # the adapter names the backbone too
     prompt, _ = load_prompt_artifact(prompt_path)
     folder = Path(prompt_path).with_name(f"{name}_peft")
     tags: dict[str, str] = {}

@@ -196,13 +196,20 @@ def version_tags(guarantee: str, spend: dict | None, dataset_key: str) -> dict[s
             "dataset.fingerprint": dataset_key}
 
 
-def check_registrable(guarantee: str, prompt_path: str | Path, private_dir: str | Path) -> None:
-    """Refuse what the registry must never hold: no formal guarantee, or a file under ``private/``."""
+def check_registrable(guarantee: str, prompt_path: str | Path, private_dir: str | Path,
+                      backbone: dict | None = None) -> None:
+    """Refuse what the registry must never hold: no formal guarantee, or a file under ``private/``
+    — the prompt, or the backbone a reference would name by its path and hash (a model trained on
+    private data and kept there)."""
     if guarantee not in REGISTERED:
         raise RegistrationRefused(f"an output with guarantee {guarantee!r} is never registered (only {REGISTERED})")
-    path, private = Path(prompt_path).resolve(), Path(private_dir).resolve()
-    if path == private or private in path.parents:
-        raise RegistrationRefused(f"{path} is under the state folder's private/ and never leaves it")
+    private = Path(private_dir).resolve()
+    for what, where in (("the prompt", prompt_path), ("the backbone", (backbone or {}).get("path"))):
+        if where is None:
+            continue
+        path = Path(where).resolve()
+        if path == private or private in path.parents:
+            raise RegistrationRefused(f"{what} ({path}) is under the state folder's private/ and never leaves it")
 
 
 def register_output(client, run_id: str, model_name: str, spec: dict, prompt_path: str | Path, guarantee: str,
@@ -212,7 +219,7 @@ def register_output(client, run_id: str, model_name: str, spec: dict, prompt_pat
     once: a retry that republishes it (``tasks.lifecycle``) gets the version it already has."""
     from mlflow.exceptions import MlflowException
 
-    check_registrable(guarantee, prompt_path, private_dir)
+    check_registrable(guarantee, prompt_path, private_dir, spec.get("backbone"))
     try:
         existing = client.search_model_versions(f"name='{model_name}' and run_id='{run_id}'")
     except MlflowException:

@@ -121,6 +121,14 @@ def test_nothing_without_a_guarantee_and_nothing_private_is_registered(state):
         with pytest.raises(RegistrationRefused):
             register_output(state["client"], state["run_id"], "privprompt.toy.x", spec, path, guarantee, SPEND,
                             "fp", state["paths"].private)
+    # a backbone kept under private/ (a model trained on private data) is never named by the registry
+    model_dir = state["paths"].private / "models" / "fine-tuned"
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text("{}")
+    private_backbone = {**spec, "backbone": {"name": str(model_dir), "path": str(model_dir), "sha256": "0" * 64}}
+    with pytest.raises(RegistrationRefused, match="the backbone .* is under the state folder's private/"):
+        register_output(state["client"], state["run_id"], "privprompt.toy.x", private_backbone, outside, "dp", SPEND,
+                        "fp", state["paths"].private)
     assert state["client"].search_registered_models() == []
     assert state["client"].list_artifacts(state["run_id"]) == []
 
