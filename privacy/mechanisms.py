@@ -393,3 +393,27 @@ def gaussian_mechanism(value, noise_multiplier: float, sensitivity: float, rng: 
         raise ValueError(f"value must be finite, got {value!r}")
     noisy = x + gaussian_noise(x.shape, noise_multiplier, sensitivity, rng)
     return float(noisy) if noisy.ndim == 0 else noisy
+
+
+# ---- released sizes ---------------------------------------------------------------------------
+
+def release_counts(counts, noise_multiplier: float, rng: np.random.Generator) -> list[int]:
+    """Counts of DISJOINT parts of a dataset (a partition's train / holdout / test sizes) released
+    with one Gaussian mechanism: c + N(0, σ² I), then rounded and floored at 1.
+
+    Privacy: under add/remove of one record of the source, exactly one of the disjoint counts moves,
+    by one (or none, when the record lands in no part), so the vector's L2 sensitivity is Δ = 1 and
+    the release is the Gaussian mechanism ``GaussianEvent(σ)`` [DR14, Thm. 3.22; its ε at δ is the
+    accountant's]. Rounding and the floor are post-processing. ``rng`` must be a secret stream."""
+    c = np.asarray(counts, dtype=float)
+    if c.ndim != 1 or c.size == 0 or not np.all(np.isfinite(c)) or np.any(c < 0) or np.any(c != np.round(c)):
+        raise ValueError(f"counts must be a non-empty list of non-negative integers, got {counts!r}")
+    noisy = gaussian_mechanism(c, noise_multiplier, 1.0, rng)
+    return [max(1, int(round(float(x)))) for x in np.atleast_1d(noisy)]
+
+
+def count_release_event(noise_multiplier: float):
+    """The privacy event of :func:`release_counts` (L2 sensitivity 1)."""
+    from .events import GaussianEvent
+
+    return GaussianEvent(float(noise_multiplier))

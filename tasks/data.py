@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +48,9 @@ class Partition:
     dataset_key: str = ""
     source_key: str = ""      # keyed hash of the source's record set (:func:`records_key`)
     legacy_key: str = ""      # the source's key before ledger schema 5 (keyed hash of its files' bytes)
+    # the split sizes as released (Gaussian noise from secret randomness, drawn once per partition:
+    # :func:`release_sizes`): what runs publish and plan with; the exact sizes above stay local
+    released: dict = field(default_factory=dict)
 
     @property
     def train_path(self) -> str:
@@ -81,8 +84,74 @@ class Partition:
         record's presence with certainty). The charged key stays in the local ledger."""
         return self.source_key or self.dataset_key
 
+    @property
+    def sizes(self) -> "ReleasedSizes":
+        """The released split sizes (what a run publishes and plans with)."""
+        return ReleasedSizes(**self.released)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReleasedSizes:
+    """A partition's split sizes as released by one Gaussian mechanism on the disjoint counts
+    (``privacy.mechanisms.release_counts``: σ records of noise, L2 sensitivity 1 under add/remove
+    of one source record). Runs publish these as ``data.n_train`` / ``data.n_holdout`` /
+    ``data.n_test``, derive the sampling rate q = B/n_train, the step count and δ from them, and
+    compose :attr:`event` into every dp run's ε: an exact n would give away one record's presence
+    to someone who knows all the others (and q, steps and δ = 0.1/n would carry it)."""
+
+    n_train: int
+    n_holdout: int
+    n_test: int
+    sigma: float
+
+    @property
+    def event(self):
+        from privacy.mechanisms import count_release_event
+
+        return count_release_event(self.sigma)
+
+    @property
+    def n_for_delta(self) -> int:
+        """n for the δ rule (δ ≤ 1/(10 n), δ ≥ 1/n refused): the released n_train plus 3σ, an upper
+        bound on the exact size but with probability 0.13%, so the rule errs towards a smaller δ."""
+        import math
+
+        return int(self.n_train + math.ceil(3 * self.sigma))
+
+    def params(self) -> dict:
+        return {"data.n_train": self.n_train, "data.n_holdout": self.n_holdout, "data.n_test": self.n_test,
+                "data.size_noise_sigma": self.sigma}
+
+
+def release_sizes(cfg: DataConfig, key: str, private_dir: str | Path, exact: dict[str, int]) -> ReleasedSizes:
+    """The released sizes of the partition with cache key ``key`` (:func:`partition_key`), drawn
+    once from secret randomness and kept under ``private/released-sizes/`` so that ``plan`` and
+    every run on the partition use (and publish) the same draw: a fresh draw per run would be a
+    fresh release each time, averaging the noise away. Created atomically; a concurrent creator's
+    draw wins."""
+    from privacy.mechanisms import release_counts
+    from privacy.rng import secret_rng
+
+    folder = Path(private_dir) / "released-sizes"
+    path = folder / f"{cfg.name}-{key}.json"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        names = ("n_train", "n_holdout", "n_test")
+        noisy = release_counts([int(exact[k]) for k in names], cfg.size_noise_sigma, secret_rng())
+        data = {**dict(zip(names, noisy)), "sigma": float(cfg.size_noise_sigma)}
+        fd, tmp = tempfile.mkstemp(prefix=".sizes-", dir=folder)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        try:
+            os.link(tmp, path)  # fails when another process released this partition's sizes first
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    return ReleasedSizes(**json.loads(path.read_text()))
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -419,7 +488,7 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
     manifest = out_dir / "manifest.json"
     if manifest.is_file():  # same data and config (and seed, with canaries): reuse
         data = json.loads(manifest.read_text())
-        if data.get("source_key") and (out_dir / RECORDS_FILE).is_file():
+        if data.get("source_key") and data.get("released") and (out_dir / RECORDS_FILE).is_file():
             return Partition(**data)
         shutil.rmtree(out_dir)  # written before datasets were known by their records: partition again
 
@@ -468,6 +537,9 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
         if part.n_test == 0:
             raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
                             ("; raise data.test_fraction" if cfg.test_fraction < 1 else ""))
+        sizes = release_sizes(cfg, key, private_dir, {"n_train": part.n_train, "n_holdout": part.n_holdout,
+                                                      "n_test": part.n_test})
+        part = replace(part, released=asdict(sizes))
         (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
         try:
             os.replace(tmp, out_dir)  # atomic: a partition is complete or absent

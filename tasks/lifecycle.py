@@ -183,6 +183,62 @@ def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) ->
     return {**row, "how": how}
 
 
+# ---- a method's plan, with the released sizes ------------------------------------------------
+
+def with_size_release(event, sizes):
+    """A dp run's event: the release of its partition's sizes (:class:`tasks.data.ReleasedSizes`)
+    composed with the method's mechanism. Into each branch of a parallel composition (disjoint
+    parts of the data, e.g. DP-OPT's generation and selection rows): a record lies in one branch,
+    and the sizes release is about it too, so its loss is the release's plus its branch's."""
+    size_event = sizes.event
+    if isinstance(event, ev.ParallelEvent):
+        return ev.ParallelEvent(tuple(ev.ComposedEvent((size_event, e)) for e in event.events))
+    return ev.ComposedEvent((size_event, event))
+
+
+def _with_target(cfg, target_epsilon: float):
+    return cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"target_epsilon": float(target_epsilon)})})
+
+
+def sized_plan(cfg, name: str, sizes, delta: float):
+    """Method ``name``'s plan on the released sizes, and the config the method runs with.
+
+    The method plans with ``n_train`` = the released size (q = B/n, steps, DP-OPT's rate). For a
+    dp plan the sizes release (``sizes.event``) is part of the run's mechanism, so the method is
+    calibrated to a target ε' < ``privacy.target_epsilon`` such that the composed event (the
+    returned plan's ``event``: :func:`with_size_release`) stays within the target at δ; the
+    returned config carries ε' (what the method's ``train`` sees). ε' is found by a few steps down
+    from the target by the composed excess (composition is smooth in ε'; each step calibrates the
+    method once, cached). The released sizes are chosen by ñ, the method's parameters by ñ and ε':
+    the composition is adaptive in the parameters, as runs chosen after earlier runs' outputs are
+    in the ledger."""
+    from dataclasses import replace
+
+    method = get_method(name)
+    plan = method.plan(cfg, sizes.n_train, delta)
+    if plan.guarantee != "dp":
+        return plan, cfg
+    target = float(cfg.privacy.target_epsilon)
+    x, run_cfg = target, cfg
+    for _ in range(12):
+        composed = with_size_release(plan.event, sizes)
+        total = acct.spend(composed, delta).epsilon
+        if total <= target * (1 + 1e-9):
+            params = dict(plan.params)
+            if x < target:
+                params["privacy.method_epsilon"] = x  # the method's share; the rest is the sizes release
+            return replace(plan, event=composed, params=params), run_cfg
+        step = (total - target) * 1.05 + target * 1e-4 if total < float("inf") else x / 2
+        x = x - step
+        if x <= target * 1e-3:
+            break
+        run_cfg = _with_target(cfg, x)
+        plan = method.plan(run_cfg, sizes.n_train, delta)
+    raise ConfigError(f"{name}: privacy.target_epsilon = {target:g} leaves nothing for the method once the split "
+                      f"sizes are released (data.size_noise_sigma = {sizes.sigma:g} records); raise the target or "
+                      "data.size_noise_sigma")
+
+
 # ---- what fits -------------------------------------------------------------------------------
 
 def planned_epsilon(cfg, name: str, plan, delta: float) -> float:
@@ -201,14 +257,14 @@ def planned_epsilon(cfg, name: str, plan, delta: float) -> float:
     return epsilon
 
 
-def planned_events(cfg, n_train: int, delta: float, target_epsilon: float | None = None) -> list:
-    """The worst-case events of every dp run of ``cfg`` (baselines and the published method), at
-    ``target_epsilon`` instead of the config's when given."""
+def planned_events(cfg, sizes, delta: float, target_epsilon: float | None = None) -> list:
+    """The worst-case events of every dp run of ``cfg`` (baselines and the published method) on
+    the released ``sizes``, at ``target_epsilon`` instead of the config's when given."""
     if target_epsilon is not None:
-        cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"target_epsilon": float(target_epsilon)})})
+        cfg = _with_target(cfg, target_epsilon)
     events = []
     for name in cfg.run_methods:
-        plan = get_method(name).plan(cfg, n_train, delta)
+        plan, _ = sized_plan(cfg, name, sizes, delta)
         if plan.event is not None:
             events.append(plan.event)
     return events
@@ -221,7 +277,7 @@ def _shown_digits(x: float) -> int:
     return max(3 - math.floor(math.log10(x)), 0)
 
 
-def largest_fitting_target_epsilon(cfg, n_train: int, delta: float, existing: list, cap: float) -> float | None:
+def largest_fitting_target_epsilon(cfg, sizes, delta: float, existing: list, cap: float) -> float | None:
     """The largest ``privacy.target_epsilon`` at which a run of ``cfg`` still fits the dataset's
     budget: its planned events composed with ``existing`` (the ledger's counted events) by the
     accountant, ≤ ``cap``. None when no run of ``cfg`` fits, or when it plans no dp event (then the
@@ -233,7 +289,7 @@ def largest_fitting_target_epsilon(cfg, n_train: int, delta: float, existing: li
     compose to 3.0003 where 2.4226 composed to ≤ 3.)"""
     import math
 
-    planned = planned_events(cfg, n_train, delta)
+    planned = planned_events(cfg, sizes, delta)
     if not planned:
         return None
     if not existing and len(planned) == 1:
@@ -243,12 +299,12 @@ def largest_fitting_target_epsilon(cfg, n_train: int, delta: float, existing: li
 
     def fits(x: float) -> bool:
         try:
-            events = planned_events(cfg, n_train, delta, x)
+            events = planned_events(cfg, sizes, delta, x)
         except ValueError:
             return False
         return acct.spend(ev.ComposedEvent(tuple(existing + events)), delta).epsilon <= cap
 
-    found = acct.largest_fitting_epsilon(lambda x: planned_events(cfg, n_train, delta, x), existing, delta, cap)
+    found = acct.largest_fitting_epsilon(lambda x: planned_events(cfg, sizes, delta, x), existing, delta, cap)
     if found is None:
         return None
     digits = _shown_digits(found)
@@ -537,9 +593,10 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
     """
     method = get_method(name)
     cfg, part, paths = ctx.cfg, ctx.part, ctx.paths
-    delta = resolve_delta(cfg, part.n_train)  # the run's δ (its published method's): one δ per run
-    opt_in = delta_opt_in(cfg, part.n_train, delta)
-    plan = method.plan(cfg, part.n_train, delta)
+    sizes = part.sizes  # released: what the run publishes and plans with (never the exact sizes)
+    delta = resolve_delta(cfg, sizes.n_for_delta)  # the run's δ (its published method's): one δ per run
+    opt_in = delta_opt_in(cfg, sizes.n_for_delta, delta)
+    plan, method_cfg = sized_plan(cfg, name, sizes, delta)
     run_key = f"{ctx.flow_run_id}:{name}"
     ledger = paths.open_ledger()  # the state folder's file, or the team's ledger by URL
     charged = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)["fingerprint"]
@@ -567,14 +624,14 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
                     reservation = ledger.reserve(part.dataset_key, run_key, plan.event,
                                                  description=f"{name} flow run {ctx.flow_run_id}{note}")
                 except BudgetExceededError as exc:  # say what does fit, for this config
-                    largest = largest_fitting_target_epsilon(cfg, part.n_train, delta,
+                    largest = largest_fitting_target_epsilon(cfg, sizes, delta,
                                                              ledger.counted_events(part.dataset_key), exc.cap)
                     raise exc.with_hint(fitting_hint(largest), largest) from None
             elif plan.guarantee == "ldp":
                 ledger.record_ldp(part.dataset_key, run_key, f"{name}: local d_X privacy, no (ε, δ) claim")
             else:
                 ledger.record_nonprivate(part.dataset_key, run_key, f"{name}: {plan.note or 'no formal guarantee'}")
-        mctx = MethodContext(cfg, paths, prepared, randomness.for_config(cfg), cfg.seed,
+        mctx = MethodContext(method_cfg, paths, prepared, randomness.for_config(cfg), cfg.seed,
                              ctx.output_dir if plan.guarantee in PUBLISHED else ctx.private_run_dir, part.dataset_key)
         if stored is not None:  # a retry: the stored DP output, no private read, no training
             trained, train_s = stored, 0.0
@@ -602,6 +659,7 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
             if plan.guarantee == "dp":
                 if trained.event is None:
                     raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
+                trained.event = with_size_release(trained.event, sizes)  # the run's mechanism: sizes + method
                 if not store_release(ctx.private_run_dir, name, run_key, trained):  # a retry republishes it
                     # another attempt of this run, alive at the same time, stored its DP output first:
                     # that one is the run's output; this attempt's is dropped, never published

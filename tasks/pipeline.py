@@ -82,15 +82,15 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
     """The run's δ and the published method's plan (pure: validates the settings before any
     work), on the parent's tags and params; an audit that cannot run is refused here, before any
     training."""
-    from .lifecycle import resolve_delta
+    from .lifecycle import resolve_delta, sized_plan
 
     cfg, part = ctx.cfg, ctx.partition
-    delta = resolve_delta(cfg, part["n_train"])
-    plan = get_method(cfg.method).plan(cfg, part["n_train"], delta)
+    sizes = ctx.part.sizes  # the released sizes (never the exact ones: tasks.data.ReleasedSizes)
+    delta = resolve_delta(cfg, sizes.n_for_delta)
+    plan, _ = sized_plan(cfg, cfg.method, sizes, delta)
     parent.set_tags({"dataset.fingerprint": ctx.part.published_key, "data.partition": part["fingerprint"],
                      "method.label": get_method(cfg.method).run_label(cfg)})
-    parent.log_params({"privacy.target_delta": delta, "data.n_train": part["n_train"],
-                       "data.n_holdout": part["n_holdout"], "data.n_test": part["n_test"], **plan.params})
+    parent.log_params({"privacy.target_delta": delta, **sizes.params(), **plan.params})
     if cfg.audit.enabled:
         from .audit import check_pool_size
 

@@ -1,7 +1,7 @@
 """The budget plan of a config before anything runs (``privprompt plan``, sweeps): every run's
-planned events per dataset, composed with what the ledger holds, WITHOUT writing anything. To
-know each run's n_train it reads the source and hashes its records as a partition would (only
-the counts leave this module; a run publishes n_train anyway)."""
+planned events per dataset, composed with what the ledger holds, writing nothing but the released
+split sizes (drawn once per partition, kept under ``private/released-sizes/``, used by the runs):
+to know them it reads the source and hashes its records as a partition would."""
 
 from __future__ import annotations
 
@@ -9,45 +9,46 @@ import json
 import re
 from pathlib import Path
 
-from privacy import accountant as acct
 from privacy.ledger import Ledger
 
 from .data import partition_key
 from .errors import ConfigError
 from .lifecycle import (charged_note, check_dataset_terms, fitting_hint, largest_fitting_target_epsilon, planned_epsilon,
-                        planned_events, preflight, resolve_delta, source_dataset)
-from .methods import get_method
+                        planned_events, preflight, resolve_delta, sized_plan, source_dataset)
 from .state import default_data_root
 
 
-_N_TRAIN: dict[tuple[str, str], int] = {}  # (private dir, partition key) -> n_train, this process
+_EXACT: dict[tuple[str, str], dict] = {}  # (private dir, partition key) -> exact sizes, this process
 
 
-def estimate_n_train(cfg, private_dir: Path) -> int:
-    """The training-partition size a run of ``cfg`` will have, exactly: from its partition manifest
-    when it exists, else by the split rule of ``partition_dataset`` (each source record's keyed
-    hash, and the seeded canaries), computed without writing anything. Both are the number the
-    run itself uses for its δ and sampling rate, so the plan's events are the run's."""
-    from .data import split_sizes
+def released_sizes(cfg, private_dir: Path):
+    """The released split sizes (:class:`tasks.data.ReleasedSizes`) a run of ``cfg`` will plan
+    with and publish: from its partition manifest when it exists, else drawn now — once, kept
+    under ``private/released-sizes/`` for the run to use — from the exact sizes the split rule of
+    ``partition_dataset`` gives (each source record's keyed hash, and the seeded canaries),
+    computed without writing the partition. So the plan's events are the run's."""
+    from .data import Partition, release_sizes, split_sizes
 
     data_root = default_data_root(cfg.data_root)
     key = partition_key(cfg.data, cfg.seed, data_root, private_dir)
     manifest = Path(private_dir) / "partitions" / f"{cfg.data.name}-{key}" / "manifest.json"
     if manifest.is_file():
-        return int(json.loads(manifest.read_text())["n_train"])
+        data = json.loads(manifest.read_text())
+        if data.get("released"):
+            return Partition(**data).sizes
     memo = (str(Path(private_dir).resolve()), key)  # the variants of a sweep share their partition
-    if memo not in _N_TRAIN:
-        _N_TRAIN[memo] = split_sizes(cfg.data, cfg.seed, private_dir, data_root)["n_train"]
-    n_train = _N_TRAIN[memo]
-    if n_train == 0:
+    if memo not in _EXACT:
+        _EXACT[memo] = split_sizes(cfg.data, cfg.seed, private_dir, data_root)
+    exact = _EXACT[memo]
+    if exact["n_train"] == 0:
         raise ConfigError(f"data {cfg.data.name!r}: the training split would be empty; raise data.train_fraction")
-    return n_train
+    return release_sizes(cfg.data, key, private_dir, exact)
 
 
 def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
     """``variants``: [(label, config)]. Returns {"runs": [...], "datasets": {key: preview}, "fits": bool}.
 
-    The same rules and checks as a run, without writing anything: every check that needs no
+    The same rules and checks as a run, writing nothing but the released sizes: every check that needs no
     private data (:func:`tasks.lifecycle.preflight`: models, label words, templates, endpoints),
     and the ledger's terms of each dataset (:func:`tasks.lifecycle.check_dataset_terms`: its δ, a
     cap only lowered). With ``largest`` and one config per dataset, each dataset's preview also
@@ -62,7 +63,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
     checked: set[str] = set()
     pending: dict[str, set[bytes]] = {}  # sources new to the ledger that earlier variants register
     for label, cfg in variants:
-        n = estimate_n_train(cfg, state_paths.private)
+        sizes = released_sizes(cfg, state_paths.private)
         records = source_records(cfg.data, default_data_root(cfg.data_root), state_paths.private, cfg.seed)
         # the dataset it is charged to: as a run finds it (tasks.lifecycle.ensure_dataset)
         match = source_dataset(ledger, records, cfg.data.name)
@@ -83,7 +84,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
                 note = (f"data source {cfg.data.name!r} shares records with dataset {dname!r} (fingerprint "
                         f"{key[:12]}) that an earlier run of this plan registers: charged against its budget")
         pending.setdefault(key, set()).update(mine)  # what the dataset holds once this variant ran
-        delta = resolve_delta(cfg, n)
+        delta = resolve_delta(cfg, sizes.n_for_delta)
         check_dataset_terms(ledger, key, dname, cfg.privacy.dataset_epsilon_cap, delta)
         signature = cfg.model_dump_json(include={"models", "data", "method", "methods", "seed"})
         if signature not in checked:  # the variants of a sweep mostly share their models
@@ -93,14 +94,14 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
                               "configs": [], "notes": []})
         if note and note not in meta[key]["notes"]:
             meta[key]["notes"].append(note)
-        meta[key]["configs"].append((cfg, n))
+        meta[key]["configs"].append((cfg, sizes))
         meta[key]["cap"] = min(meta[key]["cap"], cfg.privacy.dataset_epsilon_cap)
         if abs(meta[key]["delta"] - delta) > 1e-15:
             raise ConfigError(f"{label or cfg.method}: δ={delta:g} differs from δ={meta[key]['delta']:g} of another "
                               f"run on dataset {dname!r}; runs on one dataset compose at one δ")
         for name in cfg.run_methods:
-            plan = get_method(name).plan(cfg, n, delta)
-            row = {"variant": label, "method": name, "dataset": cfg.data.name, "n_train": n,
+            plan, _ = sized_plan(cfg, name, sizes, delta)
+            row = {"variant": label, "method": name, "dataset": cfg.data.name, "n_train": sizes.n_train,
                    "guarantee": plan.guarantee, "delta": delta, "epsilon": None}
             if plan.event is not None:
                 row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
@@ -116,10 +117,10 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
         if m["cap"] < d["cap"]:  # a run lowers the stored cap to its config's (never raises it)
             d.update(cap=m["cap"], remaining_after=m["cap"] - d["total_epsilon"], fits=d["total_epsilon"] <= m["cap"])
         if largest and len(m["configs"]) == 1:
-            cfg, n = m["configs"][0]
-            if planned_events(cfg, n, m["delta"]):
+            cfg, sizes = m["configs"][0]
+            if planned_events(cfg, sizes, m["delta"]):
                 existing = ledger.counted_events(key) if ledger is not None and _registered(ledger, key) else []
-                d["largest_epsilon"] = largest_fitting_target_epsilon(cfg, n, m["delta"], existing, d["cap"])
+                d["largest_epsilon"] = largest_fitting_target_epsilon(cfg, sizes, m["delta"], existing, d["cap"])
                 d["largest_hint"] = fitting_hint(d["largest_epsilon"])
         d["notes"] = m["notes"]
         datasets[key] = d

@@ -101,7 +101,7 @@ def _charge(cfg_dict: dict):
     ledger = paths.open_ledger()
     resolved, _ = resolve_partition(ledger, part.to_dict())
     part = Partition(**resolved)
-    row = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, resolve_delta(cfg, part.n_train))
+    row = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, resolve_delta(cfg, part.sizes.n_for_delta))
     assert row["fingerprint"] == part.dataset_key  # the flow's answer is the lifecycle's
     return part, row, ledger
 

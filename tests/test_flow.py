@@ -113,7 +113,18 @@ def test_run_record_is_complete(flow_run):
     assert "train.loss_last10" not in metrics
     budget = json.loads(Path(client.download_artifacts(run.info.run_id, "privacy/budget.json")).read_text())
     assert budget["total"]["epsilon"] == pytest.approx(metrics["privacy.epsilon"])
-    assert budget["stages"][0]["event"]["type"] == "self_composed"
+    # the run's mechanism: the partition's released sizes (one Gaussian count) and DP-SGD
+    from tasks.data import Partition
+
+    event = budget["stages"][0]["event"]
+    assert event["type"] == "composed" and [e["type"] for e in event["events"]] == ["gaussian", "self_composed"]
+    sizes = Partition(**json.loads(next((flow_run["state"] / "private" / "partitions").glob("*/manifest.json"))
+                                   .read_text())).sizes
+    assert event["events"][0]["noise_multiplier"] == sizes.sigma == 10.0
+    # the published sizes are the released ones, and the parent's ε covers them with the method
+    assert [int(params[f"data.{k}"]) for k in ("n_train", "n_holdout", "n_test")] == [
+        sizes.n_train, sizes.n_holdout, sizes.n_test]
+    assert float(params["privacy.method_epsilon"]) < 4.0
 
 
 def test_run_says_where_its_prompt_is_and_on_which_device(flow_run, capsys):

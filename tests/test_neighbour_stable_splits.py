@@ -155,7 +155,7 @@ def test_fractions_hit_their_expected_sizes(tmp_path):
 
 
 def test_canaries_do_not_move_source_records_and_the_plan_predicts_n_train(tmp_path, source):
-    from tasks.planning import estimate_n_train
+    from tasks.planning import released_sizes
 
     train, test = source
     folder = _write(tmp_path / "d", train, test)
@@ -164,10 +164,11 @@ def test_canaries_do_not_move_source_records_and_the_plan_predicts_n_train(tmp_p
            "data": {"name": "toy", "path": str(folder), "labels": ["neg", "pos"], "train_fraction": 0.5,
                     "holdout_fraction": 0.2, "canaries": 40}}
     cfg = parse_config(raw)
-    planned = estimate_n_train(cfg, private)  # before any partition exists: computed, nothing written
-    assert not (private / "partitions").exists()
+    planned = released_sizes(cfg, private)  # before any partition exists: computed, only the release written
+    assert not (private / "partitions").exists() and len(list((private / "released-sizes").iterdir())) == 1
     part = partition_dataset(cfg.data, cfg.seed, private, None)
-    assert planned == part.n_train == estimate_n_train(cfg, private)
+    assert planned == part.sizes == released_sizes(cfg, private)  # one draw: the plan's is the run's
+    assert abs(part.sizes.n_train - part.n_train) <= 6 * part.sizes.sigma
     plain = partition_dataset(_cfg(folder, test_fraction=1.0), cfg.seed, private, None)
     canaries = pq.read_table(part.canaries_path).to_pylist()
     planted = {c["text"] for c in canaries if c["planted"]}

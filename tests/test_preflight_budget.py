@@ -48,13 +48,13 @@ def _spent_ledger(cfg_dict, epsilon=2.0):
     from tasks.config import parse_config
     from tasks.data import dataset_key
     from tasks.lifecycle import planned_events, resolve_delta
-    from tasks.planning import estimate_n_train
+    from tasks.planning import released_sizes
     from tasks.state import default_data_root, state_paths
 
     cfg = parse_config(cfg_dict)
     paths = state_paths(cfg.state_dir).create()
-    n = estimate_n_train(cfg, paths.private)
-    delta = resolve_delta(cfg, n)
+    n = released_sizes(cfg, paths.private)
+    delta = resolve_delta(cfg, n.n_for_delta)
     key = dataset_key(cfg.data, default_data_root(cfg.data_root), paths.private)
     ledger = Ledger(paths.ledger)
     ledger.register_dataset(key, cfg.data.name, cfg.privacy.dataset_epsilon_cap, delta)
