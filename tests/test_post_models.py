@@ -282,6 +282,29 @@ def test_distillation_reduces_loss_and_leaves_teacher_alone(arch, public_texts):
     assert not any(p.requires_grad for p in student.model.parameters())
 
 
+def test_distillation_replays_from_its_seed_dropout_included(public_texts):
+    """Dropout is seeded by the distillation's seed (a seeded debug run replays compressed_pt),
+    and the caller's global torch stream is left as it was."""
+    teacher = make_teacher("bert-masked")
+    cfg = DistillConfig(steps=4, batch_size=8, lr=2e-3, max_length=32, seed=5)
+
+    def run(global_seed):
+        student = build_student(teacher, 2)
+        assert any(m.p > 0 for m in student.model.modules() if isinstance(m, torch.nn.Dropout))
+        torch.manual_seed(global_seed)  # whatever the caller's global stream holds
+        distill(teacher, student, public_texts, cfg)
+        after = torch.rand(1)
+        torch.manual_seed(global_seed)
+        assert torch.equal(after, torch.rand(1))  # the global stream is left as it was
+        return _snapshot(student.model)
+
+    a = run(123)
+    assert _same_state(a, run(456))  # dropout from the distillation's seed, not the global stream
+    student = build_student(teacher, 2)
+    distill(teacher, student, public_texts, DistillConfig(steps=4, batch_size=8, lr=2e-3, max_length=32, seed=6))
+    assert not _same_state(a, _snapshot(student.model))
+
+
 def test_distill_rejects_frozen_or_shared_student():
     teacher = make_teacher("gpt2")
     with pytest.raises(ValueError):

@@ -305,7 +305,8 @@ def distill(teacher: Backbone, student: Backbone, texts: list[str], config: Dist
     """Train ``student`` in place to mimic the frozen ``teacher`` on public ``texts``.
 
     Batches are drawn without replacement (reshuffled every epoch, seeded by ``config.seed``);
-    the student runs in train mode (dropout on) and is left in eval mode, still trainable:
+    the student runs in train mode (dropout on, seeded by ``config.seed`` too: a run replays its
+    student, and torch's global generator is left untouched) and is left in eval mode, still trainable:
     call :func:`freeze` before using it as a frozen model. ``progress(step, total, mean loss)``
     every ``config.log_every`` steps and at the end.
     """
@@ -333,6 +334,12 @@ def distill(teacher: Backbone, student: Backbone, texts: list[str], config: Dist
     history: list[dict] = []
     order: list[int] = []
     student.model.train()
+    device = next(student.model.parameters()).device
+    # dropout draws from torch's global generator: seed it (public data, the logged seed) inside a
+    # fork, so a seeded run replays its student and the caller's global stream is left as it was
+    fork = torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
+    fork.__enter__()
+    torch.manual_seed(config.seed)
     try:
         for step in range(1, config.steps + 1):
             if len(order) < config.batch_size:
@@ -356,6 +363,7 @@ def distill(teacher: Backbone, student: Backbone, texts: list[str], config: Dist
             history.append({"step": step, "loss": value, **terms, "batch_size": len(idx)})
             report(step, value)
     finally:
+        fork.__exit__(None, None, None)
         student.model.eval()
     return DistillResult(history, config.steps)
 
