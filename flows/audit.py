@@ -9,6 +9,7 @@ are a mapped task on a ``DaskTaskRunner``: a local cluster by default, an existi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task, unmapped
@@ -40,8 +41,10 @@ def shadow_task(target: dict, audit_config: dict, pool: dict, index: int, audit_
 
 
 @flow(name="audit", log_prints=False)
-def audit_flow(target: dict, audit_config: dict) -> dict:
-    t = AuditTarget(**target)
+def audit_flow(target_file: str, audit_config: dict) -> dict:
+    # the target (its partition's exact sizes, the charged dataset key) stays in a private file:
+    # a flow's parameters are stored on the Prefect server
+    t = AuditTarget(**json.loads(Path(target_file).read_text()))
     acfg = AuditConfig.model_validate(audit_config)
     logger = get_run_logger()
     sizes = check_audit(t, acfg)  # before any training
@@ -86,8 +89,18 @@ def run_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     result has ``wall_s``, the audit's wall time (shadows run in parallel: not a sum of their work)."""
     import time
 
+    import uuid
+
     started = time.perf_counter()
-    out = audit_flow.with_options(task_runner=dask_task_runner(acfg.dask))(target.to_dict(), acfg.model_dump(mode="json"))
+    folder = state_paths(target.state_dir).private / "audit-targets"
+    folder.mkdir(parents=True, exist_ok=True)
+    target_file = folder / f"{uuid.uuid4().hex}.json"
+    target_file.write_text(json.dumps(target.to_dict()))
+    try:
+        out = audit_flow.with_options(task_runner=dask_task_runner(acfg.dask))(str(target_file),
+                                                                               acfg.model_dump(mode="json"))
+    finally:
+        target_file.unlink(missing_ok=True)
     return {**out, "wall_s": time.perf_counter() - started}
 
 

@@ -92,8 +92,13 @@ class DPConfig:
     noise_multiplier: float
     max_grad_norm: float
     sample_rate: float
+    # the planned expected batch q·n the noised sum is divided by, from the RELEASED n (None: q·N
+    # of the rows given, for callers without a released size): an exact N would scale the output
+    expected_batch: float | None = None
 
     def __post_init__(self):
+        if self.expected_batch is not None and not self.expected_batch > 0:
+            raise ValueError(f"expected_batch must be > 0, got {self.expected_batch}")
         if not self.noise_multiplier >= 0:
             raise ValueError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
         if not self.max_grad_norm > 0:
@@ -336,7 +341,7 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
     N = num_examples(enc)
     q, C, sigma = dp.sample_rate, dp.max_grad_norm, dp.noise_multiplier
     total = config.steps if config.steps is not None else max(1, round(config.epochs / q))
-    expected_batch = q * N
+    expected_batch = dp.expected_batch if dp.expected_batch is not None else q * N
     # Separate CPU streams for sampling and noise (device independent), secret unless the caller
     # injected seeded ones (tests, the debug switch).
     report = StepProgress(progress, config.log_every, total)

@@ -70,11 +70,24 @@ def resolve_delta(cfg, n_train: int, method_name: str | None = None) -> float:
                 "privacy.allow_delta_at_least_one_over_n: true (the run record then carries "
                 "privacy.delta_opt_in=true)") from None
     name = method_name or cfg.method
-    default = min(float(get_method(name).default_delta(n_train)), 0.1 / n_train)
+    # rounded down to 1, 2 or 5 × 10^k: n here is a released size, and a partition drawn anew (its
+    # file touched) must keep its dataset's δ, not move it by a record's worth of noise
+    default = _round_down_125(min(float(get_method(name).default_delta(n_train)), 0.1 / n_train))
     try:
         return check_delta(default, f"{name}.default_delta", n=n_train, allow_at_least_one_over_n=False)
     except ValueError as exc:
         raise ConfigError(f"method {name!r}: {exc}") from None
+
+
+def _round_down_125(x: float) -> float:
+    """The largest 1, 2 or 5 × 10^k not above ``x`` (> 0)."""
+    import math
+
+    k = math.floor(math.log10(x))
+    for m in (5, 2, 1):
+        if m * 10.0 ** k <= x * (1 + 1e-12):
+            return float(f"{m}e{k}")
+    return float(f"5e{k - 1}")
 
 
 def delta_opt_in(cfg, n_train: int, delta: float) -> bool:
@@ -200,18 +213,23 @@ def _with_target(cfg, target_epsilon: float):
     return cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"target_epsilon": float(target_epsilon)})})
 
 
+SIZES_DELTA_SHARE = 0.1  # of a dp run's δ, for the release of its partition's sizes
+
+
 def sized_plan(cfg, name: str, sizes, delta: float):
     """Method ``name``'s plan on the released sizes, and the config the method runs with.
 
-    The method plans with ``n_train`` = the released size (q = B/n, steps, DP-OPT's rate). For a
-    dp plan the sizes release (``sizes.event``) is part of the run's mechanism, so the method is
-    calibrated to a target ε' < ``privacy.target_epsilon`` such that the composed event (the
-    returned plan's ``event``: :func:`with_size_release`) stays within the target at δ; the
-    returned config carries ε' (what the method's ``train`` sees). ε' is found by a few steps down
-    from the target by the composed excess (composition is smooth in ε'; each step calibrates the
-    method once, cached). The released sizes are chosen by ñ, the method's parameters by ñ and ε':
-    the composition is adaptive in the parameters, as runs chosen after earlier runs' outputs are
-    in the ledger."""
+    The method plans with ``n_train`` = the released size ñ (q = B/ñ, steps, DP-OPT's rate). For a
+    dp plan the sizes release S (``sizes.event``, a Gaussian count) is part of the run's
+    mechanism, and the method's parameters are chosen from its output — an adaptive composition.
+    Its guarantee is by basic composition, which holds for adaptively chosen mechanisms as long as
+    their (ε, δ) are fixed beforehand [DR14, Thm. 3.16; Dwork, Rothblum & Vadhan 2010]: S is
+    (ε_S, δ/10)-DP (``privacy.size_epsilon``: a function of σ and δ only), and the method is
+    calibrated, whatever ñ is, to (ε' = target − ε_S, 9δ/10) (``privacy.method_epsilon``), so the
+    run is (target, δ)-DP. The returned plan's event is S composed with the method's realised
+    event (:func:`with_size_release`): what the ledger composes, and the run's ``privacy.epsilon``
+    (the accountant's composition of the two realised events, at most the basic bound). The
+    returned config carries ε' (what the method's ``train`` sees)."""
     from dataclasses import replace
 
     method = get_method(name)
@@ -219,24 +237,22 @@ def sized_plan(cfg, name: str, sizes, delta: float):
     if plan.guarantee != "dp":
         return plan, cfg
     target = float(cfg.privacy.target_epsilon)
-    x, run_cfg = target, cfg
-    for _ in range(12):
-        composed = with_size_release(plan.event, sizes)
-        total = acct.spend(composed, delta).epsilon
-        if total <= target * (1 + 1e-9):
-            params = dict(plan.params)
-            if x < target:
-                params["privacy.method_epsilon"] = x  # the method's share; the rest is the sizes release
-            return replace(plan, event=composed, params=params), run_cfg
-        step = (total - target) * 1.05 + target * 1e-4 if total < float("inf") else x / 2
-        x = x - step
-        if x <= target * 1e-3:
-            break
-        run_cfg = _with_target(cfg, x)
-        plan = method.plan(run_cfg, sizes.n_train, delta)
-    raise ConfigError(f"{name}: privacy.target_epsilon = {target:g} leaves nothing for the method once the split "
-                      f"sizes are released (data.size_noise_sigma = {sizes.sigma:g} records); raise the target or "
-                      "data.size_noise_sigma")
+    delta_sizes = delta * SIZES_DELTA_SHARE
+    eps_sizes = acct.spend(sizes.event, delta_sizes).epsilon
+    share = target - eps_sizes
+    if not share > target * 1e-3:
+        raise ConfigError(f"{name}: privacy.target_epsilon = {target:g} leaves nothing for the method once the split "
+                          f"sizes are released (ε = {eps_sizes:.4f} at data.size_noise_sigma = {sizes.sigma:g} records); "
+                          "raise the target or data.size_noise_sigma")
+    run_cfg = _with_target(cfg, share)
+    plan = method.plan(run_cfg, sizes.n_train, delta - delta_sizes)
+    method_eps = acct.spend(plan.event, delta - delta_sizes).epsilon
+    if not eps_sizes + method_eps <= target * (1 + 1e-6):
+        raise ConfigError(f"{name}: its plan would spend ε = {method_eps:.4f} at δ = {delta - delta_sizes:g} above its "
+                          f"share {share:.4f} of privacy.target_epsilon = {target:g} (a calibration that misses its "
+                          "target); nothing reserved")
+    params = {**plan.params, "privacy.size_epsilon": eps_sizes, "privacy.method_epsilon": share}
+    return replace(plan, event=with_size_release(plan.event, sizes), delta=delta, params=params), run_cfg
 
 
 # ---- what fits -------------------------------------------------------------------------------

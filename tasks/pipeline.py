@@ -90,7 +90,9 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
     plan, _ = sized_plan(cfg, cfg.method, sizes, delta)
     parent.set_tags({"dataset.fingerprint": ctx.part.published_key, "data.partition": part["fingerprint"],
                      "method.label": get_method(cfg.method).run_label(cfg)})
-    parent.log_params({"privacy.target_delta": delta, **sizes.params(), **plan.params})
+    # the released sizes only beside a dp charge that covers them (a run without one publishes none)
+    parent.log_params({"privacy.target_delta": delta, **(sizes.params() if plan.guarantee == "dp" else {}),
+                       **plan.params})
     if cfg.audit.enabled:
         from .audit import check_pool_size
 

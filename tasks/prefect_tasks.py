@@ -56,11 +56,10 @@ def _partition_cache_key(context, parameters) -> str:
       retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only)
 def partition_task(data_config: dict, seed: int, private_dir: str, data_root: str | None) -> dict:
     part = partition_dataset(DataConfig.model_validate(data_config), seed, private_dir, data_root)
-    sizes = part.sizes  # the released sizes: the exact ones stay local (Prefect's logs reach its server)
-    get_run_logger().info("partition %s: ≈%d train / ≈%d holdout / ≈%d test (released sizes, Gaussian noise of "
-                          "σ = %g records; this partition: data.partition %s; its source's records key %s)",
-                          part.dataset, sizes.n_train, sizes.n_holdout, sizes.n_test, sizes.sigma,
-                          part.fingerprint[:12], part.source_key[:12])
+    # no sizes: Prefect's logs reach its server, and the released sizes are published only beside
+    # the dp charge that covers them (the exact ones never leave private/)
+    get_run_logger().info("partition %s ready (data.partition %s; its source's records key %s)",
+                          part.dataset, part.fingerprint[:12], part.source_key[:12])
     return part.to_dict()
 
 

@@ -43,10 +43,10 @@ class DataConfig(Block):
     test_fraction: float = Field(1.0, gt=0, le=1, description="probability that a record of the test split is "
                                  "kept (expected size test_fraction × test records)")
     canaries: int = Field(0, ge=0, description="random canary records, each planted with prob. 1/2")
-    size_noise_sigma: float = Field(10.0, gt=0, le=1e6, description="σ (in records) of the Gaussian noise on the "
-                                    "split sizes a run publishes and plans with (data.n_train, q = B/n_train, "
-                                    "steps, δ): drawn once per partition from secret randomness and composed into "
-                                    "every dp run's ε")
+    size_noise_sigma: float = Field(50.0, gt=0, le=1e6, description="σ (in records) of the Gaussian noise on the "
+                                    "split sizes a dp run publishes and plans with (data.n_train, q = B/n_train, "
+                                    "steps, δ): drawn once per partition from secret randomness, part of every dp "
+                                    "run's ε (privacy.size_epsilon: 0.071 at δ = 1e-6 for σ = 50)")
     test_shareable: bool = Field(False, description="the test split may be sent to remote endpoints "
                                                     "(models.endpoints); training rows never are")
 

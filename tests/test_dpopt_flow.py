@@ -93,8 +93,8 @@ def test_dpopt_run_record(dpopt_run):
     # the fake endpoint always answers " positive": its accuracy is the share of positive test rows
     assert 0 < m["test.accuracy.remote"] < 1
     assert 1 <= m["dpopt.queries"] <= float(params["dpopt.max_queries"])
-    # the forward pass labels only rows drawn into a meta-prompt (J = 4 members, at most 2k = 4 demos each)
-    assert 1 <= m["dpopt.forward_rows"] <= m["dpopt.queries"] * 4 * 4
+    # how many distinct rows the meta-prompts drew is nearly the exact n_train: never published
+    assert "dpopt.forward_rows" not in m
     arts = {a.path for a in client.list_artifacts(run.info.run_id, "prompt")}
     assert arts == {"prompt/dp_opt.json"}
     prompt = json.loads(Path(client.download_artifacts(run.info.run_id, "prompt/dp_opt.json")).read_text())

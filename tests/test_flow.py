@@ -120,7 +120,7 @@ def test_run_record_is_complete(flow_run):
     assert event["type"] == "composed" and [e["type"] for e in event["events"]] == ["gaussian", "self_composed"]
     sizes = Partition(**json.loads(next((flow_run["state"] / "private" / "partitions").glob("*/manifest.json"))
                                    .read_text())).sizes
-    assert event["events"][0]["noise_multiplier"] == sizes.sigma == 10.0
+    assert event["events"][0]["noise_multiplier"] == sizes.sigma == 50.0
     # the published sizes are the released ones, and the parent's ε covers them with the method
     assert [int(params[f"data.{k}"]) for k in ("n_train", "n_holdout", "n_test")] == [
         sizes.n_train, sizes.n_holdout, sizes.n_test]

@@ -271,8 +271,8 @@ def test_default_delta_is_capped_at_a_tenth_of_one_over_n_for_every_method(tmp_p
     assert resolve_delta(cfg, 200_000) == pytest.approx(5e-7)  # min(1e-5, 1/(10 n))
     # a method whose own default is the paper's δ = 1/n still gets at most 1/(10 n)
     monkeypatch.setattr(type(get_method("prompt_dpsgd")), "default_delta", lambda self, n: 1.0 / n)
-    for n in (100, 2000, 67_349):
-        assert resolve_delta(cfg, n) == pytest.approx(0.1 / n)
+    for n, expected in ((100, 1e-3), (2000, 5e-5), (67_349, 1e-6), (4_000, 2e-5), (4_100, 2e-5)):
+        assert resolve_delta(cfg, n) == expected  # 0.1/n rounded down to 1, 2 or 5 × 10^k
     with pytest.raises(ValueError, match="n_train >= 1"):
         resolve_delta(cfg, 0)
 

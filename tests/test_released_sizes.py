@@ -109,6 +109,9 @@ def _cfg(tmp_path, method="prompt_dpsgd", **methods):
 
 @pytest.mark.parametrize("method", ["prompt_dpsgd", "dpzero"])
 def test_a_dp_plan_composes_the_release_within_the_target(tmp_path, method):
+    """Basic composition (valid although the method's parameters are chosen from ñ): the release
+    at δ/10 plus the method at 9δ/10 within the target; the accountant's composition of the two
+    realised events (what the ledger holds) below that."""
     from privacy import accountant as acct
     from privacy import events as ev
     from tasks.data import ReleasedSizes
@@ -116,21 +119,28 @@ def test_a_dp_plan_composes_the_release_within_the_target(tmp_path, method):
     from tasks.methods import get_method
 
     cfg = _cfg(tmp_path, method)
-    sizes = ReleasedSizes(n_train=480, n_holdout=60, n_test=200, sigma=10.0)
+    sizes = ReleasedSizes(n_train=480, n_holdout=60, n_test=200, sigma=50.0)
     delta = 1e-5
     plan, method_cfg = sized_plan(cfg, method, sizes, delta)
-    assert isinstance(plan.event, ev.ComposedEvent) and plan.event.events[0] == ev.GaussianEvent(10.0)
-    total = acct.spend(plan.event, delta).epsilon
+    assert isinstance(plan.event, ev.ComposedEvent) and plan.event.events[0] == ev.GaussianEvent(50.0)
+    eps_sizes = acct.spend(ev.GaussianEvent(50.0), delta / 10).epsilon
+    assert plan.params["privacy.size_epsilon"] == eps_sizes and 0.05 < eps_sizes < 0.08
     share = method_cfg.privacy.target_epsilon
-    assert total <= 2.0 * (1 + 1e-9) and total > 1.9  # within the target, and not wasteful
-    assert share < 2.0 and plan.params["privacy.method_epsilon"] == share
-    # the method alone is calibrated to its share, planned on the released n
-    alone = get_method(method).plan(method_cfg, 480, delta)
-    assert alone.event == plan.event.events[1] and acct.spend(alone.event, delta).epsilon <= share * (1 + 1e-6)
-    assert alone.settings.get("sample_rate", 16 / 480) == pytest.approx(16 / 480)
+    assert share == plan.params["privacy.method_epsilon"] == pytest.approx(2.0 - eps_sizes)
+    # the method alone, calibrated to its share at 9δ/10 on the released n
+    alone = get_method(method).plan(method_cfg, 480, delta * 0.9)
+    assert alone.event == plan.event.events[1]
+    method_eps = acct.spend(alone.event, delta * 0.9).epsilon
+    assert share * 0.99 < method_eps <= share * (1 + 1e-6)
+    assert eps_sizes + method_eps <= 2.0 * (1 + 1e-6)  # the run's (target, δ) by basic composition
+    assert acct.spend(plan.event, delta).epsilon <= eps_sizes + method_eps  # the ledger's: tighter
+    assert plan.delta == delta and alone.settings["sample_rate"] == pytest.approx(16 / 480)
+    assert alone.settings["expected_batch"] == pytest.approx(16.0)  # gradients scaled by the released n
     # a noisier release costs less of the target
-    _, quieter = sized_plan(cfg, method, ReleasedSizes(480, 60, 200, sigma=40.0), delta)
+    _, quieter = sized_plan(cfg, method, ReleasedSizes(480, 60, 200, sigma=200.0), delta)
     assert share < quieter.privacy.target_epsilon < 2.0
+    with pytest.raises(Exception, match="leaves nothing for the method"):
+        sized_plan(cfg, method, ReleasedSizes(480, 60, 200, sigma=0.5), delta)
 
 
 def test_dp_opt_composes_the_release_into_each_parallel_branch():
@@ -157,6 +167,9 @@ def test_delta_is_ruled_by_an_upper_bound_on_n():
 
     s = ReleasedSizes(100, 10, 10, sigma=10.0)
     assert s.n_for_delta == 130  # released + 3σ: δ ≤ 1/(10 n) errs towards a smaller δ
+    from tasks.config import DataConfig
+
+    assert DataConfig(name="x", labels=["a", "b"]).size_noise_sigma == 50.0  # the default
     assert s.params() == {"data.n_train": 100, "data.n_holdout": 10, "data.n_test": 10, "data.size_noise_sigma": 10.0}
 
 
@@ -195,8 +208,8 @@ def test_plan_and_partition_share_one_secret_draw(tmp_path, monkeypatch):
     assert manifest["released"]["sigma"] == 25.0
 
 
-def test_the_partition_log_line_shows_released_sizes_only(tmp_path, monkeypatch):
-    """Prefect's logs reach its server: the partition task logs the released sizes, never the exact."""
+def test_the_partition_log_line_shows_no_sizes(tmp_path, monkeypatch):
+    """Prefect's logs reach its server: the partition task logs no size, exact or released."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -208,7 +221,7 @@ def test_the_partition_log_line_shows_released_sizes_only(tmp_path, monkeypatch)
     rows = [{"text": f"text {i}", "label": "pos" if i % 3 else "neg"} for i in range(300)]
     pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
     pq.write_table(pa.Table.from_pylist(rows[:40]), folder / "test.parquet")
-    cfg = DataConfig(name="toy", path=str(folder), labels=["neg", "pos"], size_noise_sigma=50.0)
+    cfg = DataConfig(name="toy", path=str(folder), labels=["neg", "pos"])
     lines = []
 
     class Logger:
@@ -218,6 +231,6 @@ def test_the_partition_log_line_shows_released_sizes_only(tmp_path, monkeypatch)
     monkeypatch.setattr(prefect_tasks, "get_run_logger", Logger)
     out = prefect_tasks.partition_task.fn(cfg.model_dump(), 0, str(tmp_path / "private"), None)
     (line,) = lines
-    released = out["released"]
-    assert f"≈{released['n_train']} train / ≈{released['n_holdout']} holdout / ≈{released['n_test']} test" in line
-    assert "σ = 50 records" in line
+    numbers = {int(x) for x in __import__("re").findall(r"(?<![0-9a-f])\d+(?![0-9a-f])", line)}
+    sizes = {out[k] for k in ("n_train", "n_holdout", "n_test")} | {out["released"][k] for k in ("n_train", "n_holdout", "n_test")}
+    assert not numbers & sizes and "train" not in line

@@ -14,7 +14,8 @@ def dpsgd_settings(block, n: int, target_epsilon: float, delta: float) -> dict:
     q = min(1.0, block.batch_size / n)
     steps = max(1, math.ceil(block.epochs / q))
     sigma = acct.calibrate_noise_multiplier(target_epsilon, delta, q, steps)
-    return {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "max_grad_norm": block.max_grad_norm}
+    return {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "max_grad_norm": block.max_grad_norm,
+            "expected_batch": q * n}
 
 
 def dpsgd_event(settings: dict):
@@ -45,7 +46,7 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     dp_config, generators = None, {}
     if dp is not None:
         dp_config = DPConfig(noise_multiplier=dp["noise_multiplier"], max_grad_norm=dp["max_grad_norm"],
-                             sample_rate=dp["sample_rate"])
+                             sample_rate=dp["sample_rate"], expected_batch=dp.get("expected_batch"))
         tc.steps = dp["steps"]
         sample, noise = randomness.torch_generators()
         generators = {"sample_generator": sample, "noise_generator": noise}

@@ -254,9 +254,10 @@ class DPOpt(_TextMethod):
         metrics = {"dpopt.queries": queries, "dpopt.bottoms": bottoms,
                    "dpopt.bottom_rate": bottoms / queries if queries else 0.0, "dpopt.tokens": tokens,
                    "dpopt.candidates_nonempty": len(candidates), "dpopt.fallback_initial": float(not candidates),
-                   "dpopt.forward_rows": len(yhat),
                    **{f"dpopt.stops.{k}": v for k, v in stops.items()}}
-        return Trained(TextPrompt(chosen), event, queries, metrics,
+        # how many distinct training rows the meta-prompts drew: nearly the exact n_train, so it stays
+        # in the private history (a review found it published beside ε)
+        return Trained(TextPrompt(chosen), event, queries, metrics, [{"forward_rows": len(yhat)}],
                        audit_metrics=_leakage(cfg, candidates, gen.texts))
 
 

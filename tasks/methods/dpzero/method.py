@@ -54,7 +54,7 @@ class DPZero(Method):
         q = min(1.0, block.batch_size / n_train)
         steps = block.steps or max(1, math.ceil(block.epochs / q))
         sigma = acct.calibrate_noise_multiplier(cfg.privacy.target_epsilon, delta, q, steps)
-        settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma}
+        settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "expected_batch": q * n_train}
         guarantee = self.guarantee(cfg)
         return MethodPlan(self.name, guarantee, n_train, delta,
                           event=dpzero_event(q, sigma, steps) if guarantee == "dp" else None,
@@ -98,11 +98,11 @@ class DPZero(Method):
         sample, noise = mctx.randomness.torch_generators()
         result = train_dpzero(clf, enc, y, init, ModelConfig(
             steps=s["steps"], sample_rate=s["sample_rate"], noise_multiplier=s["noise_multiplier"],
-            clip=block.clip, mu=block.mu, lr=block.lr), sample_generator=sample, noise_generator=noise,
+            clip=block.clip, mu=block.mu, lr=block.lr, expected_batch=s.get("expected_batch")), sample_generator=sample, noise_generator=noise,
             direction_generator=torch.Generator().manual_seed(mctx.seed), progress=progress,
             regularizer=regularizer)
         if result.steps != s["steps"]:
             raise RuntimeError(f"DPZero took {result.steps} steps, {s['steps']} were accounted")
         event = dpzero_event(s["sample_rate"], s["noise_multiplier"], s["steps"]) if plan.guarantee == "dp" else None
         return Trained(result.prompt, event, result.steps,
-                       {"train.steps": result.steps, "train.empty_batches": result.empty_batches}, result.history)
+                       {"train.steps": result.steps}, result.history)

@@ -33,6 +33,7 @@ class DPZeroConfig:
     mu: float = 1e-3         # perturbation scale of the two-point estimate
     lr: float = 1e-3
     physical_batch_size: int = 64
+    expected_batch: float | None = None  # planned q·n (released n); None: q·N of the rows given
 
     def __post_init__(self):
         if self.steps < 1 or not 0 < self.sample_rate <= 1:
@@ -89,7 +90,7 @@ def train_dpzero(classifier: PromptClassifier, encoded: dict, labels: torch.Tens
         raise ValueError(f"need a non-empty training set with one label per example (N={N}, labels {tuple(labels.shape)})")
     classifier.eval()
     prompt = init_prompt.detach().float().to(classifier.device).clone()
-    expected = config.sample_rate * N
+    expected = config.expected_batch if config.expected_batch is not None else config.sample_rate * N
     history, empty = [], 0
     for step in range(1, config.steps + 1):
         idx = (torch.rand(N, generator=sample_generator) < config.sample_rate).nonzero().squeeze(1)

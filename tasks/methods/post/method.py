@@ -248,7 +248,7 @@ class Post(Method):
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg).tuning, mctx.prepared["student_dir"], rows, mctx.seed,
                                  dp=plan.settings, randomness=mctx.randomness, progress=progress)
-        metrics = {"train.steps": result.steps, "train.empty_batches": result.empty_batches}
+        metrics = {"train.steps": result.steps}
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
                        result.steps, metrics, result.history)
 

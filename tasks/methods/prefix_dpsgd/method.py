@@ -79,7 +79,7 @@ class PrefixDPSGD(PromptDPSGD):
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, dp=plan.settings,
                                  randomness=mctx.randomness, progress=progress, kind="prefix",
                                  hooks=extra.get("hooks", ()), init_prompt=extra.get("init_prompt"))
-        metrics = {"train.steps": result.steps, "train.empty_batches": result.empty_batches,
+        metrics = {"train.steps": result.steps,
                    **extra.get("metrics", {})}
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
                        result.steps, metrics, extra.get("history", []) + result.history)

@@ -45,6 +45,6 @@ class PromptDPSGD(Method):
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed,
                                  dp=plan.settings, randomness=mctx.randomness, progress=progress)
-        metrics = {"train.steps": result.steps, "train.empty_batches": result.empty_batches}
+        metrics = {"train.steps": result.steps}
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
                        result.steps, metrics, result.history)
