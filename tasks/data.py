@@ -145,6 +145,8 @@ def release_sizes(cfg: DataConfig, key: str, private_dir: str | Path, exact: dic
         fd, tmp = tempfile.mkstemp(prefix=".sizes-", dir=folder)
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh)
+            fh.flush()
+            os.fsync(fh.fileno())  # complete on disk before it is linked in: a crash never leaves half a draw
         try:
             os.link(tmp, path)  # fails when another process released this partition's sizes first
         except FileExistsError:
