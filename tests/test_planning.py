@@ -31,7 +31,9 @@ def test_plan_composes_variants_and_writes_no_run(toy, tmp_path):
     plan = plan_runs(variants, state_paths(str(tmp_path / "state")))
     (d,) = plan["datasets"].values()
     eps = [r["epsilon"] for r in plan["runs"]]
-    assert 0.99 <= eps[0] <= 1.0 and 3.96 <= eps[1] <= 4.0  # calibrated σ: ε at or just below the target
+    # calibrated σ: the method gets the target minus the sizes release's ε (basic composition: about
+    # 0.08-0.11 at this toy's δ), and the run's ε composes the two realised events, at most the target
+    assert 1.0 - 0.15 <= eps[0] <= 1.0 and 4.0 - 0.15 <= eps[1] <= 4.0
     assert max(eps) < d["total_epsilon"] < sum(eps) + 1e-9 and d["spent_epsilon"] == 0 and d["fits"]
     text = format_plan(plan)
     assert "remaining after" in text

@@ -97,6 +97,22 @@ def _worst_case_queries(block) -> int:
     return block.candidates * (2 * block.max_new_tokens + 2)
 
 
+def _selection_epsilon(target: float, delta: float) -> float:
+    """The DP-argmax's ε: the target, lowered by PLD grid steps until the accountant's (pessimistic,
+    discretised) answer for it is within the target (a pure-ε mechanism at ε = 7.92904 is answered
+    7.92909 on the 1e-4 grid, which the check of a plan against its target refuses)."""
+    from privacy import accountant as acct
+
+    from .events import selection_event
+
+    epsilon = float(target)
+    for _ in range(50):
+        if acct.spend(selection_event(epsilon), delta).epsilon <= target:
+            return epsilon
+        epsilon -= 1e-4 * max(1.0, target)
+    raise RuntimeError(f"dp_opt: no DP-argmax ε within {target:g} on the accountant's grid")
+
+
 def _events(block, q: float, queries: int, selection_epsilon: float):
     from .events import generation_event, run_event, selection_event
 
@@ -175,15 +191,16 @@ class DPOpt(_TextMethod):
             raise ConfigError(f"dp_opt: ε={cfg.privacy.target_epsilon:g} at δ={delta:g} affords no LimitedDomain "
                               f"query with ε0={block.epsilon0:g}, δ0={block.delta0:g}, q={q:.4g}")
         guarantee = self.guarantee(cfg)
-        settings = {"sample_rate": q, "max_queries": affordable, "selection_epsilon": cfg.privacy.target_epsilon}
+        selection_epsilon = _selection_epsilon(cfg.privacy.target_epsilon, delta)
+        settings = {"sample_rate": q, "max_queries": affordable, "selection_epsilon": selection_epsilon}
         return MethodPlan(
             self.name, guarantee, n_train, delta,
-            event=_events(block, q, affordable, cfg.privacy.target_epsilon) if guarantee == "dp" else None,
+            event=_events(block, q, affordable, selection_epsilon) if guarantee == "dp" else None,
             params={"dpopt.eps0": block.epsilon0, "dpopt.delta0": block.delta0, "dpopt.sample_rate": q,
                     "dpopt.max_queries": affordable, "dpopt.meta_prompts": block.meta_prompts,
                     "dpopt.demos": block.demos, "dpopt.candidates": block.candidates,
                     "dpopt.max_new_tokens": block.max_new_tokens,
-                    "dpopt.selection_epsilon": cfg.privacy.target_epsilon},
+                    "dpopt.selection_epsilon": selection_epsilon},
             settings=settings,
             note="generation (LimitedDomain on Poisson subsamples of the training rows) and DP-argmax selection "
                  "(on the disjoint holdout rows) compose in parallel")
