@@ -36,7 +36,9 @@ def partition(cfg, paths, data_root) -> dict:
     manifest = Path(part["directory"]) / "manifest.json"
     if not manifest.is_file() or not part.get("source_key"):  # cached, but files were removed or are stale
         part = partition_task.with_options(refresh_cache=True)(**args)
-    return part
+        manifest = Path(part["directory"]) / "manifest.json"
+    # the partition as written under private/ (the task's persisted result holds no size)
+    return json.loads(manifest.read_text())
 
 
 def run_baseline(ctx: StageContext, rec: pipeline.RunReport, name: str, out: RunOutcome) -> None:

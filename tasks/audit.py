@@ -104,9 +104,12 @@ def check_pool_size(part: Partition, acfg: AuditConfig) -> dict:
         half = min(half, acfg.pool_size // 2)
     needed = max(math.ceil(1.0 / f) for f in acfg.fprs)
     if half < needed:
+        # no count in the message: it is the exact size of a private split (min of train and
+        # holdout), and this refusal comes before any charge or audit label
         raise AuditError(
-            f"audit pool too small: {half} non-members, but a TPR at FPR ≤ {min(acfg.fprs):g} needs at least "
-            f"{needed} (lower audit.fprs, or give the run more held-out examples)")
+            f"audit pool too small: a TPR at FPR ≤ {min(acfg.fprs):g} needs at least {needed} non-members, more "
+            "than the pool holds (audit.pool_size, or the run's training / holdout split; lower audit.fprs, or "
+            "give the run more held-out examples)")
     return {"n_members": half, "n_nonmembers": half}
 
 

@@ -60,7 +60,10 @@ def partition_task(data_config: dict, seed: int, private_dir: str, data_root: st
     # the dp charge that covers them (the exact ones never leave private/)
     get_run_logger().info("partition %s ready (data.partition %s; its source's records key %s)",
                           part.dataset, part.fingerprint[:12], part.source_key[:12])
-    return part.to_dict()
+    # the result Prefect persists (under its home, outside private/): where the partition is, never
+    # its sizes; the flow reads the partition itself (exact sizes included) from its manifest
+    return {"dataset": part.dataset, "directory": part.directory, "fingerprint": part.fingerprint,
+            "source_key": part.source_key}
 
 
 def progress_reporter(name: str):

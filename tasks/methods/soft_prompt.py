@@ -27,12 +27,22 @@ def dpsgd_params(settings: dict) -> dict:
             "dpsgd.steps": settings["steps"], "dpsgd.max_grad_norm": settings["max_grad_norm"]}
 
 
+def nonprivate_steps(block, n_train: int) -> int:
+    """The step count of non-private training (``epochs`` passes of batches of ``batch_size``) on
+    ``n_train`` rows: the plan's n, the RELEASED size, never the exact one (a baseline's
+    ``train.steps`` and its progress's total are published; with batch_size 1 an exact count would
+    be n_train itself)."""
+    return max(1, math.ceil(block.epochs * math.ceil(n_train / block.batch_size)))
+
+
 def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | None = None,
-                    randomness=None, progress=None, kind: str = "soft", init_prompt=None, hooks=()):
+                    randomness=None, progress=None, kind: str = "soft", init_prompt=None, hooks=(),
+                    steps: int | None = None):
     """Train a soft prompt (or, with ``kind="prefix"``, a prefix) of ``block``'s settings on
     ``model_name`` with private ``rows`` (DP-SGD when ``dp`` holds the plan's settings; ``hooks``:
-    ``models.dp_prompt_training.DPStepHook`` s of the DP step, e.g. Privacy-Flat's). Returns
-    ``models``' ``TrainResult``."""
+    ``models.dp_prompt_training.DPStepHook`` s of the DP step, e.g. Privacy-Flat's; ``steps``: the
+    non-private step count, :func:`nonprivate_steps` of the plan's n). Returns ``models``'
+    ``TrainResult``."""
     from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
 
     from ..stages import classifier_for, label_indices
@@ -42,7 +52,7 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     y = label_indices(rows.labels, cfg.data.labels)
     tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=block.epochs,
                               batch_size=block.batch_size, max_length=cfg.models.max_length,
-                              seed=seed, init_words=block.init, kind=kind)
+                              seed=seed, init_words=block.init, kind=kind, steps=steps)
     dp_config, generators = None, {}
     if dp is not None:
         dp_config = DPConfig(noise_multiplier=dp["noise_multiplier"], max_grad_norm=dp["max_grad_norm"],

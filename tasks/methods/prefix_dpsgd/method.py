@@ -133,9 +133,9 @@ class PrefixSGD(PrefixDPSGD):
                                "and its prefix stays under private/")
 
     def train(self, mctx, plan, rows, progress=None):
-        from ..soft_prompt import fit_soft_prompt
+        from ..soft_prompt import fit_soft_prompt, nonprivate_steps
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, progress=progress,
-                                 kind="prefix")
+                                 kind="prefix", steps=nonprivate_steps(self.settings(cfg), plan.n_train))
         return Trained(result.prompt, None, result.steps, {"train.steps": result.steps}, result.history)

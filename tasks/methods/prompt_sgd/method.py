@@ -26,8 +26,9 @@ class PromptSGD(Method):
                                "metrics, and its prompt stays under private/")
 
     def train(self, mctx, plan, rows, progress=None):
-        from ..soft_prompt import fit_soft_prompt
+        from ..soft_prompt import fit_soft_prompt, nonprivate_steps
 
         cfg = mctx.cfg
-        result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, progress=progress)
+        result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, progress=progress,
+                                 steps=nonprivate_steps(self.settings(cfg), plan.n_train))
         return Trained(result.prompt, None, result.steps, {"train.steps": result.steps}, result.history)

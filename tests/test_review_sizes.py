@@ -1,0 +1,126 @@
+"""Review of the released split sizes (issue 24): functions of the EXACT sizes that still left
+private/, and released sizes published with no charge.
+
+* the partition task's result, which Prefect persists under its home (outside private/), held the
+  exact n_train / n_holdout / n_test;
+* the audit's pool refusal printed min(n_train, n_holdout) exactly (CLI, Prefect flow state),
+  before any charge and without an audit label;
+* a non-private baseline (prompt_sgd, prefix_nonprivate) trained ceil(epochs·ceil(n/B)) steps on
+  the EXACT n and published them (``train.steps``, Prefect's "step k/total"): with batch_size 1,
+  n_train itself;
+* a dp run refused before its reservation (here: the audit's pool check) had already logged the
+  released sizes and the q = B/ñ they imply on its MLflow parent, with nothing charged; a fresh draw
+  is made for any change of a data-config field (e.g. data.size_noise_sigma by 1e-6), so such runs
+  publish independent uncharged draws whose mean converges on the exact n.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+
+def _toy(folder, n=300, n_test=40):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [{"text": f"review text number {i} , a film", "label": "pos" if i % 3 else "neg"} for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows), folder / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[:n_test]), folder / "test.parquet")
+    return folder
+
+
+def _numbers(text: str) -> set[int]:
+    return {int(x) for x in re.findall(r"(?<![0-9a-f.])\d+(?![0-9a-f.])", text)}
+
+
+def test_the_persisted_partition_result_holds_no_exact_size(tmp_path, monkeypatch):
+    from tasks import prefect_tasks
+    from tasks.config import DataConfig
+    from tasks.data import split_sizes
+
+    cfg = DataConfig(name="toy", path=str(_toy(tmp_path / "d")), labels=["neg", "pos"])
+    monkeypatch.setattr(prefect_tasks, "get_run_logger", lambda: type("L", (), {"info": lambda *a: None})())
+    private = tmp_path / "private"
+    out = prefect_tasks.partition_task.fn(cfg.model_dump(), 0, str(private), None)
+    exact = split_sizes(cfg, 0, private, None)
+    assert exact["n_train"] > 0 and exact["n_holdout"] > 0
+    # what Prefect pickles to <state>/prefect/storage (persist_result=True)
+    assert not {"n_train", "n_holdout", "n_test", "released"} & set(out)
+    assert set(out) == {"dataset", "directory", "fingerprint", "source_key"}
+
+
+def test_the_audit_pool_refusal_names_no_exact_size(tmp_path):
+    from tasks.audit import AuditError, check_pool_size
+    from tasks.data import Partition
+    from tasks.schema import AuditConfig
+
+    part = Partition(dataset="toy", directory=str(tmp_path), fingerprint="f", labels=["a", "b"], n_train=286,
+                     n_holdout=54, n_test=208, n_canaries_planted=0)
+    with pytest.raises(AuditError) as err:
+        check_pool_size(part, AuditConfig(enabled=True, fprs=[0.01, 0.001]))
+    assert "needs at least 1000" in str(err.value)
+    assert not _numbers(str(err.value)) & {286, 54, 208}
+
+
+def test_a_nonprivate_baseline_steps_by_the_released_n(tmp_path):
+    """train.steps (published) and the progress total follow the plan's n (released), not len(rows)."""
+    from tasks.config import parse_config
+    from tasks.methods import MethodContext, PrivateRows, get_method
+    from tasks.randomness import DpRandomness
+    from tasks.state import state_paths
+
+    cfg = parse_config({"method": "prompt_dpsgd", "seed": 0, "state_dir": str(tmp_path / "state"),
+                        "allow_nonprivate_baselines": True,
+                        "data": {"name": "toy", "path": str(tmp_path), "labels": ["neg", "pos"]},
+                        "models": {"local": "tiny-bert", "max_length": 16},
+                        "methods": {"prompt_sgd": {"enabled": True, "n_tokens": 2, "batch_size": 1, "epochs": 1}}})
+    rows = PrivateRows([f"text {i}" for i in range(5)], ["neg", "pos", "neg", "pos", "neg"])
+    method = get_method("prompt_sgd")
+    plan = method.plan(cfg, 7, 1e-5)  # 7: the released size the run plans with (exact: 5)
+    totals = []
+    mctx = MethodContext(cfg, state_paths(cfg.state_dir).create(), {}, DpRandomness(), 0)
+    trained = method.train(mctx, plan, rows, progress=lambda step, total, *_: totals.append(total))
+    assert trained.metrics["train.steps"] == 7 != len(rows)
+    assert set(totals) == {7}
+
+
+def test_a_run_refused_before_its_charge_publishes_no_released_size(tmp_path):
+    """plan_run logs on the MLflow parent before the run's checks and its reservation: a run refused
+    there (audit pool, preflight, budget) has published data.n_* and dpsgd.sample_rate = B/ñ with
+    nothing charged. Published sizes must come with a charge that covers their draw."""
+    from privacy.ledger import Ledger
+    from tasks.audit import AuditError
+    from tasks.config import parse_config
+    from tasks.data import partition_dataset
+    from tasks.pipeline import plan_run
+    from tasks.stages import StageContext
+    from tasks.state import state_paths
+
+    cfg = parse_config({"method": "prompt_dpsgd", "seed": 0, "state_dir": str(tmp_path / "state"),
+                        "data": {"name": "toy", "path": str(_toy(tmp_path / "d")), "labels": ["neg", "pos"]},
+                        "models": {"local": "tiny-bert"}, "privacy": {"target_epsilon": 8.0},
+                        "methods": {"prompt_dpsgd": {"batch_size": 8}},
+                        "audit": {"enabled": True}})  # default FPRs need 1000 non-members: refused
+    paths = state_paths(cfg.state_dir).create()
+    part = partition_dataset(cfg.data, cfg.seed, paths.private, None)
+    ctx = StageContext.for_run(cfg, paths, part.to_dict(), "parent", "flow")
+    logged: dict = {}
+
+    class Parent:
+        def set_tags(self, tags):
+            logged.update(tags)
+
+        def log_params(self, params):
+            logged.update(params)
+
+    with pytest.raises(AuditError):
+        plan_run(ctx, Parent())
+    sized = {k for k in logged if k.startswith("data.n_") or k in ("dpsgd.sample_rate", "dpsgd.steps")}
+    try:
+        charged = Ledger(paths.ledger).counted_events(part.dataset_key)
+    except Exception:  # noqa: BLE001 - an unregistered dataset: nothing charged
+        charged = []
+    assert not sized or charged, f"published {sorted(sized)} with nothing charged"
