@@ -106,7 +106,7 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         if pipeline.runs_loss_mia(cfg, cfg.method, published):
             model = method.published_model(cfg, prepared)
             rec.loss_mia(loss_mia_task(ctx, published.prompt_path, cfg.method, published.guarantee, model))
-        rec.released(published)
+        rec.released(published, plan)
         if cfg.audit.enabled:
             from flows.audit import run_audit
 

@@ -39,10 +39,12 @@ def check_delta(value, name: str = "delta", n: int | None = None,
     if n is not None:
         n = check_count(n, "n", minimum=1)
         if value >= 1.0 / n:
-            message = (f"{name}={value:g} is >= 1/n = {1.0 / n:g} for a dataset of n={n} records: "
+            # n is not in the message: a run's n is a released size, and a message (a Prefect
+            # state, a log) is published before any charge covers it
+            message = (f"{name}={value:g} is >= 1/n for this dataset's n records: "
                        "such a δ permits releasing whole records")
             if not allow_at_least_one_over_n:
-                raise ValueError(f"{message}; use δ <= 1/(10 n) = {0.1 / n:g}")
+                raise ValueError(f"{message}; use δ <= 1/(10 n), or leave privacy.target_delta unset for the default")
             warnings.warn(message, stacklevel=3)
     return float(value)
 

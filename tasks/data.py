@@ -126,17 +126,24 @@ class ReleasedSizes:
                 "data.size_noise_sigma": self.sigma}
 
 
-def release_sizes(cfg: DataConfig, key: str, private_dir: str | Path, exact: dict[str, int]) -> ReleasedSizes:
-    """The released sizes of the partition with cache key ``key`` (:func:`partition_key`), drawn
-    once from secret randomness and kept under ``private/released-sizes/`` so that ``plan`` and
-    every run on the partition use (and publish) the same draw: a fresh draw per run would be a
-    fresh release each time, averaging the noise away. Created atomically; a concurrent creator's
-    draw wins."""
+def release_sizes(cfg: DataConfig, membership: str, private_dir: str | Path, exact: dict[str, int],
+                  canaries_planted: int = 0) -> ReleasedSizes:
+    """The released sizes of the partition whose SOURCE records per split have the keyed key
+    ``membership`` (:func:`membership_key`), drawn once from secret randomness and kept under
+    ``private/released-sizes/`` so that ``plan`` and every run on those splits use (and publish)
+    the same draw: a fresh draw per run would be a fresh release each time, averaging the noise
+    away. The draw is keyed by the splits' records, not by the config: an edit that leaves every
+    split's records as they were (another ``data.name``, a tweaked ``data.size_noise_sigma``, a
+    fraction that moves no record) finds the same draw — with its own σ, which the file keeps —
+    so no config edit buys a fresh look at the same counts. Only the source's records are
+    released by the mechanism; the canaries planted (a function of the logged seed, known to the
+    audit) are added to the released training size afterwards. Created atomically; a concurrent
+    creator's draw wins."""
     from privacy.mechanisms import release_counts
     from privacy.rng import secret_rng
 
     folder = Path(private_dir) / "released-sizes"
-    path = folder / f"{cfg.name}-{key}.json"
+    path = folder / f"{membership}.json"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         names = ("n_train", "n_holdout", "n_test")
@@ -148,12 +155,14 @@ def release_sizes(cfg: DataConfig, key: str, private_dir: str | Path, exact: dic
             fh.flush()
             os.fsync(fh.fileno())  # complete on disk before it is linked in: a crash never leaves half a draw
         try:
-            os.link(tmp, path)  # fails when another process released this partition's sizes first
+            os.link(tmp, path)  # fails when another process released these splits' sizes first
         except FileExistsError:
             pass
         finally:
             os.unlink(tmp)
-    return ReleasedSizes(**json.loads(path.read_text()))
+    drawn = json.loads(path.read_text())
+    return ReleasedSizes(n_train=int(drawn["n_train"]) + int(canaries_planted), n_holdout=int(drawn["n_holdout"]),
+                         n_test=int(drawn["n_test"]), sigma=float(drawn["sigma"]))
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -439,6 +448,21 @@ def assign_test(cfg: DataConfig, key: bytes, texts: list[str], labels: list[str]
     return record_uniforms(key, _TAG_TEST, texts, labels) < cfg.test_fraction
 
 
+_TAG_SIZES = b"privprompt/released-sizes\x00"
+
+
+def membership_key(key: bytes, splits: list[tuple[list[str], list[str]]]) -> str:
+    """Keyed key of which source records (text and label) lie in each of ``splits`` (train,
+    holdout, test): the released sizes' draw is kept under it (:func:`release_sizes`). Keyed with
+    the installation or team secret, so it confirms no guess about a record."""
+    h = hmac.new(key, _TAG_SIZES, hashlib.sha256)
+    for texts, labels in splits:
+        u = np.sort(record_uniforms(key, _TAG_SIZES, texts, labels))
+        h.update(len(u).to_bytes(8, "big"))
+        h.update(u.tobytes())
+    return h.hexdigest()[:32]
+
+
 def _keyed_order(key: bytes, texts: list[str], labels: list[str]) -> list[int]:
     """Row order of a partition file: by a keyed per-row hash (no seeded permutation; reveals
     nothing without the key, and never mixes in other records' positions)."""
@@ -455,17 +479,30 @@ def draw_canaries(cfg: DataConfig, seed: int) -> tuple[list[str], list[str], np.
     return texts, labels, rng.random(cfg.canaries) < 0.5
 
 
-def split_sizes(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> dict[str, int]:
-    """The sizes a partition of ``cfg`` has (train with planted canaries, holdout, test), computed
-    as :func:`partition_dataset` does, writing nothing: reads the source and hashes its records."""
+def split_release_inputs(cfg: DataConfig, seed: int, private_dir: str | Path,
+                         data_root: str | None) -> tuple[str, dict[str, int], int]:
+    """What :func:`release_sizes` needs for a partition of ``cfg``, computed as
+    :func:`partition_dataset` does, writing nothing (reads the source and hashes its records): the
+    splits' :func:`membership_key`, the exact SOURCE sizes per split, the canaries planted."""
     from .state import installation_secret
 
     key = installation_secret(private_dir)
     texts, labels = read_split(cfg, data_root, cfg.train_split)
     train, holdout = assign_splits(cfg, key, texts, labels)
     test_texts, test_labels = read_split(cfg, data_root, cfg.test_split)
-    return {"n_train": int(train.sum()) + int(draw_canaries(cfg, seed)[2].sum()), "n_holdout": int(holdout.sum()),
-            "n_test": int(assign_test(cfg, key, test_texts, test_labels).sum())}
+    test = assign_test(cfg, key, test_texts, test_labels)
+    pick = lambda mask, xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
+    membership = membership_key(key, [(pick(m, t), pick(m, y)) for m, t, y in
+                                      ((train, texts, labels), (holdout, texts, labels), (test, test_texts, test_labels))])
+    exact = {"n_train": int(train.sum()), "n_holdout": int(holdout.sum()), "n_test": int(test.sum())}
+    return membership, exact, int(draw_canaries(cfg, seed)[2].sum())
+
+
+def split_sizes(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> dict[str, int]:
+    """The sizes a partition of ``cfg`` has (train with planted canaries, holdout, test), computed
+    as :func:`partition_dataset` does, writing nothing."""
+    _, exact, planted = split_release_inputs(cfg, seed, private_dir, data_root)
+    return {**exact, "n_train": exact["n_train"] + planted}
 
 
 def partition_key(cfg: DataConfig, seed: int, data_root: str | None, private_dir: str | Path) -> str:
@@ -507,6 +544,9 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
 
     pick = lambda mask, xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
     tr_texts, tr_labels = pick(train_mask, texts), pick(train_mask, labels)
+    membership = membership_key(secret, [(tr_texts, tr_labels), (pick(holdout_mask, texts), pick(holdout_mask, labels)),
+                                         (pick(test_mask, test_texts), pick(test_mask, test_labels))])
+    n_source_train = len(tr_texts)
     canary_texts, canary_labels, planted = draw_canaries(cfg, seed)
     tr_texts += pick(planted, canary_texts)
     tr_labels += pick(planted, canary_labels)
@@ -539,8 +579,8 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
         if part.n_test == 0:
             raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
                             ("; raise data.test_fraction" if cfg.test_fraction < 1 else ""))
-        sizes = release_sizes(cfg, key, private_dir, {"n_train": part.n_train, "n_holdout": part.n_holdout,
-                                                      "n_test": part.n_test})
+        sizes = release_sizes(cfg, membership, private_dir, {"n_train": n_source_train, "n_holdout": part.n_holdout,
+                                                             "n_test": part.n_test}, int(planted.sum()))
         part = replace(part, released=asdict(sizes))
         (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
         try:

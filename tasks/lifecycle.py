@@ -66,7 +66,7 @@ def resolve_delta(cfg, n_train: int, method_name: str | None = None) -> float:
                                allow_at_least_one_over_n=allow)
         except ValueError as exc:
             raise ConfigError(
-                f"{exc} (n_train={n_train} training records); or, to accept it knowingly, set "
+                f"{exc}; or, to accept it knowingly, set "
                 "privacy.allow_delta_at_least_one_over_n: true (the run record then carries "
                 "privacy.delta_opt_in=true)") from None
     name = method_name or cfg.method

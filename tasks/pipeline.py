@@ -76,6 +76,9 @@ class RunPlan:
 
     delta: float
     plan: MethodPlan
+    # what the parent publishes of the plan once the published method's run has committed its
+    # charge (the released sizes for a dp run, and q = B/ñ, steps, σ: functions of them)
+    published_params: dict = field(default_factory=dict)
 
 
 def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
@@ -90,14 +93,16 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
     plan, _ = sized_plan(cfg, cfg.method, sizes, delta)
     parent.set_tags({"dataset.fingerprint": ctx.part.published_key, "data.partition": part["fingerprint"],
                      "method.label": get_method(cfg.method).run_label(cfg)})
-    # the released sizes only beside a dp charge that covers them (a run without one publishes none)
-    parent.log_params({"privacy.target_delta": delta, **(sizes.params() if plan.guarantee == "dp" else {}),
-                       **plan.params})
+    # δ only (a 1-2-5 rounding of 0.1/(ñ + 3σ), fixed by the partition's one draw): the released
+    # sizes and what the plan derives from them (q = B/ñ, steps, σ) wait for the charge that covers
+    # their release — a run refused before it (the audit pool, a preflight check, the budget) has
+    # published none of them (RunReport.released logs them)
+    parent.log_params({"privacy.target_delta": delta})
     if cfg.audit.enabled:
         from .audit import check_pool_size
 
         check_pool_size(ctx.part, cfg.audit)
-    return RunPlan(delta, plan)
+    return RunPlan(delta, plan, {**(sizes.params() if plan.guarantee == "dp" else {}), **plan.params})
 
 
 def runs_loss_mia(cfg: PrivPromptConfig, name: str, outcome: RunOutcome) -> bool:
@@ -214,8 +219,10 @@ class RunReport:
         self.metrics.update(mia["metrics"])
         self.parent.log_file(mia["roc_plot"], "plots")
 
-    def released(self, published: RunOutcome) -> None:
-        """The published method's spend on the parent, and its output when the publish rule allows."""
+    def released(self, published: RunOutcome, run_plan: RunPlan) -> None:
+        """The published method's spend on the parent, the plan's parameters (the released sizes
+        among them: its charge is committed now), and its output when the publish rule allows."""
+        self.parent.log_params(run_plan.published_params)
         if published.guarantee == "dp":
             spend = published.spend
             self.metrics.update({"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],

@@ -18,7 +18,7 @@ from .lifecycle import (charged_note, check_dataset_terms, fitting_hint, largest
 from .state import default_data_root
 
 
-_EXACT: dict[tuple[str, str], dict] = {}  # (private dir, partition key) -> exact sizes, this process
+_EXACT: dict[tuple[str, str], tuple] = {}  # (private dir, partition key) -> split_release_inputs, this process
 
 
 def released_sizes(cfg, private_dir: Path):
@@ -27,7 +27,7 @@ def released_sizes(cfg, private_dir: Path):
     under ``private/released-sizes/`` for the run to use — from the exact sizes the split rule of
     ``partition_dataset`` gives (each source record's keyed hash, and the seeded canaries),
     computed without writing the partition. So the plan's events are the run's."""
-    from .data import Partition, release_sizes, split_sizes
+    from .data import Partition, release_sizes, split_release_inputs
 
     data_root = default_data_root(cfg.data_root)
     key = partition_key(cfg.data, cfg.seed, data_root, private_dir)
@@ -38,11 +38,11 @@ def released_sizes(cfg, private_dir: Path):
             return Partition(**data).sizes
     memo = (str(Path(private_dir).resolve()), key)  # the variants of a sweep share their partition
     if memo not in _EXACT:
-        _EXACT[memo] = split_sizes(cfg.data, cfg.seed, private_dir, data_root)
-    exact = _EXACT[memo]
+        _EXACT[memo] = split_release_inputs(cfg.data, cfg.seed, private_dir, data_root)
+    membership, exact, planted = _EXACT[memo]
     if exact["n_train"] == 0:
         raise ConfigError(f"data {cfg.data.name!r}: the training split would be empty; raise data.train_fraction")
-    return release_sizes(cfg.data, key, private_dir, exact)
+    return release_sizes(cfg.data, membership, private_dir, exact, planted)
 
 
 def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
@@ -101,7 +101,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
                               f"run on dataset {dname!r}; runs on one dataset compose at one δ")
         for name in cfg.run_methods:
             plan, _ = sized_plan(cfg, name, sizes, delta)
-            row = {"variant": label, "method": name, "dataset": cfg.data.name, "n_train": sizes.n_train,
+            row = {"variant": label, "method": name, "dataset": cfg.data.name,
                    "guarantee": plan.guarantee, "delta": delta, "epsilon": None}
             if plan.event is not None:
                 row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
@@ -150,10 +150,12 @@ def short_labels(labels: list[str]) -> list[str]:
 def format_plan(plan: dict) -> str:
     labels = short_labels([r["variant"] or "(config)" for r in plan["runs"]])
     width = max([len("variant"), *map(len, labels)]) + 2
-    lines = [f"{'variant':<{width}}{'method':<16}{'guarantee':<10}{'n_train':>8}{'planned ε':>12}"]
+    # no n_train column: the sweep logs this table to Prefect (its server) before any run's charge
+    # covers the release of the sizes
+    lines = [f"{'variant':<{width}}{'method':<16}{'guarantee':<10}{'planned ε':>12}"]
     for r, label in zip(plan["runs"], labels):
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.4f}"
-        lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{r['n_train']:>8}{eps:>12}")
+        lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}")
     for key, d in plan["datasets"].items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "

@@ -200,9 +200,10 @@ def test_plan_and_partition_share_one_secret_draw(tmp_path, monkeypatch):
     assert calls == [1] and part.sizes == again.sizes  # drawn once, kept
     exact = split_sizes(cfg, 0, private, None)
     assert exact == {"n_train": part.n_train, "n_holdout": part.n_holdout, "n_test": part.n_test}
-    from tasks.data import partition_key
+    from tasks.data import split_release_inputs
 
-    assert release_sizes(cfg, partition_key(cfg, 0, None, private), private, exact) == part.sizes
+    membership, source, planted = split_release_inputs(cfg, 0, private, None)
+    assert release_sizes(cfg, membership, private, source, planted) == part.sizes
     partition_dataset(cfg, 0, tmp_path / "other-private", None)  # another installation: its own draw
     assert len(calls) == 2
     manifest = json.loads((next((private / "partitions").glob("*/manifest.json"))).read_text())

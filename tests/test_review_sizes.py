@@ -124,3 +124,30 @@ def test_a_run_refused_before_its_charge_publishes_no_released_size(tmp_path):
     except Exception:  # noqa: BLE001 - an unregistered dataset: nothing charged
         charged = []
     assert not sized or charged, f"published {sorted(sized)} with nothing charged"
+
+
+def test_a_config_edit_that_moves_no_record_gets_no_fresh_draw(tmp_path, monkeypatch):
+    """The averaging attack of the review: fresh draws of the same counts, one per tweak of
+    data.size_noise_sigma or data.name, would average the noise away. The draw is keyed by the
+    splits' records: such an edit finds the same draw (with its own σ); an edit that moves records
+    (another holdout fraction) is a draw of other counts; canaries are added after the draw."""
+    from privacy import rng as prng
+    from tasks.config import DataConfig
+    from tasks.data import partition_dataset
+
+    calls = []
+    real = prng.secret_rng
+    monkeypatch.setattr(prng, "secret_rng", lambda: calls.append(1) or real())
+    folder = _toy(tmp_path / "d")
+    private = tmp_path / "private"
+    base = dict(path=str(folder), labels=["neg", "pos"], size_noise_sigma=50.0)
+    first = partition_dataset(DataConfig(name="toy", **base), 0, private, None).sizes
+    for i, edit in enumerate([{"size_noise_sigma": 50.000001}, {"size_noise_sigma": 50.000002}, {"name": "toy2"}]):
+        again = partition_dataset(DataConfig(**{"name": "toy", **base, **edit}), 0, private, None).sizes
+        assert again == first, edit  # the same released numbers and the first draw's σ
+    assert calls == [1]
+    partition_dataset(DataConfig(name="toy", **{**base, "holdout_fraction": 0.5}), 0, private, None)
+    assert calls == [1, 1]  # other records in the splits: another release
+    with_canaries = partition_dataset(DataConfig(name="toy", canaries=8, **base), 3, private, None)
+    assert len(calls) == 2  # the same source records per split: the same draw ...
+    assert with_canaries.sizes.n_train == first.n_train + with_canaries.n_canaries_planted  # ... plus the canaries
