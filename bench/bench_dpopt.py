@@ -8,6 +8,13 @@
    plain batched forward of the same J full sequences (goal ≤ 1.2×).
 
     .venv/bin/python bench/bench_dpopt.py [--tokens 50] [--members 16]
+
+Timing-only runs where the weights cannot be had (a GPU machine without the hub): ``--random-weights``
+builds the model from the config in ``--model`` (a folder with config.json and the tokenizer) with
+random initialisation; ``--arch llama2-7b`` instead builds Llama-2-7B's architecture (Vicuna-7B's)
+around that tokenizer (its vocabulary size). Random weights give the same times per token (every
+run here generates exactly --tokens tokens, no EOS) and no meaningful text. ``--device``/``--dtype``
+place it; ``--skip-opt`` runs part 2 only; ``--max-batch`` sets the engine's batch (the method's is 32).
 """
 
 from __future__ import annotations
@@ -34,17 +41,42 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=50)
     ap.add_argument("--members", type=int, default=16, help="meta-prompts of the OPT comparison")
     ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--random-weights", action="store_true", help="random init from --model's config (timing only)")
+    ap.add_argument("--arch", choices=["llama2-7b"], default=None, help="with --random-weights: this architecture")
+    ap.add_argument("--device", default=None, help="default: CUDA when present (PRIVPROMPT_DEVICE overrides)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--js", default="64,205", help="DP-OPT query sizes J")
+    ap.add_argument("--repeats", type=int, default=1, help="timed DP-OPT queries per J (median)")
+    ap.add_argument("--skip-opt", action="store_true")
     args = ap.parse_args()
+    import statistics
+
     import torch
 
     from tasks.methods.dp_opt.engine import CausalEngine
-    from tasks.methods.dp_opt.generate import ensemble_generate, reencode_generate
     from tasks.methods.dp_opt.templates import backward_body, backward_head
     from models.backbones import load_backbone
 
-    torch.set_num_threads(2)
-    bb = load_backbone(args.model)
-    engine = CausalEngine(bb.model, bb.tokenizer, max_batch=64)
+    from models.device import resolve_device
+
+    dev = resolve_device(args.device)
+    if dev.type == "cpu":
+        torch.set_num_threads(2)
+    if args.random_weights:
+        bb = random_backbone(args.model, dev, getattr(torch, args.dtype), args.arch)
+    else:
+        bb = load_backbone(args.model, dev)
+        bb.model.to(getattr(torch, args.dtype))
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    print(f"model {bb.name}: {sum(p.numel() for p in bb.model.parameters()) / 1e6:,.1f} M parameters, "
+          f"{next(bb.model.parameters()).dtype}, on {bb.device}; random weights: {args.random_weights}; "
+          f"cuda available: {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""))
+    engine = CausalEngine(bb.model, bb.tokenizer, max_batch=args.max_batch)
     head_text = backward_head("Classify the input text as positive or negative.")
     head = list(bb.tokenizer(head_text, add_special_tokens=True)["input_ids"])
     demos = _demos(205 * 5)
@@ -52,9 +84,68 @@ def main() -> None:
     never = {-1}  # no EOS: every run generates exactly --tokens tokens
 
     # 1. OPT: KV-cached ensemble vs plain generate vs re-encoding, same J meta-prompts
+    if not args.skip_opt:
+        opt_comparison(args, bb, engine, head, bodies, never, sync)
+
+    # 2. DP-OPT queries: fresh meta-prompts, shared head's KV, buckets
+    prefix = engine.encode_prefix(head_text)
+    generated = engine.ids(" Classify the review by its overall sentiment")
+    for J in [int(j) for j in args.js.split(",")]:
+        suffixes = [b + generated for b in bodies[:J]]
+        engine.last_logits(suffixes[:4], prefix)  # warm-up
+        engine.last_logits(suffixes, prefix)  # warm-up at full size (allocator, kernels per shape)
+        t_queries = []
+        for _ in range(args.repeats):
+            sync()
+            t = time.perf_counter()
+            engine.last_logits(suffixes, prefix)
+            sync()
+            t_queries.append(time.perf_counter() - t)
+        t_query = statistics.median(t_queries)
+        full = [prefix.ids + s for s in suffixes]
+        Lf = max(len(r) for r in full)
+
+        def plain_forward(keep):  # one plain batched forward (right-padded), same chunking
+            with torch.no_grad():
+                for start in range(0, J, args.max_batch):
+                    chunk = full[start:start + args.max_batch]
+                    x = torch.full((len(chunk), Lf), engine.pad_id)
+                    m = torch.zeros((len(chunk), Lf), dtype=torch.long)
+                    for i, r in enumerate(chunk):
+                        x[i, :len(r)], m[i, :len(r)] = torch.tensor(r), 1
+                    bb.model(input_ids=x.to(dev), attention_mask=m.to(dev), logits_to_keep=keep)
+
+        plain = {}
+        for keep in (0, 1):  # 0: logits at every position (the comparison of the first CPU runs); 1: the last only
+            if dev.type == "cuda":
+                plain_forward(keep)  # warm-up
+            sync()
+            t = time.perf_counter()
+            plain_forward(keep)
+            sync()
+            plain[keep] = time.perf_counter() - t
+        tokens = sum(len(r) for r in full)
+        print(f"DP-OPT query J={J} ({tokens:,} tokens, longest {Lf}, max_batch {args.max_batch}): {t_query:.3f} s "
+              f"({tokens / t_query:,.0f} tokens/s; median of {len(t_queries)}); one plain batched forward "
+              f"{plain[0]:.3f} s (all logits), {plain[1]:.3f} s (last logits only); query / plain = "
+              f"{t_query / plain[0]:.2f} / {t_query / plain[1]:.2f} (goal ≤ 1.2)")
+        if torch.cuda.is_available() and dev.type == "cuda":
+            print(f"  peak GPU memory so far {torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB")
+
+
+def opt_comparison(args, bb, engine, head, bodies, never, sync) -> None:
+    import torch
+
+    from tasks.methods.dp_opt.generate import ensemble_generate, reencode_generate
+
+    dev = bb.device
     J = args.members
+    if dev.type == "cuda":
+        ensemble_generate(engine, head, bodies[:J], 3, eos_ids=never)  # warm-up
+    sync()
     t = time.perf_counter()
     kv = ensemble_generate(engine, head, bodies[:J], args.tokens, eos_ids=never)
+    sync()
     t_kv = (time.perf_counter() - t) / len(kv.tokens)
     rows = [head + b for b in bodies[:J]]
     L = max(len(r) for r in rows)
@@ -62,42 +153,63 @@ def main() -> None:
     mask = torch.zeros((J, L), dtype=torch.long)
     for i, r in enumerate(rows):
         ids[i, L - len(r):], mask[i, L - len(r):] = torch.tensor(r), 1
+    ids, mask = ids.to(dev), mask.to(dev)
+
+    def generate(n):
+        with torch.no_grad():
+            bb.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, pad_token_id=engine.pad_id)
+
+    if dev.type == "cuda":
+        generate(3)  # warm-up
+    sync()
     t = time.perf_counter()
-    with torch.no_grad():
-        bb.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.tokens, min_new_tokens=args.tokens,
-                          do_sample=False, pad_token_id=engine.pad_id)
+    generate(args.tokens)
+    sync()
     t_gen = (time.perf_counter() - t) / args.tokens
+    sync()
     t = time.perf_counter()
     re = reencode_generate(engine, head, bodies[:J], min(args.tokens, 10), eos_ids=never)
+    sync()
     t_re = (time.perf_counter() - t) / len(re.tokens)  # grows with length: 10 tokens is a lower bound at 50
     print(f"OPT, J={J}, {args.tokens} tokens: KV ensemble {t_kv * 1000:.0f} ms/token, plain generate "
           f"{t_gen * 1000:.0f} ms/token, re-encode {t_re * 1000:.0f} ms/token (first 10 tokens)")
     print(f"  KV / generate = {t_kv / t_gen:.2f} (goal ≤ 1.3); re-encode / KV = {t_re / t_kv:.2f} (goal ≥ 5)")
 
-    # 2. DP-OPT queries: fresh meta-prompts, shared head's KV, buckets
-    prefix = engine.encode_prefix(head_text)
-    generated = engine.ids(" Classify the review by its overall sentiment")
-    for J in (64, 205):
-        suffixes = [b + generated for b in bodies[:J]]
-        engine.last_logits(suffixes[:4], prefix)  # warm-up
-        t = time.perf_counter()
-        engine.last_logits(suffixes, prefix)
-        t_query = time.perf_counter() - t
-        full = [prefix.ids + s for s in suffixes]
-        Lf = max(len(r) for r in full)
-        t = time.perf_counter()
-        with torch.no_grad():
-            for start in range(0, J, 64):  # one plain batched forward (right-padded), same chunking
-                chunk = full[start:start + 64]
-                x = torch.full((len(chunk), Lf), engine.pad_id)
-                m = torch.zeros((len(chunk), Lf), dtype=torch.long)
-                for i, r in enumerate(chunk):
-                    x[i, :len(r)], m[i, :len(r)] = torch.tensor(r), 1
-                bb.model(input_ids=x, attention_mask=m)
-        t_plain = time.perf_counter() - t
-        tokens = sum(len(r) for r in full)
-        print(f"DP-OPT query J={J}: {t_query:.2f} s ({tokens / t_query:,.0f} tokens/s); one plain batched forward "
-              f"{t_plain:.2f} s; query / plain = {t_query / t_plain:.2f} (goal ≤ 1.2)")
+
+
+def random_backbone(model_dir: str, device, dtype, arch: str | None = None):
+    """A Backbone of the architecture in ``model_dir``'s config.json (or Llama-2-7B's with
+    ``arch='llama2-7b'``), randomly initialised on ``device`` in ``dtype``, with the tokenizer in
+    ``model_dir``. For timing only: the weights are random."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from models.backbones import Backbone
+
+    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    if arch == "llama2-7b":  # meta-llama/Llama-2-7b-hf's (and lmsys/vicuna-7b-v1.5's) config, with this tokenizer's vocabulary
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096,
+                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        name = "llama2-7b-architecture (random weights)"
+    else:
+        cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        name = f"{Path(model_dir).name} (random weights)"
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # initialised where it runs: a 7B model's init on the CPU takes minutes
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(cfg)
+    finally:
+        torch.set_default_dtype(before)
+    model.requires_grad_(False)
+    model.eval()
+    return Backbone(name, "causal", model, tok, int(model.get_input_embeddings().weight.shape[1]))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ all-MiniLM-L6-v2 on SST-2 — training phrases (short, a few long) and test sent
 
 Grouping is switched with PRIVPROMPT_LENGTH_GROUP_OVERHEAD (a huge value: one padded call);
 steps are interleaved (one, grouped, one, grouped, …) after warm-up and medians compared, so load
-changes hit both sides alike. Run:  .venv/bin/python -u bench/bench_length_groups.py [--steps 6]
+changes hit both sides alike. Run:  .venv/bin/python -u bench/bench_length_groups.py [--steps 6] [--device cuda]
  or:  .venv/bin/python -m pytest -q -p no:cacheprovider -m bench bench/bench_length_groups.py -s
 Prints times and ratios measured in one run; always exits 0.
 """
@@ -43,7 +43,7 @@ def _texts(split: str, n: int, seed: int = 0) -> list[str]:
     return [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))[:n]]
 
 
-def run(steps: int = 6, batch: int = 64) -> dict:
+def run(steps: int = 6, batch: int = 64, device: str = "cpu") -> dict:
     from models import build_classifier, load_backbone, per_sample_prompt_gradients
     from models.length_groups import call_overhead, length_groups
     from tasks.methods.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
@@ -52,20 +52,22 @@ def run(steps: int = 6, batch: int = 64) -> dict:
     from tasks.methods.rapt.privatize import BackbonePrivatizer
     from models.soft_prompt import PrefixPrompt, SoftPrompt
 
-    print(f"nproc={os.cpu_count()}, torch threads={torch.get_num_threads()}, load average={os.getloadavg()}")
-    bb = load_backbone("minilm", "cpu")
+    print(f"nproc={os.cpu_count()}, torch threads={torch.get_num_threads()}, load average={os.getloadavg()}, "
+          f"device {device}")
+    bb = load_backbone("minilm", device)
+    dev = bb.device
     labels = {"negative": "a negative, bad movie review", "positive": "a positive, great movie review"}
     clf = build_classifier(bb, list(labels), labels)
     train = clf.encode(_texts("train", batch), max_length=48)
     test = clf.encode(_texts("validation", 256), max_length=48)
-    y = torch.tensor([i % 2 for i in range(batch)])
-    prefix = PrefixPrompt.init_from_vocab(bb, "it was a movie review", n_tokens=5).weight.detach()
-    soft = SoftPrompt.init_from_vocab(bb, "it was a movie review", n_tokens=5).weight.detach()
+    y = torch.tensor([i % 2 for i in range(batch)], device=dev)
+    prefix = PrefixPrompt.init_from_vocab(bb, "it was a movie review", n_tokens=5).weight.detach().to(dev)
+    soft = SoftPrompt.init_from_vocab(bb, "it was a movie review", n_tokens=5).weight.detach().to(dev)
 
     def dp(p):
         grads = per_sample_prompt_gradients(clf, train, y, p)
         factor = (1.0 / (grads.flatten(1).norm(dim=1) + 1e-6)).clamp(max=1.0)
-        return (grads * factor.view(-1, *[1] * p.dim())).sum(0) + torch.randn(p.shape)
+        return (grads * factor.view(-1, *[1] * p.dim())).sum(0) + torch.randn(p.shape).to(dev)
 
     plain = default_plain_ids(bb.tokenizer, 40, 0)
     renc = encode_rapt(bb.tokenizer, _texts("train", batch), plain, 96)
@@ -90,15 +92,17 @@ def run(steps: int = 6, batch: int = 64) -> dict:
         for name, (fn, p) in fns.items():
             for mode in ("one_call", "grouped"):
                 os.environ["PRIVPROMPT_LENGTH_GROUP_OVERHEAD"] = ONE_CALL if mode == "one_call" else ""
+                _sync(dev)
                 t = time.perf_counter()
                 fn(p)
+                _sync(dev)
                 if i:  # the first round warms up
                     times[(name, mode)].append(time.perf_counter() - t)
     os.environ.pop("PRIVPROMPT_LENGTH_GROUP_OVERHEAD", None)
     med = {f"{k}.{m}": float(np.median(v)) for (k, m), v in times.items()}
     lengths = train["attention_mask"].sum(1)
-    groups = length_groups(lengths, call_overhead("cpu"))
-    out = {"batch": batch, "steps": steps, "median_s": med,
+    groups = length_groups(lengths, call_overhead(dev))
+    out = {"batch": batch, "steps": steps, "device": str(dev), "median_s": med,
            "train_lengths": {"mean": float(lengths.float().mean()), "max": int(lengths.max()),
                              "groups": [len(g) for g in groups]},
            "speedup": {k: med[f"{k}.one_call"] / med[f"{k}.grouped"] for k in fns}}
@@ -111,6 +115,11 @@ def run(steps: int = 6, batch: int = 64) -> dict:
     return out
 
 
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 @pytest.mark.bench
 def test_bench_length_groups():
     out = run(steps=2)
@@ -121,5 +130,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     a = ap.parse_args()
-    print(json.dumps(run(a.steps, a.batch), indent=1))
+    print(json.dumps(run(a.steps, a.batch, a.device), indent=1))

@@ -45,17 +45,27 @@ def main() -> None:
     private, names = _texts(DATA / "sst2" / "train.jsonl", 32 * args.steps)
     y = torch.tensor([labels.index(n) for n in names])
     source_prompt = torch.randn(10, teacher.embed_dim) * 0.02
+    dev = teacher.device
+    print(f"target MiniLM on {dev}, student on {student.device}")
 
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    sync()
     t0 = time.perf_counter()
     transfer_prompt(source_clf, source_prompt, target_clf, public,
                     TransferConfig(steps=args.steps, batch_size=32, max_length=48, log_every=10**9))
+    sync()
     transfer_s = (time.perf_counter() - t0) / args.steps
 
     enc = target_clf.encode(private, max_length=48)
     cfg = PromptTrainingConfig(n_tokens=10, steps=args.steps, batch_size=32, max_length=48, log_every=10**9)
+    sync()
     t0 = time.perf_counter()
     train_prompt(target_clf, enc, y, cfg, dp=DPConfig(noise_multiplier=1.0, max_grad_norm=1.0,
                                                         sample_rate=32 / len(private)))
+    sync()
     train_s = (time.perf_counter() - t0) / args.steps
     print(f"| step | seconds |\n|---|---:|\n| POST transfer step (incl. its share of the no-grad "
           f"source/unprompted passes) | {transfer_s:.3f} |\n| DP training step on the target | {train_s:.3f} |")

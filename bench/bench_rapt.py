@@ -13,7 +13,11 @@
 (c) With --gradients only: the reconstruction loss's share of the prompt's gradient while training
     (norm ratio and cosine to the task's; why reconstruction costs accuracy on a short run).
 
-Run:  .venv/bin/python bench/bench_rapt.py [--tokens 20000] [--steps 8] [--gradients]
+On a machine with CUDA the search of (a) runs on the GPU (the index's default device; the dense peak
+is then measured there too) while the product-alone lines stay on the CPU; ``--device cuda`` puts
+(b)'s and (c)'s model on the GPU as well (default: cpu).
+
+Run:  .venv/bin/python bench/bench_rapt.py [--tokens 20000] [--steps 8] [--gradients] [--device cuda]
  or:  .venv/bin/python -m pytest -q -p no:cacheprovider -m bench bench/bench_rapt.py -s
 Prints speeds and ratios measured in one run; always exits 0.
 """
@@ -73,6 +77,8 @@ def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
     priv = BackbonePrivatizer(bb)
     build_s = time.perf_counter() - t
     ids = torch.from_numpy(flat).reshape(1, -1)
+    if priv.index.device.type == "cuda":  # CUDA's first-use costs (context, kernels) are not the search's
+        priv(ids[:, :256], torch.ones_like(ids[:, :256]), eta, np.random.default_rng(3))
     t = time.perf_counter()
     out = priv(ids, torch.ones_like(ids), eta, np.random.default_rng(0))
     fast_s = time.perf_counter() - t
@@ -93,6 +99,8 @@ def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
     per_dtype = {}
     for dtype in (torch.float32, torch.bfloat16):
         index = VocabularyIndex(priv.index.vocab64.float(), priv.exclude_ids, screen_dtype=dtype)
+        if index.device.type == "cuda":
+            index.nearest(noisy[:256])  # warm-up
         t = time.perf_counter()
         index.nearest(noisy)
         per_dtype[str(dtype).removeprefix("torch.")] = n_cmp / (time.perf_counter() - t)
@@ -113,7 +121,7 @@ def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
         product_only["bfloat16"] = rows / _best_of_3(lambda: torch.mm(vb, qb.T, out=buffer_bf16))
     product_fresh_nv = rows / _best_of_3(lambda: torch.mm(q_aug, v_aug.T))
     return {
-        "tokens": len(flat), "eta": eta, "threads": torch.get_num_threads(),
+        "tokens": len(flat), "eta": eta, "threads": torch.get_num_threads(), "index_device": str(priv.index.device),
         "index_build_s": build_s, "fast_tokens_per_s": len(flat) / fast_s,
         "numpy_tokens_per_s": n_numpy / numpy_s, "speedup": (len(flat) / fast_s) / (n_numpy / numpy_s),
         "replace_prob": priv.replace_probability(ids, out, torch.ones_like(ids)), "equal_to_brute_force": same,
@@ -123,7 +131,8 @@ def bench_privatization(tokens: int, eta: float = 100.0) -> dict:
     }
 
 
-def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10, max_text: int = 48) -> dict:
+def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10, max_text: int = 48,
+                      device: str = "cpu") -> dict:
     from tasks.methods.rapt.encoding import default_plain_ids, encode_rapt, privatize_encoding
     from tasks.methods.rapt.head import ReconstructionHead, reconstruction_vocab
     from tasks.methods.rapt.model import RaptModel, build_task_head
@@ -131,10 +140,10 @@ def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10,
     from models.backbones import load_backbone
     from models.soft_prompt import SoftPrompt
 
-    bb = load_backbone("minilm", device="cpu")
+    bb = load_backbone("minilm", device=device)
     priv = BackbonePrivatizer(bb)
     texts = _texts(batch_size)
-    labels = torch.tensor([i % 2 for i in range(batch_size)])
+    labels = torch.tensor([i % 2 for i in range(batch_size)], device=bb.device)
     plain = default_plain_ids(bb.tokenizer, 40)
     public = bb.tokenizer(_texts(10_000, AGNEWS), add_special_tokens=False)["input_ids"]
     vocab = reconstruction_vocab(public, plain, exclude_ids=priv.exclude_ids)
@@ -146,11 +155,13 @@ def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10,
         opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         times = []
         for i in range(steps + 2):
+            _sync(bb.device)
             t = time.perf_counter()
             loss = model.losses(data, labels)["total"]
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            _sync(bb.device)
             if i >= 2:  # two warm-up steps
                 times.append(time.perf_counter() - t)
         return float(np.median(times))
@@ -164,14 +175,15 @@ def bench_tuning_step(steps: int, batch_size: int = 16, prompt_tokens: int = 10,
     plain_only_s = step_time(model(40, None), with_plain)
     privatization_only_s = step_time(model(0, None), no_plain)
     return {
-        "batch_size": batch_size, "prompt_tokens": prompt_tokens, "head_vocab": int(vocab.numel()),
+        "device": str(bb.device), "batch_size": batch_size, "prompt_tokens": prompt_tokens, "head_vocab": int(vocab.numel()),
         "step_s_with_head": head_s, "step_s_same_inputs_no_head": plain_only_s,
         "step_s_privatization_only": privatization_only_s,
         "ratio_head_vs_same_inputs": head_s / plain_only_s, "ratio_head_vs_privatization_only": head_s / privatization_only_s,
     }
 
 
-def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_texts: int = 256) -> list[dict]:
+def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_texts: int = 256,
+                    device: str = "cpu") -> list[dict]:
     """(c) Why the reconstruction task costs accuracy on a short run: the prompt's gradient of
     λ·L_rec against that of L_task (norm ratio and cosine) while training as RAPT does (prompt
     tuning, 40 plain tokens, Adam lr 3e-3, batch 32, η = 100, SST-2 texts; L_rec of eq. 7 sums
@@ -187,11 +199,11 @@ def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_text
     from models.backbones import load_backbone
     from models.soft_prompt import SoftPrompt
 
-    bb = load_backbone("minilm", device="cpu")
+    bb = load_backbone("minilm", device=device)
     priv = BackbonePrivatizer(bb)
     rows = _rows(n_texts)
     names = ["negative", "positive"]
-    labels = torch.tensor([names.index(r["label"]) for r in rows])
+    labels = torch.tensor([names.index(r["label"]) for r in rows], device=bb.device)
     plain = default_plain_ids(bb.tokenizer, 40)
     public = bb.tokenizer(_texts(2_000, TWEETS), add_special_tokens=False)["input_ids"]
     vocab = reconstruction_vocab(public, plain, exclude_ids=priv.exclude_ids)
@@ -225,12 +237,19 @@ def gradient_shares(steps: int = 60, every: int = 20, weights=(1.0, 0.1), n_text
     return out
 
 
-def matmul_peak_gflops(dtype: torch.dtype = torch.float32, n: int = 4096) -> float:
+def matmul_peak_gflops(dtype: torch.dtype = torch.float32, n: int = 4096, device: str = "cpu") -> float:
     """The machine's dense matrix-product rate in ``dtype`` (best of 3 n×n products into one output
-    buffer): what an exact search, one product of 2·(d+1)·V flops per token, can at best run at."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    return 2 * n ** 3 / _best_of_3(lambda: torch.mm(a, b, out=out)) / 1e9
+    buffer) on ``device``: what an exact search, one product of 2·(d+1)·V flops per token, can at best
+    run at. float32 at torch's precision "highest" (no TF32), as the search runs it."""
+    a, b = torch.randn(n, n).to(device, dtype), torch.randn(n, n).to(device, dtype)
+    out = torch.empty(n, n, dtype=dtype, device=device)
+    dev = torch.device(device)
+    return 2 * n ** 3 / _best_of_3(lambda: (torch.mm(a, b, out=out), _sync(dev))) / 1e9
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def _timed(fn) -> float:
@@ -245,9 +264,11 @@ def _best_of_3(fn) -> float:
     return min(_timed(fn) for _ in range(3))
 
 
-def run(tokens: int = 20000, steps: int = 8, privatization_only: bool = False) -> dict:
-    print(f"nproc={os.cpu_count()}, torch threads={torch.get_num_threads()}, load average={os.getloadavg()}")
+def run(tokens: int = 20000, steps: int = 8, privatization_only: bool = False, device: str = "cpu") -> dict:
+    print(f"nproc={os.cpu_count()}, torch threads={torch.get_num_threads()}, load average={os.getloadavg()}, "
+          f"cuda available: {torch.cuda.is_available()}")
     a = bench_privatization(tokens)
+    print(f"(a) the search ran on {a['index_device']}")
     verdict = "pass" if a["fast_tokens_per_s"] >= GOAL_TOKENS_PER_S else "MISS"
     print(f"(a) privatisation, MiniLM vocabulary, η={a['eta']}: fast {a['fast_tokens_per_s']:,.0f} tokens/s "
           f"({a['tokens']:,} tokens) vs numpy {a['numpy_tokens_per_s']:,.0f} tokens/s: ×{a['speedup']:.1f}; "
@@ -263,16 +284,16 @@ def run(tokens: int = 20000, steps: int = 8, privatization_only: bool = False) -
     flops_per_token = 2 * (a["dim"] + 1) * a["vocab"]
     need = GOAL_TOKENS_PER_S * flops_per_token / 1e9
     a["matmul_peak_gflops"] = {}
-    for dtype in product:
-        peak = a["matmul_peak_gflops"][dtype] = matmul_peak_gflops(getattr(torch, dtype))
-        print(f"    dense {dtype} product peak here {peak:.1f} GFLOP/s (4096², best of 3): an exact search at that "
+    for dtype in (dt if a["index_device"].startswith("cuda") else product):
+        peak = a["matmul_peak_gflops"][dtype] = matmul_peak_gflops(getattr(torch, dtype), device=a["index_device"])
+        print(f"    dense {dtype} product peak on {a['index_device']} {peak:.1f} GFLOP/s (4096², best of 3): an exact search at that "
               f"rate {peak * 1e9 / flops_per_token:,.0f} tokens/s; the goal needs {need:.0f} GFLOP/s "
               f"(×{need / peak:.2f} the peak); the {dtype} search runs at "
               f"{dt[dtype] * flops_per_token / 1e9 / peak:.0%} of it")
     if privatization_only:
         return {"privatization": a}
-    b = bench_tuning_step(steps)
-    print(f"(b) tuning step, MiniLM, batch {b['batch_size']}, prompt {b['prompt_tokens']}, |T|={b['head_vocab']}: "
+    b = bench_tuning_step(steps, device=device)
+    print(f"(b) tuning step, MiniLM on {b['device']}, batch {b['batch_size']}, prompt {b['prompt_tokens']}, |T|={b['head_vocab']}: "
           f"with head {b['step_s_with_head']:.3f} s, same inputs without head {b['step_s_same_inputs_no_head']:.3f} s "
           f"(×{b['ratio_head_vs_same_inputs']:.2f}), privatisation only (no plain tokens) "
           f"{b['step_s_privatization_only']:.3f} s (×{b['ratio_head_vs_privatization_only']:.2f})")
@@ -292,8 +313,9 @@ if __name__ == "__main__":
     p.add_argument("--privatization-only", action="store_true", help="skip (b), the tuning steps")
     p.add_argument("--gradients", action="store_true", help="only (c), the reconstruction task's share of the "
                                                              "prompt's gradient while training")
+    p.add_argument("--device", default="cpu", help="the model of (b) and (c): cpu (default), cuda, ...")
     args = p.parse_args()
     if args.gradients:
-        gradient_shares()
+        gradient_shares(device=args.device)
     else:
-        run(args.tokens, args.steps, args.privatization_only)
+        run(args.tokens, args.steps, args.privatization_only, args.device)

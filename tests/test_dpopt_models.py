@@ -133,3 +133,41 @@ def test_leakage_report_names_are_audit_statistics():
     private = ["the quick brown fox jumps over the lazy dog", "a b"]
     report = leakage_report(["say: the quick brown fox jumps over the lazy dog!", "classify it"], private)
     assert report == {"audit.leakage.exact_copies": 1.0, "audit.leakage.prompts": 2.0}
+
+
+def test_attention_backends_leave_out_cudnn_on_cuda_only():
+    """CUDA forwards of the engine run without cuDNN attention (a plan per new shape: fresh shapes are
+    most of DP-OPT's calls); the switches come back as they were; on the CPU nothing changes."""
+    from tasks.methods.dp_opt.engine import attention_backends
+
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+              cuda.math_sdp_enabled())
+    assert before[0], "torch enables cuDNN attention by default"
+    with attention_backends(torch.device("cuda")):
+        assert not cuda.cudnn_sdp_enabled()
+        assert cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+    with attention_backends(torch.device("cpu")):
+        assert cuda.cudnn_sdp_enabled()
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+            cuda.math_sdp_enabled()) == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_engine_on_cuda_runs_without_cudnn_attention_and_matches_one_by_one():
+    bb = load_backbone("tiny-llama", "cuda", seed=3)
+    eng = CausalEngine(bb.model, bb.tokenizer, max_batch=4, bucket_width=3)
+    seen = []
+    handle = bb.model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        prefix = eng.encode_prefix("instruction : classify the review")
+        rows = _rows(eng, TEXTS)
+        batched = eng.last_logits(rows, prefix)
+        alone = torch.stack([eng.last_logits([r], prefix)[0] for r in rows])
+        state = eng.start(rows)
+        eng.step(state, torch.zeros(len(rows), dtype=torch.long))
+    finally:
+        handle.remove()
+    assert seen and not any(seen)
+    assert torch.allclose(batched, alone, atol=1e-4)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -74,7 +74,7 @@ def test_grouped_forward_equals_one_call_with_per_example_gradients(family, kind
     enc = clf.encode(TEXTS, max_length=40)
     prompt = (SoftPrompt.init_from_vocab(bb, 3, seed=0) if kind == "soft" else PrefixPrompt.init_from_vocab(bb, 3, seed=0))
     w = prompt.weight.detach()
-    y = torch.tensor([0, 1] * 4)
+    y = torch.tensor([0, 1] * 4, device=bb.device)  # the backbone's device (CUDA when present)
 
     def outputs():
         per = w.unsqueeze(0).repeat(len(TEXTS), *[1] * w.dim()).requires_grad_(True)  # per-example copies

@@ -390,6 +390,20 @@ def test_reconstruction_weight_scales_the_reconstruction_term(tiny, tiny_privati
                   model.reconstruction_head, reconstruction_weight=-1.0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_reconstruction_head_follows_the_backbone_device(device, tiny_privatizer):
+    """The method builds the head on the CPU; with a CUDA backbone the head's product with the hidden
+    states failed ("mat2 is on cpu") until RaptModel put the head on the backbone's device."""
+    bb = load_backbone("tiny-bert", device=device)
+    plain, enc, data = _privatized(bb, tiny_privatizer)
+    model = _model(bb, plain, enc)
+    assert {p.device for p in model.reconstruction_head.parameters()} == {bb.device}
+    seen = []
+    train_rapt(model, data, torch.tensor(LABELS), steps=2, batch_size=4, on_step=lambda s, l: seen.append(l))
+    assert set(seen[0]) == {"task", "reconstruction", "total"}
+    assert all(np.isfinite(v) for losses in seen for v in losses.values())
+
+
 def test_run_label_names_a_reconstruction_weight_other_than_the_papers():
     from tasks.config import load_config
     from tasks.methods import get_method

@@ -166,7 +166,9 @@ class RaptModel(RaptClassifier):
             raise ValueError("a reconstruction head needs plain tokens (n_plain >= 1)")
         if not reconstruction_weight >= 0:
             raise ValueError(f"reconstruction_weight must be >= 0, got {reconstruction_weight}")
-        self.reconstruction_head = reconstruction_head
+        # on the backbone's device (the head is built on the CPU; on CUDA its product with the hidden
+        # states failed: "mat2 is on cpu")
+        self.reconstruction_head = reconstruction_head.to(self.device) if reconstruction_head is not None else None
         self.reconstruction_weight = float(reconstruction_weight)
 
     def losses(self, batch: PrivatizedEncoding, labels: torch.Tensor) -> dict[str, torch.Tensor]:
