@@ -139,3 +139,29 @@ def test_a_tampered_calibration_is_refused_before_any_reservation(cache_file):
     accountant._calibrate_noise_multiplier.cache_clear()
     with pytest.raises(ConfigError, match="above privacy.target_epsilon .* nothing reserved"):
         planned_epsilon(cfg, cfg.method, method.plan(cfg, 1000, 1e-5), 1e-5)
+
+
+def test_a_saved_pyfunc_pins_this_environment_without_mlflows_package_scan(tmp_path, monkeypatch):
+    """The pyfunc's requirements are this environment's own versions, so MLflow's check that the
+    environment satisfies them (after a scan of every installed distribution) is skipped while it
+    is saved — and only then: the check is MLflow's own again afterwards."""
+    import importlib.metadata as md
+
+    import torch
+    from mlflow.utils import environment as mlflow_environment
+    from mlflow.utils import requirements_utils
+
+    from models.backbone_ref import backbone_reference
+    from models.prompts import save_prompt_artifact
+    from tasks.registry_model import save_pyfunc
+
+    scans = []
+    monkeypatch.setattr(requirements_utils, "_init_packages_to_modules_map", lambda: scans.append(1))
+    check = mlflow_environment.warn_dependency_requirement_mismatches
+    prompt = save_prompt_artifact(tmp_path / "p.safetensors", torch.zeros(2, 32), {"privacy.guarantee": "dp"})
+    spec = {"method": "prompt_dpsgd", "backbone": backbone_reference("tiny-bert", 0), "model": "tiny-bert",
+            "labels": ["a", "b"], "label_descriptions": {}, "template": None, "max_length": 16, "seed": 0}
+    folder = save_pyfunc(tmp_path / "model", spec, prompt)
+    assert scans == [] and mlflow_environment.warn_dependency_requirement_mismatches is check
+    pins = set((folder / "requirements.txt").read_text().split())
+    assert {f"{p}=={md.version(p)}" for p in ("torch", "transformers", "safetensors", "pandas", "mlflow")} <= pins
