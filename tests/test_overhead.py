@@ -165,3 +165,38 @@ def test_a_saved_pyfunc_pins_this_environment_without_mlflows_package_scan(tmp_p
     assert scans == [] and mlflow_environment.warn_dependency_requirement_mismatches is check
     pins = set((folder / "requirements.txt").read_text().split())
     assert {f"{p}=={md.version(p)}" for p in ("torch", "transformers", "safetensors", "pandas", "mlflow")} <= pins
+
+
+def test_a_ledgers_compositions_resume_from_a_kept_prefix_with_the_same_pld(monkeypatch):
+    """Composing a dataset's entries with one more event (or a last one changed) starts from the
+    fold of the entries before it: the same compositions in the same order, so the same PLD and
+    the same ε as composed from scratch — and one composition instead of all of them."""
+    from privacy import pld
+
+    entries = [ev.dpsgd_event(0.05, 1.1 + 0.1 * i, 20) for i in range(4)]
+    planned, committed = ev.dpsgd_event(0.05, 0.9, 20), ev.dpsgd_event(0.05, 0.9, 12)
+    runs = {"existing": entries, "reserved": entries + [planned], "committed": entries + [committed]}
+
+    expected = {}
+    for name, events in runs.items():
+        pld.clear_caches()
+        expected[name] = pld.pld_for(ev.ComposedEvent(tuple(events)))
+    pld.clear_caches()
+    pld_class, composed = type(expected["existing"]), []
+    compose = pld_class.compose
+
+    def counting(self, other, *args, **kwargs):
+        composed.append(other)
+        return compose(self, other, *args, **kwargs)
+
+    monkeypatch.setattr(pld_class, "compose", counting)
+    got = {"existing": pld.pld_for(ev.ComposedEvent(tuple(entries)))}
+    assert len(composed) == len(entries)  # the first fold composes every entry
+    got["reserved"] = pld.pld_for(ev.ComposedEvent(tuple(runs["reserved"])))
+    got["committed"] = pld.pld_for(ev.ComposedEvent(tuple(runs["committed"])))
+    assert len(composed) == len(entries) + 2  # then one composition each
+    for name, want in expected.items():
+        assert got[name]._pmf_remove._probs.tolist() == want._pmf_remove._probs.tolist(), name
+        for delta in (1e-5, 1e-6):
+            assert got[name].get_epsilon_for_delta(delta) == want.get_epsilon_for_delta(delta), name
+    assert len(pld._FOLDS) <= pld._FOLDS_KEPT
