@@ -172,10 +172,21 @@ class _local_prefect_server:
             return self
         self.start()
         self._wait()
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import (
+            PREFECT_API_URL,
+            PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED,
+            PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+            temporary_settings,
+        )
 
         os.environ["PREFECT_API_URL"] = self.api_url
-        self.settings = temporary_settings(updates={PREFECT_API_URL: self.api_url})
+        # a server this command started from its own Prefect, and that ends with it: no round trip
+        # to check its API version, and no flow-run heartbeats (they let a long-lived server tell a
+        # crashed run; this one is gone with the run, and the thread that sends them held up the
+        # flow's end by up to a second, its sleep step)
+        self.settings = temporary_settings(updates={PREFECT_API_URL: self.api_url,
+                                                    PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False,
+                                                    PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
         self.settings.__enter__()
         return self
 

@@ -78,6 +78,9 @@ def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch)
     for key in ("PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH"):
         monkeypatch.setenv(key, os.environ.get(key, ""))  # restored after the test
     configure_environment(state_paths(str(tmp_path / "state")))
+    from prefect.settings import get_current_settings
+
+    heartbeat = get_current_settings().flows.heartbeat_frequency
     started = time.perf_counter()
     server = privprompt_cli._local_prefect_server().start()
     try:
@@ -87,10 +90,15 @@ def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch)
             assert os.environ["PREFECT_API_URL"] == server.api_url
             with urllib.request.urlopen(f"{server.api_url}/health", timeout=5) as response:
                 assert response.status == 200
-            from prefect.settings import PREFECT_API_URL
+            from prefect.settings import PREFECT_API_URL, get_current_settings
 
             assert PREFECT_API_URL.value() == server.api_url
+            # its own server, gone with the command: no version round trip, no heartbeat thread
+            settings = get_current_settings()
+            assert settings.flows.heartbeat_frequency is None
+            assert settings.client.server_version_check_enabled is False
         assert server.process is None and "PREFECT_API_URL" not in os.environ
+        assert get_current_settings().flows.heartbeat_frequency == heartbeat
     finally:
         server.stop()
 
@@ -103,6 +111,11 @@ def test_a_named_server_is_used_as_is(monkeypatch):
     assert server.process is None
     with server:
         assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
+        from prefect.settings import get_current_settings
+
+        # someone else's server (a team's, a deployment's): its heartbeats and version check stay
+        settings = get_current_settings()
+        assert settings.flows.heartbeat_frequency is not None and settings.client.server_version_check_enabled
     assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
 
 
