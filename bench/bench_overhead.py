@@ -190,13 +190,17 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--fresh-each", action="store_true", help="a fresh PRIVPROMPT_HOME for every run")
     ap.add_argument("--home", default=None, help="this PRIVPROMPT_HOME (kept between calls: interleaved A/B runs)")
+    ap.add_argument("--homes", default=None, metavar="A_HOME,B_HOME",
+                    help="with --against: the two sides' state folders of an earlier comparison (warm: their first "
+                         "run, not counted, is then a warm-up, not a cold start)")
     ap.add_argument("--against", default=None, help="a checkout of older code (e.g. `git worktree add /tmp/old REV`): "
                     "its runs and this code's alternate, each in a warm state folder of its own, and the ratio is printed")
     args = ap.parse_args()
     if args.child:
         return child(args.child)
     if args.against:
-        return compare(args.config, Path(args.against), args.runs, args.json)
+        return compare(args.config, Path(args.against), args.runs, args.json,
+                       args.homes.split(",") if args.homes else None)
     log_dir = Path(tempfile.mkdtemp(prefix="privprompt-overhead-logs-"))
     print(f"nproc={os.cpu_count()} loadavg={os.getloadavg()} logs: {log_dir}")
     results = {"loadavg_start": os.getloadavg(), "python_c_pass_s": interpreter_start(), "runs": []}
@@ -233,13 +237,13 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def compare(config: str, other: Path, runs: int, json_out: str | None) -> int:
+def compare(config: str, other: Path, runs: int, json_out: str | None, homes: list[str] | None = None) -> int:
     """Alternate runs of ``other``'s code (A) and this code (B) on one machine in one session, so
-    both meet the same load: one cold run each first (not counted), then ``runs`` warm pairs.
-    Prints the medians and the ratios A/B."""
+    both meet the same load: one cold run each first (not counted; a warm-up with ``homes``), then
+    ``runs`` warm pairs. Prints the medians and the ratios A/B."""
     log_dir = Path(tempfile.mkdtemp(prefix="privprompt-overhead-ab-"))
     print(f"nproc={os.cpu_count()} loadavg={os.getloadavg()} logs: {log_dir}")
-    homes = {"A": None, "B": None}
+    homes = dict(zip("AB", homes)) if homes else {"A": None, "B": None}
     repos = {"A": other, "B": REPO}
     rows: dict[str, list[dict]] = {"A": [], "B": []}
     for i in range(runs + 1):
