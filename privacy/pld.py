@@ -22,6 +22,7 @@ A ``RepeatAndSelectEvent`` (best of K trials, Papernot & Steinke) has no PLD her
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 
 from dp_accounting.pld import common as pld_common
@@ -107,18 +108,20 @@ def pld_of_event(event: ev.DpEvent, discretization: float = DISCRETIZATION):
 # start, and its PLD is the same (issue 29). Bounded: a PLD on a fine grid takes megabytes.
 _FOLDS: dict[tuple, object] = {}
 _FOLDS_KEPT = 16
+_FOLDS_LOCK = threading.Lock()  # the bookkeeping only; compositions run outside it
 
 
 def _fold(kind: type, events: tuple, discretization: float):
     """``identity ∘ pld(e1) ∘ pld(e2) ∘ …`` (left to right), or None if a part has no PLD."""
     total, start = None, 0
-    lengths = sorted({len(key[1]) for key in list(_FOLDS) if key[0] is kind and key[2] == discretization
-                      and len(key[1]) <= len(events)}, reverse=True)
-    for k in lengths:
-        total = _FOLDS.get((kind, events[:k], discretization))
-        if total is not None:
-            start = k
-            break
+    with _FOLDS_LOCK:
+        lengths = sorted({len(key[1]) for key in _FOLDS if key[0] is kind and key[2] == discretization
+                          and len(key[1]) <= len(events)}, reverse=True)
+        for k in lengths:
+            total = _FOLDS.get((kind, events[:k], discretization))
+            if total is not None:
+                start = k
+                break
     if total is None:
         total = pld_lib.identity(value_discretization_interval=discretization)
     for e in events[start:]:
@@ -127,16 +130,18 @@ def _fold(kind: type, events: tuple, discretization: float):
             return None
         total = total.compose(part)
     if start < len(events):
-        while len(_FOLDS) >= _FOLDS_KEPT:
-            _FOLDS.pop(next(iter(_FOLDS)), None)
-        _FOLDS[(kind, events, discretization)] = total
+        with _FOLDS_LOCK:
+            while len(_FOLDS) >= _FOLDS_KEPT:
+                _FOLDS.pop(next(iter(_FOLDS)))
+            _FOLDS[(kind, events, discretization)] = total
     return total
 
 
 def clear_caches() -> None:
     """Forget every PLD computed in this process (benchmarks, tests)."""
     pld_of_event.cache_clear()
-    _FOLDS.clear()
+    with _FOLDS_LOCK:
+        _FOLDS.clear()
 
 
 _GAUSSIAN_TREE = (ev.GaussianEvent, ev.PoissonSampledEvent, ev.SelfComposedEvent, ev.ComposedEvent, ev.ParallelEvent)

@@ -17,6 +17,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,15 +131,19 @@ def _pins_of_this_environment():
     issue 29). Skipped for the duration; the saved requirements are the same."""
     from mlflow.utils import environment as mlflow_environment
 
-    check = getattr(mlflow_environment, "warn_dependency_requirement_mismatches", None)
-    if check is None:  # another MLflow: nothing to skip
-        yield
-        return
-    mlflow_environment.warn_dependency_requirement_mismatches = lambda requirements: None
-    try:
-        yield
-    finally:
-        mlflow_environment.warn_dependency_requirement_mismatches = check
+    with _SAVING:  # one save at a time in a process: each puts back the check it found
+        check = getattr(mlflow_environment, "warn_dependency_requirement_mismatches", None)
+        if check is None:  # another MLflow: nothing to skip
+            yield
+            return
+        mlflow_environment.warn_dependency_requirement_mismatches = lambda requirements: None
+        try:
+            yield
+        finally:
+            mlflow_environment.warn_dependency_requirement_mismatches = check
+
+
+_SAVING = threading.Lock()
 
 
 def save_pyfunc(directory: Path, spec: dict, prompt_path: str | Path) -> Path:
