@@ -171,11 +171,22 @@ class _local_prefect_server:
         if os.environ.get("PREFECT_API_URL") and self.process is None:
             return self
         self.start()
-        self._wait()
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import (  # imported while the server may still be starting
+            PREFECT_API_URL,
+            PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED,
+            PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+            temporary_settings,
+        )
 
+        self._wait()
         os.environ["PREFECT_API_URL"] = self.api_url
-        self.settings = temporary_settings(updates={PREFECT_API_URL: self.api_url})
+        # a server this command started from its own Prefect, and that ends with it: no round trip
+        # to check its API version, and no flow-run heartbeats (they let a long-lived server tell a
+        # crashed run; this one is gone with the run, and the thread that sends them held up the
+        # flow's end by up to a second, its sleep step)
+        self.settings = temporary_settings(updates={PREFECT_API_URL: self.api_url,
+                                                    PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False,
+                                                    PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
         self.settings.__enter__()
         return self
 
@@ -203,14 +214,19 @@ class _local_prefect_server:
         return False
 
 
-def _run_flow(cfg, config: dict) -> dict:
+def _flow_of(cfg):
+    """The flow that runs ``cfg`` (importing it: Prefect, MLflow, the tasks; no server needed)."""
     if cfg.sweep or cfg.seeds or cfg.grid:
         from flows.sweep import sweep_flow
 
-        return sweep_flow(config)
+        return sweep_flow
     from flows.method_flow import method_flow
 
-    return method_flow(config)
+    return method_flow
+
+
+def _run_flow(cfg, config: dict) -> dict:
+    return _flow_of(cfg)(config)
 
 
 def _print_sweep(summary: dict) -> None:
@@ -328,6 +344,7 @@ def _run_with_server(cfg, paths, server) -> int:
     started = time.perf_counter()
     before = _ledger_snapshot(paths)
     try:
+        _flow_of(cfg)  # its imports (seconds) while the embedded server may still be starting, not after
         with server:
             _quiet_user_error_tracebacks(errors)  # after the server's settings: logging is set up by then
             summary = _run_flow(cfg, config)

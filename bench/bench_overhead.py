@@ -122,6 +122,13 @@ def child(config: str) -> int:
     stamp("cli returned")
     atexit.register(lambda: print(f"EXIT atexit start {time.perf_counter() - T0:.3f}", file=sys.stderr, flush=True))
     sys.stdout.flush()
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds: this process's, and its waited-for children's (the embedded Prefect server):
+    # steadier than wall times on a shared, loaded machine
+    print("CPU " + json.dumps({"main": own.ru_utime + own.ru_stime, "children": kids.ru_utime + kids.ru_stime}),
+          file=sys.stderr, flush=True)
     print("STAMPS " + json.dumps(STAMPS), file=sys.stderr, flush=True)
     exit_now = getattr(privprompt_cli, "_exit_now", None)  # end as the console script does, where it can
     if exit_now is not None:
@@ -154,6 +161,9 @@ def run_once(config: str, log_dir: Path, tag: str, home: str | None = None, repo
         stamps += [["atexit handlers start", float(exits["start"])], ["atexit handlers done", float(exits["done"])]]
     out.update({"cli_wall_s": float(m.group(1)), "model_work_s": float(m.group(2)),
                 "overhead_s": wall - float(m.group(2)), "stamps": stamps})
+    cpu = next((json.loads(line[4:]) for line in proc.stderr.splitlines() if line.startswith("CPU ")), None)
+    if cpu is not None:
+        out.update({"cpu_main_s": cpu["main"], "cpu_children_s": cpu["children"]})
     return out
 
 
@@ -180,13 +190,17 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--fresh-each", action="store_true", help="a fresh PRIVPROMPT_HOME for every run")
     ap.add_argument("--home", default=None, help="this PRIVPROMPT_HOME (kept between calls: interleaved A/B runs)")
+    ap.add_argument("--homes", default=None, metavar="A_HOME,B_HOME",
+                    help="with --against: the two sides' state folders of an earlier comparison (warm: their first "
+                         "run, not counted, is then a warm-up, not a cold start)")
     ap.add_argument("--against", default=None, help="a checkout of older code (e.g. `git worktree add /tmp/old REV`): "
                     "its runs and this code's alternate, each in a warm state folder of its own, and the ratio is printed")
     args = ap.parse_args()
     if args.child:
         return child(args.child)
     if args.against:
-        return compare(args.config, Path(args.against), args.runs, args.json)
+        return compare(args.config, Path(args.against), args.runs, args.json,
+                       args.homes.split(",") if args.homes else None)
     log_dir = Path(tempfile.mkdtemp(prefix="privprompt-overhead-logs-"))
     print(f"nproc={os.cpu_count()} loadavg={os.getloadavg()} logs: {log_dir}")
     results = {"loadavg_start": os.getloadavg(), "python_c_pass_s": interpreter_start(), "runs": []}
@@ -223,13 +237,13 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def compare(config: str, other: Path, runs: int, json_out: str | None) -> int:
+def compare(config: str, other: Path, runs: int, json_out: str | None, homes: list[str] | None = None) -> int:
     """Alternate runs of ``other``'s code (A) and this code (B) on one machine in one session, so
-    both meet the same load: one cold run each first (not counted), then ``runs`` warm pairs.
-    Prints the medians and the ratios A/B."""
+    both meet the same load: one cold run each first (not counted; a warm-up with ``homes``), then
+    ``runs`` warm pairs. Prints the medians and the ratios A/B."""
     log_dir = Path(tempfile.mkdtemp(prefix="privprompt-overhead-ab-"))
     print(f"nproc={os.cpu_count()} loadavg={os.getloadavg()} logs: {log_dir}")
-    homes = {"A": None, "B": None}
+    homes = dict(zip("AB", homes)) if homes else {"A": None, "B": None}
     repos = {"A": other, "B": REPO}
     rows: dict[str, list[dict]] = {"A": [], "B": []}
     for i in range(runs + 1):
@@ -240,16 +254,23 @@ def compare(config: str, other: Path, runs: int, json_out: str | None) -> int:
                 return 1
             homes[side] = r["home"]
             print(f"{side} run {i} ({'cold' if i == 0 else 'warm'}): wall {r['wall_s']:.1f} s, model work "
-                  f"{r['model_work_s']:.1f} s, overhead {r['overhead_s']:.1f} s", flush=True)
+                  f"{r['model_work_s']:.1f} s, overhead {r['overhead_s']:.1f} s; CPU {r.get('cpu_main_s', 0):.1f} s "
+                  f"(+ {r.get('cpu_children_s', 0):.1f} s server); loadavg {os.getloadavg()[0]:.1f}", flush=True)
             if i:
                 rows[side].append(r)
-    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "model_work_s", "overhead_s")}
-           for side, rs in rows.items()}
+    keys = ("wall_s", "model_work_s", "overhead_s", "cpu_main_s", "cpu_children_s")
+    med = {side: {k: statistics.median(r.get(k, 0.0) for r in rs) for k in keys} for side, rs in rows.items()}
     for side in ("A", "B"):
         print(f"{side} ({repos[side]}): median of {runs} warm runs: wall {med[side]['wall_s']:.1f} s, model work "
-              f"{med[side]['model_work_s']:.1f} s, overhead {med[side]['overhead_s']:.1f} s")
+              f"{med[side]['model_work_s']:.1f} s, overhead {med[side]['overhead_s']:.1f} s, CPU "
+              f"{med[side]['cpu_main_s']:.1f} s (+ {med[side]['cpu_children_s']:.1f} s server)")
+    # per pair (A run i, B run i: the same load), the ratio; its median
+    pairs = [a["overhead_s"] / b["overhead_s"] for a, b in zip(rows["A"], rows["B"])]
+    cpu_pairs = [a.get("cpu_main_s", 0) / b["cpu_main_s"] for a, b in zip(rows["A"], rows["B"]) if b.get("cpu_main_s")]
     print(f"ratio A/B: wall x{med['A']['wall_s'] / med['B']['wall_s']:.2f}, overhead "
-          f"x{med['A']['overhead_s'] / med['B']['overhead_s']:.2f}; loadavg at end {os.getloadavg()}")
+          f"x{med['A']['overhead_s'] / med['B']['overhead_s']:.2f} (pairwise median x{statistics.median(pairs):.2f})"
+          + (f", main-process CPU pairwise median x{statistics.median(cpu_pairs):.2f}" if cpu_pairs else "")
+          + f"; loadavg at end {os.getloadavg()}")
     if json_out:
         Path(json_out).write_text(json.dumps({"medians": med, "runs": rows}, indent=1, default=str))
     return 0

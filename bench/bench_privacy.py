@@ -33,7 +33,7 @@ IMPORT_SECONDS = time.perf_counter() - _t0
 def clear_caches() -> None:
     rdp._rdp_cached.cache_clear()
     rdp._sampled_gaussian_rdp_one.cache_clear()
-    pld.pld_of_event.cache_clear()
+    pld.clear_caches()
 
 
 def timed(fn):

@@ -22,6 +22,7 @@ A ``RepeatAndSelectEvent`` (best of K trials, Papernot & Steinke) has no PLD her
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 
 from dp_accounting.pld import common as pld_common
@@ -96,14 +97,51 @@ def pld_of_event(event: ev.DpEvent, discretization: float = DISCRETIZATION):
             "the PLD accountant cannot express a RepeatAndSelectEvent (best of K trials): its "
             "privacy is the RDP bound of Papernot & Steinke (2022), see privacy/selection.py")
     if isinstance(event, (ev.ComposedEvent, ev.ParallelEvent)):
-        total = pld_lib.identity(value_discretization_interval=discretization)
-        for e in event.events:
-            part = pld_of_event(e, discretization)
-            if part is None:
-                return None
-            total = total.compose(part)
-        return total
+        return _fold(type(event), event.events, discretization)
     raise TypeError(f"not a privacy event: {event!r}")
+
+
+# Folds of compositions computed in this process: (kind, events, grid) -> PLD. A ledger composes
+# its dataset's entries again and again with one event more or one changed at the end (the check
+# before a run, its reservation, its commit); each fold starts from the longest one kept here
+# whose events are a prefix, so it does the same compositions in the same order as from the
+# start, and its PLD is the same (issue 29). Bounded: a PLD on a fine grid takes megabytes.
+_FOLDS: dict[tuple, object] = {}
+_FOLDS_KEPT = 16
+_FOLDS_LOCK = threading.Lock()  # the bookkeeping only; compositions run outside it
+
+
+def _fold(kind: type, events: tuple, discretization: float):
+    """``identity ∘ pld(e1) ∘ pld(e2) ∘ …`` (left to right), or None if a part has no PLD."""
+    total, start = None, 0
+    with _FOLDS_LOCK:
+        lengths = sorted({len(key[1]) for key in _FOLDS if key[0] is kind and key[2] == discretization
+                          and len(key[1]) <= len(events)}, reverse=True)
+        for k in lengths:
+            total = _FOLDS.get((kind, events[:k], discretization))
+            if total is not None:
+                start = k
+                break
+    if total is None:
+        total = pld_lib.identity(value_discretization_interval=discretization)
+    for e in events[start:]:
+        part = pld_of_event(e, discretization)
+        if part is None:
+            return None
+        total = total.compose(part)
+    if start < len(events):
+        with _FOLDS_LOCK:
+            while len(_FOLDS) >= _FOLDS_KEPT:
+                _FOLDS.pop(next(iter(_FOLDS)))
+            _FOLDS[(kind, events, discretization)] = total
+    return total
+
+
+def clear_caches() -> None:
+    """Forget every PLD computed in this process (benchmarks, tests)."""
+    pld_of_event.cache_clear()
+    with _FOLDS_LOCK:
+        _FOLDS.clear()
 
 
 _GAUSSIAN_TREE = (ev.GaussianEvent, ev.PoissonSampledEvent, ev.SelfComposedEvent, ev.ComposedEvent, ev.ParallelEvent)

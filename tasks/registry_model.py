@@ -12,10 +12,12 @@ each version points at its run and carries the privacy tags of ../shared/RUN_REC
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +123,29 @@ class PromptClassifierModel(mlflow.pyfunc.PythonModel):
         return self.predictor.predict(input_texts(model_input), batch_size)
 
 
+@contextlib.contextmanager
+def _pins_of_this_environment():
+    """While saving a model whose requirements are pinned to this environment's own versions:
+    MLflow's check that the environment satisfies them (it warns on a mismatch) cannot fail, and
+    it maps every installed distribution to its modules first (~0.4-1 s of every published run,
+    issue 29). Skipped for the duration; the saved requirements are the same."""
+    from mlflow.utils import environment as mlflow_environment
+
+    with _SAVING:  # one save at a time in a process: each puts back the check it found
+        check = getattr(mlflow_environment, "warn_dependency_requirement_mismatches", None)
+        if check is None:  # another MLflow: nothing to skip
+            yield
+            return
+        mlflow_environment.warn_dependency_requirement_mismatches = lambda requirements: None
+        try:
+            yield
+        finally:
+            mlflow_environment.warn_dependency_requirement_mismatches = check
+
+
+_SAVING = threading.Lock()
+
+
 def save_pyfunc(directory: Path, spec: dict, prompt_path: str | Path) -> Path:
     """Write the pyfunc model folder (MLflow format) to ``directory``."""
     import importlib.metadata as md
@@ -140,7 +165,7 @@ def save_pyfunc(directory: Path, spec: dict, prompt_path: str | Path) -> Path:
         level = pyfunc_log.level
         pyfunc_log.setLevel(logging.ERROR)
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _pins_of_this_environment():
                 warnings.filterwarnings("ignore", message=r".*input example was not provided", category=UserWarning)
                 mlflow.pyfunc.save_model(str(directory), python_model=PromptClassifierModel(),
                                          artifacts={"spec": str(spec_path), "prompt": str(prompt_path)},

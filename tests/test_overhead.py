@@ -78,6 +78,9 @@ def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch)
     for key in ("PREFECT_HOME", "PREFECT_RESULTS_LOCAL_STORAGE_PATH"):
         monkeypatch.setenv(key, os.environ.get(key, ""))  # restored after the test
     configure_environment(state_paths(str(tmp_path / "state")))
+    from prefect.settings import get_current_settings
+
+    heartbeat = get_current_settings().flows.heartbeat_frequency
     started = time.perf_counter()
     server = privprompt_cli._local_prefect_server().start()
     try:
@@ -87,10 +90,15 @@ def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch)
             assert os.environ["PREFECT_API_URL"] == server.api_url
             with urllib.request.urlopen(f"{server.api_url}/health", timeout=5) as response:
                 assert response.status == 200
-            from prefect.settings import PREFECT_API_URL
+            from prefect.settings import PREFECT_API_URL, get_current_settings
 
             assert PREFECT_API_URL.value() == server.api_url
+            # its own server, gone with the command: no version round trip, no heartbeat thread
+            settings = get_current_settings()
+            assert settings.flows.heartbeat_frequency is None
+            assert settings.client.server_version_check_enabled is False
         assert server.process is None and "PREFECT_API_URL" not in os.environ
+        assert get_current_settings().flows.heartbeat_frequency == heartbeat
     finally:
         server.stop()
 
@@ -103,6 +111,11 @@ def test_a_named_server_is_used_as_is(monkeypatch):
     assert server.process is None
     with server:
         assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
+        from prefect.settings import get_current_settings
+
+        # someone else's server (a team's, a deployment's): its heartbeats and version check stay
+        settings = get_current_settings()
+        assert settings.flows.heartbeat_frequency is not None and settings.client.server_version_check_enabled
     assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"
 
 
@@ -139,3 +152,64 @@ def test_a_tampered_calibration_is_refused_before_any_reservation(cache_file):
     accountant._calibrate_noise_multiplier.cache_clear()
     with pytest.raises(ConfigError, match="above privacy.target_epsilon .* nothing reserved"):
         planned_epsilon(cfg, cfg.method, method.plan(cfg, 1000, 1e-5), 1e-5)
+
+
+def test_a_saved_pyfunc_pins_this_environment_without_mlflows_package_scan(tmp_path, monkeypatch):
+    """The pyfunc's requirements are this environment's own versions, so MLflow's check that the
+    environment satisfies them (after a scan of every installed distribution) is skipped while it
+    is saved — and only then: the check is MLflow's own again afterwards."""
+    import importlib.metadata as md
+
+    import torch
+    from mlflow.utils import environment as mlflow_environment
+    from mlflow.utils import requirements_utils
+
+    from models.backbone_ref import backbone_reference
+    from models.prompts import save_prompt_artifact
+    from tasks.registry_model import save_pyfunc
+
+    scans = []
+    monkeypatch.setattr(requirements_utils, "_init_packages_to_modules_map", lambda: scans.append(1))
+    check = mlflow_environment.warn_dependency_requirement_mismatches
+    prompt = save_prompt_artifact(tmp_path / "p.safetensors", torch.zeros(2, 32), {"privacy.guarantee": "dp"})
+    spec = {"method": "prompt_dpsgd", "backbone": backbone_reference("tiny-bert", 0), "model": "tiny-bert",
+            "labels": ["a", "b"], "label_descriptions": {}, "template": None, "max_length": 16, "seed": 0}
+    folder = save_pyfunc(tmp_path / "model", spec, prompt)
+    assert scans == [] and mlflow_environment.warn_dependency_requirement_mismatches is check
+    pins = set((folder / "requirements.txt").read_text().split())
+    assert {f"{p}=={md.version(p)}" for p in ("torch", "transformers", "safetensors", "pandas", "mlflow")} <= pins
+
+
+def test_a_ledgers_compositions_resume_from_a_kept_prefix_with_the_same_pld(monkeypatch):
+    """Composing a dataset's entries with one more event (or a last one changed) starts from the
+    fold of the entries before it: the same compositions in the same order, so the same PLD and
+    the same ε as composed from scratch — and one composition instead of all of them."""
+    from privacy import pld
+
+    entries = [ev.dpsgd_event(0.05, 1.1 + 0.1 * i, 20) for i in range(4)]
+    planned, committed = ev.dpsgd_event(0.05, 0.9, 20), ev.dpsgd_event(0.05, 0.9, 12)
+    runs = {"existing": entries, "reserved": entries + [planned], "committed": entries + [committed]}
+
+    expected = {}
+    for name, events in runs.items():
+        pld.clear_caches()
+        expected[name] = pld.pld_for(ev.ComposedEvent(tuple(events)))
+    pld.clear_caches()
+    pld_class, composed = type(expected["existing"]), []
+    compose = pld_class.compose
+
+    def counting(self, other, *args, **kwargs):
+        composed.append(other)
+        return compose(self, other, *args, **kwargs)
+
+    monkeypatch.setattr(pld_class, "compose", counting)
+    got = {"existing": pld.pld_for(ev.ComposedEvent(tuple(entries)))}
+    assert len(composed) == len(entries)  # the first fold composes every entry
+    got["reserved"] = pld.pld_for(ev.ComposedEvent(tuple(runs["reserved"])))
+    got["committed"] = pld.pld_for(ev.ComposedEvent(tuple(runs["committed"])))
+    assert len(composed) == len(entries) + 2  # then one composition each
+    for name, want in expected.items():
+        assert got[name]._pmf_remove._probs.tolist() == want._pmf_remove._probs.tolist(), name
+        for delta in (1e-5, 1e-6):
+            assert got[name].get_epsilon_for_delta(delta) == want.get_epsilon_for_delta(delta), name
+    assert len(pld._FOLDS) <= pld._FOLDS_KEPT
