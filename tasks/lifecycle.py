@@ -31,7 +31,7 @@ from privacy import events as ev
 from privacy.ledger import BudgetExceededError, DeltaMismatchError, Ledger, UnknownRunError
 
 from . import plots, randomness
-from .data import Partition, SourceRecords, read_partition_split
+from .data import Partition, SourceRecords, read_partition_split, read_partition_units
 from .errors import ConfigError, PrivPromptError
 from .methods import MethodContext, PrivateRows, get_method
 from .methods.base import Trained
@@ -400,9 +400,10 @@ def budget_statement(entry: dict) -> str:
 
 def read_private_rows(part: Partition, validation: bool = False) -> PrivateRows:
     texts, labels = read_partition_split(part.train_path)
-    rows = PrivateRows(texts, labels)
+    rows = PrivateRows(texts, labels, units=read_partition_units(part.train_path))
     if validation:
-        rows.validation = PrivateRows(*read_partition_split(part.holdout_path))
+        rows.validation = PrivateRows(*read_partition_split(part.holdout_path),
+                                      units=read_partition_units(part.holdout_path))
     return rows
 
 

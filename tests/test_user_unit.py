@@ -1,0 +1,175 @@
+"""User-level privacy units (issue 28): ``data.privacy_unit`` names the field whose value identifies
+a person. Splits assign whole units by a keyed hash of the unit id, the contribution bound keeps a
+unit's records by a keyed hash of each record (never the seed), a missing unit id is a one-line
+error naming the field (never a value), and the released sizes count units."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from tasks.config import DataConfig
+from tasks.data import (partition_dataset, read_partition_split, read_partition_units, split_sizes,
+                        unit_digests)
+from tasks.errors import DataError
+
+SIZES = [1, 1, 2, 3, 5, 8, 13, 21, 2, 1, 4, 1, 7, 1, 1, 3, 40, 2, 1, 6]  # records per user
+
+
+def _users(prefix: str, sizes=SIZES) -> list[dict]:
+    rows = []
+    for u, k in enumerate(sizes):
+        for j in range(k):
+            rows.append({"text": f"{prefix} review {j} by person {u} about item {(u * 31 + j) % 17}",
+                         "label": ["neg", "pos"][(u + j) % 2], "author": f"{prefix}-user-{u}"})
+    return rows
+
+
+def _write(folder: Path, train: list[dict], test: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    return folder
+
+
+def _cfg(folder: Path, **kw) -> DataConfig:
+    kw = {"holdout_fraction": 0.25, "train_fraction": 0.6, "privacy_unit": "author", **kw}
+    return DataConfig(name="toy", path=str(folder), labels=["neg", "pos"], **kw)
+
+
+def _units_of(rows: list[dict]) -> dict[str, str]:
+    return {r["text"]: r["author"] for r in rows}
+
+
+def test_config_unit_rules():
+    with pytest.raises(ValueError, match="max_records_per_unit bounds the records of a user unit"):
+        DataConfig(name="x", labels=["a", "b"], max_records_per_unit=3)
+    with pytest.raises(ValueError, match="which is data.text_field"):
+        DataConfig(name="x", labels=["a", "b"], privacy_unit="text")
+    assert not DataConfig(name="x", labels=["a", "b"]).user_unit
+    assert DataConfig(name="x", labels=["a", "b"], privacy_unit="author").user_unit
+
+
+def test_record_unit_keeps_partition_key_and_config_hash():
+    """A record-unit config hashes as before the unit settings existed (its partition and its
+    released sizes are reused, never drawn again)."""
+    from tasks.data import data_dump
+
+    cfg = DataConfig(name="x", labels=["a", "b"])
+    assert "privacy_unit" not in data_dump(cfg) and "max_records_per_unit" not in data_dump(cfg)
+    user = DataConfig(name="x", labels=["a", "b"], privacy_unit="author", max_records_per_unit=2)
+    assert data_dump(user)["privacy_unit"] == "author" and data_dump(user)["max_records_per_unit"] == 2
+
+
+def test_whole_units_are_split_and_never_in_both_train_and_test(tmp_path):
+    train, test = _users("a"), _users("a")[::3]  # the test file holds records of the same people
+    test = [{**r, "text": r["text"] + " (test copy)"} for r in test]
+    folder = _write(tmp_path / "d", train, test)
+    private = tmp_path / "private"
+    part = partition_dataset(_cfg(folder), 0, private, None)
+    owner = {**_units_of(train), **_units_of(test)}
+    tr_texts, _ = read_partition_split(part.train_path)
+    ho_texts, _ = read_partition_split(part.holdout_path)
+    te_texts, _ = read_partition_split(part.test_path)
+    tr_people = {owner[t] for t in tr_texts}
+    ho_people = {owner[t] for t in ho_texts}
+    te_people = {owner[t] for t in te_texts}
+    assert tr_people and ho_people and te_people
+    assert not tr_people & ho_people and not (tr_people | ho_people) & te_people
+    # whole units: every record of a training person is in training (no cap)
+    assert sum(1 for r in train if r["author"] in tr_people) == len(tr_texts)
+    # the unit column is the keyed digest of each row's unit, never the id
+    from tasks.state import installation_secret
+
+    digests = read_partition_units(part.train_path)
+    key = installation_secret(private)
+    assert digests == unit_digests(key, [owner[t] for t in tr_texts])
+    assert not set(digests) & {r["author"] for r in train}
+    assert read_partition_units(part.test_path) is None  # the test file carries no unit
+    # the manifest keeps the exact unit counts; the released sizes count units
+    assert part.n_train_units == len(tr_people) and part.n_holdout_units == len(ho_people)
+    assert part.unit == "author" and part.sizes.unit == "author"
+    assert part.sizes.params()["data.sizes_count"] == "units"
+    # split_sizes (plan's path) gives the same unit counts, writing nothing
+    assert split_sizes(_cfg(folder), 0, private, None) == {
+        "n_train": part.n_train_units, "n_holdout": part.n_holdout_units, "n_test": part.n_test_units}
+
+
+def test_adding_or_removing_one_unit_changes_only_its_own_assignment(tmp_path):
+    train = _users("a")
+    private = tmp_path / "private"
+    base = partition_dataset(_cfg(_write(tmp_path / "base", train, _users("t"))), 0, private, None)
+    # remove user 7 (21 records) and add a new user with 9 records
+    extra = _users("new", [9])
+    changed = [r for r in train if r["author"] != "a-user-7"] + extra
+    other = partition_dataset(_cfg(_write(tmp_path / "other", changed, _users("t"))), 0, private, None)
+    where = lambda p: {**{t: "train" for t in read_partition_split(p.train_path)[0]},  # noqa: E731
+                       **{t: "holdout" for t in read_partition_split(p.holdout_path)[0]}}
+    a, b = where(base), where(other)
+    for r in train:
+        if r["author"] != "a-user-7":
+            assert a.get(r["text"], "unused") == b.get(r["text"], "unused")
+
+
+def test_contribution_bound_keeps_records_by_keyed_hash_not_seed(tmp_path):
+    train = _users("a")
+    folder = _write(tmp_path / "d", train, _users("t"))
+    private = tmp_path / "private"
+    cfg = _cfg(folder, max_records_per_unit=3, holdout_fraction=0.1, train_fraction=0.9)
+    part = partition_dataset(cfg, 0, private, None)
+    owner = _units_of(train)
+    texts = read_partition_split(part.train_path)[0] + read_partition_split(part.holdout_path)[0]
+    per_user: dict[str, int] = {}
+    for t in texts:
+        per_user[owner[t]] = per_user.get(owner[t], 0) + 1
+    assert max(per_user.values()) == 3
+    assert per_user["a-user-16"] == 3 if "a-user-16" in per_user else True
+    # users with fewer records keep all of them
+    small = {f"a-user-{u}" for u, k in enumerate(SIZES) if k <= 3}
+    for u in small & set(per_user):
+        assert per_user[u] == SIZES[int(u.rsplit("-", 1)[1])]
+    # another seed (with canaries off, the seed is not in the partition key): the same records kept
+    other = partition_dataset(cfg, 5, tmp_path / "private", None)
+    assert sorted(read_partition_split(other.train_path)[0]) == sorted(read_partition_split(part.train_path)[0])
+    # the records a unit keeps depend on its own records only: removing another user changes nothing for it
+    fewer = [r for r in train if r["author"] != "a-user-4"]
+    part2 = partition_dataset(_cfg(_write(tmp_path / "d2", fewer, _users("t")), max_records_per_unit=3,
+                                   holdout_fraction=0.1, train_fraction=0.9), 0, private, None)
+    kept = set(read_partition_split(part2.train_path)[0]) | set(read_partition_split(part2.holdout_path)[0])
+    assert kept == {t for t in texts if owner[t] != "a-user-4"}
+
+
+@pytest.mark.parametrize("bad", [None, "", "   ", "missing"])
+def test_missing_or_empty_unit_is_a_one_line_error_naming_the_field(tmp_path, bad):
+    train = _users("a")
+    secret_text = train[5]["text"]
+    if bad == "missing":
+        del train[5]["author"]
+    else:
+        train[5]["author"] = bad
+    folder = _write(tmp_path / "d", train, _users("t"))
+    with pytest.raises(DataError) as err:
+        partition_dataset(_cfg(folder), 0, tmp_path / "private", None)
+    msg = str(err.value)
+    assert "'author'" in msg and "data.privacy_unit" in msg and "\n" not in msg
+    assert secret_text not in msg and "a-user" not in msg
+
+
+def test_canaries_are_units_of_their_own(tmp_path):
+    folder = _write(tmp_path / "d", _users("a"), _users("t"))
+    part = partition_dataset(_cfg(folder, canaries=6), 3, tmp_path / "private", None)
+    units = read_partition_units(part.train_path)
+    canary_units = [u for u in units if u.startswith("canary-")]
+    assert len(canary_units) == part.n_canaries_planted == len(set(canary_units))
+    assert part.n_train_units == len(set(units))
+
+
+def test_record_unit_partition_has_no_unit_column(tmp_path):
+    folder = _write(tmp_path / "d", _users("a"), _users("t"))
+    part = partition_dataset(_cfg(folder, privacy_unit="record"), 0, tmp_path / "private", None)
+    assert read_partition_units(part.train_path) is None
+    assert "unit" not in pq.read_table(part.train_path).column_names
+    assert part.sizes.unit == "record" and "data.sizes_count" not in part.sizes.params()
+    assert part.n_train == int(np.sum([1 for _ in read_partition_split(part.train_path)[0]]))
