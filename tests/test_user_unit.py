@@ -173,3 +173,83 @@ def test_record_unit_partition_has_no_unit_column(tmp_path):
     assert "unit" not in pq.read_table(part.train_path).column_names
     assert part.sizes.unit == "record" and "data.sizes_count" not in part.sizes.params()
     assert part.n_train == int(np.sum([1 for _ in read_partition_split(part.train_path)[0]]))
+
+
+# ---- the ledger: a dataset's cap is per unit; a run of another unit is refused ----------------------
+
+def _event(eps_sigma: float = 2.0):
+    from privacy import events as ev
+
+    return ev.GaussianEvent(eps_sigma)
+
+
+def test_ledger_refuses_a_record_level_run_on_a_dataset_of_people(tmp_path):
+    from privacy.ledger import Ledger, UnitMismatchError
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    digests = bytes(range(16)) + bytes(range(1, 17))
+    row = ledger.register_source("k1", "reviews", 5.0, 1e-6, digests, unit="author")
+    assert row["how"] == "new" and row["unit"] == "author"
+    ledger.require_unit("k1", "author")
+    with pytest.raises(UnitMismatchError) as err:
+        ledger.require_unit("k1", "record")
+    msg = str(err.value)
+    assert "group privacy" in msg and "data.privacy_unit: author" in msg and "\n" not in msg
+    trail = len(ledger.trail())
+    # the same records from a record-level source: refused before anything is recorded
+    with pytest.raises(UnitMismatchError):
+        ledger.register_source("k2", "reviews-copy", 5.0, 1e-6, digests[:16] + bytes(range(2, 18)), unit="record")
+    assert len(ledger.trail()) == trail and [d["fingerprint"] for d in ledger.datasets()] == ["k1"]
+    assert ledger.record_digests("k1") == digests
+    # another field naming people does not compose either
+    with pytest.raises(UnitMismatchError, match="another field"):
+        ledger.require_unit("k1", "email")
+    # a user-level run on a dataset registered per record: refused too (the charges are per record)
+    ledger.register_dataset("k3", "tickets", 5.0, 1e-6)
+    with pytest.raises(UnitMismatchError, match="set-unit"):
+        ledger.register_dataset("k3", "tickets", 5.0, 1e-6, unit="customer")
+
+
+def test_ledger_unit_changes_only_while_nothing_is_charged(tmp_path):
+    from privacy.ledger import Ledger
+
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.register_dataset("k", "tickets", 5.0, 1e-6)
+    assert ledger.change_unit("k", "customer", "tickets are per customer")["unit"] == "customer"
+    assert ledger.trail()[-1]["action"] == "unit_change"
+    ledger.reserve("k", "run-1", _event())
+    with pytest.raises(ValueError, match="never changed"):
+        ledger.change_unit("k", "record", "back")
+    assert ledger.dataset("k")["unit"] == "customer"
+
+
+def test_a_version_5_ledger_gets_record_units(tmp_path):
+    import sqlite3
+
+    from privacy.ledger import Ledger
+
+    path = tmp_path / "ledger.sqlite"
+    Ledger(path).register_dataset("old", "sst2", 5.0, 1e-6)
+    with sqlite3.connect(path) as db:  # as schema 5 left it: no unit column
+        db.execute("ALTER TABLE datasets DROP COLUMN unit")
+        db.execute("UPDATE ledger_meta SET value = '5' WHERE name = 'schema_version'")
+        db.execute("PRAGMA user_version = 5")
+    ledger = Ledger(path)
+    assert ledger.dataset("old")["unit"] == "record"
+    with sqlite3.connect(path) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 6
+
+
+def test_lifecycle_charges_a_partition_to_its_units_dataset(tmp_path):
+    from privacy.ledger import Ledger, UnitMismatchError
+    from tasks.lifecycle import ensure_dataset
+
+    folder = _write(tmp_path / "d", _users("a"), _users("t"))
+    private = tmp_path / "private"
+    user = partition_dataset(_cfg(folder), 0, private, None)
+    record = partition_dataset(_cfg(folder, privacy_unit="record"), 0, private, None)
+    assert user.source_key == record.source_key  # the same records: the same dataset
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    assert ensure_dataset(ledger, user, 5.0, 1e-6)["unit"] == "author"
+    with pytest.raises(UnitMismatchError, match="group privacy"):
+        ensure_dataset(ledger, record, 5.0, 1e-6)
