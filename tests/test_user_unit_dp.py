@@ -205,21 +205,110 @@ def test_plan_samples_units_at_q_over_the_released_unit_count(tmp_path, method, 
     assert plan.params[sampled] == "units"
 
 
-def test_a_record_level_dp_method_is_refused_with_a_user_unit(tmp_path):
+def test_a_record_level_dp_method_is_refused_with_a_user_unit(monkeypatch):
+    """Every registered method whose guarantee is dp bounds a unit's contribution (unit_level); a dp
+    method that does not is refused at config time with a user unit."""
     from tasks.config import parse_config
     from tasks.errors import ConfigError
     from tasks.methods import get_method, registered_methods
 
-    others = [m for m in registered_methods() if not get_method(m).unit_level]
     raw = lambda m: {"method": m, "data": {"name": "toy", "labels": ["neg", "pos"], "privacy_unit": "author"},  # noqa: E731
                      "models": {"local": "tiny-bert"}, "allow_nonprivate_baselines": True}
-    refused = []
-    for m in others:
+    for m in registered_methods():
         try:
             cfg = parse_config(raw(m))
-        except ConfigError as err:
-            if "bounds only one record's contribution" in str(err):
-                refused.append(m)
-            continue
-        assert get_method(m).guarantee(cfg) != "dp"
-    assert "dp_opt" in refused or get_method("dp_opt").unit_level
+        except ConfigError:
+            continue  # refused for its own reasons (e.g. public data it needs)
+        assert get_method(m).unit_level or get_method(m).guarantee(cfg) != "dp", m
+    monkeypatch.setattr(type(get_method("prompt_dpsgd")), "unit_level", False)
+    with pytest.raises(ConfigError, match="bounds only one record's contribution"):
+        parse_config(raw("prompt_dpsgd"))
+    parse_config({**raw("prompt_dpsgd"), "data": {"name": "toy", "labels": ["neg", "pos"]}})  # record: fine
+
+
+# ---- DP-OPT: one vote per unit per query, at most one count per unit per candidate --------------
+
+def _unit_members(seed, units, q=0.05, members=8, cap=6):
+    import numpy as np
+
+    from tasks.methods.dp_opt.method import member_demos
+
+    return member_demos(np.random.default_rng(seed), len(units), q, members, cap, np.asarray(units))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dpopt_one_added_unit_changes_at_most_one_member(seed):
+    """A unit of several rows added (its own draws; every other unit keeps its draws): at most one
+    member's demos change — one vote moved, added or removed per unit, LimitedDomain's neighbours."""
+    import numpy as np
+
+    g = np.random.default_rng(500 + seed)
+    U = int(g.integers(10, 120))
+    sizes = g.integers(1, 8, size=U + 1)
+    units = np.repeat(np.arange(U + 1), sizes)
+    before_units = units[units < U]  # the last unit's rows are the last rows
+    before, after = _unit_members(seed, before_units, q=0.2), _unit_members(seed, units, q=0.2)
+    new_rows = set(np.flatnonzero(units == U).tolist())
+    changed = [j for j, (a, b) in enumerate(zip(before, after)) if a.tolist() != b.tolist()]
+    assert len(changed) <= 1
+    for j in changed:
+        assert set(after[j].tolist()) & new_rows
+        assert set(after[j].tolist()) - new_rows <= set(before[j].tolist())
+    # a unit's rows sit in one member
+    for u in range(U + 1):
+        holding = [j for j, m in enumerate(after) if set(m.tolist()) & set(np.flatnonzero(units == u).tolist())]
+        assert len(holding) <= 1
+
+
+def test_dpopt_units_are_sampled_at_rate_q():
+    import numpy as np
+
+    U, q = 20000, 0.1
+    units = np.repeat(np.arange(U), 2)
+    parts = _unit_members(3, units, q=q, members=5, cap=10**6)
+    flat = np.concatenate(parts)
+    drawn = np.unique(units[flat])
+    assert abs(drawn.size / U - q) < 0.01  # units, not rows, at rate q
+    assert flat.size == 2 * drawn.size  # with all their rows
+
+
+def test_dpopt_selection_counts_at_most_one_per_unit_per_candidate():
+    import numpy as np
+
+    from tasks.methods.dp_opt.text_prompts import per_unit_counts
+
+    g = np.random.default_rng(0)
+    units = np.repeat(np.arange(12), g.integers(1, 9, size=12))
+    correct = g.random((3, units.size)) < 0.6
+    scores = per_unit_counts(correct, units)
+    loop = np.array([sum(correct[c, units == u].mean() for u in range(12)) for c in range(3)])
+    np.testing.assert_allclose(scores, loop)
+    for u in range(12):  # removing any unit moves every candidate's score by at most one, the same way
+        keep = units != u
+        rest = np.unique(units[keep], return_inverse=True)[1]
+        diff = scores - per_unit_counts(correct[:, keep], rest)
+        assert np.all(diff >= -1e-12) and np.all(diff <= 1 + 1e-12)
+    assert np.array_equal(per_unit_counts(correct), correct.sum(axis=1))  # record level: plain counts
+
+
+# ---- RAPT: the d_X bound per record and per unit, no unit-level claim beyond it ------------------
+
+def test_rapt_reports_its_token_bound_per_record_and_per_unit():
+    from pathlib import Path
+
+    from tasks.config import load_config
+    from tasks.methods import get_method
+
+    cfg_path = Path(__file__).resolve().parent.parent / "configs" / "rapt.yaml"
+    record = load_config(cfg_path, ["data.path=/nonexistent"])
+    plan = get_method("rapt").plan(record, 1000, 1e-6)
+    tokens = 96 - 2 - 40  # max_length less [CLS]/[SEP] and the 40 plain tokens
+    assert plan.params["rapt.ldp_tokens_per_record"] == tokens
+    assert plan.params["rapt.ldp_eta_tokens_per_record"] == 100.0 * tokens
+    assert "rapt.ldp_eta_tokens_per_unit" not in plan.params
+    capped = load_config(cfg_path, ["data.privacy_unit=author", "data.max_records_per_unit=7"])
+    plan = get_method("rapt").plan(capped, 1000, 1e-6)
+    assert plan.guarantee == "ldp" and plan.params["rapt.ldp_eta_tokens_per_unit"] == 100.0 * tokens * 7
+    assert "no formal unit-level claim" in plan.note and plan.params["rapt.unit_claim"].startswith("none")
+    uncapped = load_config(cfg_path, ["data.privacy_unit=author"])
+    assert get_method("rapt").plan(uncapped, 1000, 1e-6).params["rapt.ldp_eta_tokens_per_unit"].startswith("unbounded")
