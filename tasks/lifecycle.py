@@ -776,7 +776,9 @@ def shadow_prompt(config: dict, method_name: str, prepared: dict, state_dir: str
 
     cfg = parse_config(config)  # its seed stays: models and splits are the audited run's
     method = get_method(method_name)
-    plan = method.plan(cfg, len(rows), resolve_delta(cfg, len(rows), method_name))
+    index = rows.unit_index()
+    n = len(rows) if index is None else index[1]  # privacy units: rows, or the pool's units (user unit)
+    plan = method.plan(cfg, n, resolve_delta(cfg, n, method_name))
     mctx = MethodContext(cfg, state_paths(state_dir), prepared, randomness.for_shadow(cfg, shadow_seed), shadow_seed)
     trained = method.train(mctx, plan, rows)
     post = method.post_process(mctx, plan, trained.prompt)

@@ -253,3 +253,46 @@ def test_lifecycle_charges_a_partition_to_its_units_dataset(tmp_path):
     assert ensure_dataset(ledger, user, 5.0, 1e-6)["unit"] == "author"
     with pytest.raises(UnitMismatchError, match="group privacy"):
         ensure_dataset(ledger, record, 5.0, 1e-6)
+
+
+# ---- the audit at the unit level -------------------------------------------------------------------
+
+def test_unit_scores_and_labels():
+    from privacy.audit import unit_labels, unit_scores
+
+    units = np.array([0, 0, 1, 2, 2, 2])
+    scores = np.array([1.0, 3.0, -2.0, 0.5, 0.5, 2.0])
+    assert unit_scores(scores, units, "sum").tolist() == [4.0, -2.0, 3.0]
+    assert unit_scores(scores, units, "mean").tolist() == [2.0, -2.0, 1.0]
+    assert unit_labels([1, 1, 0, 1, 1, 1], units).tolist() == [True, False, True]
+    with pytest.raises(ValueError, match="all members or all non-members"):
+        unit_labels([1, 0, 0, 1, 1, 1], units)
+
+
+def test_audit_pool_holds_whole_units_in_half_the_shadows(tmp_path):
+    from tasks.audit import _build_unit_pool, check_pool_size
+    from tasks.config import AuditConfig
+
+    folder = _write(tmp_path / "d", _users("a", SIZES * 3), _users("t"))
+    part = partition_dataset(_cfg(folder, holdout_fraction=0.4, train_fraction=0.6, canaries=4), 0,
+                             tmp_path / "private", None)
+    acfg = AuditConfig(shadows=4, fprs=[0.5])
+    sizes = check_pool_size(part, acfg)
+    assert sizes["n_members"] == min(part.n_train_units - part.n_canaries_planted, part.n_holdout_units)
+    pool = _build_unit_pool(part, acfg, tmp_path, np.random.default_rng(0), sizes)
+    table = pq.read_table(pool["pool_path"])
+    units = np.array(table.column("unit").to_pylist())
+    member = np.array(table.column("member").to_pylist())
+    mask = np.load(pool["mask_path"])
+    assert len(set(units[member].tolist())) == len(set(units[~member].tolist())) == sizes["n_members"]
+    assert not any(t.startswith("canary ") for t in table.column("text").to_pylist())
+    for u in set(units.tolist()):  # a unit's rows: one membership, one shadow column, in half the shadows
+        rows = units == u
+        assert len(set(member[rows].tolist())) == 1
+        assert (mask[:, rows] == mask[:, rows][:, :1]).all() and mask[:, rows][:, 0].sum() == 2
+    # every record of a member unit is in the pool (a unit is a member when its records were in training)
+    owner = {r["text"]: r["author"] for r in _users("a", SIZES * 3)}
+    texts = table.column("text").to_pylist()
+    for u in set(units[member].tolist()):
+        person = owner[texts[int(np.flatnonzero(units == u)[0])]]
+        assert int((units == u).sum()) == sum(1 for t in read_partition_split(part.train_path)[0] if owner.get(t) == person)
