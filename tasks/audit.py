@@ -102,7 +102,7 @@ def check_pool_size(part: Partition, acfg: AuditConfig) -> dict:
     (membership of a person: all their records were in training) —; an error if too few
     non-members for the FPRs."""
     if part.unit != "record":
-        half = min(part.n_train_units - part.n_canaries_planted, part.n_holdout_units)
+        half = min(part.n_train_units - part.n_canary_units_planted, part.n_holdout_units)
     else:
         half = min(part.n_train - part.n_canaries_planted, part.n_holdout)
     if acfg.pool_size is not None:
@@ -306,7 +306,10 @@ def canary_audit(target: AuditTarget, acfg: AuditConfig) -> dict | None:
     y = label_indices(labels, cfg.data.labels)
     enc = clf.encode(texts, max_length=input_length(cfg, target.model, clf))
     scores = -per_example_loss(clf, enc, y, prompt, cfg.models.eval_batch_size).numpy()
-    m = len(texts)
+    if "unit" in table.column_names:  # canary UNITS (a user unit): a unit's score is its records' mean
+        units = np.asarray(table.column("unit").to_pylist(), dtype=np.int64)
+        scores, planted = stats.unit_scores(scores, units, "mean"), stats.unit_labels(planted, units)
+    m = len(scores)
     ks = [(k, k) for k in sorted({max(1, m // 20), max(1, m // 10), max(1, m // 4)}) if 2 * k <= m]
     delta = target.delta or 0.0
     result = stats.best_one_run_audit(scores, planted, ks=ks, delta=delta, confidence=acfg.confidence)

@@ -58,6 +58,7 @@ class Partition:
     n_train_units: int = 0
     n_holdout_units: int = 0
     n_test_units: int = 0
+    n_canary_units_planted: int = 0  # with a user unit: planted canary units (n_canaries_planted counts records)
 
     @property
     def train_path(self) -> str:
@@ -584,14 +585,22 @@ def split_source(cfg: DataConfig, key: bytes, train: tuple, test: tuple) -> Sour
     return SourceSplit(tr, holdout, test_mask, ud, tud)
 
 
+def canary_unit_size(cfg: DataConfig) -> int:
+    """Records per canary unit: ``data.canary_records_per_unit`` with a user unit, else 1."""
+    return cfg.canary_records_per_unit if cfg.user_unit else 1
+
+
 def draw_canaries(cfg: DataConfig, seed: int) -> tuple[list[str], list[str], np.ndarray]:
     """Canary texts, labels and which are planted (each with probability ½), from the seeded audit
-    randomness: canaries are not source records, and the audit knows their draw."""
+    randomness: canaries are not source records, and the audit knows their draw. With a user unit,
+    ``data.canaries`` canary UNITS of :func:`canary_unit_size` records each (record j in unit
+    j // size), each unit planted with probability ½ (``planted`` per record: its unit's)."""
     if not cfg.canaries:
         return [], [], np.zeros(0, dtype=bool)
     rng = np.random.default_rng(seed)
-    texts, labels = make_canaries(cfg.canaries, cfg.labels, rng)
-    return texts, labels, rng.random(cfg.canaries) < 0.5
+    size = canary_unit_size(cfg)
+    texts, labels = make_canaries(cfg.canaries * size, cfg.labels, rng)
+    return texts, labels, np.repeat(rng.random(cfg.canaries) < 0.5, size)
 
 
 def split_sizes(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> dict[str, int]:
@@ -605,12 +614,12 @@ def split_sizes(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: 
                          read_split_units(cfg, data_root, cfg.test_split))
     planted = int(draw_canaries(cfg, seed)[2].sum())
     if cfg.user_unit:  # what is released: counts of units
-        return split.unit_counts(planted)
+        return split.unit_counts(planted // canary_unit_size(cfg))
     return {"n_train": int(split.train.sum()) + planted, "n_holdout": int(split.holdout.sum()),
             "n_test": int(split.test.sum())}
 
 
-UNIT_DEFAULTS = {"privacy_unit": "record", "max_records_per_unit": None}
+UNIT_DEFAULTS = {"privacy_unit": "record", "max_records_per_unit": None, "canary_records_per_unit": 1}
 
 
 def data_dump(cfg: DataConfig) -> dict:
@@ -667,7 +676,8 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
     tr_texts += pick(planted, canary_texts)
     tr_labels += pick(planted, canary_labels)
     # with a user unit, the rows' keyed unit digests (a planted canary is a unit of its own)
-    tr_units = (pick(train_mask, split.units) + [f"canary-{i:06d}" for i in np.flatnonzero(planted)]
+    size = canary_unit_size(cfg)
+    tr_units = (pick(train_mask, split.units) + [f"canary-{i // size:06d}" for i in np.flatnonzero(planted)]
                 if cfg.user_unit else None)
 
     def ordered(xs, ys, us=None):
@@ -687,7 +697,9 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
         _write_table(tmp / "holdout.parquet", ho_texts, ho_labels, unit_col(ho_units))
         _write_table(tmp / "test.parquet", te_texts, te_labels)
         if cfg.canaries:
-            _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {"planted": planted.tolist()})
+            _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {
+                "planted": planted.tolist(),
+                **({"unit": [j // size for j in range(len(canary_texts))]} if cfg.user_unit else {})})
         digests = record_digests(secret, texts + test_texts)  # the source's records (canaries are none of them)
         (tmp / RECORDS_FILE).write_bytes(digests)
         source_key = records_key(secret, digests)
@@ -702,8 +714,9 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
                             ("; raise data.test_fraction" if cfg.test_fraction < 1 else ""))
         exact = {"n_train": part.n_train, "n_holdout": part.n_holdout, "n_test": part.n_test}
         if cfg.user_unit:  # released (and planned with): counts of units, sensitivity 1 per unit
-            exact = split.unit_counts(int(planted.sum()))
-            part = replace(part, **{f"{k}_units": v for k, v in exact.items()})
+            exact = split.unit_counts(int(planted.sum()) // size)
+            part = replace(part, **{f"{k}_units": v for k, v in exact.items()},
+                           n_canary_units_planted=int(planted.sum()) // size)
         sizes = release_sizes(cfg, key, private_dir, exact)
         part = replace(part, released=asdict(sizes))
         (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))

@@ -42,7 +42,10 @@ class DataConfig(Block):
                                          "every record not held out (1 − holdout_fraction)")
     test_fraction: float = Field(1.0, gt=0, le=1, description="probability that a record of the test split is "
                                  "kept (expected size test_fraction × test records)")
-    canaries: int = Field(0, ge=0, description="random canary records, each planted with prob. 1/2")
+    canaries: int = Field(0, ge=0, description="random canary records, each planted with prob. 1/2 (with a user "
+                          "unit: canary units of data.canary_records_per_unit records, each unit planted with prob. 1/2)")
+    canary_records_per_unit: int = Field(1, ge=1, description="records of each canary unit (a user unit only): the "
+                                         "canary audit then bounds ε per unit from units of several records")
     size_noise_sigma: float = Field(50.0, gt=0, le=1e6, description="σ (in records) of the Gaussian noise on the "
                                     "split sizes a dp run publishes and plans with (data.n_train, q = B/n_train, "
                                     "steps, δ): drawn once per partition from secret randomness, part of every dp "
@@ -86,6 +89,9 @@ class DataConfig(Block):
             which = "data.text_field" if self.privacy_unit == self.text_field else "data.label_field"
             raise ValueError(f"data.privacy_unit names the field {self.privacy_unit!r}, which is {which}: name the "
                              "field whose value identifies a person (or `record`)")
+        if self.privacy_unit == "record" and self.canary_records_per_unit != 1:
+            raise ValueError("data.canary_records_per_unit makes canary units of several records: it needs a user "
+                             "unit (data.privacy_unit naming a field)")
         if self.privacy_unit == "record" and self.max_records_per_unit is not None:
             raise ValueError("data.max_records_per_unit bounds the records of a user unit: set data.privacy_unit to "
                              "the field that identifies a person, or remove it (with `record` each unit is one record)")

@@ -39,6 +39,16 @@ def _cfg(folder: Path, **kw) -> DataConfig:
     return DataConfig(name="toy", path=str(folder), labels=["neg", "pos"], **kw)
 
 
+def _private(tmp_path: Path) -> Path:
+    """A state folder with a FIXED installation secret: the keyed splits of these small sources are
+    then the same on every test run (a fresh random secret could leave a split of 20 users empty)."""
+    from tasks.state import SECRET_NAME
+
+    (tmp_path / "secrets").mkdir(exist_ok=True)
+    (tmp_path / "secrets" / SECRET_NAME).write_bytes(bytes(range(32)))
+    return tmp_path / "private"
+
+
 def _units_of(rows: list[dict]) -> dict[str, str]:
     return {r["text"]: r["author"] for r in rows}
 
@@ -67,7 +77,7 @@ def test_whole_units_are_split_and_never_in_both_train_and_test(tmp_path):
     train, test = _users("a"), _users("a")[::3]  # the test file holds records of the same people
     test = [{**r, "text": r["text"] + " (test copy)"} for r in test]
     folder = _write(tmp_path / "d", train, test)
-    private = tmp_path / "private"
+    private = _private(tmp_path)
     part = partition_dataset(_cfg(folder), 0, private, None)
     owner = {**_units_of(train), **_units_of(test)}
     tr_texts, _ = read_partition_split(part.train_path)
@@ -99,7 +109,7 @@ def test_whole_units_are_split_and_never_in_both_train_and_test(tmp_path):
 
 def test_adding_or_removing_one_unit_changes_only_its_own_assignment(tmp_path):
     train = _users("a")
-    private = tmp_path / "private"
+    private = _private(tmp_path)
     base = partition_dataset(_cfg(_write(tmp_path / "base", train, _users("t"))), 0, private, None)
     # remove user 7 (21 records) and add a new user with 9 records
     extra = _users("new", [9])
@@ -116,7 +126,7 @@ def test_adding_or_removing_one_unit_changes_only_its_own_assignment(tmp_path):
 def test_contribution_bound_keeps_records_by_keyed_hash_not_seed(tmp_path):
     train = _users("a")
     folder = _write(tmp_path / "d", train, _users("t"))
-    private = tmp_path / "private"
+    private = _private(tmp_path)
     cfg = _cfg(folder, max_records_per_unit=3, holdout_fraction=0.1, train_fraction=0.9)
     part = partition_dataset(cfg, 0, private, None)
     owner = _units_of(train)
@@ -131,7 +141,7 @@ def test_contribution_bound_keeps_records_by_keyed_hash_not_seed(tmp_path):
     for u in small & set(per_user):
         assert per_user[u] == SIZES[int(u.rsplit("-", 1)[1])]
     # another seed (with canaries off, the seed is not in the partition key): the same records kept
-    other = partition_dataset(cfg, 5, tmp_path / "private", None)
+    other = partition_dataset(cfg, 5, _private(tmp_path), None)
     assert sorted(read_partition_split(other.train_path)[0]) == sorted(read_partition_split(part.train_path)[0])
     # the records a unit keeps depend on its own records only: removing another user changes nothing for it
     fewer = [r for r in train if r["author"] != "a-user-4"]
@@ -151,7 +161,7 @@ def test_missing_or_empty_unit_is_a_one_line_error_naming_the_field(tmp_path, ba
         train[5]["author"] = bad
     folder = _write(tmp_path / "d", train, _users("t"))
     with pytest.raises(DataError) as err:
-        partition_dataset(_cfg(folder), 0, tmp_path / "private", None)
+        partition_dataset(_cfg(folder), 0, _private(tmp_path), None)
     msg = str(err.value)
     assert "'author'" in msg and "data.privacy_unit" in msg and "\n" not in msg
     assert secret_text not in msg and "a-user" not in msg
@@ -159,16 +169,47 @@ def test_missing_or_empty_unit_is_a_one_line_error_naming_the_field(tmp_path, ba
 
 def test_canaries_are_units_of_their_own(tmp_path):
     folder = _write(tmp_path / "d", _users("a"), _users("t"))
-    part = partition_dataset(_cfg(folder, canaries=6), 3, tmp_path / "private", None)
+    part = partition_dataset(_cfg(folder, canaries=6), 3, _private(tmp_path), None)
     units = read_partition_units(part.train_path)
     canary_units = [u for u in units if u.startswith("canary-")]
-    assert len(canary_units) == part.n_canaries_planted == len(set(canary_units))
+    assert len(canary_units) == part.n_canaries_planted == len(set(canary_units)) == part.n_canary_units_planted
     assert part.n_train_units == len(set(units))
+
+
+def test_canary_units_of_several_records(tmp_path):
+    """Canary UNITS (data.canary_records_per_unit): each unit's records planted together, with
+    probability ½ per unit; the canary file says which unit each canary record is in."""
+    from tasks.data import draw_canaries
+
+    folder = _write(tmp_path / "d", _users("a"), _users("t"))
+    cfg = _cfg(folder, canaries=10, canary_records_per_unit=3)
+    part = partition_dataset(cfg, 4, _private(tmp_path), None)
+    table = pq.read_table(part.canaries_path)
+    cunits = np.array(table.column("unit").to_pylist())
+    planted = np.array(table.column("planted").to_pylist())
+    assert len(cunits) == 30 and np.bincount(cunits).tolist() == [3] * 10
+    for u in range(10):
+        assert len(set(planted[cunits == u].tolist())) == 1  # a unit is planted whole or not at all
+    train_units = read_partition_units(part.train_path)
+    in_train = [u for u in train_units if u.startswith("canary-")]
+    assert len(in_train) == int(planted.sum()) == 3 * part.n_canary_units_planted
+    assert all(n == 3 for n in {u: in_train.count(u) for u in in_train}.values())
+    # the record-unit draw is what it was (one record per canary, the same stream)
+    from tasks.data import make_canaries
+
+    rec = DataConfig(name="toy", labels=["neg", "pos"], canaries=10)
+    rng = np.random.default_rng(4)
+    texts, labels = make_canaries(10, ["neg", "pos"], rng)
+    got_texts, got_labels, got_planted = draw_canaries(rec, 4)
+    assert (got_texts, got_labels) == (texts, labels)
+    assert got_planted.tolist() == (rng.random(10) < 0.5).tolist()
+    with pytest.raises(ValueError, match="needs a user unit"):
+        DataConfig(name="toy", labels=["neg", "pos"], canaries=10, canary_records_per_unit=2)
 
 
 def test_record_unit_partition_has_no_unit_column(tmp_path):
     folder = _write(tmp_path / "d", _users("a"), _users("t"))
-    part = partition_dataset(_cfg(folder, privacy_unit="record"), 0, tmp_path / "private", None)
+    part = partition_dataset(_cfg(folder, privacy_unit="record"), 0, _private(tmp_path), None)
     assert read_partition_units(part.train_path) is None
     assert "unit" not in pq.read_table(part.train_path).column_names
     assert part.sizes.unit == "record" and "data.sizes_count" not in part.sizes.params()
@@ -245,7 +286,7 @@ def test_lifecycle_charges_a_partition_to_its_units_dataset(tmp_path):
     from tasks.lifecycle import ensure_dataset
 
     folder = _write(tmp_path / "d", _users("a"), _users("t"))
-    private = tmp_path / "private"
+    private = _private(tmp_path)
     user = partition_dataset(_cfg(folder), 0, private, None)
     record = partition_dataset(_cfg(folder, privacy_unit="record"), 0, private, None)
     assert user.source_key == record.source_key  # the same records: the same dataset
@@ -275,7 +316,7 @@ def test_audit_pool_holds_whole_units_in_half_the_shadows(tmp_path):
 
     folder = _write(tmp_path / "d", _users("a", SIZES * 3), _users("t"))
     part = partition_dataset(_cfg(folder, holdout_fraction=0.4, train_fraction=0.6, canaries=4), 0,
-                             tmp_path / "private", None)
+                             _private(tmp_path), None)
     acfg = AuditConfig(shadows=4, fprs=[0.5])
     sizes = check_pool_size(part, acfg)
     assert sizes["n_members"] == min(part.n_train_units - part.n_canaries_planted, part.n_holdout_units)
