@@ -337,3 +337,26 @@ def test_audit_pool_holds_whole_units_in_half_the_shadows(tmp_path):
     for u in set(units[member].tolist()):
         person = owner[texts[int(np.flatnonzero(units == u)[0])]]
         assert int((units == u).sum()) == sum(1 for t in read_partition_split(part.train_path)[0] if owner.get(t) == person)
+
+
+def test_comparison_keeps_user_level_runs_apart(tmp_path):
+    """A sweep over data.privacy_unit (separate ledgers) compares: the method's user-level runs get
+    their own label, never pooled with its record-level ones."""
+    from mlflow.tracking import MlflowClient
+
+    from tasks.comparison import label_summary, parent_runs
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("e", artifact_location=str(tmp_path / "art"))
+    for unit, acc in (("record", 0.8), ("author", 0.7)):
+        run = client.create_run(exp, tags={"method": "prompt_dpsgd", "dataset": "reviews", "privacy.guarantee": "dp"})
+        client.log_param(run.info.run_id, "privacy.target_epsilon", "8.0")
+        client.log_param(run.info.run_id, "privacy.unit", unit)
+        client.log_metric(run.info.run_id, "test.accuracy", acc)
+        client.set_terminated(run.info.run_id)
+    rows = sorted(parent_runs(client, "e"), key=lambda r: r["accuracy"])
+    assert [(r["method"], r["unit"]) for r in rows] == [("prompt_dpsgd [unit: author]", "author"),
+                                                         ("prompt_dpsgd", "record")]
+    summary = label_summary(rows)
+    assert "| reviews | prompt_dpsgd [unit: author] | dp | 8 | 1 | 0.7000 |" in summary
+    assert "| reviews | prompt_dpsgd | dp | 8 | 1 | 0.8000 |" in summary

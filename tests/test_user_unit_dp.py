@@ -312,3 +312,17 @@ def test_rapt_reports_its_token_bound_per_record_and_per_unit():
     assert "no formal unit-level claim" in plan.note and plan.params["rapt.unit_claim"].startswith("none")
     uncapped = load_config(cfg_path, ["data.privacy_unit=author"])
     assert get_method("rapt").plan(uncapped, 1000, 1e-6).params["rapt.ldp_eta_tokens_per_unit"].startswith("unbounded")
+
+
+def test_dpopt_shadow_split_keeps_whole_units():
+    """An audit shadow (no holdout) splits its pool rows into generation and selection rows by WHOLE
+    units, with their units (DP-OPT's per-unit vote and count need them)."""
+    from tasks.methods.base import PrivateRows
+    from tasks.methods.dp_opt.text_prompts import split_validation
+
+    units = [f"u{i // 3}" for i in range(60)]
+    rows = PrivateRows([f"t{i}" for i in range(60)], ["a"] * 60, units=units)
+    gen, val = split_validation(rows, 0.2, 0)
+    assert set(gen.units).isdisjoint(val.units) and len(set(val.units)) == 4
+    assert sorted(gen.texts + val.texts) == sorted(rows.texts)
+    assert all(units[int(t[1:])] == u for t, u in zip(gen.texts + val.texts, gen.units + val.units))

@@ -98,6 +98,12 @@ def split_validation(rows, fraction: float, seed: int):
 
     if rows.validation is not None:
         return rows, rows.validation
+    index = rows.unit_index()
+    if index is not None:  # a user unit: whole units on each side, with their units
+        unit_of, n_units = np.asarray(index[0]), index[1]
+        order = np.random.default_rng(seed).permutation(n_units)
+        held = np.isin(unit_of, order[:max(1, int(round(fraction * n_units)))])
+        return rows.subset(np.flatnonzero(~held)), rows.subset(np.flatnonzero(held))
     order = np.random.default_rng(seed).permutation(len(rows))
     cut = max(1, int(round(fraction * len(rows))))
     val, gen = order[:cut], order[cut:]
