@@ -548,8 +548,8 @@ class SourceSplit:
     test_units: list[str] | None = None
 
     def unit_counts(self, planted_canaries: int = 0) -> dict[str, int]:
-        """Distinct units per split (planted canaries are one unit each): what a user-unit
-        partition releases (one unit moves one of these counts by at most one)."""
+        """Distinct units per split (plus ``planted_canaries`` planted canary units in training):
+        what a user-unit partition releases (one unit moves one of these counts by at most one)."""
         pick = lambda mask, us: {u for u, m in zip(us, mask) if m}  # noqa: E731
         return {"n_train": len(pick(self.train, self.units)) + planted_canaries,
                 "n_holdout": len(pick(self.holdout, self.units)),
@@ -711,7 +711,9 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
                          legacy_key=legacy_dataset_key(cfg, data_root, private_dir), unit=cfg.privacy_unit)
         if part.n_test == 0:
             raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
-                            ("; raise data.test_fraction" if cfg.test_fraction < 1 else ""))
+                            ("; raise data.test_fraction" if cfg.test_fraction < 1 else "") +
+                            (f" (with data.privacy_unit: {cfg.privacy_unit}, a test record is kept only when its "
+                             "person has no record in training or holdout)" if cfg.user_unit else ""))
         exact = {"n_train": part.n_train, "n_holdout": part.n_holdout, "n_test": part.n_test}
         if cfg.user_unit:  # released (and planned with): counts of units, sensitivity 1 per unit
             exact = split.unit_counts(int(planted.sum()) // size)
