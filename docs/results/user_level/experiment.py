@@ -4,7 +4,7 @@ SYNTHETIC users: SST-2 training sentences grouped into users of Zipf-distributed
 (``make_users.py``; no data set at hand has a real author field). One partition with
 ``data.privacy_unit: author`` (whole users per split); its training split is the audit pool of users.
 M = K + 1 soft prompts per arm are trained, each on a random half of the pool's users (each user in
-half of them), with the library's trainer (``models.dp_prompt_training.train_prompt``):
+each model independently with probability ½), with the library's trainer (``models.dp_prompt_training.train_prompt``):
 
 * ``record``: record-level DP-SGD at ε (Poisson sampling of records, per-record clipping; q = B/n records);
 * ``user``: user-level DP-SGD at the same ε (Poisson sampling of users, one clipped mean gradient per
@@ -88,7 +88,11 @@ def main(argv=None) -> int:
 
     M = args.shadows + 1
     rng = np.random.default_rng(args.seed)
-    unit_in = np.argsort(rng.random((M, U)), axis=0) < M // 2  # (M, U): each user in M//2 of the models
+    # (M, U): each user in each model independently with probability ½. Not a balanced design (each
+    # user in exactly M/2 models): with each model in turn the target, a balanced design makes the
+    # number of a user's in-shadows depend on its membership of the target (M/2 − 1 vs M/2), and the
+    # noisier mean of the smaller side then biases LiRA below 0.5 (seen here: AUC 0.43 / 0.15)
+    unit_in = rng.random((M, U)) < 0.5
     row_in = unit_in[:, units]
     n_rec, n_units = row_in.sum(1).mean(), unit_in.sum(1).mean()
     per_user = n_rec / n_units
@@ -135,6 +139,7 @@ def main(argv=None) -> int:
             accs.append(float((pred == test_y).float().mean()))
             print(f"  {arm} model {m + 1}/{M}: acc {accs[-1]:.4f} ({time.time() - started:.0f} s)", flush=True)
         scores = np.stack(scores)  # (M, N)
+        np.savez(Path(args.state) / f"scores_{arm}.npz", scores=scores, row_in=row_in, units=units)  # private side
         unit_scores, member = [], []
         for t in range(M):  # each model the target, the others its shadows
             others = [m for m in range(M) if m != t]
