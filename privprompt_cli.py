@@ -6,6 +6,7 @@
     privprompt report EXPERIMENT
     privprompt ledger [--config CONFIG] [--json] | ledger import FILE [--key KEYFILE] | ledger set-key KEYFILE
     privprompt budget reservations | lower-cap DATASET EPS --reason R | set-delta DATASET DELTA --reason R
+                     | set-unit DATASET UNIT --reason R
     privprompt config --schema
     privprompt ui
     privprompt predict MODEL_URI --input FILE [--output FILE] [--batch-size N] [--device cpu|cuda]
@@ -578,6 +579,11 @@ def cmd_budget(args) -> int:
         dataset = ledger.find_dataset(args.dataset)
         if args.budget_command == "lower-cap":
             row = ledger.lower_cap(dataset["fingerprint"], args.epsilon, args.reason)
+        elif args.budget_command == "set-unit":
+            row = ledger.change_unit(dataset["fingerprint"], args.unit, args.reason)
+            print(f"dataset {row['name']} ({row['fingerprint'][:12]}): privacy unit {row['unit']!r} (its cap "
+                  f"ε={row['epsilon_cap']:g} is per {'record' if row['unit'] == 'record' else 'person'}; recorded)")
+            return 0
         else:
             row = ledger.change_delta(dataset["fingerprint"], args.delta, args.reason)
     except (*_user_errors(), LedgerError, ValueError) as err:
@@ -795,6 +801,11 @@ def main(argv: list[str] | None = None) -> int:
     redelta.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
     redelta.add_argument("delta", type=float)
     redelta.add_argument("--reason", required=True, help="why (recorded in the ledger)")
+    reunit = budget_sub.add_parser("set-unit", help="set the privacy unit (record, or the field naming a person) of "
+                                                    "a dataset nothing is charged to yet (recorded)")
+    reunit.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
+    reunit.add_argument("unit", help="record, or the data.privacy_unit field")
+    reunit.add_argument("--reason", required=True, help="why (recorded in the ledger)")
     config = sub.add_parser("config", help="the config reference, generated from the schema (docs/config.md)")
     config.add_argument("--schema", action="store_true", required=True,
                         help="print every config key with its type, default and meaning as Markdown")

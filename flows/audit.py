@@ -25,17 +25,18 @@ from tasks.state import state_paths
 
 
 @task(name="audit-pool", retries=1, retry_condition_fn=transient_only)
-def pool_task(target: dict, audit_config: dict, directory: str, seed: int) -> dict:
-    return build_pool(AuditTarget(**target), AuditConfig.model_validate(audit_config), Path(directory), seed)
+def pool_task(target_file: str, audit_config: dict, directory: str, seed: int) -> dict:
+    target = AuditTarget(**json.loads(Path(target_file).read_text()))  # a private file, never a task parameter
+    return build_pool(target, AuditConfig.model_validate(audit_config), Path(directory), seed)
 
 
 @task(name="shadow", task_run_name="shadow-{index}", tags=[GPU_TAG], retries=1, retry_condition_fn=transient_only)
-def shadow_task(target: dict, audit_config: dict, pool: dict, index: int, audit_run_id: str) -> dict:
+def shadow_task(target_file: str, audit_config: dict, pool: dict, index: int, audit_run_id: str) -> dict:
     import torch
 
     acfg = AuditConfig.model_validate(audit_config)
     torch.set_num_threads(acfg.dask.threads_per_worker)  # one worker per core, not oversubscribed
-    out = train_shadow(AuditTarget(**target), acfg, pool, index, audit_run_id)
+    out = train_shadow(AuditTarget(**json.loads(Path(target_file).read_text())), acfg, pool, index, audit_run_id)
     get_run_logger().info("shadow %d: %d steps in %.1f s", index, out["steps"], out["compute_s"])
     return out
 
@@ -59,13 +60,15 @@ def audit_flow(target_file: str, audit_config: dict) -> dict:
             f"membership audit of run {t.run_id}: {acfg.shadows} shadow prompts and attack statistics (not DP)")
         audit_run.log_params({"audit.shadows": acfg.shadows, "audit.pool_members": sizes["n_members"],
                               "audit.pool_nonmembers": sizes["n_nonmembers"], "audit.attacks": ",".join(acfg.attacks),
-                              "audit.dask": acfg.dask.address or f"local:{acfg.dask.n_workers}x{acfg.dask.threads_per_worker}"})
+                              "audit.dask": acfg.dask.address or f"local:{acfg.dask.n_workers}x{acfg.dask.threads_per_worker}",
+                              # membership of a unit (a person: all their records) or of a record
+                              "audit.membership": "units" if t.part.unit != "record" else "records"})
         directory = audit_dir(t, audit_id)
         seed = t.cfg.seed + 4242
-        pool = pool_task(target, audit_config, str(directory), seed)
+        pool = pool_task(target_file, audit_config, str(directory), seed)
         shadows = []
         if "lira" in acfg.attacks:
-            futures = shadow_task.map(unmapped(target), unmapped(audit_config), unmapped(pool),
+            futures = shadow_task.map(unmapped(target_file), unmapped(audit_config), unmapped(pool),
                                       list(range(acfg.shadows)), unmapped(audit_run.run_id))
             shadows = [f.result() for f in futures]
         metrics, details = attack_metrics(t, acfg, pool, [s["scores_path"] for s in shadows], directory, seed)

@@ -74,10 +74,13 @@ def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
         "flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": method,
         "experiment": cfg.experiment_name, "device": parent_tags["device"]})
     try:
-        # privacy.unit: every ε of this run is for adding or removing one record of the source
-        # (user-level units are not implemented yet: issue 28)
-        parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon, "privacy.unit": "record",
-                           "seed": cfg.seed, **(params or {})})
+        # privacy.unit: every ε of this run is for adding or removing one such unit of the source:
+        # `record`, or the field whose value identifies a person (data.privacy_unit); the field's
+        # name only, never a value
+        unit = {"data.max_records_per_unit": cfg.data.max_records_per_unit} \
+            if cfg.data.max_records_per_unit is not None else {}
+        parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon,
+                           "privacy.unit": cfg.data.privacy_unit, **unit, "seed": cfg.seed, **(params or {})})
         parent.log_text(config_to_yaml(cfg), "config.yaml")
         yield run
     except BaseException:

@@ -31,6 +31,14 @@ what the accountants assume; empty batches still take the noise-only step (skipp
 leak that the batch was empty). The noisy sum is divided by the EXPECTED batch size
 ``sample_rate * N``, not the realised one (which is data dependent).
 
+User-level DP (``units``: each example's privacy unit, e.g. the person who wrote it): Poisson
+sampling draws UNITS (each with probability ``sample_rate``) and takes all their examples; each
+sampled unit's examples' per-sample gradients are combined (mean, or sum: ``DPConfig.unit_combine``)
+into ONE gradient per unit, which is then clipped to C; the noise is σ·C and the expected batch is
+``sample_rate × units``. Adding or removing one unit moves the clipped sum by at most C, so the
+step is the subsampled Gaussian mechanism over units (the accountant's q and steps are over units).
+Without ``units`` every example is its own unit: exactly the record-level step above.
+
 A method changes a DP step only through :class:`DPStepHook` (hook points of the step, e.g.
 Privacy-Flat's AWP, frozen prefix layers and regulariser); this module knows no method.
 """
@@ -95,8 +103,12 @@ class DPConfig:
     # the planned expected batch q·n the noised sum is divided by, from the RELEASED n (None: q·N
     # of the rows given, for callers without a released size): an exact N would scale the output
     expected_batch: float | None = None
+    # with privacy units: how a unit's examples' gradients make its one gradient before clipping
+    unit_combine: str = "mean"  # "mean" | "sum"
 
     def __post_init__(self):
+        if self.unit_combine not in ("mean", "sum"):
+            raise ValueError(f"unit_combine must be 'mean' or 'sum', got {self.unit_combine!r}")
         if self.expected_batch is not None and not self.expected_batch > 0:
             raise ValueError(f"expected_batch must be > 0, got {self.expected_batch}")
         if not self.noise_multiplier >= 0:
@@ -196,6 +208,39 @@ def per_sample_prompt_gradients(
     return (grads, losses.detach()) if return_losses else grads
 
 
+def combine_per_unit(grads: torch.Tensor, unit_pos: torch.Tensor, n_units: int,
+                     out: torch.Tensor | None = None, counts: torch.Tensor | None = None):
+    """Add per-example gradients ``grads`` (B, ...) into per-unit sums ``out`` (n_units, ...) at
+    rows ``unit_pos`` (B,) and count the examples per unit in ``counts``; returns (out, counts).
+    Call :func:`finish_per_unit` once every example of the sampled units is in."""
+    if out is None:
+        out = torch.zeros((n_units, *grads.shape[1:]), device=grads.device, dtype=grads.dtype)
+        counts = torch.zeros(n_units, device=grads.device, dtype=grads.dtype)
+    unit_pos = unit_pos.to(grads.device)
+    out.index_add_(0, unit_pos, grads)
+    counts.index_add_(0, unit_pos, torch.ones(len(unit_pos), device=grads.device, dtype=grads.dtype))
+    return out, counts
+
+
+def finish_per_unit(summed: torch.Tensor, counts: torch.Tensor, combine: str = "mean") -> torch.Tensor:
+    """One gradient per unit: the sum of its examples' gradients, or their mean."""
+    if combine == "sum":
+        return summed
+    return summed / counts.clamp(min=1).view(-1, *[1] * (summed.dim() - 1))
+
+
+def per_unit_prompt_gradients(classifier: PromptClassifier, batch: dict[str, torch.Tensor], labels: torch.Tensor,
+                              prompt: torch.Tensor, units, combine: str = "mean") -> torch.Tensor:
+    """One gradient per unit of the batch, units numbered in order of first appearance: its
+    examples' per-sample gradients combined (``mean`` | ``sum``), before any clipping."""
+    index: dict[int, int] = {}
+    pos = torch.tensor([index.setdefault(int(u), len(index)) for u in torch.as_tensor(units).tolist()],
+                       dtype=torch.long)
+    grads = per_sample_prompt_gradients(classifier, batch, labels, prompt)
+    out, counts = combine_per_unit(grads, pos, len(index))
+    return finish_per_unit(out, counts, combine)
+
+
 def _check_per_sample_shape(grads: torch.Tensor, batch_size: int, prompt_shape: torch.Size) -> None:
     if grads.dim() != 1 + len(prompt_shape) or grads.shape[0] != batch_size or tuple(grads.shape[1:]) != tuple(prompt_shape):
         raise RuntimeError(
@@ -263,6 +308,7 @@ def train_prompt(
     sample_generator: torch.Generator | None = None,
     noise_generator: torch.Generator | None = None,
     hooks: Sequence[DPStepHook] = (),
+    units: torch.Tensor | None = None,
 ) -> TrainResult:
     """Train a soft prompt on the frozen ``classifier``; DP-SGD when ``dp`` is given.
 
@@ -272,7 +318,8 @@ def train_prompt(
     when not given they are SECRET (seeded from OS entropy), never derived from ``seed``
     (:func:`secret_generator`). :func:`seeded_dp_generators` gives reproducible ones for tests.
     ``hooks``: :class:`DPStepHook` s acting at the hook points of each DP step (none: plain
-    DP-SGD); ignored without ``dp``.
+    DP-SGD); ignored without ``dp``. ``units``: (N,) privacy unit index (0..U-1) of each example
+    for user-level DP-SGD (module docstring); None: every example is its own unit.
     """
     seed = config.seed if seed is None else seed
     labels = torch.as_tensor(labels, dtype=torch.long).cpu()
@@ -288,10 +335,16 @@ def train_prompt(
     opt = _optimizer([prompt.weight], config)
     if dp is None:
         return _train_nonprivate(classifier, encoded_train, labels, config, prompt, opt, progress, seed)
+    if units is not None:
+        units = torch.as_tensor(units, dtype=torch.long).cpu()
+        if units.shape != (N,) or units.min() < 0:
+            raise ValueError(f"units must be ({N},) non-negative unit indices, got shape {tuple(units.shape)}")
+        if torch.unique(units).numel() != int(units.max()) + 1:
+            raise ValueError("units must index the units 0..U-1, each with at least one example")
     g_sample = sample_generator if sample_generator is not None else secret_generator()
     g_noise = noise_generator if noise_generator is not None else secret_generator()
     return _train_dp(classifier, encoded_train, labels, config, dp, prompt, opt, progress, g_sample, g_noise,
-                     tuple(hooks))
+                     tuple(hooks), units)
 
 
 def secret_generator() -> torch.Generator:
@@ -337,11 +390,12 @@ def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, se
 
 def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progress,
               g_sample: torch.Generator, g_noise: torch.Generator,
-              hooks: tuple[DPStepHook, ...] = ()) -> TrainResult:
+              hooks: tuple[DPStepHook, ...] = (), units: torch.Tensor | None = None) -> TrainResult:
     N = num_examples(enc)
+    U = N if units is None else int(units.max()) + 1  # privacy units: examples, or the given units
     q, C, sigma = dp.sample_rate, dp.max_grad_norm, dp.noise_multiplier
     total = config.steps if config.steps is not None else max(1, round(config.epochs / q))
-    expected_batch = dp.expected_batch if dp.expected_batch is not None else q * N
+    expected_batch = dp.expected_batch if dp.expected_batch is not None else q * U
     # Separate CPU streams for sampling and noise (device independent), secret unless the caller
     # injected seeded ones (tests, the debug switch).
     report = StepProgress(progress, config.log_every, total)
@@ -350,8 +404,17 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
     history, empty, update_checked = [], 0, False
     mask = _combined_mask(hooks, shape, dev)  # hook point 1: the trainable part (None: all of it)
     for step in range(1, total + 1):
-        idx = (torch.rand(N, generator=g_sample) < q).nonzero().squeeze(1)  # Poisson sampling
-        B = int(idx.numel())
+        drawn = torch.rand(U, generator=g_sample) < q  # Poisson sampling of units (of examples without units)
+        if units is None:
+            idx = drawn.nonzero().squeeze(1)
+            B = int(idx.numel())
+        else:  # every example of each sampled unit
+            idx = drawn[units].nonzero().squeeze(1)
+            sampled_units = drawn.nonzero().squeeze(1)
+            B = int(sampled_units.numel())
+            unit_pos = torch.full((U,), -1, dtype=torch.long)
+            unit_pos[sampled_units] = torch.arange(B)
+            per_unit = counts = None
         summed = torch.zeros(shape, device=dev)
         seen, losses, clipped, norm_sum, nonfinite = 0, [], 0, 0.0, 0
         at = prompt.weight  # hook point 2: where the per-sample gradients are taken (the noise is added below)
@@ -368,15 +431,27 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
             if not bool(finite.all()):  # an example whose gradient overflowed contributes nothing
                 grads = torch.where(finite.view(-1, *[1] * len(shape)), grads, torch.zeros_like(grads))
                 nonfinite += int((~finite).sum())
+            seen += grads.shape[0]
+            losses.append(loss)
+            if units is not None:  # combined per unit, then clipped once per unit (below)
+                per_unit, counts = combine_per_unit(grads, unit_pos[units[chunk]], B, per_unit, counts)
+                continue
             norms = grads.flatten(1).norm(dim=1)
             factor = (C / (norms + 1e-6)).clamp(max=1.0)
             summed += (grads * factor.view(-1, *[1] * len(shape))).sum(0)
-            seen += grads.shape[0]
-            losses.append(loss)
             clipped += int((norms > C).sum())
             norm_sum += float(norms.sum())
-        if seen != B:
-            raise RuntimeError(f"per-sample gradients cover {seen} examples, the Poisson batch has {B}")
+        if seen != int(idx.numel()):
+            raise RuntimeError(f"per-sample gradients cover {seen} examples, the Poisson batch has {int(idx.numel())}")
+        if units is not None and B:
+            per_unit = finish_per_unit(per_unit, counts, dp.unit_combine)
+            if per_unit.shape[0] != B or bool((counts < 1).any()):
+                raise RuntimeError(f"per-unit gradients cover {per_unit.shape[0]} units, the Poisson batch has {B}")
+            norms = per_unit.flatten(1).norm(dim=1)
+            factor = (C / (norms + 1e-6)).clamp(max=1.0)
+            summed += (per_unit * factor.view(-1, *[1] * len(shape))).sum(0)  # one clipped gradient per unit
+            clipped += int((norms > C).sum())
+            norm_sum += float(norms.sum())
         if B == 0:
             empty += 1  # still step: noise only (skipping would reveal the empty batch)
         noise = torch.normal(0.0, sigma * C, size=tuple(shape), generator=g_noise).to(dev)
@@ -401,7 +476,8 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
             {
                 "step": step,
                 "loss": mean_loss,
-                "batch_size": B,
+                "batch_size": B,  # units sampled (examples, without units)
+                **({"batch_examples": int(idx.numel())} if units is not None else {}),
                 "clipped_frac": clipped / B if B else None,
                 "mean_grad_norm": norm_sum / B if B else None,
                 "nonfinite_examples": nonfinite,

@@ -414,6 +414,30 @@ def lira_scores_offline(target_scores, shadow_scores, shadow_in_mask, fix_varian
     return stats.norm.logcdf((x - mu_out) / sd_out)
 
 
+def unit_scores(scores, units, how: str = "sum") -> np.ndarray:
+    """Per-unit attack scores from per-example ones (membership of a UNIT: its records were in
+    training, issue 28): ``units`` (n,) unit index 0..U-1 per example; ``sum`` (log-likelihood
+    ratios such as LiRA's: the unit's likelihood ratio, its records taken as independent) or
+    ``mean`` (losses, confidences). Returns (U,)."""
+    scores, units = np.asarray(scores, dtype=float), np.asarray(units, dtype=np.int64)
+    if scores.shape != units.shape:
+        raise ValueError(f"scores {scores.shape} and units {units.shape} must have one entry per example")
+    if how not in ("sum", "mean"):
+        raise ValueError(f"how must be 'sum' or 'mean', got {how!r}")
+    total = np.bincount(units, weights=scores)
+    return total if how == "sum" else total / np.bincount(units)
+
+
+def unit_labels(member, units) -> np.ndarray:
+    """(U,) membership of each unit from its examples' (all equal within a unit, else an error)."""
+    member, units = np.asarray(member, dtype=bool), np.asarray(units, dtype=np.int64)
+    n_in = np.bincount(units, weights=member.astype(float))
+    n = np.bincount(units)
+    if np.any((n_in > 0) & (n_in < n)):
+        raise ValueError("a unit's examples must be all members or all non-members")
+    return n_in > 0
+
+
 # --------------------------------------------------------------------------------------------
 # one-run audit
 # --------------------------------------------------------------------------------------------

@@ -182,6 +182,26 @@ class DeltaMismatchError(ValueError):
     """A run's δ differs from the δ its dataset is composed at."""
 
 
+class UnitMismatchError(ValueError):
+    """A run's privacy unit differs from the unit its dataset's cap and charges are stated for."""
+
+
+def unit_mismatch_message(name: str, fingerprint: str, registered: str, unit: str) -> str:
+    """One line: why a run of privacy unit ``unit`` is refused on a dataset registered with ``registered``."""
+    where = f"dataset {name!r} (fingerprint {_short(fingerprint)})"
+    if registered != "record" and unit == "record":
+        return (f"{where} is registered with privacy unit {registered!r}: its cap and every ε charged to it are per "
+                f"person, and a record-level run's ε is per record — a person with k records could lose up to k·ε "
+                f"(group privacy), which the ledger would under-count; refused: set data.privacy_unit: {registered}")
+    if registered == "record":
+        return (f"{where} is registered with privacy unit 'record': its cap and charges are per record, and a run "
+                f"with data.privacy_unit: {unit} states its ε per person — the two do not compose into one budget; "
+                f"refused: set data.privacy_unit: record, or, while nothing is charged to the dataset, "
+                f"`privprompt budget set-unit {_short(fingerprint)} {unit} --reason TEXT`")
+    return (f"{where} is registered with privacy unit {registered!r}, this run's is {unit!r}: people identified by "
+            f"another field do not compose into one budget; refused: set data.privacy_unit: {registered}")
+
+
 class UnknownDatasetError(_LookupValueError):
     """No dataset with this fingerprint is registered."""
 
@@ -368,7 +388,7 @@ class Ledger:
     # -- datasets --
 
     def register_dataset(self, fingerprint: str, name: str, epsilon_cap: float, delta: float,
-                         allow_cap_change: bool = False) -> dict[str, Any]:
+                         allow_cap_change: bool = False, unit: str = "record") -> dict[str, Any]:
         """Register a dataset with its budget cap (ε_cap, δ); returns its ``datasets()`` row.
 
         Re-registering with the same name, cap and δ is a no-op. Different values raise
@@ -377,10 +397,13 @@ class Ledger:
         only ever be *lowered*: raising a cap after runs have spent against it is a policy
         decision, which is why every change is kept in the record. Lowering a cap below what is
         already spent is allowed; the dataset then has no budget left. Changing δ changes the δ
-        at which every past entry is composed.
+        at which every past entry is composed. ``unit``: the privacy unit the cap is stated for
+        (``record``, or the field naming a person); a registered dataset's unit is never changed
+        here (:class:`UnitMismatchError`; :meth:`change_unit` while nothing is charged).
         """
         _check_text(fingerprint, "fingerprint")
         _check_text(name, "name")
+        _check_text(unit, "unit")
         epsilon_cap = check_epsilon(epsilon_cap, "epsilon_cap")
         delta = check_delta(delta, "delta")
         if not isinstance(allow_cap_change, bool):
@@ -390,10 +413,13 @@ class Ledger:
             now = _now()
             if row is None:
                 _q(conn, 
-                    "INSERT INTO datasets (fingerprint, name, epsilon_cap, delta, created_at, updated_at)"
-                    " VALUES (?, ?, ?, ?, ?, ?)", (fingerprint, name, epsilon_cap, delta, now, now))
-                self._trail(conn, "register", fingerprint, name=name, epsilon_cap=epsilon_cap, delta=delta)
+                    "INSERT INTO datasets (fingerprint, name, epsilon_cap, delta, created_at, updated_at, unit)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)", (fingerprint, name, epsilon_cap, delta, now, now, unit))
+                self._trail(conn, "register", fingerprint, name=name, epsilon_cap=epsilon_cap, delta=delta,
+                            **({"unit": unit} if unit != "record" else {}))
             else:
+                if row["unit"] != unit:
+                    raise UnitMismatchError(unit_mismatch_message(row["name"], fingerprint, row["unit"], unit))
                 same = (row["name"] == name
                         and math.isclose(row["epsilon_cap"], epsilon_cap, rel_tol=1e-12, abs_tol=0.0)
                         and math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0))
@@ -584,7 +610,7 @@ class Ledger:
         return {**self.dataset(fp), "how": how}
 
     def register_source(self, key: str, name: str, epsilon_cap: float, delta: float, digests,
-                        legacy_key: str | None = None) -> dict[str, Any]:
+                        legacy_key: str | None = None, unit: str = "record") -> dict[str, Any]:
         """Charge a data source to its dataset, in one transaction under the ledger's write lock
         (concurrent runs on overlapping new sources cannot both register): returns the
         :meth:`datasets` row of the dataset charged, with ``how``:
@@ -599,9 +625,11 @@ class Ledger:
 
         ``digests``: the source's keyed record digests (16 bytes each, end to end or as a list);
         ``legacy_key``: its key before schema 5 (a dataset registered then has no digests and
-        gets them here)."""
+        gets them here). ``unit``: the source's privacy unit; a source matched to a dataset of
+        another unit is refused (:class:`UnitMismatchError`), nothing recorded."""
         _check_text(key, "key")
         _check_text(name, "name")
+        _check_text(unit, "unit")
         epsilon_cap = check_epsilon(epsilon_cap, "epsilon_cap")
         delta = check_delta(delta, "delta")
         digest_list = self._digest_list(digests)
@@ -612,12 +640,15 @@ class Ledger:
             now = _now()
             if not found:
                 fp, how = key, "new"
-                _q(conn, "INSERT INTO datasets (fingerprint, name, epsilon_cap, delta, created_at, updated_at)"
-                         " VALUES (?, ?, ?, ?, ?, ?)", (key, name, epsilon_cap, delta, now, now))
+                _q(conn, "INSERT INTO datasets (fingerprint, name, epsilon_cap, delta, created_at, updated_at, unit)"
+                         " VALUES (?, ?, ?, ?, ?, ?, ?)", (key, name, epsilon_cap, delta, now, now, unit))
                 self._trail(conn, "register", key, name=name, epsilon_cap=epsilon_cap, delta=delta,
-                            records=len(digest_list))
+                            records=len(digest_list), **({"unit": unit} if unit != "record" else {}))
             else:
                 ((fp, how),) = found.items()
+                row = self._dataset_row(conn, fp)
+                if row["unit"] != unit:  # before any record is added to it
+                    raise UnitMismatchError(unit_mismatch_message(row["name"], fp, row["unit"], unit))
             if owners is not None and digest_list:  # None: the dataset holds every record already
                 set_id = self._record_set_id(conn, fp)
                 if set_id is None:
@@ -913,6 +944,34 @@ class Ledger:
                             event=json.loads(event) if event else None)
         return self._entry_dict_for(run_id)
 
+    def require_unit(self, fingerprint: str, unit: str) -> None:
+        """Raise :class:`UnitMismatchError` when ``unit`` is not the dataset's privacy unit: its cap
+        and every ε charged to it are stated for that unit. A record-level run on a dataset of a
+        user unit is refused, not charged with a group-privacy bound: the number of records of the
+        largest unit is a private statistic, and without a bound the group-privacy ε is unbounded;
+        so the ledger never under-counts a person."""
+        row = self.dataset(fingerprint)
+        if row["unit"] != unit:
+            raise UnitMismatchError(unit_mismatch_message(row["name"], fingerprint, row["unit"], unit))
+
+    def change_unit(self, fingerprint: str, unit: str, reason: str) -> dict[str, Any]:
+        """Set the privacy unit of a dataset that nothing has been charged to yet (no dp entry in
+        any status but released / aborted): its cap is then stated for ``unit``. Recorded in the
+        trail with ``reason``. Refused once any ε is charged: that ε is stated for the old unit."""
+        _check_text(unit, "unit")
+        _check_text(reason, "reason")
+        with self._write() as conn:
+            row = self._dataset_row(conn, fingerprint)
+            charged = _q(conn, "SELECT COUNT(*) AS n FROM entries WHERE fingerprint = ? AND kind = 'dp' "
+                               "AND status IN ('reserved', 'committed')", (fingerprint,)).fetchone()["n"]
+            if charged:
+                raise ValueError(f"dataset {row['name']!r} (fingerprint {_short(fingerprint)}) has ε charged for its "
+                                 f"privacy unit {row['unit']!r}: its unit is never changed after that")
+            if row["unit"] != unit:
+                _q(conn, "UPDATE datasets SET unit = ?, updated_at = ? WHERE fingerprint = ?", (unit, _now(), fingerprint))
+                self._trail(conn, "unit_change", fingerprint, old_unit=row["unit"], new_unit=unit, reason=reason)
+        return self.dataset(fingerprint)
+
     def require_delta(self, fingerprint: str, delta: float) -> None:
         """Raise :class:`DeltaMismatchError` when ``delta`` is not the dataset's δ: every entry of a
         dataset is composed at one δ, and a run planned at another would be mis-accounted."""
@@ -1200,6 +1259,7 @@ class Ledger:
                     "name": ds["name"],
                     "epsilon_cap": ds["epsilon_cap"],
                     "delta": ds["delta"],
+                    "unit": ds["unit"],  # the privacy unit the cap and every charge are stated for
                     "spent_epsilon": s.epsilon,
                     "remaining_epsilon": max(0.0, ds["epsilon_cap"] - s.epsilon),
                     "reserved_runs": counts.get(("dp", "reserved"), 0),

@@ -40,7 +40,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 DEFAULT_BUSY_TIMEOUT_S = 120.0
 # pg_advisory_xact_lock key of the ledger's write lock (any fixed 64-bit number; "privledg")
 PG_LOCK_KEY = 0x7072_6976_6C65_6467
@@ -68,6 +68,9 @@ datasets_table = sa.Table(
     sa.Column("delta", sa.Double, nullable=False),
     sa.Column("created_at", sa.Text, nullable=False),
     sa.Column("updated_at", sa.Text, nullable=False),
+    # the privacy unit its cap and every ε charged to it are stated for (schema 6): 'record', or the
+    # field naming a person (a user unit); runs of another unit are refused (privacy/ledger.py)
+    sa.Column("unit", sa.Text, nullable=False, server_default="record"),
     sa.CheckConstraint("epsilon_cap > 0"),
     sa.CheckConstraint("delta > 0 AND delta < 1"),
 )
@@ -378,6 +381,9 @@ class Store:
                 columns = {r[1] for r in conn.exec_driver_sql("PRAGMA table_info(cap_changes)")}
                 if "reason" not in columns:
                     conn.exec_driver_sql("ALTER TABLE cap_changes ADD COLUMN reason TEXT")
+            if 0 < version < 6:  # schema 6: each dataset's privacy unit (every existing one is 'record')
+                if "unit" not in {c["name"] for c in sa.inspect(conn).get_columns("datasets")}:
+                    conn.exec_driver_sql("ALTER TABLE datasets ADD COLUMN unit TEXT NOT NULL DEFAULT 'record'")
             for statement in (_SQLITE_TRIGGERS if self.dialect == "sqlite" else _PG_TRIGGERS) \
                     if version < SCHEMA_VERSION else []:
                 conn.exec_driver_sql(statement)

@@ -98,8 +98,13 @@ def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
 
 
 def check_pool_size(part: Partition, acfg: AuditConfig) -> dict:
-    """The pool's member / non-member counts; an error if too few non-members for the FPRs."""
-    half = min(part.n_train - part.n_canaries_planted, part.n_holdout)
+    """The pool's member / non-member counts — of records, or with a user privacy unit of UNITS
+    (membership of a person: all their records were in training) —; an error if too few
+    non-members for the FPRs."""
+    if part.unit != "record":
+        half = min(part.n_train_units - part.n_canary_units_planted, part.n_holdout_units)
+    else:
+        half = min(part.n_train - part.n_canaries_planted, part.n_holdout)
     if acfg.pool_size is not None:
         half = min(half, acfg.pool_size // 2)
     needed = max(math.ceil(1.0 / f) for f in acfg.fprs)
@@ -118,6 +123,8 @@ def build_pool(target: AuditTarget, acfg: AuditConfig, directory: Path, seed: in
     sizes = check_audit(target, acfg)
     part = target.part
     rng = np.random.default_rng(seed)
+    if part.unit != "record":
+        return _build_unit_pool(part, acfg, directory, rng, sizes)
     texts, labels = read_partition_split(part.train_path)
     canaries = set()
     if part.n_canaries_planted:
@@ -136,6 +143,45 @@ def build_pool(target: AuditTarget, acfg: AuditConfig, directory: Path, seed: in
     pq.write_table(pa.table({"text": pool_texts, "label": pool_labels, "member": member.tolist()}), pool_path)
     np.save(mask_path, mask)
     return {"pool_path": str(pool_path), "mask_path": str(mask_path), "n_pool": n, "shadows": k, **sizes}
+
+
+def _build_unit_pool(part: Partition, acfg: AuditConfig, directory: Path, rng: np.random.Generator,
+                     sizes: dict) -> dict:
+    """The pool at the unit level: ``n_members`` training units (canary units aside) and
+    ``n_nonmembers`` holdout units, each with ALL its records; each UNIT is in a random half of the
+    shadows (its records together: a shadow trains on whole units, per unit). The pool file adds
+    the column ``unit`` (the pool's own unit index 0..U-1, members first; no digest, no id)."""
+    from .data import read_partition_units
+
+    texts, labels = read_partition_split(part.train_path)
+    units = read_partition_units(part.train_path)
+    h_texts, h_labels = read_partition_split(part.holdout_path)
+    h_units = read_partition_units(part.holdout_path)
+    train_units = sorted({u for u in units if not u.startswith("canary-")})  # canaries: their own audit
+    members = rng.choice(len(train_units), size=sizes["n_members"], replace=False)
+    holdout_units = sorted(set(h_units))
+    nonmembers = rng.choice(len(holdout_units), size=sizes["n_nonmembers"], replace=False)
+    index = {train_units[i]: j for j, i in enumerate(members)}
+    h_index = {holdout_units[i]: len(members) + j for j, i in enumerate(nonmembers)}
+    rows = [(t, y, index[u]) for t, y, u in zip(texts, labels, units) if u in index]
+    rows += [(t, y, h_index[u]) for t, y, u in zip(h_texts, h_labels, h_units) if u in h_index]
+    rows.sort(key=lambda r: r[2])
+    pool_units = np.array([r[2] for r in rows], dtype=np.int64)
+    member = pool_units < len(members)
+    n_units, k = len(members) + len(nonmembers), acfg.shadows
+    unit_mask = np.argsort(rng.random((k, n_units)), axis=0) < k // 2  # each unit in half the shadows
+    mask = unit_mask[:, pool_units]  # per row: its unit's
+    pool_path, mask_path = directory / "pool.parquet", directory / "shadow_in.npy"
+    pq.write_table(pa.table({"text": [r[0] for r in rows], "label": [r[1] for r in rows], "member": member.tolist(),
+                             "unit": pool_units.tolist()}), pool_path)
+    np.save(mask_path, mask)
+    return {"pool_path": str(pool_path), "mask_path": str(mask_path), "n_pool": len(rows), "shadows": k,
+            "unit_level": True, **sizes}
+
+
+def _pool_units(pool_path: str) -> np.ndarray | None:
+    table = pq.read_table(pool_path)
+    return np.asarray(table.column("unit").to_pylist(), dtype=np.int64) if "unit" in table.column_names else None
 
 
 _POOLS: dict = {}
@@ -174,7 +220,9 @@ def shadow_prompt(target: AuditTarget, pool_path: str, idx: np.ndarray, seed: in
     ``train`` + ``post_process`` (through the registry): (prompt, training steps)."""
     table = pq.read_table(pool_path)
     texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
-    rows = PrivateRows([texts[i] for i in idx], [labels[i] for i in idx])
+    units = _pool_units(pool_path)
+    rows = PrivateRows([texts[i] for i in idx], [labels[i] for i in idx],
+                       units=None if units is None else [str(units[i]) for i in idx])
     return method_shadow(target.config, target.method, target.prepared, target.state_dir, rows, seed)
 
 
@@ -223,6 +271,12 @@ def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_pa
         in_mask = np.load(pool["mask_path"])[[int(Path(p).stem.split("_")[1]) for p in shadow_paths]]
         per_attack["lira"] = stats.lira_scores_online(tgt["logit"], shadow_logit, in_mask)
         per_attack["lira_offline"] = stats.lira_scores_offline(tgt["logit"], shadow_logit, in_mask)
+    units = _pool_units(pool["pool_path"])
+    what = "pool examples"
+    if units is not None:  # membership of a unit: its records' log-likelihood ratios summed, other scores averaged
+        per_attack = {name: stats.unit_scores(s, units, "sum" if name.startswith("lira") else "mean")
+                      for name, s in per_attack.items()}
+        member, what = stats.unit_labels(member, units), "pool units"
     metrics, curves, report = {}, {}, {}
     rng = np.random.default_rng(seed)
     for name, scores in per_attack.items():
@@ -231,7 +285,7 @@ def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_pa
         fpr, tpr, _ = stats.roc_curve(scores, member)
         curves[name] = (fpr, tpr, m["auc"])
         report[name] = m
-    fig = plots.roc_curve_plot(curves, f"membership inference: {target.method} ({len(member)} pool examples)")
+    fig = plots.roc_curve_plot(curves, f"membership inference: {target.method} ({len(member)} {what})")
     roc_path = out_dir / "roc_attacks.png"
     fig.savefig(roc_path, dpi=120, bbox_inches="tight")
     plots.close(fig)
@@ -255,7 +309,10 @@ def canary_audit(target: AuditTarget, acfg: AuditConfig) -> dict | None:
     y = label_indices(labels, cfg.data.labels)
     enc = clf.encode(texts, max_length=input_length(cfg, target.model, clf))
     scores = -per_example_loss(clf, enc, y, prompt, cfg.models.eval_batch_size).numpy()
-    m = len(texts)
+    if "unit" in table.column_names:  # canary UNITS (a user unit): a unit's score is its records' mean
+        units = np.asarray(table.column("unit").to_pylist(), dtype=np.int64)
+        scores, planted = stats.unit_scores(scores, units, "mean"), stats.unit_labels(planted, units)
+    m = len(scores)
     ks = [(k, k) for k in sorted({max(1, m // 20), max(1, m // 10), max(1, m // 4)}) if 2 * k <= m]
     delta = target.delta or 0.0
     result = stats.best_one_run_audit(scores, planted, ks=ks, delta=delta, confidence=acfg.confidence)

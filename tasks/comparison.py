@@ -30,7 +30,11 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
             if "mlflow.parentRunId" in tags or tags.get("flow") == "sweep" or "method" not in tags:
                 continue
             eta = _ldp_level(tags["method"], run.data.params)
-            rows.append({"run_id": run.info.run_id, "method": tags.get("method.label") or tags["method"],
+            label = tags.get("method.label") or tags["method"]
+            unit = run.data.params.get("privacy.unit", "record")
+            if unit != "record":  # ε per person: never pooled with the record-level runs of the method
+                label = f"{label} [unit: {unit}]"
+            rows.append({"run_id": run.info.run_id, "method": label, "unit": unit,
                          "dataset": tags.get("dataset", ""),
                          "zero_shot": run.data.metrics.get("test.accuracy.zero_shot"),
                          "guarantee": tags.get("privacy.guarantee", "none"),

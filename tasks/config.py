@@ -137,6 +137,10 @@ class PrivPromptConfig(Block):
         # the published method always runs, whatever its `enabled` says; baselines are the enabled others
         for name in self.run_methods:
             method = get_method(name)
+            if self.data.user_unit and method.guarantee(self) == "dp" and not method.unit_level:
+                raise ValueError(f"data.privacy_unit: {self.data.privacy_unit!r} makes a person the privacy unit, and "
+                                 f"methods.{name} bounds only one record's contribution (no per-unit mechanism): use "
+                                 "data.privacy_unit: record, or another method")
             method.validate(self, published=name == self.method)
             if method.uses_public_data(self) and self.public is None:
                 raise ValueError(f"public: method {name} needs a public dataset (the `public:` block)")
@@ -290,9 +294,12 @@ def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
 def config_hash(cfg: PrivPromptConfig) -> str:
     """A hash of the validated config minus where it runs (state folder, ledger): a rerun of the same
     variant has the same hash (resumable sweeps skip variants with a FINISHED run of it)."""
+    from .data import data_dump
+
     data = cfg.model_dump(mode="json")
     for key in ("state_dir", "ledger", "sweep", "grid", "seeds", "sweep_dask"):
         data.pop(key, None)
+    data["data"] = data_dump(cfg.data)  # the unit at its default hashes as before it existed
     data[LEGACY_FLOW_KEY[0]] = LEGACY_FLOW_KEY[1]  # hashed as before: stored runs' config.hash still match
     return digest_key(data, length=20)
 

@@ -51,6 +51,14 @@ class Partition:
     # the split sizes as released (Gaussian noise from secret randomness, drawn once per partition:
     # :func:`release_sizes`): what runs publish and plan with; the exact sizes above stay local
     released: dict = field(default_factory=dict)
+    # the privacy unit (``data.privacy_unit``): `record`, or the field naming a person; with a user
+    # unit the train / holdout files carry each row's keyed unit digest (column ``unit``), the exact
+    # unit counts below stay local and the released sizes count units
+    unit: str = "record"
+    n_train_units: int = 0
+    n_holdout_units: int = 0
+    n_test_units: int = 0
+    n_canary_units_planted: int = 0  # with a user unit: planted canary units (n_canaries_planted counts records)
 
     @property
     def train_path(self) -> str:
@@ -106,6 +114,8 @@ class ReleasedSizes:
     n_holdout: int
     n_test: int
     sigma: float
+    # what the counts count: `record`, or the user-unit field (then they are counts of units)
+    unit: str = "record"
 
     @property
     def event(self):
@@ -122,8 +132,11 @@ class ReleasedSizes:
         return int(self.n_train + math.ceil(3 * self.sigma))
 
     def params(self) -> dict:
-        return {"data.n_train": self.n_train, "data.n_holdout": self.n_holdout, "data.n_test": self.n_test,
-                "data.size_noise_sigma": self.sigma}
+        params = {"data.n_train": self.n_train, "data.n_holdout": self.n_holdout, "data.n_test": self.n_test,
+                  "data.size_noise_sigma": self.sigma}
+        if self.unit != "record":
+            params["data.sizes_count"] = "units"
+        return params
 
 
 def release_sizes(cfg: DataConfig, membership: str, private_dir: str | Path, exact: dict[str, int],
@@ -148,7 +161,7 @@ def release_sizes(cfg: DataConfig, membership: str, private_dir: str | Path, exa
         folder.mkdir(parents=True, exist_ok=True)
         names = ("n_train", "n_holdout", "n_test")
         noisy = release_counts([int(exact[k]) for k in names], cfg.size_noise_sigma, secret_rng())
-        data = {**dict(zip(names, noisy)), "sigma": float(cfg.size_noise_sigma)}
+        data = {**dict(zip(names, noisy)), "sigma": float(cfg.size_noise_sigma), "unit": cfg.privacy_unit}
         fd, tmp = tempfile.mkstemp(prefix=".sizes-", dir=folder)
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh)
@@ -162,7 +175,7 @@ def release_sizes(cfg: DataConfig, membership: str, private_dir: str | Path, exa
             os.unlink(tmp)
     drawn = json.loads(path.read_text())
     return ReleasedSizes(n_train=int(drawn["n_train"]) + int(canaries_planted), n_holdout=int(drawn["n_holdout"]),
-                         n_test=int(drawn["n_test"]), sigma=float(drawn["sigma"]))
+                         n_test=int(drawn["n_test"]), sigma=float(drawn["sigma"]), unit=drawn.get("unit", "record"))
 
 
 # ---- reading ---------------------------------------------------------------------------------
@@ -217,12 +230,26 @@ def _read_hub(cfg: DataConfig, split: str) -> list[dict]:
         label = row.get(cfg.label_field)
         if names is not None and isinstance(label, int):
             label = names[label]
-        rows.append({cfg.text_field: row.get(cfg.text_field), cfg.label_field: label})
+        item = {cfg.text_field: row.get(cfg.text_field), cfg.label_field: label}
+        if cfg.user_unit and cfg.privacy_unit in row:
+            item[cfg.privacy_unit] = row[cfg.privacy_unit]
+        rows.append(item)
     return rows
 
 
-def _normalise(rows: list[dict], cfg: DataConfig, source: str) -> tuple[list[str], list[str]]:
-    texts, labels = [], []
+def _unit_id(row: dict, cfg: DataConfig, source: str, i: int) -> str:
+    """The unit id of a record (``data.privacy_unit``'s value) as text; a missing or empty one is a
+    one-line error naming the field, never a value."""
+    value = row.get(cfg.privacy_unit)
+    if isinstance(value, bool) or not isinstance(value, (str, int, np.integer)) or not str(value).strip():
+        raise DataError(f"{source} record {i}: the privacy unit field '{cfg.privacy_unit}' (data.privacy_unit) is "
+                        "missing or empty: every record needs the id of the person it belongs to (or set "
+                        "data.privacy_unit: record)")
+    return str(value).strip()
+
+
+def _normalise(rows: list[dict], cfg: DataConfig, source: str) -> tuple[list[str], list[str], list[str] | None]:
+    texts, labels, units = [], [], ([] if cfg.user_unit else None)
     known = set(cfg.labels)
     for i, row in enumerate(rows, 1):
         if cfg.text_field not in row or cfg.label_field not in row:
@@ -241,11 +268,13 @@ def _normalise(rows: list[dict], cfg: DataConfig, source: str) -> tuple[list[str
         if label not in known:  # never the value itself: a mis-set label_field would echo private text
             raise DataError(f"{source} record {i}: unknown label in field '{cfg.label_field}': its value (not "
                             f"shown: it may be private text) is not one of {cfg.labels} nor mapped by label_map")
+        if units is not None:
+            units.append(_unit_id(row, cfg, source, i))
         texts.append(text)
         labels.append(label)
     if not texts:
         raise DataError(f"{source} is empty")
-    return texts, labels
+    return texts, labels, units
 
 
 def resolve_data_folder(cfg: DataConfig, data_root: str | None) -> Path:
@@ -257,6 +286,15 @@ def resolve_data_folder(cfg: DataConfig, data_root: str | None) -> Path:
 
 
 def read_split(cfg: DataConfig, data_root: str | None, split: str) -> tuple[list[str], list[str]]:
+    """(texts, labels) of one split of the source."""
+    return read_split_units(cfg, data_root, split)[:2]
+
+
+def read_split_units(cfg: DataConfig, data_root: str | None, split: str
+                     ) -> tuple[list[str], list[str], list[str] | None]:
+    """(texts, labels, unit ids) of one split; unit ids None with ``data.privacy_unit: record``.
+    The unit ids are private (they identify people): they never leave this module but as keyed
+    digests (:func:`unit_digests`)."""
     if cfg.hub:
         return _normalise(_read_hub(cfg, split), cfg, f"hub dataset {cfg.hub}:{split}")
     folder = resolve_data_folder(cfg, data_root)
@@ -469,40 +507,184 @@ def _keyed_order(key: bytes, texts: list[str], labels: list[str]) -> list[int]:
     return [int(i) for i in np.argsort(record_uniforms(key, _TAG_ORDER, texts, labels), kind="stable")]
 
 
+# ---- user units (data.privacy_unit: a field naming a person) ------------------------------------
+
+_TAG_UNIT = b"privprompt/unit\x00"
+_TAG_SPLIT_UNIT = b"privprompt/split/unit-train-holdout\x00"
+_TAG_TEST_UNIT = b"privprompt/split/unit-test\x00"
+_TAG_CAP = b"privprompt/unit-cap\x00"
+UNIT_DIGEST_HEX = 32
+
+
+def unit_digests(key: bytes, units: list[str]) -> list[str]:
+    """Keyed digests of unit ids (HMAC-SHA256 with ``key``, the installation secret, 128 bits in
+    hex): how a partition file names a record's unit. Without the key a digest confirms no guess
+    about a person; the ids themselves are never written."""
+    base = hmac.new(key, _TAG_UNIT, hashlib.sha256)
+    out = []
+    for u in units:
+        h = base.copy()
+        h.update(u.encode("utf-8"))
+        out.append(h.hexdigest()[:UNIT_DIGEST_HEX])
+    return out
+
+
+def _digest_uniforms(key: bytes, tag: bytes, digests: list[str]) -> np.ndarray:
+    """u in [0, 1) per unit digest: a keyed hash of the unit alone (as :func:`record_uniforms` for records)."""
+    out = np.empty(len(digests), dtype=np.float64)
+    base = hmac.new(key, tag, hashlib.sha256)
+    memo: dict[str, float] = {}
+    for i, d in enumerate(digests):
+        if d not in memo:
+            h = base.copy()
+            h.update(d.encode("ascii"))
+            memo[d] = (int.from_bytes(h.digest()[:8], "big") >> 11) / float(1 << 53)
+        out[i] = memo[d]
+    return out
+
+
+def cap_per_unit(key: bytes, texts: list[str], labels: list[str], units: list[str], cap: int) -> np.ndarray:
+    """Mask of the records kept under a contribution bound of ``cap`` records per unit: within each
+    unit, the ``cap`` records of smallest keyed hash (:func:`record_uniforms`, its own tag). Which of
+    a unit's records are kept depends on that unit's records alone, never on the seed nor on other
+    units (neighbour-stable at the unit level)."""
+    r = record_uniforms(key, _TAG_CAP, texts, labels)
+    keep = np.zeros(len(texts), dtype=bool)
+    taken: dict[str, int] = {}
+    for i in np.lexsort((r, np.array(units, dtype=object).astype(str))):
+        u = units[int(i)]
+        if taken.get(u, 0) < cap:
+            taken[u] = taken.get(u, 0) + 1
+            keep[int(i)] = True
+    return keep
+
+
+@dataclass
+class SourceSplit:
+    """Which source records go where: masks over the train split's records (``train``,
+    ``holdout``) and the test split's (``test``); with a user unit, the keyed unit digests of both
+    splits' records (None with ``record``)."""
+
+    train: np.ndarray
+    holdout: np.ndarray
+    test: np.ndarray
+    units: list[str] | None = None
+    test_units: list[str] | None = None
+
+    def unit_counts(self, planted_canaries: int = 0) -> dict[str, int]:
+        """Distinct units per split (plus ``planted_canaries`` planted canary units in training):
+        what a user-unit partition releases (one unit moves one of these counts by at most one)."""
+        pick = lambda mask, us: {u for u, m in zip(us, mask) if m}  # noqa: E731
+        return {"n_train": len(pick(self.train, self.units)) + planted_canaries,
+                "n_holdout": len(pick(self.holdout, self.units)),
+                "n_test": len(pick(self.test, self.test_units))}
+
+
+def split_source(cfg: DataConfig, key: bytes, train: tuple, test: tuple) -> SourceSplit:
+    """The split rule of a partition. ``train`` / ``test``: (texts, labels, unit ids or None) of
+    the source's two splits. With ``data.privacy_unit: record`` each record by its own keyed hash
+    (:func:`assign_splits`, :func:`assign_test`). With a user unit, WHOLE units by a keyed hash of
+    the unit id: a unit is held out when its u < holdout_fraction, trains when holdout_fraction ≤
+    u < holdout_fraction + train rate; ``data.max_records_per_unit`` then keeps at most that many
+    of each unit's records (:func:`cap_per_unit`); the test split keeps a unit's records when the
+    unit's own test hash < test_fraction and the unit has no record on the training side (train or
+    holdout) — so a person is never in both. Every decision depends on one unit's records alone."""
+    texts, labels, units = train
+    test_texts, test_labels, test_units = test
+    if not cfg.user_unit:
+        tr, ho = assign_splits(cfg, key, texts, labels)
+        return SourceSplit(tr, ho, assign_test(cfg, key, test_texts, test_labels))
+    ud, tud = unit_digests(key, units), unit_digests(key, test_units)
+    u = _digest_uniforms(key, _TAG_SPLIT_UNIT, ud)
+    holdout = u < cfg.holdout_fraction
+    side = u < cfg.holdout_fraction + cfg.train_rate
+    tr = side & ~holdout
+    if cfg.max_records_per_unit is not None:
+        kept = cap_per_unit(key, texts, labels, ud, cfg.max_records_per_unit)
+        tr, holdout = tr & kept, holdout & kept
+    training_side = {d for d, m in zip(ud, side) if m}
+    test_mask = np.array([d not in training_side for d in tud], dtype=bool)
+    if cfg.test_fraction < 1.0:
+        test_mask &= _digest_uniforms(key, _TAG_TEST_UNIT, tud) < cfg.test_fraction
+    return SourceSplit(tr, holdout, test_mask, ud, tud)
+
+
+def canary_unit_size(cfg: DataConfig) -> int:
+    """Records per canary unit: ``data.canary_records_per_unit`` with a user unit, else 1."""
+    return cfg.canary_records_per_unit if cfg.user_unit else 1
+
+
 def draw_canaries(cfg: DataConfig, seed: int) -> tuple[list[str], list[str], np.ndarray]:
     """Canary texts, labels and which are planted (each with probability ½), from the seeded audit
-    randomness: canaries are not source records, and the audit knows their draw."""
+    randomness: canaries are not source records, and the audit knows their draw. With a user unit,
+    ``data.canaries`` canary UNITS of :func:`canary_unit_size` records each (record j in unit
+    j // size), each unit planted with probability ½ (``planted`` per record: its unit's)."""
     if not cfg.canaries:
         return [], [], np.zeros(0, dtype=bool)
     rng = np.random.default_rng(seed)
-    texts, labels = make_canaries(cfg.canaries, cfg.labels, rng)
-    return texts, labels, rng.random(cfg.canaries) < 0.5
+    size = canary_unit_size(cfg)
+    texts, labels = make_canaries(cfg.canaries * size, cfg.labels, rng)
+    return texts, labels, np.repeat(rng.random(cfg.canaries) < 0.5, size)
+
+
+def release_inputs(cfg: DataConfig, key: bytes, split: "SourceSplit", train: tuple, test: tuple,
+                   planted_units: int) -> tuple[str, dict[str, int], int]:
+    """What :func:`release_sizes` needs: the splits' :func:`membership_key` (over each split's
+    records, with their keyed unit digests under a user unit), the exact SOURCE counts per split
+    (records, or distinct units with a user unit: what is released) and the planted canary units."""
+    texts, labels, _ = train
+    test_texts, test_labels, _ = test
+
+    def rows(mask, xs, ys, uds):
+        ys = ys if uds is None else [f"{y}\x00{d}" for y, d in zip(ys, uds)]
+        return [x for x, m in zip(xs, mask) if m], [y for y, m in zip(ys, mask) if m]
+
+    membership = membership_key(key, [([cfg.privacy_unit], [""]),  # what the counts count
+                                      rows(split.train, texts, labels, split.units),
+                                      rows(split.holdout, texts, labels, split.units),
+                                      rows(split.test, test_texts, test_labels, split.test_units)])
+    if cfg.user_unit:
+        exact = split.unit_counts(0)
+    else:
+        exact = {"n_train": int(split.train.sum()), "n_holdout": int(split.holdout.sum()),
+                 "n_test": int(split.test.sum())}
+    return membership, exact, int(planted_units)
 
 
 def split_release_inputs(cfg: DataConfig, seed: int, private_dir: str | Path,
                          data_root: str | None) -> tuple[str, dict[str, int], int]:
-    """What :func:`release_sizes` needs for a partition of ``cfg``, computed as
-    :func:`partition_dataset` does, writing nothing (reads the source and hashes its records): the
-    splits' :func:`membership_key`, the exact SOURCE sizes per split, the canaries planted."""
+    """:func:`release_inputs` of a partition of ``cfg``, computed as :func:`partition_dataset`
+    does, writing nothing (reads the source and hashes its records)."""
     from .state import installation_secret
 
     key = installation_secret(private_dir)
-    texts, labels = read_split(cfg, data_root, cfg.train_split)
-    train, holdout = assign_splits(cfg, key, texts, labels)
-    test_texts, test_labels = read_split(cfg, data_root, cfg.test_split)
-    test = assign_test(cfg, key, test_texts, test_labels)
-    pick = lambda mask, xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
-    membership = membership_key(key, [(pick(m, t), pick(m, y)) for m, t, y in
-                                      ((train, texts, labels), (holdout, texts, labels), (test, test_texts, test_labels))])
-    exact = {"n_train": int(train.sum()), "n_holdout": int(holdout.sum()), "n_test": int(test.sum())}
-    return membership, exact, int(draw_canaries(cfg, seed)[2].sum())
+    train = read_split_units(cfg, data_root, cfg.train_split)
+    test = read_split_units(cfg, data_root, cfg.test_split)
+    split = split_source(cfg, key, train, test)
+    planted = int(draw_canaries(cfg, seed)[2].sum()) // canary_unit_size(cfg)
+    return release_inputs(cfg, key, split, train, test, planted)
 
 
 def split_sizes(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> dict[str, int]:
-    """The sizes a partition of ``cfg`` has (train with planted canaries, holdout, test), computed
-    as :func:`partition_dataset` does, writing nothing."""
+    """The sizes a partition of ``cfg`` releases (train with planted canaries, holdout, test):
+    records, or with a user unit distinct units; computed as :func:`partition_dataset` does,
+    writing nothing."""
     _, exact, planted = split_release_inputs(cfg, seed, private_dir, data_root)
     return {**exact, "n_train": exact["n_train"] + planted}
+
+
+UNIT_DEFAULTS = {"privacy_unit": "record", "max_records_per_unit": None, "canary_records_per_unit": 1}
+
+
+def data_dump(cfg: DataConfig) -> dict:
+    """``cfg`` as JSON without the unit settings at their defaults: a record-unit config hashes (its
+    partition key, its config hash) as it did before ``data.privacy_unit`` existed, so its
+    partition and its released sizes are reused, never drawn again."""
+    data = cfg.model_dump(mode="json")
+    for k, v in UNIT_DEFAULTS.items():
+        if data.get(k) == v:
+            data.pop(k)
+    return data
 
 
 def partition_key(cfg: DataConfig, seed: int, data_root: str | None, private_dir: str | Path) -> str:
@@ -512,7 +694,7 @@ def partition_key(cfg: DataConfig, seed: int, data_root: str | None, private_dir
     a team ledger (another key) partitions anew instead of charging under its old key's name."""
     from .state import key_id
 
-    return digest_key({"data": cfg.model_dump(mode="json"), "split": "keyed-hash-v1",
+    return digest_key({"data": data_dump(cfg), "split": "keyed-hash-v1",
                        "seed": seed if cfg.canaries else None, "source": source_signature(cfg, data_root),
                        "key": key_id(private_dir)})
 
@@ -532,41 +714,46 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
         shutil.rmtree(out_dir)  # written before datasets were known by their records: partition again
 
     secret = installation_secret(private_dir)
-    texts, labels = read_split(cfg, data_root, cfg.train_split)
-    test_texts, test_labels = read_split(cfg, data_root, cfg.test_split)
-    train_mask, holdout_mask = assign_splits(cfg, secret, texts, labels)
+    texts, labels, units = read_split_units(cfg, data_root, cfg.train_split)
+    test_texts, test_labels, test_units = read_split_units(cfg, data_root, cfg.test_split)
+    split = split_source(cfg, secret, (texts, labels, units), (test_texts, test_labels, test_units))
+    train_mask, holdout_mask, test_mask = split.train, split.holdout, split.test
     if not train_mask.any():
         raise DataError(f"dataset {cfg.name!r}: the training split is empty after partitioning; raise "
                         "data.train_fraction")
     if not holdout_mask.any():
         raise DataError(f"dataset {cfg.name!r}: the holdout split is empty; raise holdout_fraction")
-    test_mask = assign_test(cfg, secret, test_texts, test_labels)
 
     pick = lambda mask, xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
     tr_texts, tr_labels = pick(train_mask, texts), pick(train_mask, labels)
-    membership = membership_key(secret, [(tr_texts, tr_labels), (pick(holdout_mask, texts), pick(holdout_mask, labels)),
-                                         (pick(test_mask, test_texts), pick(test_mask, test_labels))])
-    n_source_train = len(tr_texts)
     canary_texts, canary_labels, planted = draw_canaries(cfg, seed)
     tr_texts += pick(planted, canary_texts)
     tr_labels += pick(planted, canary_labels)
+    # with a user unit, the rows' keyed unit digests (a planted canary is a unit of its own)
+    size = canary_unit_size(cfg)
+    tr_units = (pick(train_mask, split.units) + [f"canary-{i // size:06d}" for i in np.flatnonzero(planted)]
+                if cfg.user_unit else None)
 
-    def ordered(xs, ys):
+    def ordered(xs, ys, us=None):
         order = _keyed_order(secret, xs, ys)
-        return [xs[i] for i in order], [ys[i] for i in order]
+        return [xs[i] for i in order], [ys[i] for i in order], (None if us is None else [us[i] for i in order])
 
-    tr_texts, tr_labels = ordered(tr_texts, tr_labels)
-    ho_texts, ho_labels = ordered(pick(holdout_mask, texts), pick(holdout_mask, labels))
-    te_texts, te_labels = ordered(pick(test_mask, test_texts), pick(test_mask, test_labels))
+    tr_texts, tr_labels, tr_units = ordered(tr_texts, tr_labels, tr_units)
+    ho_texts, ho_labels, ho_units = ordered(pick(holdout_mask, texts), pick(holdout_mask, labels),
+                                            pick(holdout_mask, split.units) if cfg.user_unit else None)
+    te_texts, te_labels, _ = ordered(pick(test_mask, test_texts), pick(test_mask, test_labels))
+    unit_col = lambda us: None if us is None else {"unit": us}  # noqa: E731
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        _write_table(tmp / "train.parquet", tr_texts, tr_labels)
-        _write_table(tmp / "holdout.parquet", ho_texts, ho_labels)
+        _write_table(tmp / "train.parquet", tr_texts, tr_labels, unit_col(tr_units))
+        _write_table(tmp / "holdout.parquet", ho_texts, ho_labels, unit_col(ho_units))
         _write_table(tmp / "test.parquet", te_texts, te_labels)
         if cfg.canaries:
-            _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {"planted": planted.tolist()})
+            _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {
+                "planted": planted.tolist(),
+                **({"unit": [j // size for j in range(len(canary_texts))]} if cfg.user_unit else {})})
         digests = record_digests(secret, texts + test_texts)  # the source's records (canaries are none of them)
         (tmp / RECORDS_FILE).write_bytes(digests)
         source_key = records_key(secret, digests)
@@ -575,12 +762,19 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
                          labels=list(cfg.labels), n_train=len(tr_texts), n_holdout=len(ho_texts),
                          n_test=len(te_texts), n_canaries_planted=int(planted.sum()),
                          dataset_key=source_key, source_key=source_key,
-                         legacy_key=legacy_dataset_key(cfg, data_root, private_dir))
+                         legacy_key=legacy_dataset_key(cfg, data_root, private_dir), unit=cfg.privacy_unit)
         if part.n_test == 0:
             raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
-                            ("; raise data.test_fraction" if cfg.test_fraction < 1 else ""))
-        sizes = release_sizes(cfg, membership, private_dir, {"n_train": n_source_train, "n_holdout": part.n_holdout,
-                                                             "n_test": part.n_test}, int(planted.sum()))
+                            ("; raise data.test_fraction" if cfg.test_fraction < 1 else "") +
+                            (f" (with data.privacy_unit: {cfg.privacy_unit}, a test record is kept only when its "
+                             "person has no record in training or holdout)" if cfg.user_unit else ""))
+        membership, exact, planted_units = release_inputs(cfg, secret, split, (texts, labels, units),
+                                                          (test_texts, test_labels, test_units),
+                                                          int(planted.sum()) // size)
+        if cfg.user_unit:  # released (and planned with): counts of units, sensitivity 1 per unit
+            part = replace(part, **{f"{k}_units": v for k, v in split.unit_counts(planted_units).items()},
+                           n_canary_units_planted=planted_units)
+        sizes = release_sizes(cfg, membership, private_dir, exact, planted_units)
         part = replace(part, released=asdict(sizes))
         (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
         try:
@@ -598,6 +792,12 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
 def read_partition_split(path: str) -> tuple[list[str], list[str]]:
     table = pq.read_table(path)
     return table.column("text").to_pylist(), table.column("label").to_pylist()
+
+
+def read_partition_units(path: str) -> list[str] | None:
+    """The keyed unit digests of a partition file's rows (None: a record-unit partition)."""
+    table = pq.read_table(path)
+    return table.column("unit").to_pylist() if "unit" in table.column_names else None
 
 
 def read_public_texts(name: str, path: str | None, split: str, text_field: str, data_root: str | None,

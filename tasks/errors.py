@@ -21,7 +21,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     from models.prompts.endpoint import EndpointError
     from models.backbones import ModelLoadError
-    from privacy.ledger import BudgetExceededError, DeltaMismatchError, LedgerError, UnknownDatasetError
+    from privacy.ledger import (BudgetExceededError, DeltaMismatchError, LedgerError, UnitMismatchError,
+                                UnknownDatasetError)
 
-    return (PrivPromptError, ModelLoadError, BudgetExceededError, DeltaMismatchError, UnknownDatasetError, LedgerError,
-            EndpointError, ValidationError)
+    return (PrivPromptError, ModelLoadError, BudgetExceededError, DeltaMismatchError, UnitMismatchError,
+            UnknownDatasetError, LedgerError, EndpointError, ValidationError)

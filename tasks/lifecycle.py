@@ -31,7 +31,7 @@ from privacy import events as ev
 from privacy.ledger import BudgetExceededError, DeltaMismatchError, Ledger, UnknownRunError
 
 from . import plots, randomness
-from .data import Partition, SourceRecords, read_partition_split
+from .data import Partition, SourceRecords, read_partition_split, read_partition_units
 from .errors import ConfigError, PrivPromptError
 from .methods import MethodContext, PrivateRows, get_method
 from .methods.base import Trained
@@ -96,11 +96,15 @@ def delta_opt_in(cfg, n_train: int, delta: float) -> bool:
     return bool(cfg.privacy.allow_delta_at_least_one_over_n and n_train >= 1 and delta >= 1.0 / n_train)
 
 
-def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, delta: float) -> dict | None:
+def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, delta: float,
+                        unit: str = "record") -> dict | None:
     """The rules a run's config must meet against the ledger's record of its dataset, checked
-    without writing (``privprompt plan`` and a run apply the same ones): a δ other than the
-    dataset's is refused (its ε would compose at another δ); a cap above the stored one is refused
-    (raising a budget is a deliberate act). Returns the stored row (None: not registered yet)."""
+    without writing (``privprompt plan`` and a run apply the same ones): a privacy unit other than
+    the dataset's is refused (its cap and charges are stated per that unit: ``Ledger.require_unit``;
+    a record-level run on a dataset of people is refused rather than charged a group-privacy
+    bound); a δ other than the dataset's is refused (its ε would compose at another δ); a cap above
+    the stored one is refused (raising a budget is a deliberate act). Returns the stored row (None:
+    not registered yet)."""
     from privacy.ledger import UnknownDatasetError
 
     if ledger is None:
@@ -109,6 +113,7 @@ def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, 
         row = ledger.dataset(key)
     except UnknownDatasetError:
         return None
+    ledger.require_unit(key, unit)
     try:
         ledger.require_delta(key, delta)
     except DeltaMismatchError as exc:
@@ -175,24 +180,27 @@ def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) ->
     the config lowers the stored one (recorded). Returns the dataset's row (``how``: how the
     source was matched)."""
     records = _records_of(part)
+    unit = getattr(part, "unit", "record")
     if records is None:  # a partition without record digests: known by its key alone
         key = part.dataset_key
-        row = check_dataset_terms(ledger, key, part.dataset, cap, delta)
+        row = check_dataset_terms(ledger, key, part.dataset, cap, delta, unit)
         if row is None:
-            return ledger.register_dataset(key, part.dataset, cap, delta)
+            return ledger.register_dataset(key, part.dataset, cap, delta, unit=unit)
         if cap < row["epsilon_cap"]:
-            return ledger.register_dataset(key, row["name"], cap, row["delta"], allow_cap_change=True)
+            return ledger.register_dataset(key, row["name"], cap, row["delta"], allow_cap_change=True, unit=unit)
         return row
     match = source_dataset(ledger, records, part.dataset)
     expected = match["fingerprint"] if match else records.key
     if match is not None:
-        check_dataset_terms(ledger, expected, match["name"], cap, delta)
-    row = ledger.register_source(records.key, part.dataset, cap, delta, records.digests, records.legacy_key or None)
+        check_dataset_terms(ledger, expected, match["name"], cap, delta, unit)
+    row = ledger.register_source(records.key, part.dataset, cap, delta, records.digests, records.legacy_key or None,
+                                 unit=unit)
     how = row["how"]
     if row["fingerprint"] != expected:  # another run registered an overlapping source in between
-        check_dataset_terms(ledger, row["fingerprint"], row["name"], cap, delta)
+        check_dataset_terms(ledger, row["fingerprint"], row["name"], cap, delta, unit)
     if cap < row["epsilon_cap"]:
-        row = ledger.register_dataset(row["fingerprint"], row["name"], cap, row["delta"], allow_cap_change=True)
+        row = ledger.register_dataset(row["fingerprint"], row["name"], cap, row["delta"], allow_cap_change=True,
+                                      unit=unit)
     return {**row, "how": how}
 
 
@@ -400,9 +408,10 @@ def budget_statement(entry: dict) -> str:
 
 def read_private_rows(part: Partition, validation: bool = False) -> PrivateRows:
     texts, labels = read_partition_split(part.train_path)
-    rows = PrivateRows(texts, labels)
+    rows = PrivateRows(texts, labels, units=read_partition_units(part.train_path))
     if validation:
-        rows.validation = PrivateRows(*read_partition_split(part.holdout_path))
+        rows.validation = PrivateRows(*read_partition_split(part.holdout_path),
+                                      units=read_partition_units(part.holdout_path))
     return rows
 
 
@@ -767,7 +776,9 @@ def shadow_prompt(config: dict, method_name: str, prepared: dict, state_dir: str
 
     cfg = parse_config(config)  # its seed stays: models and splits are the audited run's
     method = get_method(method_name)
-    plan = method.plan(cfg, len(rows), resolve_delta(cfg, len(rows), method_name))
+    index = rows.unit_index()
+    n = len(rows) if index is None else index[1]  # privacy units: rows, or the pool's units (user unit)
+    plan = method.plan(cfg, n, resolve_delta(cfg, n, method_name))
     mctx = MethodContext(cfg, state_paths(state_dir), prepared, randomness.for_shadow(cfg, shadow_seed), shadow_seed)
     trained = method.train(mctx, plan, rows)
     post = method.post_process(mctx, plan, trained.prompt)

@@ -85,7 +85,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
                         f"{key[:12]}) that an earlier run of this plan registers: charged against its budget")
         pending.setdefault(key, set()).update(mine)  # what the dataset holds once this variant ran
         delta = resolve_delta(cfg, sizes.n_for_delta)
-        check_dataset_terms(ledger, key, dname, cfg.privacy.dataset_epsilon_cap, delta)
+        check_dataset_terms(ledger, key, dname, cfg.privacy.dataset_epsilon_cap, delta, cfg.data.privacy_unit)
         signature = cfg.model_dump_json(include={"models", "data", "method", "methods", "seed"})
         if signature not in checked:  # the variants of a sweep mostly share their models
             preflight(cfg, None)

@@ -210,14 +210,14 @@ def download_model(client, model_uri: str, dst: str | Path) -> Path:
         raise ValueError(str(exc.message).splitlines()[0]) from None
 
 
-def version_tags(guarantee: str, spend: dict | None, dataset_key: str) -> dict[str, str]:
+def version_tags(guarantee: str, spend: dict | None, dataset_key: str, unit: str = "record") -> dict[str, str]:
     spend = spend or {}
     none = "none (local d_X privacy: no (ε, δ) claim)" if guarantee == "ldp" else "none"
     return {"privacy.epsilon": str(spend["epsilon"]) if "epsilon" in spend else none,
             "privacy.delta": str(spend["delta"]) if "delta" in spend else none,
             "privacy.guarantee": guarantee,
             "privacy.accountant": str(spend.get("accountant", "none")),
-            "privacy.unit": "record",
+            "privacy.unit": unit,
             "dataset.fingerprint": dataset_key}
 
 
@@ -238,7 +238,7 @@ def check_registrable(guarantee: str, prompt_path: str | Path, private_dir: str 
 
 
 def register_output(client, run_id: str, model_name: str, spec: dict, prompt_path: str | Path, guarantee: str,
-                    spend: dict | None, dataset_key: str, private_dir: str | Path):
+                    spend: dict | None, dataset_key: str, private_dir: str | Path, unit: str = "record"):
     """Log the pyfunc under run ``run_id`` (``registered_model/``) and register it as a new version
     of ``model_name`` with the privacy tags; returns the ModelVersion. A run's output is registered
     once: a retry that republishes it (``tasks.lifecycle``) gets the version it already has."""
@@ -262,5 +262,5 @@ def register_output(client, run_id: str, model_name: str, spec: dict, prompt_pat
             raise
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{MODEL_ARTIFACT}"
     return client.create_model_version(model_name, source, run_id=run_id,
-                                       tags=version_tags(guarantee, spend, dataset_key),
+                                       tags=version_tags(guarantee, spend, dataset_key, unit),
                                        description=f"{spec['method']} on {spec['model']}")

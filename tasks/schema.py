@@ -42,13 +42,24 @@ class DataConfig(Block):
                                          "every record not held out (1 − holdout_fraction)")
     test_fraction: float = Field(1.0, gt=0, le=1, description="probability that a record of the test split is "
                                  "kept (expected size test_fraction × test records)")
-    canaries: int = Field(0, ge=0, description="random canary records, each planted with prob. 1/2")
+    canaries: int = Field(0, ge=0, description="random canary records, each planted with prob. 1/2 (with a user "
+                          "unit: canary units of data.canary_records_per_unit records, each unit planted with prob. 1/2)")
+    canary_records_per_unit: int = Field(1, ge=1, description="records of each canary unit (a user unit only): the "
+                                         "canary audit then bounds ε per unit from units of several records")
     size_noise_sigma: float = Field(50.0, gt=0, le=1e6, description="σ (in records) of the Gaussian noise on the "
                                     "split sizes a dp run publishes and plans with (data.n_train, q = B/n_train, "
                                     "steps, δ): drawn once per partition from secret randomness, part of every dp "
                                     "run's ε (privacy.size_epsilon: 0.071 at δ = 1e-6 for σ = 50)")
     test_shareable: bool = Field(False, description="the test split may be sent to remote endpoints "
                                                     "(models.endpoints); training rows never are")
+    privacy_unit: str = Field("record", min_length=1, description="what one ε protects: `record` (one record "
+                              "added or removed), or the name of a field whose value identifies a person (all "
+                              "records sharing a value are one unit, and every ε is stated for adding or removing "
+                              "one such unit): splits then assign whole units by a keyed hash of the unit id, "
+                              "sizes are released as unit counts and dp methods bound each unit's contribution")
+    max_records_per_unit: int | None = Field(None, ge=1, description="contribution bound with a user unit: at "
+                                             "most this many of a unit's training-source records are kept, chosen "
+                                             "by a keyed hash of each record (never the seed); default: all of them")
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +82,25 @@ class DataConfig(Block):
                              f"({self.train_fraction:g}) exceed 1: each source record lands in at most one of "
                              "holdout and training; lower one of them")
         return self
+
+    @model_validator(mode="after")
+    def _unit_field(self):
+        if self.privacy_unit != "record" and self.privacy_unit in (self.text_field, self.label_field):
+            which = "data.text_field" if self.privacy_unit == self.text_field else "data.label_field"
+            raise ValueError(f"data.privacy_unit names the field {self.privacy_unit!r}, which is {which}: name the "
+                             "field whose value identifies a person (or `record`)")
+        if self.privacy_unit == "record" and self.canary_records_per_unit != 1:
+            raise ValueError("data.canary_records_per_unit makes canary units of several records: it needs a user "
+                             "unit (data.privacy_unit naming a field)")
+        if self.privacy_unit == "record" and self.max_records_per_unit is not None:
+            raise ValueError("data.max_records_per_unit bounds the records of a user unit: set data.privacy_unit to "
+                             "the field that identifies a person, or remove it (with `record` each unit is one record)")
+        return self
+
+    @property
+    def user_unit(self) -> bool:
+        """True when the privacy unit is a person (a field), not a record."""
+        return self.privacy_unit != "record"
 
     @property
     def train_rate(self) -> float:

@@ -151,3 +151,33 @@ def test_no_method_name_is_compared_outside_the_registry():
         for name in names:
             for pattern in (f'== "{name}"', f"== '{name}'", f'!= "{name}"', f'in ("{name}"', f'"{name}" in'):
                 assert pattern not in text, f"{f.name} compares the method name {name!r}"
+
+
+# with a user privacy unit (issue 28): the rows carry their units (7 people), and every method with a
+# per-unit mechanism trains and shadows on them within its plan, planned over the units
+UNIT_ROWS = PrivateRows(ROWS.texts, ROWS.labels, units=[f"p{i % 7}" for i in range(len(ROWS))])
+
+
+@pytest.mark.parametrize("name", [m for m in registered_methods() if get_method(m).unit_level])
+def test_unit_level_methods_train_and_shadow_per_unit(name, contexts):
+    from privacy import accountant as acct
+    from privacy.ledger import Ledger
+    from tasks.config import parse_config
+    from tasks.lifecycle import shadow_prompt
+    from tasks.methods import MethodContext
+    from tasks.randomness import DpRandomness
+
+    ctx, prepared = contexts[name]
+    config = json.loads(json.dumps(ctx.config))
+    config["data"]["privacy_unit"] = "author"
+    cfg, method = parse_config(config), get_method(name)
+    plan = method.plan(cfg, 7, 1e-5)  # n: the number of units
+    Ledger(ctx.paths.ledger).register_dataset(f"contract-unit-{name}", "contract", 10.0, 1e-5, unit="author")
+    mctx = MethodContext(cfg, ctx.paths, prepared, DpRandomness(), 0, dataset_key=f"contract-unit-{name}")
+    trained = method.train(mctx, plan, UNIT_ROWS)
+    if plan.guarantee == "dp":
+        assert acct.spend(trained.event, 1e-5).epsilon <= acct.spend(plan.event, 1e-5).epsilon * (1 + 1e-9)
+        with pytest.raises(RuntimeError, match="carry no units"):  # rows without their units are refused
+            method.train(mctx, plan, ROWS)
+    prompt, _ = shadow_prompt(config, name, prepared, ctx.state_dir, UNIT_ROWS, shadow_seed=3)
+    assert prompt is not None

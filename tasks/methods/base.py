@@ -68,9 +68,25 @@ class PrivateRows:
     texts: list[str]
     labels: list[str]
     validation: "PrivateRows | None" = None
+    # with a user privacy unit (``data.privacy_unit``): each row's keyed unit digest (rows sharing
+    # one belong to one person); None: every row is its own unit
+    units: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.texts)
+
+    def unit_index(self) -> "tuple[list[int], int] | None":
+        """(unit index 0..U-1 of each row, U) with a user unit; None when every row is its own unit."""
+        if self.units is None:
+            return None
+        index: dict[str, int] = {}
+        return [index.setdefault(u, len(index)) for u in self.units], len(index)
+
+    def subset(self, idx) -> "PrivateRows":
+        """The rows ``idx`` (with their units)."""
+        idx = [int(i) for i in idx]
+        return PrivateRows([self.texts[i] for i in idx], [self.labels[i] for i in idx],
+                           units=None if self.units is None else [self.units[i] for i in idx])
 
 
 @dataclass
@@ -157,6 +173,10 @@ class Method:
         raise NotImplementedError
 
     uses_validation: ClassVar[bool] = False  # True: ``train`` also gets the holdout (``rows.validation``)
+    # True: the method's dp mechanism bounds each privacy unit's contribution when
+    # ``data.privacy_unit`` names a person (``rows.units``: Poisson sampling of units, one clipped
+    # contribution per unit, the accountant over units); a dp method without it is refused there
+    unit_level: ClassVar[bool] = False
 
     def reads_private_data(self, cfg: "PrivPromptConfig") -> bool:
         """False for methods that never read private training rows (zero-shot)."""

@@ -9,13 +9,19 @@ from privacy import accountant as acct
 from privacy import events as ev
 
 
-def dpsgd_settings(block, n: int, target_epsilon: float, delta: float) -> dict:
-    """Poisson rate, steps and the calibrated noise multiplier of DP-SGD on ``n`` examples."""
+def dpsgd_settings(block, n: int, target_epsilon: float, delta: float, unit: str = "record") -> dict:
+    """Poisson rate, steps and the calibrated noise multiplier of DP-SGD on ``n`` privacy units:
+    examples, or with a user ``unit`` (``data.privacy_unit``) the released number of units — q =
+    B/n and the steps are then over units (``batch_size``: the expected number of units a step
+    samples), and the accountant composes the subsampled Gaussian mechanism over units."""
     q = min(1.0, block.batch_size / n)
     steps = max(1, math.ceil(block.epochs / q))
     sigma = acct.calibrate_noise_multiplier(target_epsilon, delta, q, steps)
-    return {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "max_grad_norm": block.max_grad_norm,
-            "expected_batch": q * n}
+    settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "max_grad_norm": block.max_grad_norm,
+                "expected_batch": q * n}
+    if unit != "record":
+        settings["unit"] = unit
+    return settings
 
 
 def dpsgd_event(settings: dict):
@@ -23,8 +29,11 @@ def dpsgd_event(settings: dict):
 
 
 def dpsgd_params(settings: dict) -> dict:
-    return {"dpsgd.sample_rate": settings["sample_rate"], "dpsgd.noise_multiplier": settings["noise_multiplier"],
-            "dpsgd.steps": settings["steps"], "dpsgd.max_grad_norm": settings["max_grad_norm"]}
+    params = {"dpsgd.sample_rate": settings["sample_rate"], "dpsgd.noise_multiplier": settings["noise_multiplier"],
+              "dpsgd.steps": settings["steps"], "dpsgd.max_grad_norm": settings["max_grad_norm"]}
+    if "unit" in settings:  # q and steps are over units; one clipped gradient (its rows' mean) per unit
+        params.update({"dpsgd.sampled": "units", "dpsgd.unit_gradient": "mean of its rows' gradients, clipped"})
+    return params
 
 
 def nonprivate_steps(block, n_train: int) -> int:
@@ -60,6 +69,7 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
         tc.steps = dp["steps"]
         sample, noise = randomness.torch_generators()
         generators = {"sample_generator": sample, "noise_generator": noise}
+        generators.update(unit_tensor(cfg, rows))
     report = None if progress is None else (lambda step, total, *_: progress(step, total))
     if hooks:
         generators["hooks"] = hooks
@@ -68,6 +78,22 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     if dp is not None and result.steps != dp["steps"]:
         raise RuntimeError(f"DP training took {result.steps} steps, {dp['steps']} were accounted")
     return result
+
+
+def unit_tensor(cfg, rows) -> dict:
+    """``{"units": (N,) unit index per row}`` for a DP trainer when ``data.privacy_unit`` names a
+    person (the trainer then samples, combines and clips per unit); {} with ``record``. Rows
+    without their units under a user unit are refused: a record-level step would state a
+    per-record ε as a per-person one."""
+    import torch
+
+    if not cfg.data.user_unit:
+        return {}
+    index = rows.unit_index()
+    if index is None:
+        raise RuntimeError(f"data.privacy_unit is {cfg.data.privacy_unit!r} but the private rows carry no units: "
+                           "the DP step would bound a record, not a person")
+    return {"units": torch.tensor(index[0], dtype=torch.long)}
 
 
 def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):

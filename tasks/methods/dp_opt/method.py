@@ -75,7 +75,8 @@ def _generation_rate(block, n: int) -> float:
     return q
 
 
-def member_demos(rng: np.random.Generator, n: int, q: float, members: int, cap: int) -> list[np.ndarray]:
+def member_demos(rng: np.random.Generator, n: int, q: float, members: int, cap: int,
+                 units: np.ndarray | None = None) -> list[np.ndarray]:
     """One query's meta-prompts from ``n`` rows: each row draws its own pair of uniforms (u, v)
     from ``rng`` (the run's secret sampling stream); it is sampled when u < q (Poisson at rate q,
     what the accountant assumes), joins member ⌊u/q·J⌋ (uniform over the J ``members``), and v
@@ -83,7 +84,22 @@ def member_demos(rng: np.random.Generator, n: int, q: float, members: int, cap: 
     casts no vote (its entry is empty). So a row's part depends on its own draws only: adding or removing one record
     changes at most one member's demos — one vote moved, added or removed, the neighbours
     LimitedDomain is proved for. (Cutting one shuffled subsample into groups of k, as before,
-    let one record shift every later group.)"""
+    let one record shift every later group.)
+
+    ``units`` ((n,) unit index 0..U-1 per row, a user privacy unit): the UNITS draw (u, v), each
+    sampled unit joins one member with all its rows (ordered by the unit's v, then by row), so
+    adding or removing a whole unit changes at most one member's demos — one vote per unit."""
+    if units is not None:
+        units = np.asarray(units, dtype=np.int64)
+        n_units = int(units.max()) + 1 if units.size else 0
+        uu = rng.random((n_units, 2))
+        joined_units = uu[:, 0] < q
+        joined = np.flatnonzero(joined_units[units])
+        unit_member = np.minimum((uu[:, 0] / q * members).astype(np.int64), members - 1)
+        member = unit_member[units[joined]]
+        order = np.lexsort((joined, uu[units[joined], 1], member))  # by member, then the unit's v, then row
+        bounds = np.searchsorted(member[order], np.arange(members + 1))
+        return [joined[order[bounds[j]:bounds[j + 1]]][:cap] for j in range(members)]
     u = rng.random((n, 2))
     joined = np.flatnonzero(u[:, 0] < q)
     member = np.minimum((u[joined, 0] / q * members).astype(np.int64), members - 1)
@@ -169,6 +185,9 @@ class DPOpt(_TextMethod):
     name = "dp_opt"
     config_class = DPOptConfig
     label = "DP-OPT"
+    # a unit's rows join one member per query (one vote per unit), and the selection scores each
+    # unit by its rows' mean correctness (at most one per unit per candidate)
+    unit_level = True
 
     @classmethod
     def contract_test_config(cls):
@@ -200,7 +219,9 @@ class DPOpt(_TextMethod):
                     "dpopt.max_queries": affordable, "dpopt.meta_prompts": block.meta_prompts,
                     "dpopt.demos": block.demos, "dpopt.candidates": block.candidates,
                     "dpopt.max_new_tokens": block.max_new_tokens,
-                    "dpopt.selection_epsilon": selection_epsilon},
+                    "dpopt.selection_epsilon": selection_epsilon,
+                    **({"dpopt.sampled": "units", "dpopt.selection_count": "mean correct per unit"}
+                       if cfg.data.user_unit else {})},
             settings=settings,
             note="generation (LimitedDomain on Poisson subsamples of the training rows) and DP-argmax selection "
                  "(on the disjoint holdout rows) compose in parallel")
@@ -233,8 +254,10 @@ class DPOpt(_TextMethod):
         # secret DP streams: sampling, the mechanisms, the members' sampled proposals
         sampling, mechanism, proposing = (mctx.randomness.numpy(i) for i in (1, 2, 3))
 
+        gen_units = _unit_array(cfg, gen)
+
         def draw_bodies() -> list[list[int]]:
-            members = member_demos(sampling, len(gen), q, block.meta_prompts, 2 * block.demos)
+            members = member_demos(sampling, len(gen), q, block.meta_prompts, 2 * block.demos, gen_units)
             return [body_ids(engine, demos_of(idx)) for idx in members if idx.size]
 
         def select(counts: np.ndarray):
@@ -260,7 +283,7 @@ class DPOpt(_TextMethod):
             if out.stop_reason == "budget":
                 break
         if candidates:
-            counts = correct_counts(engine, cfg, candidates, val.texts, val.labels)
+            counts = correct_counts(engine, cfg, candidates, val.texts, val.labels, _unit_array(cfg, val))
             chosen = candidates[dp_argmax(counts, plan.settings["selection_epsilon"], mechanism)]
         else:  # nothing generated: the (data-independent) initial instruction
             chosen = instruction
@@ -276,6 +299,17 @@ class DPOpt(_TextMethod):
         # in the private history (a review found it published beside ε)
         return Trained(TextPrompt(chosen), event, queries, metrics, [{"forward_rows": len(yhat)}],
                        audit_metrics=_leakage(cfg, candidates, gen.texts))
+
+
+def _unit_array(cfg, rows) -> np.ndarray | None:
+    """(n,) unit index per row with a user privacy unit (None: every row is its own unit); rows
+    without units under a user unit are refused (their ε would be per record)."""
+    if not cfg.data.user_unit:
+        return None
+    index = rows.unit_index()
+    if index is None:
+        raise RuntimeError(f"data.privacy_unit is {cfg.data.privacy_unit!r} but DP-OPT's rows carry no units")
+    return np.asarray(index[0], dtype=np.int64)
 
 
 def _leakage(cfg, candidates: list[str], private_texts: list[str]) -> dict[str, float]:

@@ -50,11 +50,27 @@ def predictions(engine, cfg, instruction: str | None, texts: list[str]) -> list[
     return [cfg.data.labels[i] for i in best]
 
 
-def correct_counts(engine, cfg, candidates: list[str], texts: list[str], labels: list[str]) -> np.ndarray:
-    """How many validation rows each candidate labels correctly (monotone, sensitivity 1)."""
+def correct_counts(engine, cfg, candidates: list[str], texts: list[str], labels: list[str],
+                   units: np.ndarray | None = None) -> np.ndarray:
+    """How many validation rows each candidate labels correctly (monotone, sensitivity 1). With
+    ``units`` (unit index per row, a user privacy unit): the sum over units of the fraction of the
+    unit's rows labelled correctly — each unit adds at most one to each count (:func:`per_unit_counts`)."""
     y = np.array([cfg.data.labels.index(l) for l in labels])
-    return np.array([int((label_logprobs(engine, cfg, c, texts).argmax(dim=1).numpy() == y).sum())
-                     for c in candidates], dtype=float)
+    correct = np.stack([label_logprobs(engine, cfg, c, texts).argmax(dim=1).numpy() == y for c in candidates])
+    return per_unit_counts(correct, units)
+
+
+def per_unit_counts(correct: np.ndarray, units: np.ndarray | None = None) -> np.ndarray:
+    """(C,) scores of a (C, N) 0/1 matrix of candidates × rows: the count of correct rows, or with
+    ``units`` Σ_units (mean of the unit's row column): adding or removing one unit moves every
+    score by at most one, in the same direction (monotone, sensitivity 1 per unit)."""
+    correct = np.asarray(correct, dtype=float)
+    if units is None:
+        return correct.sum(axis=1)
+    units = np.asarray(units, dtype=np.int64)
+    size = np.bincount(units)
+    weights = 1.0 / size[units]
+    return correct @ weights
 
 
 def label_loglik(engine, cfg, candidates: list[str], texts: list[str], labels: list[str]) -> np.ndarray:
@@ -82,6 +98,12 @@ def split_validation(rows, fraction: float, seed: int):
 
     if rows.validation is not None:
         return rows, rows.validation
+    index = rows.unit_index()
+    if index is not None:  # a user unit: whole units on each side, with their units
+        unit_of, n_units = np.asarray(index[0]), index[1]
+        order = np.random.default_rng(seed).permutation(n_units)
+        held = np.isin(unit_of, order[:max(1, int(round(fraction * n_units)))])
+        return rows.subset(np.flatnonzero(~held)), rows.subset(np.flatnonzero(held))
     order = np.random.default_rng(seed).permutation(len(rows))
     cut = max(1, int(round(fraction * len(rows))))
     val, gen = order[:cut], order[cut:]

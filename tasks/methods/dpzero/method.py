@@ -37,6 +37,7 @@ class DPZero(Method):
     name = "dpzero"
     config_class = DPZeroConfig
     label = "DPZero (black-box)"
+    unit_level = True  # Poisson sampling of units, one clipped two-point difference per unit
 
     @classmethod
     def contract_test_config(cls):
@@ -61,7 +62,8 @@ class DPZero(Method):
                           params={"dpzero.sample_rate": q, "dpzero.noise_multiplier": sigma, "dpzero.steps": steps,
                                   "dpzero.clip": block.clip, "dpzero.mu": block.mu, "dpzero.lr": block.lr,
                                   "flat.regularizer": block.regularizer,
-                                  "flat.lambda": block.lam if block.regularizer else None},
+                                  "flat.lambda": block.lam if block.regularizer else None,
+                                  **({"dpzero.sampled": "units"} if cfg.data.user_unit else {})},
                           settings=settings,
                           note="DPZero with the w_nor regulariser reads private data without noise: no formal "
                                "guarantee" if block.regularizer else "")
@@ -78,6 +80,7 @@ class DPZero(Method):
         from .events import dpzero_event
         from .training import DPZeroConfig as ModelConfig
         from .training import train_dpzero
+        from ..soft_prompt import unit_tensor
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         clf = classifier_for(cfg, cfg.models.local)
@@ -100,7 +103,7 @@ class DPZero(Method):
             steps=s["steps"], sample_rate=s["sample_rate"], noise_multiplier=s["noise_multiplier"],
             clip=block.clip, mu=block.mu, lr=block.lr, expected_batch=s.get("expected_batch")), sample_generator=sample, noise_generator=noise,
             direction_generator=torch.Generator().manual_seed(mctx.seed), progress=progress,
-            regularizer=regularizer)
+            regularizer=regularizer, **unit_tensor(cfg, rows))
         if result.steps != s["steps"]:
             raise RuntimeError(f"DPZero took {result.steps} steps, {s['steps']} were accounted")
         event = dpzero_event(s["sample_rate"], s["noise_multiplier"], s["steps"]) if plan.guarantee == "dp" else None

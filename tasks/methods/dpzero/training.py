@@ -8,7 +8,11 @@ two-point zeroth-order gradient estimate. Only losses are queried, never gradien
 
 Adding or removing one example moves ``Σ clip(d_i, C)`` by at most C, so each step is the
 Poisson-subsampled Gaussian mechanism with noise multiplier σ — the event
-``privacy.events.dpzero_event(q, σ, steps)``. The direction ``z`` may come from any generator
+``privacy.events.dpzero_event(q, σ, steps)``.
+
+Per privacy unit (``units``: the person of each example): the Poisson sample is of units; a unit's
+examples' differences are averaged into ONE scalar d_u, clipped to C, so adding or removing a unit
+moves the sum by at most C and the same event holds with q and steps over units. The direction ``z`` may come from any generator
 (it carries no private information); the Poisson sampling and the noise must come from secret
 generators (the caller passes them).
 """
@@ -77,28 +81,46 @@ def noisy_clipped_sum(differences: torch.Tensor, clip: float, noise_multiplier: 
     return clipped.sum() + noise
 
 
+def unit_means(values: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """(U_b,) the mean of ``values`` over each unit present in ``units`` (same length)."""
+    uniq, pos = torch.unique(units, return_inverse=True)
+    sums = torch.zeros(len(uniq), dtype=values.dtype).index_add_(0, pos, values)
+    counts = torch.zeros(len(uniq), dtype=values.dtype).index_add_(0, pos, torch.ones_like(values))
+    return sums / counts
+
+
 def train_dpzero(classifier: PromptClassifier, encoded: dict, labels: torch.Tensor, init_prompt: torch.Tensor,
                  config: DPZeroConfig, *, sample_generator: torch.Generator, noise_generator: torch.Generator,
                  direction_generator: torch.Generator, progress: Callable[[int, int], None] | None = None,
-                 regularizer: Callable[[torch.Tensor], torch.Tensor] | None = None) -> DPZeroResult:
+                 regularizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 units: torch.Tensor | None = None) -> DPZeroResult:
     """DPZero on a soft prompt. ``regularizer(w)`` (optional) returns a gradient added to the
     noised estimate (Privacy-Flat's λ·‖w − w_nor‖₂ in the black-box setting; it reads a
-    non-privately trained copy, so a run using it has no formal guarantee)."""
+    non-privately trained copy, so a run using it has no formal guarantee). ``units``: (N,) unit
+    index 0..U-1 per example for user-level DPZero (module docstring)."""
     labels = torch.as_tensor(labels, dtype=torch.long).cpu()
     N = num_examples(encoded)
     if N == 0 or labels.shape != (N,):
         raise ValueError(f"need a non-empty training set with one label per example (N={N}, labels {tuple(labels.shape)})")
+    if units is not None:
+        units = torch.as_tensor(units, dtype=torch.long).cpu()
+        if units.shape != (N,) or units.min() < 0 or torch.unique(units).numel() != int(units.max()) + 1:
+            raise ValueError(f"units must be ({N},) unit indices 0..U-1, each with at least one example")
+    U = N if units is None else int(units.max()) + 1
     classifier.eval()
     prompt = init_prompt.detach().float().to(classifier.device).clone()
-    expected = config.expected_batch if config.expected_batch is not None else config.sample_rate * N
+    expected = config.expected_batch if config.expected_batch is not None else config.sample_rate * U
     history, empty = [], 0
     for step in range(1, config.steps + 1):
-        idx = (torch.rand(N, generator=sample_generator) < config.sample_rate).nonzero().squeeze(1)
+        drawn = torch.rand(U, generator=sample_generator) < config.sample_rate  # of units (examples without)
+        idx = (drawn if units is None else drawn[units]).nonzero().squeeze(1)
         z = torch.randn(prompt.shape, generator=direction_generator).to(prompt.device)
         if idx.numel():
             batch, y = select_rows(encoded, idx), labels[idx]
             diffs = two_point_differences(
                 lambda w: per_example_losses(classifier, batch, y, w, config.physical_batch_size), prompt, z, config.mu)
+            if units is not None:
+                diffs = unit_means(diffs, units[idx])  # one scalar per sampled unit, clipped below
         else:
             empty += 1  # still step: noise only (skipping would reveal the empty batch)
             diffs = torch.zeros(0)
@@ -109,7 +131,7 @@ def train_dpzero(classifier: PromptClassifier, encoded: dict, labels: torch.Tens
         prompt = prompt - config.lr * grad
         if not torch.isfinite(prompt).all():
             raise RuntimeError(f"the prompt became non-finite at DPZero step {step}")
-        history.append({"step": step, "batch_size": int(idx.numel()),
+        history.append({"step": step, "batch_size": int(diffs.numel()),  # units sampled (examples without units)
                         "clipped_frac": float((diffs.abs() > config.clip).float().mean()) if idx.numel() else None})
         if progress is not None and (step % 10 == 0 or step == config.steps):
             progress(step, config.steps)

@@ -189,6 +189,7 @@ def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], prog
 
 @register_method
 class Post(Method):
+    unit_level = True  # the student's DP tuning is the per-unit DP-SGD of models.dp_prompt_training
     name = "post"
     config_class = PostConfig
     label = "POST"
@@ -219,7 +220,7 @@ class Post(Method):
         from ..soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
 
         block = self.settings(cfg)
-        settings = dpsgd_settings(block.tuning, n_train, cfg.privacy.target_epsilon, delta)
+        settings = dpsgd_settings(block.tuning, n_train, cfg.privacy.target_epsilon, delta, cfg.data.privacy_unit)
         guarantee = self.guarantee(cfg)
         return MethodPlan(
             self.name, guarantee, n_train, delta, event=dpsgd_event(settings) if guarantee == "dp" else None,

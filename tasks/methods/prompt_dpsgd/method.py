@@ -13,6 +13,7 @@ class PromptDPSGD(Method):
     name = "prompt_dpsgd"
     config_class = DPSGDConfig
     label = "prompt tuning (DP-SGD)"
+    unit_level = True  # Poisson sampling of units, one clipped gradient per unit (models.dp_prompt_training)
 
     @classmethod
     def contract_test_config(cls):
@@ -24,7 +25,8 @@ class PromptDPSGD(Method):
     def plan(self, cfg, n_train, delta):
         from ..soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
 
-        settings = dpsgd_settings(self.settings(cfg), n_train, cfg.privacy.target_epsilon, delta)
+        settings = dpsgd_settings(self.settings(cfg), n_train, cfg.privacy.target_epsilon, delta,
+                                  cfg.data.privacy_unit)
         guarantee = self.guarantee(cfg)
         return MethodPlan(self.name, guarantee, n_train, delta,
                           event=dpsgd_event(settings) if guarantee == "dp" else None,

@@ -72,6 +72,31 @@ def draw_path(mctx, prefix: str, fields: dict, private_texts: list[str] | None =
     return side / "rapt-draws" / f"{prefix}-{digest_key(fields)}.pt"
 
 
+def text_tokens_per_record(cfg, block) -> int:
+    """At most this many text tokens of one record are privatized per draw (the encoding's length
+    less [CLS], [SEP] and the plain tokens): a public bound from the config."""
+    return max(0, cfg.models.max_length - 2 - (block.plain_tokens if block.reconstruction else 0))
+
+
+def unit_bounds(cfg, block) -> dict:
+    """RAPT's local guarantee summed over tokens, per record and per privacy unit (issue 28): each
+    privatized token is η·d_X-private, and d_X composes additively, so one draw of a record is
+    η·Σ_t d(x_t, x'_t)-private over its at most T = :func:`text_tokens_per_record` tokens
+    (``rapt.ldp_eta_tokens_per_record`` = η·T, the multiplier of the largest per-token embedding
+    distance), and a unit of at most k records (``data.max_records_per_unit``) η·T·k
+    (``rapt.ldp_eta_tokens_per_unit``; unbounded without a cap). Labels and lengths are not
+    privatized (no bound covers them). Public numbers only: T and k come from the config, never
+    from the data."""
+    tokens = text_tokens_per_record(cfg, block)
+    params = {"rapt.ldp_tokens_per_record": tokens, "rapt.ldp_eta_tokens_per_record": block.eta * tokens}
+    if cfg.data.user_unit:
+        k = cfg.data.max_records_per_unit
+        params["rapt.ldp_eta_tokens_per_unit"] = (block.eta * tokens * k if k is not None
+                                                  else "unbounded (no data.max_records_per_unit)")
+        params["rapt.unit_claim"] = "none (d_X bound per unit only)"
+    return params
+
+
 @register_method
 class Rapt(Method):
     name = "rapt"
@@ -116,10 +141,14 @@ class Rapt(Method):
                                   "rapt.reconstruction": str(block.reconstruction).lower(),
                                   "rapt.plain_tokens": block.plain_tokens if block.reconstruction else 0,
                                   "rapt.reconstruction_weight": block.reconstruction_weight if block.reconstruction
-                                  else 0.0},
+                                  else 0.0, **unit_bounds(cfg, block)},
                           note="local d_X privacy of every token with η = rapt.eta (metric LDP) per draw; no "
                                "(ε, δ) claim; labels and text lengths are not privatized; each draw is a release "
-                               "in the ledger, and η adds up over the draws a text is in (privprompt ledger)")
+                               "in the ledger, and η adds up over the draws a text is in (privprompt ledger)"
+                               + ("" if not cfg.data.user_unit else
+                                  f"; privacy unit {cfg.data.privacy_unit!r}: no formal unit-level claim — the "
+                                  "d_X bound composes over a person's tokens (rapt.ldp_eta_tokens_per_unit), "
+                                  "nothing more is stated"))
 
     def preflight(self, cfg, prepared) -> None:
         """The local model loads and its task head builds (label words' first tokens told apart, or
