@@ -697,7 +697,9 @@ def partition_key(cfg: DataConfig, seed: int, data_root: str | None, private_dir
     a team ledger (another key) partitions anew instead of charging under its old key's name."""
     from .state import key_id
 
-    return digest_key({"data": data_dump(cfg), "split": "keyed-hash-v1",
+    # a user unit's cap applies to the test split too (review2): such partitions made before are not reused
+    split = "keyed-hash-v1" + ("+test-cap" if cfg.user_unit and cfg.max_records_per_unit is not None else "")
+    return digest_key({"data": data_dump(cfg), "split": split,
                        "seed": seed if cfg.canaries else None, "source": source_signature(cfg, data_root),
                        "key": key_id(private_dir)})
 
