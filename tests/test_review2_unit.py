@@ -4,6 +4,7 @@ the run's outputs: a release) and publishes ``rapt.ldp_eta_tokens_per_unit`` = �
 of at most k records — so a test person must keep at most k records as well."""
 
 import numpy as np
+import pytest
 
 from tasks.config import DataConfig
 from tasks.data import split_source, release_inputs
@@ -33,6 +34,7 @@ def test_no_cap_keeps_every_test_record():
     assert split_source(_cfg(max_records_per_unit=None), KEY, train, test).test.sum() == 7
 
 
+@pytest.mark.slow  # ~20 s: the plan's preflight builds tiny-bert
 def test_a_plan_refuses_two_units_on_one_dataset_as_the_runs_would(tmp_path):
     """Variants of one plan on a source no ledger has seen yet, one at `record` and one at a user
     unit: the first run registers the dataset with its unit and the second is refused at run time
@@ -40,7 +42,6 @@ def test_a_plan_refuses_two_units_on_one_dataset_as_the_runs_would(tmp_path):
     second δ (the README: `privprompt plan` and `run` alike)."""
     import json as _json
 
-    import pytest
     from privacy.ledger import UnitMismatchError
     from tasks.config import parse_config
     from tasks.planning import plan_runs
