@@ -585,10 +585,11 @@ def split_source(cfg: DataConfig, key: bytes, train: tuple, test: tuple) -> Sour
     the source's two splits. With ``data.privacy_unit: record`` each record by its own keyed hash
     (:func:`assign_splits`, :func:`assign_test`). With a user unit, WHOLE units by a keyed hash of
     the unit id: a unit is held out when its u < holdout_fraction, trains when holdout_fraction ≤
-    u < holdout_fraction + train rate; ``data.max_records_per_unit`` then keeps at most that many
-    of each unit's records (:func:`cap_per_unit`); the test split keeps a unit's records when the
-    unit's own test hash < test_fraction and the unit has no record on the training side (train or
-    holdout) — so a person is never in both. Every decision depends on one unit's records alone."""
+    u < holdout_fraction + train rate; the test split keeps a unit's records when the unit's own
+    test hash < test_fraction and the unit has no record on the training side (train or holdout) —
+    so a person is never in both; ``data.max_records_per_unit`` then keeps at most that many of each
+    unit's records (:func:`cap_per_unit`) in every split, the test split included (RAPT privatizes
+    and releases it, and states η·T·k per unit). Every decision depends on one unit's records alone."""
     texts, labels, units = train
     test_texts, test_labels, test_units = test
     if not cfg.user_unit:
@@ -606,6 +607,8 @@ def split_source(cfg: DataConfig, key: bytes, train: tuple, test: tuple) -> Sour
     test_mask = np.array([d not in training_side for d in tud], dtype=bool)
     if cfg.test_fraction < 1.0:
         test_mask &= _digest_uniforms(key, _TAG_TEST_UNIT, tud) < cfg.test_fraction
+    if cfg.max_records_per_unit is not None:  # the test split is released too (RAPT's privatized test draw)
+        test_mask &= cap_per_unit(key, test_texts, test_labels, tud, cfg.max_records_per_unit)
     return SourceSplit(tr, holdout, test_mask, ud, tud)
 
 
@@ -694,7 +697,9 @@ def partition_key(cfg: DataConfig, seed: int, data_root: str | None, private_dir
     a team ledger (another key) partitions anew instead of charging under its old key's name."""
     from .state import key_id
 
-    return digest_key({"data": data_dump(cfg), "split": "keyed-hash-v1",
+    # a user unit's cap applies to the test split too (review2): such partitions made before are not reused
+    split = "keyed-hash-v1" + ("+test-cap" if cfg.user_unit and cfg.max_records_per_unit is not None else "")
+    return digest_key({"data": data_dump(cfg), "split": split,
                        "seed": seed if cfg.canaries else None, "source": source_signature(cfg, data_root),
                        "key": key_id(private_dir)})
 

@@ -91,7 +91,12 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
             preflight(cfg, None)
             checked.add(signature)
         meta.setdefault(key, {"name": dname, "delta": delta, "cap": cfg.privacy.dataset_epsilon_cap,
-                              "configs": [], "notes": []})
+                              "unit": cfg.data.privacy_unit, "configs": [], "notes": []})
+        if meta[key]["unit"] != cfg.data.privacy_unit:  # as a run would be, once an earlier one registered it
+            from privacy.ledger import UnitMismatchError, unit_mismatch_message
+
+            raise UnitMismatchError(f"{label or cfg.method}: " + unit_mismatch_message(
+                dname, key, meta[key]["unit"], cfg.data.privacy_unit) + " (another run of this plan registers it)")
         if note and note not in meta[key]["notes"]:
             meta[key]["notes"].append(note)
         meta[key]["configs"].append((cfg, sizes))

@@ -58,8 +58,9 @@ class DataConfig(Block):
                               "one such unit): splits then assign whole units by a keyed hash of the unit id, "
                               "sizes are released as unit counts and dp methods bound each unit's contribution")
     max_records_per_unit: int | None = Field(None, ge=1, description="contribution bound with a user unit: at "
-                                             "most this many of a unit's training-source records are kept, chosen "
-                                             "by a keyed hash of each record (never the seed); default: all of them")
+                                             "most this many of a unit's records are kept in each split (train / "
+                                             "holdout and test), chosen by a keyed hash of each record (never the "
+                                             "seed); default: all of them")
 
     @model_validator(mode="before")
     @classmethod
