@@ -56,7 +56,8 @@ class DataConfig(Block):
                               "added or removed), or the name of a field whose value identifies a person (all "
                               "records sharing a value are one unit, and every ε is stated for adding or removing "
                               "one such unit): splits then assign whole units by a keyed hash of the unit id, "
-                              "sizes are released as unit counts and dp methods bound each unit's contribution")
+                              "sizes are released as unit counts and dp methods bound each unit's contribution; ids are "
+                              "compared exactly (outer whitespace stripped): normalise case and Unicode form first")
     max_records_per_unit: int | None = Field(None, ge=1, description="contribution bound with a user unit: at "
                                              "most this many of a unit's records are kept in each split (train / "
                                              "holdout and test), chosen by a keyed hash of each record (never the "
