@@ -633,13 +633,17 @@ def draw_canaries(cfg: DataConfig, seed: int) -> tuple[list[str], list[str], np.
 def release_inputs(cfg: DataConfig, key: bytes, split: "SourceSplit", train: tuple, test: tuple,
                    planted_units: int) -> tuple[str, dict[str, int], int]:
     """What :func:`release_sizes` needs: the splits' :func:`membership_key` (over each split's
-    records, with their keyed unit digests under a user unit), the exact SOURCE counts per split
-    (records, or distinct units with a user unit: what is released) and the planted canary units."""
+    records; with a user unit over each split's distinct keyed unit digests — what the counts
+    count, so another ``data.max_records_per_unit`` that keeps every unit where it was finds the
+    same draw), the exact SOURCE counts per split (records, or distinct units with a user unit:
+    what is released) and the planted canary units."""
     texts, labels, _ = train
     test_texts, test_labels, _ = test
 
     def rows(mask, xs, ys, uds):
-        ys = ys if uds is None else [f"{y}\x00{d}" for y, d in zip(ys, uds)]
+        if uds is not None:  # the split's units, each once
+            kept = sorted({d for d, m in zip(uds, mask) if m})
+            return kept, [""] * len(kept)
         return [x for x, m in zip(xs, mask) if m], [y for y, m in zip(ys, mask) if m]
 
     membership = membership_key(key, [([cfg.privacy_unit], [""]),  # what the counts count

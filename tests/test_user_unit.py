@@ -360,3 +360,18 @@ def test_comparison_keeps_user_level_runs_apart(tmp_path):
     summary = label_summary(rows)
     assert "| reviews | prompt_dpsgd [unit: author] | dp | 8 | 1 | 0.7000 |" in summary
     assert "| reviews | prompt_dpsgd | dp | 8 | 1 | 0.8000 |" in summary
+
+
+def test_another_cap_that_keeps_every_unit_in_place_finds_the_same_sizes_draw(tmp_path, monkeypatch):
+    """The released sizes of a user unit count units: a cap that moves no unit (only how many of
+    its records are kept) is no fresh look at the same counts (review2, finding 4)."""
+    from tasks.data import split_release_inputs
+
+    folder = _write(tmp_path / "d", _users("p"), _users("t"))
+    private = _private(tmp_path)
+    keys = set()
+    for cap in (None, 3, 4):
+        cfg = _cfg(folder, max_records_per_unit=cap)
+        membership, exact, _ = split_release_inputs(cfg, 0, private, None)
+        keys.add((membership, tuple(sorted(exact.items()))))
+    assert len(keys) == 1
