@@ -92,7 +92,7 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
                      "method.label": get_method(cfg.method).run_label(cfg)})
     # the released sizes only beside a dp charge that covers them (a run without one publishes none)
     parent.log_params({"privacy.target_delta": delta, **(sizes.params() if plan.guarantee == "dp" else {}),
-                       **plan.params})
+                       "selection.enabled": cfg.selection.enabled, **plan.params})
     if cfg.audit.enabled:
         from .audit import check_pool_size
 
@@ -248,4 +248,17 @@ class RunReport:
         summary.update({"metrics": self.metrics, "budget": budget, "guarantee": published.guarantee,
                         "compute_seconds": self.compute, "runtime": self.runtime, "accuracy": self.accuracies,
                         "published": budget["published"]})
+        summary["warnings"] = self.warnings(published)
+        if summary["warnings"]:
+            parent.set_tags({"warning": " | ".join(summary["warnings"])})
         return summary
+
+    def warnings(self, published: RunOutcome) -> list[str]:
+        """The run summary's warnings: a selection whose published prompt's RELEASED holdout score is
+        below the released "no prompt" reference (both DP outputs: tasks/selection.py)."""
+        from .selection import below_no_prompt
+
+        if not self.cfg.selection.enabled:
+            return []
+        warning = below_no_prompt(published.train_metrics)
+        return [] if warning is None else [warning]
