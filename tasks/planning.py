@@ -109,7 +109,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
             if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
                 from .selection import describe_plan
 
-                row["selection"] = describe_plan(cfg, name, plan)
+                row["selection"] = describe_plan(cfg, name, plan, sizes, delta)
             runs.append(row)
     datasets = {}
     for key, m in meta.items():
@@ -162,9 +162,9 @@ def format_plan(plan: dict) -> str:
             s = r["selection"]
             lines.append(f"  selection of {s['candidates'] - 1} candidate settings + no prompt "
                          f"(E[K] = {s['expected_trials']:g} trials): ε = {s['selection_epsilon']:.4f} for the whole "
-                         f"selection (the sizes' release on top: the planned ε above); a single trial alone "
-                         f"ε = {s['trial_epsilon']:.4f}; {s['naive_trials']} trials composed naively "
-                         f"ε = {s['naive_epsilon']:.4f}")
+                         f"selection (one ledger entry); a single trial alone ε = {s['trial_epsilon']:.4f}; "
+                         f"{s['naive_trials']} trials composed naively ε = {s['naive_epsilon']:.4f} (each with the "
+                         "sizes' release, at the run's δ)")
     for key, d in plan["datasets"].items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "

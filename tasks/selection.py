@@ -527,28 +527,29 @@ def below_no_prompt(metrics: dict) -> str | None:
             f"reference {ref:.4f} (both noisy, DP): the model without a prompt may serve better")
 
 
-def describe_plan(cfg, name: str, plan) -> dict[str, float]:
+def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]:
     """``privprompt plan``'s numbers of a selection plan (from :func:`plan_selection`, inside the
-    run's sized plan): the whole selection's ε (its mechanism at the method's δ, before the sizes'
-    release), what ONE trial alone would cost (the costliest candidate's training ∥ its score), and
-    naive composition of ⌈E[K]⌉ such trials, for comparison."""
+    run's sized plan), each with the release of the split sizes and at the run's δ: the whole
+    selection's ε (the run's one entry), what ONE trial alone would cost (the costliest
+    candidate's training ∥ its score), and naive composition of ⌈E[K]⌉ such trials."""
     from privacy import accountant as acct
 
+    from .lifecycle import with_size_release
     from .methods import get_method
 
     info = plan.settings["selection"]
     method = get_method(name)
     sel = cfg.selection
-    delta = info["delta"]
     run_cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(
         update={"target_epsilon": float(plan.params["privacy.method_epsilon"])})})
     candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
-    trials = [psel.trial_event(_candidate_plan(method, run_cfg, c, info["trial_target"], plan.n_train, delta)[1].event,
-                               sel.score_noise_multiplier) for c in candidates if not c.zero_shot]
-    spends = [acct.spend(t, delta).epsilon for t in trials]
+    trials = [psel.trial_event(_candidate_plan(method, run_cfg, c, info["trial_target"], plan.n_train,
+                                               info["delta"])[1].event, sel.score_noise_multiplier)
+              for c in candidates if not c.zero_shot]
+    spends = [acct.spend(with_size_release(t, sizes), delta).epsilon for t in trials]
     worst = trials[int(np.argmax(spends))]
     k = _math.ceil(trial_count(sel).mean)
-    naive = acct.spend(psel._composed(worst, k), delta).epsilon
-    return {"selection_epsilon": float(info["epsilon"]), "trial_epsilon": float(max(spends)),
+    naive = acct.spend(with_size_release(psel._composed(worst, k), sizes), delta).epsilon
+    return {"selection_epsilon": float(acct.spend(plan.event, delta).epsilon), "trial_epsilon": float(max(spends)),
             "naive_epsilon": float(naive), "naive_trials": k, "expected_trials": float(trial_count(sel).mean),
             "candidates": len(candidates)}
