@@ -233,9 +233,10 @@ def sized_plan(cfg, name: str, sizes, delta: float):
     from dataclasses import replace
 
     method = get_method(name)
-    plan = method.plan(cfg, sizes.n_train, delta)
-    if plan.guarantee != "dp":
-        return plan, cfg
+    if not selection.applies(cfg, name):  # a selection is dp (its config check): no single-run plan needed
+        plan = method.plan(cfg, sizes.n_train, delta)
+        if plan.guarantee != "dp":
+            return plan, cfg
     target = float(cfg.privacy.target_epsilon)
     delta_sizes = delta * SIZES_DELTA_SHARE
     eps_sizes = acct.spend(sizes.event, delta_sizes).epsilon

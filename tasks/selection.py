@@ -311,11 +311,13 @@ def selection_epsilon_at(method, cfg, candidates, trial_target: float, n_train: 
 
 
 def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, target: float,
-                           tolerance: float = 0.01) -> tuple[float, float, ev.DpEvent]:
-    """The largest per-trial target ε t (to ``tolerance`` relative) at which the whole mechanism
-    spends at most ``target``: returns (t, its ε, its event). Secant steps on t (ε(t) is smooth
-    and increasing), keeping the largest t seen whose ε fits; each step plans every candidate at
-    t (the methods' own calibrations, cached). Raises ValueError when no t > target/1000 fits."""
+                           tolerance: float = 0.02) -> tuple[float, float, ev.DpEvent]:
+    """The largest per-trial target ε t found at which the whole mechanism spends at most
+    ``target``, and within ``tolerance`` (relative) of it: returns (t, its ε, its event). ε(t) is
+    smooth and increasing with slope ≈ 1 (the selection adds a near-constant to one trial), so:
+    a first guess from a Gaussian trial (closed form), then secant steps, keeping the largest t
+    whose ε fits. Each step plans every candidate at t (the methods' own calibrations, cached).
+    Raises ValueError when no t above target/1000 fits."""
     seen: dict[float, tuple[float, ev.DpEvent]] = {}
 
     def at(t: float) -> float:
@@ -327,38 +329,56 @@ def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, 
         return seen[t][0]
 
     floor = target * 1e-3
-    t0 = target / 2
-    while at(t0) > target:
-        t0 /= 2
-        if t0 < floor:
-            raise ValueError(f"selection: privacy.target_epsilon leaves too little for the trials (the selection "
-                             f"overhead alone exceeds ε = {target:.4g}): raise the target, lower "
-                             "selection.expected_trials or raise selection.score_noise_multiplier")
-    lo = t0  # fits
-    t1 = min(target, lo + (target - at(lo)))  # ε(t) ≈ t + overhead
-    for _ in range(8):
-        e1 = at(t1)
-        if e1 <= target:
-            lo = max(lo, t1)
-            if e1 >= target * (1 - tolerance):
-                break
-        fits = [t for t in seen if seen[t][0] <= target]
-        above = [t for t in seen if seen[t][0] > target]
-        lo = max(fits)
-        hi = min(above) if above else None
-        e_lo = seen[lo][0]
-        if hi is None:
-            step = lo + (target - e_lo)
-        else:
-            e_hi = seen[hi][0]
-            step = lo + (hi - lo) * (target * (1 - tolerance / 2) - e_lo) / max(e_hi - e_lo, 1e-12)
-            step = min(max(step, lo + (hi - lo) * 0.05), lo + (hi - lo) * 0.95)
-            if hi / lo < 1 + tolerance:
-                break
-        t1 = min(step, target)
-        if t1 in seen:
+    overhead = _gaussian_overhead(cfg.selection, target - _gaussian_overhead(cfg.selection, target / 2, delta), delta)
+    t = max(target - 1.1 * overhead, target / 8)
+    for _ in range(12):
+        e = at(t)
+        if target * (1 - tolerance) <= e <= target:
             break
-    return lo, seen[lo][0], seen[lo][1]
+        fits = [x for x in seen if seen[x][0] <= target]
+        above = [x for x in seen if seen[x][0] > target]
+        if fits and above:
+            lo, hi = max(fits), min(above)
+            if hi / lo < 1 + tolerance / 4:
+                break
+            e_lo, e_hi = seen[lo][0], seen[hi][0]
+            t = lo + (hi - lo) * (target * (1 - tolerance / 2) - e_lo) / max(e_hi - e_lo, 1e-12)
+            t = min(max(t, lo + (hi - lo) * 0.1), lo + (hi - lo) * 0.9)
+        elif above:  # overshoot only: step down by the excess (slope ≈ 1), a little further
+            t = min(above) - 1.1 * (seen[min(above)][0] - target * (1 - tolerance / 2))
+            if t < floor:
+                t = min(above) / 4
+        else:  # fits only: step up by what is left
+            t = max(fits) + (target * (1 - tolerance / 2) - seen[max(fits)][0])
+        if t < floor:
+            raise ValueError(f"selection: privacy.target_epsilon leaves too little for the trials (the selection "
+                             f"overhead alone comes near ε = {target:.4g}): raise the target, lower "
+                             "selection.expected_trials or raise selection.score_noise_multiplier")
+    fits = [x for x in seen if seen[x][0] <= target]
+    if not fits:
+        raise ValueError(f"selection: no per-trial calibration found that keeps the selection within ε = {target:.4g}")
+    best = max(fits)
+    return best, seen[best][0], seen[best][1]
+
+
+def _gaussian_overhead(sel, x: float, delta: float) -> float:
+    """What the selection adds over one trial when the trial is a Gaussian mechanism of ε = x at δ
+    (closed-form RDP, no calibration of the method): the first guess of the per-trial target."""
+    from privacy import rdp as rdp_lib
+
+    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
+
+    def eps(sigma: float) -> float:
+        return rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0]
+
+    lo, hi = 1e-2, 1e3
+    for _ in range(60):  # ε decreases in σ
+        mid = _math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if eps(mid) > x else (lo, mid)
+    curve = np.maximum(rdp_lib.gaussian_rdp(hi, orders), rdp_lib.gaussian_rdp(sel.score_noise_multiplier, orders))
+    chosen = psel.repeat_and_select_rdp(curve, trial_count(sel), trial_orders=orders)
+    chosen = chosen + rdp_lib.gaussian_rdp(sel.score_noise_multiplier, orders)  # the no-prompt reference
+    return max(0.0, rdp_lib.rdp_to_epsilon(orders, chosen, delta)[0] - eps(hi))
 
 
 def plan_selection(method, cfg, n_train: int, delta: float):

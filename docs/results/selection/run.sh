@@ -11,6 +11,9 @@ LOGS=${LOGS:-/tmp/sel-exp-logs}
 export PRIVPROMPT_HOME=/tmp/sel-exp-home OMP_NUM_THREADS=1
 mkdir -p "$LOGS"
 $PY docs/results/selection/make_data.py /tmp/sel-data
+# the two chains below share one MLflow store: create it first (two processes creating it at once
+# collide on its schema migration, which is how the first attempt of selection seed 0 failed here)
+$PY -c "import sys; sys.path.insert(0, '.'); from tasks.record import client; from tasks.state import state_paths; client(state_paths('$STATE').create()).search_experiments()"
 (for seed in $SEEDS; do
   /usr/bin/time -f "fixed seed=$seed wall %e s" $PY privprompt_cli.py --state-dir "$STATE" run \
     docs/results/selection/sst2_fixed.yaml --set seed=$seed > "$LOGS/fixed_$seed.log" 2>&1
