@@ -163,8 +163,9 @@ def format_plan(plan: dict) -> str:
             lines.append(f"  selection of {s['candidates'] - 1} candidate settings + no prompt "
                          f"(E[K] = {s['expected_trials']:g} trials): ε = {s['selection_epsilon']:.4f} for the whole "
                          f"selection (one ledger entry); a single trial alone ε = {s['trial_epsilon']:.4f}; "
-                         f"{s['naive_trials']} trials composed naively ε = {s['naive_epsilon']:.4f} (each with the "
-                         "sizes' release, at the run's δ)")
+                         f"{s['naive_trials']} trials composed naively ε = {s['naive_epsilon']:.4f}; every candidate "
+                         f"once, composed, ε = {s['naive_candidates_epsilon']:.4f} (each with the sizes' release, at "
+                         "the run's δ)")
     for key, d in plan["datasets"].items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "

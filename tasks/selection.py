@@ -263,6 +263,9 @@ def check_selection_config(cfg) -> None:
     from .methods import get_method
 
     method = get_method(cfg.method)
+    if cfg.audit.enabled:
+        raise ValueError("selection: audit.enabled: the audit's shadows train the configured settings, not the "
+                         "selection (the audit of a selection is not implemented); turn one of them off")
     if not method.reads_private_data(cfg):
         raise ValueError(f"selection: method {cfg.method} trains nothing on private data; there is nothing to select")
     if method.uses_validation:
@@ -570,6 +573,12 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
     worst = trials[int(np.argmax(spends))]
     k = _math.ceil(trial_count(sel).mean)
     naive = acct.spend(with_size_release(psel._composed(worst, k), sizes), delta).epsilon
+    # every candidate trained once and scored once (no prompt scored too), the best noisy score kept:
+    # the trainings compose on the training split, the scores on the holdout (disjoint: in parallel)
+    score = psel.holdout_score_event(sel.score_noise_multiplier)
+    every = ev.ParallelEvent((ev.ComposedEvent(tuple(t.events[0] for t in trials)),
+                              ev.SelfComposedEvent(score, len(candidates))))
+    naive_all = acct.spend(with_size_release(every, sizes), delta).epsilon
     return {"selection_epsilon": float(acct.spend(plan.event, delta).epsilon), "trial_epsilon": float(max(spends)),
             "naive_epsilon": float(naive), "naive_trials": k, "expected_trials": float(trial_count(sel).mean),
-            "candidates": len(candidates)}
+            "candidates": len(candidates), "naive_candidates_epsilon": float(naive_all)}

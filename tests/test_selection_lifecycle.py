@@ -109,6 +109,8 @@ def test_candidates_ranges_and_bad_keys(tmp_path):
                        ({"enabled": True, "shots": 3}, "unknown config key")):
         with pytest.raises(ConfigError, match=match):
             parse_config({**raw, "selection": bad})
+    with pytest.raises(ConfigError, match="audit's shadows train the configured settings"):
+        parse_config({**raw, "selection": {"enabled": True}, "audit": {"enabled": True}})
     # a config without the block hashes as before it existed (stored runs' config.hash); enabling it changes it
     assert config_hash(parse_config(raw)) == config_hash(parse_config({**raw, "selection": {}}))
     assert config_hash(parse_config(raw)) != config_hash(cfg)
@@ -304,6 +306,8 @@ def test_plan_shows_the_selections_epsilon_beside_one_trials(selected):
     assert f"ε = {s['selection_epsilon']:.4f} for the whole selection" in text
     assert f"a single trial alone ε = {s['trial_epsilon']:.4f}" in text
     assert f"3 trials composed naively ε = {s['naive_epsilon']:.4f}" in text
+    assert f"every candidate once, composed, ε = {s['naive_candidates_epsilon']:.4f}" in text
+    assert s["naive_candidates_epsilon"] > s["trial_epsilon"]
 
 
 def test_report_shows_the_winners_released_score_only(selected):
