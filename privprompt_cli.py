@@ -243,10 +243,11 @@ def _print_attacks(m: dict) -> None:
         print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f} {AUDIT_NOTE}")
 
 
-def _print_prompt(published: dict | None) -> None:
+def _print_prompt(published: dict | None, selected: bool = False) -> None:
     """Where the run's prompt is: the published file and its MLflow artifact, or that it stays private."""
     if not published or published.get("prompt_path") is None:
-        print(f"{'prompt:':<28}none (the method publishes no prompt)")
+        why = "the selection chose no prompt" if selected else "the method publishes no prompt"
+        print(f"{'prompt:':<28}none ({why})")
     elif published.get("prompt_published"):
         print(f"{'published prompt:':<28}{published['prompt_path']}")
         if published.get("artifact_uri"):
@@ -282,7 +283,7 @@ def _print_summary(summary: dict, wall: float) -> None:
         print(f"{'selection (released):':<28}published candidate's holdout accuracy "
               f"{m['selection.winner.holdout_accuracy']:.4f}, no prompt {m['selection.no_prompt.holdout_accuracy']:.4f}"
               " (noisy, DP)")
-    _print_prompt(summary.get("published"))
+    _print_prompt(summary.get("published"), "selection.winner_index" in m)
     for warning in summary.get("warnings", []):
         print(f"{'WARNING:':<28}{warning}")
     if summary.get("device"):

@@ -494,6 +494,9 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     private.info("winner: %s", "none" if result.winner is None else result.winner.name)
     if announce:
         announce(f"selection: finished; published candidate: {winner_label(candidates, winner_index)}")
+    for handler in list(private.handlers):  # the run's log file is closed (long-lived workers run many)
+        private.removeHandler(handler)
+        handler.close()
     event = mechanism_event(result.event, sel.score_noise_multiplier)  # the one reserved (with the sizes' release)
     prompt = None if winner_out is None else winner_out.prompt
     steps = 0 if winner_out is None else winner_out.steps
