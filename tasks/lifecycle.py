@@ -720,8 +720,12 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
         if selection.applies(cfg, name):  # the published candidate, by name, on the run record
             won = selection.winner_of(plan, trained.metrics)
             winner = "none" if won is None else (selection.NO_PROMPT if won[2] else won[0])
-            ctx.parent.log_params({"selection.winner": winner})
-            info["params"] = {**plan.params, "selection.winner": winner}
+            chosen = {"selection.winner": winner}
+            best = selection.best_trial_name(plan, trained.metrics)
+            if best is not None:  # no prompt published instead of the best trial (released numbers only)
+                chosen["selection.best_trial"] = best
+            ctx.parent.log_params(chosen)
+            info["params"] = {**plan.params, **chosen}
         child.log_params({**info["params"], **({"privacy.delta_opt_in": "true"} if opt_in else {})})
         child.log_metrics(metrics)
         if trained.prompt is not None:

@@ -255,10 +255,12 @@ class RunReport:
 
     def warnings(self, published: RunOutcome) -> list[str]:
         """The run summary's warnings: a selection whose published prompt's RELEASED holdout score is
-        below the released "no prompt" reference (both DP outputs: tasks/selection.py)."""
-        from .selection import below_no_prompt
+        below the released "no prompt" reference (with ``selection.fallback_to_no_prompt: false``), or
+        whose best trial was dropped for no prompt for that reason (both DP outputs: tasks/selection.py)."""
+        from .selection import below_no_prompt, fallback_note
 
         if not self.cfg.selection.enabled:
             return []
-        warning = below_no_prompt(published.train_metrics)
-        return [] if warning is None else [warning]
+        notes = [below_no_prompt(published.train_metrics),
+                 fallback_note(published.train_metrics, published.params.get("selection.best_trial"))]
+        return [n for n in notes if n is not None]

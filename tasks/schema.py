@@ -249,6 +249,9 @@ class SelectionConfig(Block):
                                    "candidate drawn uniformly at random)")
     score_noise_multiplier: float = Field(5.0, gt=0, description="σ (in records) of the Gaussian noise on each "
                                           "trial's holdout correct-count and on the released no-prompt reference")
+    fallback_to_no_prompt: bool = Field(True, description="publish no prompt when the best trial's released holdout "
+                                        "accuracy is below the released no-prompt reference (post-processing: no "
+                                        "extra ε); false: publish the best trial and warn")
 
     @field_validator("ranges")
     @classmethod

@@ -480,18 +480,13 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
         else:
             private.warning("trial %d: candidate %s FAILED and was skipped: %s", t.index + 1, t.candidate, t.error)
     reference = psel.release_holdout_counts(*score(candidates[-1], None), sel.score_noise_multiplier, rng)
-    winner_index = -1 if result.winner is None else [c.name for c in candidates].index(result.winner.name)
-    metrics = {"selection.winner_index": float(winner_index),
-               "selection.winner_is_no_prompt": float(result.winner is not None and result.winner.zero_shot),
-               "selection.no_prompt.holdout_accuracy": released_accuracy(*reference)}
-    if result.winner is not None:
-        metrics["selection.winner.holdout_accuracy"] = released_accuracy(result.winner_noisy_score,
-                                                                         result.winner_noisy_wrong)
+    winner_index, metrics = published_choice(candidates, result, reference, sel.fallback_to_no_prompt)
     if result.failed:
         private.warning("%d trial(s) failed and were skipped (sound only for failures that do not depend on the "
                         "private data: a model that does not load, a full disk)", len(result.failed))
-    winner_out = result.winner_output
-    private.info("winner: %s", "none" if result.winner is None else result.winner.name)
+    winner_out = None if winner_index < 0 or candidates[winner_index].zero_shot else result.winner_output
+    private.info("best trial: %s; published: %s", "none" if result.winner is None else result.winner.name,
+                 winner_label(candidates, winner_index))
     if announce:
         announce(f"selection: finished; published candidate: {winner_label(candidates, winner_index)}")
     for handler in list(private.handlers):  # the run's log file is closed (long-lived workers run many)
@@ -501,6 +496,50 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     prompt = None if winner_out is None else winner_out.prompt
     steps = 0 if winner_out is None else winner_out.steps
     return Trained(prompt, event, steps, metrics, [])
+
+
+def published_choice(candidates, result: SelectionResult, reference: tuple[float, float],
+                     fallback: bool) -> tuple[int, dict[str, float]]:
+    """What is published, from released numbers only (post-processing): the best trial's candidate
+    (its index in ``candidates``; −1: no winner), or — with ``fallback`` — "no prompt" when the best
+    trial trained a prompt whose released holdout accuracy is below the released no-prompt
+    reference's (a K that never drew "no prompt" is likely: E[(1 − 1/C)^K], 0.38 for 7 candidates
+    and a geometric K of mean 10). The metrics it publishes: the published candidate's index and
+    released accuracy (``selection.winner.*``), the reference's, and, after a fallback, the best
+    trial's released accuracy."""
+    names = [c.name for c in candidates]
+    no_prompt = next(i for i, c in enumerate(candidates) if c.zero_shot)
+    ref_acc = released_accuracy(*reference)
+    index = -1 if result.winner is None else names.index(result.winner.name)
+    metrics = {"selection.no_prompt.holdout_accuracy": ref_acc}
+    if index >= 0:
+        best_acc = released_accuracy(result.winner_noisy_score, result.winner_noisy_wrong)
+        metrics["selection.winner.holdout_accuracy"] = best_acc
+        if fallback and not candidates[index].zero_shot and best_acc < ref_acc:
+            metrics.update({"selection.fallback_to_no_prompt": 1.0, "selection.best_trial.holdout_accuracy": best_acc,
+                            "selection.best_trial_index": float(index),
+                            "selection.winner.holdout_accuracy": ref_acc})
+            index = no_prompt
+    metrics.update({"selection.winner_index": float(index),
+                    "selection.winner_is_no_prompt": float(index >= 0 and candidates[index].zero_shot)})
+    return index, metrics
+
+
+def fallback_note(metrics: dict, best_trial: str | None) -> str | None:
+    """The run summary's line when the best trial's prompt was dropped for no prompt (None otherwise)."""
+    if not metrics.get("selection.fallback_to_no_prompt"):
+        return None
+    return (f"the best trial ({best_trial or 'a trained prompt'}) released a holdout accuracy of "
+            f"{metrics['selection.best_trial.holdout_accuracy']:.4f}, below no prompt's "
+            f"{metrics['selection.no_prompt.holdout_accuracy']:.4f} (both noisy, DP): no prompt was published "
+            "instead (selection.fallback_to_no_prompt)")
+
+
+def best_trial_name(plan, metrics: dict) -> str | None:
+    """The best trial's candidate when a fallback published no prompt instead (None otherwise)."""
+    if "selection.best_trial_index" not in metrics:
+        return None
+    return plan.settings["selection"]["candidates"][int(metrics["selection.best_trial_index"])]["name"]
 
 
 def released_accuracy(noisy_correct: float, noisy_wrong: float) -> float:

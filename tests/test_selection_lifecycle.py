@@ -245,13 +245,14 @@ def test_the_winner_is_published_once_and_the_failed_candidate_skipped_and_said_
     assert files == ["prompt_dpsgd.safetensors"] and artifacts == ["prompt/prompt_dpsgd.safetensors"]
     log = (ctx.private_run_dir / "selection.log").read_text()
     assert "candidate lr=0.2 FAILED and was skipped: RuntimeError: model failed to load" in log
-    assert "winner: lr=0.05" in log
+    assert "best trial: lr=0.05; published: lr=0.05" in log
     assert str(ctx.private_run_dir).startswith(str(ctx.paths.private))  # the per-trial lines stay private
     parent = _mlflow(ctx.paths.root).get_run(ctx.parent_run_id)
     assert parent.data.params["selection.winner"] == "lr=0.05"
     m = out.train_metrics
     assert 0.0 <= m["selection.winner.holdout_accuracy"] <= 1.0 and m["selection.winner_is_no_prompt"] == 0.0
     assert m["selection.winner.holdout_accuracy"] > m["selection.no_prompt.holdout_accuracy"]  # 24 vs 0 of 24, σ = 5
+    assert "selection.fallback_to_no_prompt" not in m and "selection.best_trial" not in out.params
 
 
 def _run_text(client, run_id: str) -> list[str]:
@@ -358,3 +359,28 @@ def test_the_run_report_carries_the_warning(selected):
     off = RunReport(ctx.cfg.model_copy(update={"selection": ctx.cfg.selection.model_copy(update={"enabled": False})}),
                     get_method("prompt_dpsgd"), ctx.parent)
     assert off.warnings(worse) == []
+
+
+def test_no_prompt_is_published_when_the_best_trial_scores_below_it_released():
+    from tasks import selection as tsel
+
+    cands = [tsel.Candidate("lr=0.05", {"lr": 0.05}), tsel.Candidate("lr=0.2", {"lr": 0.2}),
+             tsel.no_prompt_candidate("no prompt")]
+    best = tsel.SelectionResult(cands[1], "trained prompt", 80.0, [], None, 20.0)  # released 80 right, 20 wrong
+    index, m = tsel.published_choice(cands, best, (90.0, 10.0), fallback=True)  # no prompt: 0.9 > 0.8
+    assert index == 2 and m["selection.winner_is_no_prompt"] == 1.0 and m["selection.fallback_to_no_prompt"] == 1.0
+    assert m["selection.winner.holdout_accuracy"] == pytest.approx(0.9)  # the published one's: no prompt's
+    assert m["selection.best_trial.holdout_accuracy"] == pytest.approx(0.8) and m["selection.best_trial_index"] == 1.0
+    assert tsel.below_no_prompt(m) is None  # what is published is not below no prompt
+    assert "best trial (lr=0.2) released a holdout accuracy of 0.8000, below no prompt's 0.9000" in \
+        tsel.fallback_note(m, "lr=0.2")
+    kept, m2 = tsel.published_choice(cands, best, (90.0, 10.0), fallback=False)  # published, and warned about
+    assert kept == 1 and "selection.fallback_to_no_prompt" not in m2 and m2["selection.winner_is_no_prompt"] == 0.0
+    assert "below the released no-prompt reference 0.9000" in tsel.below_no_prompt(m2)
+    assert tsel.fallback_note(m2, None) is None
+    above, m3 = tsel.published_choice(cands, best, (70.0, 30.0), fallback=True)
+    assert above == 1 and m3["selection.winner.holdout_accuracy"] == pytest.approx(0.8)
+    none, m4 = tsel.published_choice(cands, tsel.SelectionResult(None, None, None, [], None), (70.0, 30.0), True)
+    assert none == -1 and "selection.winner.holdout_accuracy" not in m4 and m4["selection.winner_is_no_prompt"] == 0.0
+    itself = tsel.SelectionResult(cands[2], None, 60.0, [], None, 40.0)  # no prompt won its trial: kept
+    assert tsel.published_choice(cands, itself, (90.0, 10.0), fallback=True)[0] == 2
