@@ -155,9 +155,10 @@ def run_selection(candidates: Sequence[Candidate], train: Callable[[Candidate, n
 # selection (best of K trials, Papernot & Steinke) composed with the release of the "no prompt"
 # reference score; every trial's training is calibrated (:func:`plan_selection`) so that this
 # event, composed with the release of the split sizes, meets privacy.target_epsilon. What is
-# published: the winner (its settings' name, its trained output), its noisy holdout score and
-# the noisy no-prompt reference (both as accuracies over the RELEASED holdout size). What is not:
-# K, the other trials, any exact holdout count (they stay in the operator's private log).
+# published: the winner (its settings' name, its trained output), its noisy holdout counts and
+# the no-prompt reference's (shown as accuracies of noisy counts), or — when the reference's is
+# higher — no prompt instead (:func:`published_choice`, post-processing). What is not: K, the
+# other trials, any exact holdout count (they stay in the operator's private log).
 #
 # The secret number of trials K is part of the mechanism: the Papernot–Steinke bound holds for
 # the best trial with K hidden (conditioned on K = k it would be best-of-k, up to k times the
@@ -171,7 +172,6 @@ import logging
 import math as _math
 
 NO_PROMPT = "no prompt"
-REFERENCE = "no prompt (reference)"
 
 
 def candidate_name(settings: dict) -> str:
@@ -314,7 +314,7 @@ def selection_epsilon_at(method, cfg, candidates, trial_target: float, n_train: 
 
 
 def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, target: float,
-                           tolerance: float = 0.02) -> tuple[float, float, ev.DpEvent]:
+                           tolerance: float = 0.01) -> tuple[float, float, ev.DpEvent]:
     """The largest per-trial target ε t found at which the whole mechanism spends at most
     ``target``, and within ``tolerance`` (relative) of it: returns (t, its ε, its event). ε(t) is
     smooth and increasing with slope ≈ 1 (the selection adds a near-constant to one trial), so:
@@ -611,10 +611,12 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
     trials = [psel.trial_event(_candidate_plan(method, run_cfg, c, info["trial_target"], plan.n_train,
                                                info["delta"])[1].event, sel.score_noise_multiplier)
               for c in candidates if not c.zero_shot]
-    spends = [acct.spend(with_size_release(t, sizes), delta).epsilon for t in trials]
-    worst = trials[int(np.argmax(spends))]
+    distinct = list(dict.fromkeys(trials))  # candidates differing only in lr have the same event
+    spends = [acct.spend(with_size_release(t, sizes), delta).epsilon for t in distinct]
     k = _math.ceil(trial_count(sel).mean)
-    naive = acct.spend(with_size_release(psel._composed(worst, k), sizes), delta).epsilon
+    # k trials of the candidate whose k-fold composition costs most (trials calibrated alike can compose
+    # very differently: more steps at more noise compose worse)
+    naive = max(acct.spend(with_size_release(psel._composed(t, k), sizes), delta).epsilon for t in distinct)
     # every candidate trained once and scored once (no prompt scored too), the best noisy score kept:
     # the trainings compose on the training split, the scores on the holdout (disjoint: in parallel)
     score = psel.holdout_score_event(sel.score_noise_multiplier)
