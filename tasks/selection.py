@@ -29,6 +29,8 @@ No Prefect, no MLflow here; the caller wires it into a flow.
 
 from __future__ import annotations
 
+import logging
+import math as _math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -167,9 +169,6 @@ def run_selection(candidates: Sequence[Candidate], train: Callable[[Candidate, n
 # that does not propagate to Prefect), and the Prefect log says when the selection starts and
 # ends. The run's wall time still grows with K (a timing side channel that this, like every DP
 # implementation here, does not hide).
-
-import logging
-import math as _math
 
 NO_PROMPT = "no prompt"
 
