@@ -384,3 +384,30 @@ def test_no_prompt_is_published_when_the_best_trial_scores_below_it_released():
     assert none == -1 and "selection.winner.holdout_accuracy" not in m4 and m4["selection.winner_is_no_prompt"] == 0.0
     itself = tsel.SelectionResult(cands[2], None, 60.0, [], None, 40.0)  # no prompt won its trial: kept
     assert tsel.published_choice(cands, itself, (90.0, 10.0), fallback=True)[0] == 2
+
+
+def test_released_holdout_counts_are_the_gaussian_mechanism_on_the_pair():
+    """(correct, wrong) each plus independent N(0, σ²): one record moves one coordinate by one, so
+    the pair's L2 sensitivity is 1 and its event is GaussianEvent(σ), as for one count."""
+    from scipy import stats
+
+    from privacy import rdp as rdp_lib
+    from privacy import selection as psel
+    from privacy.rng import seeded_rng
+
+    rng = seeded_rng(30)
+    draws = np.array([psel.release_holdout_counts(180, 40, 5.0, rng) for _ in range(4000)])
+    assert stats.kstest((draws[:, 0] - 180) / 5.0, "norm").pvalue > 1e-3
+    assert stats.kstest((draws[:, 1] - 40) / 5.0, "norm").pvalue > 1e-3
+    assert abs(np.corrcoef(draws[:, 0], draws[:, 1])[0, 1]) < 0.05
+    # neighbouring holdouts: the record added is right (180 → 181, 40) or wrong (180, 40 → 41): both at L2
+    # distance 1, the Rényi divergence of the Gaussian at sensitivity 1, the event's curve
+    orders = np.array([2.0, 8.0, 32.0])
+    for a, b in (((180, 40), (181, 40)), ((180, 40), (180, 41))):
+        d2 = float(np.sum((np.array(a) - np.array(b)) ** 2))
+        np.testing.assert_allclose(orders * d2 / (2 * 5.0 ** 2),
+                                   rdp_lib.rdp_of_event(psel.holdout_score_event(5.0), tuple(orders))[0])
+    from tasks.selection import released_accuracy
+
+    assert released_accuracy(90.0, 10.0) == pytest.approx(0.9)
+    assert released_accuracy(-3.0, 1.0) == 0.0 and released_accuracy(5.0, -1.0) == 1.0
