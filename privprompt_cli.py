@@ -260,10 +260,11 @@ def _print_attacks(m: dict) -> None:
         print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f} {AUDIT_NOTE}")
 
 
-def _print_prompt(published: dict | None) -> None:
+def _print_prompt(published: dict | None, selected: bool = False) -> None:
     """Where the run's prompt is: the published file and its MLflow artifact, or that it stays private."""
     if not published or published.get("prompt_path") is None:
-        print(f"{'prompt:':<28}none (the method publishes no prompt)")
+        why = "the selection chose no prompt" if selected else "the method publishes no prompt"
+        print(f"{'prompt:':<28}none ({why})")
     elif published.get("prompt_published"):
         print(f"{'published prompt:':<28}{published['prompt_path']}")
         if published.get("artifact_uri"):
@@ -295,7 +296,13 @@ def _print_summary(summary: dict, wall: float) -> None:
     for key in sorted(k for k in m if k.startswith("audit.baseline.")):  # trained on private data without DP
         print(f"{key + ':':<27} {m[key]:.4f} {AUDIT_NOTE}")
     _print_attacks(m)
-    _print_prompt(summary.get("published"))
+    if "selection.winner.holdout_accuracy" in m:  # DP-released (noisy) holdout accuracy of the published winner
+        print(f"{'selection (released):':<28}published candidate's holdout accuracy "
+              f"{m['selection.winner.holdout_accuracy']:.4f}, no prompt {m['selection.no_prompt.holdout_accuracy']:.4f}"
+              " (noisy, DP)")
+    _print_prompt(summary.get("published"), "selection.winner_index" in m)
+    for warning in summary.get("warnings", []):
+        print(f"{'WARNING:':<28}{warning}")
     if summary.get("device"):
         print(f"{'device:':<28}{summary['device']}")
     seconds = summary.get("compute_seconds", {})
@@ -450,9 +457,12 @@ def cmd_report(args) -> int:
             fetched = Path(mlflow.download_artifacts(record.run_id, "report", tmp))
             for f in sorted(fetched.iterdir()):  # the report's flat files, replacing older copies
                 os.replace(f, dest / f.name)
-    from tasks.comparison import comparison_table
+    from tasks.comparison import comparison_table, selection_table
 
     print(comparison_table(rows), end="")
+    selected = selection_table(rows)
+    if selected is not None:  # the published candidates and their DP-released holdout scores
+        print(selected, end="")
     print(f"{'report run:':<28}{record.run_id} ({out['n_runs']} runs; {out['table']}, {out['figure']})")
     return 0
 

@@ -113,4 +113,6 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
             rec.audited(run_audit(pipeline.audit_target(ctx, published, prepared), cfg.audit))
         run.summary.update(rec.record(ctx, published, plan))
     get_run_logger().info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in rec.metrics.items()}))
+    for warning in run.summary.get("warnings", []):
+        get_run_logger().warning(warning)
     return run.summary

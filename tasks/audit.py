@@ -94,6 +94,10 @@ def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     missing = get_method(target.method).missing_prepared(target.prepared)
     if missing:
         raise AuditError(f"run {target.run_id}: the audit's shadows need {missing}")
+    if target.cfg.selection.enabled:
+        raise AuditError(f"run {target.run_id} selected its settings privately (selection:); the audit's shadows "
+                         "would train the configured settings, not the selection, and the audit of a selection is "
+                         "not implemented")
     return check_pool_size(target.part, acfg)
 
 

@@ -30,7 +30,8 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
             if "mlflow.parentRunId" in tags or tags.get("flow") == "sweep" or "method" not in tags:
                 continue
             eta = _ldp_level(tags["method"], run.data.params)
-            label = tags.get("method.label") or tags["method"]
+            selected = run.data.params.get("selection.enabled") == "True"
+            label = (tags.get("method.label") or tags["method"]) + (" + selection" if selected else "")
             unit = run.data.params.get("privacy.unit", "record")
             if unit != "record":  # ε per person: never pooled with the record-level runs of the method
                 label = f"{label} [unit: {unit}]"
@@ -45,7 +46,13 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),
                          "note": tags.get("privacy.note", ""),
                          "flatness": {k: v for k, v in run.data.metrics.items() if k.startswith("flatness.")},
-                         "empirical_privacy": _empirical_privacy(run.data.metrics)})
+                         "empirical_privacy": _empirical_privacy(run.data.metrics),
+                         # a selection's published winner and its DP-released holdout accuracy (never an exact
+                         # holdout number: none is logged)
+                         "selection": ({"winner": run.data.params.get("selection.winner"),
+                                        "released_holdout_accuracy":
+                                            run.data.metrics.get("selection.winner.holdout_accuracy")}
+                                       if selected else None)})
         token = page.token
         if not token:
             break
@@ -91,6 +98,24 @@ def comparison_table(rows: list[dict]) -> str:
                      f"{r['guarantee']}{' (' + r['note'] + ')' if r['note'] else ''} | "
                      f"{f(r['epsilon'])} | {f(r['eta'])} | {f(r['accuracy'])} | {f(zero_shot_accuracy(r))} | "
                      f"{f(r['mia_auc'])} | {r['seed'] or '-'} | {r['run_id'][:8]} |")
+    return "\n".join(lines) + "\n"
+
+
+def selection_table(rows: list[dict]) -> str | None:
+    """The runs that selected their settings privately: the published candidate and its holdout
+    accuracy AS RELEASED by the mechanism (noisy, DP; the other trials are never published). None
+    when no run of the experiment selected."""
+    selected = [r for r in rows if r.get("selection")]
+    if not selected:
+        return None
+    lines = ["| dataset | method | published candidate | released holdout accuracy (DP, noisy) | test accuracy | "
+             "ε (spent, whole selection) | seed | run |", "|---|---|---|---:|---:|---:|---:|---|"]
+    f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    for r in sorted(selected, key=lambda r: (r.get("dataset", ""), r["method"], str(r["seed"]))):
+        s = r["selection"]
+        lines.append(f"| {r.get('dataset') or '-'} | {r['method']} | {s['winner'] or '-'} | "
+                     f"{f(s['released_holdout_accuracy'])} | {f(r['accuracy'])} | {f(r['epsilon'])} | "
+                     f"{r['seed'] or '-'} | {r['run_id'][:8]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -284,6 +309,9 @@ def log_report(record, rows: list[dict], title: str) -> dict:
     ldp = ldp_table(rows)
     if ldp is not None:
         record.log_text(ldp, "report/ldp_table.md")
+    selected = selection_table(rows)
+    if selected is not None:
+        record.log_text(selected, "report/selection.md")
     flat = flatness_figure(rows, "flatness of the published prompts (test split)")
     if flat is not None:
         record.log_figure(flat, "report/flatness.png")

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from .errors import ConfigError
 
 from .schema import (AuditConfig, Block, DaskConfig, DataConfig, DPSGDConfig, MiaConfig,  # noqa: F401
-                     ModelsConfig, PrivacyConfig, PromptTuningConfig, PublicDataConfig)
+                     ModelsConfig, PrivacyConfig, PromptTuningConfig, PublicDataConfig, SelectionConfig)
 from .state import digest_key
 
 
@@ -83,6 +83,8 @@ class PrivPromptConfig(Block):
     debug_seeded_dp_randomness: bool = Field(
         False, description="DEBUG ONLY: derive DP noise and sampling from `seed` (replayable); the run then has "
                            "no guarantee (privacy.guarantee=none) and publishes nothing")
+    selection: SelectionConfig = Field(default_factory=SelectionConfig,
+                                       description="private selection of the published method's settings (issue 30)")
     mia: MiaConfig = Field(default_factory=MiaConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     sweep: list[dict[str, Any]] = Field(
@@ -151,6 +153,10 @@ class PrivPromptConfig(Block):
                            update={"debug_seeded_dp_randomness": False})) != "none"
                        else f"methods.{name} trains on private data without a formal guarantee")
                 raise ValueError(f"{why}: set allow_nonprivate_baselines: true to opt in")
+        if self.selection.enabled:
+            from .selection import check_selection_config
+
+            check_selection_config(self)
         return self
 
     @property
@@ -300,6 +306,8 @@ def config_hash(cfg: PrivPromptConfig) -> str:
     for key in ("state_dir", "ledger", "sweep", "grid", "seeds", "sweep_dask"):
         data.pop(key, None)
     data["data"] = data_dump(cfg.data)  # the unit at its default hashes as before it existed
+    if cfg.selection == SelectionConfig():  # hashed as before the block existed: stored runs' config.hash still match
+        data.pop("selection", None)
     data[LEGACY_FLOW_KEY[0]] = LEGACY_FLOW_KEY[1]  # hashed as before: stored runs' config.hash still match
     return digest_key(data, length=20)
 

@@ -30,7 +30,7 @@ from privacy import accountant as acct
 from privacy import events as ev
 from privacy.ledger import BudgetExceededError, DeltaMismatchError, Ledger, UnknownRunError
 
-from . import plots, randomness
+from . import plots, randomness, selection
 from .data import Partition, SourceRecords, read_partition_split, read_partition_units
 from .errors import ConfigError, PrivPromptError
 from .methods import MethodContext, PrivateRows, get_method
@@ -241,9 +241,10 @@ def sized_plan(cfg, name: str, sizes, delta: float):
     from dataclasses import replace
 
     method = get_method(name)
-    plan = method.plan(cfg, sizes.n_train, delta)
-    if plan.guarantee != "dp":
-        return plan, cfg
+    if not selection.applies(cfg, name):  # a selection is dp (its config check): no single-run plan needed
+        plan = method.plan(cfg, sizes.n_train, delta)
+        if plan.guarantee != "dp":
+            return plan, cfg
     target = float(cfg.privacy.target_epsilon)
     delta_sizes = delta * SIZES_DELTA_SHARE
     eps_sizes = acct.spend(sizes.event, delta_sizes).epsilon
@@ -253,7 +254,13 @@ def sized_plan(cfg, name: str, sizes, delta: float):
                           f"sizes are released (ε = {eps_sizes:.4f} at data.size_noise_sigma = {sizes.sigma:g} records); "
                           "raise the target or data.size_noise_sigma")
     run_cfg = _with_target(cfg, share)
-    plan = method.plan(run_cfg, sizes.n_train, delta - delta_sizes)
+    if selection.applies(cfg, name):  # the published method's settings selected: one mechanism, one event
+        try:
+            plan = selection.plan_selection(method, run_cfg, sizes.n_train, delta - delta_sizes)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    else:
+        plan = method.plan(run_cfg, sizes.n_train, delta - delta_sizes)
     method_eps = acct.spend(plan.event, delta - delta_sizes).epsilon
     if not eps_sizes + method_eps <= target * (1 + 1e-6):
         raise ConfigError(f"{name}: its plan would spend ε = {method_eps:.4f} at δ = {delta - delta_sizes:g} above its "
@@ -674,11 +681,17 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
                         "mechanism again under it (a new `privprompt run` is a new charge)")
                 ledger.mark_read(run_key)  # from here on the reservation stays spent, whatever happens
             read_begun = plan.reads_private
-            rows = read_private_rows(part, method.uses_validation) if plan.reads_private else PrivateRows([], [])
+            selects = selection.applies(cfg, name)
+            rows = (read_private_rows(part, method.uses_validation or selects) if plan.reads_private
+                    else PrivateRows([], []))
             if reservation is not None:
                 _test_pause("training")
             started = time.perf_counter()
-            trained = method.train(mctx, plan, rows, progress=progress(name) if progress else None)
+            if selects:  # K trials of candidates, noisy holdout scores, the best one: the plan's one mechanism
+                trained = selection.train_selection(method, mctx, plan, rows,
+                                                    ctx.private_run_dir / "selection.log", announce=_announce)
+            else:
+                trained = method.train(mctx, plan, rows, progress=progress(name) if progress else None)
             train_s = time.perf_counter() - started
             del rows
             if plan.guarantee == "dp":
@@ -712,7 +725,17 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
             metrics.update(trained.audit_metrics)
             info["audit_metrics"] = trained.audit_metrics
         info["train_metrics"] = dict(metrics)
-        child.log_params({**plan.params, **({"privacy.delta_opt_in": "true"} if opt_in else {})})
+        winner = None
+        if selection.applies(cfg, name):  # the published candidate, by name, on the run record
+            won = selection.winner_of(plan, trained.metrics)
+            winner = "none" if won is None else (selection.NO_PROMPT if won[2] else won[0])
+            chosen = {"selection.winner": winner}
+            best = selection.best_trial_name(plan, trained.metrics)
+            if best is not None:  # no prompt published instead of the best trial (released numbers only)
+                chosen["selection.best_trial"] = best
+            ctx.parent.log_params(chosen)
+            info["params"] = {**plan.params, **chosen}
+        child.log_params({**info["params"], **({"privacy.delta_opt_in": "true"} if opt_in else {})})
         child.log_metrics(metrics)
         if trained.prompt is not None:
             published = plan.guarantee in PUBLISHED  # the publish rule
@@ -722,8 +745,13 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
                 meta.update({"privacy.epsilon": f"{info['spend']['epsilon']:.6f}", "privacy.delta": f"{delta:.3g}",
                              "dataset.fingerprint": part.published_key})
             meta.update({k: str(v) for k, v in plan.params.items()})
+            post_mctx, post_plan = mctx, plan
+            if selection.applies(cfg, name):  # the winner's own settings post-process its output
+                meta["selection.winner"] = winner
+                post_mctx, post_plan = selection.winner_context(method, mctx, plan, trained.metrics)
             started = time.perf_counter()
-            post = method.post_process(mctx, plan, trained.prompt, progress=progress(f"{name}:post") if progress else None)
+            post = method.post_process(post_mctx, post_plan, trained.prompt,
+                                       progress=progress(f"{name}:post") if progress else None)
             if post.prompt is not trained.prompt:
                 info["compute"]["post_process"] = time.perf_counter() - started
                 info["source_prompt_path"] = str(save_prompt_file(directory, f"{name}_source", trained.prompt, {
@@ -755,6 +783,16 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
             except Exception:  # noqa: BLE001 - the statement must never hide the error itself
                 pass
         raise
+
+
+def _announce(line: str) -> None:
+    """A public progress line of the selection (start and end only: tasks/selection.py)."""
+    try:
+        from prefect import get_run_logger
+
+        get_run_logger().info(line)
+    except Exception:  # noqa: BLE001 - outside a flow (tests, audit shadows): nowhere to say it
+        pass
 
 
 def log_post_child(ctx, spec: dict, guarantee: str) -> None:

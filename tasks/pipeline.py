@@ -97,7 +97,7 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
     # sizes and what the plan derives from them (q = B/ñ, steps, σ) wait for the charge that covers
     # their release — a run refused before it (the audit pool, a preflight check, the budget) has
     # published none of them (RunReport.released logs them)
-    parent.log_params({"privacy.target_delta": delta})
+    parent.log_params({"privacy.target_delta": delta, "selection.enabled": cfg.selection.enabled})
     if cfg.audit.enabled:
         from .audit import check_pool_size
 
@@ -255,4 +255,19 @@ class RunReport:
         summary.update({"metrics": self.metrics, "budget": budget, "guarantee": published.guarantee,
                         "compute_seconds": self.compute, "runtime": self.runtime, "accuracy": self.accuracies,
                         "published": budget["published"]})
+        summary["warnings"] = self.warnings(published)
+        if summary["warnings"]:
+            parent.set_tags({"warning": " | ".join(summary["warnings"])})
         return summary
+
+    def warnings(self, published: RunOutcome) -> list[str]:
+        """The run summary's warnings: a selection whose published prompt's RELEASED holdout score is
+        below the released "no prompt" reference (with ``selection.fallback_to_no_prompt: false``), or
+        whose best trial was dropped for no prompt for that reason (both DP outputs: tasks/selection.py)."""
+        from .selection import below_no_prompt, fallback_note
+
+        if not self.cfg.selection.enabled:
+            return []
+        notes = [below_no_prompt(published.train_metrics),
+                 fallback_note(published.train_metrics, published.params.get("selection.best_trial"))]
+        return [n for n in notes if n is not None]

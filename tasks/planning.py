@@ -111,6 +111,10 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
             if plan.event is not None:
                 row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
                 events.setdefault(key, []).append(plan.event)
+            if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
+                from .selection import describe_plan
+
+                row["selection"] = describe_plan(cfg, name, plan, sizes, delta)
             runs.append(row)
     datasets = {}
     for key, m in meta.items():
@@ -161,6 +165,14 @@ def format_plan(plan: dict) -> str:
     for r, label in zip(plan["runs"], labels):
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.4f}"
         lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}")
+        if r.get("selection"):
+            s = r["selection"]
+            lines.append(f"  selection of {s['candidates'] - 1} candidate settings + no prompt "
+                         f"(E[K] = {s['expected_trials']:g} trials): ε = {s['selection_epsilon']:.4f} for the whole "
+                         f"selection (one ledger entry); a single trial alone ε = {s['trial_epsilon']:.4f}; "
+                         f"{s['naive_trials']} trials composed naively ε = {s['naive_epsilon']:.4f}; every candidate "
+                         f"once, composed, ε = {s['naive_candidates_epsilon']:.4f} (each with the sizes' release, at "
+                         "the run's δ)")
     for key, d in plan["datasets"].items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "

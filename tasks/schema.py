@@ -7,7 +7,7 @@ assembles the one schema from these blocks and the method registry. Unknown keys
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -252,3 +252,52 @@ class DPSGDConfig(PromptTuningConfig):
     """DP-SGD soft-prompt training: the clipping norm is the mechanism's, so it lives here."""
 
     max_grad_norm: float = Field(1.0, gt=0, description="per-example clipping norm C (noise std σ·C)")
+
+
+class SelectionConfig(Block):
+    """Private selection of the published method's settings (issue 30): candidates (the method's
+    grid, or random draws from ranges) plus "no prompt", each trial trained on the training split
+    and scored with noise on the private HOLDOUT; one winner published. The whole procedure is one
+    DP mechanism (Papernot & Steinke's random number of trials, ``privacy/selection.py``) whose ε is
+    privacy.target_epsilon; every trial's training is calibrated so that the selection meets it."""
+
+    enabled: bool = Field(False, description="select the published method's settings privately on the holdout "
+                          "(needs a dp method; data.holdout_fraction sets the holdout)")
+    candidates: list[dict[str, Any]] = Field(
+        default_factory=list, description="settings to choose from, each a mapping of keys of methods.<method> "
+        "(dotted for nested blocks, e.g. tuning.lr) to values; default: the method's own grid. The \"no prompt\" "
+        "candidate is always added")
+    ranges: dict[str, list[float]] = Field(
+        default_factory=dict, description="instead of candidates: key of methods.<method> -> [low, high]; `draws` "
+        "candidates drawn at random (log-uniform for positive floats, uniform for integers) from the config's seed "
+        "(public: they depend on no data)")
+    draws: int = Field(0, ge=0, description="candidates drawn from `ranges`")
+    distribution: Literal["truncated_negative_binomial", "poisson"] = Field(
+        "truncated_negative_binomial", description="law of the secret number of trials K (Papernot & Steinke): "
+        "truncated negative binomial D_{eta,gamma} (eta = 1: geometric) or Poisson")
+    eta: float = Field(1.0, gt=-1, description="eta of the truncated negative binomial (smaller: cheaper in ε, more "
+                       "mass on K = 1)")
+    expected_trials: float = Field(10.0, gt=1, description="E[K], the expected number of trials (each trains one "
+                                   "candidate drawn uniformly at random)")
+    score_noise_multiplier: float = Field(5.0, gt=0, description="σ (in records) of the Gaussian noise on each "
+                                          "trial's holdout correct-count and on the released no-prompt reference")
+    fallback_to_no_prompt: bool = Field(True, description="publish no prompt when the best trial's released holdout "
+                                        "accuracy is below the released no-prompt reference (post-processing: no "
+                                        "extra ε); false: publish the best trial and warn")
+
+    @field_validator("ranges")
+    @classmethod
+    def _ranges(cls, v):
+        for key, bounds in v.items():
+            if len(bounds) != 2 or not all(math.isfinite(b) for b in bounds) or not bounds[0] < bounds[1]:
+                raise ValueError(f"ranges.{key} must be [low, high] with low < high, got {bounds!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.candidates and self.ranges:
+            raise ValueError("give candidates or ranges, not both")
+        if bool(self.ranges) != bool(self.draws):
+            raise ValueError("ranges and draws go together: draws candidates from ranges "
+                             f"(ranges: {sorted(self.ranges)}, draws: {self.draws})")
+        return self

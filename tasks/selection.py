@@ -29,6 +29,8 @@ No Prefect, no MLflow here; the caller wires it into a flow.
 
 from __future__ import annotations
 
+import logging
+import math as _math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -59,6 +61,7 @@ class TrialOutcome:
     candidate: str
     noisy_score: float | None
     error: str | None = None
+    noisy_wrong: float | None = None  # when ``score`` gives (correct, wrong): the noisy wrong count
 
 
 @dataclass
@@ -68,6 +71,7 @@ class SelectionResult:
     winner_noisy_score: float | None
     trials: list[TrialOutcome] = field(default_factory=list)  # operator-only: NOT covered by the ε
     event: ev.RepeatAndSelectEvent | None = None
+    winner_noisy_wrong: float | None = None  # when ``score`` gives (correct, wrong)
 
     def published(self) -> dict[str, Any]:
         """What the selection ε covers: the winner, its noisy score, and how it was chosen
@@ -130,14 +134,494 @@ def run_selection(candidates: Sequence[Candidate], train: Callable[[Candidate, n
         cand = candidates[int(rng.integers(len(candidates)))]
         try:
             output = None if cand.zero_shot else train(cand, rng)
-            correct = score(cand, output)
-            noisy = psel.release_holdout_score(correct, score_noise_multiplier, rng)
+            counts = score(cand, output)
+            if isinstance(counts, tuple):  # (correct, wrong): both released, L2 sensitivity 1 together
+                noisy, noisy_wrong = psel.release_holdout_counts(*counts, score_noise_multiplier, rng)
+            else:
+                noisy, noisy_wrong = psel.release_holdout_score(counts, score_noise_multiplier, rng), None
         except Exception as exc:  # noqa: BLE001 — a failed trial is skipped and said so
             trials.append(TrialOutcome(i, cand.name, None, f"{type(exc).__name__}: {exc}"))
             continue
-        trials.append(TrialOutcome(i, cand.name, noisy))
+        trials.append(TrialOutcome(i, cand.name, noisy, None, noisy_wrong))
         if best is None or noisy > best[0]:
-            best = (noisy, i, cand, output)
+            best = (noisy, i, cand, output, noisy_wrong)
     if best is None:
         return SelectionResult(None, None, None, trials, event)
-    return SelectionResult(best[2], best[3], best[0], trials, event)
+    return SelectionResult(best[2], best[3], best[0], trials, event, best[4])
+
+
+# ==== the selection of a run: config → candidates → plan → trials (the lifecycle calls these) ====
+#
+# ``selection: {enabled: true}`` makes the published method's pass through the lifecycle ONE
+# mechanism: the event reserved before the first private read is :func:`mechanism_event`, the
+# selection (best of K trials, Papernot & Steinke) composed with the release of the "no prompt"
+# reference score; every trial's training is calibrated (:func:`plan_selection`) so that this
+# event, composed with the release of the split sizes, meets privacy.target_epsilon. What is
+# published: the winner (its settings' name, its trained output), its noisy holdout counts and
+# the no-prompt reference's (shown as accuracies of noisy counts), or — when the reference's is
+# higher — no prompt instead (:func:`published_choice`, post-processing). What is not: K, the
+# other trials, any exact holdout count (they stay in the operator's private log).
+#
+# The secret number of trials K is part of the mechanism: the Papernot–Steinke bound holds for
+# the best trial with K hidden (conditioned on K = k it would be best-of-k, up to k times the
+# trial's loss). So no per-trial line goes to the Prefect log (its count is K): the trials'
+# progress goes to a private operator log (``private/runs/<id>/selection.log``, a Python logger
+# that does not propagate to Prefect), and the Prefect log says when the selection starts and
+# ends. The run's wall time still grows with K (a timing side channel that this, like every DP
+# implementation here, does not hide).
+
+NO_PROMPT = "no prompt"
+
+
+def candidate_name(settings: dict) -> str:
+    """A candidate's name in the run record: its settings, ``key=value`` joined by commas."""
+    return ",".join(f"{k}={v}" for k, v in settings.items()) or "configured"
+
+
+def applies(cfg, name: str) -> bool:
+    """Whether method ``name``'s pass through the lifecycle is a selection (the published method only)."""
+    return bool(cfg.selection.enabled) and name == cfg.method
+
+
+def apply_settings(cfg, name: str, settings: dict):
+    """``cfg`` with the candidate's ``settings`` (keys of ``methods.<name>``, dotted for nested
+    blocks) applied and validated; raises ValueError naming a bad key."""
+    import copy
+
+    from pydantic import ValidationError
+
+    block = getattr(cfg.methods, name)
+    data = copy.deepcopy(block.model_dump(by_alias=True))
+    for dotted, value in settings.items():
+        node, parts = data, str(dotted).split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                raise ValueError(f"selection: {dotted!r} is not a key of methods.{name}")
+            node = node[part]
+        if parts[-1] not in node:
+            raise ValueError(f"selection: {dotted!r} is not a key of methods.{name}")
+        node[parts[-1]] = value
+    try:
+        new_block = type(block).model_validate(data)
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors())
+        raise ValueError(f"selection: candidate {candidate_name(settings)!r} is not a valid methods.{name} "
+                         f"block ({problems})") from None
+    return cfg.model_copy(update={"methods": cfg.methods.model_copy(update={name: new_block})})
+
+
+def _drawn_settings(cfg, name: str) -> list[dict]:
+    """``selection.draws`` settings drawn from ``selection.ranges`` with the config's (public) seed."""
+    rng = np.random.default_rng([int(cfg.seed), 30])
+    block = getattr(cfg.methods, name)
+    out = []
+    for _ in range(cfg.selection.draws):
+        item = {}
+        for key, (low, high) in cfg.selection.ranges.items():
+            current = block
+            for part in key.split("."):
+                current = getattr(current, part, None)
+            if isinstance(current, int) and not isinstance(current, bool):
+                item[key] = int(rng.integers(int(_math.ceil(low)), int(_math.floor(high)) + 1))
+            elif low > 0:
+                item[key] = float(f"{_math.exp(rng.uniform(_math.log(low), _math.log(high))):.3g}")
+            else:
+                item[key] = float(f"{rng.uniform(low, high):.3g}")
+        out.append(item)
+    return out
+
+
+def candidates_of(cfg) -> list[Candidate]:
+    """The published method's candidates: ``selection.candidates``, draws from ``selection.ranges``,
+    or the method's own grid (``Method.selection_grid``), then the "no prompt" candidate."""
+    from .methods import get_method
+
+    name = cfg.method
+    if cfg.selection.candidates:
+        settings = [dict(c) for c in cfg.selection.candidates]
+    elif cfg.selection.ranges:
+        settings = _drawn_settings(cfg, name)
+    else:
+        settings = [dict(c) for c in get_method(name).selection_grid(cfg)]
+    if not settings:
+        raise ValueError(f"selection: method {name} has no candidates to choose from")
+    out, seen = [], set()
+    for s in settings:
+        c = Candidate(candidate_name(s), s)
+        if c.name not in seen:  # draws may repeat a point: each candidate once
+            seen.add(c.name)
+            out.append(c)
+    return out + [no_prompt_candidate(NO_PROMPT)]
+
+
+def check_selection_config(cfg) -> None:
+    """Config-time checks of ``selection:`` (raise ValueError naming the problem): the published
+    method has an (ε, δ) guarantee under every candidate, reads private training rows, and does
+    not read the holdout itself (the selection scores on it; a record there must touch only the
+    score, for the trial's parallel composition)."""
+    from .methods import get_method
+
+    method = get_method(cfg.method)
+    if cfg.audit.enabled:
+        raise ValueError("selection: audit.enabled: the audit's shadows train the configured settings, not the "
+                         "selection (the audit of a selection is not implemented); turn one of them off")
+    if not method.reads_private_data(cfg):
+        raise ValueError(f"selection: method {cfg.method} trains nothing on private data; there is nothing to select")
+    if method.uses_validation:
+        raise ValueError(f"selection: method {cfg.method} reads the holdout in its own training, which the "
+                         "selection scores on; select its settings without selection: or use another method")
+    for c in candidates_of(cfg):
+        if c.zero_shot:
+            continue
+        guarantee = method.guarantee(apply_settings(cfg, cfg.method, c.config))
+        if guarantee != "dp":
+            raise ValueError(f"selection: candidate {c.name!r} of method {cfg.method} has guarantee {guarantee!r}; "
+                             "private selection needs an (ε, δ)-DP method under every candidate")
+
+
+def trial_count(sel) -> psel.TrialCount:
+    """The law of K from the ``selection:`` block."""
+    if sel.distribution == "poisson":
+        return psel.PoissonTrials(float(sel.expected_trials))
+    return psel.TruncatedNegativeBinomial(float(sel.eta), psel.gamma_for_mean(float(sel.eta),
+                                                                              float(sel.expected_trials)))
+
+
+def mechanism_event(selection: ev.DpEvent, score_noise_multiplier: float) -> ev.DpEvent:
+    """The whole mechanism: the selection, then the noisy holdout count of the "no prompt"
+    reference (a Gaussian count at sensitivity 1, composed: it reads the holdout again)."""
+    return ev.ComposedEvent((selection, psel.holdout_score_event(score_noise_multiplier)))
+
+
+def _candidate_plan(method, cfg, cand: Candidate, trial_target: float, n_train: int, delta: float):
+    from .lifecycle import _with_target
+
+    cand_cfg = apply_settings(_with_target(cfg, trial_target), method.name, cand.config)
+    return cand_cfg, method.plan(cand_cfg, n_train, delta)
+
+
+def selection_epsilon_at(method, cfg, candidates, trial_target: float, n_train: int, delta: float):
+    """(ε of the whole mechanism at δ, its event) when every trial is calibrated to ``trial_target``."""
+    from privacy import accountant as acct
+
+    sel = cfg.selection
+    events = {c.name: _candidate_plan(method, cfg, c, trial_target, n_train, delta)[1].event
+              for c in candidates if not c.zero_shot}
+    event = mechanism_event(selection_event(candidates, lambda c: events[c.name], trial_count(sel),
+                                            sel.score_noise_multiplier), sel.score_noise_multiplier)
+    return acct.spend(event, delta).epsilon, event
+
+
+def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, target: float,
+                           tolerance: float = 0.01) -> tuple[float, float, ev.DpEvent]:
+    """The largest per-trial target ε t found at which the whole mechanism spends at most
+    ``target``, and within ``tolerance`` (relative) of it: returns (t, its ε, its event). ε(t) is
+    smooth and increasing with slope ≈ 1 (the selection adds a near-constant to one trial), so:
+    a first guess from a Gaussian trial (closed form), then secant steps, keeping the largest t
+    whose ε fits. Each step plans every candidate at t (the methods' own calibrations, cached).
+    Raises ValueError when no t above target/1000 fits."""
+    seen: dict[float, tuple[float, ev.DpEvent]] = {}
+
+    def at(t: float) -> float:
+        if t not in seen:
+            try:
+                seen[t] = selection_epsilon_at(method, cfg, candidates, t, n_train, delta)
+            except ValueError as exc:  # e.g. a δ-part (approximate RDP) in a trial
+                raise ValueError(f"selection: method {method.name}: {exc}") from None
+        return seen[t][0]
+
+    floor = target * 1e-3
+    overhead = _gaussian_overhead(cfg.selection, target - _gaussian_overhead(cfg.selection, target / 2, delta), delta)
+    t = max(target - 1.1 * overhead, target / 8)
+    for _ in range(12):
+        e = at(t)
+        if target * (1 - tolerance) <= e <= target:
+            break
+        fits = [x for x in seen if seen[x][0] <= target]
+        above = [x for x in seen if seen[x][0] > target]
+        if fits and above:
+            lo, hi = max(fits), min(above)
+            if hi / lo < 1 + tolerance / 4:
+                break
+            e_lo, e_hi = seen[lo][0], seen[hi][0]
+            t = lo + (hi - lo) * (target * (1 - tolerance / 2) - e_lo) / max(e_hi - e_lo, 1e-12)
+            t = min(max(t, lo + (hi - lo) * 0.1), lo + (hi - lo) * 0.9)
+        elif above:  # overshoot only: step down by the excess (slope ≈ 1), a little further
+            t = min(above) - 1.1 * (seen[min(above)][0] - target * (1 - tolerance / 2))
+            if t < floor:
+                t = min(above) / 4
+        else:  # fits only: step up by what is left
+            t = max(fits) + (target * (1 - tolerance / 2) - seen[max(fits)][0])
+        if t < floor:
+            raise ValueError(f"selection: privacy.target_epsilon leaves too little for the trials (the selection "
+                             f"overhead alone comes near ε = {target:.4g}): raise the target, lower "
+                             "selection.expected_trials or raise selection.score_noise_multiplier")
+    fits = [x for x in seen if seen[x][0] <= target]
+    if not fits:
+        raise ValueError(f"selection: no per-trial calibration found that keeps the selection within ε = {target:.4g}")
+    best = max(fits)
+    return best, seen[best][0], seen[best][1]
+
+
+def _gaussian_overhead(sel, x: float, delta: float) -> float:
+    """What the selection adds over one trial when the trial is a Gaussian mechanism of ε = x at δ
+    (closed-form RDP, no calibration of the method): the first guess of the per-trial target."""
+    from privacy import rdp as rdp_lib
+
+    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
+
+    def eps(sigma: float) -> float:
+        return rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0]
+
+    lo, hi = 1e-2, 1e3
+    for _ in range(60):  # ε decreases in σ
+        mid = _math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if eps(mid) > x else (lo, mid)
+    curve = np.maximum(rdp_lib.gaussian_rdp(hi, orders), rdp_lib.gaussian_rdp(sel.score_noise_multiplier, orders))
+    chosen = psel.repeat_and_select_rdp(curve, trial_count(sel), trial_orders=orders)
+    chosen = chosen + rdp_lib.gaussian_rdp(sel.score_noise_multiplier, orders)  # the no-prompt reference
+    return max(0.0, rdp_lib.rdp_to_epsilon(orders, chosen, delta)[0] - eps(hi))
+
+
+def plan_selection(method, cfg, n_train: int, delta: float):
+    """The published method's plan when its settings are selected: a ``dp`` MethodPlan whose event
+    is :func:`mechanism_event` (trials calibrated to ``cfg.privacy.target_epsilon``: the method's
+    share of the run's budget), params for the run record, and in ``settings['selection']`` what
+    the trials need (per-trial target, candidates, δ)."""
+    from .methods.base import MethodPlan
+
+    sel = cfg.selection
+    candidates = candidates_of(cfg)
+    target = float(cfg.privacy.target_epsilon)
+    t, eps, event = calibrate_trial_target(method, cfg, candidates, n_train, delta, target)
+    dist = trial_count(sel)
+    params = {"selection.enabled": True, "selection.candidates": len(candidates),
+              "selection.distribution": dist.name, "selection.expected_trials": float(sel.expected_trials),
+              "selection.score_noise_multiplier": float(sel.score_noise_multiplier),
+              "selection.trial_target_epsilon": t}
+    if isinstance(dist, psel.TruncatedNegativeBinomial):
+        params.update({"selection.eta": dist.eta, "selection.gamma": dist.gamma})
+    settings = {"selection": {"trial_target": t, "delta": delta, "epsilon": eps,
+                              "candidates": [{"name": c.name, "settings": c.config, "zero_shot": c.zero_shot}
+                                             for c in candidates]}}
+    return MethodPlan(method.name, "dp", n_train, delta, event=event, params=params, settings=settings)
+
+
+def single_run_epsilon(method, cfg, n_train: int, delta: float, trial_target: float) -> dict[str, float]:
+    """What ONE trial of each trained candidate would cost on its own (its plan's ε at δ), for
+    ``privprompt plan`` beside the selection's ε."""
+    from privacy import accountant as acct
+
+    out = {}
+    for c in candidates_of(cfg):
+        if not c.zero_shot:
+            out[c.name] = acct.spend(_candidate_plan(method, cfg, c, trial_target, n_train, delta)[1].event,
+                                     delta).epsilon
+    return out
+
+
+def private_logger(path) -> logging.Logger:
+    """The operator's log of the trials (a file under private/; never propagated to Prefect)."""
+    logger = logging.getLogger(f"privprompt.selection.private.{path}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    if not logger.handlers:
+        handler = logging.FileHandler(path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+def train_selection(method, mctx, plan, rows, log_path, announce=None):
+    """Run the selection of ``plan`` (from :func:`plan_selection`) on private ``rows`` (training
+    rows, ``rows.validation`` the holdout). Returns a ``Trained``: the winner's output (None for
+    "no prompt" or no winner), the mechanism's event, and the published numbers as metrics
+    (released accuracies: noisy correct / (noisy correct + noisy wrong); the winner's index in the
+    candidate list, to republish it on a retry). ``announce(line)``: a public log line
+    (Prefect), called at start and end only. The per-trial lines go to ``log_path`` (private)."""
+    from .methods.base import PrivateRows, Trained
+
+    info = plan.settings["selection"]
+    cfg = mctx.cfg
+    sel = cfg.selection
+    candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
+    holdout = rows.validation
+    if holdout is None or len(holdout) == 0:
+        raise RuntimeError("selection: no holdout rows to score the candidates on (data.holdout_fraction)")
+    train_rows = PrivateRows(rows.texts, rows.labels)
+    plans = {c.name: _candidate_plan(method, cfg, c, info["trial_target"], plan.n_train, info["delta"])
+             for c in candidates if not c.zero_shot}
+
+    def train(cand: Candidate, rng):
+        from dataclasses import replace
+
+        private.info("trial: training candidate %s", cand.name)
+        cand_cfg, cand_plan = plans[cand.name]
+        return method.train(replace(mctx, cfg=cand_cfg), cand_plan, train_rows)
+
+    def score(cand: Candidate, trained) -> tuple[int, int]:
+        correct = int(method.holdout_correct(mctx, None if trained is None else trained.prompt, holdout))
+        return correct, len(holdout) - correct
+
+    private = private_logger(log_path)
+    dist = trial_count(sel)
+    rng = mctx.randomness.numpy(stream=30)
+    if announce:
+        announce(f"selection: {len(candidates) - 1} candidate settings + no prompt, E[K] = {dist.mean:g} trials "
+                 f"({dist.name}); each trial's progress is in the private log {log_path} (the number of trials is "
+                 "part of the mechanism and is not shown here)")
+
+    result = run_selection(candidates, train, score, dist, sel.score_noise_multiplier, rng,
+                           lambda c: plans[c.name][1].event)
+    for t in result.trials:  # operator-only (private): never published, not covered by the ε
+        if t.error is None:
+            private.info("trial %d: candidate %s, noisy holdout correct %.2f", t.index + 1, t.candidate, t.noisy_score)
+        else:
+            private.warning("trial %d: candidate %s FAILED and was skipped: %s", t.index + 1, t.candidate, t.error)
+    reference = psel.release_holdout_counts(*score(candidates[-1], None), sel.score_noise_multiplier, rng)
+    winner_index, metrics = published_choice(candidates, result, reference, sel.fallback_to_no_prompt)
+    if result.failed:
+        private.warning("%d trial(s) failed and were skipped (sound only for failures that do not depend on the "
+                        "private data: a model that does not load, a full disk)", len(result.failed))
+    winner_out = None if winner_index < 0 or candidates[winner_index].zero_shot else result.winner_output
+    private.info("best trial: %s; published: %s", "none" if result.winner is None else result.winner.name,
+                 winner_label(candidates, winner_index))
+    if announce:
+        announce(f"selection: finished; published candidate: {winner_label(candidates, winner_index)}")
+    for handler in list(private.handlers):  # the run's log file is closed (long-lived workers run many)
+        private.removeHandler(handler)
+        handler.close()
+    event = mechanism_event(result.event, sel.score_noise_multiplier)  # the one reserved (with the sizes' release)
+    prompt = None if winner_out is None else winner_out.prompt
+    steps = 0 if winner_out is None else winner_out.steps
+    return Trained(prompt, event, steps, metrics, [])
+
+
+def published_choice(candidates, result: SelectionResult, reference: tuple[float, float],
+                     fallback: bool) -> tuple[int, dict[str, float]]:
+    """What is published, from released numbers only (post-processing): the best trial's candidate
+    (its index in ``candidates``; −1: no winner), or — with ``fallback`` — "no prompt" when the best
+    trial trained a prompt whose released holdout accuracy is below the released no-prompt
+    reference's (a K that never drew "no prompt" is likely: E[(1 − 1/C)^K], 0.38 for 7 candidates
+    and a geometric K of mean 10). The metrics it publishes: the published candidate's index and
+    released accuracy (``selection.winner.*``), the reference's, and, after a fallback, the best
+    trial's released accuracy."""
+    names = [c.name for c in candidates]
+    no_prompt = next(i for i, c in enumerate(candidates) if c.zero_shot)
+    ref_acc = released_accuracy(*reference)
+    index = -1 if result.winner is None else names.index(result.winner.name)
+    metrics = {"selection.no_prompt.holdout_accuracy": ref_acc}
+    if index >= 0:
+        best_acc = released_accuracy(result.winner_noisy_score, result.winner_noisy_wrong)
+        metrics["selection.winner.holdout_accuracy"] = best_acc
+        if fallback and not candidates[index].zero_shot and best_acc < ref_acc:
+            metrics.update({"selection.fallback_to_no_prompt": 1.0, "selection.best_trial.holdout_accuracy": best_acc,
+                            "selection.best_trial_index": float(index),
+                            "selection.winner.holdout_accuracy": ref_acc})
+            index = no_prompt
+    metrics.update({"selection.winner_index": float(index),
+                    "selection.winner_is_no_prompt": float(index >= 0 and candidates[index].zero_shot)})
+    return index, metrics
+
+
+def fallback_note(metrics: dict, best_trial: str | None) -> str | None:
+    """The run summary's line when the best trial's prompt was dropped for no prompt (None otherwise)."""
+    if not metrics.get("selection.fallback_to_no_prompt"):
+        return None
+    return (f"the best trial ({best_trial or 'a trained prompt'}) released a holdout accuracy of "
+            f"{metrics['selection.best_trial.holdout_accuracy']:.4f}, below no prompt's "
+            f"{metrics['selection.no_prompt.holdout_accuracy']:.4f} (both noisy, DP): no prompt was published "
+            "instead (selection.fallback_to_no_prompt)")
+
+
+def best_trial_name(plan, metrics: dict) -> str | None:
+    """The best trial's candidate when a fallback published no prompt instead (None otherwise)."""
+    if "selection.best_trial_index" not in metrics:
+        return None
+    return plan.settings["selection"]["candidates"][int(metrics["selection.best_trial_index"])]["name"]
+
+
+def released_accuracy(noisy_correct: float, noisy_wrong: float) -> float:
+    """correct / (correct + wrong) of released (noisy) counts, clipped to [0, 1]: post-processing."""
+    total = noisy_correct + noisy_wrong
+    if total <= 0:
+        return 0.0
+    return float(min(1.0, max(0.0, noisy_correct / total)))
+
+
+def winner_label(candidates, index: int) -> str:
+    if index < 0:
+        return "none (no trial, or every trial failed): nothing trained is published"
+    return candidates[index].name if not candidates[index].zero_shot else NO_PROMPT
+
+
+def winner_of(plan, metrics: dict):
+    """(name, settings, zero_shot) of the published winner from a selection plan and its metrics
+    (None: no winner)."""
+    index = int(metrics.get("selection.winner_index", -1))
+    if index < 0:
+        return None
+    c = plan.settings["selection"]["candidates"][index]
+    return c["name"], c["settings"], c["zero_shot"]
+
+
+def winner_context(method, mctx, plan, metrics: dict):
+    """(mctx, plan) of the winner, for post-processing its output (public data only)."""
+    from dataclasses import replace
+
+    won = winner_of(plan, metrics)
+    if won is None or won[2]:
+        return mctx, plan
+    info = plan.settings["selection"]
+    cand_cfg, cand_plan = _candidate_plan(method, mctx.cfg, Candidate(won[0], won[1]), info["trial_target"],
+                                          plan.n_train, info["delta"])
+    return replace(mctx, cfg=cand_cfg), cand_plan
+
+
+def below_no_prompt(metrics: dict) -> str | None:
+    """The run summary's warning when the published prompt's RELEASED holdout accuracy is below the
+    released "no prompt" reference (None when it is not, or when "no prompt" itself won)."""
+    won = metrics.get("selection.winner.holdout_accuracy")
+    ref = metrics.get("selection.no_prompt.holdout_accuracy")
+    if metrics.get("selection.winner_is_no_prompt"):
+        return None
+    if won is None or ref is None or won >= ref:
+        return None
+    return (f"the published prompt's released holdout accuracy {won:.4f} is below the released no-prompt "
+            f"reference {ref:.4f} (both noisy, DP): the model without a prompt may serve better")
+
+
+def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]:
+    """``privprompt plan``'s numbers of a selection plan (from :func:`plan_selection`, inside the
+    run's sized plan), each with the release of the split sizes and at the run's δ: the whole
+    selection's ε (the run's one entry), what ONE trial alone would cost (the costliest
+    candidate's training ∥ its score), and naive composition of ⌈E[K]⌉ such trials."""
+    from privacy import accountant as acct
+
+    from .lifecycle import with_size_release
+    from .methods import get_method
+
+    info = plan.settings["selection"]
+    method = get_method(name)
+    sel = cfg.selection
+    run_cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(
+        update={"target_epsilon": float(plan.params["privacy.method_epsilon"])})})
+    candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
+    trials = [psel.trial_event(_candidate_plan(method, run_cfg, c, info["trial_target"], plan.n_train,
+                                               info["delta"])[1].event, sel.score_noise_multiplier)
+              for c in candidates if not c.zero_shot]
+    distinct = list(dict.fromkeys(trials))  # candidates differing only in lr have the same event
+    spends = [acct.spend(with_size_release(t, sizes), delta).epsilon for t in distinct]
+    k = _math.ceil(trial_count(sel).mean)
+    # k trials of the candidate whose k-fold composition costs most (trials calibrated alike can compose
+    # very differently: more steps at more noise compose worse)
+    naive = max(acct.spend(with_size_release(psel._composed(t, k), sizes), delta).epsilon for t in distinct)
+    # every candidate trained once and scored once (no prompt scored too), the best noisy score kept:
+    # the trainings compose on the training split, the scores on the holdout (disjoint: in parallel)
+    score = psel.holdout_score_event(sel.score_noise_multiplier)
+    every = ev.ParallelEvent((ev.ComposedEvent(tuple(t.events[0] for t in trials)),
+                              ev.SelfComposedEvent(score, len(candidates))))
+    naive_all = acct.spend(with_size_release(every, sizes), delta).epsilon
+    return {"selection_epsilon": float(acct.spend(plan.event, delta).epsilon), "trial_epsilon": float(max(spends)),
+            "naive_epsilon": float(naive), "naive_trials": k, "expected_trials": float(trial_count(sel).mean),
+            "candidates": len(candidates), "naive_candidates_epsilon": float(naive_all)}

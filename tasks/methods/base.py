@@ -255,6 +255,32 @@ class Method:
         name of its settings where runs of one method differ in kind (Privacy-Flat's ladder)."""
         return self.name
 
+    # ---- private selection (``selection:``, tasks/selection.py) --------------------------------
+    def selection_grid(self, cfg: "PrivPromptConfig") -> list[dict[str, Any]]:
+        """The candidates ``selection: {enabled: true}`` chooses from when the config lists none:
+        settings of ``methods.<name>`` (keys of its block, dotted for nested blocks) to train and
+        compare on the holdout; the lifecycle adds "no prompt". Public: a function of the config
+        only. The default is the configured settings alone (they against no prompt); a method
+        package with hyperparameters worth tuning returns its own small grid."""
+        return [{}]
+
+    def holdout_correct(self, mctx: MethodContext, prompt: Any, rows: PrivateRows) -> int:
+        """How many of the private holdout ``rows`` ``prompt`` (None: no prompt) classifies right on
+        the model it was trained on: an EXACT count, which the selection only releases with noise
+        (sensitivity 1: one record changes it by at most one). The default scores any prompt kind
+        (soft, prefix, text) on ``source_model``'s frozen classifier."""
+        from models.scoring import predict_logits
+
+        from ..stages import input_length, label_indices, prompted
+
+        cfg = mctx.cfg
+        model = self.source_model(cfg, mctx.prepared)
+        clf, forward_prompt = prompted(cfg, model, prompt)
+        enc = clf.encode(rows.texts, max_length=input_length(cfg, model, clf))
+        y = label_indices(rows.labels, cfg.data.labels)
+        pred = predict_logits(clf, enc, forward_prompt, cfg.models.eval_batch_size).argmax(dim=1)
+        return int((pred == y).sum())
+
     def diagnostics(self, ctx, prompt_path: str, mctx: MethodContext) -> dict[str, Any]:
         """Extra statistics of the published prompt computed on the TEST split only (never on
         training rows): {"metrics": {...}, "figures": {artifact path: matplotlib figure}}."""

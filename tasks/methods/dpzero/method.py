@@ -43,6 +43,10 @@ class DPZero(Method):
     def contract_test_config(cls):
         return {"n_tokens": 2, "batch_size": 8, "steps": 3}
 
+    def selection_grid(self, cfg):
+        """DPZero's learning rate around its default 1e-3: 3 candidates."""
+        return [{"lr": lr} for lr in (3e-4, 1e-3, 3e-3)]
+
     def guarantee(self, cfg):
         return "none" if self.settings(cfg).regularizer else dp_unless_debug(cfg)
 

@@ -203,6 +203,11 @@ class Post(Method):
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
 
+    def selection_grid(self, cfg):
+        """The DP tuning's learning rate × epochs on the student: 4 candidates (the transfer uses
+        public data only and is not selected)."""
+        return [{"tuning.lr": lr, "tuning.epochs": epochs} for lr in (0.02, 0.1) for epochs in (1.0, 3.0)]
+
     def uses_public_data(self, cfg) -> bool:
         return True
 

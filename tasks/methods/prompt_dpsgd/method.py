@@ -22,6 +22,10 @@ class PromptDPSGD(Method):
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
 
+    def selection_grid(self, cfg):
+        """Learning rate × epochs around the quickstart's (lr 0.05, 2 epochs): 6 candidates."""
+        return [{"lr": lr, "epochs": epochs} for lr in (0.01, 0.05, 0.2) for epochs in (1.0, 3.0)]
+
     def plan(self, cfg, n_train, delta):
         from ..soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
 
