@@ -23,13 +23,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from bench_dpopt import add_model_args  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--random-weights", action="store_true")
-    ap.add_argument("--arch", choices=["llama2-7b"], default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    add_model_args(ap, dtype="bfloat16")
     ap.add_argument("--members", type=int, default=16, help="OPT ensemble size")
     ap.add_argument("--tokens", type=int, default=20, help="OPT tokens")
     ap.add_argument("--J", type=int, default=205, help="DP-OPT query size")
@@ -39,7 +38,7 @@ def main() -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from bench_dpopt import _demos, random_backbone
+    from bench_dpopt import _demos, left_padded, random_backbone
     from models.backbones import load_backbone
     from models.device import resolve_device
     from tasks.methods.dp_opt.engine import CausalEngine

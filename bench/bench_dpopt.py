@@ -40,11 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=50)
     ap.add_argument("--members", type=int, default=16, help="meta-prompts of the OPT comparison")
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--random-weights", action="store_true", help="random init from --model's config (timing only)")
-    ap.add_argument("--arch", choices=["llama2-7b"], default=None, help="with --random-weights: this architecture")
+    add_model_args(ap, dtype="float32")
     ap.add_argument("--device", default=None, help="default: CUDA when present (PRIVPROMPT_DEVICE overrides)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--js", default="64,205", help="DP-OPT query sizes J")
     ap.add_argument("--repeats", type=int, default=1, help="timed DP-OPT queries per J (median)")
@@ -147,13 +144,7 @@ def opt_comparison(args, bb, engine, head, bodies, never, sync) -> None:
     kv = ensemble_generate(engine, head, bodies[:J], args.tokens, eos_ids=never)
     sync()
     t_kv = (time.perf_counter() - t) / len(kv.tokens)
-    rows = [head + b for b in bodies[:J]]
-    L = max(len(r) for r in rows)
-    ids = torch.full((J, L), engine.pad_id)
-    mask = torch.zeros((J, L), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, L - len(r):], mask[i, L - len(r):] = torch.tensor(r), 1
-    ids, mask = ids.to(dev), mask.to(dev)
+    ids, mask = left_padded([head + b for b in bodies[:J]], engine.pad_id, dev)
 
     def generate(n):
         with torch.no_grad():
@@ -176,6 +167,27 @@ def opt_comparison(args, bb, engine, head, bodies, never, sync) -> None:
           f"{t_gen * 1000:.0f} ms/token, re-encode {t_re * 1000:.0f} ms/token (first 10 tokens)")
     print(f"  KV / generate = {t_kv / t_gen:.2f} (goal ≤ 1.3); re-encode / KV = {t_re / t_kv:.2f} (goal ≥ 5)")
 
+
+
+def add_model_args(ap, dtype: str) -> None:
+    """The model options of the DP-OPT benches (this one, bench_cuda_shapes.py, profile_dpopt_decode.py)."""
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--random-weights", action="store_true", help="random init from --model's config (timing only)")
+    ap.add_argument("--arch", choices=["llama2-7b"], default=None, help="with --random-weights: this architecture")
+    ap.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16", "float16"])
+
+
+def left_padded(rows: list[list[int]], pad_id: int, device):
+    """(input_ids, attention_mask) of token rows left-padded to the longest, on ``device``: what
+    Hugging Face ``generate`` is given in the comparisons."""
+    import torch
+
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), pad_id)
+    mask = torch.zeros((len(rows), L), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, L - len(r):], mask[i, L - len(r):] = torch.tensor(r), 1
+    return ids.to(device), mask.to(device)
 
 
 def random_backbone(model_dir: str, device, dtype, arch: str | None = None):

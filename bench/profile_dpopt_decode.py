@@ -20,20 +20,19 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from bench_dpopt import add_model_args  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--random-weights", action="store_true")
-    ap.add_argument("--arch", choices=["llama2-7b"], default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    add_model_args(ap, dtype="bfloat16")
     ap.add_argument("--members", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=20)
     args = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from bench_dpopt import _demos, random_backbone
+    from bench_dpopt import _demos, left_padded, random_backbone
     from models.backbones import load_backbone
     from models.device import resolve_device
     from tasks.methods.dp_opt.engine import CausalEngine
@@ -76,12 +75,7 @@ def main() -> None:
                 state = engine.step(state, tok)
         sync()
 
-    L = max(len(r) for r in rows)
-    ids = torch.full((B, L), engine.pad_id)
-    mask = torch.zeros((B, L), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, L - len(r):], mask[i, L - len(r):] = torch.tensor(r), 1
-    ids, mask = ids.to(dev), mask.to(dev)
+    ids, mask = left_padded(rows, engine.pad_id, dev)
 
     def generate(n):
         with torch.no_grad():
