@@ -3,7 +3,6 @@ a person. Splits assign whole units by a keyed hash of the unit id, the contribu
 unit's records by a keyed hash of each record (never the seed), a missing unit id is a one-line
 error naming the field (never a value), and the released sizes count units."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +13,7 @@ from tasks.config import DataConfig
 from tasks.data import (partition_dataset, read_partition_split, read_partition_units, split_sizes,
                         unit_digests)
 from tasks.errors import DataError
+from test_neighbour_stable_splits import _write  # the same JSONL source writer
 
 SIZES = [1, 1, 2, 3, 5, 8, 13, 21, 2, 1, 4, 1, 7, 1, 1, 3, 40, 2, 1, 6]  # records per user
 
@@ -25,13 +25,6 @@ def _users(prefix: str, sizes=SIZES) -> list[dict]:
             rows.append({"text": f"{prefix} review {j} by person {u} about item {(u * 31 + j) % 17}",
                          "label": ["neg", "pos"][(u + j) % 2], "author": f"{prefix}-user-{u}"})
     return rows
-
-
-def _write(folder: Path, train: list[dict], test: list[dict]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
-    (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
-    return folder
 
 
 def _cfg(folder: Path, **kw) -> DataConfig:
