@@ -296,10 +296,11 @@ def _print_summary(summary: dict, wall: float) -> None:
     for key in sorted(k for k in m if k.startswith("audit.baseline.")):  # trained on private data without DP
         print(f"{key + ':':<27} {m[key]:.4f} {AUDIT_NOTE}")
     _print_attacks(m)
-    if "selection.winner.holdout_accuracy" in m:  # DP-released (noisy) holdout accuracy of the published winner
-        print(f"{'selection (released):':<28}published candidate's holdout accuracy "
-              f"{m['selection.winner.holdout_accuracy']:.4f}, no prompt {m['selection.no_prompt.holdout_accuracy']:.4f}"
-              " (noisy, DP)")
+    if "selection.winner.holdout_score" in m:  # DP-released (noisy) holdout score of the published winner
+        ref = m.get("selection.no_prompt.holdout_score")
+        print(f"{'selection (released):':<28}published candidate's holdout score "
+              f"{m['selection.winner.holdout_score']:.4f}" + ("" if ref is None else f", no prompt {ref:.4f}")
+              + " (noisy, DP; params: selection.metric)")
     _print_prompt(summary.get("published"), "selection.winner_index" in m)
     for warning in summary.get("warnings", []):
         print(f"{'WARNING:':<28}{warning}")

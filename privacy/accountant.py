@@ -67,7 +67,17 @@ def spend(event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATIO
     """ε at δ from both accountants; the coarser the PLD discretisation, the faster and the
     more pessimistic (never optimistic) its answer. With ``dataset_size``, δ ≥ 1/n is warned about."""
     check_delta(delta, "delta", n=dataset_size)
-    return _spend(event, float(delta), float(discretization))
+    return _spend(_unwrapped(event), float(delta), float(discretization))
+
+
+def _unwrapped(event: ev.DpEvent) -> ev.DpEvent:
+    """A composition of one event is that event: its parallel parts (disjoint data) then stay at
+    the top level, where their cost is the maximum over parts, instead of nested in a composition,
+    where they are composed sequentially (an upper bound). The ledger composes a dataset's entries
+    as one ``ComposedEvent``; with a single entry, this keeps its ε the run's own."""
+    while isinstance(event, ev.ComposedEvent) and len(event.events) == 1:
+        event = event.events[0]
+    return event
 
 
 @lru_cache(maxsize=2048)
@@ -94,6 +104,7 @@ def _spend(event: ev.DpEvent, delta: float, discretization: float) -> PrivacySpe
 def delta_for_epsilon(event: ev.DpEvent, epsilon: float) -> float:
     """Smallest δ (over both accountants) for which the event is (ε, δ)-DP."""
     check_epsilon(epsilon, "epsilon")
+    event = _unwrapped(event)
     if isinstance(event, ev.ParallelEvent):
         return max(delta_for_epsilon(e, epsilon) for e in event.events)
     candidates = []

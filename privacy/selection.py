@@ -358,6 +358,56 @@ def release_holdout_counts(correct_count: int, wrong_count: int, noise_multiplie
     return correct, wrong
 
 
+def release_holdout_count_vector(counts, noise_multiplier: float, rng: np.random.Generator) -> np.ndarray:
+    """Holdout counts, each plus independent N(0, σ²): e.g. per class c the (correct_c, wrong_c)
+    of one candidate. The Gaussian mechanism at L2 sensitivity 1 whenever one source record moves
+    exactly one coordinate by one — a holdout record has one label and is either right or wrong, so
+    it is counted in exactly one (class, right/wrong) cell — hence the same ``GaussianEvent(σ)`` as
+    :func:`release_holdout_score`. Returns the noisy vector only."""
+    rng = _check_rng(rng)
+    values = np.asarray(counts)
+    if values.ndim != 1 or values.size == 0:
+        raise ValueError(f"counts must be a non-empty 1-d vector of counts, got shape {values.shape}")
+    for c in values.tolist():
+        check_count(int(c) if float(c).is_integer() else c, "count")
+    sigma = check_positive(noise_multiplier, "noise_multiplier")
+    return values.astype(float) + rng.normal(0.0, sigma, size=values.size)
+
+
+def every_candidate_event(train_events: Sequence[ev.DpEvent], n_scores: int,
+                          score_noise_multiplier: float) -> ev.DpEvent:
+    """Every candidate trained once and scored once, the best noisy score published.
+
+    The procedure: each of the C trained candidates trains with its own DP mechanism on the TRAIN
+    split (``train_events``, one per candidate, independent of each other and of the holdout);
+    each of the ``n_scores`` candidates (the trained ones and "no prompt") releases its holdout
+    count vector with Gaussian noise σ_s (:func:`release_holdout_count_vector`, L2 sensitivity 1);
+    the candidate with the best noisy score is published, and every noisy score may be.
+
+    Neighbouring relation: add/remove ONE SOURCE record. The record lies in exactly one split (a
+    keyed hash of the record itself), so one neighbour pair changes the train split or the
+    holdout, never both:
+
+    * record in the train split: the trainings see different data and compose (C mechanisms on
+      the same rows: ``ComposedEvent``); the holdout is unchanged, so every noisy score is a
+      randomised function of the trained outputs (post-processing);
+    * record in the holdout: the trainings' inputs are identical (same output laws); each of the
+      ``n_scores`` released vectors moves by at most one in one coordinate: ``n_scores``
+      Gaussian mechanisms at sensitivity 1, composed.
+
+    Either way the privacy loss is that of one of the two parts, so the procedure is bounded by
+    their maximum (``ParallelEvent``: for RDP, the maximum at each order; for a PLD, the larger ε
+    at δ, each part a valid bound for the pairs it covers). The choice and every released score
+    are post-processing of these outputs. Nothing depends on a number of trials: there is none to
+    hide."""
+    check_count(n_scores, "n_scores", minimum=1)
+    score = ev.SelfComposedEvent(holdout_score_event(score_noise_multiplier), int(n_scores))
+    train_events = tuple(train_events)
+    if not train_events:
+        return score
+    return ev.ParallelEvent((ev.ComposedEvent(train_events), score))
+
+
 def holdout_score_event(noise_multiplier: float) -> ev.DpEvent:
     return ev.GaussianEvent(noise_multiplier)
 

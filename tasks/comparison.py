@@ -49,10 +49,7 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          "empirical_privacy": _empirical_privacy(run.data.metrics),
                          # a selection's published winner and its DP-released holdout accuracy (never an exact
                          # holdout number: none is logged)
-                         "selection": ({"winner": run.data.params.get("selection.winner"),
-                                        "released_holdout_accuracy":
-                                            run.data.metrics.get("selection.winner.holdout_accuracy")}
-                                       if selected else None)})
+                         "selection": _selection_of(run) if selected else None})
         token = page.token
         if not token:
             break
@@ -101,21 +98,49 @@ def comparison_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _selection_of(run) -> dict:
+    """A selection run's published candidate, its released holdout score (and the score's name),
+    and — when every candidate was tried once, which the selection's ε covers — each candidate's
+    released score by name. Never an exact holdout number: none is logged."""
+    params, metrics = run.data.params, run.data.metrics
+    scores = {}
+    for key, name in params.items():
+        if key.startswith("selection.candidate_") and f"{key}.holdout_score" in metrics:
+            scores[name] = metrics[f"{key}.holdout_score"]
+    return {"winner": params.get("selection.winner"), "mode": params.get("selection.mode", "random_stopping"),
+            "metric": params.get("selection.metric", "accuracy"),
+            # runs before the scores' generic name logged the accuracy as selection.winner.holdout_accuracy
+            "released_holdout_score": metrics.get("selection.winner.holdout_score",
+                                                  metrics.get("selection.winner.holdout_accuracy")),
+            "candidates": scores}
+
+
 def selection_table(rows: list[dict]) -> str | None:
     """The runs that selected their settings privately: the published candidate and its holdout
-    accuracy AS RELEASED by the mechanism (noisy, DP; the other trials are never published). None
-    when no run of the experiment selected."""
+    score AS RELEASED by the mechanism (noisy, DP; random stopping's other trials are never
+    published), then, for the runs that tried every candidate once, every candidate's released
+    score. None when no run of the experiment selected."""
     selected = [r for r in rows if r.get("selection")]
     if not selected:
         return None
-    lines = ["| dataset | method | published candidate | released holdout accuracy (DP, noisy) | test accuracy | "
-             "ε (spent, whole selection) | seed | run |", "|---|---|---|---:|---:|---:|---:|---|"]
+    lines = ["| dataset | method | published candidate | released holdout score (DP, noisy) | score | test accuracy | "
+             "ε (spent, whole selection) | seed | run |", "|---|---|---|---:|---|---:|---:|---:|---|"]
     f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
-    for r in sorted(selected, key=lambda r: (r.get("dataset", ""), r["method"], str(r["seed"]))):
+    ordered = sorted(selected, key=lambda r: (r.get("dataset", ""), r["method"], str(r["seed"])))
+    for r in ordered:
         s = r["selection"]
         lines.append(f"| {r.get('dataset') or '-'} | {r['method']} | {s['winner'] or '-'} | "
-                     f"{f(s['released_holdout_accuracy'])} | {f(r['accuracy'])} | {f(r['epsilon'])} | "
-                     f"{r['seed'] or '-'} | {r['run_id'][:8]} |")
+                     f"{f(s['released_holdout_score'])} | {s.get('metric', 'accuracy')} | {f(r['accuracy'])} | "
+                     f"{f(r['epsilon'])} | {r['seed'] or '-'} | {r['run_id'][:8]} |")
+    every = [r for r in ordered if r["selection"].get("candidates")]
+    if every:
+        lines += ["", "Every candidate's released holdout score (runs that tried each once; DP, noisy):", "",
+                  "| dataset | seed | run | candidate | released holdout score | published |", "|---|---:|---|---|---:|---|"]
+        for r in every:
+            s = r["selection"]
+            for name, score in s["candidates"].items():
+                lines.append(f"| {r.get('dataset') or '-'} | {r['seed'] or '-'} | {r['run_id'][:8]} | {name} | "
+                             f"{f(score)} | {'yes' if name == s['winner'] else ''} |")
     return "\n".join(lines) + "\n"
 
 

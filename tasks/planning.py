@@ -167,12 +167,16 @@ def format_plan(plan: dict) -> str:
         lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}")
         if r.get("selection"):
             s = r["selection"]
-            lines.append(f"  selection of {s['candidates'] - 1} candidate settings + no prompt "
-                         f"(E[K] = {s['expected_trials']:g} trials): ε = {s['selection_epsilon']:.4f} for the whole "
-                         f"selection (one ledger entry); a single trial alone ε = {s['trial_epsilon']:.4f}; "
-                         f"{s['naive_trials']} trials composed naively ε = {s['naive_epsilon']:.4f}; every candidate "
-                         f"once, composed, ε = {s['naive_candidates_epsilon']:.4f} (each with the sizes' release, at "
-                         "the run's δ)")
+            others = (f"the same trials by random stopping (E[K] = {s['expected_trials']:g}) ε = "
+                      f"{s['random_stopping_epsilon']:.4f}" if s["mode"] == "every_candidate" else
+                      f"every candidate once, composed, ε = {s['naive_candidates_epsilon']:.4f}")
+            how = ("every candidate trained once" if s["mode"] == "every_candidate"
+                   else f"random stopping, E[K] = {s['expected_trials']:g} trials")
+            lines.append(f"  selection of {s['candidates'] - 1} candidate settings + no prompt ({how}, ranked by "
+                         f"{s['metric']}): ε = {s['selection_epsilon']:.4f} for the whole selection (one ledger "
+                         f"entry); a single trial alone ε = {s['trial_epsilon']:.4f}; {s['naive_trials']} trials "
+                         f"composed naively ε = {s['naive_epsilon']:.4f}; {others} (each with the sizes' release, "
+                         "at the run's δ)")
     for key, d in plan["datasets"].items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "

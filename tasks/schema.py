@@ -258,8 +258,9 @@ class SelectionConfig(Block):
     """Private selection of the published method's settings (issue 30): candidates (the method's
     grid, or random draws from ranges) plus "no prompt", each trial trained on the training split
     and scored with noise on the private HOLDOUT; one winner published. The whole procedure is one
-    DP mechanism (Papernot & Steinke's random number of trials, ``privacy/selection.py``) whose ε is
-    privacy.target_epsilon; every trial's training is calibrated so that the selection meets it."""
+    DP mechanism (every candidate once, composed; or Papernot & Steinke's random number of trials:
+    ``privacy/selection.py``) whose ε is privacy.target_epsilon; every trial's training is
+    calibrated so that the selection meets it."""
 
     enabled: bool = Field(False, description="select the published method's settings privately on the holdout "
                           "(needs a dp method; data.holdout_fraction sets the holdout)")
@@ -272,18 +273,31 @@ class SelectionConfig(Block):
         "candidates drawn at random (log-uniform for positive floats, uniform for integers) from the config's seed "
         "(public: they depend on no data)")
     draws: int = Field(0, ge=0, description="candidates drawn from `ranges`")
+    mode: Literal["every_candidate", "random_stopping"] = Field(
+        "every_candidate", description="every_candidate: train and score each candidate once, the trainings "
+        "composed (cheaper and exact for small grids, e.g. a method's own grid; every candidate's noisy score is "
+        "published); random_stopping: a secret random number of trials K, each a candidate drawn at random "
+        "(Papernot & Steinke; pays off for large grids or draws: its cost does not grow with the number of "
+        "candidates). `privprompt plan` shows the ε of both")
+    metric: Literal["balanced_accuracy", "accuracy"] = Field(
+        "balanced_accuracy", description="the holdout score that ranks the candidates: balanced_accuracy (the mean "
+        "over classes of each class's accuracy: a prompt that always says the majority class scores 1/classes, "
+        "whatever the holdout's class mix) or accuracy. Released from noisy counts (per class (right, wrong), or "
+        "(right, wrong)): one holdout record is one count, sensitivity 1 either way")
     distribution: Literal["truncated_negative_binomial", "poisson"] = Field(
-        "truncated_negative_binomial", description="law of the secret number of trials K (Papernot & Steinke): "
-        "truncated negative binomial D_{eta,gamma} (eta = 1: geometric) or Poisson")
-    eta: float = Field(1.0, gt=-1, description="eta of the truncated negative binomial (smaller: cheaper in ε, more "
-                       "mass on K = 1)")
-    expected_trials: float = Field(10.0, gt=1, description="E[K], the expected number of trials (each trains one "
-                                   "candidate drawn uniformly at random)")
+        "truncated_negative_binomial", description="random_stopping: law of the secret number of trials K "
+        "(Papernot & Steinke): truncated negative binomial D_{eta,gamma} (eta = 1: geometric) or Poisson")
+    eta: float = Field(1.0, gt=-1, description="random_stopping: eta of the truncated negative binomial (smaller: "
+                       "cheaper in ε, more mass on K = 1)")
+    expected_trials: float = Field(10.0, gt=1, description="random_stopping: E[K], the expected number of trials "
+                                   "(each trains one candidate drawn uniformly at random)")
     score_noise_multiplier: float = Field(5.0, gt=0, description="σ (in records) of the Gaussian noise on each "
-                                          "trial's holdout correct-count and on the released no-prompt reference")
-    fallback_to_no_prompt: bool = Field(True, description="publish no prompt when the best trial's released holdout "
-                                        "accuracy is below the released no-prompt reference (post-processing: no "
-                                        "extra ε); false: publish the best trial and warn")
+                                          "released holdout count (each candidate's, and random_stopping's no-prompt "
+                                          "reference)")
+    fallback_to_no_prompt: bool = Field(True, description="random_stopping: publish no prompt when the best trial's "
+                                        "released holdout score is below the released no-prompt reference "
+                                        "(post-processing: no extra ε); false: publish the best trial and warn. "
+                                        "every_candidate scores no prompt as one of the candidates")
 
     @field_validator("ranges")
     @classmethod

@@ -59,9 +59,14 @@ class TrialOutcome:
 
     index: int
     candidate: str
-    noisy_score: float | None
+    noisy_score: float | None  # the trial's order key: the noisy count, or ``key`` of the noisy counts
     error: str | None = None
-    noisy_wrong: float | None = None  # when ``score`` gives (correct, wrong): the noisy wrong count
+    noisy_counts: tuple[float, ...] | None = None  # when ``score`` gives a count vector: its noisy release
+
+    @property
+    def noisy_wrong(self) -> float | None:
+        """The noisy wrong count when ``score`` gave (correct, wrong)."""
+        return None if self.noisy_counts is None or len(self.noisy_counts) != 2 else self.noisy_counts[1]
 
 
 @dataclass
@@ -69,20 +74,33 @@ class SelectionResult:
     winner: Candidate | None
     winner_output: Any
     winner_noisy_score: float | None
-    trials: list[TrialOutcome] = field(default_factory=list)  # operator-only: NOT covered by the ε
-    event: ev.RepeatAndSelectEvent | None = None
-    winner_noisy_wrong: float | None = None  # when ``score`` gives (correct, wrong)
+    # random stopping: operator-only, NOT covered by the ε; every candidate: each candidate's trial,
+    # all of them covered (the ε is of releasing every noisy score)
+    trials: list[TrialOutcome] = field(default_factory=list)
+    event: ev.DpEvent | None = None
+    winner_noisy_counts: tuple[float, ...] | None = None  # when ``score`` gives a count vector
+
+    @property
+    def winner_noisy_wrong(self) -> float | None:
+        c = self.winner_noisy_counts
+        return None if c is None or len(c) != 2 else c[1]
+
+    @property
+    def every_candidate(self) -> bool:
+        return not isinstance(self.event, ev.RepeatAndSelectEvent)
 
     def published(self) -> dict[str, Any]:
         """What the selection ε covers: the winner, its noisy score, and how it was chosen
-        (data-independent settings); not K, not the other trials."""
+        (data-independent settings). Random stopping: not K, not the other trials. Every candidate
+        once: every candidate's noisy score too (post-processing of what the ε covers)."""
+        out = {"winner": None if self.winner is None else self.winner.name,
+               "winner_zero_shot": None if self.winner is None else self.winner.zero_shot,
+               "winner_noisy_holdout_correct": self.winner_noisy_score}
         e = self.event
-        return {
-            "winner": None if self.winner is None else self.winner.name,
-            "winner_zero_shot": None if self.winner is None else self.winner.zero_shot,
-            "winner_noisy_holdout_correct": self.winner_noisy_score,
-            "distribution": e.distribution, "eta": e.eta, "gamma": e.gamma, "mu": e.mu,
-        }
+        if isinstance(e, ev.RepeatAndSelectEvent):
+            return {**out, "distribution": e.distribution, "eta": e.eta, "gamma": e.gamma, "mu": e.mu}
+        return {**out, "mode": "every_candidate",
+                "noisy_scores": {t.candidate: t.noisy_score for t in self.trials}}
 
     @property
     def failed(self) -> list[TrialOutcome]:
@@ -114,40 +132,84 @@ def selection_event(candidates: Sequence[Candidate], train_event: Callable[[Cand
     return psel.selection_event(trials, distribution)
 
 
-def run_selection(candidates: Sequence[Candidate], train: Callable[[Candidate, np.random.Generator], Any],
-                  score: Callable[[Candidate, Any], int], distribution: psel.TrialCount,
-                  score_noise_multiplier: float, rng: np.random.Generator,
-                  train_event: Callable[[Candidate], ev.DpEvent]) -> SelectionResult:
-    """Run the selection. ``train(candidate, rng)`` returns the trained output (never called for the
-    zero-shot candidate, whose output is None); ``score(candidate, output)`` returns the number of
-    holdout rows it gets right (an exact count: it is only ever released with noise).
-    ``rng`` is the run's secret DP generator: K, the candidate of each trial and the score noise
-    all come from it."""
+def every_candidate_event(candidates: Sequence[Candidate], train_event: Callable[[Candidate], ev.DpEvent],
+                          score_noise_multiplier: float) -> ev.DpEvent:
+    """The event of trying every candidate once (``privacy.selection.every_candidate_event``): the
+    trained candidates' trainings composed, in parallel with one noisy score per candidate."""
     candidates = _check_candidates(candidates)
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy.random.Generator (the run's secret DP stream), got {rng!r}")
+    return psel.every_candidate_event([train_event(c) for c in candidates if not c.zero_shot], len(candidates),
+                                      score_noise_multiplier)
+
+
+def run_selection(candidates: Sequence[Candidate], train: Callable[[Candidate, np.random.Generator], Any],
+                  score: Callable[[Candidate, Any], Any], distribution: psel.TrialCount,
+                  score_noise_multiplier: float, rng: np.random.Generator,
+                  train_event: Callable[[Candidate], ev.DpEvent],
+                  key: Callable[[np.ndarray], float] | None = None) -> SelectionResult:
+    """Run the selection (random stopping). ``train(candidate, rng)`` returns the trained output
+    (never called for the zero-shot candidate, whose output is None); ``score(candidate, output)``
+    returns the number of holdout rows it gets right, or a vector of holdout counts in which one
+    record is counted once (e.g. (correct, wrong), or per class (correct_c, wrong_c)): exact
+    counts, only ever released with noise. Trials are ordered by ``key(noisy counts)`` (default:
+    the noisy count, or the vector's first coordinate). ``rng`` is the run's secret DP generator:
+    K, the candidate of each trial and the score noise all come from it."""
+    candidates = _check_candidates(candidates)
+    _check_secret(rng)
     event = selection_event(candidates, train_event, distribution, score_noise_multiplier)
     k = distribution.sample(rng)
-    trials: list[TrialOutcome] = []
-    best: tuple[float, int, Candidate, Any] | None = None
-    for i in range(k):
-        cand = candidates[int(rng.integers(len(candidates)))]
-        try:
-            output = None if cand.zero_shot else train(cand, rng)
-            counts = score(cand, output)
-            if isinstance(counts, tuple):  # (correct, wrong): both released, L2 sensitivity 1 together
-                noisy, noisy_wrong = psel.release_holdout_counts(*counts, score_noise_multiplier, rng)
-            else:
-                noisy, noisy_wrong = psel.release_holdout_score(counts, score_noise_multiplier, rng), None
-        except Exception as exc:  # noqa: BLE001 — a failed trial is skipped and said so
-            trials.append(TrialOutcome(i, cand.name, None, f"{type(exc).__name__}: {exc}"))
-            continue
-        trials.append(TrialOutcome(i, cand.name, noisy, None, noisy_wrong))
-        if best is None or noisy > best[0]:
-            best = (noisy, i, cand, output, noisy_wrong)
+    trials = [_trial(i, candidates[int(rng.integers(len(candidates)))], train, score, score_noise_multiplier,
+                     rng, key) for i in range(k)]
+    return _best(trials, event)
+
+
+def run_every_candidate(candidates: Sequence[Candidate], train: Callable[[Candidate, np.random.Generator], Any],
+                        score: Callable[[Candidate, Any], Any], score_noise_multiplier: float,
+                        rng: np.random.Generator, train_event: Callable[[Candidate], ev.DpEvent],
+                        key: Callable[[np.ndarray], float] | None = None) -> SelectionResult:
+    """Every candidate trained once (in order) and scored once with noise; the best noisy score
+    wins (ties: the earlier candidate). ``train``, ``score``, ``key`` and ``rng`` as for
+    :func:`run_selection`. The event (:func:`every_candidate_event`) covers every trial's noisy
+    score, so ``SelectionResult.trials`` may be published. A candidate that fails is skipped (its
+    ε is still counted: it may have read private data)."""
+    candidates = _check_candidates(candidates)
+    _check_secret(rng)
+    event = every_candidate_event(candidates, train_event, score_noise_multiplier)
+    trials = [_trial(i, c, train, score, score_noise_multiplier, rng, key) for i, c in enumerate(candidates)]
+    return _best(trials, event)
+
+
+def _check_secret(rng) -> None:
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator (the run's secret DP stream), got {rng!r}")
+
+
+def _trial(i: int, cand: Candidate, train, score, sigma: float, rng, key):
+    """One trial: train (not the zero-shot candidate), score, release with noise; a failure is
+    recorded with its error (no noise drawn)."""
+    try:
+        output = None if cand.zero_shot else train(cand, rng)
+        counts = score(cand, output)
+        if isinstance(counts, (tuple, list, np.ndarray)):  # a count vector: L2 sensitivity 1 (one record, one cell)
+            noisy_counts = tuple(float(x) for x in psel.release_holdout_count_vector(counts, sigma, rng))
+            noisy = key(np.asarray(noisy_counts)) if key else noisy_counts[0]
+        else:
+            noisy_counts = None
+            noisy = psel.release_holdout_score(counts, sigma, rng)
+            noisy = key(np.asarray([noisy])) if key else noisy
+    except Exception as exc:  # noqa: BLE001 — a failed trial is skipped and said so
+        return TrialOutcome(i, cand.name, None, f"{type(exc).__name__}: {exc}"), None, None
+    return TrialOutcome(i, cand.name, float(noisy), None, noisy_counts), cand, output
+
+
+def _best(trials, event) -> SelectionResult:
+    best = None
+    for outcome, cand, output in trials:
+        if outcome.error is None and (best is None or outcome.noisy_score > best[0].noisy_score):
+            best = (outcome, cand, output)
+    outcomes = [t[0] for t in trials]
     if best is None:
-        return SelectionResult(None, None, None, trials, event)
-    return SelectionResult(best[2], best[3], best[0], trials, event, best[4])
+        return SelectionResult(None, None, None, outcomes, event)
+    return SelectionResult(best[1], best[2], best[0].noisy_score, outcomes, event, best[0].noisy_counts)
 
 
 # ==== the selection of a run: config → candidates → plan → trials (the lifecycle calls these) ====
@@ -288,9 +350,22 @@ def trial_count(sel) -> psel.TrialCount:
 
 
 def mechanism_event(selection: ev.DpEvent, score_noise_multiplier: float) -> ev.DpEvent:
-    """The whole mechanism: the selection, then the noisy holdout count of the "no prompt"
-    reference (a Gaussian count at sensitivity 1, composed: it reads the holdout again)."""
+    """The whole mechanism. Random stopping: the selection, then the noisy holdout counts of the
+    "no prompt" reference (Gaussian at sensitivity 1, composed: it reads the holdout again). Every
+    candidate once: the selection itself (no prompt is scored as one of the candidates)."""
+    if not isinstance(selection, ev.RepeatAndSelectEvent):
+        return selection
     return ev.ComposedEvent((selection, psel.holdout_score_event(score_noise_multiplier)))
+
+
+def every_candidate(sel) -> bool:
+    return sel.mode == "every_candidate"
+
+
+def _selection_of(sel, candidates, train_event) -> ev.DpEvent:
+    if every_candidate(sel):
+        return every_candidate_event(candidates, train_event, sel.score_noise_multiplier)
+    return selection_event(candidates, train_event, trial_count(sel), sel.score_noise_multiplier)
 
 
 def _candidate_plan(method, cfg, cand: Candidate, trial_target: float, n_train: int, delta: float):
@@ -307,8 +382,7 @@ def selection_epsilon_at(method, cfg, candidates, trial_target: float, n_train: 
     sel = cfg.selection
     events = {c.name: _candidate_plan(method, cfg, c, trial_target, n_train, delta)[1].event
               for c in candidates if not c.zero_shot}
-    event = mechanism_event(selection_event(candidates, lambda c: events[c.name], trial_count(sel),
-                                            sel.score_noise_multiplier), sel.score_noise_multiplier)
+    event = mechanism_event(_selection_of(sel, candidates, lambda c: events[c.name]), sel.score_noise_multiplier)
     return acct.spend(event, delta).epsilon, event
 
 
@@ -331,8 +405,12 @@ def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, 
         return seen[t][0]
 
     floor = target * 1e-3
-    overhead = _gaussian_overhead(cfg.selection, target - _gaussian_overhead(cfg.selection, target / 2, delta), delta)
-    t = max(target - 1.1 * overhead, target / 8)
+    if every_candidate(cfg.selection):
+        t = _composed_gaussian_guess(target, sum(not c.zero_shot for c in candidates), delta)
+    else:
+        overhead = _gaussian_overhead(cfg.selection, target - _gaussian_overhead(cfg.selection, target / 2, delta),
+                                      delta)
+        t = max(target - 1.1 * overhead, target / 8)
     for _ in range(12):
         e = at(t)
         if target * (1 - tolerance) <= e <= target:
@@ -363,24 +441,43 @@ def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, 
     return best, seen[best][0], seen[best][1]
 
 
+def _gaussian_sigma_for(x: float, delta: float) -> float:
+    """σ of the Gaussian mechanism (sensitivity 1) at ε = x and δ (closed-form RDP, bisection)."""
+    from privacy import rdp as rdp_lib
+
+    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
+    lo, hi = 1e-2, 1e3
+    for _ in range(60):  # ε decreases in σ
+        mid = _math.sqrt(lo * hi)
+        eps = rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(mid, orders), delta)[0]
+        lo, hi = (mid, hi) if eps > x else (lo, mid)
+    return hi
+
+
+def _composed_gaussian_guess(target: float, n_trained: int, delta: float) -> float:
+    """The first guess of the per-trial target when every candidate trains once: k Gaussian
+    mechanisms of σ compose to one of σ/√k, so each trial gets the ε of σ_target·√k."""
+    from privacy import rdp as rdp_lib
+
+    if n_trained <= 1:
+        return target
+    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
+    sigma = _gaussian_sigma_for(target, delta) * _math.sqrt(n_trained)
+    return float(rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0])
+
+
 def _gaussian_overhead(sel, x: float, delta: float) -> float:
     """What the selection adds over one trial when the trial is a Gaussian mechanism of ε = x at δ
     (closed-form RDP, no calibration of the method): the first guess of the per-trial target."""
     from privacy import rdp as rdp_lib
 
     orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
-
-    def eps(sigma: float) -> float:
-        return rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0]
-
-    lo, hi = 1e-2, 1e3
-    for _ in range(60):  # ε decreases in σ
-        mid = _math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if eps(mid) > x else (lo, mid)
-    curve = np.maximum(rdp_lib.gaussian_rdp(hi, orders), rdp_lib.gaussian_rdp(sel.score_noise_multiplier, orders))
+    sigma = _gaussian_sigma_for(x, delta)
+    curve = np.maximum(rdp_lib.gaussian_rdp(sigma, orders), rdp_lib.gaussian_rdp(sel.score_noise_multiplier, orders))
     chosen = psel.repeat_and_select_rdp(curve, trial_count(sel), trial_orders=orders)
     chosen = chosen + rdp_lib.gaussian_rdp(sel.score_noise_multiplier, orders)  # the no-prompt reference
-    return max(0.0, rdp_lib.rdp_to_epsilon(orders, chosen, delta)[0] - eps(hi))
+    one = rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0]
+    return max(0.0, rdp_lib.rdp_to_epsilon(orders, chosen, delta)[0] - one)
 
 
 def plan_selection(method, cfg, n_train: int, delta: float):
@@ -394,13 +491,15 @@ def plan_selection(method, cfg, n_train: int, delta: float):
     candidates = candidates_of(cfg)
     target = float(cfg.privacy.target_epsilon)
     t, eps, event = calibrate_trial_target(method, cfg, candidates, n_train, delta, target)
-    dist = trial_count(sel)
-    params = {"selection.enabled": True, "selection.candidates": len(candidates),
-              "selection.distribution": dist.name, "selection.expected_trials": float(sel.expected_trials),
-              "selection.score_noise_multiplier": float(sel.score_noise_multiplier),
+    params = {"selection.enabled": True, "selection.candidates": len(candidates), "selection.mode": sel.mode,
+              "selection.metric": sel.metric, "selection.score_noise_multiplier": float(sel.score_noise_multiplier),
               "selection.trial_target_epsilon": t}
-    if isinstance(dist, psel.TruncatedNegativeBinomial):
-        params.update({"selection.eta": dist.eta, "selection.gamma": dist.gamma})
+    if not every_candidate(sel):
+        dist = trial_count(sel)
+        params.update({"selection.distribution": dist.name, "selection.expected_trials": float(sel.expected_trials)})
+        if isinstance(dist, psel.TruncatedNegativeBinomial):
+            params.update({"selection.eta": dist.eta, "selection.gamma": dist.gamma})
+    params.update({f"selection.candidate_{i}": c.name for i, c in enumerate(candidates)})  # the scores' names
     settings = {"selection": {"trial_target": t, "delta": delta, "epsilon": eps,
                               "candidates": [{"name": c.name, "settings": c.config, "zero_shot": c.zero_shot}
                                              for c in candidates]}}
@@ -432,14 +531,46 @@ def private_logger(path) -> logging.Logger:
     return logger
 
 
+def per_class_counts(predicted, labels, n_classes: int) -> np.ndarray:
+    """(correct_c, wrong_c) for each class c, flattened [correct_0, wrong_0, correct_1, …]: each
+    holdout row is counted once, in its own class's cell (exact: only released with noise)."""
+    predicted, labels = np.asarray(predicted), np.asarray(labels)
+    right = predicted == labels
+    out = np.zeros((n_classes, 2), dtype=int)
+    np.add.at(out, (labels, np.where(right, 0, 1)), 1)
+    return out.ravel()
+
+
+def released_score(noisy_counts, metric: str) -> float:
+    """The holdout score of released (noisy) counts (post-processing): ``accuracy`` of a (correct,
+    wrong) pair (or of per-class pairs, summed); ``balanced_accuracy``, the mean over classes of
+    correct_c / (correct_c + wrong_c), each clipped to [0, 1] (a class whose released total is not
+    positive counts 0)."""
+    pairs = np.asarray(noisy_counts, dtype=float).reshape(-1, 2)
+    if metric == "accuracy":
+        return released_accuracy(float(pairs[:, 0].sum()), float(pairs[:, 1].sum()))
+    if metric == "balanced_accuracy":
+        return float(np.mean([released_accuracy(c, w) for c, w in pairs]))
+    raise ValueError(f"unknown selection metric {metric!r}: accuracy or balanced_accuracy")
+
+
+def score_key(name: str) -> str:
+    """The run record's name of a released holdout score: ``selection.<name>.holdout_score``
+    (``name``: winner, no_prompt, best_trial, candidate_<i>); param ``selection.metric`` says
+    which score it is."""
+    return f"selection.{name}.holdout_score"
+
+
 def train_selection(method, mctx, plan, rows, log_path, announce=None):
     """Run the selection of ``plan`` (from :func:`plan_selection`) on private ``rows`` (training
     rows, ``rows.validation`` the holdout). Returns a ``Trained``: the winner's output (None for
     "no prompt" or no winner), the mechanism's event, and the published numbers as metrics
-    (released accuracies: noisy correct / (noisy correct + noisy wrong); the winner's index in the
-    candidate list, to republish it on a retry). ``announce(line)``: a public log line
-    (Prefect), called at start and end only. The per-trial lines go to ``log_path`` (private)."""
+    (released scores of noisy counts, ``selection.metric``; the winner's index in the candidate
+    list, to republish it on a retry). ``announce(line)``: a public log line (Prefect). Random
+    stopping: start and end only, the per-trial lines go to ``log_path`` (private: their number
+    is K); every candidate: one line per candidate (the number of trials is public)."""
     from .methods.base import PrivateRows, Trained
+    from .stages import label_indices
 
     info = plan.settings["selection"]
     cfg = mctx.cfg
@@ -451,38 +582,63 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     train_rows = PrivateRows(rows.texts, rows.labels)
     plans = {c.name: _candidate_plan(method, cfg, c, info["trial_target"], plan.n_train, info["delta"])
              for c in candidates if not c.zero_shot}
+    every = every_candidate(sel)
+    trained_so_far = [0]
 
     def train(cand: Candidate, rng):
         from dataclasses import replace
 
         private.info("trial: training candidate %s", cand.name)
+        if every and announce:
+            trained_so_far[0] += 1
+            announce(f"selection: training candidate {trained_so_far[0]} of {len(plans)}: {cand.name}")
         cand_cfg, cand_plan = plans[cand.name]
         return method.train(replace(mctx, cfg=cand_cfg), cand_plan, train_rows)
 
-    def score(cand: Candidate, trained) -> tuple[int, int]:
-        correct = int(method.holdout_correct(mctx, None if trained is None else trained.prompt, holdout))
-        return correct, len(holdout) - correct
+    def score(cand: Candidate, trained):
+        prompt = None if trained is None else trained.prompt
+        if sel.metric == "accuracy":
+            correct = int(method.holdout_correct(mctx, prompt, holdout))
+            return correct, len(holdout) - correct
+        y = label_indices(holdout.labels, cfg.data.labels).cpu().numpy()
+        return per_class_counts(method.holdout_predictions(mctx, prompt, holdout), y, len(cfg.data.labels))
+
+    def key(noisy: np.ndarray) -> float:
+        return released_score(noisy, sel.metric)
 
     private = private_logger(log_path)
-    dist = trial_count(sel)
     rng = mctx.randomness.numpy(stream=30)
-    if announce:
-        announce(f"selection: {len(candidates) - 1} candidate settings + no prompt, E[K] = {dist.mean:g} trials "
-                 f"({dist.name}); each trial's progress is in the private log {log_path} (the number of trials is "
-                 "part of the mechanism and is not shown here)")
-
-    result = run_selection(candidates, train, score, dist, sel.score_noise_multiplier, rng,
-                           lambda c: plans[c.name][1].event)
-    for t in result.trials:  # operator-only (private): never published, not covered by the ε
+    train_event = lambda c: plans[c.name][1].event  # noqa: E731
+    if every:
+        if announce:
+            announce(f"selection: every one of {len(plans)} candidate settings trained once, then each and no prompt "
+                     f"scored on the holdout with noise ({sel.metric})")
+        result = run_every_candidate(candidates, train, score, sel.score_noise_multiplier, rng, train_event, key)
+        reference = next((t.noisy_counts for t in result.trials if candidates[t.index].zero_shot), None)
+    else:
+        dist = trial_count(sel)
+        if announce:
+            announce(f"selection: {len(candidates) - 1} candidate settings + no prompt, E[K] = {dist.mean:g} trials "
+                     f"({dist.name}); each trial's progress is in the private log {log_path} (the number of trials "
+                     "is part of the mechanism and is not shown here)")
+        result = run_selection(candidates, train, score, dist, sel.score_noise_multiplier, rng, train_event, key)
+    for t in result.trials:  # random stopping: operator-only (private), never published, not covered by the ε
         if t.error is None:
-            private.info("trial %d: candidate %s, noisy holdout correct %.2f", t.index + 1, t.candidate, t.noisy_score)
+            private.info("trial %d: candidate %s, noisy holdout %s %.4f", t.index + 1, t.candidate, sel.metric,
+                         t.noisy_score)
         else:
             private.warning("trial %d: candidate %s FAILED and was skipped: %s", t.index + 1, t.candidate, t.error)
-    reference = psel.release_holdout_counts(*score(candidates[-1], None), sel.score_noise_multiplier, rng)
-    winner_index, metrics = published_choice(candidates, result, reference, sel.fallback_to_no_prompt)
+    if not every:
+        reference = tuple(psel.release_holdout_count_vector(score(candidates[-1], None), sel.score_noise_multiplier,
+                                                            rng))
+    winner_index, metrics = published_choice(candidates, result, reference, sel.fallback_to_no_prompt and not every,
+                                             sel.metric)
     if result.failed:
         private.warning("%d trial(s) failed and were skipped (sound only for failures that do not depend on the "
                         "private data: a model that does not load, a full disk)", len(result.failed))
+        if every and announce:
+            announce(f"selection: {len(result.failed)} candidate(s) failed and were skipped: "
+                     + "; ".join(f"{t.candidate}: {t.error}" for t in result.failed))
     winner_out = None if winner_index < 0 or candidates[winner_index].zero_shot else result.winner_output
     private.info("best trial: %s; published: %s", "none" if result.winner is None else result.winner.name,
                  winner_label(candidates, winner_index))
@@ -497,27 +653,34 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     return Trained(prompt, event, steps, metrics, [])
 
 
-def published_choice(candidates, result: SelectionResult, reference: tuple[float, float],
-                     fallback: bool) -> tuple[int, dict[str, float]]:
+def published_choice(candidates, result: SelectionResult, reference, fallback: bool,
+                     metric: str = "accuracy") -> tuple[int, dict[str, float]]:
     """What is published, from released numbers only (post-processing): the best trial's candidate
     (its index in ``candidates``; −1: no winner), or — with ``fallback`` — "no prompt" when the best
-    trial trained a prompt whose released holdout accuracy is below the released no-prompt
-    reference's (a K that never drew "no prompt" is likely: E[(1 − 1/C)^K], 0.38 for 7 candidates
-    and a geometric K of mean 10). The metrics it publishes: the published candidate's index and
-    released accuracy (``selection.winner.*``), the reference's, and, after a fallback, the best
-    trial's released accuracy."""
+    trial trained a prompt whose released holdout score is below the released no-prompt
+    reference's (``reference``: its noisy counts; random stopping, where a K that never drew "no
+    prompt" is likely: E[(1 − 1/C)^K], 0.38 for 7 candidates and a geometric K of mean 10). The
+    metrics it publishes: the published candidate's index and released score
+    (``selection.winner.*``), the reference's, after a fallback the best trial's, and when every
+    candidate was tried once (``result.every_candidate``) every candidate's (``candidate_<i>``)."""
     names = [c.name for c in candidates]
     no_prompt = next(i for i, c in enumerate(candidates) if c.zero_shot)
-    ref_acc = released_accuracy(*reference)
+    metrics = {}
+    if reference is not None:
+        metrics[score_key("no_prompt")] = released_score(reference, metric)
+    if result.every_candidate:
+        for t in result.trials:
+            if t.error is None:
+                metrics[score_key(f"candidate_{names.index(t.candidate)}")] = t.noisy_score
     index = -1 if result.winner is None else names.index(result.winner.name)
-    metrics = {"selection.no_prompt.holdout_accuracy": ref_acc}
     if index >= 0:
-        best_acc = released_accuracy(result.winner_noisy_score, result.winner_noisy_wrong)
-        metrics["selection.winner.holdout_accuracy"] = best_acc
-        if fallback and not candidates[index].zero_shot and best_acc < ref_acc:
-            metrics.update({"selection.fallback_to_no_prompt": 1.0, "selection.best_trial.holdout_accuracy": best_acc,
-                            "selection.best_trial_index": float(index),
-                            "selection.winner.holdout_accuracy": ref_acc})
+        best = released_score(result.winner_noisy_counts, metric) if result.winner_noisy_counts is not None \
+            else result.winner_noisy_score
+        metrics[score_key("winner")] = best
+        ref = metrics.get(score_key("no_prompt"))
+        if fallback and not candidates[index].zero_shot and ref is not None and best < ref:
+            metrics.update({"selection.fallback_to_no_prompt": 1.0, score_key("best_trial"): best,
+                            "selection.best_trial_index": float(index), score_key("winner"): ref})
             index = no_prompt
     metrics.update({"selection.winner_index": float(index),
                     "selection.winner_is_no_prompt": float(index >= 0 and candidates[index].zero_shot)})
@@ -528,9 +691,9 @@ def fallback_note(metrics: dict, best_trial: str | None) -> str | None:
     """The run summary's line when the best trial's prompt was dropped for no prompt (None otherwise)."""
     if not metrics.get("selection.fallback_to_no_prompt"):
         return None
-    return (f"the best trial ({best_trial or 'a trained prompt'}) released a holdout accuracy of "
-            f"{metrics['selection.best_trial.holdout_accuracy']:.4f}, below no prompt's "
-            f"{metrics['selection.no_prompt.holdout_accuracy']:.4f} (both noisy, DP): no prompt was published "
+    return (f"the best trial ({best_trial or 'a trained prompt'}) released a holdout score of "
+            f"{metrics[score_key('best_trial')]:.4f}, below no prompt's "
+            f"{metrics[score_key('no_prompt')]:.4f} (both noisy, DP): no prompt was published "
             "instead (selection.fallback_to_no_prompt)")
 
 
@@ -581,13 +744,13 @@ def winner_context(method, mctx, plan, metrics: dict):
 def below_no_prompt(metrics: dict) -> str | None:
     """The run summary's warning when the published prompt's RELEASED holdout accuracy is below the
     released "no prompt" reference (None when it is not, or when "no prompt" itself won)."""
-    won = metrics.get("selection.winner.holdout_accuracy")
-    ref = metrics.get("selection.no_prompt.holdout_accuracy")
+    won = metrics.get(score_key("winner"))
+    ref = metrics.get(score_key("no_prompt"))
     if metrics.get("selection.winner_is_no_prompt"):
         return None
     if won is None or ref is None or won >= ref:
         return None
-    return (f"the published prompt's released holdout accuracy {won:.4f} is below the released no-prompt "
+    return (f"the published prompt's released holdout score {won:.4f} is below the released no-prompt "
             f"reference {ref:.4f} (both noisy, DP): the model without a prompt may serve better")
 
 
@@ -595,7 +758,9 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
     """``privprompt plan``'s numbers of a selection plan (from :func:`plan_selection`, inside the
     run's sized plan), each with the release of the split sizes and at the run's δ: the whole
     selection's ε (the run's one entry), what ONE trial alone would cost (the costliest
-    candidate's training ∥ its score), and naive composition of ⌈E[K]⌉ such trials."""
+    candidate's training ∥ its score), and the same trials under the other ways to select:
+    ⌈E[K]⌉ trials composed naively, every candidate once composed, and random stopping
+    (Papernot & Steinke at E[K])."""
     from privacy import accountant as acct
 
     from .lifecycle import with_size_release
@@ -607,21 +772,22 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
     run_cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(
         update={"target_epsilon": float(plan.params["privacy.method_epsilon"])})})
     candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
-    trials = [psel.trial_event(_candidate_plan(method, run_cfg, c, info["trial_target"], plan.n_train,
-                                               info["delta"])[1].event, sel.score_noise_multiplier)
-              for c in candidates if not c.zero_shot]
+    train_events = {c.name: _candidate_plan(method, run_cfg, c, info["trial_target"], plan.n_train,
+                                            info["delta"])[1].event for c in candidates if not c.zero_shot}
+    trials = [psel.trial_event(train_events[c.name], sel.score_noise_multiplier) for c in candidates
+              if not c.zero_shot]
     distinct = list(dict.fromkeys(trials))  # candidates differing only in lr have the same event
     spends = [acct.spend(with_size_release(t, sizes), delta).epsilon for t in distinct]
     k = _math.ceil(trial_count(sel).mean)
     # k trials of the candidate whose k-fold composition costs most (trials calibrated alike can compose
     # very differently: more steps at more noise compose worse)
     naive = max(acct.spend(with_size_release(psel._composed(t, k), sizes), delta).epsilon for t in distinct)
-    # every candidate trained once and scored once (no prompt scored too), the best noisy score kept:
-    # the trainings compose on the training split, the scores on the holdout (disjoint: in parallel)
-    score = psel.holdout_score_event(sel.score_noise_multiplier)
-    every = ev.ParallelEvent((ev.ComposedEvent(tuple(t.events[0] for t in trials)),
-                              ev.SelfComposedEvent(score, len(candidates))))
-    naive_all = acct.spend(with_size_release(every, sizes), delta).epsilon
+    every = every_candidate_event(candidates, lambda c: train_events[c.name], sel.score_noise_multiplier)
+    stopping = mechanism_event(selection_event(candidates, lambda c: train_events[c.name], trial_count(sel),
+                                               sel.score_noise_multiplier), sel.score_noise_multiplier)
     return {"selection_epsilon": float(acct.spend(plan.event, delta).epsilon), "trial_epsilon": float(max(spends)),
+            "mode": sel.mode, "metric": sel.metric,
             "naive_epsilon": float(naive), "naive_trials": k, "expected_trials": float(trial_count(sel).mean),
-            "candidates": len(candidates), "naive_candidates_epsilon": float(naive_all)}
+            "candidates": len(candidates),
+            "naive_candidates_epsilon": float(acct.spend(with_size_release(every, sizes), delta).epsilon),
+            "random_stopping_epsilon": float(acct.spend(with_size_release(stopping, sizes), delta).epsilon)}

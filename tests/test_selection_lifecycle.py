@@ -23,7 +23,8 @@ from test_method_contract import _config as _contract_config
 from test_release_once import _context, _dp_entries, _published_prompts
 
 CANDIDATES = [{"lr": 0.05}, {"lr": 0.2}]  # lr=0.2 fails to train in the run below (data-independently)
-SELECTION = {"enabled": True, "candidates": CANDIDATES, "expected_trials": 3.0}
+SELECTION = {"enabled": True, "candidates": CANDIDATES, "expected_trials": 3.0, "mode": "random_stopping",
+             "metric": "accuracy"}
 
 
 # ---- the block, for every registered method -------------------------------------------------
@@ -250,8 +251,8 @@ def test_the_winner_is_published_once_and_the_failed_candidate_skipped_and_said_
     parent = _mlflow(ctx.paths.root).get_run(ctx.parent_run_id)
     assert parent.data.params["selection.winner"] == "lr=0.05"
     m = out.train_metrics
-    assert 0.0 <= m["selection.winner.holdout_accuracy"] <= 1.0 and m["selection.winner_is_no_prompt"] == 0.0
-    assert m["selection.winner.holdout_accuracy"] > m["selection.no_prompt.holdout_accuracy"]  # 24 vs 0 of 24, σ = 5
+    assert 0.0 <= m["selection.winner.holdout_score"] <= 1.0 and m["selection.winner_is_no_prompt"] == 0.0
+    assert m["selection.winner.holdout_score"] > m["selection.no_prompt.holdout_score"]  # 24 vs 0 of 24, σ = 5
     assert "selection.fallback_to_no_prompt" not in m and "selection.best_trial" not in out.params
 
 
@@ -287,7 +288,7 @@ def test_no_exact_holdout_number_reaches_mlflow(selected):
             assert not any(repr(value) in t for t in texts), value
     # the released numbers are noisy: never one of the exact ratios
     m = selected["out"].train_metrics
-    for key in ("selection.winner.holdout_accuracy", "selection.no_prompt.holdout_accuracy"):
+    for key in ("selection.winner.holdout_score", "selection.no_prompt.holdout_score"):
         assert m[key] not in {c / n for c, n in exact}
     assert not any("noisy holdout correct" in t or "trial 1" in t for t in texts)  # the per-trial list stays private
 
@@ -328,19 +329,19 @@ def test_report_shows_the_winners_released_score_only(selected):
     (row,) = rows
     assert row["method"].endswith("+ selection")
     table = selection_table(rows)
-    released = selected["out"].train_metrics["selection.winner.holdout_accuracy"]
+    released = selected["out"].train_metrics["selection.winner.holdout_score"]
     assert f"| lr=0.05 | {released:.4f} |" in table
-    assert f"{selected['out'].train_metrics['selection.no_prompt.holdout_accuracy']:.4f}" not in table
+    assert f"{selected['out'].train_metrics['selection.no_prompt.holdout_score']:.4f}" not in table
     assert selection_table([{**row, "selection": None}]) is None
 
 
 def test_the_summary_warns_when_the_published_prompt_scores_below_no_prompt():
     from tasks.selection import below_no_prompt
 
-    worse = {"selection.winner.holdout_accuracy": 0.61, "selection.no_prompt.holdout_accuracy": 0.70,
+    worse = {"selection.winner.holdout_score": 0.61, "selection.no_prompt.holdout_score": 0.70,
              "selection.winner_is_no_prompt": 0.0}
     assert "below the released no-prompt reference 0.7000" in below_no_prompt(worse)
-    assert below_no_prompt({**worse, "selection.winner.holdout_accuracy": 0.75}) is None
+    assert below_no_prompt({**worse, "selection.winner.holdout_score": 0.75}) is None
     assert below_no_prompt({**worse, "selection.winner_is_no_prompt": 1.0}) is None  # no prompt is what is published
     assert below_no_prompt({}) is None
 
@@ -353,7 +354,7 @@ def test_the_run_report_carries_the_warning(selected):
     ctx, out = selected["ctx"], selected["out"]
     rec = RunReport(ctx.cfg, get_method("prompt_dpsgd"), ctx.parent)
     assert rec.warnings(out) == []  # the winner's released score is above no prompt's here
-    worse = replace(out, train_metrics={**out.train_metrics, "selection.no_prompt.holdout_accuracy": 1.5})
+    worse = replace(out, train_metrics={**out.train_metrics, "selection.no_prompt.holdout_score": 1.5})
     (warning,) = rec.warnings(worse)
     assert "below the released no-prompt reference" in warning
     off = RunReport(ctx.cfg.model_copy(update={"selection": ctx.cfg.selection.model_copy(update={"enabled": False})}),
@@ -366,23 +367,23 @@ def test_no_prompt_is_published_when_the_best_trial_scores_below_it_released():
 
     cands = [tsel.Candidate("lr=0.05", {"lr": 0.05}), tsel.Candidate("lr=0.2", {"lr": 0.2}),
              tsel.no_prompt_candidate("no prompt")]
-    best = tsel.SelectionResult(cands[1], "trained prompt", 80.0, [], None, 20.0)  # released 80 right, 20 wrong
+    best = tsel.SelectionResult(cands[1], "trained prompt", 80.0, [], None, (80.0, 20.0))  # released 80 right, 20 wrong
     index, m = tsel.published_choice(cands, best, (90.0, 10.0), fallback=True)  # no prompt: 0.9 > 0.8
     assert index == 2 and m["selection.winner_is_no_prompt"] == 1.0 and m["selection.fallback_to_no_prompt"] == 1.0
-    assert m["selection.winner.holdout_accuracy"] == pytest.approx(0.9)  # the published one's: no prompt's
-    assert m["selection.best_trial.holdout_accuracy"] == pytest.approx(0.8) and m["selection.best_trial_index"] == 1.0
+    assert m["selection.winner.holdout_score"] == pytest.approx(0.9)  # the published one's: no prompt's
+    assert m["selection.best_trial.holdout_score"] == pytest.approx(0.8) and m["selection.best_trial_index"] == 1.0
     assert tsel.below_no_prompt(m) is None  # what is published is not below no prompt
-    assert "best trial (lr=0.2) released a holdout accuracy of 0.8000, below no prompt's 0.9000" in \
+    assert "best trial (lr=0.2) released a holdout score of 0.8000, below no prompt's 0.9000" in \
         tsel.fallback_note(m, "lr=0.2")
     kept, m2 = tsel.published_choice(cands, best, (90.0, 10.0), fallback=False)  # published, and warned about
     assert kept == 1 and "selection.fallback_to_no_prompt" not in m2 and m2["selection.winner_is_no_prompt"] == 0.0
     assert "below the released no-prompt reference 0.9000" in tsel.below_no_prompt(m2)
     assert tsel.fallback_note(m2, None) is None
     above, m3 = tsel.published_choice(cands, best, (70.0, 30.0), fallback=True)
-    assert above == 1 and m3["selection.winner.holdout_accuracy"] == pytest.approx(0.8)
+    assert above == 1 and m3["selection.winner.holdout_score"] == pytest.approx(0.8)
     none, m4 = tsel.published_choice(cands, tsel.SelectionResult(None, None, None, [], None), (70.0, 30.0), True)
-    assert none == -1 and "selection.winner.holdout_accuracy" not in m4 and m4["selection.winner_is_no_prompt"] == 0.0
-    itself = tsel.SelectionResult(cands[2], None, 60.0, [], None, 40.0)  # no prompt won its trial: kept
+    assert none == -1 and "selection.winner.holdout_score" not in m4 and m4["selection.winner_is_no_prompt"] == 0.0
+    itself = tsel.SelectionResult(cands[2], None, 60.0, [], None, (60.0, 40.0))  # no prompt won its trial: kept
     assert tsel.published_choice(cands, itself, (90.0, 10.0), fallback=True)[0] == 2
 
 

@@ -264,22 +264,29 @@ class Method:
         package with hyperparameters worth tuning returns its own small grid."""
         return [{}]
 
-    def holdout_correct(self, mctx: MethodContext, prompt: Any, rows: PrivateRows) -> int:
-        """How many of the private holdout ``rows`` ``prompt`` (None: no prompt) classifies right on
-        the model it was trained on: an EXACT count, which the selection only releases with noise
-        (sensitivity 1: one record changes it by at most one). The default scores any prompt kind
-        (soft, prefix, text) on ``source_model``'s frozen classifier."""
+    def holdout_predictions(self, mctx: MethodContext, prompt: Any, rows: PrivateRows):
+        """The label index ``prompt`` (None: no prompt) predicts for each private holdout row of
+        ``rows`` on the model it was trained on (a numpy array; private: the selection only
+        releases counts of it with noise). The default scores any prompt kind (soft, prefix,
+        text) on ``source_model``'s frozen classifier."""
         from models.scoring import predict_logits
 
-        from ..stages import input_length, label_indices, prompted
+        from ..stages import input_length, prompted
 
         cfg = mctx.cfg
         model = self.source_model(cfg, mctx.prepared)
         clf, forward_prompt = prompted(cfg, model, prompt)
         enc = clf.encode(rows.texts, max_length=input_length(cfg, model, clf))
-        y = label_indices(rows.labels, cfg.data.labels)
-        pred = predict_logits(clf, enc, forward_prompt, cfg.models.eval_batch_size).argmax(dim=1)
-        return int((pred == y).sum())
+        return predict_logits(clf, enc, forward_prompt, cfg.models.eval_batch_size).argmax(dim=1).cpu().numpy()
+
+    def holdout_correct(self, mctx: MethodContext, prompt: Any, rows: PrivateRows) -> int:
+        """How many of the private holdout ``rows`` ``prompt`` (None: no prompt) classifies right on
+        the model it was trained on: an EXACT count, which the selection only releases with noise
+        (sensitivity 1: one record changes it by at most one)."""
+        from ..stages import label_indices
+
+        y = label_indices(rows.labels, mctx.cfg.data.labels).cpu().numpy()
+        return int((self.holdout_predictions(mctx, prompt, rows) == y).sum())
 
     def diagnostics(self, ctx, prompt_path: str, mctx: MethodContext) -> dict[str, Any]:
         """Extra statistics of the published prompt computed on the TEST split only (never on
