@@ -291,9 +291,11 @@ class SelectionConfig(Block):
                        "cheaper in ε, more mass on K = 1)")
     expected_trials: float = Field(10.0, gt=1, description="random_stopping: E[K], the expected number of trials "
                                    "(each trains one candidate drawn uniformly at random)")
-    score_noise_multiplier: float = Field(5.0, gt=0, description="σ (in records) of the Gaussian noise on each "
-                                          "released holdout count (each candidate's, and random_stopping's no-prompt "
-                                          "reference)")
+    score_noise_multiplier: float | None = Field(
+        None, gt=0, description="σ (in records) of the Gaussian noise on each released holdout count (each "
+        "candidate's, and random_stopping's no-prompt reference); default: every_candidate: the smallest σ at which "
+        "the scores cost no more ε than the trainings (the holdout and the training rows are disjoint, so the "
+        "mechanism costs the larger of the two: more noise buys no privacy); random_stopping: 5")
     fallback_to_no_prompt: bool = Field(True, description="random_stopping: publish no prompt when the best trial's "
                                         "released holdout score is below the released no-prompt reference "
                                         "(post-processing: no extra ε); false: publish the best trial and warn. "

@@ -362,10 +362,36 @@ def every_candidate(sel) -> bool:
     return sel.mode == "every_candidate"
 
 
-def _selection_of(sel, candidates, train_event) -> ev.DpEvent:
+RANDOM_STOPPING_SCORE_SIGMA = 5.0  # random stopping's default σ of the holdout counts (in records)
+
+
+def score_sigma(sel, train_events: Sequence[ev.DpEvent], n_scores: int, delta: float) -> float:
+    """σ of the released holdout counts: ``selection.score_noise_multiplier`` when set; random
+    stopping: 5 records; every candidate once: the σ at which the scores cost no more than the
+    trainings. The two branches touch disjoint rows (train split, holdout), so the mechanism
+    costs the larger of the two (``privacy.selection.every_candidate_event``): noise on the
+    scores beyond that point buys no privacy, only a noisier choice. ``n_scores`` Gaussian
+    counts of σ compose like one of σ/√n_scores; that one is solved at the trainings' ε by its
+    closed-form RDP conversion, which is looser than the PLD the accountant also uses, so the
+    scores' branch comes out at or below the trainings' (the accountant computes the whole
+    mechanism's ε from the events, whatever σ is chosen here). Data-independent: depends on the
+    config and the released sizes only."""
+    from privacy import accountant as acct
+
+    if sel.score_noise_multiplier is not None:
+        return float(sel.score_noise_multiplier)
+    if not every_candidate(sel) or not train_events:
+        return RANDOM_STOPPING_SCORE_SIGMA
+    train_eps = acct.spend(ev.ComposedEvent(tuple(train_events)), delta).epsilon
+    return float(f"{_gaussian_sigma_for(train_eps, delta) * _math.sqrt(n_scores) * 1.001:.4g}")
+
+
+def _selection_of(sel, candidates, train_event, delta: float) -> tuple[ev.DpEvent, float]:
+    """The selection's event and the σ of its scores."""
+    sigma = score_sigma(sel, [train_event(c) for c in candidates if not c.zero_shot], len(candidates), delta)
     if every_candidate(sel):
-        return every_candidate_event(candidates, train_event, sel.score_noise_multiplier)
-    return selection_event(candidates, train_event, trial_count(sel), sel.score_noise_multiplier)
+        return every_candidate_event(candidates, train_event, sigma), sigma
+    return selection_event(candidates, train_event, trial_count(sel), sigma), sigma
 
 
 def _candidate_plan(method, cfg, cand: Candidate, trial_target: float, n_train: int, delta: float):
@@ -376,20 +402,22 @@ def _candidate_plan(method, cfg, cand: Candidate, trial_target: float, n_train: 
 
 
 def selection_epsilon_at(method, cfg, candidates, trial_target: float, n_train: int, delta: float):
-    """(ε of the whole mechanism at δ, its event) when every trial is calibrated to ``trial_target``."""
+    """(ε of the whole mechanism at δ, its event, the σ of its scores) when every trial is
+    calibrated to ``trial_target``."""
     from privacy import accountant as acct
 
-    sel = cfg.selection
     events = {c.name: _candidate_plan(method, cfg, c, trial_target, n_train, delta)[1].event
               for c in candidates if not c.zero_shot}
-    event = mechanism_event(_selection_of(sel, candidates, lambda c: events[c.name]), sel.score_noise_multiplier)
-    return acct.spend(event, delta).epsilon, event
+    selection, sigma = _selection_of(cfg.selection, candidates, lambda c: events[c.name], delta)
+    event = mechanism_event(selection, sigma)
+    return acct.spend(event, delta).epsilon, event, sigma
 
 
 def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, target: float,
-                           tolerance: float = 0.01) -> tuple[float, float, ev.DpEvent]:
+                           tolerance: float = 0.01) -> tuple[float, float, ev.DpEvent, float]:
     """The largest per-trial target ε t found at which the whole mechanism spends at most
-    ``target``, and within ``tolerance`` (relative) of it: returns (t, its ε, its event). ε(t) is
+    ``target``, and within ``tolerance`` (relative) of it: returns (t, its ε, its event, the σ of
+    its scores). ε(t) is
     smooth and increasing with slope ≈ 1 (the selection adds a near-constant to one trial), so:
     a first guess from a Gaussian trial (closed form), then secant steps, keeping the largest t
     whose ε fits. Each step plans every candidate at t (the methods' own calibrations, cached).
@@ -438,7 +466,7 @@ def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, 
     if not fits:
         raise ValueError(f"selection: no per-trial calibration found that keeps the selection within ε = {target:.4g}")
     best = max(fits)
-    return best, seen[best][0], seen[best][1]
+    return best, seen[best][0], seen[best][1], seen[best][2]
 
 
 def _gaussian_sigma_for(x: float, delta: float) -> float:
@@ -473,9 +501,10 @@ def _gaussian_overhead(sel, x: float, delta: float) -> float:
 
     orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
     sigma = _gaussian_sigma_for(x, delta)
-    curve = np.maximum(rdp_lib.gaussian_rdp(sigma, orders), rdp_lib.gaussian_rdp(sel.score_noise_multiplier, orders))
+    score = RANDOM_STOPPING_SCORE_SIGMA if sel.score_noise_multiplier is None else sel.score_noise_multiplier
+    curve = np.maximum(rdp_lib.gaussian_rdp(sigma, orders), rdp_lib.gaussian_rdp(score, orders))
     chosen = psel.repeat_and_select_rdp(curve, trial_count(sel), trial_orders=orders)
-    chosen = chosen + rdp_lib.gaussian_rdp(sel.score_noise_multiplier, orders)  # the no-prompt reference
+    chosen = chosen + rdp_lib.gaussian_rdp(score, orders)  # the no-prompt reference
     one = rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0]
     return max(0.0, rdp_lib.rdp_to_epsilon(orders, chosen, delta)[0] - one)
 
@@ -490,9 +519,9 @@ def plan_selection(method, cfg, n_train: int, delta: float):
     sel = cfg.selection
     candidates = candidates_of(cfg)
     target = float(cfg.privacy.target_epsilon)
-    t, eps, event = calibrate_trial_target(method, cfg, candidates, n_train, delta, target)
+    t, eps, event, sigma = calibrate_trial_target(method, cfg, candidates, n_train, delta, target)
     params = {"selection.enabled": True, "selection.candidates": len(candidates), "selection.mode": sel.mode,
-              "selection.metric": sel.metric, "selection.score_noise_multiplier": float(sel.score_noise_multiplier),
+              "selection.metric": sel.metric, "selection.score_noise_multiplier": sigma,
               "selection.trial_target_epsilon": t}
     if not every_candidate(sel):
         dist = trial_count(sel)
@@ -500,7 +529,7 @@ def plan_selection(method, cfg, n_train: int, delta: float):
         if isinstance(dist, psel.TruncatedNegativeBinomial):
             params.update({"selection.eta": dist.eta, "selection.gamma": dist.gamma})
     params.update({f"selection.candidate_{i}": c.name for i, c in enumerate(candidates)})  # the scores' names
-    settings = {"selection": {"trial_target": t, "delta": delta, "epsilon": eps,
+    settings = {"selection": {"trial_target": t, "delta": delta, "epsilon": eps, "score_noise_multiplier": sigma,
                               "candidates": [{"name": c.name, "settings": c.config, "zero_shot": c.zero_shot}
                                              for c in candidates]}}
     return MethodPlan(method.name, "dp", n_train, delta, event=event, params=params, settings=settings)
@@ -583,6 +612,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     plans = {c.name: _candidate_plan(method, cfg, c, info["trial_target"], plan.n_train, info["delta"])
              for c in candidates if not c.zero_shot}
     every = every_candidate(sel)
+    sigma = float(info["score_noise_multiplier"])
     trained_so_far = [0]
 
     def train(cand: Candidate, rng):
@@ -613,7 +643,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
         if announce:
             announce(f"selection: every one of {len(plans)} candidate settings trained once, then each and no prompt "
                      f"scored on the holdout with noise ({sel.metric})")
-        result = run_every_candidate(candidates, train, score, sel.score_noise_multiplier, rng, train_event, key)
+        result = run_every_candidate(candidates, train, score, sigma, rng, train_event, key)
         reference = next((t.noisy_counts for t in result.trials if candidates[t.index].zero_shot), None)
     else:
         dist = trial_count(sel)
@@ -621,7 +651,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
             announce(f"selection: {len(candidates) - 1} candidate settings + no prompt, E[K] = {dist.mean:g} trials "
                      f"({dist.name}); each trial's progress is in the private log {log_path} (the number of trials "
                      "is part of the mechanism and is not shown here)")
-        result = run_selection(candidates, train, score, dist, sel.score_noise_multiplier, rng, train_event, key)
+        result = run_selection(candidates, train, score, dist, sigma, rng, train_event, key)
     for t in result.trials:  # random stopping: operator-only (private), never published, not covered by the ε
         if t.error is None:
             private.info("trial %d: candidate %s, noisy holdout %s %.4f", t.index + 1, t.candidate, sel.metric,
@@ -629,8 +659,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
         else:
             private.warning("trial %d: candidate %s FAILED and was skipped: %s", t.index + 1, t.candidate, t.error)
     if not every:
-        reference = tuple(psel.release_holdout_count_vector(score(candidates[-1], None), sel.score_noise_multiplier,
-                                                            rng))
+        reference = tuple(psel.release_holdout_count_vector(score(candidates[-1], None), sigma, rng))
     winner_index, metrics = published_choice(candidates, result, reference, sel.fallback_to_no_prompt and not every,
                                              sel.metric)
     if result.failed:
@@ -647,7 +676,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     for handler in list(private.handlers):  # the run's log file is closed (long-lived workers run many)
         private.removeHandler(handler)
         handler.close()
-    event = mechanism_event(result.event, sel.score_noise_multiplier)  # the one reserved (with the sizes' release)
+    event = mechanism_event(result.event, sigma)  # the one reserved (with the sizes' release)
     prompt = None if winner_out is None else winner_out.prompt
     steps = 0 if winner_out is None else winner_out.steps
     return Trained(prompt, event, steps, metrics, [])
@@ -774,7 +803,8 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
     candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
     train_events = {c.name: _candidate_plan(method, run_cfg, c, info["trial_target"], plan.n_train,
                                             info["delta"])[1].event for c in candidates if not c.zero_shot}
-    trials = [psel.trial_event(train_events[c.name], sel.score_noise_multiplier) for c in candidates
+    sigma = float(info["score_noise_multiplier"])
+    trials = [psel.trial_event(train_events[c.name], sigma) for c in candidates
               if not c.zero_shot]
     distinct = list(dict.fromkeys(trials))  # candidates differing only in lr have the same event
     spends = [acct.spend(with_size_release(t, sizes), delta).epsilon for t in distinct]
@@ -782,11 +812,11 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
     # k trials of the candidate whose k-fold composition costs most (trials calibrated alike can compose
     # very differently: more steps at more noise compose worse)
     naive = max(acct.spend(with_size_release(psel._composed(t, k), sizes), delta).epsilon for t in distinct)
-    every = every_candidate_event(candidates, lambda c: train_events[c.name], sel.score_noise_multiplier)
-    stopping = mechanism_event(selection_event(candidates, lambda c: train_events[c.name], trial_count(sel),
-                                               sel.score_noise_multiplier), sel.score_noise_multiplier)
+    every = every_candidate_event(candidates, lambda c: train_events[c.name], sigma)
+    stopping = mechanism_event(selection_event(candidates, lambda c: train_events[c.name], trial_count(sel), sigma),
+                               sigma)
     return {"selection_epsilon": float(acct.spend(plan.event, delta).epsilon), "trial_epsilon": float(max(spends)),
-            "mode": sel.mode, "metric": sel.metric,
+            "mode": sel.mode, "metric": sel.metric, "score_noise_multiplier": sigma,
             "naive_epsilon": float(naive), "naive_trials": k, "expected_trials": float(trial_count(sel).mean),
             "candidates": len(candidates),
             "naive_candidates_epsilon": float(acct.spend(with_size_release(every, sizes), delta).epsilon),

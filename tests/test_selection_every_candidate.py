@@ -177,3 +177,117 @@ def test_a_failed_candidate_is_skipped_and_its_training_still_counted():
     assert failed.candidate == "lr=0.05" and "model failed to load" in failed.error and failed.noisy_score is None
     assert result.winner.name != "lr=0.05"
     assert len(result.event.events[0].events) == 2  # both trainings are in the event, the failed one too
+
+
+# ---- through the lifecycle, on a tiny model ------------------------------------------------------
+
+def _to_dp_accounting(e):
+    """The project's event as dp-accounting's (Gaussian trees only), for an independent PLD."""
+    from dp_accounting import dp_event as dpe
+
+    if isinstance(e, ev.GaussianEvent):
+        return dpe.GaussianDpEvent(e.noise_multiplier)
+    if isinstance(e, ev.PoissonSampledEvent):
+        return dpe.PoissonSampledDpEvent(e.sampling_probability, _to_dp_accounting(e.event))
+    if isinstance(e, ev.SelfComposedEvent):
+        return dpe.SelfComposedDpEvent(_to_dp_accounting(e.event), e.count)
+    if isinstance(e, ev.ComposedEvent):
+        return dpe.ComposedDpEvent([_to_dp_accounting(x) for x in e.events])
+    raise TypeError(f"not a Gaussian tree: {e!r}")
+
+
+@pytest.fixture(scope="module")
+def every(tmp_path_factory, sst2_dir):
+    """A selection run with the defaults (every candidate once, balanced accuracy) of prompt_dpsgd
+    on tiny-bert through ``run_method``; lr=0.2's training raises (data-independently). The exact
+    per-class holdout counts each candidate gets are kept, to look for them in MLflow."""
+    from tasks.lifecycle import run_method
+    from tasks.methods import get_method
+    from tasks.pipeline import plan_run
+    from test_release_once import _context
+
+    mp = pytest.MonkeyPatch()
+    method_cls = type(get_method("prompt_dpsgd"))
+    real_train, real_predict = method_cls.train, method_cls.holdout_predictions
+    exact, tried = [], []
+
+    def train(self, mctx, plan, rows, progress=None):
+        tried.append(mctx.cfg.methods.prompt_dpsgd.lr)
+        if mctx.cfg.methods.prompt_dpsgd.lr == 0.2:
+            raise RuntimeError("model failed to load")
+        return real_train(self, mctx, plan, rows, progress)
+
+    def holdout_predictions(self, mctx, prompt, rows):
+        pred = real_predict(self, mctx, prompt, rows)
+        labels = np.array([mctx.cfg.data.labels.index(y) for y in rows.labels])
+        exact.append(tsel.per_class_counts(pred, labels, len(mctx.cfg.data.labels)))
+        return pred
+
+    mp.setattr(method_cls, "train", train)
+    mp.setattr(method_cls, "holdout_predictions", holdout_predictions)
+    try:
+        root = tmp_path_factory.mktemp("every")
+        ctx = _context(root, sst2_dir, selection={"enabled": True, "candidates": [{"lr": 0.05}, {"lr": 0.2}]})
+        plan_run(ctx, ctx.parent)
+        out = run_method(ctx, "prompt_dpsgd", {})
+    finally:
+        mp.undo()
+    return {"ctx": ctx, "out": out, "exact": exact, "tried": tried}
+
+
+def test_lifecycle_one_entry_whose_epsilon_is_the_larger_branch_by_dp_accounting(every):
+    from dp_accounting.pld import pld_privacy_accountant as dpa_pld
+
+    from test_release_once import _dp_entries
+
+    ctx, out = every["ctx"], every["out"]
+    assert ctx.cfg.selection.mode == "every_candidate" and ctx.cfg.selection.metric == "balanced_accuracy"
+    assert every["tried"] == [0.05, 0.2]  # each trained candidate once, in order
+    (entry,) = _dp_entries(ctx)
+    assert entry["status"] == "committed" and entry["epsilon"] <= ctx.cfg.privacy.target_epsilon
+    assert entry["epsilon"] == pytest.approx(out.spend["epsilon"], rel=1e-9)
+    event = ev.event_from_dict(out.event)
+    # the sizes' release composed into each branch: (sizes ∘ both trainings) ∥ (sizes ∘ 3 noisy scores)
+    assert isinstance(event, ev.ParallelEvent) and len(event.events) == 2
+    trains, scores = (b.events[1] for b in event.events)
+    assert isinstance(trains, ev.ComposedEvent) and len(trains.events) == 2  # the failed candidate's too
+    assert scores == ev.SelfComposedEvent(ev.GaussianEvent(ctx.cfg.selection.score_noise_multiplier), 3)
+
+    def independent(branch) -> float:
+        a = dpa_pld.PLDAccountant(value_discretization_interval=1e-4)
+        a.compose(_to_dp_accounting(branch))
+        return a.get_epsilon(out.spend["delta"])
+
+    assert entry["epsilon"] == pytest.approx(max(independent(b) for b in event.events), rel=5e-3)
+
+
+def test_lifecycle_publishes_every_candidates_released_score_and_no_exact_count(every):
+    from test_flow import _mlflow
+    from test_selection_lifecycle import _run_text
+
+    ctx, out = every["ctx"], every["out"]
+    m = out.train_metrics
+    names = [c.name for c in tsel.candidates_of(ctx.cfg)]
+    assert names == ["lr=0.05", "lr=0.2", "no prompt"]
+    assert "selection.candidate_0.holdout_score" in m and "selection.candidate_2.holdout_score" in m
+    assert "selection.candidate_1.holdout_score" not in m  # it failed: skipped, no score
+    winner = out.params["selection.winner"]
+    assert winner in ("lr=0.05", "no prompt")
+    idx = 0 if winner == "lr=0.05" else 2
+    assert m["selection.winner.holdout_score"] == m[f"selection.candidate_{idx}.holdout_score"]
+    assert m["selection.winner.holdout_score"] == max(m["selection.candidate_0.holdout_score"],
+                                                      m["selection.candidate_2.holdout_score"])
+    assert out.params["selection.candidate_1"] == "lr=0.2" and out.params["selection.mode"] == "every_candidate"
+    client = _mlflow(ctx.paths.root)
+    parent = client.get_run(ctx.parent_run_id)
+    runs = [parent.info.run_id] + [r.info.run_id for r in client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{ctx.parent_run_id}'")]
+    texts = [t for r in runs for t in _run_text(client, r)]
+    metrics = [v for r in runs for v in client.get_run(r).data.metrics.values()]
+    assert len(every["exact"]) == 2  # lr=0.05 and no prompt were scored
+    for counts in every["exact"]:
+        exact_scores = {tsel.released_score(counts, "balanced_accuracy"), tsel.released_score(counts, "accuracy")}
+        for value in exact_scores - {0.0, 0.5, 1.0}:
+            assert value not in metrics and not any(repr(value) in t for t in texts), value
+    for key in ("selection.candidate_0.holdout_score", "selection.candidate_2.holdout_score"):
+        assert m[key] not in {tsel.released_score(c, "balanced_accuracy") for c in every["exact"]}
