@@ -1,6 +1,7 @@
 """``privprompt``: run a config's flow in-process, show the budget ledger, open the UIs.
 
     privprompt run CONFIG [--set dotted.key=value ...]
+    privprompt worker [--idle-timeout SECONDS]
     privprompt audit RUN_ID [--shadows K]
     privprompt plan CONFIG [--set dotted.key=value ...]
     privprompt report EXPERIMENT
@@ -315,6 +316,11 @@ def _print_summary(summary: dict, wall: float) -> None:
 
 
 def cmd_run(args) -> int:
+    from privprompt_worker import ROOT_ENV, STATE_MISMATCH, run_via_worker
+
+    rc = run_via_worker(args.argv, args.config, args.set, args.state_dir)  # a warm worker (privprompt worker)
+    if rc is not None:
+        return rc
     from tasks.config import load_config
     from tasks.errors import PrivPromptError
     from tasks.state import config_state_paths, configure_environment
@@ -325,6 +331,8 @@ def cmd_run(args) -> int:
     except PrivPromptError as err:
         return _fail(str(err))
     paths = config_state_paths(cfg)
+    if os.environ.get(ROOT_ENV) and str(paths.root) != os.environ[ROOT_ENV]:
+        return STATE_MISMATCH  # in a worker's child: another state folder than the worker's; the caller runs it
     configure_environment(paths)  # before Prefect is imported (exports the config's ledger.url)
     server = _local_prefect_server().start()  # starts up while this process imports and checks
     from privacy import calibration_cache
@@ -371,6 +379,15 @@ def _run_with_server(cfg, paths, server) -> int:
         return 1
     _print_summary(summary, time.perf_counter() - started)
     return 0
+
+
+def cmd_worker(args) -> int:
+    from privprompt_worker import serve
+    from tasks.state import configure_environment, state_paths
+
+    paths = state_paths()
+    configure_environment(paths)  # before Prefect is imported, as a run does
+    return serve(paths, args.idle_timeout)
 
 
 def cmd_audit(args) -> int:
@@ -773,6 +790,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("config")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set privacy.target_epsilon=4")
+    worker = sub.add_parser("worker", help="keep the imports and a Prefect server warm for this state folder's runs "
+                                           "(`privprompt run` hands its run to it: a forked process per run)")
+    worker.add_argument("--idle-timeout", type=float, default=1800.0, help="stop after this many seconds without a run")
     audit = sub.add_parser("audit", help="membership-inference audit of a finished run's published prompt")
     audit.add_argument("run_id")
     audit.add_argument("--shadows", type=int, default=None, help="shadow prompts for LiRA (even; default: the run's config)")
@@ -831,9 +851,10 @@ def main(argv: list[str] | None = None) -> int:
     predict.add_argument("--batch-size", type=int, default=64)
     predict.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a warm worker's child runs again
     if args.state_dir:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
-    command = {"run": cmd_run, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
+    command = {"run": cmd_run, "worker": cmd_worker, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
                "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict}[args.command]
     try:
         rc = command(args)
