@@ -227,6 +227,8 @@ class RunReport:
             spend = published.spend
             self.metrics.update({"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
                                  "privacy.epsilon_rdp": spend["epsilon_rdp"]})
+            if spend.get("epsilon_per_record") is not None:  # charged per person (group privacy): the per-record ε
+                self.metrics["privacy.epsilon_per_record"] = spend["epsilon_per_record"]
         if published.published:
             self.parent.log_file(published.prompt_path, "prompt")  # the DP output: published
             if published.source_prompt_path != published.prompt_path:
