@@ -115,8 +115,11 @@ def audit_target(ctx: StageContext, published: RunOutcome, prepared: dict):
     from .audit import AuditTarget
 
     spend = published.spend or {}
+    # the canaries are single records: a record-level run charged per person is audited against its
+    # per-record ε (the tighter claim; its per-person charge is larger)
+    claimed = spend.get("epsilon_per_record", spend.get("epsilon"))
     return AuditTarget(config=ctx.config, partition=ctx.partition, prompt_path=published.prompt_path,
-                       method=ctx.cfg.method, epsilon=spend.get("epsilon"), delta=spend.get("delta"),
+                       method=ctx.cfg.method, epsilon=claimed, delta=spend.get("delta"),
                        run_id=ctx.parent_run_id, flow_run_id=ctx.flow_run_id, state_dir=ctx.state_dir,
                        prepared={k: v for k, v in prepared.items() if k != "tags"})
 
