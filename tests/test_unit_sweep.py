@@ -225,3 +225,29 @@ def test_methods_without_a_group_rule_are_refused_before_anything_runs(people, t
     cfg["public"] = {"name": "tweet_sentiment", "split": "validation", "size": 20}
     with pytest.raises(ConfigError, match="methods.rapt is local DP"):
         parse_config(cfg)
+
+
+@pytest.mark.slow  # σ calibrations of the candidate and the selection (≈ 11 s)
+def test_a_private_selection_is_charged_per_person_or_refused_by_its_mode(people, tmp_path):
+    """Every candidate once (composed; DP-SGD trainings and Gaussian holdout counts, each of L2
+    sensitivity 1 per record) has a group rule: charged per person. Random stopping (repeat and
+    select) has none: refused in one line naming the event, before anything is reserved."""
+    from privacy.accountant import spend
+    from privacy.group import group_event
+    from tasks.config import parse_config
+    from tasks.data import ReleasedSizes
+    from tasks.errors import ConfigError
+    from tasks.lifecycle import planned_epsilon, sized_plan
+
+    cfg = _cfg(people, tmp_path / "state")
+    cfg["data"].update({"person_field": "author", "max_records_per_unit": K})
+    cfg["selection"] = {"enabled": True, "candidates": [{"lr": 0.05}]}
+    sizes = ReleasedSizes(n_train=400, n_holdout=80, n_test=40, sigma=5.0)
+    parsed = parse_config(cfg)
+    plan, _ = sized_plan(parsed, "prompt_dpsgd", sizes, 1e-4)
+    assert plan.event == group_event(plan.record_event, K)
+    assert planned_epsilon(parsed, "prompt_dpsgd", plan, 1e-4) <= 4.0 * (1 + 1e-6) < spend(plan.event, 1e-4).epsilon
+    cfg["selection"]["mode"] = "random_stopping"
+    with pytest.raises(ConfigError) as err:
+        sized_plan(parse_config(cfg), "prompt_dpsgd", sizes, 1e-4)
+    assert "prompt_dpsgd:" in str(err.value) and "RepeatAndSelectEvent" in str(err.value) and "\n" not in str(err.value)
