@@ -16,8 +16,8 @@ from tasks.planning import format_plan, plan_runs
 from tasks.prefect_tasks import dask_task_runner
 from tasks.state import config_state_paths
 
-COLUMNS = ("privacy.epsilon", "privacy.epsilon_per_record", "test.accuracy", "mia.loss.auc", "mia.lira.auc", "mia.lira.tpr_at_1pct_fpr",
-           "audit.epsilon_lower_bound")
+COLUMNS = ("privacy.epsilon", "privacy.epsilon_per_record", "test.accuracy", "mia.loss.auc", "mia.lira.auc",
+           "mia.lira.tpr_at_1pct_fpr", "audit.epsilon_lower_bound")
 
 
 def _baseline_accuracy(key: str) -> bool:

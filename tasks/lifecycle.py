@@ -103,9 +103,10 @@ def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, 
     the dataset's is refused (its cap and charges are stated per that unit: ``Ledger.require_unit``;
     a plain record-level run on a dataset of people is refused; one that bounds each person's
     records — ``data.person_field`` with ``data.max_records_per_unit`` — comes here with the person's
-    field as its ``unit`` and is charged the group-privacy bound: :func:`charged_event`); a δ other than the dataset's is refused (its ε would compose at another δ); a cap above
-    the stored one is refused (raising a budget is a deliberate act). Returns the stored row (None:
-    not registered yet)."""
+    field as its ``unit`` and is charged the group-privacy bound: :func:`charged_event`); a δ other
+    than the dataset's is refused (its ε would compose at another δ); a cap above the stored one is
+    refused (raising a budget is a deliberate act). Returns the stored row (None: not registered
+    yet)."""
     from privacy.ledger import UnknownDatasetError
 
     if ledger is None:
@@ -230,7 +231,10 @@ def charged_event(cfg, name: str, event):
     event itself, or — for a record-level run on a dataset of people (``data.person_field`` with
     ``data.max_records_per_unit`` = k: whole people split, at most k records of each kept) — its
     group-privacy event for k records (:func:`privacy.group.group_event`), so that the ledger,
-    whose dataset is stated per person, never under-counts a person. An event without a proven
+    whose dataset is stated per person, never under-counts a person. The sizes release is covered
+    by the same rule: its record counts are moved by at most k by one person (whole people per
+    split, at most k records each, canaries are no one's), so its Gaussian(σ) becomes σ/k. An
+    event without a proven
     group rule (argmax / limited-domain votes, private selection) is a :class:`ConfigError` naming
     the method, raised before anything is reserved or read."""
     k = cfg.data.group_size
