@@ -183,7 +183,9 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
         acfg = acfg.model_copy(update={"shadows": shadows})
         AuditConfig.model_validate(acfg.model_dump())
     target = AuditTarget(config=cfg.model_dump(mode="json"), partition=partition, prompt_path=str(found),
-                         method=method, epsilon=metrics.get("privacy.epsilon"), delta=metrics.get("privacy.delta"),
+                         method=method, delta=metrics.get("privacy.delta"),
+                         # single-record canaries: a record-level run charged per person is audited per record
+                         epsilon=metrics.get("privacy.epsilon_per_record", metrics.get("privacy.epsilon")),
                          run_id=run_id, flow_run_id=tags.get("prefect.flow_run_id", ""), state_dir=str(paths.root),
                          prepared=prepared)
     check_audit(target, acfg)

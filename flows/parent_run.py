@@ -77,10 +77,15 @@ def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
         # privacy.unit: every ε of this run is for adding or removing one such unit of the source:
         # `record`, or the field whose value identifies a person (data.privacy_unit); the field's
         # name only, never a value
+        # A record-level run on a dataset of people (data.person_field) states its ε per person too
+        # (privacy.unit = the field; charged by group privacy for data.max_records_per_unit records),
+        # and says that its mechanism is per record (privacy.mechanism_unit)
         unit = {"data.max_records_per_unit": cfg.data.max_records_per_unit} \
             if cfg.data.max_records_per_unit is not None else {}
+        if cfg.data.group_size:
+            unit.update({"data.person_field": cfg.data.person_field, "privacy.mechanism_unit": "record"})
         parent.log_params({"privacy.target_epsilon": cfg.privacy.target_epsilon,
-                           "privacy.unit": cfg.data.privacy_unit, **unit, "seed": cfg.seed, **(params or {})})
+                           "privacy.unit": cfg.data.charge_unit, **unit, "seed": cfg.seed, **(params or {})})
         parent.log_text(config_to_yaml(cfg), "config.yaml")
         yield run
     except BaseException:

@@ -16,8 +16,8 @@ from tasks.planning import format_plan, plan_runs
 from tasks.prefect_tasks import dask_task_runner
 from tasks.state import config_state_paths
 
-COLUMNS = ("privacy.epsilon", "test.accuracy", "mia.loss.auc", "mia.lira.auc", "mia.lira.tpr_at_1pct_fpr",
-           "audit.epsilon_lower_bound")
+COLUMNS = ("privacy.epsilon", "privacy.epsilon_per_record", "test.accuracy", "mia.loss.auc", "mia.lira.auc",
+           "mia.lira.tpr_at_1pct_fpr", "audit.epsilon_lower_bound")
 
 
 def _baseline_accuracy(key: str) -> bool:
@@ -42,7 +42,7 @@ def columns_of(rows: list[dict]) -> list[str]:
 def short_name(column: str) -> str:
     if _baseline_accuracy(column):
         return ("audit:" + column.removeprefix("audit.baseline.").removesuffix(".test.accuracy"))[:14]
-    return {"test.accuracy": "accuracy", "privacy.epsilon": "epsilon"}.get(
+    return {"test.accuracy": "accuracy", "privacy.epsilon": "epsilon", "privacy.epsilon_per_record": "eps/record"}.get(
         column, column.removeprefix("test.accuracy.").removeprefix("mia.").removeprefix("audit."))[:14]
 
 

@@ -192,7 +192,10 @@ def unit_mismatch_message(name: str, fingerprint: str, registered: str, unit: st
     if registered != "record" and unit == "record":
         return (f"{where} is registered with privacy unit {registered!r}: its cap and every ε charged to it are per "
                 f"person, and a record-level run's ε is per record — a person with k records could lose up to k·ε "
-                f"(group privacy), which the ledger would under-count; refused: set data.privacy_unit: {registered}")
+                f"(group privacy), which the ledger would under-count; without a bound on each person's records it "
+                f"cannot be charged; refused: set data.privacy_unit: {registered} (user-level DP), or keep the run "
+                f"record-level and have it charged the group-privacy bound per person by setting data.person_field: "
+                f"{registered} and data.max_records_per_unit: K (at most K records of each person are kept)")
     if registered == "record":
         return (f"{where} is registered with privacy unit 'record': its cap and charges are per record, and a run "
                 f"with data.privacy_unit: {unit} states its ε per person — the two do not compose into one budget; "
@@ -948,7 +951,9 @@ class Ledger:
         """Raise :class:`UnitMismatchError` when ``unit`` is not the dataset's privacy unit: its cap
         and every ε charged to it are stated for that unit. A record-level run on a dataset of a
         user unit is refused, not charged with a group-privacy bound: the number of records of the
-        largest unit is a private statistic, and without a bound the group-privacy ε is unbounded;
+        largest unit is a private statistic, and without a bound the group-privacy ε is unbounded (a
+        run that bounds it — ``data.person_field`` with ``data.max_records_per_unit`` — comes here with
+        the person's field as its unit and its group-privacy event: ``privacy.group``);
         so the ledger never under-counts a person."""
         row = self.dataset(fingerprint)
         if row["unit"] != unit:

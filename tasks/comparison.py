@@ -33,7 +33,12 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
             selected = run.data.params.get("selection.enabled") == "True"
             label = (tags.get("method.label") or tags["method"]) + (" + selection" if selected else "")
             unit = run.data.params.get("privacy.unit", "record")
-            if unit != "record":  # ε per person: never pooled with the record-level runs of the method
+            if unit != "record" and run.data.params.get("privacy.mechanism_unit") == "record":
+                # a record-level run on a dataset of people: its ε (privacy.epsilon) is the per-person charge by
+                # group privacy for at most k records; apart from the method's user-level runs and its plain ones
+                label = (f"{label} [record-level, charged per {unit}, "
+                         f"k={run.data.params.get('data.max_records_per_unit', '?')}]")
+            elif unit != "record":  # ε per person: never pooled with the record-level runs of the method
                 label = f"{label} [unit: {unit}]"
             rows.append({"run_id": run.info.run_id, "method": label, "unit": unit,
                          "dataset": tags.get("dataset", ""),
@@ -41,6 +46,7 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          "guarantee": tags.get("privacy.guarantee", "none"),
                          "variant": tags.get("sweep.variant", ""), "seed": run.data.params.get("seed"),
                          "epsilon": run.data.metrics.get("privacy.epsilon"), "eta": eta,
+                         "epsilon_per_record": run.data.metrics.get("privacy.epsilon_per_record"),
                          "accuracy": run.data.metrics.get("test.accuracy"),
                          "mia_auc": run.data.metrics.get("mia.loss.auc"),
                          "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),

@@ -143,6 +143,11 @@ class PrivPromptConfig(Block):
                 raise ValueError(f"data.privacy_unit: {self.data.privacy_unit!r} makes a person the privacy unit, and "
                                  f"methods.{name} bounds only one record's contribution (no per-unit mechanism): use "
                                  "data.privacy_unit: record, or another method")
+            if self.data.group_size and method.guarantee(self) == "ldp":
+                raise ValueError(f"methods.{name} is local DP (ldp, no (ε, δ) event): a record-level run on a dataset of "
+                                 f"people (data.person_field: {self.data.person_field}) is charged a group-privacy bound per "
+                                 "person, which an ldp run has none of; refused: use data.privacy_unit: "
+                                 f"{self.data.person_field} (its per-unit bound) or another method")
             method.validate(self, published=name == self.method)
             if method.uses_public_data(self) and self.public is None:
                 raise ValueError(f"public: method {name} needs a public dataset (the `public:` block)")

@@ -53,12 +53,24 @@ class Partition:
     released: dict = field(default_factory=dict)
     # the privacy unit (``data.privacy_unit``): `record`, or the field naming a person; with a user
     # unit the train / holdout files carry each row's keyed unit digest (column ``unit``), the exact
-    # unit counts below stay local and the released sizes count units
+    # unit counts below stay local and the released sizes count units. A record-level run on a
+    # dataset of people (``data.person_field``; ``unit`` stays `record`): the field, by which whole
+    # people were split and capped, and ``group_size`` = k > 0: its rows carry no units (the
+    # mechanism is per record), its sizes count records, and its events are charged for k records
+    # of a person (:attr:`ledger_unit`)
     unit: str = "record"
+    person_field: str = ""
+    group_size: int = 0
     n_train_units: int = 0
     n_holdout_units: int = 0
     n_test_units: int = 0
     n_canary_units_planted: int = 0  # with a user unit: planted canary units (n_canaries_planted counts records)
+
+    @property
+    def ledger_unit(self) -> str:
+        """The unit its ledger dataset and every charge are stated for: ``unit``, or the person's
+        field of a record-level run on a dataset of people."""
+        return self.unit if self.unit != "record" else (self.person_field or "record")
 
     @property
     def train_path(self) -> str:
@@ -231,25 +243,28 @@ def _read_hub(cfg: DataConfig, split: str) -> list[dict]:
         if names is not None and isinstance(label, int):
             label = names[label]
         item = {cfg.text_field: row.get(cfg.text_field), cfg.label_field: label}
-        if cfg.user_unit and cfg.privacy_unit in row:
-            item[cfg.privacy_unit] = row[cfg.privacy_unit]
+        if cfg.unit_field is not None and cfg.unit_field in row:
+            item[cfg.unit_field] = row[cfg.unit_field]
         rows.append(item)
     return rows
 
 
 def _unit_id(row: dict, cfg: DataConfig, source: str, i: int) -> str:
-    """The unit id of a record (``data.privacy_unit``'s value) as text; a missing or empty one is a
-    one-line error naming the field, never a value."""
-    value = row.get(cfg.privacy_unit)
+    """The unit id of a record (the value of ``data.privacy_unit``'s field, or of ``data.person_field``
+    for a record-level run on a dataset of people) as text; a missing or empty one is a one-line
+    error naming the field, never a value."""
+    field = cfg.unit_field
+    value = row.get(field)
     if isinstance(value, bool) or not isinstance(value, (str, int, np.integer)) or not str(value).strip():
-        raise DataError(f"{source} record {i}: the privacy unit field '{cfg.privacy_unit}' (data.privacy_unit) is "
+        key = "data.privacy_unit" if cfg.user_unit else "data.person_field"
+        raise DataError(f"{source} record {i}: the privacy unit field '{field}' ({key}) is "
                         "missing or empty: every record needs the id of the person it belongs to (or set "
-                        "data.privacy_unit: record)")
+                        f"data.privacy_unit: record{'' if cfg.user_unit else ' without data.person_field'})")
     return str(value).strip()
 
 
 def _normalise(rows: list[dict], cfg: DataConfig, source: str) -> tuple[list[str], list[str], list[str] | None]:
-    texts, labels, units = [], [], ([] if cfg.user_unit else None)
+    texts, labels, units = [], [], ([] if cfg.unit_field is not None else None)
     known = set(cfg.labels)
     for i, row in enumerate(rows, 1):
         if cfg.text_field not in row or cfg.label_field not in row:
@@ -292,7 +307,8 @@ def read_split(cfg: DataConfig, data_root: str | None, split: str) -> tuple[list
 
 def read_split_units(cfg: DataConfig, data_root: str | None, split: str
                      ) -> tuple[list[str], list[str], list[str] | None]:
-    """(texts, labels, unit ids) of one split; unit ids None with ``data.privacy_unit: record``.
+    """(texts, labels, unit ids) of one split; unit ids None without a field naming a person
+    (``data.privacy_unit: record`` and no ``data.person_field``).
     The unit ids are private (they identify people): they never leave this module but as keyed
     digests (:func:`unit_digests`)."""
     if cfg.hub:
@@ -589,10 +605,12 @@ def split_source(cfg: DataConfig, key: bytes, train: tuple, test: tuple) -> Sour
     test hash < test_fraction and the unit has no record on the training side (train or holdout) —
     so a person is never in both; ``data.max_records_per_unit`` then keeps at most that many of each
     unit's records (:func:`cap_per_unit`) in every split, the test split included (RAPT privatizes
-    and releases it, and states η·T·k per unit). Every decision depends on one unit's records alone."""
+    and releases it, and states η·T·k per unit). Every decision depends on one unit's records alone.
+    A record-level run on a dataset of people (``data.person_field``) is split and capped the same
+    way, by that field: its charge per person is for at most k records."""
     texts, labels, units = train
     test_texts, test_labels, test_units = test
-    if not cfg.user_unit:
+    if cfg.unit_field is None:
         tr, ho = assign_splits(cfg, key, texts, labels)
         return SourceSplit(tr, ho, assign_test(cfg, key, test_texts, test_labels))
     ud, tud = unit_digests(key, units), unit_digests(key, test_units)
@@ -641,7 +659,7 @@ def release_inputs(cfg: DataConfig, key: bytes, split: "SourceSplit", train: tup
     test_texts, test_labels, _ = test
 
     def rows(mask, xs, ys, uds):
-        if uds is not None:  # the split's units, each once
+        if uds is not None and cfg.user_unit:  # the split's units, each once (a record-level run counts records)
             kept = sorted({d for d, m in zip(uds, mask) if m})
             return kept, [""] * len(kept)
         return [x for x, m in zip(xs, mask) if m], [y for y, m in zip(ys, mask) if m]
@@ -680,7 +698,8 @@ def split_sizes(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: 
     return {**exact, "n_train": exact["n_train"] + planted}
 
 
-UNIT_DEFAULTS = {"privacy_unit": "record", "max_records_per_unit": None, "canary_records_per_unit": 1}
+UNIT_DEFAULTS = {"privacy_unit": "record", "max_records_per_unit": None, "canary_records_per_unit": 1,
+                 "person_field": None}
 
 
 def data_dump(cfg: DataConfig) -> dict:
@@ -702,7 +721,8 @@ def partition_key(cfg: DataConfig, seed: int, data_root: str | None, private_dir
     from .state import key_id
 
     # a user unit's cap applies to the test split too (review2): such partitions made before are not reused
-    split = "keyed-hash-v1" + ("+test-cap" if cfg.user_unit and cfg.max_records_per_unit is not None else "")
+    split = "keyed-hash-v1" + ("+test-cap" if cfg.unit_field is not None and cfg.max_records_per_unit is not None
+                               else "")
     return digest_key({"data": data_dump(cfg), "split": split,
                        "seed": seed if cfg.canaries else None, "source": source_signature(cfg, data_root),
                        "key": key_id(private_dir)})
@@ -771,12 +791,13 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
                          labels=list(cfg.labels), n_train=len(tr_texts), n_holdout=len(ho_texts),
                          n_test=len(te_texts), n_canaries_planted=int(planted.sum()),
                          dataset_key=source_key, source_key=source_key,
-                         legacy_key=legacy_dataset_key(cfg, data_root, private_dir), unit=cfg.privacy_unit)
+                         legacy_key=legacy_dataset_key(cfg, data_root, private_dir), unit=cfg.privacy_unit,
+                         person_field=cfg.person_field or "", group_size=cfg.group_size or 0)
         if part.n_test == 0:
             raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
                             ("; raise data.test_fraction" if cfg.test_fraction < 1 else "") +
-                            (f" (with data.privacy_unit: {cfg.privacy_unit}, a test record is kept only when its "
-                             "person has no record in training or holdout)" if cfg.user_unit else ""))
+                            (f" (with the privacy unit field {cfg.unit_field}, a test record is kept only when its "
+                             "person has no record in training or holdout)" if cfg.unit_field is not None else ""))
         membership, exact, planted_units = release_inputs(cfg, secret, split, (texts, labels, units),
                                                           (test_texts, test_labels, test_units),
                                                           int(planted.sum()) // size)

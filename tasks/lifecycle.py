@@ -101,10 +101,12 @@ def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, 
     """The rules a run's config must meet against the ledger's record of its dataset, checked
     without writing (``privprompt plan`` and a run apply the same ones): a privacy unit other than
     the dataset's is refused (its cap and charges are stated per that unit: ``Ledger.require_unit``;
-    a record-level run on a dataset of people is refused rather than charged a group-privacy
-    bound); a δ other than the dataset's is refused (its ε would compose at another δ); a cap above
-    the stored one is refused (raising a budget is a deliberate act). Returns the stored row (None:
-    not registered yet)."""
+    a plain record-level run on a dataset of people is refused; one that bounds each person's
+    records — ``data.person_field`` with ``data.max_records_per_unit`` — comes here with the person's
+    field as its ``unit`` and is charged the group-privacy bound: :func:`charged_event`); a δ other
+    than the dataset's is refused (its ε would compose at another δ); a cap above the stored one is
+    refused (raising a budget is a deliberate act). Returns the stored row (None: not registered
+    yet)."""
     from privacy.ledger import UnknownDatasetError
 
     if ledger is None:
@@ -180,7 +182,7 @@ def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) ->
     the config lowers the stored one (recorded). Returns the dataset's row (``how``: how the
     source was matched)."""
     records = _records_of(part)
-    unit = getattr(part, "unit", "record")
+    unit = getattr(part, "ledger_unit", "record")  # a record-level run on a dataset of people: the person's field
     if records is None:  # a partition without record digests: known by its key alone
         key = part.dataset_key
         row = check_dataset_terms(ledger, key, part.dataset, cap, delta, unit)
@@ -224,6 +226,29 @@ def _with_target(cfg, target_epsilon: float):
 SIZES_DELTA_SHARE = 0.1  # of a dp run's δ, for the release of its partition's sizes
 
 
+def charged_event(cfg, name: str, event):
+    """The event the ledger charges for a dp run's ``event`` (the sizes release included): the
+    event itself, or — for a record-level run on a dataset of people (``data.person_field`` with
+    ``data.max_records_per_unit`` = k: whole people split, at most k records of each kept) — its
+    group-privacy event for k records (:func:`privacy.group.group_event`), so that the ledger,
+    whose dataset is stated per person, never under-counts a person. The sizes release is covered
+    by the same rule: its record counts are moved by at most k by one person (whole people per
+    split, at most k records each, canaries are no one's), so its Gaussian(σ) becomes σ/k. An
+    event without a proven
+    group rule (argmax / limited-domain votes, private selection) is a :class:`ConfigError` naming
+    the method, raised before anything is reserved or read."""
+    k = cfg.data.group_size
+    if not k or event is None:
+        return event
+    from privacy.group import GroupPrivacyError, group_event
+
+    try:
+        return group_event(event, k)
+    except GroupPrivacyError as exc:
+        raise ConfigError(f"{name}: {exc}; refused for this record-level run on a dataset of people "
+                          f"(data.person_field: {cfg.data.person_field})") from None
+
+
 def sized_plan(cfg, name: str, sizes, delta: float):
     """Method ``name``'s plan on the released sizes, and the config the method runs with.
 
@@ -237,7 +262,11 @@ def sized_plan(cfg, name: str, sizes, delta: float):
     run is (target, δ)-DP. The returned plan's event is S composed with the method's realised
     event (:func:`with_size_release`): what the ledger composes, and the run's ``privacy.epsilon``
     (the accountant's composition of the two realised events, at most the basic bound). The
-    returned config carries ε' (what the method's ``train`` sees)."""
+    returned config carries ε' (what the method's ``train`` sees).
+
+    For a record-level run on a dataset of people (``data.group_size`` = k), the plan's ``event``
+    is the per-person charge (:func:`charged_event`) and ``record_event`` the per-record event
+    above, which the target calibrates (:func:`planned_epsilon` checks it)."""
     from dataclasses import replace
 
     method = get_method(name)
@@ -267,7 +296,12 @@ def sized_plan(cfg, name: str, sizes, delta: float):
                           f"share {share:.4f} of privacy.target_epsilon = {target:g} (a calibration that misses its "
                           "target); nothing reserved")
     params = {**plan.params, "privacy.size_epsilon": eps_sizes, "privacy.method_epsilon": share}
-    return replace(plan, event=with_size_release(plan.event, sizes), delta=delta, params=params), run_cfg
+    event = with_size_release(plan.event, sizes)
+    if cfg.data.group_size:  # charged per person: the group event; the per-record one is what the target calibrates
+        params["privacy.group_size"] = cfg.data.group_size
+        return replace(plan, event=charged_event(cfg, name, event), record_event=event, delta=delta,
+                       params=params), run_cfg
+    return replace(plan, event=event, delta=delta, params=params), run_cfg
 
 
 # ---- what fits -------------------------------------------------------------------------------
@@ -277,8 +311,9 @@ def planned_epsilon(cfg, name: str, plan, delta: float) -> float:
     :class:`ConfigError` when above ``privacy.target_epsilon``: a method's calibration (σ, number of
     queries) must meet the target, and one that does not — a bug, or a stale or tampered accounting
     cache (privacy/calibration_cache.py) — is stopped before anything is reserved. ``plan`` and a
-    run check it alike."""
-    epsilon = acct.spend(plan.event, delta).epsilon
+    run check it alike. For a record-level run charged per person it checks the per-record event
+    (``plan.record_event``: what the target is for); the ledger charges ``plan.event``."""
+    epsilon = acct.spend(plan.record_event if plan.record_event is not None else plan.event, delta).epsilon
     target = float(cfg.privacy.target_epsilon)
     if not epsilon <= target * (1 + 1e-6):
         raise ConfigError(f"{name}: its plan would spend ε = {epsilon:.4f} at δ = {delta:g}, above "
@@ -323,9 +358,10 @@ def largest_fitting_target_epsilon(cfg, sizes, delta: float, existing: list, cap
     planned = planned_events(cfg, sizes, delta)
     if not planned:
         return None
-    if not existing and len(planned) == 1:
+    if not existing and len(planned) == 1 and not cfg.data.group_size:
         # nothing spent and one dp run: every method calibrates its worst case to ε ≤ its target,
-        # so a run at target = cap fits, and no larger target is meaningful (exact, no search)
+        # so a run at target = cap fits, and no larger target is meaningful (exact, no search); not
+        # so for a record-level run charged per person (its charge is above its per-record target)
         return float(cap)
 
     def fits(x: float) -> bool:
@@ -481,6 +517,8 @@ def store_release(private_run_dir: Path, name: str, run_key: str, trained: Train
                 "prompt_file": prompt_file, "sha256": digest, "steps": int(trained.steps),
                 "metrics": {k: float(v) for k, v in trained.metrics.items()},
                 "audit_metrics": {k: float(v) for k, v in trained.audit_metrics.items()}}
+    if trained.record_event is not None:  # a record-level run charged per person: its per-record event
+        manifest["record_event"] = ev.event_to_json(trained.record_event)
     target = directory / f"{name}.json"
     tmp = directory / f"{name}.json.{attempt}.tmp"
     with open(tmp, "w") as handle:
@@ -541,8 +579,9 @@ def stored_release(ledger: Ledger, run_key: str, private_run_dir: Path, name: st
         raise ReleaseError(f"run {run_key!r} stored a DP output ({manifest_path}) that cannot be republished: "
                            f"{problem}; refusing to make a second DP output under the same charge: {fresh_run}")
     prompt = load_prompt_file(str(directory / manifest["prompt_file"])) if manifest.get("prompt_file") else None
+    record_event = ev.event_from_json(manifest["record_event"]) if manifest.get("record_event") else None
     return Trained(prompt, event, int(manifest.get("steps", 0)), dict(manifest.get("metrics", {})),
-                   [], dict(manifest.get("audit_metrics", {})))
+                   [], dict(manifest.get("audit_metrics", {})), record_event=record_event)
 
 
 # TEST-ONLY (tests/test_crash_stages.py kills a run with SIGKILL at each stage of the lifecycle):
@@ -652,6 +691,9 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
                 planned_epsilon(cfg, name, plan, delta)
                 stored = stored_release(ledger, run_key, ctx.private_run_dir, name)
                 note = f" (δ={delta:g} ≥ 1/n by privacy.allow_delta_at_least_one_over_n)" if opt_in else ""
+                if cfg.data.group_size:
+                    note += (f" (record-level, charged per {cfg.data.person_field} by group privacy for "
+                             f"≤ {cfg.data.group_size} records)")
                 try:
                     reservation = ledger.reserve(part.dataset_key, run_key, plan.event,
                                                  description=f"{name} flow run {ctx.flow_run_id}{note}")
@@ -698,6 +740,8 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
                 if trained.event is None:
                     raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
                 trained.event = with_size_release(trained.event, sizes)  # the run's mechanism: sizes + method
+                if cfg.data.group_size:  # charged per person (group privacy); the per-record event kept beside it
+                    trained.record_event, trained.event = trained.event, charged_event(cfg, name, trained.event)
                 if not store_release(ctx.private_run_dir, name, run_key, trained):  # a retry republishes it
                     # another attempt of this run, alive at the same time, stored its DP output first:
                     # that one is the run's output; this attempt's is dropped, never published
@@ -717,6 +761,10 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
                          "reserved_new": reservation.new if reservation is not None else None})
             metrics.update({"privacy.epsilon": spend.epsilon, "privacy.delta": delta,
                             "privacy.epsilon_rdp": spend.epsilon_rdp})
+            if trained.record_event is not None:  # privacy.epsilon is per person; the mechanism's per-record ε beside it
+                per_record = acct.spend(trained.record_event, delta).epsilon
+                info["spend"]["epsilon_per_record"] = per_record
+                metrics["privacy.epsilon_per_record"] = per_record
         _write_private_history(ctx.private_run_dir, name, trained.history)
         if trained.audit_metrics:
             ledger.record_nonprivate(part.dataset_key, f"{run_key}:audit-statistics",

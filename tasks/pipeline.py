@@ -115,8 +115,11 @@ def audit_target(ctx: StageContext, published: RunOutcome, prepared: dict):
     from .audit import AuditTarget
 
     spend = published.spend or {}
+    # the canaries are single records: a record-level run charged per person is audited against its
+    # per-record ε (the tighter claim; its per-person charge is larger)
+    claimed = spend.get("epsilon_per_record", spend.get("epsilon"))
     return AuditTarget(config=ctx.config, partition=ctx.partition, prompt_path=published.prompt_path,
-                       method=ctx.cfg.method, epsilon=spend.get("epsilon"), delta=spend.get("delta"),
+                       method=ctx.cfg.method, epsilon=claimed, delta=spend.get("delta"),
                        run_id=ctx.parent_run_id, flow_run_id=ctx.flow_run_id, state_dir=ctx.state_dir,
                        prepared={k: v for k, v in prepared.items() if k != "tags"})
 
@@ -227,6 +230,8 @@ class RunReport:
             spend = published.spend
             self.metrics.update({"privacy.epsilon": spend["epsilon"], "privacy.delta": spend["delta"],
                                  "privacy.epsilon_rdp": spend["epsilon_rdp"]})
+            if spend.get("epsilon_per_record") is not None:  # charged per person (group privacy): the per-record ε
+                self.metrics["privacy.epsilon_per_record"] = spend["epsilon_per_record"]
         if published.published:
             self.parent.log_file(published.prompt_path, "prompt")  # the DP output: published
             if published.source_prompt_path != published.prompt_path:

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+from privacy import accountant as acct
 from privacy.ledger import Ledger
 
 from .data import partition_key
@@ -85,18 +86,20 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
                         f"{key[:12]}) that an earlier run of this plan registers: charged against its budget")
         pending.setdefault(key, set()).update(mine)  # what the dataset holds once this variant ran
         delta = resolve_delta(cfg, sizes.n_for_delta)
-        check_dataset_terms(ledger, key, dname, cfg.privacy.dataset_epsilon_cap, delta, cfg.data.privacy_unit)
+        # the unit its dataset is stated for: data.privacy_unit, or data.person_field of a record-level run charged per person
+        unit = cfg.data.charge_unit
+        check_dataset_terms(ledger, key, dname, cfg.privacy.dataset_epsilon_cap, delta, unit)
         signature = cfg.model_dump_json(include={"models", "data", "method", "methods", "seed"})
         if signature not in checked:  # the variants of a sweep mostly share their models
             preflight(cfg, None)
             checked.add(signature)
         meta.setdefault(key, {"name": dname, "delta": delta, "cap": cfg.privacy.dataset_epsilon_cap,
-                              "unit": cfg.data.privacy_unit, "configs": [], "notes": []})
-        if meta[key]["unit"] != cfg.data.privacy_unit:  # as a run would be, once an earlier one registered it
+                              "unit": unit, "configs": [], "notes": []})
+        if meta[key]["unit"] != unit:  # as a run would be, once an earlier one registered it
             from privacy.ledger import UnitMismatchError, unit_mismatch_message
 
             raise UnitMismatchError(f"{label or cfg.method}: " + unit_mismatch_message(
-                dname, key, meta[key]["unit"], cfg.data.privacy_unit) + " (another run of this plan registers it)")
+                dname, key, meta[key]["unit"], unit) + " (another run of this plan registers it)")
         if note and note not in meta[key]["notes"]:
             meta[key]["notes"].append(note)
         meta[key]["configs"].append((cfg, sizes))
@@ -110,6 +113,9 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
                    "guarantee": plan.guarantee, "delta": delta, "epsilon": None}
             if plan.event is not None:
                 row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
+                if plan.record_event is not None:  # charged per person: the ledger composes the group event
+                    row["epsilon_per_record"], row["epsilon"] = row["epsilon"], acct.spend(plan.event, delta).epsilon
+                    row["group"] = f"{cfg.data.group_size} {unit}"
                 events.setdefault(key, []).append(plan.event)
             if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
                 from .selection import describe_plan
@@ -165,6 +171,9 @@ def format_plan(plan: dict) -> str:
     for r, label in zip(plan["runs"], labels):
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.4f}"
         lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}")
+        if r.get("group"):
+            lines.append(f"  record-level: ε = {r['epsilon_per_record']:.4f} per record; charged per person (≤ "
+                         f"{r['group']} records, group privacy): ε = {r['epsilon']:.4f}")
         if r.get("selection"):
             s = r["selection"]
             others = (f"the same trials by random stopping (E[K] = {s['expected_trials']:g}) ε = "

@@ -67,7 +67,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
     version = register_output(ctx.parent.mlflow, ctx.parent.run_id,
                               registered_model_name(cfg.data.name, name),
                               predictor_spec(cfg, name, model_name, ref), prompt_path, guarantee, spend,
-                              ctx.part.published_key, paths.private, cfg.data.privacy_unit)
+                              ctx.part.published_key, paths.private, cfg.data.charge_unit)
     tags["registry.model"] = f"models:/{version.name}/{version.version}"
     child.set_tags(tags)
     return tags

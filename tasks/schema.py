@@ -61,7 +61,21 @@ class DataConfig(Block):
     max_records_per_unit: int | None = Field(None, ge=1, description="contribution bound with a user unit: at "
                                              "most this many of a unit's records are kept in each split (train / "
                                              "holdout and test), chosen by a keyed hash of each record (never the "
-                                             "seed); default: all of them")
+                                             "seed); default: all of them (required with data.person_field and "
+                                             "data.privacy_unit: record)")
+    person_field: str | None = Field(None, min_length=1, description="the field whose value identifies a person, for a "
+                                   "RECORD-level run on a dataset of people (data.privacy_unit: record): the run's "
+                                   "mechanism stays per record, but its data are split as whole people (keyed hash of "
+                                   "this field), at most data.max_records_per_unit = k records of each person are kept "
+                                   "(required), and the ledger's dataset is stated per person: the run is charged the "
+                                   "group-privacy bound for k records (privacy.unit is the field, privacy.epsilon the "
+                                   "per-person ε charged, privacy.epsilon_per_record the mechanism's ε for one training "
+                                   "record added or removed; at the source, a record added to a person who already has k "
+                                   "may displace one of theirs under the cap: a replacement). So "
+                                   "one ledger can hold runs of data.privacy_unit: record and data.privacy_unit: <field> "
+                                   "(a sweep over the unit). With data.privacy_unit naming a field it may only repeat "
+                                   "that field. Methods whose events have no group-privacy rule (argmax / limited-domain "
+                                   "votes, private selection) and local-DP methods are refused")
 
     @model_validator(mode="before")
     @classmethod
@@ -94,15 +108,45 @@ class DataConfig(Block):
         if self.privacy_unit == "record" and self.canary_records_per_unit != 1:
             raise ValueError("data.canary_records_per_unit makes canary units of several records: it needs a user "
                              "unit (data.privacy_unit naming a field)")
-        if self.privacy_unit == "record" and self.max_records_per_unit is not None:
+        if self.person_field is not None and self.person_field in (self.text_field, self.label_field):
+            which = "data.text_field" if self.person_field == self.text_field else "data.label_field"
+            raise ValueError(f"data.person_field names the field {self.person_field!r}, which is {which}: name the field "
+                             "whose value identifies a person")
+        if self.user_unit and self.person_field is not None and self.person_field != self.privacy_unit:
+            raise ValueError(f"data.person_field ({self.person_field!r}) differs from data.privacy_unit "
+                             f"({self.privacy_unit!r}): one field identifies a person; set them alike or remove "
+                             "data.person_field")
+        if self.privacy_unit == "record" and self.max_records_per_unit is not None and self.person_field is None:
             raise ValueError("data.max_records_per_unit bounds the records of a user unit: set data.privacy_unit to "
-                             "the field that identifies a person, or remove it (with `record` each unit is one record)")
+                             "the field that identifies a person (or, for a record-level run charged per person, "
+                             "data.person_field), or remove it (with `record` each unit is one record)")
+        if self.privacy_unit == "record" and self.person_field is not None and self.max_records_per_unit is None:
+            raise ValueError(f"data.person_field: {self.person_field} with data.privacy_unit: record charges this record-level "
+                             "run per person by group privacy, which is unbounded for a person with unboundedly many "
+                             "records: set data.max_records_per_unit (k records kept per person; the charge is for k)")
         return self
 
     @property
     def user_unit(self) -> bool:
         """True when the privacy unit is a person (a field), not a record."""
         return self.privacy_unit != "record"
+
+    @property
+    def unit_field(self) -> str | None:
+        """The field naming a person, by which the data are split into whole people and capped:
+        ``privacy_unit`` when it names one, else ``person_field`` (None: every record its own unit)."""
+        return self.privacy_unit if self.user_unit else self.person_field
+
+    @property
+    def group_size(self) -> int | None:
+        """k of a record-level run on a dataset of people (``person_field`` with ``privacy_unit:
+        record``): its record-level events are charged for a group of k records (None otherwise)."""
+        return self.max_records_per_unit if not self.user_unit and self.person_field is not None else None
+
+    @property
+    def charge_unit(self) -> str:
+        """The unit the ledger's dataset, the charge and ``privacy.unit`` are stated for."""
+        return self.unit_field or "record"
 
     @property
     def train_rate(self) -> float:

@@ -291,7 +291,7 @@ def test_old_configs_with_the_flow_key_still_validate_and_hash_the_same():
     before = {"flow": "prompt_tuning", **new.model_dump(mode="json")}
     for key in ("state_dir", "ledger", "sweep", "grid", "seeds", "sweep_dask"):
         before.pop(key, None)
-    for key in ("privacy_unit", "max_records_per_unit", "canary_records_per_unit"):  # issue 28: absent at defaults
+    for key in ("privacy_unit", "max_records_per_unit", "canary_records_per_unit", "person_field"):  # issue 28: absent at defaults
         before["data"].pop(key)
     before.pop("selection")  # nor did it carry the selection block, added later (its defaults hash as before)
     assert config_hash(new) == config_hash(old) == digest_key(before, length=20)

@@ -51,6 +51,9 @@ class MethodPlan:
     settings: dict[str, Any] = field(default_factory=dict)    # the method's own (JSON-able)
     reads_private: bool = True       # False: the method never reads private training rows
     note: str = ""                   # said in budget.json (why no guarantee, what is post-processing)
+    # a record-level run charged per person (data.person_field): the per-record event the target
+    # calibrates; ``event`` is then its group-privacy charge (tasks.lifecycle.sized_plan)
+    record_event: "DpEvent | None" = None
 
     def __post_init__(self):
         if self.guarantee not in ("dp", "ldp", "none"):
@@ -115,6 +118,9 @@ class Trained:
     # non-DP statistics of private data published as AUDIT statistics (e.g. DP-OPT's leakage
     # report): the lifecycle records them in the ledger as a non-private use
     audit_metrics: dict[str, float] = field(default_factory=dict)
+    # set by the lifecycle for a record-level run charged per person: the per-record event, with
+    # ``event`` its group-privacy charge (methods leave it None)
+    record_event: "DpEvent | None" = None
 
 
 @dataclass
