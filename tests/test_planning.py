@@ -105,7 +105,7 @@ def test_sweep_variants_run_as_dask_tasks(prefect_harness, toy, tmp_path):
     labels = [r["variant"] for r in out["variants"]]
     assert labels == ["privacy.target_epsilon=2.0", "privacy.target_epsilon=4.0"]
     eps = [r["privacy.epsilon"] for r in out["variants"]]
-    assert 1.9 <= eps[0] <= 2.0 and 3.9 <= eps[1] <= 4.0
+    assert 1.85 <= eps[0] <= 2.0 and 3.85 <= eps[1] <= 4.0  # the sizes release takes its share (≤ 0.15)
     assert len({r["mlflow_run_id"] for r in out["variants"]}) == 2
     (entry,) = Ledger(tmp_path / "state" / "ledger.sqlite").datasets()
     assert entry["committed_runs"] == 2 and entry["reserved_runs"] == 0
