@@ -3,6 +3,7 @@ at every phase boundary, and the model work the CLI reports.
 
     .venv/bin/python bench/bench_overhead.py [--runs N] [--config configs/smoke.yaml] [--json OUT]
     .venv/bin/python bench/bench_overhead.py --child CONFIG   # one traced run (what each run spawns)
+    .venv/bin/python bench/bench_overhead.py --worker [--runs N]  # in-process vs a warm `privprompt worker`
 
 Each run is a fresh interpreter (``--child``); the first uses a fresh ``PRIVPROMPT_HOME`` (databases
 created), the others the same one (warm: what a user's second run meets; ``--fresh-each`` for cold
@@ -136,10 +137,11 @@ def child(config: str) -> int:
     return rc
 
 
-def run_once(config: str, log_dir: Path, tag: str, home: str | None = None, repo: Path = REPO) -> dict:
+def run_once(config: str, log_dir: Path, tag: str, home: str | None = None, repo: Path = REPO,
+             extra_env: dict | None = None) -> dict:
     """One traced run of ``repo``'s code (another checkout: this file is copied into its bench/)."""
     home = home or tempfile.mkdtemp(prefix=f"privprompt-overhead-{tag}-")
-    env = dict(os.environ, PRIVPROMPT_HOME=home)
+    env = dict(os.environ, PRIVPROMPT_HOME=home, **(extra_env or {}))
     script = Path(__file__).resolve()
     if repo.resolve() != REPO:
         script = repo / "bench" / "bench_overhead_copy.py"
@@ -195,9 +197,13 @@ def main() -> int:
                          "run, not counted, is then a warm-up, not a cold start)")
     ap.add_argument("--against", default=None, help="a checkout of older code (e.g. `git worktree add /tmp/old REV`): "
                     "its runs and this code's alternate, each in a warm state folder of its own, and the ratio is printed")
+    ap.add_argument("--worker", action="store_true", help="in-process runs (PRIVPROMPT_NO_WORKER=1) alternating with "
+                    "runs handed to a warm `privprompt worker` of the same state folder; the ratio is printed")
     args = ap.parse_args()
     if args.child:
         return child(args.child)
+    if args.worker:
+        return compare_worker(args.config, args.runs, args.json)
     if args.against:
         return compare(args.config, Path(args.against), args.runs, args.json,
                        args.homes.split(",") if args.homes else None)
@@ -278,3 +284,59 @@ def compare(config: str, other: Path, runs: int, json_out: str | None, homes: li
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def compare_worker(config: str, runs: int, json_out: str | None) -> int:
+    """Issue 29's warm worker: in one warm state folder, runs in-process (A, ``PRIVPROMPT_NO_WORKER=1``)
+    alternate with runs handed to a ``privprompt worker`` of that folder (B), so both meet the same
+    load. One cold in-process run first and one warm-up run through the worker (not counted), then
+    ``runs`` pairs. Overhead = the caller's subprocess wall − the model work the run reports."""
+    log_dir = Path(tempfile.mkdtemp(prefix="privprompt-overhead-worker-"))
+    home = tempfile.mkdtemp(prefix="privprompt-overhead-worker-home-")
+    print(f"nproc={os.cpu_count()} loadavg={os.getloadavg()} logs: {log_dir}")
+    first = run_once(config, log_dir, "cold", home, extra_env={"PRIVPROMPT_NO_WORKER": "1"})
+    if "error" in first:
+        print(f"cold run FAILED: {first['error']}")
+        return 1
+    started = time.perf_counter()
+    log = open(log_dir / "worker.log", "w")
+    env = {k: v for k, v in os.environ.items() if k != "PRIVPROMPT_NO_WORKER"}
+    worker = subprocess.Popen([sys.executable, str(REPO / "privprompt_cli.py"), "worker", "--idle-timeout", "900"],
+                              cwd=str(REPO), env=dict(env, PRIVPROMPT_HOME=home), stdout=log, stderr=subprocess.STDOUT)
+    sock = Path(home) / "worker.sock"
+    while not sock.exists():
+        if worker.poll() is not None:
+            print(f"the worker exited: {(log_dir / 'worker.log').read_text()[-2000:]}")
+            return 1
+        time.sleep(0.2)
+    print(f"worker up in {time.perf_counter() - started:.1f} s (paid once)")
+    rows: dict[str, list[dict]] = {"A": [], "B": []}
+    try:
+        for i in range(runs + 1):
+            for side, extra in (("A", {"PRIVPROMPT_NO_WORKER": "1"}), ("B", {})):
+                if i == 0 and side == "A":
+                    continue  # the cold run above was A's
+                r = run_once(config, log_dir, f"{side}{i}", home, extra_env=extra)
+                if "error" in r:
+                    print(f"{side} run {i}: FAILED rc={r['rc']}: {r['error']}")
+                    return 1
+                print(f"{side} run {i} ({'in-process' if side == 'A' else 'worker'}{', warm-up' if i == 0 else ''}): "
+                      f"wall {r['wall_s']:.1f} s, model work {r['model_work_s']:.1f} s, overhead {r['overhead_s']:.1f} s; "
+                      f"loadavg {os.getloadavg()[0]:.1f}", flush=True)
+                if i:
+                    rows[side].append(r)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "model_work_s", "overhead_s")}
+           for side, rs in rows.items()}
+    pairs = [a["overhead_s"] / b["overhead_s"] for a, b in zip(rows["A"], rows["B"])]
+    for side, name in (("A", "in-process"), ("B", "warm worker")):
+        print(f"{side} ({name}): median wall {med[side]['wall_s']:.1f} s, model work {med[side]['model_work_s']:.1f} s, "
+              f"overhead {med[side]['overhead_s']:.1f} s over {len(rows[side])} runs "
+              f"(overheads {', '.join('%.1f' % r['overhead_s'] for r in rows[side])})")
+    print(f"overhead A/B: x{med['A']['overhead_s'] / med['B']['overhead_s']:.2f} on the medians; pairwise "
+          f"{', '.join(f'x{x:.2f}' for x in pairs)}; loadavg at end {os.getloadavg()}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"rows": rows, "medians": med, "pairwise": pairs}, indent=1, default=str))
+    return 0
