@@ -141,7 +141,8 @@ def selection_table(rows: list[dict]) -> str | None:
     every = [r for r in ordered if r["selection"].get("candidates")]
     if every:
         lines += ["", "Every candidate's released holdout score (runs that tried each once; DP, noisy):", "",
-                  "| dataset | seed | run | candidate | released holdout score | published |", "|---|---:|---|---|---:|---|"]
+                  "| dataset | seed | run | candidate | released holdout score | published |",
+                  "|---|---:|---|---|---:|---|"]
         for r in every:
             s = r["selection"]
             for name, score in s["candidates"].items():

@@ -182,7 +182,8 @@ def format_plan(plan: dict) -> str:
             how = ("every candidate trained once" if s["mode"] == "every_candidate"
                    else f"random stopping, E[K] = {s['expected_trials']:g} trials")
             lines.append(f"  selection of {s['candidates'] - 1} candidate settings + no prompt ({how}, ranked by "
-                         f"{s['metric']}, noise σ = {s['score_noise_multiplier']:.4g} records on each holdout count): ε = "
+                         f"{s['metric']}, noise σ = {s['score_noise_multiplier']:.4g} records on each holdout "
+                         "count): ε = "
                          f"{s['selection_epsilon']:.4f} for the whole selection (one ledger "
                          f"entry); a single trial alone ε = {s['trial_epsilon']:.4f}; {s['naive_trials']} trials "
                          f"composed naively ε = {s['naive_epsilon']:.4f}; {others} (each with the sizes' release, "

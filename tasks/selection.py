@@ -612,7 +612,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     plans = {c.name: _candidate_plan(method, cfg, c, info["trial_target"], plan.n_train, info["delta"])
              for c in candidates if not c.zero_shot}
     every = every_candidate(sel)
-    sigma = float(info["score_noise_multiplier"])
+    sigma = float(info.get("score_noise_multiplier", RANDOM_STOPPING_SCORE_SIGMA))  # plans stored before it: 5
     trained_so_far = [0]
 
     def train(cand: Candidate, rng):
@@ -803,7 +803,7 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
     candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
     train_events = {c.name: _candidate_plan(method, run_cfg, c, info["trial_target"], plan.n_train,
                                             info["delta"])[1].event for c in candidates if not c.zero_shot}
-    sigma = float(info["score_noise_multiplier"])
+    sigma = float(info.get("score_noise_multiplier", RANDOM_STOPPING_SCORE_SIGMA))  # plans stored before it: 5
     trials = [psel.trial_event(train_events[c.name], sigma) for c in candidates
               if not c.zero_shot]
     distinct = list(dict.fromkeys(trials))  # candidates differing only in lr have the same event
