@@ -291,3 +291,19 @@ def test_lifecycle_publishes_every_candidates_released_score_and_no_exact_count(
             assert value not in metrics and not any(repr(value) in t for t in texts), value
     for key in ("selection.candidate_0.holdout_score", "selection.candidate_2.holdout_score"):
         assert m[key] not in {tsel.released_score(c, "balanced_accuracy") for c in every["exact"]}
+
+
+def test_report_table_shows_every_candidates_released_score():
+    from tasks.comparison import selection_table
+
+    row = {"run_id": "abcdef0123", "method": "prompt_dpsgd + selection", "dataset": "trec_skewed", "seed": "0",
+           "accuracy": 0.506, "epsilon": 7.8014,
+           "selection": {"winner": "no prompt", "mode": "every_candidate", "metric": "balanced_accuracy",
+                         "released_holdout_score": 0.5697,
+                         "candidates": {"lr=0.05": 0.4826, "no prompt": 0.5697}}}
+    table = selection_table([row])
+    assert "| trec_skewed | prompt_dpsgd + selection | no prompt | 0.5697 | balanced_accuracy | 0.5060 |" in table
+    assert "| trec_skewed | 0 | abcdef01 | lr=0.05 | 0.4826 |  |" in table
+    assert "| trec_skewed | 0 | abcdef01 | no prompt | 0.5697 | yes |" in table
+    random_stopping = {**row, "selection": {**row["selection"], "mode": "random_stopping", "candidates": {}}}
+    assert "Every candidate's released holdout score" not in selection_table([random_stopping])
