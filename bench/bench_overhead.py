@@ -282,19 +282,38 @@ def compare(config: str, other: Path, runs: int, json_out: str | None, homes: li
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+def run_plain(config: str, log_dir: Path, tag: str, home: str, extra_env: dict | None = None) -> dict:
+    """One untraced ``privprompt run CONFIG`` (the console script's code path: ``privprompt_cli.py``
+    as a script), its subprocess wall and the model work it reports. The traced child imports the
+    lifecycle itself before the CLI starts, which a run handed to a worker would not."""
+    env = dict(os.environ, PRIVPROMPT_HOME=home, **(extra_env or {}))
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(REPO / "privprompt_cli.py"), "run", config], cwd=str(REPO), env=env,
+                          capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    (log_dir / f"{tag}.stdout").write_text(proc.stdout)
+    (log_dir / f"{tag}.stderr").write_text(proc.stderr)
+    m = WALL_RE.search(proc.stdout)
+    out = {"tag": tag, "rc": proc.returncode, "wall_s": wall, "home": home}
+    if proc.returncode != 0 or m is None:
+        out["error"] = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        return out
+    out.update({"cli_wall_s": float(m.group(1)), "model_work_s": float(m.group(2)),
+                "overhead_s": wall - float(m.group(2))})
+    return out
 
 
 def compare_worker(config: str, runs: int, json_out: str | None) -> int:
     """Issue 29's warm worker: in one warm state folder, runs in-process (A, ``PRIVPROMPT_NO_WORKER=1``)
     alternate with runs handed to a ``privprompt worker`` of that folder (B), so both meet the same
     load. One cold in-process run first and one warm-up run through the worker (not counted), then
-    ``runs`` pairs. Overhead = the caller's subprocess wall − the model work the run reports."""
+    ``runs`` pairs, each an untraced ``privprompt run`` (:func:`run_plain`). Overhead = the caller's
+    subprocess wall − the model work the run reports."""
     log_dir = Path(tempfile.mkdtemp(prefix="privprompt-overhead-worker-"))
     home = tempfile.mkdtemp(prefix="privprompt-overhead-worker-home-")
     print(f"nproc={os.cpu_count()} loadavg={os.getloadavg()} logs: {log_dir}")
-    first = run_once(config, log_dir, "cold", home, extra_env={"PRIVPROMPT_NO_WORKER": "1"})
+    first = run_plain(config, log_dir, "cold", home, extra_env={"PRIVPROMPT_NO_WORKER": "1"})
     if "error" in first:
         print(f"cold run FAILED: {first['error']}")
         return 1
@@ -316,7 +335,7 @@ def compare_worker(config: str, runs: int, json_out: str | None) -> int:
             for side, extra in (("A", {"PRIVPROMPT_NO_WORKER": "1"}), ("B", {})):
                 if i == 0 and side == "A":
                     continue  # the cold run above was A's
-                r = run_once(config, log_dir, f"{side}{i}", home, extra_env=extra)
+                r = run_plain(config, log_dir, f"{side}{i}", home, extra_env=extra)
                 if "error" in r:
                     print(f"{side} run {i}: FAILED rc={r['rc']}: {r['error']}")
                     return 1
@@ -340,3 +359,7 @@ def compare_worker(config: str, runs: int, json_out: str | None) -> int:
     if json_out:
         Path(json_out).write_text(json.dumps({"rows": rows, "medians": med, "pairwise": pairs}, indent=1, default=str))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
