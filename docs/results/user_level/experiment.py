@@ -65,9 +65,14 @@ def main(argv=None) -> int:
     p.add_argument("--heavy", type=int, default=10, help="users with >= this many records are the 'heavy' group")
     p.add_argument("--tag", default="", help="results_<tag>.json / roc_users_<tag>.png (default: results.json)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--replot", action="store_true",
+                   help="no training: add the heavy users' ROC to results_<tag>.json from --state's scores, and plot")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     suffix = f"_{args.tag}" if args.tag else ""
+    if args.replot:
+        return replot(Path(args.out) / f"results{suffix}.json", Path(args.state), args.heavy,
+                      Path(args.out) / f"roc_users{suffix}.png")
 
     from models import DPConfig, PromptTrainingConfig, build_classifier, load_backbone, train_prompt
     from models.scoring import true_label_logit_scores
@@ -151,13 +156,7 @@ def main(argv=None) -> int:
             print(f"  {arm} model {m + 1}/{M}: acc {accs[-1]:.4f} ({time.time() - started:.0f} s)", flush=True)
         scores = np.stack(scores)  # (M, N)
         np.savez(Path(args.state) / f"scores_{arm}.npz", scores=scores, row_in=row_in, units=units)  # private side
-        unit_scores, member = [], []
-        for t in range(M):  # each model the target, the others its shadows
-            others = [m for m in range(M) if m != t]
-            llr = stats.lira_scores_online(scores[t], scores[others], row_in[others])
-            unit_scores.append(stats.unit_scores(llr, units, "sum"))
-            member.append(unit_in[t])
-        unit_scores, member = np.concatenate(unit_scores), np.concatenate(member)
+        unit_scores, member = unit_lira(scores, row_in, units, unit_in)
         big = np.tile(sizes >= 10, M)
         heavy = np.tile(sizes >= args.heavy, M)
         mid = np.tile((sizes >= 2) & (sizes < args.heavy), M)
@@ -172,7 +171,8 @@ def main(argv=None) -> int:
                  "lira_users_2_to_heavy": stats.mia_metrics(unit_scores[mid], member[mid], rng=g, fprs=(0.1,)),
                  "lira_records": record_lira(scores, row_in, g)}
         fpr, tpr, _ = stats.roc_curve(unit_scores, member)
-        entry["roc"] = {"fpr": fpr[:: max(1, len(fpr) // 200)].tolist(), "tpr": tpr[:: max(1, len(tpr) // 200)].tolist()}
+        entry["roc"] = thin_roc(fpr, tpr)
+        entry["roc_heavy"] = thin_roc(*stats.roc_curve(unit_scores[heavy], member[heavy])[:2])
         results["arms"][arm] = entry
         print(f"{arm}: acc {entry['test_accuracy_mean']:.4f} ± {entry['test_accuracy_sd']:.4f}; unit LiRA AUC "
               f"{entry['lira_users']['auc']:.3f} [{entry['lira_users']['auc_low']:.3f}, "
@@ -181,6 +181,47 @@ def main(argv=None) -> int:
               f"{entry['lira_users_10_plus']['auc_high']:.3f}]", flush=True)
         results = save_arm(Path(args.out) / f"results{suffix}.json", results, arm, entry)
     plot(results, Path(args.out) / f"roc_users{suffix}.png")
+    return 0
+
+
+def unit_lira(scores: np.ndarray, row_in: np.ndarray, units: np.ndarray, unit_in: np.ndarray):
+    """Each model in turn the target, the others its shadows: (user scores, memberships), pooled
+    over the M targets; a user's score is the sum of its records' online-LiRA log-likelihood ratios."""
+    from privacy import audit as stats
+
+    M = scores.shape[0]
+    unit_scores, member = [], []
+    for t in range(M):
+        others = [m for m in range(M) if m != t]
+        llr = stats.lira_scores_online(scores[t], scores[others], row_in[others])
+        unit_scores.append(stats.unit_scores(llr, units, "sum"))
+        member.append(unit_in[t])
+    return np.concatenate(unit_scores), np.concatenate(member)
+
+
+def thin_roc(fpr, tpr) -> dict:
+    step = max(1, len(fpr) // 200)
+    return {"fpr": np.asarray(fpr)[::step].tolist(), "tpr": np.asarray(tpr)[::step].tolist()}
+
+
+def replot(path: Path, state: Path, heavy: int, png: Path) -> int:
+    """The heavy users' ROC of every arm in ``path`` from the scores its run kept in ``state``."""
+    from privacy import audit as stats
+
+    results = json.loads(path.read_text())
+    for arm, entry in results["arms"].items():
+        d = np.load(state / f"scores_{arm}.npz")
+        scores, row_in, units = d["scores"], d["row_in"], d["units"]
+        unit_in = np.stack([np.bincount(units, weights=r, minlength=units.max() + 1) > 0 for r in row_in])
+        unit_scores, member = unit_lira(scores, row_in, units, unit_in)
+        big = np.tile(np.bincount(units) >= heavy, scores.shape[0])
+        g = np.random.default_rng(1)
+        check = stats.mia_metrics(unit_scores, member, rng=g, fprs=(0.1,))["auc"]
+        if abs(check - entry["lira_users"]["auc"]) > 1e-9:
+            raise SystemExit(f"{state}/scores_{arm}.npz does not reproduce {path}'s AUC for {arm}")
+        entry["roc_heavy"] = thin_roc(*stats.roc_curve(unit_scores[big], member[big])[:2])
+    path.write_text(json.dumps(results, indent=1))
+    plot(results, png)
     return 0
 
 
@@ -226,19 +267,23 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 5))
-    for arm, e in results["arms"].items():
-        a = e["lira_users"]
-        ax.plot(e["roc"]["fpr"], e["roc"]["tpr"],
-                label=f"{arm}: AUC {a['auc']:.3f} [{a['auc_low']:.3f}, {a['auc_high']:.3f}]")
-    ax.plot([0, 1], [0, 1], "k:", lw=0.8)
-    ax.set_xlabel("FPR (users)")
-    ax.set_ylabel("TPR (users)")
-    eps = results["settings"]["epsilon"]
-    tag = results["settings"].get("tag") or ""
-    ax.set_title(f"unit-level LiRA, synthetic SST-2 users{' (' + tag + ')' if tag else ''}\n"
-                 f"(ε = {eps:g} for the DP arms)", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    panels = [("roc", "lira_users", "all users")]
+    if all("roc_heavy" in e for e in results["arms"].values()):
+        panels.append(("roc_heavy", "lira_users_heavy", f"users with ≥ {results['settings'].get('heavy', 10)} records"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 5), squeeze=False)
+    for ax, (roc, key, title) in zip(axes[0], panels):
+        for arm, e in results["arms"].items():
+            a = e[key]
+            ax.plot(e[roc]["fpr"], e[roc]["tpr"],
+                    label=f"{arm}: AUC {a['auc']:.3f} [{a['auc_low']:.3f}, {a['auc_high']:.3f}]")
+        ax.plot([0, 1], [0, 1], "k:", lw=0.8)
+        ax.set_xlabel("FPR (users)")
+        ax.set_ylabel("TPR (users)")
+        eps = results["settings"]["epsilon"]
+        tag = results["settings"].get("tag") or ""
+        ax.set_title(f"unit-level LiRA, {title}, synthetic SST-2 users{' (' + tag + ')' if tag else ''}\n"
+                     f"(ε = {eps:g} for the DP arms)", fontsize=9)
+        ax.legend(fontsize=8, loc="lower right")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
