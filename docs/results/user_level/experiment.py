@@ -271,19 +271,21 @@ def plot(results: dict, path: Path) -> None:
     if all("roc_heavy" in e for e in results["arms"].values()):
         panels.append(("roc_heavy", "lira_users_heavy", f"users with ≥ {results['settings'].get('heavy', 10)} records"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 5), squeeze=False)
+    colours = {"record": "tab:green", "user": "tab:blue", "nonprivate": "tab:orange"}
+    arms = sorted(results["arms"], key=lambda a: list(colours).index(a) if a in colours else len(colours))
     for ax, (roc, key, title) in zip(axes[0], panels):
-        for arm, e in results["arms"].items():
-            a = e[key]
-            ax.plot(e[roc]["fpr"], e[roc]["tpr"],
+        for arm in arms:
+            e, a = results["arms"][arm], results["arms"][arm][key]
+            ax.plot(e[roc]["fpr"], e[roc]["tpr"], color=colours.get(arm),
                     label=f"{arm}: AUC {a['auc']:.3f} [{a['auc_low']:.3f}, {a['auc_high']:.3f}]")
         ax.plot([0, 1], [0, 1], "k:", lw=0.8)
         ax.set_xlabel("FPR (users)")
         ax.set_ylabel("TPR (users)")
-        eps = results["settings"]["epsilon"]
-        tag = results["settings"].get("tag") or ""
-        ax.set_title(f"unit-level LiRA, {title}, synthetic SST-2 users{' (' + tag + ')' if tag else ''}\n"
-                     f"(ε = {eps:g} for the DP arms)", fontsize=9)
+        ax.set_title(title, fontsize=10)
         ax.legend(fontsize=8, loc="lower right")
+    eps, tag = results["settings"]["epsilon"], results["settings"].get("tag") or ""
+    fig.suptitle(f"unit-level LiRA, synthetic SST-2 users{' (' + tag + ')' if tag else ''}, "
+                 f"{results['models']} prompts per arm; ε = {eps:g} for the DP arms", fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
