@@ -19,6 +19,12 @@ over all users and over users with ≥ 10 records; test accuracy mean ± sd over
     python docs/results/user_level/experiment.py --data /tmp/sst2_users --out docs/results/user_level \
         --shadows 6 --epsilon 8
 
+``--tag T`` writes ``results_T.json`` / ``roc_users_T.png``; arms of one tag may run as parallel processes
+(``--arms user`` in one, ``--arms record`` in another, ``--threads 1`` each): each merges its arm into the
+file under a lock and refuses a file from other data or settings. Besides the user groups above, every arm
+reports users with ``--heavy`` or more records, users with 2 to ``--heavy``−1, and a record-level LiRA (each
+record its own unit) for comparison.
+
 σ is calibrated once per arm for the arm's expected training size (half the pool), so each model's ε is
 the target up to that size's variation (said in the results). Everything runs on CPU.
 """
@@ -56,8 +62,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-length", type=int, default=48)
     p.add_argument("--arms", default="nonprivate,record,user")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heavy", type=int, default=10, help="users with >= this many records are the 'heavy' group")
+    p.add_argument("--tag", default="", help="results_<tag>.json / roc_users_<tag>.png (default: results.json)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--replot", action="store_true",
+                   help="no training: add the heavy users' ROC to results_<tag>.json from --state's scores, and plot")
     args = p.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
+    suffix = f"_{args.tag}" if args.tag else ""
+    if args.replot:
+        return replot(Path(args.out) / f"results{suffix}.json", Path(args.state), args.heavy,
+                      Path(args.out) / f"roc_users{suffix}.png")
 
     from models import DPConfig, PromptTrainingConfig, build_classifier, load_backbone, train_prompt
     from models.scoring import true_label_logit_scores
@@ -97,7 +112,8 @@ def main(argv=None) -> int:
     n_rec, n_units = row_in.sum(1).mean(), unit_in.sum(1).mean()
     per_user = n_rec / n_units
     results = {"data": {"records": int(N), "users": int(U), "max_user": int(sizes.max()),
-                        "users_10_plus": int((sizes >= 10).sum()), "records_per_user_mean": float(sizes.mean()),
+                        "users_10_plus": int((sizes >= 10).sum()), "users_heavy": int((sizes >= args.heavy).sum()),
+                        "users_1": int((sizes == 1).sum()), "records_per_user_mean": float(sizes.mean()),
                         "test_records": len(test_texts), "synthetic_users": True},
                "settings": {k: v for k, v in vars(args).items() if k not in ("data", "out", "state")},
                "models": M, "arms": {}}
@@ -140,34 +156,103 @@ def main(argv=None) -> int:
             print(f"  {arm} model {m + 1}/{M}: acc {accs[-1]:.4f} ({time.time() - started:.0f} s)", flush=True)
         scores = np.stack(scores)  # (M, N)
         np.savez(Path(args.state) / f"scores_{arm}.npz", scores=scores, row_in=row_in, units=units)  # private side
-        unit_scores, member = [], []
-        for t in range(M):  # each model the target, the others its shadows
-            others = [m for m in range(M) if m != t]
-            llr = stats.lira_scores_online(scores[t], scores[others], row_in[others])
-            unit_scores.append(stats.unit_scores(llr, units, "sum"))
-            member.append(unit_in[t])
-        unit_scores, member = np.concatenate(unit_scores), np.concatenate(member)
+        unit_scores, member = unit_lira(scores, row_in, units, unit_in)
         big = np.tile(sizes >= 10, M)
+        heavy = np.tile(sizes >= args.heavy, M)
+        mid = np.tile((sizes >= 2) & (sizes < args.heavy), M)
         g = np.random.default_rng(1)
         entry = {"test_accuracy_mean": float(np.mean(accs)), "test_accuracy_sd": float(np.std(accs, ddof=1)),
                  "test_accuracies": accs, "dp": dp, "seconds": time.time() - started,
                  "lira_users": stats.mia_metrics(unit_scores, member, rng=g, fprs=(0.1,)),
                  "lira_users_10_plus": stats.mia_metrics(unit_scores[big], member[big], rng=g, fprs=(0.1,)),
                  "lira_users_1": stats.mia_metrics(unit_scores[np.tile(sizes == 1, M)],
-                                                   member[np.tile(sizes == 1, M)], rng=g, fprs=(0.1,))}
+                                                   member[np.tile(sizes == 1, M)], rng=g, fprs=(0.1,)),
+                 "lira_users_heavy": stats.mia_metrics(unit_scores[heavy], member[heavy], rng=g, fprs=(0.1,)),
+                 "lira_users_2_to_heavy": stats.mia_metrics(unit_scores[mid], member[mid], rng=g, fprs=(0.1,)),
+                 "lira_records": record_lira(scores, row_in, g)}
         fpr, tpr, _ = stats.roc_curve(unit_scores, member)
-        entry["roc"] = {"fpr": fpr[:: max(1, len(fpr) // 200)].tolist(), "tpr": tpr[:: max(1, len(tpr) // 200)].tolist()}
+        entry["roc"] = thin_roc(fpr, tpr)
+        entry["roc_heavy"] = thin_roc(*stats.roc_curve(unit_scores[heavy], member[heavy])[:2])
         results["arms"][arm] = entry
         print(f"{arm}: acc {entry['test_accuracy_mean']:.4f} ± {entry['test_accuracy_sd']:.4f}; unit LiRA AUC "
               f"{entry['lira_users']['auc']:.3f} [{entry['lira_users']['auc_low']:.3f}, "
               f"{entry['lira_users']['auc_high']:.3f}], users ≥10 records "
               f"{entry['lira_users_10_plus']['auc']:.3f} [{entry['lira_users_10_plus']['auc_low']:.3f}, "
               f"{entry['lira_users_10_plus']['auc_high']:.3f}]", flush=True)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(results, Path(args.out) / "roc_users.png")
+        results = save_arm(Path(args.out) / f"results{suffix}.json", results, arm, entry)
+    plot(results, Path(args.out) / f"roc_users{suffix}.png")
     return 0
+
+
+def unit_lira(scores: np.ndarray, row_in: np.ndarray, units: np.ndarray, unit_in: np.ndarray):
+    """Each model in turn the target, the others its shadows: (user scores, memberships), pooled
+    over the M targets; a user's score is the sum of its records' online-LiRA log-likelihood ratios."""
+    from privacy import audit as stats
+
+    M = scores.shape[0]
+    unit_scores, member = [], []
+    for t in range(M):
+        others = [m for m in range(M) if m != t]
+        llr = stats.lira_scores_online(scores[t], scores[others], row_in[others])
+        unit_scores.append(stats.unit_scores(llr, units, "sum"))
+        member.append(unit_in[t])
+    return np.concatenate(unit_scores), np.concatenate(member)
+
+
+def thin_roc(fpr, tpr) -> dict:
+    step = max(1, len(fpr) // 200)
+    return {"fpr": np.asarray(fpr)[::step].tolist(), "tpr": np.asarray(tpr)[::step].tolist()}
+
+
+def replot(path: Path, state: Path, heavy: int, png: Path) -> int:
+    """The heavy users' ROC of every arm in ``path`` from the scores its run kept in ``state``."""
+    from privacy import audit as stats
+
+    results = json.loads(path.read_text())
+    for arm, entry in results["arms"].items():
+        d = np.load(state / f"scores_{arm}.npz")
+        scores, row_in, units = d["scores"], d["row_in"], d["units"]
+        unit_in = np.stack([np.bincount(units, weights=r, minlength=units.max() + 1) > 0 for r in row_in])
+        unit_scores, member = unit_lira(scores, row_in, units, unit_in)
+        big = np.tile(np.bincount(units) >= heavy, scores.shape[0])
+        g = np.random.default_rng(1)
+        check = stats.mia_metrics(unit_scores, member, rng=g, fprs=(0.1,))["auc"]
+        if abs(check - entry["lira_users"]["auc"]) > 1e-9:
+            raise SystemExit(f"{state}/scores_{arm}.npz does not reproduce {path}'s AUC for {arm}")
+        entry["roc_heavy"] = thin_roc(*stats.roc_curve(unit_scores[big], member[big])[:2])
+    path.write_text(json.dumps(results, indent=1))
+    plot(results, png)
+    return 0
+
+
+def record_lira(scores: np.ndarray, row_in: np.ndarray, g: np.random.Generator) -> dict:
+    """Record-level LiRA (each record its own unit), pooled over the M targets: for comparison."""
+    from privacy import audit as stats
+
+    M = scores.shape[0]
+    llr = [stats.lira_scores_online(scores[t], scores[[m for m in range(M) if m != t]],
+                                    row_in[[m for m in range(M) if m != t]]) for t in range(M)]
+    return stats.mia_metrics(np.concatenate(llr), row_in.reshape(-1), rng=g, fprs=(0.1,))
+
+
+def save_arm(path: Path, results: dict, arm: str, entry: dict) -> dict:
+    """Merge this arm into ``path`` under a file lock (arms may run as parallel processes with
+    the same data, settings other than ``arms``/``threads``, and tag); returns the merged results."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(Path("/tmp") / f"user_level_{path.name}.lock", "w") as lock:  # outside the repository
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        merged = json.loads(path.read_text()) if path.exists() else None
+        mine = {k: v for k, v in results["settings"].items() if k not in ("arms", "threads")}
+        if merged is not None and ({k: v for k, v in merged["settings"].items() if k not in ("arms", "threads")} != mine
+                                   or merged["data"] != results["data"]):
+            raise SystemExit(f"{path} holds a run with other data or settings; use another --tag")
+        if merged is None:
+            merged = {**results, "arms": {}}
+        merged["arms"][arm] = entry
+        path.write_text(json.dumps(merged, indent=1))
+    return merged
 
 
 def acct_event(q, sigma, steps):
@@ -182,17 +267,25 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 5))
-    for arm, e in results["arms"].items():
-        a = e["lira_users"]
-        ax.plot(e["roc"]["fpr"], e["roc"]["tpr"],
-                label=f"{arm}: AUC {a['auc']:.3f} [{a['auc_low']:.3f}, {a['auc_high']:.3f}]")
-    ax.plot([0, 1], [0, 1], "k:", lw=0.8)
-    ax.set_xlabel("FPR (users)")
-    ax.set_ylabel("TPR (users)")
-    eps = results["settings"]["epsilon"]
-    ax.set_title(f"unit-level LiRA, synthetic SST-2 users (ε = {eps:g} for the DP arms)")
-    ax.legend(fontsize=8, loc="lower right")
+    panels = [("roc", "lira_users", "all users")]
+    if all("roc_heavy" in e for e in results["arms"].values()):
+        panels.append(("roc_heavy", "lira_users_heavy", f"users with ≥ {results['settings'].get('heavy', 10)} records"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 5), squeeze=False)
+    colours = {"record": "tab:green", "user": "tab:blue", "nonprivate": "tab:orange"}
+    arms = sorted(results["arms"], key=lambda a: list(colours).index(a) if a in colours else len(colours))
+    for ax, (roc, key, title) in zip(axes[0], panels):
+        for arm in arms:
+            e, a = results["arms"][arm], results["arms"][arm][key]
+            ax.plot(e[roc]["fpr"], e[roc]["tpr"], color=colours.get(arm),
+                    label=f"{arm}: AUC {a['auc']:.3f} [{a['auc_low']:.3f}, {a['auc_high']:.3f}]")
+        ax.plot([0, 1], [0, 1], "k:", lw=0.8)
+        ax.set_xlabel("FPR (users)")
+        ax.set_ylabel("TPR (users)")
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8, loc="lower right")
+    eps, tag = results["settings"]["epsilon"], results["settings"].get("tag") or ""
+    fig.suptitle(f"unit-level LiRA, synthetic SST-2 users{' (' + tag + ')' if tag else ''}, "
+                 f"{results['models']} prompts per arm; ε = {eps:g} for the DP arms", fontsize=10)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
