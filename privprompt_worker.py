@@ -243,7 +243,9 @@ def serve(paths, idle_timeout: float = 1800.0) -> int:
             conn.close()
             for fd in fds:
                 os.close(fd)
-            print(f"privprompt worker: run pid {pid}: privprompt {' '.join(request['argv'])}", flush=True)
+            print(f"privprompt worker: run pid {pid}: privprompt {request['argv'][0] if request['argv'] else ''}",
+                  flush=True)
+            del request  # the caller's environment (its keys too) is not kept between runs
     finally:
         listener.close()
         try:

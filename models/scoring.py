@@ -29,6 +29,19 @@ def predict_logits(
     return torch.cat(out) if out else torch.zeros((0, classifier.n_labels))
 
 
+@torch.no_grad()
+def row_wise_logits(classifier: PromptClassifier, texts: list[str], max_length: int,
+                    prompt: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, n_labels) logits, each row encoded and run ALONE: a row's logits are a function of that
+    row (and the model and prompt) only — not of the other rows' lengths, padding or batch — so
+    adding or removing one text changes no other row's output, bit for bit. (Batched, a row's
+    logits move by float rounding with its neighbours.) For counts whose sensitivity must be one
+    per row (a private selection's holdout scores); slower than :func:`predict_logits`."""
+    classifier.eval()
+    out = [classifier(classifier.encode([text], max_length=max_length), prompt).float().cpu() for text in texts]
+    return torch.cat(out) if out else torch.zeros((0, classifier.n_labels))
+
+
 def accuracy(
     classifier: PromptClassifier,
     encoded: dict[str, torch.Tensor],

@@ -62,11 +62,13 @@ So the record sets of the registered datasets stay disjoint, every source is cha
 dataset holding all of its records, and a record never gets a second cap. :meth:`match_source`
 answers the same question without writing (plans).
 
-Every ε the ledger reports comes from ``spend(ComposedEvent(events), δ)``, also for a single
-entry. A ``ParallelEvent`` (disjoint data, e.g. DP-OPT's generation vs. selection) is therefore
-always nested inside a composition, where the accountant bounds it less tightly than at the top
-level (PLD composes the parts sequentially, RDP takes the pointwise maximum of their curves):
-the ledger may count such a run slightly above the run's own report, never below it.
+Every ε the ledger reports comes from ``spend(ComposedEvent(events), δ)``. A composition of one
+entry is accounted as that entry (``accountant.spend`` unwraps it), so a single run is charged
+exactly its own report. With several entries a ``ParallelEvent`` (disjoint data, e.g. DP-OPT's
+generation vs. selection, or a private selection's trainings vs. its holdout scores) is nested
+inside the composition, where the accountant bounds it less tightly than at the top level (PLD
+composes the parts sequentially, RDP takes the pointwise maximum of their curves): the ledger may
+count such runs slightly above their own reports, never below them.
 
 Events are stored as JSON (``event_to_dict``). SQLAlchemy plus the accountant: no torch, Prefect
 or MLflow here.

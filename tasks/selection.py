@@ -665,9 +665,9 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     if result.failed:
         private.warning("%d trial(s) failed and were skipped (sound only for failures that do not depend on the "
                         "private data: a model that does not load, a full disk)", len(result.failed))
-        if every and announce:
-            announce(f"selection: {len(result.failed)} candidate(s) failed and were skipped: "
-                     + "; ".join(f"{t.candidate}: {t.error}" for t in result.failed))
+        if every and announce:  # which ones, and why, only in the private log: an error's text may quote data
+            announce(f"selection: {len(result.failed)} candidate(s) failed and were skipped (which, and why: the "
+                     f"private log {log_path})")
     winner_out = None if winner_index < 0 or candidates[winner_index].zero_shot else result.winner_output
     private.info("best trial: %s; published: %s", "none" if result.winner is None else result.winner.name,
                  winner_label(candidates, winner_index))
@@ -697,10 +697,11 @@ def published_choice(candidates, result: SelectionResult, reference, fallback: b
     metrics = {}
     if reference is not None:
         metrics[score_key("no_prompt")] = released_score(reference, metric)
-    if result.every_candidate:
+    # every candidate's released score — when none failed: which ones failed would otherwise show, and a
+    # failure is covered by the ε only if it does not depend on the private data (then only the winner's)
+    if result.every_candidate and not result.failed:
         for t in result.trials:
-            if t.error is None:
-                metrics[score_key(f"candidate_{names.index(t.candidate)}")] = t.noisy_score
+            metrics[score_key(f"candidate_{names.index(t.candidate)}")] = t.noisy_score
     index = -1 if result.winner is None else names.index(result.winner.name)
     if index >= 0:
         best = released_score(result.winner_noisy_counts, metric) if result.winner_noisy_counts is not None \

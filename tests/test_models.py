@@ -368,6 +368,19 @@ def test_scoring_batched_matches_forward(clf):
     assert acc == float((full.argmax(1) == Y).float().mean())
 
 
+def test_row_wise_logits_of_a_row_do_not_depend_on_the_other_rows(clf):
+    """A private selection's holdout counts move by one per record only if a row's prediction
+    depends on that row alone: adding a long text changes no other row's logits, bit for bit
+    (batched, they move by float rounding), and they match the batched ones up to rounding."""
+    from models.scoring import row_wise_logits
+
+    p = _prompt(clf)
+    rows = row_wise_logits(clf, TEXTS, 64, p)
+    longer = row_wise_logits(clf, ["an added record, much longer than the others, " * 6] + TEXTS, 64, p)
+    assert torch.equal(longer[1:], rows)
+    torch.testing.assert_close(rows, predict_logits(clf, clf.encode(TEXTS), p), atol=1e-5, rtol=0)
+
+
 def test_soft_prompt_init_expand_and_safetensors_roundtrip(tmp_path):
     bb = load_backbone("tiny-gpt2", DEV)
     sp = SoftPrompt.init_from_vocab(bb, "positive negative", n_tokens=5)

@@ -274,16 +274,20 @@ class Method:
         """The label index ``prompt`` (None: no prompt) predicts for each private holdout row of
         ``rows`` on the model it was trained on (a numpy array; private: the selection only
         releases counts of it with noise). The default scores any prompt kind (soft, prefix,
-        text) on ``source_model``'s frozen classifier."""
-        from models.scoring import predict_logits
+        text) on ``source_model``'s frozen classifier, ONE ROW PER FORWARD PASS: a row's
+        prediction is then a function of that row alone. In a batch it would depend on its
+        neighbours by float rounding (padding, length groups, BLAS blocking: logits moved by up to
+        2e-6 on MiniLM when one record was added before them), and a row near a tie could flip — one
+        added record moving a second count, a sensitivity above the 1 the selection's noise is
+        calibrated for."""
+        from models.scoring import row_wise_logits
 
         from ..stages import input_length, prompted
 
         cfg = mctx.cfg
         model = self.source_model(cfg, mctx.prepared)
         clf, forward_prompt = prompted(cfg, model, prompt)
-        enc = clf.encode(rows.texts, max_length=input_length(cfg, model, clf))
-        return predict_logits(clf, enc, forward_prompt, cfg.models.eval_batch_size).argmax(dim=1).cpu().numpy()
+        return row_wise_logits(clf, rows.texts, input_length(cfg, model, clf), forward_prompt).argmax(dim=1).numpy()
 
     def holdout_correct(self, mctx: MethodContext, prompt: Any, rows: PrivateRows) -> int:
         """How many of the private holdout ``rows`` ``prompt`` (None: no prompt) classifies right on
