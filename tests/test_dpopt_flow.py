@@ -48,8 +48,10 @@ def _config(data, state, endpoint_url, **extra):
     cfg = {
         "method": "dp_opt", "experiment": "dpopt-tests", "seed": 0, "state_dir": str(state),
         "allow_nonprivate_baselines": True,
+        # size_noise_sigma: the released sizes' default σ (50 records) would let a 96-row split's ñ fall to the 8
+        # rows meta_prompts × demos need in ~4% of draws (q = 1: no query fits; the test was flaky)
         "data": {"name": "sst2", "path": str(data), "labels": ["negative", "positive"], "holdout_fraction": 0.2,
-                 "test_shareable": True},
+                 "test_shareable": True, "size_noise_sigma": 5.0},
         "models": {"local": "tiny-llama", "max_length": 48, "evaluate_on": ["tiny-gpt2"],
                    "endpoints": [{"alias": "remote", "base_url": endpoint_url, "model": "any"}]},
         "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},

@@ -143,6 +143,7 @@ def test_transfer_stage_is_given_public_data_only(post_run, monkeypatch):
     assert Path(out["prompt_path"]).is_file() and out["selected_step"] is None
 
 
+@pytest.mark.slow  # POST's shadows on a Dask cluster (≈ 45 s); the audit's own claims run by default (test_audit_flow)
 def test_post_audit_shadows_rerun_dp_tuning_and_transfer(post_run):
     """`audit:` on a POST run: the shadows are DP tuning on the cached student + transfer to the
     teacher; results land in the run record; a finished POST run can be audited again."""

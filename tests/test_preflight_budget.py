@@ -257,6 +257,7 @@ def test_the_largest_fitting_epsilon_is_the_accountants(toy, tmp_path):
     assert f"the largest target_epsilon that still fits: ≈ {shown:.3f}" in format_plan(plan)
 
 
+@pytest.mark.slow  # three trainings and the search (≈ 55 s in the suite); the plan's answer is checked by default above
 def test_the_refusal_says_what_fits_and_records_nothing(tmp_path, sst2_dir):
     from privacy.ledger import BudgetExceededError, Ledger
     from tasks.lifecycle import run_method
