@@ -171,3 +171,19 @@ def test_engine_on_cuda_runs_without_cudnn_attention_and_matches_one_by_one():
     assert seen and not any(seen)
     assert torch.allclose(batched, alone, atol=1e-4)
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_row_scored_alone_does_not_depend_on_the_other_rows(engine):
+    """DP-argmax's counts are scored one row per call (text_prompts.correct_counts): a row's label
+    log-probabilities are then the same, bit for bit, whatever else was scored — so adding one
+    holdout record moves each candidate's count by at most one, and only up (batched, float
+    rounding with the neighbours' padding could flip another row)."""
+    words = [" good", " bad"]
+
+    def template(t):
+        return f"Input: {t}\nOutput:"
+
+    alone = [engine.label_logprobs("Instruction: classify\n\n", [t], words, template) for t in TEXTS]
+    engine.label_logprobs("Instruction: classify\n\n", ["an added, much longer record " * 8] + TEXTS, words, template)
+    again = [engine.label_logprobs("Instruction: classify\n\n", [t], words, template) for t in TEXTS]
+    assert all(torch.equal(a, b) for a, b in zip(alone, again))

@@ -54,9 +54,15 @@ def correct_counts(engine, cfg, candidates: list[str], texts: list[str], labels:
                    units: np.ndarray | None = None) -> np.ndarray:
     """How many validation rows each candidate labels correctly (monotone, sensitivity 1). With
     ``units`` (unit index per row, a user privacy unit): the sum over units of the fraction of the
-    unit's rows labelled correctly — each unit adds at most one to each count (:func:`per_unit_counts`)."""
+    unit's rows labelled correctly — each unit adds at most one to each count (:func:`per_unit_counts`).
+
+    Each row is scored ALONE (one engine call per row): batched, a row's log-probabilities move by
+    float rounding with its neighbours' lengths and padding, so adding one record could flip another
+    row's prediction — a count moving by more than one, or down, which the DP-argmax's monotone,
+    sensitivity-1 calibration does not cover (the same fix as the selection's holdout scoring)."""
     y = np.array([cfg.data.labels.index(l) for l in labels])
-    correct = np.stack([label_logprobs(engine, cfg, c, texts).argmax(dim=1).numpy() == y for c in candidates])
+    correct = np.stack([np.array([int(label_logprobs(engine, cfg, c, [t]).argmax(dim=1)[0]) for t in texts]) == y
+                        for c in candidates]) if len(texts) else np.zeros((len(candidates), 0), dtype=bool)
     return per_unit_counts(correct, units)
 
 
