@@ -345,25 +345,13 @@ def release_holdout_score(correct_count: int, noise_multiplier: float, rng: np.r
     return gaussian_mechanism(float(correct_count), noise_multiplier, 1.0, _check_rng(rng))
 
 
-def release_holdout_counts(correct_count: int, wrong_count: int, noise_multiplier: float,
-                           rng: np.random.Generator) -> tuple[float, float]:
-    """A candidate's holdout (correct, wrong) counts, each plus independent N(0, σ²): the Gaussian
-    mechanism on a 2-vector whose L2 sensitivity is 1 (one source record is in the holdout or not,
-    and is either right or wrong: it moves exactly one coordinate by one), so it is accounted as
-    the same ``GaussianEvent(σ)`` as :func:`release_holdout_score`. With both, the released accuracy
-    correct / (correct + wrong) needs no released holdout size. Order trials by the first."""
-    rng = _check_rng(rng)
-    correct = release_holdout_score(correct_count, noise_multiplier, rng)
-    wrong = release_holdout_score(wrong_count, noise_multiplier, rng)
-    return correct, wrong
-
-
 def release_holdout_count_vector(counts, noise_multiplier: float, rng: np.random.Generator) -> np.ndarray:
     """Holdout counts, each plus independent N(0, σ²): e.g. per class c the (correct_c, wrong_c)
     of one candidate. The Gaussian mechanism at L2 sensitivity 1 whenever one source record moves
     exactly one coordinate by one — a holdout record has one label and is either right or wrong, so
     it is counted in exactly one (class, right/wrong) cell — hence the same ``GaussianEvent(σ)`` as
-    :func:`release_holdout_score`. Returns the noisy vector only."""
+    :func:`release_holdout_score`. With (correct, wrong) released, the accuracy correct / (correct +
+    wrong) needs no released holdout size. Returns the noisy vector only."""
     rng = _check_rng(rng)
     values = np.asarray(counts)
     if values.ndim != 1 or values.size == 0:

@@ -192,10 +192,9 @@ def _trial(i: int, cand: Candidate, train, score, sigma: float, rng, key):
         if isinstance(counts, (tuple, list, np.ndarray)):  # a count vector: L2 sensitivity 1 (one record, one cell)
             noisy_counts = tuple(float(x) for x in psel.release_holdout_count_vector(counts, sigma, rng))
             noisy = key(np.asarray(noisy_counts)) if key else noisy_counts[0]
-        else:
+        else:  # one count: the noisy count is the order (``key`` reads count vectors)
             noisy_counts = None
             noisy = psel.release_holdout_score(counts, sigma, rng)
-            noisy = key(np.asarray([noisy])) if key else noisy
     except Exception as exc:  # noqa: BLE001 — a failed trial is skipped and said so
         return TrialOutcome(i, cand.name, None, f"{type(exc).__name__}: {exc}"), None, None
     return TrialOutcome(i, cand.name, float(noisy), None, noisy_counts), cand, output

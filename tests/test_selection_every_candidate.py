@@ -205,17 +205,13 @@ def every(tmp_path_factory, sst2_dir):
     from tasks.methods import get_method
     from tasks.pipeline import plan_run
     from test_release_once import _context
+    from test_selection_lifecycle import failing_train
 
     mp = pytest.MonkeyPatch()
     method_cls = type(get_method("prompt_dpsgd"))
-    real_train, real_predict = method_cls.train, method_cls.holdout_predictions
+    real_predict = method_cls.holdout_predictions
     exact, tried = [], []
-
-    def train(self, mctx, plan, rows, progress=None):
-        tried.append(mctx.cfg.methods.prompt_dpsgd.lr)
-        if mctx.cfg.methods.prompt_dpsgd.lr == 0.2:
-            raise RuntimeError("model failed to load")
-        return real_train(self, mctx, plan, rows, progress)
+    train = failing_train(method_cls.train, tried)
 
     def holdout_predictions(self, mctx, prompt, rows):
         pred = real_predict(self, mctx, prompt, rows)

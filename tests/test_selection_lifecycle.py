@@ -119,6 +119,19 @@ def test_candidates_ranges_and_bad_keys(tmp_path):
 
 # ---- a selection through the lifecycle --------------------------------------------------------
 
+def failing_train(real_train, tried: list):
+    """prompt_dpsgd's ``train`` that records each candidate's lr in ``tried`` and fails, as a model
+    that does not load would (data-independently), for lr = 0.2."""
+
+    def train(self, mctx, plan, rows, progress=None):
+        tried.append(mctx.cfg.methods.prompt_dpsgd.lr)
+        if mctx.cfg.methods.prompt_dpsgd.lr == 0.2:
+            raise RuntimeError("model failed to load")
+        return real_train(self, mctx, plan, rows, progress)
+
+    return train
+
+
 def _pinned_seed(expected_trials: float) -> int:
     """A seed of the selection's own stream under which the real driver tries every candidate
     (lr=0.05, the failing lr=0.2, no prompt): found by running the driver with stand-ins that use
@@ -155,14 +168,9 @@ def selected(tmp_path_factory, sst2_dir):
 
     mp = pytest.MonkeyPatch()
     method_cls = type(get_method("prompt_dpsgd"))
-    real_train, real_correct = method_cls.train, method_cls.holdout_correct
+    real_correct = method_cls.holdout_correct
     exact, tried = [], []
-
-    def train(self, mctx, plan, rows, progress=None):
-        tried.append(mctx.cfg.methods.prompt_dpsgd.lr)
-        if mctx.cfg.methods.prompt_dpsgd.lr == 0.2:
-            raise RuntimeError("model failed to load")
-        return real_train(self, mctx, plan, rows, progress)
+    train = failing_train(method_cls.train, tried)
 
     def holdout_correct(self, mctx, prompt, rows):
         exact.append((real_correct(self, mctx, prompt, rows), len(rows)))
@@ -397,7 +405,7 @@ def test_released_holdout_counts_are_the_gaussian_mechanism_on_the_pair():
     from privacy.rng import seeded_rng
 
     rng = seeded_rng(30)
-    draws = np.array([psel.release_holdout_counts(180, 40, 5.0, rng) for _ in range(4000)])
+    draws = np.array([psel.release_holdout_count_vector([180, 40], 5.0, rng) for _ in range(4000)])
     assert stats.kstest((draws[:, 0] - 180) / 5.0, "norm").pvalue > 1e-3
     assert stats.kstest((draws[:, 1] - 40) / 5.0, "norm").pvalue > 1e-3
     assert abs(np.corrcoef(draws[:, 0], draws[:, 1])[0, 1]) < 0.05
