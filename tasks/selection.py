@@ -607,7 +607,8 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     holdout = rows.validation
     if holdout is None or len(holdout) == 0:
         raise RuntimeError("selection: no holdout rows to score the candidates on (data.holdout_fraction)")
-    train_rows = PrivateRows(rows.texts, rows.labels)
+    # the candidates' training rows, without the holdout (only the scores read it), with their units
+    train_rows = PrivateRows(rows.texts, rows.labels, units=rows.units)
     plans = {c.name: _candidate_plan(method, cfg, c, info["trial_target"], plan.n_train, info["delta"])
              for c in candidates if not c.zero_shot}
     every = every_candidate(sel)
