@@ -28,6 +28,32 @@ splits). With the candidate chosen at random independently of the data, Q's outp
 Σ_c w_c Q_c with the same weights on both neighbours; exp((λ−1)D_λ) is jointly convex, so
 ε_Q(λ) ≤ max_c ε_{Q_c}(λ). The zero-shot candidate has ε_train ≡ 0 (it trains nothing).
 
+Neighbouring relation with a person unit (``data.privacy_unit`` naming a person's field)
+------------------------------------------------------------------------------------------
+Add/remove ONE PERSON with all their records. Splits assign whole people (a keyed hash of the
+person's id; ``data.max_records_per_unit`` keeps records by a keyed hash of the person's own
+records), so the person's rows lie in the train split or in the holdout, never both, and no other
+person's rows move. The trainings are the methods' unit-level mechanisms (one clipped contribution
+per sampled person, the accountant over people): (λ, ε_train(λ))-RDP per person. A count of
+holdout ROWS would move by as many rows as the person has there (unbounded without a cap), so the
+holdout counts count one VOTE per person instead (:func:`one_vote_weights`): each of person u's
+n_u holdout rows adds 1/n_u to its (class, right/wrong) cell. A person's weights sum to 1 over all
+cells and depend on that person's rows alone, so adding or removing the person moves the count
+vector by a vector v ≥ 0 with ‖v‖₁ = 1, hence ‖v‖₂ ≤ ‖v‖₁ = 1: L2 sensitivity 1 per person, the
+same ``GaussianEvent(σ_s)``, with or without a cap (in floating point each cell is a correctly
+rounded sum, ``math.fsum``, so the move is 1 up to a few units in the last place of the cell's
+total). The argument above then holds per person, word for word (random stopping included: K and
+each trial's candidate are drawn independently of the data, and Q's two parts read disjoint people).
+What the weighted counts measure: ``accuracy`` is the mean over holdout people of each person's
+accuracy; ``balanced_accuracy`` the mean over classes of each class's person-weighted accuracy.
+
+A record-level run charged per person (``data.person_field`` with ``data.max_records_per_unit`` =
+k: whole people split and capped, the mechanism per record) counts rows; a person has at most k of
+them in the holdout, so the counts move by L1 ≤ k, hence L2 ≤ k: the lifecycle charges the
+group-privacy event (``privacy.group``: Gaussian σ_s → σ_s/k, i.e. sensitivity k), defined for
+trying every candidate once and refused for random stopping (no group rule for a best-of-K event
+is proven here).
+
 The theorems (Papernot & Steinke, "Hyperparameter Tuning with Rényi Differential Privacy",
 ICLR 2022, arXiv 2110.03620v2)
 ------------------------------------------------------------------------------------------
@@ -347,19 +373,37 @@ def release_holdout_score(correct_count: int, noise_multiplier: float, rng: np.r
 
 def release_holdout_count_vector(counts, noise_multiplier: float, rng: np.random.Generator) -> np.ndarray:
     """Holdout counts, each plus independent N(0, σ²): e.g. per class c the (correct_c, wrong_c)
-    of one candidate. The Gaussian mechanism at L2 sensitivity 1 whenever one source record moves
-    exactly one coordinate by one — a holdout record has one label and is either right or wrong, so
-    it is counted in exactly one (class, right/wrong) cell — hence the same ``GaussianEvent(σ)`` as
-    :func:`release_holdout_score`. With (correct, wrong) released, the accuracy correct / (correct +
-    wrong) needs no released holdout size. Returns the noisy vector only."""
+    of one candidate. The Gaussian mechanism at L2 sensitivity 1 whenever one privacy unit moves
+    the vector by at most 1 in L2 — one record: a holdout record has one label and is either right
+    or wrong, so it is counted in exactly one (class, right/wrong) cell; one person: their rows are
+    weighted by :func:`one_vote_weights`, so they move the cells by 1 in total (L1 = 1, hence L2
+    ≤ 1) — hence the same ``GaussianEvent(σ)`` as :func:`release_holdout_score`. The counts are
+    non-negative numbers (whole with a record unit, weighted with a person unit). With (correct,
+    wrong) released, the accuracy correct / (correct + wrong) needs no released holdout size.
+    Returns the noisy vector only."""
     rng = _check_rng(rng)
-    values = np.asarray(counts)
+    values = np.asarray(counts, dtype=float)
     if values.ndim != 1 or values.size == 0:
         raise ValueError(f"counts must be a non-empty 1-d vector of counts, got shape {values.shape}")
-    for c in values.tolist():
-        check_count(int(c) if float(c).is_integer() else c, "count")
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError(f"counts must be finite numbers >= 0 (whole, or weighted per person), got {counts!r}")
     sigma = check_positive(noise_multiplier, "noise_multiplier")
-    return values.astype(float) + rng.normal(0.0, sigma, size=values.size)
+    return values + rng.normal(0.0, sigma, size=values.size)
+
+
+def one_vote_weights(unit_index: Sequence[int]) -> np.ndarray:
+    """The weight of each holdout row in the released counts under a person unit: 1/n_u for a row
+    of person u, who has n_u rows in the holdout (``unit_index``: each row's person, 0..U−1). A
+    person's weights sum to 1 whatever n_u is, and depend on that person's rows alone, so adding
+    or removing one person moves any vector of cell sums by L1 = 1, hence L2 ≤ 1 (the module
+    docstring: "Neighbouring relation with a person unit")."""
+    index = np.asarray(unit_index, dtype=np.int64)
+    if index.ndim != 1 or (index.size and index.min() < 0):
+        raise ValueError("unit_index must be a 1-d sequence of person indices >= 0")
+    if index.size == 0:
+        return np.zeros(0, dtype=float)
+    rows_per_unit = np.bincount(index)
+    return 1.0 / rows_per_unit[index]
 
 
 def every_candidate_event(train_events: Sequence[ev.DpEvent], n_scores: int,
@@ -382,6 +426,11 @@ def every_candidate_event(train_events: Sequence[ev.DpEvent], n_scores: int,
     * record in the holdout: the trainings' inputs are identical (same output laws); each of the
       ``n_scores`` released vectors moves by at most one in one coordinate: ``n_scores``
       Gaussian mechanisms at sensitivity 1, composed.
+
+    With a person unit (add/remove one person, whose rows lie in one split: the module
+    docstring), the same two cases per person: the trainings are unit-level (their events are per
+    person), and each released vector, counting one vote per person (:func:`one_vote_weights`),
+    moves by L2 ≤ 1.
 
     Either way the privacy loss is that of one of the two parts, so the procedure is bounded by
     their maximum (``ParallelEvent``: for RDP, the maximum at each order; for a PLD, the larger ε
