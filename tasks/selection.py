@@ -189,7 +189,8 @@ def _trial(i: int, cand: Candidate, train, score, sigma: float, rng, key):
     try:
         output = None if cand.zero_shot else train(cand, rng)
         counts = score(cand, output)
-        if isinstance(counts, (tuple, list, np.ndarray)):  # a count vector: L2 sensitivity 1 (one record, one cell)
+        if isinstance(counts, (tuple, list, np.ndarray)):  # a count vector: L2 sensitivity 1 per unit
+            # (one record in one cell; one person's rows weighted to one vote: tasks/selection.holdout_weights)
             noisy_counts = tuple(float(x) for x in psel.release_holdout_count_vector(counts, sigma, rng))
             noisy = key(np.asarray(noisy_counts)) if key else noisy_counts[0]
         else:  # one count: the noisy count is the order (``key`` reads count vectors)
@@ -230,6 +231,15 @@ def _best(trials, event) -> SelectionResult:
 # that does not propagate to Prefect), and the Prefect log says when the selection starts and
 # ends. The run's wall time still grows with K (a timing side channel that this, like every DP
 # implementation here, does not hide).
+#
+# The privacy unit. With ``data.privacy_unit`` naming a person, the candidates train on rows that
+# keep their units (the methods' unit-level steps sample and clip people) and the holdout counts
+# count one VOTE per person (:func:`holdout_weights`: each of a person's n holdout rows weighs 1/n),
+# so one person moves a released vector by L2 ≤ 1 — the Gaussian events' sensitivity 1 holds per
+# person, in both modes, with or without a cap (proof: ``privacy/selection.py``). A record-level
+# run charged per person (``data.person_field``) counts rows, ≤ k per person: its charge is the
+# group-privacy event (σ/k), defined for every candidate once; random stopping is refused there
+# (:func:`check_selection_config`).
 
 NO_PROMPT = "no prompt"
 
@@ -319,9 +329,23 @@ def check_selection_config(cfg) -> None:
     """Config-time checks of ``selection:`` (raise ValueError naming the problem): the published
     method has an (ε, δ) guarantee under every candidate, reads private training rows, and does
     not read the holdout itself (the selection scores on it; a record there must touch only the
-    score, for the trial's parallel composition)."""
+    score, for the trial's parallel composition). And the privacy unit: with a record unit each
+    holdout row is one count (sensitivity 1); with a person unit (``data.privacy_unit``) each
+    person one vote (:func:`holdout_weights`: sensitivity 1 per person, either mode, with or
+    without ``data.max_records_per_unit``; the trainings are the method's unit-level mechanisms);
+    a record-level run charged per person (``data.person_field``, k records each) is charged the
+    group-privacy event, Gaussian σ → σ/k for its row counts — which exists for every candidate
+    once, and not for random stopping's best-of-K event: refused."""
     from .methods import get_method
 
+    data = cfg.data
+    if data.group_size and not every_candidate(cfg.selection):
+        raise ValueError(
+            f"selection: selection.mode: random_stopping on a record-level run charged per person (data.person_field: "
+            f"{data.person_field}, data.max_records_per_unit: {data.group_size}) is refused: its best-of-K event "
+            "(RepeatAndSelectEvent) has no group-privacy rule here; use selection.mode: every_candidate (its holdout "
+            f"counts are then charged at sensitivity {data.group_size} per person) or data.privacy_unit: "
+            f"{data.person_field} (one vote per person)")
     method = get_method(cfg.method)
     if cfg.audit.enabled:
         raise ValueError("selection: audit.enabled: the audit's shadows train the configured settings, not the "
@@ -338,6 +362,9 @@ def check_selection_config(cfg) -> None:
         if guarantee != "dp":
             raise ValueError(f"selection: candidate {c.name!r} of method {cfg.method} has guarantee {guarantee!r}; "
                              "private selection needs an (ε, δ)-DP method under every candidate")
+    if data.user_unit and not method.unit_level:
+        raise ValueError(f"selection: data.privacy_unit: {data.privacy_unit} needs a method whose trainings bound a "
+                         f"person's contribution; method {cfg.method} bounds one record's")
 
 
 def trial_count(sel) -> psel.TrialCount:
@@ -528,6 +555,12 @@ def plan_selection(method, cfg, n_train: int, delta: float):
         if isinstance(dist, psel.TruncatedNegativeBinomial):
             params.update({"selection.eta": dist.eta, "selection.gamma": dist.gamma})
     params.update({f"selection.candidate_{i}": c.name for i, c in enumerate(candidates)})  # the scores' names
+    data = cfg.data
+    if data.user_unit:  # what the released holdout counts count, and so their sensitivity per unit
+        params["selection.score_counts"] = f"one vote per {data.privacy_unit} (sensitivity 1 per {data.privacy_unit})"
+    elif data.group_size:
+        params["selection.score_counts"] = (f"rows, at most {data.group_size} per {data.person_field} (charged at "
+                                            f"sensitivity {data.group_size} per {data.person_field})")
     settings = {"selection": {"trial_target": t, "delta": delta, "epsilon": eps, "score_noise_multiplier": sigma,
                               "candidates": [{"name": c.name, "settings": c.config, "zero_shot": c.zero_shot}
                                              for c in candidates]}}
@@ -559,14 +592,63 @@ def private_logger(path) -> logging.Logger:
     return logger
 
 
-def per_class_counts(predicted, labels, n_classes: int) -> np.ndarray:
+def per_class_counts(predicted, labels, n_classes: int, weights=None) -> np.ndarray:
     """(correct_c, wrong_c) for each class c, flattened [correct_0, wrong_0, correct_1, …]: each
-    holdout row is counted once, in its own class's cell (exact: only released with noise)."""
+    holdout row is counted once, in its own class's cell (exact: only released with noise). With
+    ``weights`` (a person unit: :func:`privacy.selection.one_vote_weights`), each row adds its
+    weight instead, every cell a correctly rounded sum (``math.fsum``)."""
     predicted, labels = np.asarray(predicted), np.asarray(labels)
     right = predicted == labels
-    out = np.zeros((n_classes, 2), dtype=int)
-    np.add.at(out, (labels, np.where(right, 0, 1)), 1)
-    return out.ravel()
+    if weights is None:
+        out = np.zeros((n_classes, 2), dtype=int)
+        np.add.at(out, (labels, np.where(right, 0, 1)), 1)
+        return out.ravel()
+    weights = _row_weights(weights, labels)
+    cell = 2 * labels + np.where(right, 0, 1)
+    return np.array([_math.fsum(weights[cell == j].tolist()) for j in range(2 * n_classes)])
+
+
+def _row_weights(weights, labels: np.ndarray) -> np.ndarray:
+    weights = np.asarray(weights, dtype=float)
+    if weights.shape != labels.shape:
+        raise ValueError(f"weights must give one weight per holdout row, got {weights.shape} for {labels.shape}")
+    return weights
+
+
+def holdout_weights(cfg, holdout) -> np.ndarray | None:
+    """Each holdout row's weight in the released counts: None (every row counts one: a record
+    unit, or a record-level run charged per person, whose group-privacy charge covers its ≤ k rows
+    of a person) or, with a person unit (``data.privacy_unit`` naming a field), one vote per person
+    (:func:`privacy.selection.one_vote_weights`: 1/n_u for each of person u's n_u holdout rows), so
+    that one person moves a released vector by L2 ≤ 1, the sensitivity its Gaussian event states."""
+    if not cfg.data.user_unit:
+        return None
+    index = holdout.unit_index()
+    if index is None:
+        raise RuntimeError(f"selection: data.privacy_unit is {cfg.data.privacy_unit!r} but the holdout rows carry "
+                           "no units: their counts cannot count one vote per person")
+    return psel.one_vote_weights(index[0])
+
+
+def holdout_counts(method, mctx, prompt, holdout, weights=None):
+    """The holdout counts that selection releases (with noise) for ``prompt`` (None: no prompt):
+    ``selection.metric: accuracy`` — (correct, wrong); ``balanced_accuracy`` — per class c
+    (correct_c, wrong_c). Whole counts of rows (``weights`` None: ``Method.holdout_correct`` /
+    ``Method.holdout_predictions``), or with a person unit sums of the rows' ``weights``
+    (:func:`holdout_weights`; from ``Method.holdout_predictions``). Exact: never published as is."""
+    from .stages import label_indices
+
+    cfg = mctx.cfg
+    metric = cfg.selection.metric
+    if weights is None and metric == "accuracy":
+        correct = int(method.holdout_correct(mctx, prompt, holdout))
+        return correct, len(holdout) - correct
+    y = label_indices(holdout.labels, cfg.data.labels).cpu().numpy()
+    predicted = np.asarray(method.holdout_predictions(mctx, prompt, holdout))
+    if metric == "accuracy":  # weighted: (Σ weights of the rows right, Σ of those wrong)
+        w, right = _row_weights(weights, y), predicted == y
+        return _math.fsum(w[right].tolist()), _math.fsum(w[~right].tolist())
+    return per_class_counts(predicted, y, len(cfg.data.labels), weights)
 
 
 def released_score(noisy_counts, metric: str) -> float:
@@ -598,7 +680,6 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     stopping: start and end only, the per-trial lines go to ``log_path`` (private: their number
     is K); every candidate: one line per candidate (the number of trials is public)."""
     from .methods.base import PrivateRows, Trained
-    from .stages import label_indices
 
     info = plan.settings["selection"]
     cfg = mctx.cfg
@@ -607,6 +688,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     holdout = rows.validation
     if holdout is None or len(holdout) == 0:
         raise RuntimeError("selection: no holdout rows to score the candidates on (data.holdout_fraction)")
+    weights = holdout_weights(cfg, holdout)  # one vote per person with a person unit (None: one per row)
     # the candidates' training rows, without the holdout (only the scores read it), with their units
     train_rows = PrivateRows(rows.texts, rows.labels, units=rows.units)
     plans = {c.name: _candidate_plan(method, cfg, c, info["trial_target"], plan.n_train, info["delta"])
@@ -626,12 +708,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
         return method.train(replace(mctx, cfg=cand_cfg), cand_plan, train_rows)
 
     def score(cand: Candidate, trained):
-        prompt = None if trained is None else trained.prompt
-        if sel.metric == "accuracy":
-            correct = int(method.holdout_correct(mctx, prompt, holdout))
-            return correct, len(holdout) - correct
-        y = label_indices(holdout.labels, cfg.data.labels).cpu().numpy()
-        return per_class_counts(method.holdout_predictions(mctx, prompt, holdout), y, len(cfg.data.labels))
+        return holdout_counts(method, mctx, None if trained is None else trained.prompt, holdout, weights)
 
     def key(noisy: np.ndarray) -> float:
         return released_score(noisy, sel.metric)

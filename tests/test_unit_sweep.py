@@ -231,7 +231,7 @@ def test_methods_without_a_group_rule_are_refused_before_anything_runs(people, t
 def test_a_private_selection_is_charged_per_person_or_refused_by_its_mode(people, tmp_path):
     """Every candidate once (composed; DP-SGD trainings and Gaussian holdout counts, each of L2
     sensitivity 1 per record) has a group rule: charged per person. Random stopping (repeat and
-    select) has none: refused in one line naming the event, before anything is reserved."""
+    select) has none: refused at config time in one line naming the event (issue 35)."""
     from privacy.accountant import spend
     from privacy.group import group_event
     from tasks.config import parse_config
@@ -247,7 +247,9 @@ def test_a_private_selection_is_charged_per_person_or_refused_by_its_mode(people
     plan, _ = sized_plan(parsed, "prompt_dpsgd", sizes, 1e-4)
     assert plan.event == group_event(plan.record_event, K)
     assert planned_epsilon(parsed, "prompt_dpsgd", plan, 1e-4) <= 4.0 * (1 + 1e-6) < spend(plan.event, 1e-4).epsilon
+    assert plan.params["selection.score_counts"] == f"rows, at most {K} per author (charged at sensitivity {K} per author)"
     cfg["selection"]["mode"] = "random_stopping"
     with pytest.raises(ConfigError) as err:
-        sized_plan(parse_config(cfg), "prompt_dpsgd", sizes, 1e-4)
-    assert "prompt_dpsgd:" in str(err.value) and "RepeatAndSelectEvent" in str(err.value) and "\n" not in str(err.value)
+        parse_config(cfg)
+    msg = str(err.value)
+    assert "selection.mode: random_stopping" in msg and "RepeatAndSelectEvent" in msg and "\n" not in msg

@@ -292,7 +292,8 @@ class Method:
     def holdout_correct(self, mctx: MethodContext, prompt: Any, rows: PrivateRows) -> int:
         """How many of the private holdout ``rows`` ``prompt`` (None: no prompt) classifies right on
         the model it was trained on: an EXACT count, which the selection only releases with noise
-        (sensitivity 1: one record changes it by at most one)."""
+        (sensitivity 1: one record changes it by at most one). With a person unit the selection
+        weighs each row (one vote per person) and reads :meth:`holdout_predictions` instead."""
         from ..stages import label_indices
 
         y = label_indices(rows.labels, mctx.cfg.data.labels).cpu().numpy()
