@@ -75,7 +75,8 @@ class DataConfig(Block):
                                    "one ledger can hold runs of data.privacy_unit: record and data.privacy_unit: <field> "
                                    "(a sweep over the unit). With data.privacy_unit naming a field it may only repeat "
                                    "that field. Methods whose events have no group-privacy rule (argmax / limited-domain "
-                                   "votes, private selection) and local-DP methods are refused")
+                                   "votes, random-stopping private selection) and local-DP methods are refused; "
+                                   "selection.mode: every_candidate is charged its holdout counts at sensitivity k")
 
     @model_validator(mode="before")
     @classmethod
@@ -327,7 +328,8 @@ class SelectionConfig(Block):
         "balanced_accuracy", description="the holdout score that ranks the candidates: balanced_accuracy (the mean "
         "over classes of each class's accuracy: a prompt that always says the majority class scores 1/classes, "
         "whatever the holdout's class mix) or accuracy. Released from noisy counts (per class (right, wrong), or "
-        "(right, wrong)): one holdout record is one count, sensitivity 1 either way")
+        "(right, wrong)): one holdout record is one count, sensitivity 1 either way; with data.privacy_unit naming a "
+        "person, each person is one vote (each of their n holdout rows counts 1/n), sensitivity 1 per person")
     distribution: Literal["truncated_negative_binomial", "poisson"] = Field(
         "truncated_negative_binomial", description="random_stopping: law of the secret number of trials K "
         "(Papernot & Steinke): truncated negative binomial D_{eta,gamma} (eta = 1: geometric) or Poisson")
