@@ -578,9 +578,10 @@ def _read_key(path: str) -> bytes:
 
 
 def cmd_budget(args) -> int:
-    """Deliberate changes to the ledger, each recorded: lower a dataset's cap, register a dataset
-    anew at another δ, release the reservation of a run that died before its first private read;
-    and the list of open reservations."""
+    """Deliberate changes to the ledger, each recorded: lower a dataset's cap, compose a dataset at
+    a smaller δ (a larger one raises its budget and is refused here, as a cap raise is; neither
+    ever lowers what it has spent), release the reservation of a run that died before its first
+    private read; and the list of open reservations."""
     from privacy.ledger import LedgerError
     from tasks.state import state_paths
 
@@ -827,8 +828,9 @@ def main(argv: list[str] | None = None) -> int:
     lower.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
     lower.add_argument("epsilon", type=float)
     lower.add_argument("--reason", required=True, help="why (recorded in the ledger)")
-    redelta = budget_sub.add_parser("set-delta", help="register a dataset anew at another δ: every past entry is "
-                                                      "composed at it from then on (recorded)")
+    redelta = budget_sub.add_parser("set-delta", help="compose a dataset at a smaller δ from now on (recorded; its "
+                                                      "spent ε never drops); a larger δ raises the budget and is "
+                                                      "refused, like a cap raise")
     redelta.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
     redelta.add_argument("delta", type=float)
     redelta.add_argument("--reason", required=True, help="why (recorded in the ledger)")

@@ -77,6 +77,7 @@ or MLflow here.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import getpass
 import json
 import math
@@ -295,10 +296,21 @@ def _compose(event_jsons: list[str], delta: float) -> PrivacySpend:
     return spend(ev.ComposedEvent(events), delta)
 
 
-def _preview(existing: list[str], events: list[ev.DpEvent], delta: float, cap: float, name: str) -> dict:
+def _held(s: PrivacySpend, floor: float) -> PrivacySpend:
+    """``s`` (the composition at the dataset's δ) held at ``floor``, the largest ε the dataset was
+    recorded as having spent when its δ changed (:meth:`Ledger._delta_floor`): a δ change never
+    lowers what the ledger says a dataset has spent."""
+    if not floor > s.epsilon:
+        return s
+    return dataclasses.replace(s, epsilon=float(floor),
+                               accountant=f"{s.accountant}, held at the ε spent before a δ change")
+
+
+def _preview(existing: list[str], events: list[ev.DpEvent], delta: float, cap: float, name: str,
+             floor: float = 0.0) -> dict:
     planned = [_event_json(e) for e in events]
-    spent_eps = _compose(existing, delta).epsilon
-    total = _compose(existing + planned, delta).epsilon
+    spent_eps = max(floor, _compose(existing, delta).epsilon)
+    total = max(floor, _compose(existing + planned, delta).epsilon)
     return {"name": name, "cap": cap, "delta": delta, "spent_epsilon": spent_eps,
             "planned_epsilon": [_compose([p], delta).epsilon for p in planned], "total_epsilon": total,
             "remaining_after": cap - total, "fits": bool(total <= cap)}
@@ -386,9 +398,26 @@ class Ledger:
             "ORDER BY id", (fingerprint,)).fetchall()
         return [_counted_event_json(r) for r in rows if r["run_id"] != exclude_run_id]
 
+    @staticmethod
+    def _delta_floor(conn: sa.Connection, fingerprint: str) -> float:
+        """The largest ε the dataset was recorded as having spent when its δ changed (0.0 when its δ
+        never changed): its spent ε is never reported, nor composed, below it. A δ change needs no
+        open reservation, so what was spent then is committed and stays counted."""
+        row = _q(conn, "SELECT MAX(spent_epsilon_at_change) AS m FROM cap_changes WHERE fingerprint = ? "
+                       "AND new_delta <> old_delta", (fingerprint,)).fetchone()
+        return float(row["m"]) if row is not None and row["m"] is not None else 0.0
+
     def _spent_in(self, conn: sa.Connection, fingerprint: str) -> tuple[Any, PrivacySpend]:
         ds = self._dataset_row(conn, fingerprint)
-        return ds, _compose(self._counted_events(conn, fingerprint), ds["delta"])
+        return ds, _held(_compose(self._counted_events(conn, fingerprint), ds["delta"]),
+                         self._delta_floor(conn, fingerprint))
+
+    @staticmethod
+    def _record_count(conn: sa.Connection, fingerprint: str) -> int | None:
+        """How many records the ledger knows the dataset by (None: its records are not known)."""
+        row = _q(conn, "SELECT s.id AS id, COUNT(r.digest) AS n FROM record_sets s LEFT JOIN dataset_records r "
+                       "ON r.set_id = s.id WHERE s.fingerprint = ? GROUP BY s.id", (fingerprint,)).fetchone()
+        return None if row is None or not row["n"] else int(row["n"])
 
     # -- datasets --
 
@@ -399,11 +428,12 @@ class Ledger:
         Re-registering with the same name, cap and δ is a no-op. Different values raise
         ``ValueError`` unless ``allow_cap_change=True``, which applies them and records the change
         (old and new values, the ε spent at the time) in the ``cap_changes`` table. Caps should
-        only ever be *lowered*: raising a cap after runs have spent against it is a policy
-        decision, which is why every change is kept in the record. Lowering a cap below what is
-        already spent is allowed; the dataset then has no budget left. Changing δ changes the δ
-        at which every past entry is composed. ``unit``: the privacy unit the cap is stated for
-        (``record``, or the field naming a person); a registered dataset's unit is never changed
+        only ever be *lowered*: raising a cap — or δ, which weakens what the same cap guarantees —
+        after runs have spent against it is a policy decision, which is why this explicit call is
+        the one way to do it and every change is kept in the record. Lowering a cap below what is
+        already spent is allowed; the dataset then has no budget left. A δ change never lowers what
+        the dataset has spent (:meth:`change_delta`). ``unit``: the privacy unit the cap is stated
+        for (``record``, or the field naming a person); a registered dataset's unit is never changed
         here (:class:`UnitMismatchError`; :meth:`change_unit` while nothing is charged).
         """
         _check_text(fingerprint, "fingerprint")
@@ -436,15 +466,46 @@ class Ledger:
                             f"refusing to change it to name={name!r}, epsilon_cap={epsilon_cap!r}, "
                             f"delta={delta!r} (pass allow_cap_change=True to change it; the change is "
                             "recorded, and caps should only be lowered)")
-                    self._change(conn, row, name, epsilon_cap, delta, None)
+                    self._change(conn, row, name, epsilon_cap, delta, None, allow_raise=True)
         return self.dataset(fingerprint)
 
     def _change(self, conn: sa.Connection, row: Any, name: str, epsilon_cap: float, delta: float,
-                reason: str | None) -> None:
+                reason: str | None, allow_raise: bool = False) -> None:
         """Apply a change of a dataset's name / cap / δ and record it (old and new values, the ε
-        spent at the time, the reason) in ``cap_changes``. A new δ re-states every entry's ε at it."""
+        spent at the time, the reason) in ``cap_changes``.
+
+        A δ change never lowers what the ledger says the dataset has spent: the ε spent at the old
+        δ is kept in ``cap_changes.spent_epsilon_at_change`` and holds the dataset's spent ε from
+        below from then on (:meth:`_delta_floor`), and each entry's ε becomes the larger of what it
+        was charged and its ε at the new δ. A δ change is refused while a reservation is open (its
+        run was planned at the old δ). A larger δ — under which the same events cost less ε, i.e. a
+        raise of the budget — is refused unless ``allow_raise`` (the explicit step of a cap raise),
+        and even then when the dataset's records are known and δ ≥ 1/n for them."""
         fingerprint, now = row["fingerprint"], _now()
-        spent_eps = _compose(self._counted_events(conn, fingerprint), row["delta"]).epsilon
+        spent_eps = _held(_compose(self._counted_events(conn, fingerprint), row["delta"]),
+                          self._delta_floor(conn, fingerprint)).epsilon
+        delta_changes = not math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0)
+        raised = delta_changes and delta > row["delta"]
+        where = f"dataset {row['name']!r} (fingerprint {_short(fingerprint)})"
+        if delta_changes:
+            open_runs = [r["run_id"] for r in _q(conn,
+                "SELECT run_id FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status = 'reserved'",
+                (fingerprint,))]
+            if open_runs:
+                raise ValueError(f"{where} has {len(open_runs)} open reservation(s) ({', '.join(open_runs)}) "
+                                 f"planned at δ={row['delta']:g}: change δ when none is open")
+        if raised:
+            if not allow_raise:
+                raise ValueError(
+                    f"δ={delta:g} is above {where}'s δ={row['delta']:g}: a larger δ lets the same runs cost less ε, "
+                    f"so it raises the budget its cap ε={row['epsilon_cap']:g} states, and like a cap raise it is "
+                    f"refused here (its spent ε={_fmt(spent_eps)} stays spent either way); a raise is a policy "
+                    "decision made in code and recorded, as a cap raise is: Ledger.register_dataset(fingerprint, "
+                    "name, cap, delta, allow_cap_change=True)")
+            n = self._record_count(conn, fingerprint)
+            if n is not None and delta >= 1.0 / n:  # n is not in the message (the rule of check_delta)
+                raise ValueError(f"δ={delta:g} is >= 1/n for the n records {where} is known by: such a δ permits "
+                                 "releasing whole records; refused")
         _q(conn, 
             "INSERT INTO cap_changes (fingerprint, old_name, old_cap, old_delta, new_name,"
             " new_cap, new_delta, spent_epsilon_at_change, changed_at, reason)"
@@ -453,18 +514,19 @@ class Ledger:
              delta, spent_eps, now, reason))
         self._trail(conn, "cap_change", fingerprint, old_name=row["name"], old_cap=row["epsilon_cap"],
                     old_delta=row["delta"], new_name=name, new_cap=epsilon_cap, new_delta=delta,
-                    spent_epsilon=spent_eps, reason=reason)
+                    spent_epsilon=spent_eps, reason=reason, **({"delta_raised": True} if raised else {}))
         _q(conn, 
             "UPDATE datasets SET name = ?, epsilon_cap = ?, delta = ?, updated_at = ?"
             " WHERE fingerprint = ?", (name, epsilon_cap, delta, now, fingerprint))
-        if not math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0):
+        if delta_changes:
             for entry in _q(conn, "SELECT * FROM entries WHERE fingerprint = ? AND kind = 'dp'",
                                       (fingerprint,)).fetchall():
                 update = {}
                 for column, event_column in (("epsilon_reserved", "reserved_event"),
                                              ("epsilon_committed", "committed_event")):
                     if entry[event_column]:
-                        update[column] = _compose([entry[event_column]], delta).epsilon
+                        at_new = _compose([entry[event_column]], delta).epsilon
+                        update[column] = max(at_new, entry[column]) if entry[column] is not None else at_new
                 if update:
                     _q(conn, f"UPDATE entries SET {', '.join(f'{k} = ?' for k in update)} WHERE id = ?",
                                  (*update.values(), entry["id"]))
@@ -484,22 +546,24 @@ class Ledger:
                 self._change(conn, row, row["name"], epsilon_cap, row["delta"], reason)
         return self.dataset(fingerprint)
 
-    def change_delta(self, fingerprint: str, delta: float, reason: str) -> dict[str, Any]:
-        """Register the dataset anew at another δ, deliberately: every past entry is composed at the
-        new δ from then on (its ε re-stated), and the change is recorded with ``reason`` and the ε
-        spent at the old δ. Refused while a reservation is open (its run was planned at the old δ).
-        The cap stays; a dataset whose composed spend at the new δ exceeds it has no budget left."""
+    def change_delta(self, fingerprint: str, delta: float, reason: str, allow_raise: bool = False
+                     ) -> dict[str, Any]:
+        """Compose the dataset at another δ from now on, deliberately, recorded with ``reason`` and
+        the ε spent at the old δ. Refused while a reservation is open (its run was planned at the
+        old δ). What the dataset has spent never drops: a smaller δ re-states every entry's ε at it
+        (higher), and the spent ε at the old δ stays the floor of the dataset's spent ε. A larger δ
+        raises the budget (the same events cost less ε under the same cap): refused unless
+        ``allow_raise=True`` — the explicit, recorded step of a cap raise (as
+        ``register_dataset(..., allow_cap_change=True)``) — and refused when δ ≥ 1/n for the
+        dataset's known records. The cap stays."""
         _check_text(reason, "reason")
         delta = check_delta(delta, "delta")
+        if not isinstance(allow_raise, bool):
+            raise ValueError(f"allow_raise must be a bool, got {allow_raise!r}")
         with self._write() as conn:
             row = self._dataset_row(conn, fingerprint)
-            open_runs = [r["run_id"] for r in _q(conn, 
-                "SELECT run_id FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status = 'reserved'",
-                (fingerprint,))]
-            if open_runs:
-                raise ValueError(f"dataset {row['name']!r} has {len(open_runs)} open reservation(s) ({', '.join(open_runs)}) "
-                                 f"planned at δ={row['delta']:g}: change δ when none is open")
-            self._change(conn, row, row["name"], row["epsilon_cap"], delta, reason)
+            if not math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0):
+                self._change(conn, row, row["name"], row["epsilon_cap"], delta, reason, allow_raise=allow_raise)
         return self.dataset(fingerprint)
 
     def find_dataset(self, name_or_fingerprint: str) -> dict[str, Any]:
@@ -732,7 +796,7 @@ class Ledger:
                         f"({row['reserved_event']}); a retry must reserve the same event "
                         f"(got {event_json}), a new run needs a new run id")
                 if row["status"] not in ("aborted", "released"):
-                    total = _compose(self._counted_events(conn, fingerprint), delta).epsilon
+                    total = self._spent_in(conn, fingerprint)[1].epsilon
                     return Reservation(
                         run_id=run_id, fingerprint=fingerprint, event=event,
                         epsilon=row["epsilon_reserved"], delta=delta, epsilon_cap=cap,
@@ -740,10 +804,11 @@ class Ledger:
                         status=row["status"], created_at=row["created_at"], new=False)
 
             existing = self._counted_events(conn, fingerprint)
+            floor = self._delta_floor(conn, fingerprint)  # a δ change never lowers what is spent
             alone = spend(ev.ComposedEvent((event,)), delta).epsilon
-            total = _compose(existing + [event_json], delta).epsilon
+            total = max(floor, _compose(existing + [event_json], delta).epsilon)
             if not total <= cap:
-                spent_eps = _compose(existing, delta).epsilon
+                spent_eps = max(floor, _compose(existing, delta).epsilon)
                 remaining = max(0.0, cap - spent_eps)
                 raise BudgetExceededError(
                     f"privacy budget for dataset {ds['name']!r} (fingerprint {_short(fingerprint)}) "
@@ -999,11 +1064,12 @@ class Ledger:
         with self._read() as conn:
             row = _q(conn, "SELECT * FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
             existing = self._counted_events(conn, fingerprint) if row is not None else []
+            floor = self._delta_floor(conn, fingerprint) if row is not None else 0.0
         if row is None:
             return Ledger.preview_new(events, delta, cap, name)
         if not math.isclose(row["delta"], delta, rel_tol=1e-9, abs_tol=0.0):
             self.require_delta(fingerprint, delta)
-        return _preview(existing, events, row["delta"], row["epsilon_cap"], row["name"])
+        return _preview(existing, events, row["delta"], row["epsilon_cap"], row["name"], floor)
 
     @staticmethod
     def preview_new(events: list[ev.DpEvent], delta: float, cap: float | None, name: str | None = None
@@ -1254,7 +1320,7 @@ class Ledger:
             out = []
             for ds in rows:
                 fp = ds["fingerprint"]
-                s = _compose(self._counted_events(conn, fp), ds["delta"])
+                s = self._spent_in(conn, fp)[1]
                 counts = {(r["kind"], r["status"]): r["n"] for r in _q(conn,
                     "SELECT kind, status, COUNT(*) AS n FROM entries WHERE fingerprint = ? GROUP BY kind, status",
                     (fp,))}
