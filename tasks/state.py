@@ -220,7 +220,9 @@ def store_key_file(path: str | Path, key: bytes, must_match: bool = True) -> byt
 
     path = Path(path)
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for folder in reversed([path.parent, *path.parent.parents]):  # every folder made here is 0700
+            if not folder.exists():
+                folder.mkdir(mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".key-", dir=path.parent)
         try:
             os.fchmod(fd, 0o600)

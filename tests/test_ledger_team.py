@@ -245,7 +245,7 @@ def test_team_key_lives_in_a_key_file_never_in_the_ledger(tmp_path, monkeypatch)
     assert key_id == key_id_of(a) and a != local and len(a) == 32
     kept = tmp_path / "a" / "secrets" / "team-keys" / f"{key_id}.key"
     assert kept.read_bytes() == a and kept.stat().st_mode & 0o777 == 0o600
-    assert kept.parent.stat().st_mode & 0o777 == 0o700
+    assert kept.parent.stat().st_mode & 0o777 == kept.parent.parent.stat().st_mode & 0o777 == 0o700
     assert not (tmp_path / "a" / "secrets" / "installation.key").exists()
     monkeypatch.setenv("PRIVPROMPT_LEDGER_URL", team)
     with pytest.raises(LedgerKeyError, match=f"team key {key_id}.*privprompt key export FILE.*privprompt key import FILE"
