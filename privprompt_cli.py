@@ -6,6 +6,7 @@
     privprompt plan CONFIG [--set dotted.key=value ...]
     privprompt report EXPERIMENT
     privprompt ledger [--config CONFIG] [--json] | ledger import FILE [--key KEYFILE] | ledger set-key KEYFILE
+    privprompt key export FILE | key import FILE | key show
     privprompt budget reservations | lower-cap DATASET EPS --reason R | set-delta DATASET DELTA --reason R
                      | set-unit DATASET UNIT --reason R
     privprompt config --schema
@@ -528,8 +529,8 @@ def cmd_ledger(args) -> int:
             print(json.dumps(ledger.export(), indent=1, ensure_ascii=False))
             return 0
         print(ledger.summary_table(largest), end="")
-        print(f"ledger: {paths.ledger_location}" + (" (shared; it keeps the team key)" if paths.ledger_is_shared
-                                                   else " (this state folder's own)"))
+        print(f"ledger: {paths.ledger_location}" + (" (shared; its team key: privprompt key show)"
+                                                   if paths.ledger_is_shared else " (this state folder's own)"))
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     return 0
@@ -545,42 +546,75 @@ def _ledger_import(paths, args) -> int:
         return _fail(f"cannot read ledger export {args.file}: {exc}")
     key = None
     if args.key:
+        from tasks.state import read_key_file
+
         if not paths.ledger_is_shared:
             return _fail(f"--key is for a shared ledger; this state folder's own ledger uses "
-                         f"{paths.root / 'secrets' / 'installation.key'}: copy the key file there")
-        key = _read_key(args.key)
+                         f"{paths.installation_key}: privprompt key import {args.key}")
+        key = read_key_file(args.key)
     counts = paths.open_ledger().import_ledger(data, team_key=key)
-    print(f"imported into {paths.ledger_location}: " + ", ".join(f"{n} {t}" for t, n in counts.items())
-          + ("; team key kept" if key else ""))
+    kept = ""
+    if key is not None:  # the ledger records the key's id; the key goes to this machine's key file
+        from tasks.state import import_key
+
+        key_id, where = import_key(paths, args.key)
+        kept = f"; team key {key_id} kept in {where} (never in the ledger)"
+    print(f"imported into {paths.ledger_location}: " + ", ".join(f"{n} {t}" for t, n in counts.items()) + kept)
     return 0
 
 
 def _ledger_set_key(paths, args) -> int:
     if not paths.ledger_is_shared:
         return _fail(f"set-key is for a shared ledger (ledger.url / $PRIVPROMPT_LEDGER_URL); this state folder's "
-                     f"ledger uses {paths.root / 'secrets' / 'installation.key'}")
-    paths.open_ledger().set_team_key(_read_key(args.key_file))
-    print(f"team key kept in {paths.ledger_location}")
+                     f"ledger uses {paths.installation_key}: privprompt key import {args.key_file}")
+    return _key_import(paths, args.key_file)
+
+
+def _key_import(paths, source: str) -> int:
+    from tasks.state import import_key
+
+    key_id, where = import_key(paths, source)
+    print(f"key {key_id} kept in {where} (mode 0600) for ledger {paths.ledger_location}; the ledger records its id "
+          "only. Delete the copy you brought here once it is imported.")
     return 0
 
 
-def _read_key(path: str) -> bytes:
-    from privacy.ledger import LedgerKeyError
+def cmd_key(args) -> int:
+    """The key of keyed record digests, fingerprints and splits of this state folder's ledger, which
+    never sits in the ledger's database: ``export FILE`` writes it (mode 0600) for a team member,
+    ``import FILE`` keeps a key brought from the team (checked against the ledger's key id),
+    ``show`` says which key is in use and where it lives (never the key)."""
+    from privacy.ledger import LedgerError, key_id_of
+    from tasks.state import TEAM_KEY_FILE_ENV, export_key, ledger_key, state_paths
 
+    paths = state_paths(args.state_dir)
     try:
-        with open(path, "rb") as handle:
-            key = handle.read()
-    except OSError as exc:
-        raise LedgerKeyError(f"cannot read key file {path}: {exc.strerror}") from None
-    if len(key) != 32:
-        raise LedgerKeyError(f"{path} is not a 32-byte key (an installation.key file)")
-    return key
+        if args.key_command == "export":
+            key_id, where = export_key(paths, args.file)
+            print(f"key {key_id} of ledger {paths.ledger_location} written to {where} (mode 0600). With the ledger's "
+                  "database it tells whether any text is in the data: hand it only to the team's machines, privately, "
+                  "and there run: privprompt key import FILE")
+            return 0
+        if args.key_command == "import":
+            return _key_import(paths, args.file)
+        key = ledger_key(paths, mint=False)
+        key_id = key_id_of(key)
+        if paths.ledger_is_shared:
+            where = paths.team_key_file(key_id)
+            note = f" ({TEAM_KEY_FILE_ENV})" if os.environ.get(TEAM_KEY_FILE_ENV) else ""
+            print(f"team key {key_id} of shared ledger {paths.ledger_location}: {where}{note}")
+        else:
+            print(f"key {key_id} of this state folder's own ledger {paths.ledger_location}: {paths.installation_key}")
+    except (*_user_errors(), LedgerError) as err:
+        return _fail(_one_line(err))
+    return 0
 
 
 def cmd_budget(args) -> int:
-    """Deliberate changes to the ledger, each recorded: lower a dataset's cap, register a dataset
-    anew at another δ, release the reservation of a run that died before its first private read;
-    and the list of open reservations."""
+    """Deliberate changes to the ledger, each recorded: lower a dataset's cap, compose a dataset at
+    a smaller δ (a larger one raises its budget and is refused here, as a cap raise is; neither
+    ever lowers what it has spent), release the reservation of a run that died before its first
+    private read; and the list of open reservations."""
     from privacy.ledger import LedgerError
     from tasks.state import state_paths
 
@@ -810,12 +844,23 @@ def main(argv: list[str] | None = None) -> int:
     ledger_sub = ledger.add_subparsers(dest="ledger_command")
     restore = ledger_sub.add_parser("import", help="restore a `privprompt ledger --json` file into an empty ledger")
     restore.add_argument("file")
-    restore.add_argument("--key", default=None, help="a shared ledger: also keep this key file (the installation.key "
-                                                     "the imported fingerprints were made with) as the team key")
-    setkey = ledger_sub.add_parser("set-key", help="a shared ledger: keep this key file as the team key (the key its "
+    restore.add_argument("--key", default=None, help="a shared ledger: also import this key file (the installation.key "
+                                                     "the imported fingerprints were made with) as the team key "
+                                                     "(privprompt key import)")
+    setkey = ledger_sub.add_parser("set-key", help="a shared ledger: privprompt key import KEYFILE (the key its "
                                                    "registered fingerprints were made with)")
     setkey.add_argument("key_file")
-    budget = sub.add_parser("budget", help="open reservations; lower a cap; register a dataset anew at another δ")
+    key = sub.add_parser("key", help="the key of the ledger's keyed record digests (never in the ledger): export it "
+                                     "for the team, import it on a machine that joins, show which is in use")
+    key_sub = key.add_subparsers(dest="key_command", required=True)
+    key_export = key_sub.add_parser("export", help="write the ledger's key to FILE (mode 0600; a new team ledger's key "
+                                                   "is created here) for the team's machines")
+    key_export.add_argument("file")
+    key_import = key_sub.add_parser("import", help="keep the key in FILE as this machine's key for the ledger (checked "
+                                                   "against the key id the ledger records)")
+    key_import.add_argument("file")
+    key_sub.add_parser("show", help="which key the ledger's datasets are keyed with, and where it lives (never the key)")
+    budget = sub.add_parser("budget", help="open reservations; lower a cap; compose a dataset at a smaller δ")
     budget_sub = budget.add_subparsers(dest="budget_command", required=True)
     budget_sub.add_parser("reservations", help="runs holding a reservation (running, or stopped after reading data)")
     release = budget_sub.add_parser(
@@ -827,8 +872,9 @@ def main(argv: list[str] | None = None) -> int:
     lower.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
     lower.add_argument("epsilon", type=float)
     lower.add_argument("--reason", required=True, help="why (recorded in the ledger)")
-    redelta = budget_sub.add_parser("set-delta", help="register a dataset anew at another δ: every past entry is "
-                                                      "composed at it from then on (recorded)")
+    redelta = budget_sub.add_parser("set-delta", help="compose a dataset at a smaller δ from now on (recorded; its "
+                                                      "spent ε never drops); a larger δ raises the budget and is "
+                                                      "refused, like a cap raise")
     redelta.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
     redelta.add_argument("delta", type=float)
     redelta.add_argument("--reason", required=True, help="why (recorded in the ledger)")
@@ -855,7 +901,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.state_dir:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
     command = {"run": cmd_run, "worker": cmd_worker, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
-               "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict}[args.command]
+               "key": cmd_key, "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict}[args.command]
     try:
         rc = command(args)
         sys.stdout.flush()  # inside the try: a closed pipe is met here, not in the interpreter's exit

@@ -46,8 +46,16 @@ non-private or local-DP use, the team key, an import) appends a row to the appen
 ``trail`` (time, action, dataset, run, details, machine, OS user, process) in the same
 transaction as the change; a refused reservation changes nothing and appends nothing.
 ``export()`` returns the whole ledger as JSON-able data and ``import_ledger`` restores it into
-an empty ledger. A shared ledger also keeps the team's key of keyed fingerprints (``team_key``):
-every machine names a dataset the same way.
+an empty ledger.
+
+The key of the keyed record digests, fingerprints and splits is never kept in the ledger's
+database (schema 7): with the key, the record digests stored here would answer "is this text in
+the data?" for any text, to anyone who can read the database or a backup of it. The database
+records only the key's id (:func:`key_id_of`: an HMAC of a constant under it, from which no digest
+can be computed), so that a machine holding no key, or another one, is refused with a clear line.
+The key lives in a file of each machine's state folder, which the team shares
+(``privprompt key export`` / ``privprompt key import``: tasks/state.py); a ledger of schemas 4-6
+that still holds it has it moved out on first use (:meth:`Ledger.move_team_key_out`).
 
 Datasets are known by their records (schema 5). With :meth:`register_source` a run's data source
 comes with its *keyed record digests* (16 bytes each: an HMAC, under the installation's or team's
@@ -77,11 +85,13 @@ or MLflow here.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import getpass
+import hashlib
+import hmac
 import json
 import math
 import os
-import secrets
 import socket
 import sqlite3
 from dataclasses import dataclass
@@ -92,8 +102,9 @@ import sqlalchemy as sa
 
 from . import events as ev
 from .accountant import PrivacySpend, spend
-from .ledger_store import (DEFAULT_BUSY_TIMEOUT_S, RECORD_DIGEST_BYTES, SCHEMA_VERSION, LedgerError,  # noqa: F401
-                           LedgerUnavailableError, LedgerURLError, Store, mask_url)
+from .ledger_store import (DEFAULT_BUSY_TIMEOUT_S, LEGACY_TEAM_KEY_TABLE, RECORD_DIGEST_BYTES,  # noqa: F401
+                           SCHEMA_VERSION, TEAM_KEY_ID, LedgerError, LedgerUnavailableError, LedgerURLError, Store,
+                           mask_url)
 from .validation import check_delta, check_epsilon
 
 __all__ = [
@@ -241,6 +252,15 @@ class Reservation:
 
 # ---- helpers ------------------------------------------------------------------------------------
 
+def key_id_of(key: bytes) -> str:
+    """The id of a 32-byte key: 16 hex digits of an HMAC of a constant under it. It tells keys apart
+    (the ledger records the id of the key its datasets are keyed with) and reveals nothing of the key:
+    no record digest can be computed from it."""
+    if not isinstance(key, (bytes, bytearray)) or len(key) != 32:
+        raise LedgerKeyError("a team key is 32 bytes")
+    return hmac.new(bytes(key), b"privprompt/key-id", hashlib.sha256).hexdigest()[:16]
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
@@ -295,10 +315,21 @@ def _compose(event_jsons: list[str], delta: float) -> PrivacySpend:
     return spend(ev.ComposedEvent(events), delta)
 
 
-def _preview(existing: list[str], events: list[ev.DpEvent], delta: float, cap: float, name: str) -> dict:
+def _held(s: PrivacySpend, floor: float) -> PrivacySpend:
+    """``s`` (the composition at the dataset's δ) held at ``floor``, the largest ε the dataset was
+    recorded as having spent when its δ changed (:meth:`Ledger._delta_floor`): a δ change never
+    lowers what the ledger says a dataset has spent."""
+    if not floor > s.epsilon:
+        return s
+    return dataclasses.replace(s, epsilon=float(floor),
+                               accountant=f"{s.accountant}, held at the ε spent before a δ change")
+
+
+def _preview(existing: list[str], events: list[ev.DpEvent], delta: float, cap: float, name: str,
+             floor: float = 0.0) -> dict:
     planned = [_event_json(e) for e in events]
-    spent_eps = _compose(existing, delta).epsilon
-    total = _compose(existing + planned, delta).epsilon
+    spent_eps = max(floor, _compose(existing, delta).epsilon)
+    total = max(floor, _compose(existing + planned, delta).epsilon)
     return {"name": name, "cap": cap, "delta": delta, "spent_epsilon": spent_eps,
             "planned_epsilon": [_compose([p], delta).epsilon for p in planned], "total_epsilon": total,
             "remaining_after": cap - total, "fits": bool(total <= cap)}
@@ -386,9 +417,26 @@ class Ledger:
             "ORDER BY id", (fingerprint,)).fetchall()
         return [_counted_event_json(r) for r in rows if r["run_id"] != exclude_run_id]
 
+    @staticmethod
+    def _delta_floor(conn: sa.Connection, fingerprint: str) -> float:
+        """The largest ε the dataset was recorded as having spent when its δ changed (0.0 when its δ
+        never changed): its spent ε is never reported, nor composed, below it. A δ change needs no
+        open reservation, so what was spent then is committed and stays counted."""
+        row = _q(conn, "SELECT MAX(spent_epsilon_at_change) AS m FROM cap_changes WHERE fingerprint = ? "
+                       "AND new_delta <> old_delta", (fingerprint,)).fetchone()
+        return float(row["m"]) if row is not None and row["m"] is not None else 0.0
+
     def _spent_in(self, conn: sa.Connection, fingerprint: str) -> tuple[Any, PrivacySpend]:
         ds = self._dataset_row(conn, fingerprint)
-        return ds, _compose(self._counted_events(conn, fingerprint), ds["delta"])
+        return ds, _held(_compose(self._counted_events(conn, fingerprint), ds["delta"]),
+                         self._delta_floor(conn, fingerprint))
+
+    @staticmethod
+    def _record_count(conn: sa.Connection, fingerprint: str) -> int | None:
+        """How many records the ledger knows the dataset by (None: its records are not known)."""
+        row = _q(conn, "SELECT s.id AS id, COUNT(r.digest) AS n FROM record_sets s LEFT JOIN dataset_records r "
+                       "ON r.set_id = s.id WHERE s.fingerprint = ? GROUP BY s.id", (fingerprint,)).fetchone()
+        return None if row is None or not row["n"] else int(row["n"])
 
     # -- datasets --
 
@@ -399,11 +447,12 @@ class Ledger:
         Re-registering with the same name, cap and δ is a no-op. Different values raise
         ``ValueError`` unless ``allow_cap_change=True``, which applies them and records the change
         (old and new values, the ε spent at the time) in the ``cap_changes`` table. Caps should
-        only ever be *lowered*: raising a cap after runs have spent against it is a policy
-        decision, which is why every change is kept in the record. Lowering a cap below what is
-        already spent is allowed; the dataset then has no budget left. Changing δ changes the δ
-        at which every past entry is composed. ``unit``: the privacy unit the cap is stated for
-        (``record``, or the field naming a person); a registered dataset's unit is never changed
+        only ever be *lowered*: raising a cap — or δ, which weakens what the same cap guarantees —
+        after runs have spent against it is a policy decision, which is why this explicit call is
+        the one way to do it and every change is kept in the record. Lowering a cap below what is
+        already spent is allowed; the dataset then has no budget left. A δ change never lowers what
+        the dataset has spent (:meth:`change_delta`). ``unit``: the privacy unit the cap is stated
+        for (``record``, or the field naming a person); a registered dataset's unit is never changed
         here (:class:`UnitMismatchError`; :meth:`change_unit` while nothing is charged).
         """
         _check_text(fingerprint, "fingerprint")
@@ -436,15 +485,46 @@ class Ledger:
                             f"refusing to change it to name={name!r}, epsilon_cap={epsilon_cap!r}, "
                             f"delta={delta!r} (pass allow_cap_change=True to change it; the change is "
                             "recorded, and caps should only be lowered)")
-                    self._change(conn, row, name, epsilon_cap, delta, None)
+                    self._change(conn, row, name, epsilon_cap, delta, None, allow_raise=True)
         return self.dataset(fingerprint)
 
     def _change(self, conn: sa.Connection, row: Any, name: str, epsilon_cap: float, delta: float,
-                reason: str | None) -> None:
+                reason: str | None, allow_raise: bool = False) -> None:
         """Apply a change of a dataset's name / cap / δ and record it (old and new values, the ε
-        spent at the time, the reason) in ``cap_changes``. A new δ re-states every entry's ε at it."""
+        spent at the time, the reason) in ``cap_changes``.
+
+        A δ change never lowers what the ledger says the dataset has spent: the ε spent at the old
+        δ is kept in ``cap_changes.spent_epsilon_at_change`` and holds the dataset's spent ε from
+        below from then on (:meth:`_delta_floor`), and each entry's ε becomes the larger of what it
+        was charged and its ε at the new δ. A δ change is refused while a reservation is open (its
+        run was planned at the old δ). A larger δ — under which the same events cost less ε, i.e. a
+        raise of the budget — is refused unless ``allow_raise`` (the explicit step of a cap raise),
+        and even then when the dataset's records are known and δ ≥ 1/n for them."""
         fingerprint, now = row["fingerprint"], _now()
-        spent_eps = _compose(self._counted_events(conn, fingerprint), row["delta"]).epsilon
+        spent_eps = _held(_compose(self._counted_events(conn, fingerprint), row["delta"]),
+                          self._delta_floor(conn, fingerprint)).epsilon
+        delta_changes = not math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0)
+        raised = delta_changes and delta > row["delta"]
+        where = f"dataset {row['name']!r} (fingerprint {_short(fingerprint)})"
+        if delta_changes:
+            open_runs = [r["run_id"] for r in _q(conn,
+                "SELECT run_id FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status = 'reserved'",
+                (fingerprint,))]
+            if open_runs:
+                raise ValueError(f"{where} has {len(open_runs)} open reservation(s) ({', '.join(open_runs)}) "
+                                 f"planned at δ={row['delta']:g}: change δ when none is open")
+        if raised:
+            if not allow_raise:
+                raise ValueError(
+                    f"δ={delta:g} is above {where}'s δ={row['delta']:g}: a larger δ lets the same runs cost less ε, "
+                    f"so it raises the budget its cap ε={row['epsilon_cap']:g} states, and like a cap raise it is "
+                    f"refused here (its spent ε={_fmt(spent_eps)} stays spent either way); a raise is a policy "
+                    "decision made in code and recorded, as a cap raise is: Ledger.register_dataset(fingerprint, "
+                    "name, cap, delta, allow_cap_change=True)")
+            n = self._record_count(conn, fingerprint)
+            if n is not None and delta >= 1.0 / n:  # n is not in the message (the rule of check_delta)
+                raise ValueError(f"δ={delta:g} is >= 1/n for the n records {where} is known by: such a δ permits "
+                                 "releasing whole records; refused")
         _q(conn, 
             "INSERT INTO cap_changes (fingerprint, old_name, old_cap, old_delta, new_name,"
             " new_cap, new_delta, spent_epsilon_at_change, changed_at, reason)"
@@ -453,18 +533,19 @@ class Ledger:
              delta, spent_eps, now, reason))
         self._trail(conn, "cap_change", fingerprint, old_name=row["name"], old_cap=row["epsilon_cap"],
                     old_delta=row["delta"], new_name=name, new_cap=epsilon_cap, new_delta=delta,
-                    spent_epsilon=spent_eps, reason=reason)
+                    spent_epsilon=spent_eps, reason=reason, **({"delta_raised": True} if raised else {}))
         _q(conn, 
             "UPDATE datasets SET name = ?, epsilon_cap = ?, delta = ?, updated_at = ?"
             " WHERE fingerprint = ?", (name, epsilon_cap, delta, now, fingerprint))
-        if not math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0):
+        if delta_changes:
             for entry in _q(conn, "SELECT * FROM entries WHERE fingerprint = ? AND kind = 'dp'",
                                       (fingerprint,)).fetchall():
                 update = {}
                 for column, event_column in (("epsilon_reserved", "reserved_event"),
                                              ("epsilon_committed", "committed_event")):
                     if entry[event_column]:
-                        update[column] = _compose([entry[event_column]], delta).epsilon
+                        at_new = _compose([entry[event_column]], delta).epsilon
+                        update[column] = max(at_new, entry[column]) if entry[column] is not None else at_new
                 if update:
                     _q(conn, f"UPDATE entries SET {', '.join(f'{k} = ?' for k in update)} WHERE id = ?",
                                  (*update.values(), entry["id"]))
@@ -484,22 +565,24 @@ class Ledger:
                 self._change(conn, row, row["name"], epsilon_cap, row["delta"], reason)
         return self.dataset(fingerprint)
 
-    def change_delta(self, fingerprint: str, delta: float, reason: str) -> dict[str, Any]:
-        """Register the dataset anew at another δ, deliberately: every past entry is composed at the
-        new δ from then on (its ε re-stated), and the change is recorded with ``reason`` and the ε
-        spent at the old δ. Refused while a reservation is open (its run was planned at the old δ).
-        The cap stays; a dataset whose composed spend at the new δ exceeds it has no budget left."""
+    def change_delta(self, fingerprint: str, delta: float, reason: str, allow_raise: bool = False
+                     ) -> dict[str, Any]:
+        """Compose the dataset at another δ from now on, deliberately, recorded with ``reason`` and
+        the ε spent at the old δ. Refused while a reservation is open (its run was planned at the
+        old δ). What the dataset has spent never drops: a smaller δ re-states every entry's ε at it
+        (higher), and the spent ε at the old δ stays the floor of the dataset's spent ε. A larger δ
+        raises the budget (the same events cost less ε under the same cap): refused unless
+        ``allow_raise=True`` — the explicit, recorded step of a cap raise (as
+        ``register_dataset(..., allow_cap_change=True)``) — and refused when δ ≥ 1/n for the
+        dataset's known records. The cap stays."""
         _check_text(reason, "reason")
         delta = check_delta(delta, "delta")
+        if not isinstance(allow_raise, bool):
+            raise ValueError(f"allow_raise must be a bool, got {allow_raise!r}")
         with self._write() as conn:
             row = self._dataset_row(conn, fingerprint)
-            open_runs = [r["run_id"] for r in _q(conn, 
-                "SELECT run_id FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status = 'reserved'",
-                (fingerprint,))]
-            if open_runs:
-                raise ValueError(f"dataset {row['name']!r} has {len(open_runs)} open reservation(s) ({', '.join(open_runs)}) "
-                                 f"planned at δ={row['delta']:g}: change δ when none is open")
-            self._change(conn, row, row["name"], row["epsilon_cap"], delta, reason)
+            if not math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0):
+                self._change(conn, row, row["name"], row["epsilon_cap"], delta, reason, allow_raise=allow_raise)
         return self.dataset(fingerprint)
 
     def find_dataset(self, name_or_fingerprint: str) -> dict[str, Any]:
@@ -732,7 +815,7 @@ class Ledger:
                         f"({row['reserved_event']}); a retry must reserve the same event "
                         f"(got {event_json}), a new run needs a new run id")
                 if row["status"] not in ("aborted", "released"):
-                    total = _compose(self._counted_events(conn, fingerprint), delta).epsilon
+                    total = self._spent_in(conn, fingerprint)[1].epsilon
                     return Reservation(
                         run_id=run_id, fingerprint=fingerprint, event=event,
                         epsilon=row["epsilon_reserved"], delta=delta, epsilon_cap=cap,
@@ -740,10 +823,11 @@ class Ledger:
                         status=row["status"], created_at=row["created_at"], new=False)
 
             existing = self._counted_events(conn, fingerprint)
+            floor = self._delta_floor(conn, fingerprint)  # a δ change never lowers what is spent
             alone = spend(ev.ComposedEvent((event,)), delta).epsilon
-            total = _compose(existing + [event_json], delta).epsilon
+            total = max(floor, _compose(existing + [event_json], delta).epsilon)
             if not total <= cap:
-                spent_eps = _compose(existing, delta).epsilon
+                spent_eps = max(floor, _compose(existing, delta).epsilon)
                 remaining = max(0.0, cap - spent_eps)
                 raise BudgetExceededError(
                     f"privacy budget for dataset {ds['name']!r} (fingerprint {_short(fingerprint)}) "
@@ -999,11 +1083,12 @@ class Ledger:
         with self._read() as conn:
             row = _q(conn, "SELECT * FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
             existing = self._counted_events(conn, fingerprint) if row is not None else []
+            floor = self._delta_floor(conn, fingerprint) if row is not None else 0.0
         if row is None:
             return Ledger.preview_new(events, delta, cap, name)
         if not math.isclose(row["delta"], delta, rel_tol=1e-9, abs_tol=0.0):
             self.require_delta(fingerprint, delta)
-        return _preview(existing, events, row["delta"], row["epsilon_cap"], row["name"])
+        return _preview(existing, events, row["delta"], row["epsilon_cap"], row["name"], floor)
 
     @staticmethod
     def preview_new(events: list[ev.DpEvent], delta: float, cap: float | None, name: str | None = None
@@ -1015,45 +1100,95 @@ class Ledger:
 
     # -- the team key, the trail, export and import --
 
-    def team_key(self, mint: bool = True) -> bytes | None:
-        """The team's key of keyed dataset fingerprints and keyed splits, kept with this ledger
-        (never logged, never returned in a result). When there is none, ``mint`` creates one
-        (32 bytes from ``secrets``) in one locked transaction: every machine gets the same key.
-        Minting is refused (:class:`LedgerKeyError`) over a ledger that already has datasets: their
-        fingerprints were made with another key, and a new key would give each a fresh cap."""
+    # The team key (the HMAC key of record digests, dataset fingerprints and keyed splits) is NEVER
+    # kept in the ledger's database: with it, the 16-byte record digests stored here answer "is this
+    # text in the data?" for any text. The database keeps its id only (``key_id_of``), so that a
+    # machine holding the wrong key, or none, is told so. Where the key lives: tasks/state.py.
+
+    def team_key_id(self) -> str | None:
+        """The id (:func:`key_id_of`) of the key this ledger's datasets are keyed with, None when none
+        is recorded."""
         with self._read() as conn:
-            row = _q(conn, "SELECT key FROM team_key WHERE id = 1").fetchone()
-        if row is not None or not mint:
-            return bytes(row["key"]) if row is not None else None
-        return self._store_team_key(secrets.token_bytes(32), minted=True)
+            return self._key_id_in(conn)
 
-    def set_team_key(self, key: bytes) -> bytes:
-        """Keep ``key`` (32 bytes: e.g. the ``installation.key`` of the machine whose ledger was
-        imported) as the team key. A ledger that has a different key refuses; the same key again
-        is a no-op."""
-        if not isinstance(key, (bytes, bytearray)) or len(key) != 32:
-            raise LedgerKeyError(f"a team key is 32 bytes, got {len(key) if isinstance(key, (bytes, bytearray)) else key!r}")
-        return self._store_team_key(bytes(key), minted=False)
+    @staticmethod
+    def _key_id_in(conn: sa.Connection) -> str | None:
+        row = _q(conn, "SELECT value FROM ledger_meta WHERE name = ?", (TEAM_KEY_ID,)).fetchone()
+        return row["value"] if row is not None else None
 
-    def _store_team_key(self, key: bytes, minted: bool) -> bytes:
+    def set_team_key_id(self, key_id: str, minted: bool = False) -> str:
+        """Record ``key_id`` as the id of this ledger's team key, in one locked transaction; returns
+        the id recorded. The same id again is a no-op. A different recorded id: ``minted`` (a key
+        just created on another machine at the same moment) returns the recorded one, which the
+        caller must then use; otherwise :class:`LedgerKeyError`. Minting is refused over a ledger that
+        already has datasets: their fingerprints were made with another key, and a new key would give
+        each a fresh cap."""
+        if not isinstance(key_id, str) or len(key_id) != 16 or any(c not in "0123456789abcdef" for c in key_id):
+            raise LedgerKeyError(f"a key id is 16 hex digits, got {key_id!r}")
         with self._write() as conn:
-            row = _q(conn, "SELECT key FROM team_key WHERE id = 1").fetchone()
-            if row is not None:
-                if minted or bytes(row["key"]) == key:
-                    return bytes(row["key"])  # another machine minted it first: everyone uses that one
-                raise LedgerKeyError(f"ledger {self.location} already keeps a different team key: refusing to "
-                                     "replace it (every registered fingerprint depends on it)")
+            stored = self._key_id_in(conn)
+            if stored is not None:
+                if stored == key_id or minted:
+                    return stored
+                raise LedgerKeyError(f"ledger {self.location} keeps its datasets under team key {stored}, not {key_id}: "
+                                     "refusing to change it (every registered fingerprint depends on it)")
             n = _q(conn, "SELECT COUNT(*) AS n FROM datasets").fetchone()["n"]
             if minted and n:
                 raise LedgerKeyError(
-                    f"ledger {self.location} has {n} registered dataset(s) but no team key: their fingerprints were "
-                    "made with another key, and minting a new one would give each dataset a fresh cap; store the key "
-                    "they were made with: privprompt ledger set-key PATH (e.g. <state>/secrets/installation.key "
-                    "of the machine whose ledger was imported)")
-            _q(conn, "INSERT INTO team_key (id, key, created_at, host, os_user) VALUES (1, ?, ?, ?, ?)",
-               (key, _now(), _host(), _os_user()))
-            self._trail(conn, "team_key", None, None, how="minted" if minted else "set",
+                    f"ledger {self.location} has {n} registered dataset(s) but no team key recorded: their fingerprints "
+                    "were made with another key, and a new key would give each dataset a fresh cap; import the key they "
+                    "were made with: privprompt key import KEYFILE (e.g. <state>/secrets/installation.key of the "
+                    "machine whose ledger was imported)")
+            _q(conn, "INSERT INTO ledger_meta (name, value) VALUES (?, ?)", (TEAM_KEY_ID, key_id))
+            self._trail(conn, "team_key", None, None, how="minted" if minted else "set", key_id=key_id,
                         datasets_registered=n)
+        return key_id
+
+    def has_datasets(self) -> bool:
+        """Whether any dataset is registered (its fingerprint was made with some key)."""
+        with self._read() as conn:
+            return _q(conn, "SELECT COUNT(*) AS n FROM datasets").fetchone()["n"] > 0
+
+    def holds_legacy_team_key(self) -> bool:
+        """Whether the database still has the ``team_key`` table of schemas 4-6 (a key to move out)."""
+        with self._read() as conn:
+            return sa.inspect(conn).has_table(LEGACY_TEAM_KEY_TABLE)
+
+    def move_team_key_out(self, keep) -> bytes | None:
+        """Move the team key that schemas 4-6 kept in the database out of it: ``keep(key)`` stores it
+        (a key file; it must raise if it cannot) BEFORE anything is deleted, then, in the same locked
+        transaction, the key's id is recorded, the row is overwritten and deleted and the table
+        dropped, and a 'team_key_moved' row is appended to the trail. A SQLite file is then vacuumed
+        (no free page or log keeps the key). No entry, dataset, digest or trail row is touched.
+        Returns the key moved (None: the database held none; a leftover empty table is dropped)."""
+        if not self.holds_legacy_team_key():
+            return None
+        key = None
+        with self._write() as conn:
+            if not sa.inspect(conn).has_table(LEGACY_TEAM_KEY_TABLE):
+                return None  # another process moved it in between
+            if self._store.dialect == "sqlite":
+                conn.exec_driver_sql("PRAGMA secure_delete = ON")  # deleted cells are zeroed
+            row = _q(conn, f"SELECT key, created_at FROM {LEGACY_TEAM_KEY_TABLE} WHERE id = 1").fetchone()
+            if row is not None:
+                key = bytes(row["key"])
+                if len(key) != 32:
+                    raise LedgerKeyError(f"ledger {self.location} holds a team key of {len(key)} bytes, not 32: "
+                                         "it is not moved")
+                key_id = key_id_of(key)
+                stored = self._key_id_in(conn)
+                if stored is not None and stored != key_id:
+                    raise LedgerKeyError(f"ledger {self.location} holds a team key {key_id} in its database and records "
+                                         f"another key id {stored}: it is not moved; restore the ledger from a backup")
+                keep(key)  # the key is safe elsewhere before it leaves the database
+                if stored is None:
+                    _q(conn, "INSERT INTO ledger_meta (name, value) VALUES (?, ?)", (TEAM_KEY_ID, key_id))
+                _q(conn, f"UPDATE {LEGACY_TEAM_KEY_TABLE} SET key = ? WHERE id = 1", (b"\0" * len(key),))
+                _q(conn, f"DELETE FROM {LEGACY_TEAM_KEY_TABLE}")
+                self._trail(conn, "team_key_moved", None, None, key_id=key_id, key_created_at=row["created_at"],
+                            to="a key file outside the ledger database")
+            conn.exec_driver_sql(f"DROP TABLE {LEGACY_TEAM_KEY_TABLE}")
+        self._store.scrub()
         return key
 
     def trail(self, fingerprint: str | None = None, run_id: str | None = None) -> list[dict[str, Any]]:
@@ -1075,13 +1210,13 @@ class Ledger:
         """The whole ledger as JSON-able data, from one snapshot: every row of ``datasets``,
         ``entries``, ``cap_changes`` and ``trail`` as stored (events as JSON text), each dataset's
         keyed record digests (``record_digests``: fingerprint → base64 of its sorted 16-byte
-        digests end to end; keyed, never text), and a computed ``summary`` (:meth:`datasets`). The team key is not exported (only whether there is one):
-        keep it apart, and restore it with ``import_ledger(..., team_key=...)``."""
+        digests end to end; keyed, never text), and a computed ``summary`` (:meth:`datasets`). The team
+        key is never in the ledger, so never in an export: only its id (``team_key_id``)."""
         with self._read() as conn:
             tables = {t: [dict(r) for r in _q(conn, f"SELECT * FROM {t} ORDER BY "
                                                    f"{'fingerprint' if t == 'datasets' else 'id'}").fetchall()]
                       for t in _TABLES}
-            has_key = _q(conn, "SELECT COUNT(*) AS n FROM team_key").fetchone()["n"] > 0
+            key_id = self._key_id_in(conn)
             digests: dict[str, list[bytes]] = {}
             for r in _q(conn, "SELECT s.fingerprint AS fingerprint, r.digest AS digest FROM dataset_records r "
                               "JOIN record_sets s ON s.id = r.set_id ORDER BY s.fingerprint, r.digest"):
@@ -1091,13 +1226,15 @@ class Ledger:
         # keyed digests only (base64 of the sorted 16-byte digests end to end): as private as the ledger
         records = {fp: base64.b64encode(b"".join(ds)).decode("ascii") for fp, ds in sorted(digests.items())}
         return {"format": EXPORT_FORMAT, "schema_version": SCHEMA_VERSION, "exported_at": _now(),
-                "ledger": self.location, "team_key": "kept apart (not exported)" if has_key else None,
+                "ledger": self.location, "team_key_id": key_id,
                 **tables, "record_digests": records, "summary": self.datasets()}
 
     def import_ledger(self, data: dict[str, Any], team_key: bytes | None = None) -> dict[str, int]:
         """Restore an :meth:`export` into this ledger, which must be empty (no dataset, entry, cap
         change or trail row): the rows keep their ids, times and statuses, so a restored ledger
-        composes exactly as the exported one. ``team_key``: also keep this key as the team key.
+        composes exactly as the exported one. The export's ``team_key_id`` is recorded as the
+        ledger's; ``team_key`` (the key itself, 32 bytes): its id is recorded (never the key) and
+        must agree with the export's.
         Appends one 'import' row to the trail. Returns the number of rows per table."""
         if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
             raise LedgerError(f"not a ledger export (its 'format' is not {EXPORT_FORMAT!r}): "
@@ -1124,6 +1261,14 @@ class Ledger:
         columns = {t.name: [c.name for c in t.columns] for t in _store_tables()}
         if team_key is not None and (not isinstance(team_key, (bytes, bytearray)) or len(team_key) != 32):
             raise LedgerKeyError("a team key is 32 bytes")
+        key_id = data.get("team_key_id")
+        if key_id is not None and (not isinstance(key_id, str) or len(key_id) != 16):
+            raise LedgerError("ledger export: 'team_key_id' must be 16 hex digits")
+        if team_key is not None:
+            if key_id is not None and key_id_of(bytes(team_key)) != key_id:
+                raise LedgerKeyError(f"the key given is not the one the export's datasets were keyed with "
+                                     f"(key id {key_id_of(bytes(team_key))}, the export's {key_id})")
+            key_id = key_id_of(bytes(team_key))
         with self._write() as conn:
             present = {t: _q(conn, f"SELECT COUNT(*) AS n FROM {t}").fetchone()["n"] for t in _TABLES}
             if any(present.values()):
@@ -1158,15 +1303,15 @@ class Ledger:
                 for t in ("entries", "cap_changes", "trail", "record_sets"):
                     _q(conn, f"SELECT setval(pg_get_serial_sequence('{t}', 'id'), COALESCE(MAX(id), 1), "
                              f"MAX(id) IS NOT NULL) FROM {t}")
-            if team_key is not None:
-                row = _q(conn, "SELECT key FROM team_key WHERE id = 1").fetchone()
-                if row is not None and bytes(row["key"]) != bytes(team_key):
-                    raise LedgerKeyError(f"ledger {self.location} already keeps a different team key")
-                if row is None:
-                    _q(conn, "INSERT INTO team_key (id, key, created_at, host, os_user) VALUES (1, ?, ?, ?, ?)",
-                       (bytes(team_key), _now(), _host(), _os_user()))
+            if key_id is not None:
+                stored = self._key_id_in(conn)
+                if stored is not None and stored != key_id:
+                    raise LedgerKeyError(f"ledger {self.location} already records another team key ({stored}, "
+                                         f"the import's {key_id})")
+                if stored is None:
+                    _q(conn, "INSERT INTO ledger_meta (name, value) VALUES (?, ?)", (TEAM_KEY_ID, key_id))
             self._trail(conn, "import", None, None, source_ledger=data.get("ledger"),
-                        exported_at=data.get("exported_at"), rows=counts, team_key=team_key is not None)
+                        exported_at=data.get("exported_at"), rows=counts, team_key_id=key_id)
         return counts
 
     # -- queries --
@@ -1254,7 +1399,7 @@ class Ledger:
             out = []
             for ds in rows:
                 fp = ds["fingerprint"]
-                s = _compose(self._counted_events(conn, fp), ds["delta"])
+                s = self._spent_in(conn, fp)[1]
                 counts = {(r["kind"], r["status"]): r["n"] for r in _q(conn,
                     "SELECT kind, status, COUNT(*) AS n FROM entries WHERE fingerprint = ? GROUP BY kind, status",
                     (fp,))}

@@ -16,7 +16,9 @@ statement and the append-only trigger of the audit trail differ per dialect.
 Schema versions: 2 added the 'ldp' kind of use; 3 'released' entries, read marks and reasons of cap
 changes; 4 the append-only audit trail (``trail``), the team key (``team_key``) and ``ledger_meta``;
 5 the keyed record digests of each dataset (``record_sets``: one row per dataset whose records are
-known; ``dataset_records``: one row per keyed record digest, 16 bytes, unique across the ledger).
+known; ``dataset_records``: one row per keyed record digest, 16 bytes, unique across the ledger);
+6 each dataset's privacy unit; 7 no team key in the database (only its id in ``ledger_meta``; the
+key of a version 4-6 ledger is moved to a key file and its table dropped on first use).
 Datasets of a version-4 ledger keep their keys and get their digests at the next run on their
 source (matched by the old file-bytes key). SQLite files of versions 1-4 are migrated in place
 (version in ``PRAGMA user_version`` and ``ledger_meta``); a PostgreSQL ledger keeps its version in
@@ -40,7 +42,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 DEFAULT_BUSY_TIMEOUT_S = 120.0
 # pg_advisory_xact_lock key of the ledger's write lock (any fixed 64-bit number; "privledg")
 PG_LOCK_KEY = 0x7072_6976_6C65_6467
@@ -131,15 +133,14 @@ trail_table = sa.Table(  # append-only: a trigger refuses UPDATE and DELETE
     sqlite_autoincrement=True,
 )
 
-team_key_table = sa.Table(  # at most one row: the team's key of keyed fingerprints and splits
-    "team_key", metadata,
-    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("key", sa.LargeBinary, nullable=False),
-    sa.Column("created_at", sa.Text, nullable=False),
-    sa.Column("host", sa.Text, nullable=False),
-    sa.Column("os_user", sa.Text, nullable=False),
-    sa.CheckConstraint("id = 1"),
-)
+# Schemas 4-6 kept the team key itself in a table ``team_key`` (one row) beside the keyed record
+# digests: whoever could read the database could test any text for membership. Schema 7 creates no
+# such table; an old one is emptied and dropped by ``Ledger.move_team_key_out`` on first use through
+# a state folder, which first hands the key to a key file (tasks/state.py). The database keeps only
+# the key's id (ledger_meta 'team_key_id': an HMAC of a constant under the key, which tells keys
+# apart and computes no digest).
+LEGACY_TEAM_KEY_TABLE = "team_key"
+TEAM_KEY_ID = "team_key_id"  # the ledger_meta row of the team key's id
 
 record_sets_table = sa.Table(  # a dataset whose records the ledger knows (schema 5)
     "record_sets", metadata,
@@ -393,6 +394,22 @@ class Store:
                              {"v": str(SCHEMA_VERSION)})
                 if self.dialect == "sqlite":
                     conn.exec_driver_sql(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def scrub(self) -> None:
+        """After key material was deleted: rewrite a SQLite file (VACUUM) so that no free page keeps
+        it, and empty its write-ahead log. (PostgreSQL: a dropped table's file is removed at commit;
+        its WAL segments and backups are the server's.)"""
+        if self.dialect != "sqlite":
+            return
+        raw = self.engine.raw_connection()  # outside any transaction: VACUUM cannot run inside one
+        try:
+            conn = raw.driver_connection
+            conn.execute("VACUUM")
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.OperationalError as exc:
+            raise self._unavailable(exc) from exc
+        finally:
+            raw.close()
 
     def _current_version(self) -> int:
         with self.read() as conn:

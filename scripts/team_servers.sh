@@ -12,7 +12,8 @@
 #   export MLFLOW_TRACKING_URI=http://<host>:5055  PREFECT_API_URL=http://<host>:4299/api \
 #          PRIVPROMPT_LEDGER_URL=postgresql://privprompt@<host>:5433/ledger
 # and `privprompt run CONFIG` (or a Prefect worker on the work pool of prefect.yaml) logs there and
-# spends every dataset's one budget in the shared ledger (which also keeps the team key). The
+# spends every dataset's one budget in the shared ledger (the team key is a file on each machine, never in
+# the ledger: `privprompt key export FILE` on the first, `privprompt key import FILE` on the others). The
 # cluster here trusts local connections (--auth=trust, listening on 127.0.0.1 only): for machines
 # on a network, give the role a password (in ~/.pgpass or the URL in the environment, never in a
 # config) and allow their addresses in pg_hba.conf.

@@ -119,7 +119,8 @@ def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, 
     try:
         ledger.require_delta(key, delta)
     except DeltaMismatchError as exc:
-        raise DeltaMismatchError(f"{exc}: privprompt budget set-delta {key[:12]} DELTA --reason TEXT") from None
+        raise DeltaMismatchError(f"{exc}: a smaller δ with privprompt budget set-delta {key[:12]} DELTA --reason TEXT "
+                                 "(a larger δ raises the dataset's budget, a policy step like a cap raise)") from None
     if cap > row["epsilon_cap"] + 1e-12:
         raise ConfigError(
             f"privacy.dataset_epsilon_cap={cap:g} is above the cap ε={row['epsilon_cap']:g} already set for "
@@ -698,8 +699,9 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
                     reservation = ledger.reserve(part.dataset_key, run_key, plan.event,
                                                  description=f"{name} flow run {ctx.flow_run_id}{note}")
                 except BudgetExceededError as exc:  # say what does fit, for this config
-                    largest = largest_fitting_target_epsilon(cfg, sizes, delta,
-                                                             ledger.counted_events(part.dataset_key), exc.cap)
+                    # spent above the cap (a lowered cap, or ε held from before a δ change): nothing fits
+                    largest = None if exc.spent > exc.cap else largest_fitting_target_epsilon(
+                        cfg, sizes, delta, ledger.counted_events(part.dataset_key), exc.cap)
                     raise exc.with_hint(fitting_hint(largest), largest) from None
             elif plan.guarantee == "ldp":
                 ledger.record_ldp(part.dataset_key, run_key, f"{name}: local d_X privacy, no (ε, δ) claim")

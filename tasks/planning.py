@@ -135,7 +135,9 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
             cfg, sizes = m["configs"][0]
             if planned_events(cfg, sizes, m["delta"]):
                 existing = ledger.counted_events(key) if ledger is not None and _registered(ledger, key) else []
-                d["largest_epsilon"] = largest_fitting_target_epsilon(cfg, sizes, m["delta"], existing, d["cap"])
+                # spent above the cap (a lowered cap, or ε held from before a δ change): nothing fits
+                d["largest_epsilon"] = (None if d["spent_epsilon"] > d["cap"] else
+                                        largest_fitting_target_epsilon(cfg, sizes, m["delta"], existing, d["cap"]))
                 d["largest_hint"] = fitting_hint(d["largest_epsilon"])
         d["notes"] = m["notes"]
         datasets[key] = d

@@ -7,9 +7,15 @@ holds the MLflow database and artifacts, the budget ledger (unless the ledger is
 Prefect's home, and ``private/``: the one place private working data is written.
 
 The ledger: the config's ``ledger.url``, else ``$PRIVPROMPT_LEDGER_URL``, else the SQLite file
-``<state>/ledger.sqlite``. A ledger elsewhere (a team's PostgreSQL, or a SQLite file outside the
-state folder) also keeps the key of keyed fingerprints and splits (:func:`installation_secret`),
-so that every machine using it names a dataset the same way.
+``<state>/ledger.sqlite``. The key of keyed record digests, fingerprints and splits
+(:func:`installation_secret`) never sits in the ledger's database, which holds the digests: for the
+state folder's own ledger it is ``<state>/secrets/installation.key``; for a ledger elsewhere (a
+team's PostgreSQL, or a SQLite file outside the state folder) it is the TEAM key, in
+``<state>/secrets/team-keys/<key id>.key`` (or the file ``$PRIVPROMPT_TEAM_KEY_FILE`` names), the
+same on every machine of the team: ``privprompt key export FILE`` on a machine that has it,
+``privprompt key import FILE`` on one that joins (:func:`export_key`, :func:`import_key`). The
+ledger records the key's id only, and refuses a machine without the key with one line saying how
+to get it.
 """
 
 from __future__ import annotations
@@ -88,10 +94,35 @@ class StatePaths:
         return self.ledger_is_shared or self.ledger.is_file()
 
     def open_ledger(self):
-        """The :class:`privacy.ledger.Ledger` of this state folder (created if it does not exist)."""
-        from privacy.ledger import Ledger
+        """The :class:`privacy.ledger.Ledger` of this state folder (created if it does not exist). A
+        ledger whose database still holds the team key (schemas 4-6) has it moved out on this first
+        use: to its key file here (:meth:`team_key_file`), then deleted from the database."""
+        from privacy.ledger import Ledger, key_id_of
 
-        return Ledger(self.ledger_url)
+        ledger = Ledger(self.ledger_url)
+        if self.ledger_url not in _KEY_OUT_OF_DB:
+            ledger.move_team_key_out(lambda key: store_key_file(self.team_key_file(key_id_of(key)), key))
+            _KEY_OUT_OF_DB.add(self.ledger_url)
+        return ledger
+
+    @property
+    def secrets(self) -> Path:
+        """Where this state folder keeps its keys (0700; not under ``private/``: public-data stages
+        use the key to check that public data does not overlap the private source)."""
+        return self.root / "secrets"
+
+    @property
+    def installation_key(self) -> Path:
+        """The key of this state folder's own ledger."""
+        return self.secrets / SECRET_NAME
+
+    def team_key_file(self, key_id: str) -> Path:
+        """Where the team key of id ``key_id`` is kept: ``$PRIVPROMPT_TEAM_KEY_FILE`` when set, else
+        ``<state>/secrets/team-keys/<key id>.key`` (one file per team ledger's key)."""
+        env = os.environ.get(TEAM_KEY_FILE_ENV)
+        if env:
+            return Path(env).expanduser().resolve()
+        return self.secrets / TEAM_KEYS_DIR / f"{key_id}.key"
 
     @property
     def prefect_home(self) -> Path:
@@ -108,9 +139,12 @@ class StatePaths:
 
 
 SECRET_NAME = "installation.key"
+TEAM_KEY_FILE_ENV = "PRIVPROMPT_TEAM_KEY_FILE"
+TEAM_KEYS_DIR = "team-keys"
+KEY_BYTES = 32
 
-
-_TEAM_KEYS: dict[str, bytes] = {}
+_TEAM_KEYS: dict[tuple, bytes] = {}
+_KEY_OUT_OF_DB: set[str] = set()  # ledger URLs whose database this process found without a team key
 # state folder → the ledger.url of the config that named it in this process (state_paths with a
 # ledger_url): code that knows only a folder (the keyed fingerprint of a dataset) uses that ledger too
 _CONFIGURED_LEDGERS: dict[Path, str] = {}
@@ -119,55 +153,206 @@ _CONFIGURED_LEDGERS: dict[Path, str] = {}
 def key_id(private_dir: str | Path) -> str:
     """A name of the key :func:`installation_secret` gives for ``private_dir`` (an HMAC of a
     constant under it: it tells keys apart and reveals nothing of the key)."""
-    import hashlib
-    import hmac
+    from privacy.ledger import key_id_of
 
-    return hmac.new(installation_secret(private_dir), b"privprompt/key-id", hashlib.sha256).hexdigest()[:16]
+    return key_id_of(installation_secret(private_dir))
 
 
 def installation_secret(private_dir: str | Path, ledger_url: str | None = None) -> bytes:
-    """This installation's secret key (32 bytes from ``secrets``): the HMAC key of dataset
-    fingerprints and keyed splits, so that a published fingerprint confirms no guess about the
-    data to anyone without it. Never logged or returned in a result.
+    """This installation's secret key (32 bytes from ``secrets``): the HMAC key of record digests,
+    dataset fingerprints and keyed splits, so that a published fingerprint confirms no guess about
+    the data to anyone without it. Never logged or returned in a result, and never kept in the
+    ledger's database (which holds the keyed record digests).
 
-    With a ledger elsewhere (``ledger_url``, else ``$PRIVPROMPT_LEDGER_URL``, other than this
-    state folder's own file) it is the TEAM key kept in that ledger (created once, by whichever
-    machine comes first; refused over a ledger that has datasets and no key): every machine names
-    a dataset the same way. Otherwise it is kept in ``<state>/secrets/installation.key`` (mode
-    0600; ``<state>`` is the parent of ``private_dir``), created atomically on first use. Not under
-    ``private/``: public-data stages use it to check that public data does not overlap the
-    private source."""
+    With a ledger elsewhere (``ledger_url``, else ``$PRIVPROMPT_LEDGER_URL``, other than this state
+    folder's own file) it is the TEAM key of that ledger (:func:`team_key`): every machine names a
+    dataset the same way. Otherwise it is kept in ``<state>/secrets/installation.key`` (mode 0600;
+    ``<state>`` is the parent of ``private_dir``), created atomically on first use — but never over
+    a ledger that already has datasets (their fingerprints were made with the lost key: restore it).
+    Not under ``private/``: public-data stages use it to check that public data does not overlap
+    the private source."""
     import secrets
-    import tempfile
 
     root = Path(private_dir).resolve().parent
     paths = StatePaths(root, ledger_url or _CONFIGURED_LEDGERS.get(root))
     if paths.ledger_is_shared:
-        url = paths.ledger_url
-        if url not in _TEAM_KEYS:
-            _TEAM_KEYS[url] = paths.open_ledger().team_key(mint=True)
-        return _TEAM_KEYS[url]
-    directory = paths.root / "secrets"
-    path = directory / SECRET_NAME
+        cached = (paths.ledger_url, str(root), os.environ.get(TEAM_KEY_FILE_ENV))
+        if cached not in _TEAM_KEYS:
+            _TEAM_KEYS[cached] = team_key(paths)
+        return _TEAM_KEYS[cached]
+    path = paths.installation_key
     if path.is_file():
-        key = path.read_bytes()
-        if len(key) == 32:
-            return key
-        raise ValueError(f"{path} is not a 32-byte key: restore it from a backup (fingerprints and the "
-                         "ledger's dataset keys depend on it) or remove it to start a new installation")
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=".installation-", dir=directory)
+        return read_key_file(path)
+    if paths.ledger.is_file():
+        from privacy.ledger import LedgerKeyError
+
+        ledger = paths.open_ledger()
+        if ledger.has_datasets():
+            raise LedgerKeyError(
+                f"{path} is missing but ledger {paths.ledger} has datasets keyed with it (their fingerprints and record "
+                "digests): restore the key file from a backup, or import it: privprompt key import KEYFILE")
+    return store_key_file(path, secrets.token_bytes(KEY_BYTES))
+
+
+def read_key_file(path: str | Path) -> bytes:
+    """The 32-byte key in ``path``; one line (:class:`privacy.ledger.LedgerKeyError`) when it cannot be
+    read or is not a key."""
+    from privacy.ledger import LedgerKeyError
+
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, secrets.token_bytes(32))
-        os.close(fd)
+        key = Path(path).read_bytes()
+    except OSError as exc:
+        raise LedgerKeyError(f"cannot read key file {path}: {exc.strerror}") from None
+    if len(key) != KEY_BYTES:
+        raise LedgerKeyError(f"{path} is not a {KEY_BYTES}-byte key: restore it from a backup or the team "
+                             "(fingerprints and the ledger's dataset keys depend on it)")
+    return key
+
+
+def store_key_file(path: str | Path, key: bytes, must_match: bool = True) -> bytes:
+    """Keep ``key`` in ``path`` (mode 0600; a folder created for it is 0700), atomically and never
+    replacing a file: when ``path`` already holds this key, nothing changes. Another key there is
+    refused (:class:`privacy.ledger.LedgerKeyError`) unless not ``must_match`` (a key just minted,
+    which loses to the one another process wrote first). Returns the key now in ``path``."""
+    import tempfile
+
+    from privacy.ledger import LedgerKeyError, key_id_of
+
+    path = Path(path)
+    if not path.is_file():
+        for folder in reversed([path.parent, *path.parent.parents]):  # every folder made here is 0700
+            if not folder.exists():
+                folder.mkdir(mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".key-", dir=path.parent)
         try:
-            os.link(tmp, path)  # atomic, and never replaces a key another process created first
-        except FileExistsError:
-            pass
-    finally:
-        os.unlink(tmp)
-    return path.read_bytes()
+            os.fchmod(fd, 0o600)
+            os.write(fd, key)
+            os.fsync(fd)
+            os.close(fd)
+            try:
+                os.link(tmp, path)  # atomic, and never replaces a key another process created first
+            except FileExistsError:
+                pass
+        finally:
+            os.unlink(tmp)
+    stored = read_key_file(path)
+    if stored != key and must_match:
+        raise LedgerKeyError(f"{path} already holds another key (id {key_id_of(stored)}, not {key_id_of(key)}): "
+                             "refusing to replace it; move it away first if it is not needed")
+    return stored
+
+
+def _missing_team_key(paths: StatePaths, key_id: str | None) -> Exception:
+    from privacy.ledger import LedgerKeyError
+
+    where = f"ledger {paths.ledger_location}"
+    if key_id is None:
+        return LedgerKeyError(
+            f"{where} has registered datasets but no team key recorded: their fingerprints were made with another "
+            "key; import the key they were made with: privprompt key import KEYFILE (e.g. "
+            "<state>/secrets/installation.key of the machine whose ledger was imported)")
+    env = os.environ.get(TEAM_KEY_FILE_ENV)
+    has = f"{TEAM_KEY_FILE_ENV}={env} names no key file" if env else "this machine does not have it"
+    return LedgerKeyError(
+        f"{where} keeps its datasets' keyed record digests under team key {key_id}, and {has}: on a machine of "
+        "the team that has it run `privprompt key export FILE`, bring FILE here privately (with the ledger it "
+        f"tells who is in the data) and run `privprompt key import FILE` (or set {TEAM_KEY_FILE_ENV}=FILE)")
+
+
+def team_key(paths: StatePaths, mint: bool = True) -> bytes:
+    """The team key of the shared ledger of ``paths``: the key file whose id the ledger records
+    (``$PRIVPROMPT_TEAM_KEY_FILE`` when set, else ``<state>/secrets/team-keys/<key id>.key``). A key
+    file of another id is refused; none is refused with one line saying how to get it
+    (``privprompt key import``). A ledger that records no key id: a key in ``$PRIVPROMPT_TEAM_KEY_FILE``
+    is recorded as its key; with no dataset registered, ``mint`` creates one (32 bytes from
+    ``secrets``), writes it to its file and records its id (whichever machine records first wins:
+    another machine's key file is then useless and removed)."""
+    import secrets
+
+    from privacy.ledger import LedgerKeyError, key_id_of
+
+    ledger = paths.open_ledger()  # moves a key the database still holds out first
+    key_id = ledger.team_key_id()
+    env = os.environ.get(TEAM_KEY_FILE_ENV)
+    if key_id is not None:
+        path = paths.team_key_file(key_id)
+        if not path.is_file():
+            raise _missing_team_key(paths, key_id)
+        key = read_key_file(path)
+        if key_id_of(key) != key_id:
+            raise LedgerKeyError(f"{path} holds team key {key_id_of(key)}, but ledger {paths.ledger_location} keeps "
+                                 f"its datasets under team key {key_id}: privprompt key import the team's key file")
+        return key
+    if env and Path(env).expanduser().is_file():  # the team's key, named explicitly: recorded as the ledger's
+        key = read_key_file(Path(env).expanduser())
+        ledger.set_team_key_id(key_id_of(key))  # refused when another machine recorded another key first
+        return key
+    if ledger.has_datasets() or not mint:
+        raise _missing_team_key(paths, None)
+    fresh = secrets.token_bytes(KEY_BYTES)
+    path = paths.team_key_file(key_id_of(fresh))
+    key = store_key_file(path, fresh, must_match=False)  # $PRIVPROMPT_TEAM_KEY_FILE: the first writer's key
+    try:
+        recorded = ledger.set_team_key_id(key_id_of(key), minted=True)
+    except LedgerKeyError:
+        if key == fresh and not env:
+            path.unlink(missing_ok=True)
+        raise
+    if recorded != key_id_of(key):  # another machine recorded its key first: this one is of no use
+        if not env:
+            path.unlink(missing_ok=True)
+        return team_key(paths, mint=False)
+    return key
+
+
+def ledger_key(paths: StatePaths, mint: bool = True) -> bytes:
+    """The key of the ledger of ``paths``: the team key of a shared ledger (:func:`team_key`), else
+    the state folder's ``installation.key``."""
+    if paths.ledger_is_shared:
+        return team_key(paths, mint)
+    if not mint and not paths.installation_key.is_file():
+        from privacy.ledger import LedgerKeyError
+
+        raise LedgerKeyError(f"this state folder has no key yet ({paths.installation_key}): no run has used it")
+    return installation_secret(paths.private)
+
+
+def export_key(paths: StatePaths, destination: str | Path) -> tuple[str, Path]:
+    """Write the key of the ledger of ``paths`` (:func:`ledger_key`; a new team ledger's key is
+    created here) to ``destination`` (mode 0600, never replacing another file) for the team to
+    import. Returns (key id, the file)."""
+    from privacy.ledger import key_id_of
+
+    key = ledger_key(paths)
+    destination = Path(destination).expanduser().resolve()
+    store_key_file(destination, key)  # refused when another key is there
+    return key_id_of(key), destination
+
+
+def import_key(paths: StatePaths, source: str | Path) -> tuple[str, Path]:
+    """Keep the key in ``source`` as the key of the ledger of ``paths``. A shared ledger: checked
+    against the key id it records (another key is refused), or recorded as its key when it records
+    none; kept in :meth:`StatePaths.team_key_file`. The state folder's own ledger: kept as its
+    ``installation.key`` (refused when a different one is there). Returns (key id, where it is kept)."""
+    from privacy.ledger import LedgerKeyError, key_id_of
+
+    key = read_key_file(source)
+    key_id = key_id_of(key)
+    if paths.ledger_is_shared:
+        ledger = paths.open_ledger()
+        stored = ledger.team_key_id()
+        if stored is not None and stored != key_id:
+            raise LedgerKeyError(f"{source} holds key {key_id}, but ledger {paths.ledger_location} keeps its datasets "
+                                 f"under team key {stored}: ask the team for that key's file")
+        if stored is None:
+            ledger.set_team_key_id(key_id)
+        target = paths.team_key_file(key_id)
+    else:
+        target = paths.installation_key
+    store_key_file(target, key)
+    for cached in [c for c in _TEAM_KEYS if c[0] == paths.ledger_url]:
+        del _TEAM_KEYS[cached]
+    return key_id, target
 
 
 @contextmanager

@@ -18,6 +18,7 @@ os.environ["DO_NOT_TRACK"] = "true"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PRIVPROMPT_LEDGER_URL", None)  # each test's ledger is its state folder's file unless it says otherwise
+os.environ.pop("PRIVPROMPT_TEAM_KEY_FILE", None)  # a team ledger's key is the state folder's key file unless a test says otherwise
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"

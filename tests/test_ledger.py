@@ -427,3 +427,102 @@ def test_delta_mismatch_is_an_error_not_infinite_epsilon(ledger):
     with pytest.raises(DeltaMismatchError):
         ledger.preview(FP, [EXP], 1e-6)
     assert issubclass(DeltaMismatchError, ValueError)
+
+
+# ---- a δ change never unspends a budget (issue 35, defect 3) ----------------------------------
+
+RUN_200 = ev.dpsgd_event(0.05, 1.0, 200)  # its ε falls with δ: 4.77 at 1e-5, 3.16 at 1e-3, 0 at 0.5
+
+
+def _spent_two_runs(tmp_path) -> tuple[Ledger, float]:
+    led = Ledger(tmp_path / "ledger.sqlite")
+    led.register_dataset(FP, "toy", 8.0, DELTA)
+    for run in ("r1", "r2"):
+        led.reserve(FP, run, RUN_200)
+        led.mark_read(run)
+        led.commit(run, RUN_200)
+    spent = led.spent(FP).epsilon
+    composed_at = {d: spend(ev.ComposedEvent((RUN_200, RUN_200)), d).epsilon for d in (1e-3, 0.5)}
+    assert spent == pytest.approx(spend(ev.ComposedEvent((RUN_200, RUN_200)), DELTA).epsilon)
+    assert composed_at[1e-3] < spent - 1.0 and composed_at[0.5] == 0.0  # what a δ raise would have "unspent"
+    return led, spent
+
+
+def test_set_delta_cannot_lower_spent_epsilon(tmp_path, capsys):
+    from privprompt_cli import main
+
+    led, spent = _spent_two_runs(tmp_path)
+    entries = {e["run_id"]: e["epsilon"] for e in led.entries(FP)}
+    trail = led.trail()
+    for delta in ("1e-3", "0.5"):
+        assert main(["--state-dir", str(tmp_path), "budget", "set-delta", "toy", delta, "--reason", "more"]) == 2
+        err = capsys.readouterr().err
+        assert "raises the budget" in err and "allow_cap_change=True" in err and err.count("\n") == 1
+    assert led.dataset(FP)["delta"] == DELTA and led.spent(FP).epsilon == pytest.approx(spent, rel=1e-12)
+    assert led.trail() == trail and led.cap_changes(FP) == []      # a refusal writes nothing
+    # the explicit, recorded step (as a cap raise): δ goes up, the spent ε does not come down
+    d = led.change_delta(FP, 1e-3, "policy review", allow_raise=True)
+    assert d["delta"] == 1e-3 and d["spent_epsilon"] == pytest.approx(spent, rel=1e-12)
+    assert led.spent(FP).epsilon == pytest.approx(spent, rel=1e-12)
+    assert led.remaining(FP) == pytest.approx(8.0 - spent, rel=1e-12)
+    assert {e["run_id"]: e["epsilon"] for e in led.entries(FP)} == entries   # no entry's charge drops
+    (change,) = led.cap_changes(FP)
+    assert change["spent_epsilon_at_change"] == pytest.approx(spent) and change["reason"] == "policy review"
+    assert led.trail()[-1]["detail"]["delta_raised"] is True
+    # the table and the plan say the same
+    assert f"{spent:.4f}" in led.summary_table()
+    assert led.preview(FP, [], 1e-3)["spent_epsilon"] == pytest.approx(spent, rel=1e-12)
+    # a run that fits under the cap at the new δ is admitted; the total is never below the held ε
+    r = led.reserve(FP, "r3", ev.ExponentialEvent(0.01))
+    assert r.spent_epsilon == pytest.approx(spent, rel=1e-12)
+    led.abort("r3", "test: never read")
+    # a cap lowered below the held ε leaves nothing, even though the composition at 1e-3 is below it
+    led.lower_cap(FP, spent - 0.5, "policy")
+    with pytest.raises(BudgetExceededError) as info:
+        led.reserve(FP, "r4", ev.ExponentialEvent(0.01))
+    assert info.value.spent == pytest.approx(spent, rel=1e-12) and info.value.remaining == 0.0
+    # a smaller δ tightens: the spent ε rises with it, and every entry's ε is re-stated upwards
+    led.change_delta(FP, 1e-7, "stricter")
+    lower = spend(ev.ComposedEvent((RUN_200, RUN_200)), 1e-7).epsilon
+    assert lower > spent and led.spent(FP).epsilon == pytest.approx(lower)
+    assert all(led.entry(r)["epsilon"] >= entries[r] for r in entries)
+
+
+def test_a_delta_raise_through_register_dataset_holds_the_spent_epsilon_too(tmp_path):
+    led, spent = _spent_two_runs(tmp_path)
+    with pytest.raises(ValueError, match="allow_cap_change"):
+        led.register_dataset(FP, "toy", 8.0, 0.5)
+    led.register_dataset(FP, "toy", 8.0, 0.5, allow_cap_change=True)    # no records known: no 1/n rule
+    assert led.dataset(FP)["delta"] == 0.5 and led.spent(FP).epsilon == pytest.approx(spent, rel=1e-12)
+    # a δ change with an open reservation is refused on this path as well
+    led.reserve(FP, "open", ev.ExponentialEvent(0.01))
+    with pytest.raises(ValueError, match="open reservation"):
+        led.register_dataset(FP, "toy", 8.0, 1e-6, allow_cap_change=True)
+
+
+def test_a_delta_raise_to_one_over_n_of_the_known_records_stays_refused(tmp_path):
+    led = Ledger(tmp_path / "ledger.sqlite")
+    digests = [bytes([i]) * 16 for i in range(200)]              # the dataset is known by 200 records
+    row = led.register_source("k" * 64, "toy", 8.0, DELTA, digests)
+    led.reserve(row["fingerprint"], "r1", RUN_200)
+    led.commit("r1", RUN_200)
+    for delta in (1 / 200, 0.01, 0.5):
+        with pytest.raises(ValueError, match=r">= 1/n for the n records") as info:
+            led.change_delta(row["fingerprint"], delta, "x", allow_raise=True)
+        assert "200" not in str(info.value)                      # n is not in the message
+    led.change_delta(row["fingerprint"], 1e-3, "x", allow_raise=True)  # below 1/n: allowed, recorded
+    assert led.dataset(row["fingerprint"])["delta"] == 1e-3
+
+
+def test_a_ledger_whose_delta_was_raised_before_this_rule_reports_the_spent_epsilon_again(tmp_path):
+    """A δ raise made by the earlier code re-stated every entry at the new δ and recorded the ε spent
+    at the old one: that record now holds the dataset's spent ε, so the budget it unspent is back."""
+    led, spent = _spent_two_runs(tmp_path)
+    with led._store.write() as conn:  # what the earlier change_delta wrote
+        conn.exec_driver_sql(
+            "INSERT INTO cap_changes (fingerprint, old_name, old_cap, old_delta, new_name, new_cap, new_delta, "
+            "spent_epsilon_at_change, changed_at, reason) VALUES (?, 'toy', 8.0, ?, 'toy', 8.0, 0.5, ?, 'then', 'old')",
+            (FP, DELTA, spent))
+        conn.exec_driver_sql("UPDATE datasets SET delta = 0.5 WHERE fingerprint = ?", (FP,))
+    assert led.spent(FP).epsilon == pytest.approx(spent, rel=1e-12)
+    assert led.dataset(FP)["spent_epsilon"] == pytest.approx(spent, rel=1e-12)

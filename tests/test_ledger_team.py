@@ -23,8 +23,8 @@ import pytest
 from privacy import events as ev
 from privacy.accountant import spend
 from privacy.ledger import (BudgetExceededError, Ledger, LedgerError, LedgerKeyError, LedgerUnavailableError,
-                            LedgerURLError, UnknownRunError)
-from tasks.state import installation_secret, state_paths
+                            LedgerURLError, UnknownRunError, key_id_of)
+from tasks.state import import_key, installation_secret, state_paths
 
 FP = "c0ffee" + "0" * 58
 DELTA = 1e-5
@@ -234,32 +234,50 @@ def test_cli_ledger_json_and_import(tmp_path, monkeypatch, capsys):
 
 # ---- the team key ---------------------------------------------------------------------------------
 
-def test_team_key_kept_with_a_shared_ledger(tmp_path, monkeypatch):
+def test_team_key_lives_in_a_key_file_never_in_the_ledger(tmp_path, monkeypatch):
     team = f"sqlite:///{tmp_path / 'team' / 'ledger.sqlite'}"
     monkeypatch.delenv("PRIVPROMPT_LEDGER_URL", raising=False)
+    monkeypatch.delenv("PRIVPROMPT_TEAM_KEY_FILE", raising=False)
     local = installation_secret(tmp_path / "solo" / "private")          # a machine's own ledger: its file
     assert (tmp_path / "solo" / "secrets" / "installation.key").read_bytes() == local
-    a = installation_secret(tmp_path / "a" / "private", team)
+    a = installation_secret(tmp_path / "a" / "private", team)            # the first machine creates the team key
+    key_id = Ledger(team).team_key_id()
+    assert key_id == key_id_of(a) and a != local and len(a) == 32
+    kept = tmp_path / "a" / "secrets" / "team-keys" / f"{key_id}.key"
+    assert kept.read_bytes() == a and kept.stat().st_mode & 0o777 == 0o600
+    assert kept.parent.stat().st_mode & 0o777 == kept.parent.parent.stat().st_mode & 0o777 == 0o700
+    assert not (tmp_path / "a" / "secrets" / "installation.key").exists()
     monkeypatch.setenv("PRIVPROMPT_LEDGER_URL", team)
-    b = installation_secret(tmp_path / "b" / "private")
-    assert a == b == Ledger(team).team_key(mint=False) and a != local and len(a) == 32
-    assert not (tmp_path / "a" / "secrets").exists() and not (tmp_path / "b" / "secrets").exists()
+    with pytest.raises(LedgerKeyError, match=f"team key {key_id}.*privprompt key export FILE.*privprompt key import FILE"
+                       ) as info:                                        # another machine has no key: refused
+        installation_secret(tmp_path / "b" / "private")
+    assert "\n" not in str(info.value)
+    assert import_key(state_paths(str(tmp_path / "b")), kept)[0] == key_id
+    assert installation_secret(tmp_path / "b" / "private") == a
     assert [r["action"] for r in Ledger(team).trail()] == ["team_key"]
+    # a key file of another key is refused, by the ledger's key id
+    other = tmp_path / "other.key"
+    other.write_bytes(os.urandom(32))
+    with pytest.raises(LedgerKeyError, match=f"keeps its datasets under team key {key_id}"):
+        import_key(state_paths(str(tmp_path / "c")), other)
 
 
-def test_no_new_team_key_over_a_ledger_with_datasets(tmp_path):
+def test_no_new_team_key_over_a_ledger_with_datasets(tmp_path, monkeypatch):
     led = Ledger(tmp_path / "imported.sqlite")
     led.register_dataset(FP, "sst2", 8.0, DELTA)      # e.g. a machine's ledger imported into the team's
     with pytest.raises(LedgerKeyError, match="no team key"):
-        led.team_key(mint=True)
-    assert led.team_key(mint=False) is None
+        led.set_team_key_id(key_id_of(os.urandom(32)), minted=True)
+    monkeypatch.delenv("PRIVPROMPT_TEAM_KEY_FILE", raising=False)
+    with pytest.raises(LedgerKeyError, match="no team key recorded.*privprompt key import KEYFILE"):
+        installation_secret(tmp_path / "m" / "private", f"sqlite:///{tmp_path / 'imported.sqlite'}")
+    assert led.team_key_id() is None
     key = os.urandom(32)
-    assert led.set_team_key(key) == key and led.team_key() == key
-    assert led.set_team_key(key) == key               # the same key again: no-op
-    with pytest.raises(LedgerKeyError, match="different team key"):
-        led.set_team_key(os.urandom(32))
-    assert "key" not in json.dumps(led.export()["trail"][-1]["detail"]).replace("team_key", "")
-    assert key.hex() not in json.dumps(led.export())  # the key is never exported
+    assert led.set_team_key_id(key_id_of(key)) == key_id_of(key) == led.team_key_id()
+    assert led.set_team_key_id(key_id_of(key)) == key_id_of(key)     # the same key again: no-op
+    with pytest.raises(LedgerKeyError, match="refusing to change it"):
+        led.set_team_key_id(key_id_of(os.urandom(32)))
+    assert led.export()["team_key_id"] == key_id_of(key)
+    assert key.hex() not in json.dumps(led.export())  # the key is never in the ledger
 
 
 # ---- concurrency: processes in two state folders against one cap -------------------------------
@@ -267,7 +285,7 @@ def test_no_new_team_key_over_a_ledger_with_datasets(tmp_path):
 N_PROCS, ATTEMPTS, FITS = 8, 3, 10  # 24 reservations, exactly 10 fit, 14 refused
 
 
-def _team_worker(state_dir: str, url: str, wid: int, barrier, results) -> None:
+def _team_worker(state_dir: str, url: str, key_file: str, wid: int, barrier, results) -> None:
     from privacy.ledger import BudgetExceededError as Refused
     from privacy.ledger import UnknownRunError as NoEntry
     from tasks.state import StatePaths as Paths
@@ -276,6 +294,7 @@ def _team_worker(state_dir: str, url: str, wid: int, barrier, results) -> None:
     out = {"wid": wid, "ok": [], "refused": [], "errors": []}
     try:
         paths = Paths(Path(state_dir), url)
+        os.environ["PRIVPROMPT_TEAM_KEY_FILE"] = key_file  # the team's key file, shared by every machine
         barrier.wait(timeout=300)
         out["key"] = secret(paths.private, url).hex()  # every machine at once: one team key
         barrier.wait(timeout=300)                      # the parent registers the dataset
@@ -311,7 +330,8 @@ def run_team_reservations(url: str, tmp_path: Path) -> dict:
     barrier = ctx.Barrier(N_PROCS + 1)
     results = ctx.Queue()
     machines = [tmp_path / "machine-a", tmp_path / "machine-b"]
-    procs = [ctx.Process(target=_team_worker, args=(str(machines[i % 2]), url, i, barrier, results))
+    key_file = str(tmp_path / "shared" / "team.key")
+    procs = [ctx.Process(target=_team_worker, args=(str(machines[i % 2]), url, key_file, i, barrier, results))
              for i in range(N_PROCS)]
     for p in procs:
         p.start()
@@ -343,9 +363,9 @@ def run_team_reservations(url: str, tmp_path: Path) -> dict:
     assert sorted(e["run_id"] for e in entries) == sorted(r for r, _, _ in ok)
     assert led.spent(FP).epsilon == pytest.approx(composed(FITS)) and led.spent(FP).epsilon <= cap
     assert led.remaining(FP) == pytest.approx(cap - composed(FITS))
-    # one team key for every machine, minted once
+    # one team key for every machine, minted once, in the team's key file and never in the ledger
     keys = {o["key"] for o in outs}
-    assert keys == {led.team_key(mint=False).hex()}
+    assert keys == {Path(key_file).read_bytes().hex()} and key_id_of(bytes.fromhex(keys.pop())) == led.team_key_id()
     trail = led.trail()
     actions = [r["action"] for r in trail]
     assert actions.count("team_key") == 1 and actions.count("register") == 1
@@ -442,14 +462,14 @@ def test_postgres_ledger_semantics_trail_export_and_key(postgres, tmp_path):
     data = json.loads(json.dumps(led.export()))
     other = Ledger(postgres.database())
     other.import_ledger(data, team_key=b"k" * 32)
-    assert _tables(other.export()) == _tables(data) and other.team_key() == b"k" * 32
+    assert _tables(other.export()) == _tables(data) and other.team_key_id() == key_id_of(b"k" * 32)
     other.reserve(FP, "after-import", EXP)                 # the id sequence continues after the restored ids
     assert other.entries()[-1]["run_id"] == "after-import"
     local = Ledger(tmp_path / "back.sqlite")
     local.import_ledger(data)
     assert local.datasets() == led.datasets()
     with pytest.raises(LedgerKeyError, match="no team key"):
-        led.team_key(mint=True)
+        led.set_team_key_id(key_id_of(b"m" * 32), minted=True)
     with pytest.raises(UnknownRunError):
         led.commit("nope", EXP)
 
@@ -541,7 +561,8 @@ def test_a_configured_ledger_url_names_the_key_of_its_state_folder(tmp_path, mon
     from the state folder alone, must use the same ledger's team key without any environment."""
     monkeypatch.delenv("PRIVPROMPT_LEDGER_URL", raising=False)
     url = f"sqlite:///{tmp_path / 'team.sqlite'}"
+    monkeypatch.delenv("PRIVPROMPT_TEAM_KEY_FILE", raising=False)
     paths = state_paths(str(tmp_path / "cfg-state"), url)
     key = installation_secret(paths.private)
-    assert key == Ledger(url).team_key(mint=False)
-    assert not (tmp_path / "cfg-state" / "secrets").exists()
+    assert key_id_of(key) == Ledger(url).team_key_id()
+    assert paths.team_key_file(key_id_of(key)).read_bytes() == key and not paths.installation_key.exists()

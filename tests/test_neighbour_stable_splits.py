@@ -208,6 +208,12 @@ def test_a_state_folder_that_joins_a_team_ledger_partitions_anew_under_the_team_
     alone = partition_dataset(_cfg(base), 0, tmp_path / "a" / "private", None)
     monkeypatch.setenv("PRIVPROMPT_LEDGER_URL", f"sqlite:///{tmp_path / 'team.sqlite'}")
     joined = partition_dataset(_cfg(base), 0, tmp_path / "a" / "private", None)
+    # the team key is a's key file (never in the ledger): b joins the team by importing it
+    from tasks.state import export_key, import_key, state_paths
+
+    monkeypatch.delenv("PRIVPROMPT_TEAM_KEY_FILE", raising=False)
+    export_key(state_paths(str(tmp_path / "a")), tmp_path / "team.key")
+    import_key(state_paths(str(tmp_path / "b")), tmp_path / "team.key")
     fresh = partition_dataset(_cfg(base), 0, tmp_path / "b" / "private", None)
     assert joined.directory != alone.directory and joined.source_key != alone.source_key
     assert (joined.source_key, joined.fingerprint) == (fresh.source_key, fresh.fingerprint)
