@@ -232,10 +232,11 @@ def test_every_draw_made_is_its_own_release(tmp_path):
     from tasks.config import parse_config
     from tasks.methods.rapt.method import Rapt
     from tasks.randomness import DpRandomness
-    from tasks.state import state_paths
+    from tasks.state import installation_secret, state_paths
 
     cfg = parse_config(_config(tmp_path / "data", tmp_path / "state"))
     paths = state_paths(str(tmp_path / "state")).create()
+    installation_secret(paths.private)  # the state folder's key exists before its ledger keys a dataset
     ledger = Ledger(paths.ledger)
     ledger.register_dataset("toy-key", "toy", 10.0, 1e-5)
     mctx = SimpleNamespace(cfg=cfg, paths=paths, randomness=DpRandomness(seeded=False), dataset_key="toy-key",
@@ -255,3 +256,33 @@ def test_every_draw_made_is_its_own_release(tmp_path):
     assert len({e["run_id"] for e in draws}) == 2 and all(e["run_id"].startswith(f"rapt-draw:{stored.stem}:")
                                                            for e in draws)
     assert all(e["committed_event"] == {"mechanism": "d_X", "eta": 20.0} for e in draws)
+
+
+def test_a_draw_is_recorded_in_the_runs_ledger_also_a_team_ledger(tmp_path):
+    """With a team ledger (a URL, not the state folder's file) a RAPT draw is recorded there,
+    where the run's other uses and its dataset are: never in a file of the state folder."""
+    from types import SimpleNamespace
+
+    from privacy.ledger_store import sqlite_url
+    from tasks.config import parse_config
+    from tasks.methods.rapt.method import Rapt
+    from tasks.randomness import DpRandomness
+    from tasks.state import state_paths
+
+    cfg = parse_config(_config(tmp_path / "data", tmp_path / "state"))
+    team_url = sqlite_url(tmp_path / "team" / "ledger.sqlite")
+    (tmp_path / "team").mkdir()
+    paths = StatePaths_with(state_paths(str(tmp_path / "state")), team_url).create()
+    ledger = paths.open_ledger()
+    ledger.register_dataset("toy-key", "toy", 10.0, 1e-5)
+    mctx = SimpleNamespace(cfg=cfg, paths=paths, randomness=DpRandomness(seeded=False), dataset_key="toy-key",
+                           output_dir=tmp_path / "out")
+    Rapt().shared_draw(mctx, ["a private review of a film", "another one"], "train", 3, tmp_path / "out" / "a.pt")
+    assert paths.open_ledger().dataset("toy-key")["ldp_releases"] == 1
+    assert not paths.ledger.exists()  # nothing in the state folder's own file
+
+
+def StatePaths_with(paths, url):
+    from dataclasses import replace
+
+    return replace(paths, ledger_setting=url)

@@ -274,9 +274,7 @@ class Rapt(Method):
             # release, and η adds up); a stored draw loaded again is no new release
             import secrets
 
-            from privacy.ledger import Ledger
-
-            Ledger(mctx.paths.ledger).record_ldp(
+            mctx.paths.open_ledger().record_ldp(  # the run's ledger: the state folder's, or the team's by URL
                 mctx.dataset_key, f"rapt-draw:{shared.stem}:{secrets.token_hex(8)}",
                 f"rapt: d_X draw of {len(texts)} {split} texts at η = {block.eta:g} ({shared.name})", eta=block.eta)
             return draw()
