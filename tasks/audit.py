@@ -38,7 +38,7 @@ from .record import RunRecord, client
 from .lifecycle import shadow_prompt as method_shadow
 from .methods import PrivateRows, get_method
 from .stages import classifier_for, input_length, label_indices, prompted
-from .state import state_paths
+from .state import make_private_dir, private_file, state_paths
 
 
 class AuditError(PrivPromptError, ValueError):
@@ -82,9 +82,7 @@ class AuditTarget:
 
 
 def audit_dir(target: AuditTarget, audit_id: str) -> Path:
-    d = state_paths(target.state_dir).private / "audits" / audit_id
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return make_private_dir(state_paths(target.state_dir).private / "audits" / audit_id)
 
 
 def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
@@ -146,6 +144,7 @@ def build_pool(target: AuditTarget, acfg: AuditConfig, directory: Path, seed: in
     pool_path, mask_path = directory / "pool.parquet", directory / "shadow_in.npy"
     pq.write_table(pa.table({"text": pool_texts, "label": pool_labels, "member": member.tolist()}), pool_path)
     np.save(mask_path, mask)
+    private_file(pool_path), private_file(mask_path)
     return {"pool_path": str(pool_path), "mask_path": str(mask_path), "n_pool": n, "shadows": k, **sizes}
 
 
@@ -179,6 +178,7 @@ def _build_unit_pool(part: Partition, acfg: AuditConfig, directory: Path, rng: n
     pq.write_table(pa.table({"text": [r[0] for r in rows], "label": [r[1] for r in rows], "member": member.tolist(),
                              "unit": pool_units.tolist()}), pool_path)
     np.save(mask_path, mask)
+    private_file(pool_path), private_file(mask_path)
     return {"pool_path": str(pool_path), "mask_path": str(mask_path), "n_pool": len(rows), "shadows": k,
             "unit_level": True, **sizes}
 
@@ -240,6 +240,7 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
     scores = pool_scores(cfg, pool["pool_path"], target.model, prompt, acfg.attacks, acfg.min_k)
     path = Path(pool["pool_path"]).parent / f"shadow_{index:03d}.npz"
     np.savez(path, **scores)
+    private_file(path)
     compute_s = time.perf_counter() - started
     run = RunRecord(client(state_paths(target.state_dir)), audit_run_id).child(
         f"shadow-{index}", {"method": target.method, "stage": "audit-shadow", "shadow": index,
@@ -293,6 +294,7 @@ def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_pa
     roc_path = out_dir / "roc_attacks.png"
     fig.savefig(roc_path, dpi=120, bbox_inches="tight")
     plots.close(fig)
+    private_file(roc_path)
     return metrics, {"report": report, "roc_path": str(roc_path)}
 
 

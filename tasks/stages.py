@@ -22,7 +22,7 @@ from .data import Partition, read_partition_split
 from .errors import ConfigError
 from .record import RunRecord, client
 from .prompts import load_prompt_file
-from .state import StatePaths, state_paths
+from .state import StatePaths, make_private_dir, state_paths
 
 Progress = Callable[[int, int, float | None], None]
 
@@ -85,15 +85,11 @@ class StageContext:
     @property
     def output_dir(self) -> Path:
         """Where this run's publishable (DP) outputs are kept locally."""
-        d = self.paths.root / "outputs" / self.flow_run_id
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+        return make_private_dir(self.paths.root / "outputs" / self.flow_run_id)
 
     @property
     def private_run_dir(self) -> Path:
-        d = self.paths.private / "runs" / self.flow_run_id
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+        return make_private_dir(self.paths.private / "runs" / self.flow_run_id)
 
 
 def _config_key(config: dict) -> str:
