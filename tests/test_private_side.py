@@ -1,14 +1,18 @@
-"""The private side is the owner's alone (issue 35, defect 5).
+"""The private side is the owner's alone (issue 35, defects 5 and 6).
 
 * The state folder, ``private/`` and every file written there are 0700 / 0600 whatever the
   caller's umask (0022 and 0000 here), and so is a SQLite ledger file (the state folder's, or a
   team's elsewhere) with its journals; folders made 0755 before this rule are tightened on first
   use. A second local user (made with ``useradd``; skipped where that is impossible) cannot list
   the state folder or ``private/`` or read the ledger file after a real run.
+* A dp run publishes no exact split size: not the train / holdout / test counts, not the loss
+  attack's pool counts (``mia.loss.n_members`` / ``n_nonmembers``), not a base rate that gives
+  both pools; the pools are sized from the released sizes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from test_flow import _config, _toy_dataset
+from test_flow import _config, _mlflow, _toy_dataset
 
 
 def _mode(path) -> int:
@@ -178,12 +182,12 @@ def private_run(request, prefect_harness, sst2_dir):
         (state / "private").chmod(0o755)
         (state / "private" / "notes.txt").write_text("left by an earlier version")
         (state / "private" / "notes.txt").chmod(0o644)
-        cfg = _config(data, state)
+        cfg = _config(data, state, **{"mia.max_examples": 1000})
         cfg["methods"]["zero_shot"]["enabled"] = False
         cfg["methods"]["prompt_sgd"]["enabled"] = False
         with _Umask(request.param):
             summary = method_flow(cfg)
-        yield {"summary": summary, "state": state, "base": base, "umask": request.param}
+        yield {"summary": summary, "state": state, "base": base, "umask": request.param, "config": cfg}
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -212,3 +216,56 @@ def test_another_local_user_reads_nothing_of_a_run(private_run, other_user):
                  ["cat", str(state / "private" / "notes.txt")]):
         probe = _as_user(other_user, *argv)
         assert probe.returncode != 0 and "Permission denied" in probe.stderr, (argv, probe.stdout[:200])
+
+
+def _config_numbers(node) -> set[float]:
+    """The numbers a config holds (public: a published value equal to one says nothing of the data)."""
+    if isinstance(node, dict):
+        return set().union(*map(_config_numbers, node.values())) if node else set()
+    if isinstance(node, (list, tuple)):
+        return set().union(*map(_config_numbers, node)) if node else set()
+    return {float(node)} if isinstance(node, (int, float)) and not isinstance(node, bool) else set()
+
+
+def test_a_dp_run_publishes_no_exact_split_size(private_run):
+    """Every param, metric and tag of the run and its child runs: no exact train / holdout / test
+    count, no exact pool count of the loss attack (with mia.max_examples above every split, today's
+    pools WERE the splits), and no base rate n_a / (n_a + n_b) of exact counts. The pools are the
+    released sizes. (test.accuracy over the exact test split is the documented exception: a ratio,
+    never the count.)"""
+    from tasks.data import Partition
+
+    state, summary = private_run["state"], private_run["summary"]
+    part = Partition(**json.loads(next((state / "private" / "partitions").glob("*/manifest.json")).read_text()))
+    released = part.sizes
+    exact = {"train": part.n_train, "holdout": part.n_holdout, "test": part.n_test}
+    published = {"train": released.n_train, "holdout": released.n_holdout, "test": released.n_test}
+    # a released size that happens to equal its exact one (noise rounded to 0) is published lawfully
+    secret = {n for k, n in exact.items() if n != published[k]} - _config_numbers(private_run["config"])
+    assert secret, "every released size equals its exact one: nothing to test in this draw"
+    ratios = {a / (a + b) for a in exact.values() for b in exact.values()}
+    lawful = {a / (a + b) for a in published.values() for b in published.values()}
+    client = _mlflow(state)
+    parent = client.get_run(summary["mlflow_run_id"])
+    runs = [parent] + client.search_runs([parent.info.experiment_id],
+                                         f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    seen = 0
+    for run in runs:
+        values = {**run.data.params, **run.data.metrics,
+                  **{k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")}}
+        for key, value in values.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                continue
+            seen += 1
+            assert number not in secret, (run.data.tags.get("mlflow.runName"), key, value)
+            if 0 < number < 1:
+                assert not any(abs(number - r) < 1e-12 for r in ratios - lawful), (key, value)
+    assert seen > 20
+    m = parent.data.metrics
+    # the loss attack's pools: the released sizes (mia.max_examples is above every split)
+    assert (m["mia.loss.n_members"], m["mia.loss.n_nonmembers"]) == (released.n_train, released.n_holdout)
+    assert m["mia.loss.precision_base_rate"] == pytest.approx(
+        released.n_train / (released.n_train + released.n_holdout))
+    assert [int(parent.data.params[f"data.n_{k}"]) for k in exact] == list(published.values())
