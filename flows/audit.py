@@ -21,7 +21,7 @@ from tasks.audit import (AuditFailure, AuditTarget, attack_metrics, audit_dir, b
 from tasks.config import AuditConfig
 from tasks.prefect_tasks import GPU_TAG, dask_task_runner, transient_only
 from tasks.record import RunRecord, client
-from tasks.state import state_paths
+from tasks.state import make_private_dir, open_private, state_paths
 
 
 @task(name="audit-pool", retries=1, retry_condition_fn=transient_only)
@@ -95,15 +95,17 @@ def run_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     import uuid
 
     started = time.perf_counter()
-    folder = state_paths(target.state_dir).private / "audit-targets"
-    folder.mkdir(parents=True, exist_ok=True)
+    paths = state_paths(target.state_dir)
+    folder = make_private_dir(paths.private / "audit-targets")
     target_file = folder / f"{uuid.uuid4().hex}.json"
-    target_file.write_text(json.dumps(target.to_dict()))
+    with open_private(target_file, "w") as handle:
+        handle.write(json.dumps(target.to_dict()))
     try:
         out = audit_flow.with_options(task_runner=dask_task_runner(acfg.dask))(str(target_file),
                                                                                acfg.model_dump(mode="json"))
     finally:
         target_file.unlink(missing_ok=True)
+        paths.tighten()  # what the shadows' workers wrote with their umask
     return {**out, "wall_s": time.perf_counter() - started}
 
 

@@ -91,4 +91,6 @@ def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
     except BaseException:
         parent.end(ok=False)
         raise
+    finally:  # what libraries wrote under private/ with the caller's umask: 0600 (its folders are 0700)
+        paths.tighten()
     parent.end(ok=True)

@@ -140,10 +140,16 @@ def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
     done = {label: finished_run(mlflow, v.experiment_name, config_hash(v)) if mlflow else None for label, v in variants}
     todo = [(label, v) for label, v in variants if done[label] is None]
     budget = plan_runs(todo, paths) if todo else {"runs": [], "datasets": {}, "fits": True}
+    if not budget["fits"]:  # refused before any training, and before any MLflow run exists
+        # no plan number here: they derive from the released sizes, and Prefect keeps this message
+        # (the flow run's state) while no run is charged for the release; `privprompt plan` shows them
+        over = sorted({d.get("name", "?") for d in budget["datasets"].values() if not d["fits"]})
+        raise ConfigError(f"the sweep's planned runs exceed a dataset's privacy budget (dataset "
+                          f"{', '.join(map(repr, over))}): nothing ran and nothing was reserved; "
+                          "`privprompt plan CONFIG` shows the plan")
+    # the plan once it fits: its runs are charged (each run's ε composes the sizes' release)
     logger.info("budget plan (%d to run, %d finished before):\n%s", len(todo), len(variants) - len(todo),
                 format_plan(budget))
-    if not budget["fits"]:  # refused before any training, and before any MLflow run exists
-        raise ConfigError("the sweep's planned runs exceed a dataset's privacy budget:\n" + format_plan(budget))
     with parent_run(cfg, "sweep", "sweep", "none", tags={"sweep.variants": len(variants)}, params={
             "privacy.target_delta": cfg.privacy.target_delta or "default: the method's"}) as run:
         paths, record = run.paths, run.parent

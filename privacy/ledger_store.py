@@ -268,6 +268,41 @@ def _first_line(exc: BaseException) -> str:
     return text[:300] or type(orig).__name__
 
 
+def _owner_only_folders(folder: Path) -> None:
+    """``mkdir -p folder``, each folder it makes mode 0700 whatever the umask."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=0o700)
+            os.chmod(d, 0o700)
+        except FileExistsError:
+            pass
+
+
+def _owner_only_sqlite(path: Path) -> None:
+    """A SQLite ledger file is readable by its owner only (0600, whatever the umask): it holds the
+    datasets' record digests. Made empty at 0600 before SQLite first opens it (an empty file is an
+    empty database); an existing one and its journals (``-wal``, ``-shm``, ``-journal``) lose any
+    permission of the group and others. SQLite gives the journals it creates the database's mode."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.chmod(path, 0o600)
+    except FileExistsError:
+        pass
+    except OSError:  # a folder it cannot write: SQLite's own error says so, in the ledger's terms
+        return
+    for p in (path, *(path.with_name(path.name + s) for s in ("-wal", "-shm", "-journal"))):
+        try:
+            mode = os.stat(p).st_mode & 0o7777
+            if mode & 0o077:
+                os.chmod(p, mode & ~0o077)
+        except (FileNotFoundError, PermissionError):  # no such journal; or another user's file: SQLite says so
+            pass
+
+
 class Store:
     """A SQLAlchemy engine on one ledger database with serialised write transactions.
 
@@ -285,7 +320,7 @@ class Store:
                            else mask_url(self.url))
         self._engine = None
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _owner_only_folders(self.path.parent)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -300,6 +335,7 @@ class Store:
 
     def _make_engine(self) -> sa.Engine:
         if self.dialect == "sqlite":
+            _owner_only_sqlite(self.path)
             engine = sa.create_engine(self.url, poolclass=NullPool,
                                       connect_args={"timeout": self.busy_timeout_s, "isolation_level": None})
             busy_ms = int(self.busy_timeout_s * 1000)

@@ -38,7 +38,7 @@ from .record import RunRecord, client
 from .lifecycle import shadow_prompt as method_shadow
 from .methods import PrivateRows, get_method
 from .stages import classifier_for, input_length, label_indices, prompted
-from .state import state_paths
+from .state import make_private_dir, private_file, state_paths
 
 
 class AuditError(PrivPromptError, ValueError):
@@ -82,9 +82,7 @@ class AuditTarget:
 
 
 def audit_dir(target: AuditTarget, audit_id: str) -> Path:
-    d = state_paths(target.state_dir).private / "audits" / audit_id
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return make_private_dir(state_paths(target.state_dir).private / "audits" / audit_id)
 
 
 def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
@@ -104,11 +102,15 @@ def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
 def check_pool_size(part: Partition, acfg: AuditConfig) -> dict:
     """The pool's member / non-member counts — of records, or with a user privacy unit of UNITS
     (membership of a person: all their records were in training) —; an error if too few
-    non-members for the FPRs."""
-    if part.unit != "record":
-        half = min(part.n_train_units - part.n_canary_units_planted, part.n_holdout_units)
-    else:
-        half = min(part.n_train - part.n_canaries_planted, part.n_holdout)
+    non-members for the FPRs.
+
+    From the RELEASED sizes (the training one without its planted canaries, a function of the
+    logged seed), never the exact ones: the counts are published (``audit.pool_members``,
+    ``mia.*.n_members``, the denominators of every rate). A split holding fewer rows (units) than
+    its count gives copies, each copy of a row (unit) in the same shadows (:func:`build_pool`)."""
+    sizes = part.sizes
+    planted = part.n_canary_units_planted if part.unit != "record" else part.n_canaries_planted
+    half = min(sizes.n_train - planted, sizes.n_holdout)
     if acfg.pool_size is not None:
         half = min(half, acfg.pool_size // 2)
     needed = max(math.ceil(1.0 / f) for f in acfg.fprs)
@@ -134,18 +136,21 @@ def build_pool(target: AuditTarget, acfg: AuditConfig, directory: Path, seed: in
     if part.n_canaries_planted:
         canaries = set(pq.read_table(part.canaries_path).column("text").to_pylist())
     candidates = [i for i, t in enumerate(texts) if t not in canaries]  # canaries have their own audit
-    members = rng.choice(candidates, size=sizes["n_members"], replace=False)
+    members = np.asarray(candidates)[_pool_draw(len(candidates), sizes["n_members"], rng)]
     h_texts, h_labels = read_partition_split(part.holdout_path)
-    nonmembers = rng.choice(len(h_texts), size=sizes["n_nonmembers"], replace=False)
+    nonmembers = _pool_draw(len(h_texts), sizes["n_nonmembers"], rng)
     pool_texts = [texts[i] for i in members] + [h_texts[i] for i in nonmembers]
     pool_labels = [labels[i] for i in members] + [h_labels[i] for i in nonmembers]
     member = np.r_[np.ones(len(members), bool), np.zeros(len(nonmembers), bool)]
     n, k = len(pool_texts), acfg.shadows
-    # balanced design: for each example a random half of the shadows include it
-    mask = np.argsort(rng.random((k, n)), axis=0) < k // 2
+    # balanced design: for each example a random half of the shadows include it (its copies with it)
+    copy_of = _first_copies(list(zip(member.tolist(), [*members.tolist(), *nonmembers.tolist()])))
+    mask = (np.argsort(rng.random((k, n)), axis=0) < k // 2)[:, copy_of]
     pool_path, mask_path = directory / "pool.parquet", directory / "shadow_in.npy"
-    pq.write_table(pa.table({"text": pool_texts, "label": pool_labels, "member": member.tolist()}), pool_path)
+    pq.write_table(pa.table({"text": pool_texts, "label": pool_labels, "member": member.tolist(),
+                             "copy_of": copy_of.tolist()}), pool_path)
     np.save(mask_path, mask)
+    private_file(pool_path), private_file(mask_path)
     return {"pool_path": str(pool_path), "mask_path": str(mask_path), "n_pool": n, "shadows": k, **sizes}
 
 
@@ -162,25 +167,44 @@ def _build_unit_pool(part: Partition, acfg: AuditConfig, directory: Path, rng: n
     h_texts, h_labels = read_partition_split(part.holdout_path)
     h_units = read_partition_units(part.holdout_path)
     train_units = sorted({u for u in units if not u.startswith("canary-")})  # canaries: their own audit
-    members = rng.choice(len(train_units), size=sizes["n_members"], replace=False)
+    members = _pool_draw(len(train_units), sizes["n_members"], rng)
     holdout_units = sorted(set(h_units))
-    nonmembers = rng.choice(len(holdout_units), size=sizes["n_nonmembers"], replace=False)
-    index = {train_units[i]: j for j, i in enumerate(members)}
-    h_index = {holdout_units[i]: len(members) + j for j, i in enumerate(nonmembers)}
-    rows = [(t, y, index[u]) for t, y, u in zip(texts, labels, units) if u in index]
-    rows += [(t, y, h_index[u]) for t, y, u in zip(h_texts, h_labels, h_units) if u in h_index]
-    rows.sort(key=lambda r: r[2])
+    nonmembers = _pool_draw(len(holdout_units), sizes["n_nonmembers"], rng)
+    # pool unit j (members first): a unit of the split, or a copy of one (a split with fewer units)
+    picked = [(True, train_units[i]) for i in members] + [(False, holdout_units[i]) for i in nonmembers]
+    rows_of: dict[tuple[bool, str], list] = {}
+    for side, (ts, ys, us) in ((True, (texts, labels, units)), (False, (h_texts, h_labels, h_units))):
+        for t, y, u in zip(ts, ys, us):
+            rows_of.setdefault((side, u), []).append((t, y))
+    rows = [(t, y, j) for j, key in enumerate(picked) for t, y in rows_of[key]]
     pool_units = np.array([r[2] for r in rows], dtype=np.int64)
     member = pool_units < len(members)
     n_units, k = len(members) + len(nonmembers), acfg.shadows
-    unit_mask = np.argsort(rng.random((k, n_units)), axis=0) < k // 2  # each unit in half the shadows
+    copy_of = _first_copies(picked)  # per pool unit: the first pool unit of its split's unit
+    unit_mask = (np.argsort(rng.random((k, n_units)), axis=0) < k // 2)[:, copy_of]  # each unit in half the shadows
     mask = unit_mask[:, pool_units]  # per row: its unit's
     pool_path, mask_path = directory / "pool.parquet", directory / "shadow_in.npy"
     pq.write_table(pa.table({"text": [r[0] for r in rows], "label": [r[1] for r in rows], "member": member.tolist(),
-                             "unit": pool_units.tolist()}), pool_path)
+                             "unit": pool_units.tolist(), "copy_of": copy_of[pool_units].tolist()}), pool_path)
     np.save(mask_path, mask)
+    private_file(pool_path), private_file(mask_path)
     return {"pool_path": str(pool_path), "mask_path": str(mask_path), "n_pool": len(rows), "shadows": k,
             "unit_level": True, **sizes}
+
+
+def _pool_draw(n: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    """``size`` of ``n`` rows (units) of a split, in the order drawn: without replacement when the
+    split holds enough, else with copies (:func:`tasks.stages.pool_indices`)."""
+    from .stages import pool_indices
+
+    return rng.choice(n, size=size, replace=False) if n >= size else pool_indices(n, size, rng)
+
+
+def _first_copies(keys: list) -> np.ndarray:
+    """Per pool item: the index of the first item with the same key (itself when it has no copy
+    before it): copies share their shadows, so each row or unit of the split is in half of them."""
+    first: dict = {}
+    return np.array([first.setdefault(key, i) for i, key in enumerate(keys)], dtype=np.int64)
 
 
 def _pool_units(pool_path: str) -> np.ndarray | None:
@@ -225,6 +249,10 @@ def shadow_prompt(target: AuditTarget, pool_path: str, idx: np.ndarray, seed: in
     table = pq.read_table(pool_path)
     texts, labels = table.column("text").to_pylist(), table.column("label").to_pylist()
     units = _pool_units(pool_path)
+    if "copy_of" in table.column_names:  # a row (unit) of the split once, whatever copies the pool holds
+        copy_of = np.asarray(table.column("copy_of").to_pylist(), dtype=np.int64)
+        own = np.arange(len(texts)) if units is None else units
+        idx = [i for i in idx if copy_of[i] == own[i]]
     rows = PrivateRows([texts[i] for i in idx], [labels[i] for i in idx],
                        units=None if units is None else [str(units[i]) for i in idx])
     return method_shadow(target.config, target.method, target.prepared, target.state_dir, rows, seed)
@@ -240,6 +268,7 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
     scores = pool_scores(cfg, pool["pool_path"], target.model, prompt, acfg.attacks, acfg.min_k)
     path = Path(pool["pool_path"]).parent / f"shadow_{index:03d}.npz"
     np.savez(path, **scores)
+    private_file(path)
     compute_s = time.perf_counter() - started
     run = RunRecord(client(state_paths(target.state_dir)), audit_run_id).child(
         f"shadow-{index}", {"method": target.method, "stage": "audit-shadow", "shadow": index,
@@ -293,6 +322,7 @@ def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_pa
     roc_path = out_dir / "roc_attacks.png"
     fig.savefig(roc_path, dpi=120, bbox_inches="tight")
     plots.close(fig)
+    private_file(roc_path)
     return metrics, {"report": report, "roc_path": str(roc_path)}
 
 

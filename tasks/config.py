@@ -71,7 +71,9 @@ class PrivPromptConfig(Block):
     experiment: str | None = Field(None, description="MLflow experiment (default: the method)")
     seed: int = 0
     state_dir: str | None = Field(None, description="default $PRIVPROMPT_HOME, else one folder per user "
-                                                     "(platformdirs user_data_dir: ~/.local/share/privprompt on Linux)")
+                                                     "(platformdirs user_data_dir: ~/.local/share/privprompt on Linux); "
+                                                     "mode 0700, and private/ with every file in it 0700 / 0600, "
+                                                     "whatever the umask")
     data_root: str | None = Field(None, description="default $PRIVPROMPT_DATA_ROOT or ../shared/data")
     ledger: LedgerConfig = Field(default_factory=LedgerConfig, description="where the privacy budget ledger lives")
     allow_nonprivate_baselines: bool = Field(False, description="opt-in for non-private baselines")

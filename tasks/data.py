@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from .config import DataConfig
 from .errors import DataError
-from .state import digest_key
+from .state import digest_key, make_private_dir, owner_only_tree
 
 FORMATS = (".jsonl", ".json", ".csv", ".parquet")
 
@@ -170,7 +170,7 @@ def release_sizes(cfg: DataConfig, membership: str, private_dir: str | Path, exa
     folder = Path(private_dir) / "released-sizes"
     path = folder / f"{membership}.json"
     if not path.is_file():
-        folder.mkdir(parents=True, exist_ok=True)
+        make_private_dir(folder)
         names = ("n_train", "n_holdout", "n_test")
         noisy = release_counts([int(exact[k]) for k in names], cfg.size_noise_sigma, secret_rng())
         data = {**dict(zip(names, noisy)), "sigma": float(cfg.size_noise_sigma), "unit": cfg.privacy_unit}
@@ -773,8 +773,8 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
     te_texts, te_labels, _ = ordered(pick(test_mask, test_texts), pick(test_mask, test_labels))
     unit_col = lambda us: None if us is None else {"unit": us}  # noqa: E731
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    make_private_dir(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))  # 0700
     try:
         _write_table(tmp / "train.parquet", tr_texts, tr_labels, unit_col(tr_units))
         _write_table(tmp / "holdout.parquet", ho_texts, ho_labels, unit_col(ho_units))
@@ -807,6 +807,7 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
         sizes = release_sizes(cfg, membership, private_dir, exact, planted_units)
         part = replace(part, released=asdict(sizes))
         (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
+        owner_only_tree(tmp)  # its files 0600, whatever the umask they were written with
         try:
             os.replace(tmp, out_dir)  # atomic: a partition is complete or absent
         except OSError:

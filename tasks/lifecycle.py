@@ -36,6 +36,7 @@ from .errors import ConfigError, PrivPromptError
 from .methods import MethodContext, PrivateRows, get_method
 from .methods.base import Trained
 from .prompts import load_prompt_file, save_prompt_file
+from .state import make_private_dir, open_private, private_file
 
 
 # The publish rule: outputs of a formal guarantee — central DP, or local d_X privacy (the model
@@ -464,9 +465,12 @@ def _write_private_history(directory: Path, name: str, history: list[dict]) -> s
     if not history:
         return None
     path = directory / f"{name}_history.json"
-    path.write_text(json.dumps(history))
+    with open_private(path, "w") as handle:  # 0600: per-step losses, batch sizes, clip rates
+        handle.write(json.dumps(history))
     fig = plots.training_curve(history, f"{name}: batch loss (PRIVATE: exact statistic of private data)")
-    fig.savefig(directory / f"{name}_training_curve.png", dpi=120, bbox_inches="tight")
+    curve = directory / f"{name}_training_curve.png"
+    with open_private(curve, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
     plots.close(fig)
     return str(path)
 
@@ -506,14 +510,13 @@ def store_release(private_run_dir: Path, name: str, run_key: str, trained: Train
     import os
     import secrets
 
-    directory = release_dir(private_run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = make_private_dir(release_dir(private_run_dir))
     attempt = secrets.token_hex(8)  # the output file of each attempt has its own name: none overwrites another's
     prompt_path = prompt_file = digest = None
     if trained.prompt is not None:
         prompt_path = save_prompt_file(directory, f"{name}_dp_output.{attempt}", trained.prompt,
                                        {"method": name, "run_key": run_key})
-        prompt_file, digest = prompt_path.name, _sha256(prompt_path)
+        prompt_file, digest = private_file(prompt_path).name, _sha256(prompt_path)
     manifest = {"run_key": run_key, "method": name, "event": ev.event_to_json(trained.event),
                 "prompt_file": prompt_file, "sha256": digest, "steps": int(trained.steps),
                 "metrics": {k: float(v) for k, v in trained.metrics.items()},
@@ -522,7 +525,7 @@ def store_release(private_run_dir: Path, name: str, run_key: str, trained: Train
         manifest["record_event"] = ev.event_to_json(trained.record_event)
     target = directory / f"{name}.json"
     tmp = directory / f"{name}.json.{attempt}.tmp"
-    with open(tmp, "w") as handle:
+    with open_private(tmp, "w") as handle:
         handle.write(json.dumps(manifest, indent=1, sort_keys=True))
         handle.flush()
         os.fsync(handle.fileno())

@@ -248,7 +248,9 @@ class PublicDataConfig(Block):
 
 class MiaConfig(Block):
     enabled: bool = True
-    max_examples: int = Field(1000, gt=0, description="members and non-members scored, each")
+    max_examples: int = Field(1000, gt=0, description="members and non-members scored, each: at most the "
+                              "released data.n_train / data.n_holdout, never the exact sizes (a split with fewer "
+                              "rows than its released size is scored with copies of its rows)")
 
 
 class DaskConfig(Block):
@@ -261,7 +263,9 @@ class AuditConfig(Block):
     enabled: bool = False
     shadows: int = Field(8, ge=2, description="shadow prompts for LiRA (each example in half of them)")
     attacks: list[Literal["loss", "lira", "min_k"]] = Field(default_factory=lambda: ["loss", "lira", "min_k"])
-    pool_size: int | None = Field(None, gt=3, description="audit pool (members + non-members)")
+    pool_size: int | None = Field(None, gt=3, description="audit pool (members + non-members); at most twice "
+                                  "the smaller released size (data.n_train without its canaries, data.n_holdout), "
+                                  "never the exact sizes (copies of rows where a split holds fewer)")
     fprs: list[float] = Field(default_factory=lambda: [0.01, 0.001])
     min_k: float = Field(0.2, gt=0, le=1)
     confidence: float = Field(0.95, gt=0.5, lt=1)

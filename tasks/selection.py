@@ -586,6 +586,9 @@ def private_logger(path) -> logging.Logger:
     logger.propagate = False
     logger.setLevel(logging.INFO)
     if not logger.handlers:
+        from .state import open_private
+
+        open_private(path, "a").close()  # created 0600 (the trial count, scores, failures), whatever the umask
         handler = logging.FileHandler(path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
         logger.addHandler(handler)

@@ -22,7 +22,7 @@ from .data import Partition, read_partition_split
 from .errors import ConfigError
 from .record import RunRecord, client
 from .prompts import load_prompt_file
-from .state import StatePaths, state_paths
+from .state import StatePaths, make_private_dir, state_paths
 
 Progress = Callable[[int, int, float | None], None]
 
@@ -85,15 +85,11 @@ class StageContext:
     @property
     def output_dir(self) -> Path:
         """Where this run's publishable (DP) outputs are kept locally."""
-        d = self.paths.root / "outputs" / self.flow_run_id
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+        return make_private_dir(self.paths.root / "outputs" / self.flow_run_id)
 
     @property
     def private_run_dir(self) -> Path:
-        d = self.paths.private / "runs" / self.flow_run_id
-        d.mkdir(parents=True, exist_ok=True)
-        return d
+        return make_private_dir(self.paths.private / "runs" / self.flow_run_id)
 
 
 def _config_key(config: dict) -> str:
@@ -154,10 +150,14 @@ def label_indices(names: list[str], labels: list[str]):
 
 
 def encode_split(classifier, path: str, labels: list[str], max_length: int, limit: int | None = None,
-                 rng: np.random.Generator | None = None):
+                 rng: np.random.Generator | None = None, size: int | None = None):
+    """The split at ``path`` encoded: every row, at most ``limit`` of them (drawn without
+    replacement), or exactly ``size`` (:func:`pool_indices`: a pool of a public size)."""
     texts, names = read_partition_split(path)
     idx = np.arange(len(texts))
-    if limit is not None and len(idx) > limit:
+    if size is not None:
+        idx = np.sort(pool_indices(len(idx), size, rng or np.random.default_rng(0)))
+    elif limit is not None and len(idx) > limit:
         idx = np.sort((rng or np.random.default_rng(0)).choice(len(idx), size=limit, replace=False))
     y = label_indices([names[i] for i in idx], labels)
     return classifier.encode([texts[i] for i in idx], max_length=max_length), y
@@ -254,6 +254,33 @@ def _own_evaluation(ctx: StageContext, name: str, prompt_path: str | None) -> fl
     return get_method(name).evaluate_published(ctx, prompt_path, ctx.method_context({}, ctx.part.dataset_key))
 
 
+def pool_indices(n_rows: int, size: int, rng: np.random.Generator) -> np.ndarray:
+    """``size`` indices of the ``n_rows`` rows (or units) of a split, for an audit pool whose size
+    is public (from the RELEASED sizes, never the exact ones): ``size`` of them drawn without
+    replacement when the split holds at least that many (the usual case), and when it holds fewer
+    (the noise drew its released size above its exact size) every row ⌊size / n_rows⌋ times and
+    ``size mod n_rows`` of them once more: copies, so that no published pool count, base rate or
+    ratio's denominator is the split's exact size."""
+    if size < 0:
+        raise ValueError(f"a pool size is a count >= 0, got {size}")
+    if n_rows >= size:
+        return np.arange(size) if n_rows == size else rng.choice(n_rows, size=size, replace=False)
+    if n_rows == 0:
+        raise ValueError("a pool cannot be drawn from an empty split")
+    extra = rng.choice(n_rows, size=size % n_rows, replace=False)
+    return np.concatenate([np.tile(np.arange(n_rows), size // n_rows), extra])
+
+
+def mia_pool_sizes(part: Partition, max_examples: int) -> tuple[int, int]:
+    """(members, non-members) of the in-flow loss attack: ``mia.max_examples``, or fewer when a
+    split's RELEASED size (``data.n_train`` with its canaries, ``data.n_holdout``; units with a user
+    unit) is smaller: public numbers, so the published ``mia.loss.n_members`` /
+    ``n_nonmembers`` / ``precision_base_rate`` (and the denominators of AUC and TPR) tell no exact
+    split size. A split holding fewer rows than that gives copies (:func:`pool_indices`)."""
+    sizes = part.sizes
+    return min(max_examples, sizes.n_train), min(max_examples, sizes.n_holdout)
+
+
 def supported_fprs(n_nonmembers: int, fprs=(0.01, 0.001)) -> tuple[float, ...]:
     """The FPRs a TPR can be reported at: at least 1/FPR non-members are needed."""
     return tuple(f for f in fprs if n_nonmembers * f >= 1)
@@ -275,10 +302,10 @@ def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
     model = model or cfg.models.local
     clf, prompt = prompted(cfg, model, load_prompt_file(prompt_path))
     rng = np.random.default_rng(cfg.seed + 17)
-    n = cfg.mia.max_examples
+    n_in, n_out = mia_pool_sizes(part, cfg.mia.max_examples)  # released, never exact
     length = input_length(cfg, model, clf)
-    enc_in, y_in = encode_split(clf, part.train_path, cfg.data.labels, length, n, rng)
-    enc_out, y_out = encode_split(clf, part.holdout_path, cfg.data.labels, length, n, rng)
+    enc_in, y_in = encode_split(clf, part.train_path, cfg.data.labels, length, rng=rng, size=n_in)
+    enc_out, y_out = encode_split(clf, part.holdout_path, cfg.data.labels, length, rng=rng, size=n_out)
     loss_in = per_example_loss(clf, enc_in, y_in, prompt, cfg.models.eval_batch_size).numpy()
     loss_out = per_example_loss(clf, enc_out, y_out, prompt, cfg.models.eval_batch_size).numpy()
     scores = -np.concatenate([loss_in, loss_out])

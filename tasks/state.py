@@ -133,15 +133,108 @@ class StatePaths:
         return self.root / "private"
 
     def create(self) -> "StatePaths":
+        """The state folder and its folders, mode 0700 whatever the umask; folders and files left
+        readable by others (a state folder made before this rule, a crash before a run's end)
+        are tightened (:meth:`tighten`)."""
         for p in (self.root, self.artifacts, self.prefect_home, self.private):
-            p.mkdir(parents=True, exist_ok=True)
+            make_private_dir(p)
+        self.tighten()
         return self
+
+    def tighten(self) -> None:
+        """The private side, owner-only: the state folder 0700; ``private/`` and ``secrets/``,
+        every folder in them 0700 and every file 0600; the state folder's own files (the ledger
+        and MLflow databases and their journals) 0600. Called when the state is opened and when
+        a flow ends, so that files a library wrote with the caller's umask (parquet, safetensors,
+        numpy, plots) do not stay 0644 (inside 0700 folders, they were never reachable)."""
+        if not self.root.is_dir():
+            return
+        owner_only(self.root)
+        for tree in (self.private, self.root / SECRETS_DIR):
+            owner_only_tree(tree)
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    owner_only(entry.path)
 
 
 SECRET_NAME = "installation.key"
 TEAM_KEY_FILE_ENV = "PRIVPROMPT_TEAM_KEY_FILE"
 TEAM_KEYS_DIR = "team-keys"
 KEY_BYTES = 32
+SECRETS_DIR = "secrets"
+
+# ---- the private side: owner-only, whatever the caller's umask --------------------------------
+# Folders are made 0700 one by one (os.mkdir's mode is cut by the umask; chmod sets it), and files
+# that code under the state folder writes are made 0600 (or tightened when a flow ends). The
+# process umask is left alone: it is process-wide (threads of Prefect, MLflow and Dask read and set
+# it), and outside the state folder (a shared Hugging Face cache, `report --out`) the caller's
+# umask is what the caller wants.
+
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def owner_only(path: str | Path) -> None:
+    """Remove the group's and others' permissions of ``path`` (a folder 0700, a file 0600 as
+    written; a link is left alone). Entries that vanished or belong to someone else are skipped."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or not st.st_mode & 0o077:
+            return
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o077)
+    except (FileNotFoundError, PermissionError):
+        pass
+
+
+def owner_only_tree(top: str | Path) -> None:
+    """:func:`owner_only` on ``top`` and everything under it (links are not followed)."""
+    if not os.path.isdir(top):
+        return
+    owner_only(top)
+    for folder, dirs, files in os.walk(top):
+        for name in dirs + files:
+            owner_only(os.path.join(folder, name))
+
+
+def make_private_dir(path: str | Path) -> Path:
+    """``mkdir -p path`` with every folder it makes mode 0700, whatever the umask; an existing
+    ``path`` is tightened to owner-only. Returns ``path``."""
+    path = Path(path)
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=PRIVATE_DIR_MODE)
+            os.chmod(d, PRIVATE_DIR_MODE)
+        except FileExistsError:  # made meanwhile by a concurrent process (of this user)
+            pass
+    owner_only(path)
+    return path
+
+
+def private_file(path: str | Path) -> Path:
+    """``path`` (a file under the state folder, just written) made 0600. Returns ``path``."""
+    os.chmod(path, PRIVATE_FILE_MODE)
+    return Path(path)
+
+
+def open_private(path: str | Path, mode: str = "a"):
+    """``open(path, mode)`` of a file created 0600 (never readable by others, not even for a
+    moment): ``mode`` is ``"a"`` or ``"w"`` (text) or ``"ab"`` / ``"wb"``."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode.startswith("a") else os.O_TRUNC)
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    try:
+        os.fchmod(fd, PRIVATE_FILE_MODE)
+        return os.fdopen(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
 
 _TEAM_KEYS: dict[tuple, bytes] = {}
 _KEY_OUT_OF_DB: set[str] = set()  # ledger URLs whose database this process found without a team key
@@ -363,8 +456,8 @@ def exclusive(lock_path: str | Path):
     import fcntl
 
     lock_path = Path(lock_path)
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as handle:
+    make_private_dir(lock_path.parent)
+    with open_private(lock_path, "a") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield

@@ -92,7 +92,10 @@ def _audit_config(data_dir, state_dir, **audit):
     return {
         "method": "prompt_dpsgd", "experiment": "audit-tests", "seed": 0, "state_dir": str(state_dir),
         "data": {"name": "toy-audit", "path": str(data_dir), "labels": ["negative", "positive"],
-                 "train_fraction": 0.2, "holdout_fraction": 0.18, "canaries": 30},
+                 "train_fraction": 0.2, "holdout_fraction": 0.18, "canaries": 30,
+                 # the pool is sized from the RELEASED sizes: at the default σ = 50 records, a ~36-row
+                 # holdout would be released below the 20 non-members FPR 0.05 needs about a third of the time
+                 "size_noise_sigma": 2.0},
         "models": {"local": "tiny-gpt2", "max_length": 24},
         "privacy": {"target_epsilon": 4.0, "dataset_epsilon_cap": 100.0},
         "methods": {"prompt_dpsgd": {"n_tokens": 3, "epochs": 1, "batch_size": 16}},

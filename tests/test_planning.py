@@ -41,23 +41,66 @@ def test_plan_composes_variants_and_writes_no_run(toy, tmp_path):
     assert not (tmp_path / "state" / "mlflow.db").exists() and not (tmp_path / "state" / "ledger.sqlite").exists()
 
 
-def test_sweep_over_the_cap_is_refused_before_anything_runs(prefect_harness, toy, tmp_path):
-    from flows.sweep import sweep_flow
-    from tasks.errors import ConfigError
+class _Logs:
+    """What the sweep logs to Prefect (its run logger), as text."""
 
+    def __init__(self):
+        self.lines = []
+
+    def __call__(self):
+        return self
+
+    def _log(self, msg, *args, **kwargs):
+        self.lines.append(str(msg) % args if args else str(msg))
+
+    info = warning = error = debug = _log
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def test_sweep_over_the_cap_is_refused_before_anything_runs(prefect_harness, toy, tmp_path, monkeypatch):
+    """Refused before any run and any reservation, and with no plan number on Prefect (its log or
+    the flow run's state message): they derive from the released sizes, and nothing is charged for
+    their release (issue 35, defect 7)."""
+    import re
+
+    from flows import sweep
+    from tasks.config import parse_config, sweep_variants
+    from tasks.errors import ConfigError
+    from tasks.planning import format_plan, plan_runs
+    from tasks.state import state_paths
+
+    logs = _Logs()
+    monkeypatch.setattr(sweep, "get_run_logger", logs)
     cfg = _cfg(toy, tmp_path / "state", grid={"privacy.target_epsilon": [3.0, 3.0001]})
     cfg["privacy"]["dataset_epsilon_cap"] = 3.2  # each fits alone, the two compose above it
-    with pytest.raises(ConfigError, match="exceed a dataset's privacy budget"):
-        sweep_flow(cfg)
+    with pytest.raises(ConfigError, match="exceed a dataset's privacy budget") as refused:
+        sweep.sweep_flow(cfg)
     assert not (tmp_path / "state" / "mlflow.db").exists()
-    assert not (tmp_path / "state" / "ledger.sqlite").exists()
+    assert not (tmp_path / "state" / "ledger.sqlite").exists()  # nothing reserved
+    # the plan the sweep made (the same released sizes, kept under private/): none of its numbers left
+    plan = plan_runs(sweep_variants(parse_config(cfg)), state_paths(str(tmp_path / "state")))
+    assert not plan["fits"]
+    numbers = set(re.findall(r"\d+\.\d{4}", format_plan(plan)))
+    assert numbers
+    for text in (logs.text, str(refused.value)):
+        assert not numbers & set(re.findall(r"\d+\.\d{4}", text)), text
+        assert "planned" not in text.replace("planned runs", "")
+    assert "budget plan" not in logs.text
+    assert "toy-sst2" in str(refused.value) and "privprompt plan" in str(refused.value)
 
 
-def test_resumed_sweep_skips_finished_variants(prefect_harness, toy, tmp_path):
+def test_resumed_sweep_skips_finished_variants(prefect_harness, toy, tmp_path, monkeypatch):
+    from flows import sweep
     from flows.sweep import sweep_flow
 
+    logs = _Logs()
+    monkeypatch.setattr(sweep, "get_run_logger", logs)
     cfg = _cfg(toy, tmp_path / "state", sweep=[{"privacy.target_epsilon": 2.0}])
     first = sweep_flow(cfg)
+    assert "budget plan (1 to run, 0 finished before)" in logs.text and "(fits)" in logs.text  # after the check
     again = sweep_flow(cfg)
     assert [r["resumed"] for r in first["variants"]] == [False]
     assert [r["resumed"] for r in again["variants"]] == [True]

@@ -13,7 +13,8 @@ def _config(state, sst2_dir, **extra):
     cfg = {
         "method": "post", "experiment": "post-tests", "seed": 0, "state_dir": str(state),
         "data": {"name": "sst2", "path": str(sst2_dir), "labels": ["negative", "positive"],
-                 "train_fraction": 0.00178, "holdout_fraction": 0.000356, "test_fraction": 0.033},
+                 "train_fraction": 0.00178, "holdout_fraction": 0.000356, "test_fraction": 0.033,
+                 "size_noise_sigma": 2.0},  # the audit's pool is sized from the released ~24-row holdout
         "models": {"local": "tiny-gpt2", "target": "tiny-gpt2", "max_length": 32},
         "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
         "public": {"name": "tweet_sentiment", "path": str(SHARED / "tweet_sentiment"),

@@ -58,7 +58,8 @@ def test_the_audit_pool_refusal_names_no_exact_size(tmp_path):
     from tasks.schema import AuditConfig
 
     part = Partition(dataset="toy", directory=str(tmp_path), fingerprint="f", labels=["a", "b"], n_train=286,
-                     n_holdout=54, n_test=208, n_canaries_planted=0)
+                     n_holdout=54, n_test=208, n_canaries_planted=0,
+                     released={"n_train": 301, "n_holdout": 49, "n_test": 190, "sigma": 50.0})
     with pytest.raises(AuditError) as err:
         check_pool_size(part, AuditConfig(enabled=True, fprs=[0.01, 0.001]))
     assert "needs at least 1000" in str(err.value)
@@ -151,3 +152,68 @@ def test_a_config_edit_that_moves_no_record_gets_no_fresh_draw(tmp_path, monkeyp
     with_canaries = partition_dataset(DataConfig(name="toy", canaries=8, **base), 3, private, None)
     assert len(calls) == 2  # the same source records per split: the same draw ...
     assert with_canaries.sizes.n_train == first.n_train + with_canaries.n_canaries_planted  # ... plus the canaries
+
+
+def test_pool_indices_draw_a_public_size_from_any_split():
+    """Without replacement when the split holds enough rows (today's draw, unchanged); with fewer,
+    every row ⌊m/n⌋ times and m mod n distinct rows once more."""
+    import numpy as np
+
+    from tasks.stages import pool_indices
+
+    rng = np.random.default_rng(3)
+    assert pool_indices(10, 4, rng).tolist() == np.random.default_rng(3).choice(10, size=4, replace=False).tolist()
+    assert pool_indices(5, 5, rng).tolist() == [0, 1, 2, 3, 4]
+    for n, m in ((7, 17), (3, 3 * 4), (10, 11)):
+        idx = pool_indices(n, m, rng)
+        counts = np.bincount(idx, minlength=n)
+        assert len(idx) == m and set(counts.tolist()) <= {m // n, m // n + 1} and counts.sum() == m
+    with pytest.raises(ValueError, match="empty split"):
+        pool_indices(0, 3, rng)
+
+
+@pytest.mark.parametrize("shift", [-7, 0, 9])  # released below, at and above the exact sizes
+def test_audit_and_loss_attack_pools_are_the_released_sizes(tmp_path, monkeypatch, shift):
+    """The audit pool and the in-flow loss attack's pools count what was released (issue 35,
+    defect 6): a published n_members / n_nonmembers / base rate tells no exact size. Above the exact
+    size the pool holds copies of rows, each copy in its row's shadows."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from tasks import audit
+    from tasks.audit import build_pool, check_pool_size
+    from tasks.config import DataConfig
+    from tasks.data import partition_dataset, read_partition_split
+    from tasks.schema import AuditConfig
+    from tasks.stages import mia_pool_sizes
+
+    cfg = DataConfig(name="toy", path=str(_toy(tmp_path / "d", n=120)), labels=["neg", "pos"], canaries=6,
+                     holdout_fraction=0.3)
+    part = partition_dataset(cfg, 0, tmp_path / "private", None)
+    source_train = part.n_train - part.n_canaries_planted
+    part = replace(part, released={**part.released, "n_train": part.n_train + shift,
+                                   "n_holdout": part.n_holdout + shift})
+    assert mia_pool_sizes(part, 1000) == (part.n_train + shift, part.n_holdout + shift)
+    assert mia_pool_sizes(part, 5) == (5, 5)
+    acfg = AuditConfig(enabled=True, shadows=4, fprs=[0.5])
+    sizes = check_pool_size(part, acfg)
+    half = min(source_train, part.n_holdout) + shift
+    assert sizes == {"n_members": half, "n_nonmembers": half}
+    monkeypatch.setattr(audit, "check_audit", lambda target, a: check_pool_size(target.part, a))
+    pool = build_pool(SimpleNamespace(part=part), acfg, tmp_path, 0)
+    table = pq.read_table(pool["pool_path"])
+    member = np.array(table.column("member").to_pylist())
+    copy_of = np.array(table.column("copy_of").to_pylist())
+    mask = np.load(pool["mask_path"])
+    assert pool["n_pool"] == 2 * half and member.sum() == half
+    assert (mask.sum(axis=0) == 2).all() and (mask == mask[:, copy_of]).all()  # a copy: its row's shadows
+    texts = table.column("text").to_pylist()
+    exact_in, exact_out = source_train, part.n_holdout
+    assert len({t for t, m in zip(texts, member) if m}) == min(half, exact_in)
+    assert len({t for t, m in zip(texts, member) if not m}) == min(half, exact_out)
+    assert (copy_of != np.arange(len(texts))).any() == (half > min(exact_in, exact_out))
+    assert not set(texts) & set(pq.read_table(part.canaries_path).column("text").to_pylist())
+    assert set(texts) <= set(read_partition_split(part.train_path)[0]) | set(read_partition_split(part.holdout_path)[0])

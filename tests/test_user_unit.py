@@ -303,19 +303,32 @@ def test_unit_scores_and_labels():
         unit_labels([1, 0, 0, 1, 1, 1], units)
 
 
-def test_audit_pool_holds_whole_units_in_half_the_shadows(tmp_path):
+@pytest.mark.parametrize("above", [0, 3])  # released = exact unit counts; released 3 units above them
+def test_audit_pool_holds_whole_units_in_half_the_shadows(tmp_path, monkeypatch, above):
+    """The pool's unit counts are the RELEASED ones (published as audit.pool_members and in every
+    rate's denominator); a split with fewer units than that gives copies of whole units, each copy
+    in the same shadows as its unit, and a shadow trains on each person once."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from tasks import audit
     from tasks.audit import _build_unit_pool, check_pool_size
     from tasks.config import AuditConfig
 
     folder = _write(tmp_path / "d", _users("a", SIZES * 3), _users("t"))
     part = partition_dataset(_cfg(folder, holdout_fraction=0.4, train_fraction=0.6, canaries=4), 0,
                              _private(tmp_path), None)
+    exact_train = part.n_train_units - part.n_canary_units_planted
+    part = replace(part, released={**part.released, "n_train": part.n_train_units + above,
+                                   "n_holdout": part.n_holdout_units + above})
     acfg = AuditConfig(shadows=4, fprs=[0.5])
-    sizes = check_pool_size(part, acfg)
-    assert sizes["n_members"] == min(part.n_train_units - part.n_canaries_planted, part.n_holdout_units)
+    sizes = check_pool_size(part, acfg)  # released unit counts (canary units aside), never the exact ones
+    assert sizes["n_members"] == min(part.sizes.n_train - part.n_canary_units_planted, part.sizes.n_holdout)
+    assert sizes["n_members"] == min(exact_train, part.n_holdout_units) + above
     pool = _build_unit_pool(part, acfg, tmp_path, np.random.default_rng(0), sizes)
     table = pq.read_table(pool["pool_path"])
     units = np.array(table.column("unit").to_pylist())
+    copy_of = np.array(table.column("copy_of").to_pylist())
     member = np.array(table.column("member").to_pylist())
     mask = np.load(pool["mask_path"])
     assert len(set(units[member].tolist())) == len(set(units[~member].tolist())) == sizes["n_members"]
@@ -324,12 +337,26 @@ def test_audit_pool_holds_whole_units_in_half_the_shadows(tmp_path):
         rows = units == u
         assert len(set(member[rows].tolist())) == 1
         assert (mask[:, rows] == mask[:, rows][:, :1]).all() and mask[:, rows][:, 0].sum() == 2
+        assert (mask[:, rows] == mask[:, units == copy_of[rows][0]][:, :1]).all()  # a copy: its unit's shadows
     # every record of a member unit is in the pool (a unit is a member when its records were in training)
     owner = {r["text"]: r["author"] for r in _users("a", SIZES * 3)}
     texts = table.column("text").to_pylist()
+    people = {}
     for u in set(units[member].tolist()):
         person = owner[texts[int(np.flatnonzero(units == u)[0])]]
+        people.setdefault(person, []).append(u)
         assert int((units == u).sum()) == sum(1 for t in read_partition_split(part.train_path)[0] if owner.get(t) == person)
+    assert len(people) == min(sizes["n_members"], exact_train)
+    assert (max(len(us) for us in people.values()) > 1) == (sizes["n_members"] > exact_train)
+    # a shadow trains on each person of its half once, copies or not
+    seen = {}
+    monkeypatch.setattr(audit, "method_shadow", lambda config, method, prepared, state, rows, seed: seen.update(rows=rows))
+    audit.shadow_prompt(SimpleNamespace(config={}, method="m", prepared={}, state_dir=""), pool["pool_path"],
+                        np.flatnonzero(mask[0]), 0)
+    in_shadow = {owner.get(t, t) for t, m in zip(texts, mask[0]) if m}
+    assert len(set(seen["rows"].units)) == len(in_shadow)
+    assert len(seen["rows"].texts) == len(set(seen["rows"].texts)) == sum(1 for t, m in zip(texts, mask[0]) if m) \
+        - sum(1 for i, m in enumerate(mask[0]) if m and copy_of[i] != units[i])
 
 
 def test_comparison_keeps_user_level_runs_apart(tmp_path):

@@ -106,7 +106,7 @@ def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
     from models.soft_prompt import load_prompt, save_prompt
 
     from ..stages import label_indices
-    from ..state import digest_key, made_once
+    from ..state import digest_key, made_once, make_private_dir, private_file
 
     cfg = mctx.cfg
     rows_digest = hashlib.sha256("\x1e".join(t + "\x1f" + l for t, l in zip(rows.texts, rows.labels)).encode())
@@ -124,10 +124,10 @@ def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
                             init_prompt=init).prompt
 
     def save(w_nor, target):
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(target.parent)
         tmp = target.with_name(target.name + ".tmp")
         save_prompt(tmp, w_nor, {"what": "w_nor: trained without DP"})
-        tmp.replace(target)
+        private_file(tmp).replace(target)
 
     # runs of one seed on parallel Dask workers train it once
     return made_once(path, train, lambda p: load_prompt(p)[0], save)

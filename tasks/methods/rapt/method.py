@@ -292,11 +292,13 @@ class Rapt(Method):
     def _save(data, path: Path) -> None:
         import torch
 
-        path.parent.mkdir(parents=True, exist_ok=True)
+        from ...state import make_private_dir, private_file
+
+        make_private_dir(path.parent)
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"input_ids": data.input_ids, "attention_mask": data.attention_mask, "text_mask": data.text_mask,
                     "plain_ids": list(data.plain_ids), "eta": data.eta}, tmp)
-        tmp.replace(path)
+        private_file(tmp).replace(path)
 
     def train(self, mctx, plan, rows, progress=None):
         from .encoding import replaced_share
