@@ -787,6 +787,10 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
             if best is not None:  # no prompt published instead of the best trial (released numbers only)
                 chosen["selection.best_trial"] = best
             ctx.parent.log_params(chosen)
+            if not selection.every_candidate(cfg.selection):  # the opt-in check_selection_config asked for
+                ctx.parent.set_tags({"selection.timing_channel": "the run's duration grows with the secret number of "
+                                     "trials K and shows in MLflow's and Prefect's timestamps; its ε assumes K "
+                                     "secret (selection.accept_timing_channel: true)"})
             info["params"] = {**plan.params, **chosen}
         child.log_params({**info["params"], **({"privacy.delta_opt_in": "true"} if opt_in else {})})
         child.log_metrics(metrics)

@@ -170,8 +170,10 @@ class RunReport:
         audit_metrics = published.audit_metrics
         self.metrics.update({k: v for k, v in published.train_metrics.items() if k not in audit_metrics})
         self.metrics.update(audit_label(audit_metrics))
+        sel = self.cfg.selection
+        hidden = {"train"} if sel.enabled and sel.mode == "random_stopping" else set()  # its time grows with K
         for stage in ("train", "post_process"):
-            if stage in published.compute:
+            if stage in published.compute and stage not in hidden:
                 self.runtime[self.stage_names.get(stage, stage)] = published.compute[stage]
 
     def evaluated(self, acc: dict, model: str) -> None:

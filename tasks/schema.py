@@ -346,6 +346,13 @@ class SelectionConfig(Block):
         "candidate's, and random_stopping's no-prompt reference); default: every_candidate: the smallest σ at which "
         "the scores cost no more ε than the trainings (the holdout and the training rows are disjoint, so the "
         "mechanism costs the larger of the two: more noise buys no privacy); random_stopping: 5")
+    accept_timing_channel: bool = Field(
+        False, description="random_stopping: its ε assumes the number of trials K stays secret, but the run's "
+        "duration grows with K and shows in the run timestamps of MLflow and Prefect (start and end of the run and "
+        "of its tasks) to anyone who can read those servers; knowing K, the best of K trials can cost up to K "
+        "trials composed. Refused unless true: set it only where those servers are as closed as the private side "
+        "(the run is tagged selection.timing_channel). every_candidate has no such channel (its number of "
+        "trainings is public)")
     fallback_to_no_prompt: bool = Field(True, description="random_stopping: publish no prompt when the best trial's "
                                         "released holdout score is below the released no-prompt reference "
                                         "(post-processing: no extra ε); false: publish the best trial and warn. "

@@ -229,8 +229,10 @@ def _best(trials, event) -> SelectionResult:
 # trial's loss). So no per-trial line goes to the Prefect log (its count is K): the trials'
 # progress goes to a private operator log (``private/runs/<id>/selection.log``, a Python logger
 # that does not propagate to Prefect), and the Prefect log says when the selection starts and
-# ends. The run's wall time still grows with K (a timing side channel that this, like every DP
-# implementation here, does not hide).
+# ends. The run's wall time still grows with K and shows in MLflow's and Prefect's timestamps:
+# random stopping is refused unless ``selection.accept_timing_channel`` says those servers are as
+# closed as the private side (:func:`check_selection_config`; the run is tagged
+# ``selection.timing_channel``), and its training time is kept out of the run record.
 #
 # The privacy unit. With ``data.privacy_unit`` naming a person, the candidates train on rows that
 # keep their units (the methods' unit-level steps sample and clip people) and the holdout counts
@@ -346,6 +348,12 @@ def check_selection_config(cfg) -> None:
             "(RepeatAndSelectEvent) has no group-privacy rule here; use selection.mode: every_candidate (its holdout "
             f"counts are then charged at sensitivity {data.group_size} per person) or data.privacy_unit: "
             f"{data.person_field} (one vote per person)")
+    if not every_candidate(cfg.selection) and not cfg.selection.accept_timing_channel:
+        raise ValueError(
+            "selection: selection.mode: random_stopping is refused: its ε assumes the number of trials K stays secret, "
+            "but the run's duration grows with K and shows in MLflow's and Prefect's run timestamps (knowing K, the "
+            "best of K trials can cost up to K trials composed); use selection.mode: every_candidate, or set "
+            "selection.accept_timing_channel: true where those servers are as closed as the private side")
     method = get_method(cfg.method)
     if cfg.audit.enabled:
         raise ValueError("selection: audit.enabled: the audit's shadows train the configured settings, not the "

@@ -57,6 +57,7 @@ def _raw(tmp_path, unit: str, mode: str, metric: str) -> dict:
     raw["data"].update(UNITS[unit])
     raw["methods"] = {"prompt_dpsgd": {"n_tokens": 2, "epochs": 1, "batch_size": 8}}
     raw["selection"] = {"enabled": True, "candidates": CANDIDATES, "mode": mode, "metric": metric,
+                        "accept_timing_channel": mode == "random_stopping",
                         "expected_trials": 3.0}
     return raw
 
