@@ -271,7 +271,7 @@ def test_a_schema6_team_ledger_moves_its_key_out_and_keeps_every_entry(tmp_path,
     assert after["trail"][:len(before["trail"])] == before["trail"]
     (moved,) = after["trail"][len(before["trail"]):]
     assert moved[2] == "team_key_moved" and json.loads(moved[5])["key_id"] == key_id
-    assert ledger.team_key_id() == key_id and sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == 7
+    assert ledger.team_key_id() == key_id and sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == 8
     # no copy of the key in the file, its free pages or its log
     assert_url_alone_computes_no_digest(url, old_key, members, [db, db.with_name(db.name + "-wal")])
     # the ledger composes as before, the key is the one its datasets were made with
