@@ -515,25 +515,75 @@ def cmd_ledger(args) -> int:
             plan = plan_runs([("", cfg)], paths, largest=True)
             largest = {k: f"{d['largest_hint']} for {args.config}" for k, d in plan["datasets"].items()
                        if d.get("largest_hint")}
+        if args.out and not args.json:
+            return _fail("--out writes the --json export: privprompt ledger --json --out FILE")
         if not paths.ledger_exists():
             if args.json:
-                print(json.dumps({"format": "privprompt-ledger", "ledger": paths.ledger_location, "datasets": [],
-                                  "entries": [], "cap_changes": [], "trail": []}, indent=1))
-                return 0
+                return _emit_export({"format": "privprompt-ledger", "ledger": paths.ledger_location, "datasets": [],
+                                     "entries": [], "cap_changes": [], "trail": []}, args.out)
             print(f"no ledger yet at {paths.ledger_location}: no run has used private data")
             for hint in largest.values():
                 print(hint)
             return 0
         ledger = paths.open_ledger()
         if args.json:
-            print(json.dumps(ledger.export(), indent=1, ensure_ascii=False))
-            return 0
+            return _emit_export(ledger.export(), args.out)
         print(ledger.summary_table(largest), end="")
         print(f"ledger: {paths.ledger_location}" + (" (shared; its team key: privprompt key show)"
                                                    if paths.ledger_is_shared else " (this state folder's own)"))
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     return 0
+
+
+def _emit_export(data: dict, out: str | None) -> int:
+    """The ledger's JSON export on stdout, or (``out``) in a new file of mode 0600 — it holds the keyed
+    record digests (membership-sensitive with the key), so it is never left to the shell's umask —
+    written whole or not at all, and never over an existing file (a backup is not replaced)."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    text = json.dumps(data, indent=1, ensure_ascii=False) + "\n"
+    if out is None:
+        print(text, end="")
+        return 0
+    target = Path(out).expanduser()
+    if target.exists() or target.is_symlink():
+        return _fail(f"{target} exists: refusing to replace it (a ledger backup is never overwritten); "
+                     "give a new file name or move it away")
+    if not target.parent.is_dir():
+        return _fail(f"cannot write {target}: no folder {target.parent}")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".ledger-", dir=target.parent)
+    except OSError as exc:
+        return _fail(f"cannot write {target}: {exc.strerror}")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.link(tmp, target)  # atomic, and never over a file made meanwhile
+    except FileExistsError:
+        return _fail(f"{target} exists: refusing to replace it (a ledger backup is never overwritten)")
+    except OSError as exc:
+        return _fail(f"cannot write {target}: {exc.strerror}")
+    finally:
+        os.unlink(tmp)
+    print(f"ledger export written to {target} (mode 0600; with the key it tells who is in the data: keep it "
+          "where only the people who may see the data can read it)")
+    return 0
+
+
+def _warn_open_key_file(source: str, where) -> None:
+    """After importing ``source``: one warning line when it was open to others than its owner."""
+    from tasks.state import key_file_exposure
+
+    exposed = key_file_exposure(source)
+    if exposed:
+        print(f"privprompt: warning: {exposed}: the key was imported and is kept 0600 in {where}; delete {source} "
+              "now (anyone who read it can, with the ledger, tell whether a text is in the data)", file=sys.stderr)
 
 
 def _ledger_import(paths, args) -> int:
@@ -551,7 +601,7 @@ def _ledger_import(paths, args) -> int:
         if not paths.ledger_is_shared:
             return _fail(f"--key is for a shared ledger; this state folder's own ledger uses "
                          f"{paths.installation_key}: privprompt key import {args.key}")
-        key = read_key_file(args.key)
+        key = read_key_file(args.key, private=False)  # kept 0600 by import_key below (warned when open)
     counts = paths.open_ledger().import_ledger(data, team_key=key)
     kept = ""
     if key is not None:  # the ledger records the key's id; the key goes to this machine's key file
@@ -559,6 +609,7 @@ def _ledger_import(paths, args) -> int:
 
         key_id, where = import_key(paths, args.key)
         kept = f"; team key {key_id} kept in {where} (never in the ledger)"
+        _warn_open_key_file(args.key, where)
     print(f"imported into {paths.ledger_location}: " + ", ".join(f"{n} {t}" for t, n in counts.items()) + kept)
     return 0
 
@@ -576,6 +627,7 @@ def _key_import(paths, source: str) -> int:
     key_id, where = import_key(paths, source)
     print(f"key {key_id} kept in {where} (mode 0600) for ledger {paths.ledger_location}; the ledger records its id "
           "only. Delete the copy you brought here once it is imported.")
+    _warn_open_key_file(source, where)
     return 0
 
 
@@ -841,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     ledger.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ledger.add_argument("--json", action="store_true", help="the whole ledger (datasets, entries, cap changes, audit "
                                                             "trail) as JSON, for backup")
+    ledger.add_argument("--out", default=None, metavar="FILE", help="with --json: write it to FILE, a new file of mode "
+                                                                    "0600 (never over an existing one)")
     ledger_sub = ledger.add_subparsers(dest="ledger_command")
     restore = ledger_sub.add_parser("import", help="restore a `privprompt ledger --json` file into an empty ledger")
     restore.add_argument("file")

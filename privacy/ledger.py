@@ -49,13 +49,20 @@ transaction as the change; a refused reservation changes nothing and appends not
 an empty ledger.
 
 The key of the keyed record digests, fingerprints and splits is never kept in the ledger's
-database (schema 7): with the key, the record digests stored here would answer "is this text in
+database (schemas ≥ 7): with the key, the record digests stored here would answer "is this text in
 the data?" for any text, to anyone who can read the database or a backup of it. The database
 records only the key's id (:func:`key_id_of`: an HMAC of a constant under it, from which no digest
 can be computed), so that a machine holding no key, or another one, is refused with a clear line.
 The key lives in a file of each machine's state folder, which the team shares
 (``privprompt key export`` / ``privprompt key import``: tasks/state.py); a ledger of schemas 4-6
 that still holds it has it moved out on first use (:meth:`Ledger.move_team_key_out`).
+
+A larger δ lets the same runs cost less ε under the same cap, so raising it is a budget raise: only
+the explicit step of a cap raise does it, and the trail marks it (``delta_raised``). The
+``set-delta`` of schemas ≤ 6 raised δ freely; on migration to schema 8 (and on importing an older
+export) a dataset with a δ raise that no such mark records is put back to its smallest δ before that
+raise (:meth:`Ledger._undo_unrecorded_delta_raises`), and a reservation on a dataset whose stored δ
+is ≥ 1/n for the n records the ledger knows it by is refused.
 
 Datasets are known by their records (schema 5). With :meth:`register_source` a run's data source
 comes with its *keyed record digests* (16 bytes each: an HMAC, under the installation's or team's
@@ -359,7 +366,7 @@ class Ledger:
         self.path = self._store.path       # the SQLite file; None for a PostgreSQL ledger
         self.url = self._store.masked_url  # where the ledger lives, password masked
         self.busy_timeout_s = self._store.busy_timeout_s
-        self._store.init_schema()
+        self._store.init_schema(self._migrate_rows)
 
     def __repr__(self) -> str:
         return f"Ledger({str(self.path) if self.path is not None else self.url!r})"
@@ -489,7 +496,7 @@ class Ledger:
         return self.dataset(fingerprint)
 
     def _change(self, conn: sa.Connection, row: Any, name: str, epsilon_cap: float, delta: float,
-                reason: str | None, allow_raise: bool = False) -> None:
+                reason: str | None, allow_raise: bool = False, undoing_raise: bool = False) -> None:
         """Apply a change of a dataset's name / cap / δ and record it (old and new values, the ε
         spent at the time, the reason) in ``cap_changes``.
 
@@ -499,14 +506,17 @@ class Ledger:
         was charged and its ε at the new δ. A δ change is refused while a reservation is open (its
         run was planned at the old δ). A larger δ — under which the same events cost less ε, i.e. a
         raise of the budget — is refused unless ``allow_raise`` (the explicit step of a cap raise),
-        and even then when the dataset's records are known and δ ≥ 1/n for them."""
+        and even then when the dataset's records are known and δ ≥ 1/n for them.
+        ``undoing_raise``: the migration putting back a δ that an unrecorded raise enlarged
+        (:meth:`_undo_unrecorded_delta_raises`): a lowering, made with reservations open too (they
+        are then composed at the smaller δ, i.e. counted higher), and marked so in the trail."""
         fingerprint, now = row["fingerprint"], _now()
         spent_eps = _held(_compose(self._counted_events(conn, fingerprint), row["delta"]),
                           self._delta_floor(conn, fingerprint)).epsilon
         delta_changes = not math.isclose(row["delta"], delta, rel_tol=1e-12, abs_tol=0.0)
         raised = delta_changes and delta > row["delta"]
         where = f"dataset {row['name']!r} (fingerprint {_short(fingerprint)})"
-        if delta_changes:
+        if delta_changes and not undoing_raise:
             open_runs = [r["run_id"] for r in _q(conn,
                 "SELECT run_id FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status = 'reserved'",
                 (fingerprint,))]
@@ -533,7 +543,8 @@ class Ledger:
              delta, spent_eps, now, reason))
         self._trail(conn, "cap_change", fingerprint, old_name=row["name"], old_cap=row["epsilon_cap"],
                     old_delta=row["delta"], new_name=name, new_cap=epsilon_cap, new_delta=delta,
-                    spent_epsilon=spent_eps, reason=reason, **({"delta_raised": True} if raised else {}))
+                    spent_epsilon=spent_eps, reason=reason, **({"delta_raised": True} if raised else {}),
+                    **({"undoes_unrecorded_delta_raise": True} if undoing_raise else {}))
         _q(conn, 
             "UPDATE datasets SET name = ?, epsilon_cap = ?, delta = ?, updated_at = ?"
             " WHERE fingerprint = ?", (name, epsilon_cap, delta, now, fingerprint))
@@ -549,6 +560,47 @@ class Ledger:
                 if update:
                     _q(conn, f"UPDATE entries SET {', '.join(f'{k} = ?' for k in update)} WHERE id = ?",
                                  (*update.values(), entry["id"]))
+
+    def _migrate_rows(self, conn: sa.Connection, version: int) -> None:
+        """The row changes of a migration to the current schema (:meth:`Store.init_schema`)."""
+        if version < 8:
+            self._undo_unrecorded_delta_raises(conn, f"schema {version}")
+
+    def _undo_unrecorded_delta_raises(self, conn: sa.Connection, origin: str) -> list[str]:
+        """Put back every dataset whose ``cap_changes`` show a δ raise that the recorded raise step
+        did not make (no ``cap_change`` trail row marked ``delta_raised`` for it: the ``set-delta`` /
+        ``change_delta`` of schemas ≤ 6 raised δ with no such step) to the smallest δ it had before
+        that raise. That is a lowering, always allowed: :meth:`_change` records it in ``cap_changes``
+        and the trail (``undoes_unrecorded_delta_raise``), re-states each entry's ε at that δ, and
+        the floor of every earlier δ change still holds its spent ε from below. Returns the
+        fingerprints put back. ``origin``: what the rows came from (for the reason)."""
+        recorded: dict[tuple, int] = {}
+        for t in _q(conn, "SELECT fingerprint, detail FROM trail WHERE action = 'cap_change' ORDER BY id"):
+            detail = json.loads(t["detail"])
+            if detail.get("delta_raised"):
+                k = (t["fingerprint"], float(detail["old_delta"]), float(detail["new_delta"]))
+                recorded[k] = recorded.get(k, 0) + 1
+        undone = []
+        for ds in _q(conn, "SELECT * FROM datasets ORDER BY fingerprint").fetchall():
+            fp, target, smallest = ds["fingerprint"], None, None
+            for c in _q(conn, "SELECT * FROM cap_changes WHERE fingerprint = ? ORDER BY id", (fp,)).fetchall():
+                old, new = float(c["old_delta"]), float(c["new_delta"])
+                smallest = old if smallest is None else min(smallest, old)
+                if new > old and not math.isclose(new, old, rel_tol=1e-12, abs_tol=0.0):
+                    if recorded.get((fp, old, new), 0) > 0:
+                        recorded[(fp, old, new)] -= 1
+                    else:
+                        target = smallest if target is None else min(target, smallest)
+                smallest = min(smallest, new)
+            if target is None or not ds["delta"] > target or math.isclose(ds["delta"], target, rel_tol=1e-12,
+                                                                            abs_tol=0.0):
+                continue
+            self._change(conn, ds, ds["name"], ds["epsilon_cap"], target,
+                         f"δ put back from {ds['delta']:g} to {target:g}, the smallest δ before a raise made without "
+                         f"the recorded raise step (the set-delta of {origin}): a larger δ lets the same runs cost "
+                         "less ε under the same cap", undoing_raise=True)
+            undone.append(fp)
+        return undone
 
     def lower_cap(self, fingerprint: str, epsilon_cap: float, reason: str) -> dict[str, Any]:
         """Lower the dataset's cap to ``epsilon_cap`` (recorded with ``reason``); raising is refused
@@ -822,6 +874,12 @@ class Ledger:
                         spent_epsilon=total, remaining_epsilon=max(0.0, cap - total),
                         status=row["status"], created_at=row["created_at"], new=False)
 
+            n = self._record_count(conn, fingerprint)
+            if n is not None and delta >= 1.0 / n:  # n is not in the message (the rule of check_delta)
+                raise ValueError(
+                    f"dataset {ds['name']!r} (fingerprint {_short(fingerprint)}) is composed at δ={delta:g}, which is "
+                    ">= 1/n for the n records the ledger knows it by: such a δ permits releasing whole records; "
+                    f"lower it (privprompt budget set-delta) before running; run {run_id!r} was not recorded")
             existing = self._counted_events(conn, fingerprint)
             floor = self._delta_floor(conn, fingerprint)  # a δ change never lowers what is spent
             alone = spend(ev.ComposedEvent((event,)), delta).epsilon
@@ -1312,6 +1370,8 @@ class Ledger:
                     _q(conn, "INSERT INTO ledger_meta (name, value) VALUES (?, ?)", (TEAM_KEY_ID, key_id))
             self._trail(conn, "import", None, None, source_ledger=data.get("ledger"),
                         exported_at=data.get("exported_at"), rows=counts, team_key_id=key_id)
+            if data["schema_version"] < 8:  # what the migration of a ledger of that schema does
+                self._undo_unrecorded_delta_raises(conn, f"the schema-{data['schema_version']} export")
         return counts
 
     # -- queries --

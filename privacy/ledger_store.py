@@ -18,7 +18,9 @@ changes; 4 the append-only audit trail (``trail``), the team key (``team_key``) 
 5 the keyed record digests of each dataset (``record_sets``: one row per dataset whose records are
 known; ``dataset_records``: one row per keyed record digest, 16 bytes, unique across the ledger);
 6 each dataset's privacy unit; 7 no team key in the database (only its id in ``ledger_meta``; the
-key of a version 4-6 ledger is moved to a key file and its table dropped on first use).
+key of a version 4-6 ledger is moved to a key file and its table dropped on first use); 8 no δ raise
+outside the recorded raise step (a dataset whose δ was raised by the ``set-delta`` of schemas ≤ 6 is
+put back to its smallest earlier δ on migration: ``privacy.ledger.Ledger``, no table changes).
 Datasets of a version-4 ledger keep their keys and get their digests at the next run on their
 source (matched by the old file-bytes key). SQLite files of versions 1-4 are migrated in place
 (version in ``PRAGMA user_version`` and ``ledger_meta``); a PostgreSQL ledger keeps its version in
@@ -42,7 +44,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.pool import NullPool
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 DEFAULT_BUSY_TIMEOUT_S = 120.0
 # pg_advisory_xact_lock key of the ledger's write lock (any fixed 64-bit number; "privledg")
 PG_LOCK_KEY = 0x7072_6976_6C65_6467
@@ -393,7 +395,11 @@ class Store:
 
     # -- schema --
 
-    def init_schema(self) -> None:
+    def init_schema(self, migrate_rows=None) -> None:
+        """Create the tables, or migrate an older schema in place, in one write transaction.
+        ``migrate_rows(conn, version)``: called in that transaction after the tables are current and
+        before the new version is stored, when the stored version is older (the row changes a new
+        schema implies, which need the ledger's logic)."""
         if self.dialect == "sqlite":
             self._set_wal()
         if self._current_version() == SCHEMA_VERSION:
@@ -424,6 +430,8 @@ class Store:
             for statement in (_SQLITE_TRIGGERS if self.dialect == "sqlite" else _PG_TRIGGERS) \
                     if version < SCHEMA_VERSION else []:
                 conn.exec_driver_sql(statement)
+            if version < SCHEMA_VERSION and migrate_rows is not None:
+                migrate_rows(conn, version)
             if version < SCHEMA_VERSION:
                 conn.execute(sa.text("DELETE FROM ledger_meta WHERE name = 'schema_version'"))
                 conn.execute(sa.text("INSERT INTO ledger_meta (name, value) VALUES ('schema_version', :v)"),

@@ -275,6 +275,7 @@ def installation_secret(private_dir: str | Path, ledger_url: str | None = None) 
         return _TEAM_KEYS[cached]
     path = paths.installation_key
     if path.is_file():
+        owner_only(path)  # the state folder's own file (inside 0700 folders): tightened, as on every open
         return read_key_file(path)
     if paths.ledger.is_file():
         from privacy.ledger import LedgerKeyError
@@ -287,15 +288,38 @@ def installation_secret(private_dir: str | Path, ledger_url: str | None = None) 
     return store_key_file(path, secrets.token_bytes(KEY_BYTES))
 
 
-def read_key_file(path: str | Path) -> bytes:
+def key_file_exposure(path: str | Path, mode: int | None = None) -> str | None:
+    """Why the key file ``path`` is not its owner's alone (ssh's rule: no permission for the group
+    or others; ``mode``: its ``st_mode`` when already known), or None when it is."""
+    import stat
+
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return None
+    if not mode & 0o077:
+        return None
+    return f"key file {path} is open to others than its owner (mode {stat.S_IMODE(mode):04o})"
+
+
+def read_key_file(path: str | Path, private: bool = True) -> bytes:
     """The 32-byte key in ``path``; one line (:class:`privacy.ledger.LedgerKeyError`) when it cannot be
-    read or is not a key."""
+    read or is not a key. ``private`` (every file used AS the key): a file that its group or others
+    may read or write is refused, as ssh refuses such a private key — with the ledger the key tells
+    whether any text is in the data. Not ``private``: a file being imported (:func:`import_key`,
+    which keeps its copy 0600; the caller warns)."""
     from privacy.ledger import LedgerKeyError
 
     try:
-        key = Path(path).read_bytes()
+        with open(path, "rb") as handle:
+            exposed = key_file_exposure(path, os.fstat(handle.fileno()).st_mode) if private else None
+            key = handle.read(KEY_BYTES + 1)
     except OSError as exc:
         raise LedgerKeyError(f"cannot read key file {path}: {exc.strerror}") from None
+    if exposed:
+        raise LedgerKeyError(f"{exposed}: refused, a key file must be readable by its owner only (with the ledger "
+                             f"it tells whether any text is in the data): chmod 600 {path}")
     if len(key) != KEY_BYTES:
         raise LedgerKeyError(f"{path} is not a {KEY_BYTES}-byte key: restore it from a backup or the team "
                              "(fingerprints and the ledger's dataset keys depend on it)")
@@ -328,11 +352,11 @@ def store_key_file(path: str | Path, key: bytes, must_match: bool = True) -> byt
                 pass
         finally:
             os.unlink(tmp)
-    stored = read_key_file(path)
+    stored = read_key_file(path, private=False)
     if stored != key and must_match:
         raise LedgerKeyError(f"{path} already holds another key (id {key_id_of(stored)}, not {key_id_of(key)}): "
                              "refusing to replace it; move it away first if it is not needed")
-    return stored
+    return read_key_file(path)  # the file kept is the owner's alone (one made here is; an old one open to others: refused)
 
 
 def _missing_team_key(paths: StatePaths, key_id: str | None) -> Exception:
@@ -371,6 +395,8 @@ def team_key(paths: StatePaths, mint: bool = True) -> bytes:
         path = paths.team_key_file(key_id)
         if not path.is_file():
             raise _missing_team_key(paths, key_id)
+        if not env:
+            owner_only(path)  # the state folder's own file; $PRIVPROMPT_TEAM_KEY_FILE's is the user's: refused if open
         key = read_key_file(path)
         if key_id_of(key) != key_id:
             raise LedgerKeyError(f"{path} holds team key {key_id_of(key)}, but ledger {paths.ledger_location} keeps "
@@ -423,13 +449,15 @@ def export_key(paths: StatePaths, destination: str | Path) -> tuple[str, Path]:
 
 
 def import_key(paths: StatePaths, source: str | Path) -> tuple[str, Path]:
-    """Keep the key in ``source`` as the key of the ledger of ``paths``. A shared ledger: checked
+    """Keep the key in ``source`` as the key of the ledger of ``paths`` (``source`` may be open to
+    others, e.g. copied with a loose umask: it is read, and the copy kept is 0600; the CLI warns and
+    says to delete it). A shared ledger: checked
     against the key id it records (another key is refused), or recorded as its key when it records
     none; kept in :meth:`StatePaths.team_key_file`. The state folder's own ledger: kept as its
     ``installation.key`` (refused when a different one is there). Returns (key id, where it is kept)."""
     from privacy.ledger import LedgerKeyError, key_id_of
 
-    key = read_key_file(source)
+    key = read_key_file(source, private=False)  # a copy brought here: kept 0600 below (the caller warns)
     key_id = key_id_of(key)
     if paths.ledger_is_shared:
         ledger = paths.open_ledger()

@@ -227,7 +227,7 @@ def test_a_version_4_ledger_is_migrated_and_its_datasets_get_their_records(sourc
     from tasks.data import legacy_dataset_key
     from tasks.state import state_paths
 
-    assert SCHEMA_VERSION == 7
+    assert SCHEMA_VERSION == 8
     state = tmp_path / "state"
     cfg = _data_cfg(sources["jsonl"], "toy-sst2", state)
     paths = state_paths(str(state)).create()
@@ -238,8 +238,8 @@ def test_a_version_4_ledger_is_migrated_and_its_datasets_get_their_records(sourc
 
     ledger = Ledger(paths.ledger)  # migrates in place
     with sqlite3.connect(paths.ledger) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 7
-        assert db.execute("SELECT value FROM ledger_meta WHERE name = 'schema_version'").fetchone()[0] == "7"
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 8
+        assert db.execute("SELECT value FROM ledger_meta WHERE name = 'schema_version'").fetchone()[0] == "8"
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert {"record_sets", "dataset_records"} <= tables
     (ds,) = ledger.datasets()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -526,3 +527,120 @@ def test_a_ledger_whose_delta_was_raised_before_this_rule_reports_the_spent_epsi
         conn.exec_driver_sql("UPDATE datasets SET delta = 0.5 WHERE fingerprint = ?", (FP,))
     assert led.spent(FP).epsilon == pytest.approx(spent, rel=1e-12)
     assert led.dataset(FP)["spent_epsilon"] == pytest.approx(spent, rel=1e-12)
+
+
+# ---- a δ raised by the set-delta of schema <= 6 (fixtures/make_schema6_raised_delta_ledger.py) ----
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+OLD_RUN = ev.SelfComposedEvent(ev.PoissonSampledEvent(0.1, ev.GaussianEvent(0.7)), 11)  # the fixture's run
+
+
+def _rows(path, table: str) -> list[dict]:
+    conn = sqlite3.connect(path)
+    conn.row_factory = sqlite3.Row
+    try:
+        return [dict(r) for r in conn.execute(f"SELECT * FROM {table} ORDER BY id")]
+    finally:
+        conn.close()
+
+
+def test_a_schema6_ledger_whose_delta_set_delta_raised_migrates_to_its_smallest_delta(tmp_path):
+    """The old set-delta raised 'raised' from δ=1e-5 to 1e-3 after a run of ε 6.197 (at 1e-5) under a
+    cap of 8: at 1e-3 four more such runs fitted (five composed at 1e-5: ε ≈ 11.1 > 8). Migrated, the
+    dataset is back at 1e-5: of the four, the one that fits at 1e-5 (two composed: ε 7.79) is
+    accepted and the others are refused by the cap; every row survives."""
+    path = tmp_path / "ledger.sqlite"
+    shutil.copyfile(FIXTURES / "schema6_raised_delta_ledger.sqlite", path)
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 6
+    before = {t: _rows(path, t) for t in ("entries", "cap_changes", "trail")}
+    led = Ledger(path)
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 8
+    ds = {d["name"]: d for d in led.datasets()}
+    raised = ds["raised"]["fingerprint"]
+    assert ds["raised"]["delta"] == 1e-5 and ds["raised-half"]["delta"] == 1e-6   # the smallest earlier δ
+    assert ds["lowered"]["delta"] == 1e-6 and ds["wide"]["delta"] == 0.2           # no raise: as they were
+    assert led.spent(raised).epsilon == pytest.approx(eps(OLD_RUN), rel=1e-9)
+    assert eps(OLD_RUN) == pytest.approx(6.197, abs=1e-3)
+    half = ds["raised-half"]["fingerprint"]
+    assert led.spent(half).epsilon == pytest.approx(eps(ev.ExponentialEvent(1.0), 1e-6), rel=1e-9)
+    accepted = 0
+    for i in range(4):  # the review's four further runs: at 1e-5 the second run still fits (ε 7.79), no third
+        try:
+            led.reserve(raised, f"again-{i}", OLD_RUN)
+        except BudgetExceededError:
+            continue
+        led.commit(f"again-{i}", OLD_RUN)
+        accepted += 1
+    assert accepted == 1
+    assert led.spent(raised).epsilon <= 8.0
+    assert led.spent(raised).epsilon == pytest.approx(spend(ev.SelfComposedEvent(OLD_RUN, 2), 1e-5).epsilon, rel=1e-3)
+    assert spend(ev.SelfComposedEvent(OLD_RUN, 3), 1e-5).epsilon > 8.0
+    # every row survives: the old rows are a prefix of the new tables, each entry's ε only rises
+    after = {t: _rows(path, t) for t in ("entries", "cap_changes", "trail")}
+    after["entries"] = [e for e in after["entries"] if not e["run_id"].startswith("again-")]
+    assert after["cap_changes"][:len(before["cap_changes"])] == before["cap_changes"]
+    assert after["trail"][:len(before["trail"])] == before["trail"]
+    assert len(after["entries"]) == len(before["entries"]) == 6
+    for old, new in zip(before["entries"], after["entries"]):
+        for column in old:
+            if column.startswith("epsilon_") and old[column] is not None:
+                assert new[column] >= old[column] - 1e-12
+            else:
+                assert new[column] == old[column]
+    undo = [t for t in led.trail() if t["detail"].get("undoes_unrecorded_delta_raise")]
+    assert [(t["fingerprint"], t["detail"]["old_delta"], t["detail"]["new_delta"]) for t in undo] == sorted(
+        [(raised, 1e-3, 1e-5), (half, 1e-2, 1e-6)])
+    assert all("smallest δ before a raise" in t["detail"]["reason"] for t in undo)
+    assert len(after["cap_changes"]) == len(before["cap_changes"]) + 2
+    # opening it again changes nothing
+    Ledger(path)
+    assert _rows(path, "trail") == after["trail"][:len(_rows(path, "trail"))] and len(_rows(path, "trail")) == len(
+        after["trail"])
+
+
+def test_a_stored_delta_at_or_above_one_over_n_is_refused_at_reserve(tmp_path):
+    """'wide' was registered by the old code at δ=0.2 for its 10 known records (nothing checked a
+    stored δ against n then): a reservation is refused in one line, n not in it, nothing recorded."""
+    path = tmp_path / "ledger.sqlite"
+    shutil.copyfile(FIXTURES / "schema6_raised_delta_ledger.sqlite", path)
+    led = Ledger(path)
+    wide = led.find_dataset("wide")["fingerprint"]
+    trail = led.trail()
+    with pytest.raises(ValueError, match=r"δ=0.2, which is >= 1/n for the n records") as info:
+        led.reserve(wide, "w1", ev.ExponentialEvent(0.1))
+    assert "\n" not in str(info.value) and "10" not in str(info.value)
+    assert led.trail() == trail and led.entries(wide) == []
+    led.change_delta(wide, 1e-3, "below 1/n")   # a lowering is always allowed; then runs go on
+    assert led.reserve(wide, "w1", ev.ExponentialEvent(0.1)).new
+
+
+def test_a_recorded_delta_raise_survives_the_migration_an_unrecorded_one_does_not(tmp_path):
+    """On a schema-7 ledger a raise by the recorded step (trail: delta_raised) stays; one without the
+    mark (what the earlier set-delta left, carried through schema 7) is put back. An export of
+    schema 7 imported into an empty ledger gets the same treatment."""
+    led = Ledger(tmp_path / "ledger.sqlite")
+    led.register_dataset(FP, "kept", 8.0, DELTA)
+    led.reserve(FP, "r1", RUN_200)
+    led.commit("r1", RUN_200)
+    led.change_delta(FP, 1e-3, "policy review", allow_raise=True)        # recorded raise
+    led.register_dataset(FP2, "undone", 8.0, 1e-6)
+    led.reserve(FP2, "r2", RUN_200)
+    led.commit("r2", RUN_200)
+    with led._store.write() as conn:  # an unrecorded raise, as the set-delta of schema <= 6 wrote it
+        conn.exec_driver_sql(
+            "INSERT INTO cap_changes (fingerprint, old_name, old_cap, old_delta, new_name, new_cap, new_delta, "
+            "spent_epsilon_at_change, changed_at, reason) VALUES (?, 'undone', 8.0, 1e-6, 'undone', 8.0, 0.01, 1.0, "
+            "'then', 'old set-delta')", (FP2,))
+        conn.exec_driver_sql("UPDATE datasets SET delta = 0.01 WHERE fingerprint = ?", (FP2,))
+    export = led.export()
+    export["schema_version"] = 7
+    with led._store.write() as conn:
+        conn.exec_driver_sql("UPDATE ledger_meta SET value = '7' WHERE name = 'schema_version'")
+        conn.exec_driver_sql("PRAGMA user_version = 7")
+    led = Ledger(tmp_path / "ledger.sqlite")
+    assert led.dataset(FP)["delta"] == 1e-3 and led.dataset(FP2)["delta"] == 1e-6
+    restored = Ledger(tmp_path / "restored.sqlite")
+    restored.import_ledger(export)
+    assert restored.dataset(FP)["delta"] == 1e-3 and restored.dataset(FP2)["delta"] == 1e-6
+    assert restored.spent(FP2).epsilon == pytest.approx(eps(RUN_200, 1e-6), rel=1e-9)
+    assert restored.trail()[-1]["detail"]["undoes_unrecorded_delta_raise"] is True

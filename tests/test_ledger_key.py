@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import os
 import shutil
 import sqlite3
 from pathlib import Path
@@ -33,7 +34,7 @@ from privacy import events as ev
 from privacy.ledger import Ledger, LedgerKeyError, key_id_of
 from privacy.ledger_store import RECORD_DIGEST_BYTES
 from tasks.data import record_digests, records_key
-from tasks.state import export_key, import_key, installation_secret, state_paths
+from tasks.state import export_key, import_key, installation_secret, state_paths, team_key
 from test_dataset_records import _charge, _data_cfg, _write
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -271,7 +272,7 @@ def test_a_schema6_team_ledger_moves_its_key_out_and_keeps_every_entry(tmp_path,
     assert after["trail"][:len(before["trail"])] == before["trail"]
     (moved,) = after["trail"][len(before["trail"]):]
     assert moved[2] == "team_key_moved" and json.loads(moved[5])["key_id"] == key_id
-    assert ledger.team_key_id() == key_id and sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == 7
+    assert ledger.team_key_id() == key_id and sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == 8
     # no copy of the key in the file, its free pages or its log
     assert_url_alone_computes_no_digest(url, old_key, members, [db, db.with_name(db.name + "-wal")])
     # the ledger composes as before, the key is the one its datasets were made with
@@ -316,6 +317,100 @@ def test_a_key_that_cannot_be_kept_stays_in_the_database(tmp_path, monkeypatch):
         state_paths(str(tmp_path / "machine")).open_ledger()
     after = _rows_of(db)
     assert after["team_key"] == before["team_key"] and after["trail"] == before["trail"]
+
+
+# ---- key files and backups are their owner's alone ----
+
+def test_a_key_file_open_to_others_is_refused_where_it_is_used_as_the_key(tmp_path, monkeypatch, capsys):
+    """$PRIVPROMPT_TEAM_KEY_FILE of mode 0644 (or group-writable): team_key() and `key show` refuse it in
+    one line, as ssh refuses such a private key; at 0600 it is the key."""
+    from privprompt_cli import main
+
+    monkeypatch.setenv("PRIVPROMPT_LEDGER_URL", f"sqlite:///{tmp_path / 'team' / 'ledger.sqlite'}")
+    keyfile = tmp_path / "share" / "team.key"
+    keyfile.parent.mkdir()
+    key = bytes(range(1, 33))
+    keyfile.write_bytes(key)
+    monkeypatch.setenv("PRIVPROMPT_TEAM_KEY_FILE", str(keyfile))
+    paths = state_paths(str(tmp_path / "machine"))
+    for mode in (0o644, 0o640, 0o620, 0o604):
+        keyfile.chmod(mode)
+        with pytest.raises(LedgerKeyError, match=f"open to others than its owner \\(mode {mode:04o}\\).*chmod 600") as info:
+            team_key(paths)
+        assert "\n" not in str(info.value) and key.hex() not in str(info.value)
+        assert main(["--state-dir", str(tmp_path / "machine"), "key", "show"]) == 2
+        err = capsys.readouterr().err
+        assert f"mode {mode:04o}" in err and err.count("\n") == 1
+    assert Ledger(tmp_path / "team" / "ledger.sqlite").team_key_id() is None   # nothing recorded from it
+    keyfile.chmod(0o600)
+    assert team_key(paths) == key
+    assert main(["--state-dir", str(tmp_path / "machine"), "key", "show"]) == 0
+    assert key_id_of(key) in capsys.readouterr().out
+
+
+def test_key_import_of_an_open_copy_keeps_it_0600_and_warns(tmp_path, monkeypatch, capsys):
+    from privprompt_cli import main
+
+    monkeypatch.setenv("PRIVPROMPT_LEDGER_URL", f"sqlite:///{tmp_path / 'team' / 'ledger.sqlite'}")
+    brought = tmp_path / "brought.key"
+    key = bytes(range(2, 34))
+    brought.write_bytes(key)
+    brought.chmod(0o644)
+    assert main(["--state-dir", str(tmp_path / "machine"), "key", "import", str(brought)]) == 0
+    captured = capsys.readouterr()
+    assert "warning" in captured.err and "mode 0644" in captured.err and f"delete {brought}" in captured.err
+    assert captured.err.count("\n") == 1 and key.hex() not in captured.err + captured.out
+    kept = state_paths(str(tmp_path / "machine")).team_key_file(key_id_of(key))
+    assert kept.read_bytes() == key and kept.stat().st_mode & 0o777 == 0o600
+    assert kept.parent.stat().st_mode & 0o777 == 0o700
+    # a copy that is the owner's alone: no warning
+    private_copy = tmp_path / "private.key"
+    export_key(state_paths(str(tmp_path / "machine")), private_copy)
+    assert main(["--state-dir", str(tmp_path / "machine"), "key", "import", str(private_copy)]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_the_state_folders_own_key_file_left_open_is_tightened_not_refused(tmp_path):
+    paths = state_paths(str(tmp_path / "solo")).create()
+    key = installation_secret(paths.private)
+    paths.installation_key.chmod(0o644)   # as a copy restored with a loose umask, in the 0700 folder
+    assert installation_secret(paths.private) == key
+    assert paths.installation_key.stat().st_mode & 0o777 == 0o600
+
+
+def test_ledger_json_out_writes_a_new_0600_file_whatever_the_umask(tmp_path, monkeypatch, capsys):
+    from privprompt_cli import main
+
+    led = Ledger(tmp_path / "solo" / "ledger.sqlite")
+    led.register_source("k" * 64, "toy", 8.0, 1e-5, [bytes([i]) * 16 for i in range(20)])
+    led.reserve("k" * 64, "r1", ev.ExponentialEvent(0.5))
+    out = tmp_path / "backups" / "backup.json"
+    out.parent.mkdir()
+    old_umask = os.umask(0o022)
+    try:
+        assert main(["--state-dir", str(tmp_path / "solo"), "ledger", "--json", "--out", str(out)]) == 0
+    finally:
+        os.umask(old_umask)
+    assert str(out) in capsys.readouterr().out
+    assert out.stat().st_mode & 0o777 == 0o600
+    data = json.loads(out.read_text())
+    assert data["format"] == led.export()["format"] and [e["run_id"] for e in data["entries"]] == ["r1"]
+    assert data["record_digests"] == led.export()["record_digests"]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["backup.json"]   # no temporary file left
+    # never over an existing file (one line; the file is unchanged); --out needs --json
+    before = out.read_bytes()
+    assert main(["--state-dir", str(tmp_path / "solo"), "ledger", "--json", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "exists: refusing to replace it" in err and err.count("\n") == 1 and out.read_bytes() == before
+    assert main(["--state-dir", str(tmp_path / "solo"), "ledger", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--json --out" in capsys.readouterr().err and not (tmp_path / "x.json").exists()
+    assert main(["--state-dir", str(tmp_path / "solo"), "ledger", "--json", "--out",
+                 str(tmp_path / "nowhere" / "b.json")]) == 2
+    assert "no folder" in capsys.readouterr().err
+    # a state folder without a ledger yet: the empty export, 0600 too
+    empty = tmp_path / "backups" / "empty.json"
+    assert main(["--state-dir", str(tmp_path / "fresh"), "ledger", "--json", "--out", str(empty)]) == 0
+    assert empty.stat().st_mode & 0o777 == 0o600 and json.loads(empty.read_text())["entries"] == []
 
 
 # ---- PostgreSQL (-m servers) ------------------------------------------------------------------------

@@ -271,7 +271,7 @@ def test_a_version_5_ledger_gets_record_units(tmp_path):
     ledger = Ledger(path)
     assert ledger.dataset("old")["unit"] == "record"
     with sqlite3.connect(path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 7  # and on to the current schema
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 8  # and on to the current schema
 
 
 def test_lifecycle_charges_a_partition_to_its_units_dataset(tmp_path):
