@@ -16,8 +16,10 @@ import math
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from . import calibrate
 from . import events as ev
 from . import rdp as rdp_lib
+from .calibration_cache import cached
 from .pld import DISCRETIZATION, pld_for
 from .validation import check_count, check_delta, check_epsilon, check_rate
 
@@ -180,8 +182,6 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
     # a pure function of its arguments, computed once per process (each costs ~2 s of accounting;
     # plan, preflight, the run and the largest-fitting search ask for the same ones)
     # and across processes, in the state folder's accounting cache (calibration_cache.py)
-    from .calibration_cache import cached
-
     return cached("noise_multiplier", _calibrate_noise_multiplier, float(target_epsilon), float(delta),
                   float(sample_rate), int(steps), float(tolerance))
 
@@ -198,27 +198,25 @@ def _calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate
         # where rounding up accumulates over compositions.)
         return spend(ev.dpsgd_event(sample_rate, sigma, steps), delta, discretization=1e-3).epsilon
 
-    hi = 1.0
-    while eps_rdp(hi) > target_epsilon:
-        hi *= 2.0
-        if hi > 1e4:
-            raise ValueError(f"target_epsilon={target_epsilon} is unreachable for these settings")
-    lo = hi / 2.0
-    while lo > 1e-3 and eps_rdp(lo) <= target_epsilon:
-        lo /= 2.0
+    # bracket on the RDP bound: σ doubled from 1 until it fits (at most 1e4), then the lower end
+    # halved while it still fits (down to 1e-3)
+    _, hi = calibrate.walk(lambda s: eps_rdp(s) > target_epsilon, 1.0, lambda s: None if s * 2.0 > 1e4 else s * 2.0)
+    if hi is None:
+        raise ValueError(f"target_epsilon={target_epsilon} is unreachable for these settings")
+    _, lo = calibrate.walk(lambda s: s > 1e-3 and eps_rdp(s) <= target_epsilon, hi / 2.0, lambda s: s / 2.0)
     # Refine on the RDP curve, then on the full accountant (PLD ≤ RDP here, so the answer moves down).
-    for f in (eps_rdp, eps_full):
-        if f is eps_full:
-            lo = lo / 1.5
-            if f(lo) <= target_epsilon:  # extremely loose RDP: widen the bracket
-                lo /= 4.0
-        while hi / lo > 1.0 + tolerance:
-            mid = math.sqrt(lo * hi)
-            if f(mid) <= target_epsilon:
-                hi = mid
-            else:
-                lo = mid
-    return hi
+    hi, lo = _bisect_sigma(eps_rdp, target_epsilon, hi, lo, tolerance)
+    lo = lo / 1.5
+    if eps_full(lo) <= target_epsilon:  # extremely loose RDP: widen the bracket
+        lo /= 4.0
+    return _bisect_sigma(eps_full, target_epsilon, hi, lo, tolerance)[0]
+
+
+def _bisect_sigma(epsilon_of, target_epsilon: float, hi: float, lo: float, tolerance: float) -> tuple[float, float]:
+    """(fitting σ, non-fitting σ) within a factor 1 + tolerance, by bisection on log σ."""
+    b = calibrate.search(lambda s: epsilon_of(s) <= target_epsilon, good=hi, bad=lo, good_is_high=True,
+                         propose=calibrate.geometric, narrow=calibrate.ratio_within(tolerance))
+    return b.good, b.bad
 
 
 def max_limited_domain_queries(target_epsilon: float, delta: float, epsilon0: float, delta0: float,
@@ -237,17 +235,12 @@ def max_limited_domain_queries(target_epsilon: float, delta: float, epsilon0: fl
 
     if not fits(1):
         return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    # doubled from 2 while it fits (up to the limit), then bisection on the integers
+    fitting, above = calibrate.walk(lambda n: n <= limit and fits(n), 2, lambda n: n * 2)
+    lo = 1 if fitting is None else fitting
+    hi = min(above, limit + 1)
+    return calibrate.search(fits, good=lo, bad=hi, good_is_high=False, propose=calibrate.integer,
+                            narrow=calibrate.width_within(1)).good
 
 
 def largest_fitting_epsilon(events_for, existing: list[ev.DpEvent], delta: float, cap: float,
@@ -260,8 +253,8 @@ def largest_fitting_epsilon(events_for, existing: list[ev.DpEvent], delta: float
     Returns x such that a run at x fits and one at some x' ≤ x·(1 + rel_tol) does not (both
     evaluated; the composed ε grows with x), at most the cap (or the first guess above it), or
     None when no x ≥ cap·1e-4 fits. Bracketed search: interpolation on the composed ε (it is
-    smooth in x), with bisection whenever one side of the bracket stays put (each evaluation
-    calibrates a run, so evaluations are few)."""
+    smooth in x), with bisection whenever one side of the bracket stays put
+    (``calibrate.toward``; each evaluation calibrates a run, so evaluations are few)."""
     check_epsilon(cap, "cap")
     check_delta(delta, "delta")
     existing = list(existing)
@@ -281,28 +274,15 @@ def largest_fitting_epsilon(events_for, existing: list[ev.DpEvent], delta: float
 
     spent_now = spend(ev.ComposedEvent(tuple(existing)), delta).epsilon if existing else 0.0
     floor = cap * 1e-4
-    lo = max(cap - spent_now, floor)  # sub-additivity makes cap − spent a good first guess from below
-    while total(lo) > cap:
-        if lo <= floor:
-            return None
-        lo = max(lo / 4.0, floor)
+    # sub-additivity makes cap − spent a good first guess from below; a quarter of it while it does
+    # not fit, down to the floor
+    _, lo = calibrate.walk(lambda x: total(x) > cap, max(cap - spent_now, floor),
+                           lambda x: None if x <= floor else max(x / 4.0, floor))
+    if lo is None:
+        return None
     hi = max(cap, lo * 1.5)
     if total(hi) <= cap:
         return hi  # a target above the cap is never asked for: the whole cap fits
-    moved = None  # which side moved last, twice in a row → bisect
-    repeats = 0
-    while hi > lo * (1.0 + rel_tol):
-        t_lo, t_hi = total(lo), total(hi)
-        if repeats >= 1 or not math.isfinite(t_hi) or t_hi <= t_lo:
-            x = math.sqrt(lo * hi)
-        else:
-            x = lo + (hi - lo) * (cap - t_lo) / (t_hi - t_lo)
-        x = min(max(x, lo * (1.0 + rel_tol / 4)), hi / (1.0 + rel_tol / 4))
-        side = "lo" if total(x) <= cap else "hi"
-        if side == "lo":
-            lo = x
-        else:
-            hi = x
-        repeats = repeats + 1 if side == moved else 0
-        moved = side
-    return lo  # fits; hi ≤ lo·(1 + rel_tol) does not
+    return calibrate.search(lambda x: total(x) <= cap, good=lo, bad=hi, good_is_high=False,
+                            propose=calibrate.toward(cap, total, rel_tol),
+                            narrow=calibrate.relative_within(rel_tol)).good  # fits; hi ≤ lo·(1 + rel_tol) does not

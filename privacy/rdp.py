@@ -28,6 +28,7 @@ from typing import Callable, Sequence, Union
 import numpy as np
 from scipy import special
 
+from . import calibrate
 from . import events as ev
 from .trials import PoissonTrials, TrialCount, TruncatedNegativeBinomial, trial_count_distribution
 
@@ -410,3 +411,16 @@ def rdp_to_delta(orders, rdp, epsilon: float) -> tuple[float, float]:
     i = int(np.argmin(log_delta))
     return float(min(math.exp(min(log_delta[i], 0.0)), 1.0)), float(a[i])
 
+
+def gaussian_sigma_for_epsilon(epsilon: float, delta: float) -> float:
+    """σ of the Gaussian mechanism (sensitivity 1) that is (ε, δ)-DP by its closed-form RDP curve
+    and the conversion above: 60 bisections of [1e-2, 1e3] on a log scale (ε falls as σ grows),
+    the upper end returned. Fast and never optimistic (the RDP conversion only over-estimates ε);
+    a first guess or a default, not what a ledger charges (the accountant answers that)."""
+    orders = np.asarray(DEFAULT_ORDERS, dtype=float)
+
+    def fits(sigma: float) -> bool:
+        return not rdp_to_epsilon(orders, gaussian_rdp(sigma, orders), delta)[0] > epsilon
+
+    return calibrate.search(fits, good=1e3, bad=1e-2, good_is_high=True, propose=calibrate.geometric,
+                            max_tests=60).good

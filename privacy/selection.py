@@ -133,7 +133,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import accountant
+from . import accountant, calibrate
 from . import events as ev
 from . import rdp as rdp_lib
 from .mechanisms import gaussian_mechanism
@@ -314,21 +314,15 @@ def plan_dpsgd_selection(target_epsilon: float, delta: float, distribution: Tria
     if floor_eps >= target_epsilon:
         raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable: the holdout score noise "
                          f"score_noise_multiplier={score_sigma:g} alone costs ε={floor_eps:.4g} in this selection")
-    hi = 1.0
-    while sel_eps(hi) > target_epsilon:
-        hi *= 2.0
-        if hi > 1e4:
-            raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable for these settings")
-    lo = hi / 2.0
-    while lo > 1e-3 and sel_eps(lo) <= target_epsilon:
-        hi, lo = lo, lo / 2.0
-    while hi / lo > 1.0 + tolerance:
-        mid = math.sqrt(lo * hi)
-        if sel_eps(mid) <= target_epsilon:
-            hi = mid
-        else:
-            lo = mid
-    sigma = hi
+    # σ up by doubling from 1 until it fits; down by halving while it fits (to 1e-3); then bisection
+    _, hi = calibrate.walk(lambda s: sel_eps(s) > target_epsilon, 1.0, lambda s: None if s * 2.0 > 1e4 else s * 2.0)
+    if hi is None:
+        raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable for these settings")
+    fitting, lo = calibrate.walk(lambda s: s > 1e-3 and sel_eps(s) <= target_epsilon, hi / 2.0, lambda s: s / 2.0)
+    if fitting is not None:
+        hi = fitting
+    sigma = calibrate.search(lambda s: sel_eps(s) <= target_epsilon, good=hi, bad=lo, good_is_high=True,
+                             propose=calibrate.geometric, narrow=calibrate.ratio_within(tolerance)).good
     trial = trial_event(ev.dpsgd_event(sample_rate, sigma, steps), score_sigma)
     expected = distribution.mean
     return SelectionPlan(
@@ -340,6 +334,34 @@ def plan_dpsgd_selection(target_epsilon: float, delta: float, distribution: Tria
         naive_epsilon_expected_trials=accountant.spend(_composed(trial, math.ceil(expected)), delta).epsilon,
         naive_epsilon_candidates=accountant.spend(_composed(trial, n_candidates), delta).epsilon,
     )
+
+
+def composed_gaussian_target(target: float, n_trained: int, delta: float) -> float:
+    """A first guess of the per-trial target ε when ``n_trained`` candidates each train once and
+    compose: as if each were a Gaussian mechanism, whose k-fold composition at σ is one Gaussian at
+    σ/√k — so each trial gets the ε (closed-form RDP) of σ_target·√k, σ_target the Gaussian σ of
+    ``target`` (:func:`privacy.rdp.gaussian_sigma_for_epsilon`)."""
+    if n_trained <= 1:
+        return target
+    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
+    sigma = rdp_lib.gaussian_sigma_for_epsilon(target, delta) * math.sqrt(n_trained)
+    return float(rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0])
+
+
+def gaussian_selection_overhead(x: float, delta: float, distribution: TrialCount,
+                                score_noise_multiplier: float) -> float:
+    """What a random-stopping selection adds, in ε at δ, over one trial when the trial is a
+    Gaussian mechanism of ε = x (closed-form RDP, no calibration of a method) scored with noise
+    ``score_noise_multiplier``, with the no-prompt reference scored once more: a first guess of the
+    per-trial target, ε(selection) − ε(one trial), at least 0."""
+    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
+    sigma = rdp_lib.gaussian_sigma_for_epsilon(x, delta)
+    score = score_noise_multiplier
+    curve = np.maximum(rdp_lib.gaussian_rdp(sigma, orders), rdp_lib.gaussian_rdp(score, orders))
+    chosen = repeat_and_select_rdp(curve, distribution, trial_orders=orders)
+    chosen = chosen + rdp_lib.gaussian_rdp(score, orders)  # the no-prompt reference
+    one = rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0]
+    return max(0.0, rdp_lib.rdp_to_epsilon(orders, chosen, delta)[0] - one)
 
 
 def _composed(trial: ev.DpEvent, count: int) -> ev.DpEvent:

@@ -17,6 +17,7 @@ from typing import Union
 import numpy as np
 from scipy import special
 
+from . import calibrate
 from . import events as ev
 from .validation import check_count, check_open_interval, check_positive
 
@@ -136,16 +137,13 @@ def trial_count_distribution(event: ev.RepeatAndSelectEvent) -> TrialCount:
 
 
 def gamma_for_mean(eta: float, mean: float, tolerance: float = 1e-12) -> float:
-    """The γ of D_{η,γ} with E[K] = ``mean`` (> 1); E[K] decreases in γ, solved by bisection."""
+    """The γ of D_{η,γ} with E[K] = ``mean`` (> 1); E[K] decreases in γ, solved by bisection
+    (the returned γ's mean is at most the asked one)."""
     eta = check_open_interval(eta, -1.0, math.inf, "eta")
     mean = check_open_interval(mean, 1.0, math.inf, "mean")
     lo, hi = 1e-300, 1.0 - 1e-16
     if TruncatedNegativeBinomial(eta, hi).mean > mean:
         raise ValueError(f"mean={mean!r} is too close to 1 for eta={eta!r}")
-    while hi - lo > tolerance * hi:
-        mid = 0.5 * (lo + hi)
-        if TruncatedNegativeBinomial(eta, mid).mean > mean:
-            lo = mid
-        else:
-            hi = mid
-    return hi  # mean at hi is <= the asked mean
+    return calibrate.search(lambda g: not TruncatedNegativeBinomial(eta, g).mean > mean, good=hi, bad=lo,
+                            good_is_high=True, propose=calibrate.arithmetic,
+                            narrow=calibrate.width_within_fraction(tolerance)).good

@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 
 from privacy import calibrate
+from privacy import rdp as rdp_lib
+from privacy import selection as psel
+from privacy import trials
 
 
 def _thresholds(n=60, seed=7):
@@ -126,6 +129,42 @@ def test_sigma_searches_are_the_old_ones_bit_for_bit(tighten):
                     _new_sigma_search(eps, 1.0, tol, tighten)
                 continue
             assert _new_sigma_search(eps, 1.0, tol, tighten) == old
+
+
+def test_the_closed_form_gaussian_sigma_is_the_old_one_bit_for_bit():
+    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
+
+    def old(x, delta):  # tasks/selection.py _gaussian_sigma_for, before calibrate.py
+        lo, hi = 1e-2, 1e3
+        for _ in range(60):
+            mid = math.sqrt(lo * hi)
+            e = rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(mid, orders), delta)[0]
+            lo, hi = (mid, hi) if e > x else (lo, mid)
+        return hi
+
+    for x in (0.05, 0.3, 1.0, 2.5, 8.0, 40.0):
+        for delta in (1e-5, 1e-8):
+            sigma = rdp_lib.gaussian_sigma_for_epsilon(x, delta)
+            assert sigma == old(x, delta)
+            assert rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0] <= x
+
+
+def test_gamma_for_mean_is_the_old_bisection_bit_for_bit():
+    def old(eta, mean, tolerance=1e-12):
+        lo, hi = 1e-300, 1.0 - 1e-16
+        while hi - lo > tolerance * hi:
+            mid = 0.5 * (lo + hi)
+            if trials.TruncatedNegativeBinomial(eta, mid).mean > mean:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    for eta in (-0.5, 0.0, 1.0, 3.0):
+        for mean in (1.2, 4.0, 50.0):
+            gamma = psel.gamma_for_mean(eta, mean)
+            assert gamma == old(eta, mean)
+            assert trials.TruncatedNegativeBinomial(eta, gamma).mean <= mean
 
 
 def _old_largest_fitting(total, cap, first, rel_tol=0.004):
