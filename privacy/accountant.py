@@ -1,124 +1,54 @@
-"""The accountant: compose privacy events, answer ε at δ (and δ at ε), calibrate noise.
+"""The accountant's door: compose privacy events, answer ε at δ (and δ at ε), calibrate noise.
 
-The answer (``epsilon``) is the smaller of two *valid upper bounds*: the PLD accountant of
-dp-accounting (tightest for Gaussian events) and the independent RDP computation of ``rdp.py``
-(tighter for long compositions of exponential mechanisms, which PLD can only see through their
-(ε, δ) envelope). Both numbers are always reported, so every DP claim shows its cross-check.
+Every answer comes from an accountant of the registry (``accountants.py``, Opacus-style
+``register_accountant`` / ``create_accountant``); :func:`spend` asks the default,
+``"min_pld_rdp"``: the smaller of two *valid upper bounds*, the PLD accountant of dp-accounting
+(tightest for Gaussian events) and the independent RDP computation of ``rdp.py`` (tighter for long
+compositions of exponential mechanisms, which PLD can only see through their (ε, δ) envelope).
+Both numbers are always reported, so every DP claim shows its cross-check.
 
 Parallel composition (disjoint data, e.g. DP-OPT's generation vs. validation) at the top level
 costs the maximum over parts.
+
+The calibrations (a target ε in, σ or a number of queries or the largest fitting target out) are
+searches of ``calibrate.py`` over these answers.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from . import calibrate
 from . import events as ev
-from . import rdp as rdp_lib
 from .calibration_cache import cached
-from .pld import DISCRETIZATION, pld_for
+from .accountants import (DEFAULT_ACCOUNTANT, PrivacySpend, cached_spend, create_accountant,  # noqa: F401
+                          epsilon_pld, epsilon_rdp, register_accountant, registered_accountants)
+from .accountants import unwrapped as _unwrapped
+from .pld import DISCRETIZATION
 from .validation import check_count, check_delta, check_epsilon, check_rate
-
-
-@dataclass(frozen=True)
-class PrivacySpend:
-    """One (ε, δ) statement with both accountants' answers."""
-
-    epsilon: float
-    delta: float
-    epsilon_pld: float | None
-    epsilon_rdp: float
-    rdp_order: float | None
-    accountant: str = "min(pld, rdp)"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _finite_or_inf(x: float) -> float:
-    return x if x is not None and math.isfinite(x) else math.inf
-
-
-def epsilon_pld(event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATION) -> float | None:
-    if isinstance(event, ev.ParallelEvent):
-        parts = [epsilon_pld(e, delta, discretization) for e in event.events]
-        return None if any(p is None for p in parts) else max(parts)
-    pld = pld_for(event, discretization)
-    if pld is None:
-        return None
-    return float(pld.get_epsilon_for_delta(delta))
-
-
-def epsilon_rdp(event: ev.DpEvent, delta: float, orders=rdp_lib.DEFAULT_ORDERS) -> tuple[float, float | None]:
-    """(ε, best order) from the RDP curve; ε = inf when the δ-parts alone exceed δ."""
-    if isinstance(event, ev.ParallelEvent):
-        parts = [epsilon_rdp(e, delta, orders) for e in event.events]
-        return max(parts, key=lambda p: p[0])
-    curve, delta_part = rdp_lib.rdp_of_event(event, orders)
-    if delta <= delta_part:
-        return math.inf, None
-    return rdp_lib.rdp_to_epsilon(orders, curve, delta - delta_part)
 
 
 def spend(event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATION,
           dataset_size: int | None = None) -> PrivacySpend:
-    """ε at δ from both accountants; the coarser the PLD discretisation, the faster and the
-    more pessimistic (never optimistic) its answer. With ``dataset_size``, δ ≥ 1/n is warned about."""
+    """ε at δ by the default accountant (``accountants.DEFAULT_ACCOUNTANT``: min(PLD, RDP), both
+    reported); the coarser the PLD discretisation, the faster and the more pessimistic (never
+    optimistic) its answer. With ``dataset_size``, δ ≥ 1/n is warned about."""
+    return spend_by(DEFAULT_ACCOUNTANT, event, delta, discretization, dataset_size)
+
+
+def spend_by(accountant: str, event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATION,
+             dataset_size: int | None = None) -> PrivacySpend:
+    """:func:`spend` by the accountant registered under ``accountant`` (``accountants.py``)."""
     check_delta(delta, "delta", n=dataset_size)
-    return _spend(_unwrapped(event), float(delta), float(discretization))
+    return cached_spend(accountant, _unwrapped(event), float(delta), float(discretization))
 
 
-def _unwrapped(event: ev.DpEvent) -> ev.DpEvent:
-    """A composition of one event is that event: its parallel parts (disjoint data) then stay at
-    the top level, where their cost is the maximum over parts, instead of nested in a composition,
-    where they are composed sequentially (an upper bound). The ledger composes a dataset's entries
-    as one ``ComposedEvent``; with a single entry, this keeps its ε the run's own."""
-    while isinstance(event, ev.ComposedEvent) and len(event.events) == 1:
-        event = event.events[0]
-    return event
-
-
-@lru_cache(maxsize=2048)
-def _spend(event: ev.DpEvent, delta: float, discretization: float) -> PrivacySpend:
-    # a pure function of (event, δ, discretisation): plan, preflight, the largest-fitting search,
-    # the reservation and the commit ask it again and again for the same events
-    e_pld = epsilon_pld(event, delta, discretization)
-    e_rdp, order = epsilon_rdp(event, delta)
-    if not rdp_lib.rdp_is_proven(event):
-        # the RDP curve of a subsampled δ-part mechanism is not a proven bound: PLD alone decides,
-        # and where PLD cannot express the event (composed with a private selection, say) nothing
-        # proven bounds it: ε = ∞, so the ledger refuses it rather than under-count
-        return PrivacySpend(epsilon=_finite_or_inf(e_pld), delta=delta, epsilon_pld=e_pld, epsilon_rdp=e_rdp,
-                            rdp_order=order, accountant="pld (rdp: unproven for this event, cross-check only)")
-    best = min(_finite_or_inf(e_pld), e_rdp)
-    if e_pld is None:
-        # no cross-check: the PLD accountant cannot express the event (e.g. a private selection,
-        # whose bound is an RDP statement); say so in the record
-        return PrivacySpend(epsilon=best, delta=delta, epsilon_pld=None, epsilon_rdp=e_rdp, rdp_order=order,
-                            accountant="rdp (no pld for this event)")
-    return PrivacySpend(epsilon=best, delta=delta, epsilon_pld=e_pld, epsilon_rdp=e_rdp, rdp_order=order)
-
-
-def delta_for_epsilon(event: ev.DpEvent, epsilon: float) -> float:
-    """Smallest δ (over both accountants) for which the event is (ε, δ)-DP."""
+def delta_for_epsilon(event: ev.DpEvent, epsilon: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
+    """Smallest δ for which the event is (ε, δ)-DP (by default over both accountants)."""
     check_epsilon(epsilon, "epsilon")
-    event = _unwrapped(event)
-    if isinstance(event, ev.ParallelEvent):
-        return max(delta_for_epsilon(e, epsilon) for e in event.events)
-    candidates = []
-    pld = pld_for(event, DISCRETIZATION)
-    if not rdp_lib.rdp_is_proven(event):  # see spend: PLD alone decides, and without it nothing does
-        return float(pld.get_delta_for_epsilon(epsilon)) if pld is not None else 1.0
-    if pld is not None:
-        candidates.append(float(pld.get_delta_for_epsilon(epsilon)))
-    curve, delta_part = rdp_lib.rdp_of_event(event)
-    d_rdp, _ = rdp_lib.rdp_to_delta(rdp_lib.DEFAULT_ORDERS, curve, epsilon)
-    candidates.append(min(1.0, d_rdp + delta_part))
-    return min(candidates)
+    return create_accountant(accountant).delta_for_epsilon(_unwrapped(event), epsilon)
 
 
 class PrivacyAccountant:
@@ -130,8 +60,9 @@ class PrivacyAccountant:
     3.2
     """
 
-    def __init__(self, events: list[ev.DpEvent] | None = None):
+    def __init__(self, events: list[ev.DpEvent] | None = None, accountant: str = DEFAULT_ACCOUNTANT):
         self._events: list[ev.DpEvent] = list(events or [])
+        self.accountant = accountant  # a name of the registry (accountants.py)
 
     def compose(self, event: ev.DpEvent, count: int = 1) -> "PrivacyAccountant":
         check_count(count, "count")
@@ -148,13 +79,13 @@ class PrivacyAccountant:
         return ev.ComposedEvent(tuple(self._events))
 
     def spend(self, delta: float) -> PrivacySpend:
-        return spend(self.event, delta)
+        return spend_by(self.accountant, self.event, delta)
 
     def epsilon(self, delta: float) -> float:
         return self.spend(delta).epsilon
 
     def delta(self, epsilon: float) -> float:
-        return delta_for_epsilon(self.event, epsilon)
+        return delta_for_epsilon(self.event, epsilon, self.accountant)
 
     def to_json(self) -> str:
         return json.dumps({"events": [ev.event_to_dict(e) for e in self._events]}, sort_keys=True)
