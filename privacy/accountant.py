@@ -22,10 +22,10 @@ from functools import lru_cache
 
 from . import calibrate
 from . import events as ev
-from .calibration_cache import cached
 from .accountants import (DEFAULT_ACCOUNTANT, PrivacySpend, cached_spend, create_accountant,  # noqa: F401
                           epsilon_pld, epsilon_rdp, register_accountant, registered_accountants)
 from .accountants import unwrapped as _unwrapped
+from .calibration_cache import cached
 from .pld import DISCRETIZATION
 from .validation import check_count, check_delta, check_epsilon, check_rate
 

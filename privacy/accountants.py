@@ -175,8 +175,9 @@ class PldAccountant(Accountant):
 
     def spend(self, event, delta, discretization=DISCRETIZATION):
         e_pld = epsilon_pld(event, delta, discretization)
+        label = "pld" if e_pld is not None else "pld (cannot express this event)"
         return PrivacySpend(epsilon=_finite_or_inf(e_pld), delta=delta, epsilon_pld=e_pld, epsilon_rdp=None,
-                            rdp_order=None, accountant="pld" if e_pld is not None else "pld (cannot express this event)")
+                            rdp_order=None, accountant=label)
 
     def delta_for_epsilon(self, event, epsilon):
         if isinstance(event, ev.ParallelEvent):

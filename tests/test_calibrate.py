@@ -205,7 +205,8 @@ def _new_largest_fitting(total, cap, first, rel_tol=0.004):
     if total(hi) <= cap:
         return hi
     return calibrate.search(lambda x: total(x) <= cap, good=lo, bad=hi, good_is_high=False,
-                            propose=calibrate.toward(cap, total, rel_tol), narrow=calibrate.relative_within(rel_tol)).good
+                            propose=calibrate.toward(cap, total, rel_tol),
+                            narrow=calibrate.relative_within(rel_tol)).good
 
 
 def test_the_largest_fitting_search_is_the_old_one_bit_for_bit():
