@@ -1,122 +1,54 @@
-"""The accountant: compose privacy events, answer ε at δ (and δ at ε), calibrate noise.
+"""The accountant's door: compose privacy events, answer ε at δ (and δ at ε), calibrate noise.
 
-The answer (``epsilon``) is the smaller of two *valid upper bounds*: the PLD accountant of
-dp-accounting (tightest for Gaussian events) and the independent RDP computation of ``rdp.py``
-(tighter for long compositions of exponential mechanisms, which PLD can only see through their
-(ε, δ) envelope). Both numbers are always reported, so every DP claim shows its cross-check.
+Every answer comes from an accountant of the registry (``accountants.py``, Opacus-style
+``register_accountant`` / ``create_accountant``); :func:`spend` asks the default,
+``"min_pld_rdp"``: the smaller of two *valid upper bounds*, the PLD accountant of dp-accounting
+(tightest for Gaussian events) and the independent RDP computation of ``rdp.py`` (tighter for long
+compositions of exponential mechanisms, which PLD can only see through their (ε, δ) envelope).
+Both numbers are always reported, so every DP claim shows its cross-check.
 
 Parallel composition (disjoint data, e.g. DP-OPT's generation vs. validation) at the top level
 costs the maximum over parts.
+
+The calibrations (a target ε in, σ or a number of queries or the largest fitting target out) are
+searches of ``calibrate.py`` over these answers.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from . import calibrate
 from . import events as ev
-from . import rdp as rdp_lib
-from .pld import DISCRETIZATION, pld_for
+from .accountants import (DEFAULT_ACCOUNTANT, PrivacySpend, cached_spend, create_accountant,  # noqa: F401
+                          epsilon_pld, epsilon_rdp, register_accountant, registered_accountants)
+from .accountants import unwrapped as _unwrapped
+from .calibration_cache import cached
+from .pld import DISCRETIZATION
 from .validation import check_count, check_delta, check_epsilon, check_rate
-
-
-@dataclass(frozen=True)
-class PrivacySpend:
-    """One (ε, δ) statement with both accountants' answers."""
-
-    epsilon: float
-    delta: float
-    epsilon_pld: float | None
-    epsilon_rdp: float
-    rdp_order: float | None
-    accountant: str = "min(pld, rdp)"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def _finite_or_inf(x: float) -> float:
-    return x if x is not None and math.isfinite(x) else math.inf
-
-
-def epsilon_pld(event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATION) -> float | None:
-    if isinstance(event, ev.ParallelEvent):
-        parts = [epsilon_pld(e, delta, discretization) for e in event.events]
-        return None if any(p is None for p in parts) else max(parts)
-    pld = pld_for(event, discretization)
-    if pld is None:
-        return None
-    return float(pld.get_epsilon_for_delta(delta))
-
-
-def epsilon_rdp(event: ev.DpEvent, delta: float, orders=rdp_lib.DEFAULT_ORDERS) -> tuple[float, float | None]:
-    """(ε, best order) from the RDP curve; ε = inf when the δ-parts alone exceed δ."""
-    if isinstance(event, ev.ParallelEvent):
-        parts = [epsilon_rdp(e, delta, orders) for e in event.events]
-        return max(parts, key=lambda p: p[0])
-    curve, delta_part = rdp_lib.rdp_of_event(event, orders)
-    if delta <= delta_part:
-        return math.inf, None
-    return rdp_lib.rdp_to_epsilon(orders, curve, delta - delta_part)
 
 
 def spend(event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATION,
           dataset_size: int | None = None) -> PrivacySpend:
-    """ε at δ from both accountants; the coarser the PLD discretisation, the faster and the
-    more pessimistic (never optimistic) its answer. With ``dataset_size``, δ ≥ 1/n is warned about."""
+    """ε at δ by the default accountant (``accountants.DEFAULT_ACCOUNTANT``: min(PLD, RDP), both
+    reported); the coarser the PLD discretisation, the faster and the more pessimistic (never
+    optimistic) its answer. With ``dataset_size``, δ ≥ 1/n is warned about."""
+    return spend_by(DEFAULT_ACCOUNTANT, event, delta, discretization, dataset_size)
+
+
+def spend_by(accountant: str, event: ev.DpEvent, delta: float, discretization: float = DISCRETIZATION,
+             dataset_size: int | None = None) -> PrivacySpend:
+    """:func:`spend` by the accountant registered under ``accountant`` (``accountants.py``)."""
     check_delta(delta, "delta", n=dataset_size)
-    return _spend(_unwrapped(event), float(delta), float(discretization))
+    return cached_spend(accountant, _unwrapped(event), float(delta), float(discretization))
 
 
-def _unwrapped(event: ev.DpEvent) -> ev.DpEvent:
-    """A composition of one event is that event: its parallel parts (disjoint data) then stay at
-    the top level, where their cost is the maximum over parts, instead of nested in a composition,
-    where they are composed sequentially (an upper bound). The ledger composes a dataset's entries
-    as one ``ComposedEvent``; with a single entry, this keeps its ε the run's own."""
-    while isinstance(event, ev.ComposedEvent) and len(event.events) == 1:
-        event = event.events[0]
-    return event
-
-
-@lru_cache(maxsize=2048)
-def _spend(event: ev.DpEvent, delta: float, discretization: float) -> PrivacySpend:
-    # a pure function of (event, δ, discretisation): plan, preflight, the largest-fitting search,
-    # the reservation and the commit ask it again and again for the same events
-    e_pld = epsilon_pld(event, delta, discretization)
-    e_rdp, order = epsilon_rdp(event, delta)
-    if not rdp_lib.rdp_is_proven(event):
-        # the RDP curve of a subsampled δ-part mechanism is not a proven bound: PLD alone decides,
-        # and where PLD cannot express the event (composed with a private selection, say) nothing
-        # proven bounds it: ε = ∞, so the ledger refuses it rather than under-count
-        return PrivacySpend(epsilon=_finite_or_inf(e_pld), delta=delta, epsilon_pld=e_pld, epsilon_rdp=e_rdp,
-                            rdp_order=order, accountant="pld (rdp: unproven for this event, cross-check only)")
-    best = min(_finite_or_inf(e_pld), e_rdp)
-    if e_pld is None:
-        # no cross-check: the PLD accountant cannot express the event (e.g. a private selection,
-        # whose bound is an RDP statement); say so in the record
-        return PrivacySpend(epsilon=best, delta=delta, epsilon_pld=None, epsilon_rdp=e_rdp, rdp_order=order,
-                            accountant="rdp (no pld for this event)")
-    return PrivacySpend(epsilon=best, delta=delta, epsilon_pld=e_pld, epsilon_rdp=e_rdp, rdp_order=order)
-
-
-def delta_for_epsilon(event: ev.DpEvent, epsilon: float) -> float:
-    """Smallest δ (over both accountants) for which the event is (ε, δ)-DP."""
+def delta_for_epsilon(event: ev.DpEvent, epsilon: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
+    """Smallest δ for which the event is (ε, δ)-DP (by default over both accountants)."""
     check_epsilon(epsilon, "epsilon")
-    event = _unwrapped(event)
-    if isinstance(event, ev.ParallelEvent):
-        return max(delta_for_epsilon(e, epsilon) for e in event.events)
-    candidates = []
-    pld = pld_for(event, DISCRETIZATION)
-    if not rdp_lib.rdp_is_proven(event):  # see spend: PLD alone decides, and without it nothing does
-        return float(pld.get_delta_for_epsilon(epsilon)) if pld is not None else 1.0
-    if pld is not None:
-        candidates.append(float(pld.get_delta_for_epsilon(epsilon)))
-    curve, delta_part = rdp_lib.rdp_of_event(event)
-    d_rdp, _ = rdp_lib.rdp_to_delta(rdp_lib.DEFAULT_ORDERS, curve, epsilon)
-    candidates.append(min(1.0, d_rdp + delta_part))
-    return min(candidates)
+    return create_accountant(accountant).delta_for_epsilon(_unwrapped(event), epsilon)
 
 
 class PrivacyAccountant:
@@ -128,8 +60,9 @@ class PrivacyAccountant:
     3.2
     """
 
-    def __init__(self, events: list[ev.DpEvent] | None = None):
+    def __init__(self, events: list[ev.DpEvent] | None = None, accountant: str = DEFAULT_ACCOUNTANT):
         self._events: list[ev.DpEvent] = list(events or [])
+        self.accountant = accountant  # a name of the registry (accountants.py)
 
     def compose(self, event: ev.DpEvent, count: int = 1) -> "PrivacyAccountant":
         check_count(count, "count")
@@ -146,13 +79,13 @@ class PrivacyAccountant:
         return ev.ComposedEvent(tuple(self._events))
 
     def spend(self, delta: float) -> PrivacySpend:
-        return spend(self.event, delta)
+        return spend_by(self.accountant, self.event, delta)
 
     def epsilon(self, delta: float) -> float:
         return self.spend(delta).epsilon
 
     def delta(self, epsilon: float) -> float:
-        return delta_for_epsilon(self.event, epsilon)
+        return delta_for_epsilon(self.event, epsilon, self.accountant)
 
     def to_json(self) -> str:
         return json.dumps({"events": [ev.event_to_dict(e) for e in self._events]}, sort_keys=True)
@@ -180,8 +113,6 @@ def calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate:
     # a pure function of its arguments, computed once per process (each costs ~2 s of accounting;
     # plan, preflight, the run and the largest-fitting search ask for the same ones)
     # and across processes, in the state folder's accounting cache (calibration_cache.py)
-    from .calibration_cache import cached
-
     return cached("noise_multiplier", _calibrate_noise_multiplier, float(target_epsilon), float(delta),
                   float(sample_rate), int(steps), float(tolerance))
 
@@ -198,27 +129,25 @@ def _calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate
         # where rounding up accumulates over compositions.)
         return spend(ev.dpsgd_event(sample_rate, sigma, steps), delta, discretization=1e-3).epsilon
 
-    hi = 1.0
-    while eps_rdp(hi) > target_epsilon:
-        hi *= 2.0
-        if hi > 1e4:
-            raise ValueError(f"target_epsilon={target_epsilon} is unreachable for these settings")
-    lo = hi / 2.0
-    while lo > 1e-3 and eps_rdp(lo) <= target_epsilon:
-        lo /= 2.0
+    # bracket on the RDP bound: σ doubled from 1 until it fits (at most 1e4), then the lower end
+    # halved while it still fits (down to 1e-3)
+    _, hi = calibrate.walk(lambda s: eps_rdp(s) > target_epsilon, 1.0, lambda s: None if s * 2.0 > 1e4 else s * 2.0)
+    if hi is None:
+        raise ValueError(f"target_epsilon={target_epsilon} is unreachable for these settings")
+    _, lo = calibrate.walk(lambda s: s > 1e-3 and eps_rdp(s) <= target_epsilon, hi / 2.0, lambda s: s / 2.0)
     # Refine on the RDP curve, then on the full accountant (PLD ≤ RDP here, so the answer moves down).
-    for f in (eps_rdp, eps_full):
-        if f is eps_full:
-            lo = lo / 1.5
-            if f(lo) <= target_epsilon:  # extremely loose RDP: widen the bracket
-                lo /= 4.0
-        while hi / lo > 1.0 + tolerance:
-            mid = math.sqrt(lo * hi)
-            if f(mid) <= target_epsilon:
-                hi = mid
-            else:
-                lo = mid
-    return hi
+    hi, lo = _bisect_sigma(eps_rdp, target_epsilon, hi, lo, tolerance)
+    lo = lo / 1.5
+    if eps_full(lo) <= target_epsilon:  # extremely loose RDP: widen the bracket
+        lo /= 4.0
+    return _bisect_sigma(eps_full, target_epsilon, hi, lo, tolerance)[0]
+
+
+def _bisect_sigma(epsilon_of, target_epsilon: float, hi: float, lo: float, tolerance: float) -> tuple[float, float]:
+    """(fitting σ, non-fitting σ) within a factor 1 + tolerance, by bisection on log σ."""
+    b = calibrate.search(lambda s: epsilon_of(s) <= target_epsilon, good=hi, bad=lo, good_is_high=True,
+                         propose=calibrate.geometric, narrow=calibrate.ratio_within(tolerance))
+    return b.good, b.bad
 
 
 def max_limited_domain_queries(target_epsilon: float, delta: float, epsilon0: float, delta0: float,
@@ -237,17 +166,12 @@ def max_limited_domain_queries(target_epsilon: float, delta: float, epsilon0: fl
 
     if not fits(1):
         return 0
-    lo, hi = 1, 2
-    while hi <= limit and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    # doubled from 2 while it fits (up to the limit), then bisection on the integers
+    fitting, above = calibrate.walk(lambda n: n <= limit and fits(n), 2, lambda n: n * 2)
+    lo = 1 if fitting is None else fitting
+    hi = min(above, limit + 1)
+    return calibrate.search(fits, good=lo, bad=hi, good_is_high=False, propose=calibrate.integer,
+                            narrow=calibrate.width_within(1)).good
 
 
 def largest_fitting_epsilon(events_for, existing: list[ev.DpEvent], delta: float, cap: float,
@@ -260,8 +184,8 @@ def largest_fitting_epsilon(events_for, existing: list[ev.DpEvent], delta: float
     Returns x such that a run at x fits and one at some x' ≤ x·(1 + rel_tol) does not (both
     evaluated; the composed ε grows with x), at most the cap (or the first guess above it), or
     None when no x ≥ cap·1e-4 fits. Bracketed search: interpolation on the composed ε (it is
-    smooth in x), with bisection whenever one side of the bracket stays put (each evaluation
-    calibrates a run, so evaluations are few)."""
+    smooth in x), with bisection whenever one side of the bracket stays put
+    (``calibrate.toward``; each evaluation calibrates a run, so evaluations are few)."""
     check_epsilon(cap, "cap")
     check_delta(delta, "delta")
     existing = list(existing)
@@ -281,28 +205,15 @@ def largest_fitting_epsilon(events_for, existing: list[ev.DpEvent], delta: float
 
     spent_now = spend(ev.ComposedEvent(tuple(existing)), delta).epsilon if existing else 0.0
     floor = cap * 1e-4
-    lo = max(cap - spent_now, floor)  # sub-additivity makes cap − spent a good first guess from below
-    while total(lo) > cap:
-        if lo <= floor:
-            return None
-        lo = max(lo / 4.0, floor)
+    # sub-additivity makes cap − spent a good first guess from below; a quarter of it while it does
+    # not fit, down to the floor
+    _, lo = calibrate.walk(lambda x: total(x) > cap, max(cap - spent_now, floor),
+                           lambda x: None if x <= floor else max(x / 4.0, floor))
+    if lo is None:
+        return None
     hi = max(cap, lo * 1.5)
     if total(hi) <= cap:
         return hi  # a target above the cap is never asked for: the whole cap fits
-    moved = None  # which side moved last, twice in a row → bisect
-    repeats = 0
-    while hi > lo * (1.0 + rel_tol):
-        t_lo, t_hi = total(lo), total(hi)
-        if repeats >= 1 or not math.isfinite(t_hi) or t_hi <= t_lo:
-            x = math.sqrt(lo * hi)
-        else:
-            x = lo + (hi - lo) * (cap - t_lo) / (t_hi - t_lo)
-        x = min(max(x, lo * (1.0 + rel_tol / 4)), hi / (1.0 + rel_tol / 4))
-        side = "lo" if total(x) <= cap else "hi"
-        if side == "lo":
-            lo = x
-        else:
-            hi = x
-        repeats = repeats + 1 if side == moved else 0
-        moved = side
-    return lo  # fits; hi ≤ lo·(1 + rel_tol) does not
+    return calibrate.search(lambda x: total(x) <= cap, good=lo, bad=hi, good_is_high=False,
+                            propose=calibrate.toward(cap, total, rel_tol),
+                            narrow=calibrate.relative_within(rel_tol)).good  # fits; hi ≤ lo·(1 + rel_tol) does not

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import special, stats
 
+from . import calibrate
 from .validation import check_count, check_nonnegative, check_rate
 
 __all__ = [
@@ -516,20 +517,16 @@ def one_run_epsilon_lower_bound(
         return max(0.0, float(special.logit(q_star)))
     if _p_value(r, v, 0.0, delta, m) >= beta:
         return 0.0
-    lo, hi = 0.0, 1.0  # invariant: p(lo) < β
-    while _p_value(r, v, hi, delta, m) < beta:
-        lo, hi = hi, 2.0 * hi
-        if hi > 64.0:  # q rounds to 1 well before this, where p = 1
-            return lo
-    for _ in range(100):
-        if hi - lo <= 1e-9:
-            break
-        mid = 0.5 * (lo + hi)
-        if _p_value(r, v, mid, delta, m) < beta:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+    def rejected(eps: float) -> bool:  # (ε, δ)-DP is rejected at level β: ε is below the bound
+        return _p_value(r, v, eps, delta, m) < beta
+
+    # invariant: p(lo) < β; hi doubled from 1 while rejected (q rounds to 1 well before 64, where p = 1)
+    last, hi = calibrate.walk(rejected, 1.0, lambda e: None if 2.0 * e > 64.0 else 2.0 * e)
+    if hi is None:
+        return last
+    lo = 0.0 if last is None else last
+    return calibrate.search(rejected, good=lo, bad=hi, good_is_high=False, propose=calibrate.arithmetic,
+                            narrow=calibrate.width_within(1e-9), max_tests=100).good
 
 
 def one_run_audit(

@@ -4,7 +4,7 @@ orchestration re-deriving the same σ every time).
 ``calibrate_noise_multiplier(ε, δ, q, steps, tolerance)`` is a pure function of its numbers and of
 the accountant's code, so its answer is stored in one JSON file under the state folder
 (``$PRIVPROMPT_ACCOUNTING_CACHE``, set by the CLI and the flows) keyed by those numbers and by a hash
-of the accounting code (``privacy/{accountant,rdp,pld,events,validation}.py`` and dp-accounting's
+of the accounting code (``privacy/{accountant,accountants,calibrate,rdp,pld,events,validation}.py`` and dp-accounting's
 version): any change to that code starts an empty cache. Only σ is cached; every ε a run reserves,
 commits or reports is still computed by the accountant from the event, so a cached σ can never
 make a claim — at worst a wrong σ would be refused by the ledger's reservation check.
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 ENV = "PRIVPROMPT_ACCOUNTING_CACHE"
-_CODE = ("accountant.py", "rdp.py", "pld.py", "events.py", "validation.py")
+_CODE = ("accountant.py", "accountants.py", "calibrate.py", "rdp.py", "pld.py", "events.py", "validation.py")
 
 
 def enable(state_root: str | Path) -> None:

@@ -15,7 +15,7 @@ Sources, next to the formulas below:
 * Approximate RDP (LimitedDomain's δ0): the δ-parts add under composition; Poisson sampling maps
   (RDP, δ0) to (RDP subsampled at q(1−δ0)/(1−qδ0), q·δ0), as in DP-OPT's accountant.
 * Best of K trials, K random (private selection): Papernot & Steinke (2022), Theorems 2 and 6,
-  in ``selection.py``.
+  evaluated here (``repeat_and_select_rdp``) as derived in ``selection.py``.
 * Conversion to (ε, δ): Balle et al. (2020) / Bun et al. "BBGHS" Theorem 21, the one Opacus uses.
 """
 
@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Callable, Sequence, Union
 
 import numpy as np
 from scipy import special
 
+from . import calibrate
 from . import events as ev
+from .trials import PoissonTrials, TrialCount, TruncatedNegativeBinomial, trial_count_distribution
 
 # Fractional orders near 1 matter for small ε; large integer orders for tiny δ or pure-DP-like
 # mechanisms. A superset of Opacus's default orders.
@@ -285,10 +288,103 @@ def _rdp(event: ev.DpEvent, orders: np.ndarray) -> tuple[np.ndarray, float]:
         parts = [rdp_of_event(e, tuple(orders)) for e in event.events]
         return np.max([c for c, _ in parts], axis=0), max(d for _, d in parts)
     if isinstance(event, ev.RepeatAndSelectEvent):
-        from .selection import rdp_of_repeat_and_select  # selection.py builds on this module
-
         return rdp_of_repeat_and_select(event, orders), 0.0
     raise TypeError(f"not a privacy event: {event!r}")
+
+
+# ---- best of K trials (private selection: Papernot & Steinke 2022) --------------------------
+# The theorems, the neighbouring relation and why the bound is RDP only: privacy/selection.py.
+
+TrialRdp = Union[Callable[[np.ndarray], np.ndarray], Sequence[float], np.ndarray]
+
+
+def _orders_array(orders, name: str = "orders") -> np.ndarray:
+    a = np.asarray(orders, dtype=float).ravel()
+    if a.size == 0 or not np.all(np.isfinite(a)) or np.any(a <= 1.0):
+        raise ValueError(f"{name} must be finite Rényi orders > 1, got {orders!r}")
+    return a
+
+
+def _trial_curve(trial_rdp: TrialRdp, grid: np.ndarray, orders_given) -> np.ndarray:
+    if callable(trial_rdp):
+        curve = np.asarray(trial_rdp(grid), dtype=float)
+    else:
+        curve = np.asarray(trial_rdp, dtype=float)
+        if orders_given is None:
+            raise ValueError("a trial RDP array needs the orders it is evaluated at (trial_orders)")
+    if curve.shape != grid.shape:
+        raise ValueError(f"trial RDP curve has shape {curve.shape}, expected {grid.shape}")
+    if np.any(np.isnan(curve)) or np.any(curve < 0):
+        raise ValueError(f"trial RDP values must be >= 0 (or inf), got {curve!r}")
+    return curve
+
+
+def repeat_and_select_rdp(trial_rdp: TrialRdp, distribution: TrialCount, orders=None,
+                          trial_orders=None) -> np.ndarray:
+    """RDP curve ε'(λ) of publishing the best of K trials, at each of ``orders``.
+
+    ``trial_rdp``: the RDP of ONE trial, either a callable ``f(order_array) -> rdp_array`` (then it
+    is evaluated on ``orders`` ∪ ``trial_orders``, default ``rdp.DEFAULT_ORDERS``, the grid over
+    which λ̂ is optimised), or an array of its values at ``trial_orders`` (then ``orders`` default
+    to ``trial_orders`` and must be among them). ``distribution``: the law of K.
+    Theorem 2 / Theorem 6 of Papernot & Steinke, as derived in the docstring of ``privacy/selection.py``.
+    """
+    if not isinstance(distribution, (TruncatedNegativeBinomial, PoissonTrials)):
+        raise TypeError(f"distribution must be TruncatedNegativeBinomial or PoissonTrials, got {distribution!r}")
+    if callable(trial_rdp):
+        base = DEFAULT_ORDERS if trial_orders is None else trial_orders
+        want = _orders_array(base if orders is None else orders)
+        grid = np.unique(np.concatenate([_orders_array(base, "trial_orders"), want]))
+    else:
+        if trial_orders is None:
+            raise ValueError("a trial RDP array needs the orders it is evaluated at (trial_orders)")
+        grid = _orders_array(trial_orders, "trial_orders")
+        want = grid if orders is None else _orders_array(orders)
+        if not np.all(np.isin(want, grid)):
+            raise ValueError("orders must be among trial_orders when the trial RDP is given as an array")
+        order_idx = np.argsort(grid)
+        grid, trial_rdp = grid[order_idx], np.asarray(trial_rdp, dtype=float)[order_idx]
+    eps = _trial_curve(trial_rdp, grid, trial_orders)
+
+    if isinstance(distribution, TruncatedNegativeBinomial):
+        log_inv_gamma = -math.log(distribution.gamma)
+        with np.errstate(invalid="ignore"):
+            per_hat = (1.0 - 1.0 / grid) * eps + log_inv_gamma / grid
+        constant = (1.0 + distribution.eta) * min(log_inv_gamma, float(np.nanmin(per_hat)))
+        out = eps + constant + math.log(distribution.mean) / (grid - 1.0)
+    else:
+        mu = distribution.mu
+        if mu < 1.0:
+            # below 1 the log(μ) term is negative and the bound can fall below the exact Rényi
+            # divergence (tests/test_selection_privacy.py enumerates a case); dp-accounting also
+            # requires a mean of at least 1
+            raise ValueError(f"mu must be >= 1 for the Poisson selection bound, got {mu!r}")
+        out = np.empty_like(grid)
+        for i, lam in enumerate(grid):
+            eps_hat = math.log1p(1.0 / (lam - 1.0))
+            delta_hat, _ = rdp_to_delta(grid, eps, eps_hat)
+            out[i] = eps[i] + mu * delta_hat + math.log(mu) / (lam - 1.0)
+    # monotonicity in the order: (λ', ε')-RDP implies (λ, ε')-RDP for λ ≤ λ'
+    out = np.minimum.accumulate(out[::-1])[::-1]
+    return out[np.searchsorted(grid, want)]
+
+
+def rdp_of_repeat_and_select(event: ev.RepeatAndSelectEvent, orders: np.ndarray) -> np.ndarray:
+    """RDP of a ``RepeatAndSelectEvent`` at ``orders`` (``_rdp`` dispatches here).
+
+    A trial's curve is the maximum over its possible trial events (the candidate is chosen
+    independently of the data); trials with a δ-part are refused."""
+    for trial in event.trials:
+        _, delta_part = rdp_of_event(trial, (2.0,))
+        if delta_part > 0:
+            raise ValueError(f"the Papernot-Steinke bound needs RDP trials; this trial has a δ-part "
+                             f"{delta_part:g} (approximate RDP): {trial!r}")
+
+    def trial_curve(o: np.ndarray) -> np.ndarray:
+        key = tuple(float(x) for x in o)
+        return np.max([rdp_of_event(t, key)[0] for t in event.trials], axis=0)
+
+    return repeat_and_select_rdp(trial_curve, trial_count_distribution(event), orders=orders)
 
 
 # ---- conversion ------------------------------------------------------------------------------
@@ -314,3 +410,17 @@ def rdp_to_delta(orders, rdp, epsilon: float) -> tuple[float, float]:
     log_delta = np.where(np.isnan(log_delta), np.inf, log_delta)
     i = int(np.argmin(log_delta))
     return float(min(math.exp(min(log_delta[i], 0.0)), 1.0)), float(a[i])
+
+
+def gaussian_sigma_for_epsilon(epsilon: float, delta: float) -> float:
+    """σ of the Gaussian mechanism (sensitivity 1) that is (ε, δ)-DP by its closed-form RDP curve
+    and the conversion above: 60 bisections of [1e-2, 1e3] on a log scale (ε falls as σ grows),
+    the upper end returned. Fast and never optimistic (the RDP conversion only over-estimates ε);
+    a first guess or a default, not what a ledger charges (the accountant answers that)."""
+    orders = np.asarray(DEFAULT_ORDERS, dtype=float)
+
+    def fits(sigma: float) -> bool:
+        return not rdp_to_epsilon(orders, gaussian_rdp(sigma, orders), delta)[0] > epsilon
+
+    return calibrate.search(fits, good=1e3, bad=1e-2, good_is_high=True, propose=calibrate.geometric,
+                            max_tests=60).good

@@ -129,208 +129,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence, Union
+from typing import Sequence
 
 import numpy as np
-from scipy import special
 
+from . import accountant, calibrate
 from . import events as ev
 from . import rdp as rdp_lib
 from .mechanisms import gaussian_mechanism
-from .validation import (check_count, check_delta, check_epsilon, check_nonnegative, check_open_interval,
-                         check_positive)
-
-TrialRdp = Union[Callable[[np.ndarray], np.ndarray], Sequence[float], np.ndarray]
-
-
-def _check_rng(rng) -> np.random.Generator:
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng must be a numpy.random.Generator (the run's secret DP stream), got {rng!r}")
-    return rng
+from .rdp import TrialRdp, _orders_array, rdp_of_repeat_and_select, repeat_and_select_rdp  # noqa: F401 - re-exported
+from .trials import (PoissonTrials, TrialCount, TruncatedNegativeBinomial, _check_rng,  # noqa: F401 - re-exported
+                     _sample_by_inversion, gamma_for_mean, trial_count_distribution)
+from .validation import check_count, check_delta, check_epsilon, check_nonnegative, check_positive
 
 
-# ---- trial-count distributions ---------------------------------------------------------------
-
-@dataclass(frozen=True)
-class TruncatedNegativeBinomial:
-    """D_{η,γ} of Papernot & Steinke (definition in the module docstring), support {1, 2, …}."""
-
-    eta: float
-    gamma: float
-
-    def __post_init__(self):
-        object.__setattr__(self, "eta", check_open_interval(self.eta, -1.0, math.inf, "eta"))
-        object.__setattr__(self, "gamma", check_open_interval(self.gamma, 0.0, 1.0, "gamma"))
-
-    @property
-    def name(self) -> str:
-        return "truncated_negative_binomial"
-
-    def log_pmf(self, k) -> np.ndarray:
-        """log P[K = k] for integer k (−inf off the support k ≥ 1)."""
-        k = np.asarray(k, dtype=float)
-        eta, gamma = self.eta, self.gamma
-        log_1mg = math.log1p(-gamma)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            if eta == 0.0:
-                out = k * log_1mg - np.log(k) - math.log(-math.log(gamma))
-            else:
-                # Π_{ℓ=0}^{k−1}(ℓ+η) = η·Γ(k+η)/Γ(1+η); its sign is that of η, as is the sign of
-                # γ^{−η} − 1, so the ratio is positive and computed from absolute values.
-                log_prod = math.log(abs(eta)) + special.gammaln(k + eta) - special.gammaln(1.0 + eta)
-                log_norm = math.log(abs(math.expm1(-eta * math.log(gamma))))
-                out = k * log_1mg + log_prod - special.gammaln(k + 1.0) - log_norm
-        return np.where((k >= 1) & (k == np.floor(k)), out, -np.inf)
-
-    def pmf(self, k) -> np.ndarray:
-        return np.exp(self.log_pmf(k))
-
-    @property
-    def mean(self) -> float:
-        eta, gamma = self.eta, self.gamma
-        if eta == 0.0:
-            return (1.0 - gamma) / (gamma * -math.log(gamma))
-        # η(1−γ) / (γ(1 − γ^η)), with 1 − γ^η = −expm1(η log γ) for accuracy near η = 0
-        return eta * (1.0 - gamma) / (gamma * -math.expm1(eta * math.log(gamma)))
-
-    def sample(self, rng: np.random.Generator, size: int | None = None):
-        """K (or ``size`` draws of it) by inversion of the CDF, from the caller's generator."""
-        return _sample_by_inversion(self.log_pmf, 1, _check_rng(rng), size)
-
-
-@dataclass(frozen=True)
-class PoissonTrials:
-    """K ~ Poisson(μ), support {0, 1, …}; K = 0 publishes ⊥ (no winner)."""
-
-    mu: float
-
-    def __post_init__(self):
-        object.__setattr__(self, "mu", check_positive(self.mu, "mu"))
-
-    @property
-    def name(self) -> str:
-        return "poisson"
-
-    def log_pmf(self, k) -> np.ndarray:
-        k = np.asarray(k, dtype=float)
-        with np.errstate(invalid="ignore"):
-            out = k * math.log(self.mu) - self.mu - special.gammaln(k + 1.0)
-        return np.where((k >= 0) & (k == np.floor(k)), out, -np.inf)
-
-    def pmf(self, k) -> np.ndarray:
-        return np.exp(self.log_pmf(k))
-
-    @property
-    def mean(self) -> float:
-        return self.mu
-
-    def sample(self, rng: np.random.Generator, size: int | None = None):
-        draws = _check_rng(rng).poisson(self.mu, size=size)
-        return int(draws) if size is None else draws.astype(int)
-
-
-TrialCount = Union[TruncatedNegativeBinomial, PoissonTrials]
-
-
-def _sample_by_inversion(log_pmf, start: int, rng: np.random.Generator, size: int | None):
-    n = 1 if size is None else check_count(size, "size", minimum=1)
-    u = rng.random(n)
-    out = np.empty(n, dtype=int)
-    pending = np.arange(n)
-    cum, k0, chunk = 0.0, start, 4096
-    while pending.size:
-        ks = np.arange(k0, k0 + chunk)
-        cdf = cum + np.cumsum(np.exp(log_pmf(ks)))
-        idx = np.searchsorted(cdf, u[pending], side="left")
-        hit = idx < chunk
-        out[pending[hit]] = ks[idx[hit]]
-        pending = pending[~hit]
-        if pending.size and cdf[-1] <= cum:  # the tail underflowed: the remaining mass is < 1e-300
-            out[pending] = ks[-1]
-            break
-        cum, k0 = float(cdf[-1]), k0 + chunk
-    return int(out[0]) if size is None else out
-
-
-def trial_count_distribution(event: ev.RepeatAndSelectEvent) -> TrialCount:
-    """The K distribution that a ``RepeatAndSelectEvent`` accounts for (sample K from this)."""
-    if event.distribution == "poisson":
-        return PoissonTrials(event.mu)
-    return TruncatedNegativeBinomial(event.eta, event.gamma)
-
-
-# ---- the RDP bound -----------------------------------------------------------------------------
-
-def _orders_array(orders, name: str = "orders") -> np.ndarray:
-    a = np.asarray(orders, dtype=float).ravel()
-    if a.size == 0 or not np.all(np.isfinite(a)) or np.any(a <= 1.0):
-        raise ValueError(f"{name} must be finite Rényi orders > 1, got {orders!r}")
-    return a
-
-
-def _trial_curve(trial_rdp: TrialRdp, grid: np.ndarray, orders_given) -> np.ndarray:
-    if callable(trial_rdp):
-        curve = np.asarray(trial_rdp(grid), dtype=float)
-    else:
-        curve = np.asarray(trial_rdp, dtype=float)
-        if orders_given is None:
-            raise ValueError("a trial RDP array needs the orders it is evaluated at (trial_orders)")
-    if curve.shape != grid.shape:
-        raise ValueError(f"trial RDP curve has shape {curve.shape}, expected {grid.shape}")
-    if np.any(np.isnan(curve)) or np.any(curve < 0):
-        raise ValueError(f"trial RDP values must be >= 0 (or inf), got {curve!r}")
-    return curve
-
-
-def repeat_and_select_rdp(trial_rdp: TrialRdp, distribution: TrialCount, orders=None,
-                          trial_orders=None) -> np.ndarray:
-    """RDP curve ε'(λ) of publishing the best of K trials, at each of ``orders``.
-
-    ``trial_rdp``: the RDP of ONE trial, either a callable ``f(order_array) -> rdp_array`` (then it
-    is evaluated on ``orders`` ∪ ``trial_orders``, default ``rdp.DEFAULT_ORDERS``, the grid over
-    which λ̂ is optimised), or an array of its values at ``trial_orders`` (then ``orders`` default
-    to ``trial_orders`` and must be among them). ``distribution``: the law of K.
-    Theorem 2 / Theorem 6 of Papernot & Steinke, as derived in the module docstring.
-    """
-    if not isinstance(distribution, (TruncatedNegativeBinomial, PoissonTrials)):
-        raise TypeError(f"distribution must be TruncatedNegativeBinomial or PoissonTrials, got {distribution!r}")
-    if callable(trial_rdp):
-        base = rdp_lib.DEFAULT_ORDERS if trial_orders is None else trial_orders
-        want = _orders_array(base if orders is None else orders)
-        grid = np.unique(np.concatenate([_orders_array(base, "trial_orders"), want]))
-    else:
-        if trial_orders is None:
-            raise ValueError("a trial RDP array needs the orders it is evaluated at (trial_orders)")
-        grid = _orders_array(trial_orders, "trial_orders")
-        want = grid if orders is None else _orders_array(orders)
-        if not np.all(np.isin(want, grid)):
-            raise ValueError("orders must be among trial_orders when the trial RDP is given as an array")
-        order_idx = np.argsort(grid)
-        grid, trial_rdp = grid[order_idx], np.asarray(trial_rdp, dtype=float)[order_idx]
-    eps = _trial_curve(trial_rdp, grid, trial_orders)
-
-    if isinstance(distribution, TruncatedNegativeBinomial):
-        log_inv_gamma = -math.log(distribution.gamma)
-        with np.errstate(invalid="ignore"):
-            per_hat = (1.0 - 1.0 / grid) * eps + log_inv_gamma / grid
-        constant = (1.0 + distribution.eta) * min(log_inv_gamma, float(np.nanmin(per_hat)))
-        out = eps + constant + math.log(distribution.mean) / (grid - 1.0)
-    else:
-        mu = distribution.mu
-        if mu < 1.0:
-            # below 1 the log(μ) term is negative and the bound can fall below the exact Rényi
-            # divergence (tests/test_selection_privacy.py enumerates a case); dp-accounting also
-            # requires a mean of at least 1
-            raise ValueError(f"mu must be >= 1 for the Poisson selection bound, got {mu!r}")
-        out = np.empty_like(grid)
-        for i, lam in enumerate(grid):
-            eps_hat = math.log1p(1.0 / (lam - 1.0))
-            delta_hat, _ = rdp_lib.rdp_to_delta(grid, eps, eps_hat)
-            out[i] = eps[i] + mu * delta_hat + math.log(mu) / (lam - 1.0)
-    # monotonicity in the order: (λ', ε')-RDP implies (λ, ε')-RDP for λ ≤ λ'
-    out = np.minimum.accumulate(out[::-1])[::-1]
-    return out[np.searchsorted(grid, want)]
-
+# ---- the RDP bound (evaluated in rdp.py: repeat_and_select_rdp) ------------------------------
 
 def selection_epsilon(trial_rdp: TrialRdp, distribution: TrialCount, delta: float,
                       orders=rdp_lib.DEFAULT_ORDERS) -> tuple[float, float]:
@@ -340,24 +153,6 @@ def selection_epsilon(trial_rdp: TrialRdp, distribution: TrialCount, delta: floa
     curve = repeat_and_select_rdp(trial_rdp, distribution, orders=orders,
                                   trial_orders=None if callable(trial_rdp) else orders)
     return rdp_lib.rdp_to_epsilon(orders, curve, delta)
-
-
-def rdp_of_repeat_and_select(event: ev.RepeatAndSelectEvent, orders: np.ndarray) -> np.ndarray:
-    """RDP of a ``RepeatAndSelectEvent`` at ``orders`` (``rdp._rdp`` dispatches here).
-
-    A trial's curve is the maximum over its possible trial events (the candidate is chosen
-    independently of the data); trials with a δ-part are refused."""
-    for trial in event.trials:
-        _, delta_part = rdp_lib.rdp_of_event(trial, (2.0,))
-        if delta_part > 0:
-            raise ValueError(f"the Papernot-Steinke bound needs RDP trials; this trial has a δ-part "
-                             f"{delta_part:g} (approximate RDP): {trial!r}")
-
-    def trial_curve(o: np.ndarray) -> np.ndarray:
-        key = tuple(float(x) for x in o)
-        return np.max([rdp_lib.rdp_of_event(t, key)[0] for t in event.trials], axis=0)
-
-    return repeat_and_select_rdp(trial_curve, trial_count_distribution(event), orders=orders)
 
 
 # ---- the DP holdout score and the events of a selection ---------------------------------------
@@ -469,22 +264,6 @@ def selection_event(trials: Sequence[ev.DpEvent], distribution: TrialCount) -> e
     raise TypeError(f"distribution must be TruncatedNegativeBinomial or PoissonTrials, got {distribution!r}")
 
 
-def gamma_for_mean(eta: float, mean: float, tolerance: float = 1e-12) -> float:
-    """The γ of D_{η,γ} with E[K] = ``mean`` (> 1); E[K] decreases in γ, solved by bisection."""
-    eta = check_open_interval(eta, -1.0, math.inf, "eta")
-    mean = check_open_interval(mean, 1.0, math.inf, "mean")
-    lo, hi = 1e-300, 1.0 - 1e-16
-    if TruncatedNegativeBinomial(eta, hi).mean > mean:
-        raise ValueError(f"mean={mean!r} is too close to 1 for eta={eta!r}")
-    while hi - lo > tolerance * hi:
-        mid = 0.5 * (lo + hi)
-        if TruncatedNegativeBinomial(eta, mid).mean > mean:
-            lo = mid
-        else:
-            hi = mid
-    return hi  # mean at hi is <= the asked mean
-
-
 # ---- calibration and the comparison with naive composition -----------------------------------
 
 @dataclass(frozen=True)
@@ -517,8 +296,6 @@ def plan_dpsgd_selection(target_epsilon: float, delta: float, distribution: Tria
 
     Raises ValueError when the score noise alone (a zero-shot-only selection) exceeds the target.
     """
-    from . import accountant
-
     target_epsilon = check_epsilon(target_epsilon, "target_epsilon")
     delta = check_delta(delta, "delta")
     check_count(steps, "steps", minimum=1)
@@ -537,21 +314,15 @@ def plan_dpsgd_selection(target_epsilon: float, delta: float, distribution: Tria
     if floor_eps >= target_epsilon:
         raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable: the holdout score noise "
                          f"score_noise_multiplier={score_sigma:g} alone costs ε={floor_eps:.4g} in this selection")
-    hi = 1.0
-    while sel_eps(hi) > target_epsilon:
-        hi *= 2.0
-        if hi > 1e4:
-            raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable for these settings")
-    lo = hi / 2.0
-    while lo > 1e-3 and sel_eps(lo) <= target_epsilon:
-        hi, lo = lo, lo / 2.0
-    while hi / lo > 1.0 + tolerance:
-        mid = math.sqrt(lo * hi)
-        if sel_eps(mid) <= target_epsilon:
-            hi = mid
-        else:
-            lo = mid
-    sigma = hi
+    # σ up by doubling from 1 until it fits; down by halving while it fits (to 1e-3); then bisection
+    _, hi = calibrate.walk(lambda s: sel_eps(s) > target_epsilon, 1.0, lambda s: None if s * 2.0 > 1e4 else s * 2.0)
+    if hi is None:
+        raise ValueError(f"target_epsilon={target_epsilon:g} is unreachable for these settings")
+    fitting, lo = calibrate.walk(lambda s: s > 1e-3 and sel_eps(s) <= target_epsilon, hi / 2.0, lambda s: s / 2.0)
+    if fitting is not None:
+        hi = fitting
+    sigma = calibrate.search(lambda s: sel_eps(s) <= target_epsilon, good=hi, bad=lo, good_is_high=True,
+                             propose=calibrate.geometric, narrow=calibrate.ratio_within(tolerance)).good
     trial = trial_event(ev.dpsgd_event(sample_rate, sigma, steps), score_sigma)
     expected = distribution.mean
     return SelectionPlan(
@@ -563,6 +334,34 @@ def plan_dpsgd_selection(target_epsilon: float, delta: float, distribution: Tria
         naive_epsilon_expected_trials=accountant.spend(_composed(trial, math.ceil(expected)), delta).epsilon,
         naive_epsilon_candidates=accountant.spend(_composed(trial, n_candidates), delta).epsilon,
     )
+
+
+def composed_gaussian_target(target: float, n_trained: int, delta: float) -> float:
+    """A first guess of the per-trial target ε when ``n_trained`` candidates each train once and
+    compose: as if each were a Gaussian mechanism, whose k-fold composition at σ is one Gaussian at
+    σ/√k — so each trial gets the ε (closed-form RDP) of σ_target·√k, σ_target the Gaussian σ of
+    ``target`` (:func:`privacy.rdp.gaussian_sigma_for_epsilon`)."""
+    if n_trained <= 1:
+        return target
+    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
+    sigma = rdp_lib.gaussian_sigma_for_epsilon(target, delta) * math.sqrt(n_trained)
+    return float(rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0])
+
+
+def gaussian_selection_overhead(x: float, delta: float, distribution: TrialCount,
+                                score_noise_multiplier: float) -> float:
+    """What a random-stopping selection adds, in ε at δ, over one trial when the trial is a
+    Gaussian mechanism of ε = x (closed-form RDP, no calibration of a method) scored with noise
+    ``score_noise_multiplier``, with the no-prompt reference scored once more: a first guess of the
+    per-trial target, ε(selection) − ε(one trial), at least 0."""
+    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
+    sigma = rdp_lib.gaussian_sigma_for_epsilon(x, delta)
+    score = score_noise_multiplier
+    curve = np.maximum(rdp_lib.gaussian_rdp(sigma, orders), rdp_lib.gaussian_rdp(score, orders))
+    chosen = repeat_and_select_rdp(curve, distribution, trial_orders=orders)
+    chosen = chosen + rdp_lib.gaussian_rdp(score, orders)  # the no-prompt reference
+    one = rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0]
+    return max(0.0, rdp_lib.rdp_to_epsilon(orders, chosen, delta)[0] - one)
 
 
 def _composed(trial: ev.DpEvent, count: int) -> ev.DpEvent:

@@ -36,7 +36,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from privacy import calibrate
 from privacy import events as ev
+from privacy import rdp as rdp_lib
 from privacy import selection as psel
 
 
@@ -417,7 +419,7 @@ def score_sigma(sel, train_events: Sequence[ev.DpEvent], n_scores: int, delta: f
     if not every_candidate(sel) or not train_events:
         return RANDOM_STOPPING_SCORE_SIGMA
     train_eps = acct.spend(ev.ComposedEvent(tuple(train_events)), delta).epsilon
-    return float(f"{_gaussian_sigma_for(train_eps, delta) * _math.sqrt(n_scores) * 1.001:.4g}")
+    return float(f"{rdp_lib.gaussian_sigma_for_epsilon(train_eps, delta) * _math.sqrt(n_scores) * 1.001:.4g}")
 
 
 def _selection_of(sel, candidates, train_event, delta: float) -> tuple[ev.DpEvent, float]:
@@ -451,12 +453,11 @@ def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, 
                            tolerance: float = 0.01) -> tuple[float, float, ev.DpEvent, float]:
     """The largest per-trial target ε t found at which the whole mechanism spends at most
     ``target``, and within ``tolerance`` (relative) of it: returns (t, its ε, its event, the σ of
-    its scores). ε(t) is
-    smooth and increasing with slope ≈ 1 (the selection adds a near-constant to one trial), so:
-    a first guess from a Gaussian trial (closed form), then secant steps, keeping the largest t
-    whose ε fits. Each step plans every candidate at t (the methods' own calibrations, cached).
-    Raises ValueError when no t above target/1000 fits."""
-    seen: dict[float, tuple[float, ev.DpEvent]] = {}
+    its scores). ε(t) is smooth and increasing with slope ≈ 1 (the selection adds a near-constant
+    to one trial), so: a first guess from a Gaussian trial (closed form), then secant steps
+    (``privacy.calibrate.largest_within``). Each step plans every candidate at t (the methods' own
+    calibrations, cached). Raises ValueError when no t above target/1000 fits."""
+    seen: dict[float, tuple[float, ev.DpEvent, float]] = {}
 
     def at(t: float) -> float:
         if t not in seen:
@@ -466,81 +467,24 @@ def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, 
                 raise ValueError(f"selection: method {method.name}: {exc}") from None
         return seen[t][0]
 
-    floor = target * 1e-3
-    if every_candidate(cfg.selection):
-        t = _composed_gaussian_guess(target, sum(not c.zero_shot for c in candidates), delta)
+    sel = cfg.selection
+    if every_candidate(sel):
+        first = psel.composed_gaussian_target(target, sum(not c.zero_shot for c in candidates), delta)
     else:
-        overhead = _gaussian_overhead(cfg.selection, target - _gaussian_overhead(cfg.selection, target / 2, delta),
-                                      delta)
-        t = max(target - 1.1 * overhead, target / 8)
-    for _ in range(12):
-        e = at(t)
-        if target * (1 - tolerance) <= e <= target:
-            break
-        fits = [x for x in seen if seen[x][0] <= target]
-        above = [x for x in seen if seen[x][0] > target]
-        if fits and above:
-            lo, hi = max(fits), min(above)
-            if hi / lo < 1 + tolerance / 4:
-                break
-            e_lo, e_hi = seen[lo][0], seen[hi][0]
-            t = lo + (hi - lo) * (target * (1 - tolerance / 2) - e_lo) / max(e_hi - e_lo, 1e-12)
-            t = min(max(t, lo + (hi - lo) * 0.1), lo + (hi - lo) * 0.9)
-        elif above:  # overshoot only: step down by the excess (slope ≈ 1), a little further
-            t = min(above) - 1.1 * (seen[min(above)][0] - target * (1 - tolerance / 2))
-            if t < floor:
-                t = min(above) / 4
-        else:  # fits only: step up by what is left
-            t = max(fits) + (target * (1 - tolerance / 2) - seen[max(fits)][0])
-        if t < floor:
-            raise ValueError(f"selection: privacy.target_epsilon leaves too little for the trials (the selection "
-                             f"overhead alone comes near ε = {target:.4g}): raise the target, lower "
-                             "selection.expected_trials or raise selection.score_noise_multiplier")
-    fits = [x for x in seen if seen[x][0] <= target]
-    if not fits:
+        dist = trial_count(sel)
+        score = RANDOM_STOPPING_SCORE_SIGMA if sel.score_noise_multiplier is None else sel.score_noise_multiplier
+        overhead = psel.gaussian_selection_overhead(
+            target - psel.gaussian_selection_overhead(target / 2, delta, dist, score), delta, dist, score)
+        first = max(target - 1.1 * overhead, target / 8)
+    try:
+        best = calibrate.largest_within(at, target, first, tolerance=tolerance, floor=target * 1e-3)
+    except calibrate.BelowFloor:
+        raise ValueError(f"selection: privacy.target_epsilon leaves too little for the trials (the selection "
+                         f"overhead alone comes near ε = {target:.4g}): raise the target, lower "
+                         "selection.expected_trials or raise selection.score_noise_multiplier") from None
+    if best is None:
         raise ValueError(f"selection: no per-trial calibration found that keeps the selection within ε = {target:.4g}")
-    best = max(fits)
     return best, seen[best][0], seen[best][1], seen[best][2]
-
-
-def _gaussian_sigma_for(x: float, delta: float) -> float:
-    """σ of the Gaussian mechanism (sensitivity 1) at ε = x and δ (closed-form RDP, bisection)."""
-    from privacy import rdp as rdp_lib
-
-    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
-    lo, hi = 1e-2, 1e3
-    for _ in range(60):  # ε decreases in σ
-        mid = _math.sqrt(lo * hi)
-        eps = rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(mid, orders), delta)[0]
-        lo, hi = (mid, hi) if eps > x else (lo, mid)
-    return hi
-
-
-def _composed_gaussian_guess(target: float, n_trained: int, delta: float) -> float:
-    """The first guess of the per-trial target when every candidate trains once: k Gaussian
-    mechanisms of σ compose to one of σ/√k, so each trial gets the ε of σ_target·√k."""
-    from privacy import rdp as rdp_lib
-
-    if n_trained <= 1:
-        return target
-    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
-    sigma = _gaussian_sigma_for(target, delta) * _math.sqrt(n_trained)
-    return float(rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0])
-
-
-def _gaussian_overhead(sel, x: float, delta: float) -> float:
-    """What the selection adds over one trial when the trial is a Gaussian mechanism of ε = x at δ
-    (closed-form RDP, no calibration of the method): the first guess of the per-trial target."""
-    from privacy import rdp as rdp_lib
-
-    orders = np.asarray(rdp_lib.DEFAULT_ORDERS, dtype=float)
-    sigma = _gaussian_sigma_for(x, delta)
-    score = RANDOM_STOPPING_SCORE_SIGMA if sel.score_noise_multiplier is None else sel.score_noise_multiplier
-    curve = np.maximum(rdp_lib.gaussian_rdp(sigma, orders), rdp_lib.gaussian_rdp(score, orders))
-    chosen = psel.repeat_and_select_rdp(curve, trial_count(sel), trial_orders=orders)
-    chosen = chosen + rdp_lib.gaussian_rdp(score, orders)  # the no-prompt reference
-    one = rdp_lib.rdp_to_epsilon(orders, rdp_lib.gaussian_rdp(sigma, orders), delta)[0]
-    return max(0.0, rdp_lib.rdp_to_epsilon(orders, chosen, delta)[0] - one)
 
 
 def plan_selection(method, cfg, n_train: int, delta: float):

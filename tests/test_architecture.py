@@ -1,0 +1,183 @@
+"""The layering rules of the code, checked on its import graph (issue 36).
+
+The graph is built from the source with ``ast``, imports inside functions included (a function-level
+import is a dependency all the same: it only defers it until the function runs). An edge A → B means
+module A imports project module B: ``from pkg import name`` counts as importing ``pkg.name`` when
+that is a module, else ``pkg``.
+
+* ``privacy/`` has no import cycle: its modules form layers (validation, events → trials → rdp →
+  pld → accountants → accountant → calibrate, selection …), each readable and testable from below.
+* The math of ``privacy/`` (everything but the ledger's persistence) imports no torch, Prefect,
+  MLflow or SQLAlchemy, directly or through another project module: the privacy claims rest on
+  numpy, scipy and dp-accounting alone.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("privacy", "models", "tasks", "flows")
+SCRIPTS = ("privprompt_cli", "privprompt_worker")
+# the ledger's persistence (SQLAlchemy, sqlite, a team's PostgreSQL): the one part of privacy/
+# allowed a heavy dependency
+PERSISTENCE = ("privacy.ledger", "privacy.ledger_store")
+HEAVY = {"torch", "prefect", "mlflow", "sqlalchemy"}
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted name → file of every module of the project (packages by their ``__init__``)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for script in SCRIPTS:
+        if (REPO / f"{script}.py").is_file():
+            modules[script] = REPO / f"{script}.py"
+    return modules
+
+
+def imported_names(source: str, module: str, is_package: bool) -> set[str]:
+    """Every absolute name the source imports, anywhere (module level or inside functions):
+    ``import a.b`` gives ``a.b``; ``from a import b`` gives ``a`` and ``a.b``."""
+    package = module if is_package else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def module_imports(source: str, module: str, is_package: bool, modules) -> set[str]:
+    """The project modules the source imports: for ``from a import b``, ``a.b`` when it is a
+    module, else ``a``; for ``import a.b``, the longest module prefix of ``a.b``."""
+    package = module if is_package else module.rpartition(".")[0]
+    out: set[str] = set()
+
+    def longest(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(filter(None, (longest(alias.name) for alias in node.names)))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else longest(base)
+                if target:
+                    out.add(target)
+    out.discard(module)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {m: module_imports(p.read_text(), m, p.name == "__init__.py", modules) for m, p in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]], scope: str) -> list[list[str]]:
+    """The import cycles among the modules under ``scope``: each strongly connected component
+    of more than one module (Tarjan), sorted."""
+    nodes = sorted(m for m in graph if m == scope or m.startswith(scope + "."))
+    inside = set(nodes)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v] & inside):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in nodes:
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_the_graph_counts_imports_inside_functions_and_relative_ones():
+    modules = {"pkg", "pkg.a", "pkg.b", "pkg.sub", "pkg.sub.c"}
+    source = ("import numpy\nfrom . import b\n"
+              "def f():\n    from .sub.c import thing\n    from ..outside import x\n"
+              "class K:\n    def g(self):\n        import pkg.sub\n        from pkg import helper\n")
+    assert module_imports(source, "pkg.a", False, modules) == {"pkg.b", "pkg.sub.c", "pkg.sub", "pkg"}
+    assert "numpy" in imported_names(source, "pkg.a", False)
+    assert module_imports("from . import a\nfrom .a import y\n", "pkg.sub", True, modules | {"pkg.sub.a"}) == \
+        {"pkg.sub.a"}
+    assert cycles({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}}, "a") == [["a.x", "a.y", "a.z"]]
+    assert cycles({"a.x": {"a.y"}, "a.y": set(), "b.q": {"a.x"}}, "a") == []
+
+
+def test_the_project_graph_is_read_whole():
+    graph = import_graph()
+    assert {"privacy.accountant", "privacy.calibrate", "privacy.accountants", "tasks.lifecycle"} <= set(graph)
+    assert "privacy.accountant" in graph["tasks.lifecycle"]  # a module-level import
+    assert "privacy.accountant" in graph["tasks.selection"]  # inside functions there
+
+
+def test_privacy_has_no_import_cycle():
+    found = cycles(import_graph(), "privacy")
+    assert found == [], f"import cycles among privacy/ modules (imports inside functions counted): {found}"
+
+
+@pytest.mark.xfail(reason="issue 36: tasks/ still has import cycles (config, methods, lifecycle, selection, stages, "
+                          "…); another slice of the issue removes them", strict=False)
+def test_tasks_has_no_import_cycle():
+    found = cycles(import_graph(), "tasks")
+    assert found == [], f"import cycles among tasks/ modules: {found}"
+
+
+def test_privacy_math_imports_no_heavy_framework():
+    """privacy/ outside the ledger's persistence imports no torch, Prefect, MLflow or SQLAlchemy,
+    directly or through any project module it imports (transitively)."""
+    modules = project_modules()
+    graph = import_graph()
+    math_modules = sorted(m for m in modules if m.startswith("privacy") and not m.startswith(PERSISTENCE))
+    assert "privacy.accountant" in math_modules and "privacy.ledger" not in math_modules
+    offenders = {}
+    for module in math_modules:
+        reach, todo = set(), [module]
+        while todo:
+            m = todo.pop()
+            if m not in reach:
+                reach.add(m)
+                todo.extend(graph[m])
+        for m in sorted(reach):
+            path = modules[m]
+            heavy = sorted(n for n in imported_names(path.read_text(), m, path.name == "__init__.py")
+                           if n.split(".")[0].lower() in HEAVY)
+            if heavy:
+                offenders.setdefault(module, []).append(f"{m} imports {', '.join(heavy)}")
+    assert offenders == {}, f"privacy/ math reaching a heavy framework: {offenders}"
