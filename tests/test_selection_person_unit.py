@@ -369,9 +369,10 @@ def test_a_user_level_selection_trains_its_candidates_and_publishes_one(tmp_path
     from tasks.config import parse_config
     from tasks.data import partition_dataset
     from tasks.lifecycle import run_method
+    from tasks.methodkit.classifiers import label_indices
     from tasks.pipeline import plan_run
     from tasks.record import RunRecord, client, ensure_experiment
-    from tasks.stages import StageContext, label_indices
+    from tasks.stages import StageContext
     from tasks.state import SECRET_NAME, state_paths
     from test_flow import _config
     from test_release_once import _dp_entries, _published_prompts

@@ -282,7 +282,7 @@ class Method:
         calibrated for."""
         from models.scoring import row_wise_logits
 
-        from ..stages import input_length, prompted
+        from ..methodkit.classifiers import input_length, prompted
 
         cfg = mctx.cfg
         model = self.source_model(cfg, mctx.prepared)
@@ -294,7 +294,7 @@ class Method:
         the model it was trained on: an EXACT count, which the selection only releases with noise
         (sensitivity 1: one record changes it by at most one). With a person unit the selection
         weighs each row (one vote per person) and reads :meth:`holdout_predictions` instead."""
-        from ..stages import label_indices
+        from ..methodkit.classifiers import label_indices
 
         y = label_indices(rows.labels, mctx.cfg.data.labels).cpu().numpy()
         return int((self.holdout_predictions(mctx, prompt, rows) == y).sum())
@@ -313,7 +313,7 @@ def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str) -> Non
     from models.backbones import ModelLoadError
 
     from ..errors import ConfigError
-    from ..stages import classifier_for
+    from ..methodkit.classifiers import classifier_for
 
     try:
         classifier_for(cfg, model_name)

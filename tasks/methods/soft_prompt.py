@@ -54,7 +54,7 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     ``TrainResult``."""
     from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
 
-    from ..stages import classifier_for, label_indices
+    from ..methodkit.classifiers import classifier_for, label_indices
 
     clf = classifier_for(cfg, model_name)
     enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
@@ -105,7 +105,7 @@ def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
     from models.dp_prompt_training import PromptTrainingConfig, train_prompt
     from models.soft_prompt import load_prompt, save_prompt
 
-    from ..stages import label_indices
+    from ..methodkit.classifiers import label_indices
     from ..state import digest_key, made_once
 
     cfg = mctx.cfg

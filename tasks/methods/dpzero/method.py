@@ -80,7 +80,7 @@ class DPZero(Method):
 
         from models.soft_prompt import SoftPrompt
 
-        from ...stages import classifier_for, label_indices
+        from ...methodkit.classifiers import classifier_for, label_indices
         from .events import dpzero_event
         from .training import DPZeroConfig as ModelConfig
         from .training import train_dpzero

@@ -167,7 +167,7 @@ def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], prog
     """Train the target prompt to behave on the target like the DP prompt on the student, on
     public texts only. Returns (``transfer.py``'s result, the ``transfer`` child run to log)."""
     from ...data import assert_public
-    from ...stages import classifier_for
+    from ...methodkit.classifiers import classifier_for
 
     cfg = mctx.cfg
     assert_public(student_dir, mctx.paths.private)

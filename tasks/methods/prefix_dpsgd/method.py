@@ -92,7 +92,7 @@ def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str, examples:
     from models.landscape import flatness_curves
 
     from ...prompts import load_prompt_file
-    from ...stages import classifier_for, encode_split
+    from ...methodkit.classifiers import classifier_for, encode_split
 
     clf = classifier_for(cfg, cfg.models.local)
     enc, y = encode_split(clf, test_path, cfg.data.labels, cfg.models.max_length, limit=examples,

@@ -90,7 +90,7 @@ class PrivacyFlat(PrefixDPSGD):
         from .flat import FlatStepHook
         from models.soft_prompt import PrefixPrompt
 
-        from ...stages import classifier_for
+        from ...methodkit.classifiers import classifier_for
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         f = block.flat
@@ -132,7 +132,7 @@ class PrivacyFlat(PrefixDPSGD):
         from models.landscape import mean_gradient, mean_loss, prefix_sharpness
         from models.scoring import predict_logits
 
-        from ...stages import label_indices
+        from ...methodkit.classifiers import label_indices
         from .flat import eliminate_layers
 
         cfg = mctx.cfg

@@ -223,7 +223,7 @@ class Rapt(Method):
         from models.backbones import load_backbone
         from models.soft_prompt import PrefixPrompt, SoftPrompt
 
-        from ...stages import label_indices
+        from ...methodkit.classifiers import label_indices
 
         block = self.settings(cfg)
         data = self.load_privatized(privatized_path)
@@ -369,7 +369,7 @@ class Rapt(Method):
 
         from ...data import read_partition_split
         from ...prompts import load_prompt_file
-        from ...stages import label_indices
+        from ...methodkit.classifiers import label_indices
 
         cfg = ctx.cfg
         texts, names = read_partition_split(ctx.part.test_path)

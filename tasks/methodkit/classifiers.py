@@ -1,0 +1,72 @@
+"""A model's frozen classifier for the config's labels, prompts of any kind on it, and the
+encodings the methods and the stages feed it (moved here from ``tasks/stages.py``: methods sit
+above this module, the stages beside them)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..config import PrivPromptConfig
+
+_CLASSIFIERS: dict = {}
+
+
+def classifier_for(cfg: "PrivPromptConfig", model_name: str, template: str | None = None):
+    """The frozen classifier of ``model_name`` for the config's labels (cached per process);
+    ``template`` overrides the config's (a text prompt extends it)."""
+    from models.classifiers import build_classifier
+    from models.backbones import load_backbone
+
+    template = template or cfg.models.template
+    key = (model_name, tuple(cfg.data.labels), json.dumps(cfg.models.label_descriptions, sort_keys=True),
+           template, cfg.seed)
+    if key not in _CLASSIFIERS:
+        backbone = load_backbone(model_name, seed=cfg.seed)
+        _CLASSIFIERS[key] = build_classifier(backbone, list(cfg.data.labels),
+                                             cfg.models.label_descriptions or None, template)
+    return _CLASSIFIERS[key]
+
+
+def prompted(cfg: "PrivPromptConfig", model_name: str, prompt):
+    """(classifier, what its forward takes as prompt) for a prompt of any kind: a text prompt is
+    part of the template (the tokens change), a soft prompt goes to the forward pass."""
+    if prompt is not None and getattr(prompt, "kind", None) == "text":
+        base = classifier_for(cfg, model_name)
+        return classifier_for(cfg, model_name, prompt.template(base.template)), None
+    return classifier_for(cfg, model_name), prompt
+
+
+def input_length(cfg: "PrivPromptConfig", model_name: str, classifier) -> int:
+    """The max_length to encode with under ``classifier``'s template: ``models.max_length`` bounds
+    the input under the model's own template, and a text prompt's instruction comes on top, so a
+    long prompt (ICL's demos) never eats the text's budget or leaves it none."""
+    base = classifier_for(cfg, model_name)
+    return cfg.models.max_length + max(0, classifier.template_tokens - base.template_tokens)
+
+
+def label_indices(names: list[str], labels: list[str]):
+    """Label names → a long tensor of their indices in the config's ``labels``."""
+    import torch
+
+    index = {name: i for i, name in enumerate(labels)}
+    return torch.tensor([index[n] for n in names], dtype=torch.long)
+
+
+def encode_split(classifier, path: str, labels: list[str], max_length: int, limit: int | None = None,
+                 rng: "np.random.Generator | None" = None):
+    """A partition split's rows (all, or ``limit`` of them drawn by ``rng``, in file order) encoded
+    for ``classifier``, with their label indices."""
+    import numpy as np
+
+    from ..data import read_partition_split
+
+    texts, names = read_partition_split(path)
+    idx = np.arange(len(texts))
+    if limit is not None and len(idx) > limit:
+        idx = np.sort((rng or np.random.default_rng(0)).choice(len(idx), size=limit, replace=False))
+    y = label_indices([names[i] for i in idx], labels)
+    return classifier.encode([texts[i] for i in idx], max_length=max_length), y
