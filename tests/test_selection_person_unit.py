@@ -99,7 +99,7 @@ def stand_in(monkeypatch):
     """prompt_dpsgd with a stand-in plan (a fixed DP-SGD event per candidate), training (the real
     check that a unit-level step gets its rows' units, then a prompt naming the candidate) and
     predictions (:func:`_prediction`). Records the rows each training got."""
-    from tasks.methods.soft_prompt import unit_tensor
+    from tasks.methodkit.training import unit_tensor
 
     method_cls = type(get_method("prompt_dpsgd"))
     trained_rows = []

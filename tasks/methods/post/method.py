@@ -222,7 +222,7 @@ class Post(Method):
                              "allow_nonprivate_baselines: true to opt in")
 
     def plan(self, cfg, n_train, delta):
-        from ..soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
+        from ...methodkit.training import dpsgd_event, dpsgd_params, dpsgd_settings
 
         block = self.settings(cfg)
         settings = dpsgd_settings(block.tuning, n_train, cfg.privacy.target_epsilon, delta, cfg.data.privacy_unit)
@@ -249,7 +249,7 @@ class Post(Method):
                                     "post.public": ctx.cfg.public.name}}
 
     def train(self, mctx, plan, rows, progress=None):
-        from ..soft_prompt import dpsgd_event, fit_soft_prompt
+        from ...methodkit.training import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg).tuning, mctx.prepared["student_dir"], rows, mctx.seed,

@@ -72,7 +72,7 @@ class PrefixDPSGD(PromptDPSGD):
         return {}
 
     def train(self, mctx, plan, rows, progress=None):
-        from ..soft_prompt import dpsgd_event, fit_soft_prompt
+        from ...methodkit.training import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
         extra = self.step_additions(mctx, plan, rows, progress)
@@ -133,7 +133,7 @@ class PrefixSGD(PrefixDPSGD):
                                "and its prefix stays under private/")
 
     def train(self, mctx, plan, rows, progress=None):
-        from ..soft_prompt import fit_soft_prompt, nonprivate_steps
+        from ...methodkit.training import fit_soft_prompt, nonprivate_steps
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, progress=progress,

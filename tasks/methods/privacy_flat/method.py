@@ -113,7 +113,7 @@ class PrivacyFlat(PrefixDPSGD):
                 out["metrics"].update({f"flat.layer_kept.{l}": 1.0 for l in layers})
         w_nor = None
         if f.regularizer:  # trained once per seed and reused across ε (cached under private/)
-            from ..soft_prompt import nonprivate_copy
+            from ...methodkit.training import nonprivate_copy
 
             w_nor = nonprivate_copy(mctx, clf, init, rows, block, "prefix", f.nor_epochs)
         q, steps = plan.settings["sample_rate"], plan.settings["steps"]

@@ -27,7 +27,7 @@ class PromptDPSGD(Method):
         return [{"lr": lr, "epochs": epochs} for lr in (0.01, 0.05, 0.2) for epochs in (1.0, 3.0)]
 
     def plan(self, cfg, n_train, delta):
-        from ..soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
+        from ...methodkit.training import dpsgd_event, dpsgd_params, dpsgd_settings
 
         settings = dpsgd_settings(self.settings(cfg), n_train, cfg.privacy.target_epsilon, delta,
                                   cfg.data.privacy_unit)
@@ -46,7 +46,7 @@ class PromptDPSGD(Method):
                                              "logged seed; no guarantee")
 
     def train(self, mctx, plan, rows, progress=None):
-        from ..soft_prompt import dpsgd_event, fit_soft_prompt
+        from ...methodkit.training import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed,

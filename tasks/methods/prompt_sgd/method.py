@@ -26,7 +26,7 @@ class PromptSGD(Method):
                                "metrics, and its prompt stays under private/")
 
     def train(self, mctx, plan, rows, progress=None):
-        from ..soft_prompt import fit_soft_prompt, nonprivate_steps
+        from ...methodkit.training import fit_soft_prompt, nonprivate_steps
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, progress=progress,
