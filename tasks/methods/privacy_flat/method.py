@@ -6,7 +6,8 @@ Honest labels: AWP's perturbation, the sharpness selection on private data (Defi
 ∇L(w|D)) and w_nor all read private data WITHOUT noise, so a run with any of them has no formal
 guarantee (``none``: opt-in, recorded as non-private use, the prefix stays under private/).
 Sparse selection on public data (``sparse_data: public``, labels = the frozen model's zero-shot
-predictions) keeps the DP guarantee. With everything off it is ``prefix_dpsgd``, step for step.
+predictions) keeps the DP guarantee. With everything off it is ``prefix_dpsgd``, step for step (both
+extend the toolkit's ``PrefixDPSGDMethod``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
+from ...methodkit.prompt_methods import PrefixDPSGDConfig, PrefixDPSGDMethod
 from ...schema import Block
 from .. import register_method
-from ..prefix_dpsgd.method import PrefixDPSGD, PrefixDPSGDConfig
 
 
 class FlatConfig(Block):
@@ -46,7 +47,10 @@ class PrivacyFlatConfig(PrefixDPSGDConfig):
 
 
 @register_method
-class PrivacyFlat(PrefixDPSGD):
+class PrivacyFlat(PrefixDPSGDMethod):
+    """DP prefix tuning (the toolkit's skeleton, ``prefix_dpsgd``'s too) with Privacy-Flat's step
+    additions and honest labels."""
+
     name = "privacy_flat"
     config_class = PrivacyFlatConfig
     label = "Privacy-Flat (DP prefix tuning + flattening)"
