@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..methods.base import Method, MethodPlan, Trained, dp_unless_debug
+from ..methods.base import Method, MethodPlan, ReportArtifact, ReportMetric, SummaryColumn, Trained, dp_unless_debug
 from ..schema import DPSGDConfig, PromptTuningConfig
 
 
@@ -120,6 +120,12 @@ class PrefixDPSGDMethod(SoftPromptDPSGD):
             return {}
         return prefix_flatness(mctx.cfg, ctx.part.test_path, prompt_path, self.run_label(mctx.cfg), examples)
 
+    def report_metrics(self):
+        return FLATNESS_METRICS
+
+    def report_sections(self):
+        return FLATNESS_SECTIONS
+
     def step_additions(self, mctx, plan, rows, progress=None) -> dict:
         """Additions to the DP step (Privacy-Flat's): {"hooks": [DPStepHook], "init_prompt": tensor,
         "metrics": publishable counts, "history": private records}; {} for plain DP prefix tuning."""
@@ -167,6 +173,43 @@ def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str, examples:
     ax.legend(fontsize=8)
     fig.tight_layout()
     return {"metrics": metrics, "figures": {"plots/flatness.png": fig}}
+
+
+# ---- what the prefix methods add to the comparison report (tasks/comparison.py reads it) -----------
+
+def flatness_figure(rows: list[dict], title: str = "flatness of the published prompts (test split)"):
+    """Test loss along a random and an adversarial direction (Privacy-Flat Figures 1, 3), the
+    mean over runs per method label; None when no run logged flatness curves."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("flatness")]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(9.2, 3.6), sharey=True)
+    for ax, kind in zip(axes, ("random", "adversarial")):
+        for label in sorted({r["method"] for r in rows}):
+            curves = [r["flatness"] for r in rows if r["method"] == label]
+            keys = sorted(k for k in curves[0] if k.startswith(f"flatness.{kind}.r"))
+            xs = [int(k.rsplit(".r", 1)[1]) / 100 for k in keys]
+            ys = [sum(c[k] for c in curves if k in c) / len(curves) for k in keys]
+            ax.plot(xs, ys, marker="o", label=f"{label} (n={len(curves)})")
+        ax.set_xlabel("perturbation ‖v‖ / ‖w‖")
+        ax.set_title(f"{kind} direction", fontsize=9)
+    axes[0].set_ylabel("test loss (test split)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def adversarial_loss_at_30(row: dict) -> float | None:
+    """A run's test loss at 0.3‖w‖ along the adversarial direction (None where not logged)."""
+    return row.get("flatness", {}).get("flatness.adversarial.r30")
+
+
+FLATNESS_METRICS = (ReportMetric("flatness", prefix="flatness."),)
+FLATNESS_SECTIONS = (SummaryColumn("test loss, adversarial 0.3‖w‖", adversarial_loss_at_30),
+                     ReportArtifact("report/flatness.png", flatness_figure))
 
 
 class NonPrivateSoftPrompt(Method):

@@ -24,8 +24,8 @@ import os
 import pkgutil
 import sys
 
-from .base import (Method, MethodContext, MethodPlan, PostProcessed, PrivateRows, Trained,  # noqa: F401
-                   Variant)
+from .base import (LevelPanel, Method, MethodContext, MethodPlan, PostProcessed, PrivateRows,  # noqa: F401
+                   ReferenceAccuracy, ReportArtifact, ReportMetric, SummaryColumn, Trained, Variant)
 
 _REGISTRY: dict[str, Method] = {}
 _LOADED = False

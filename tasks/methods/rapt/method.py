@@ -133,6 +133,16 @@ class Rapt(Method):
         eta = params.get("rapt.eta")
         return None if eta is None else float(eta)
 
+    def report_metrics(self):
+        from .report import METRICS
+
+        return METRICS
+
+    def report_sections(self):
+        from .report import SECTIONS
+
+        return SECTIONS
+
     def plan(self, cfg, n_train, delta):
         block = self.settings(cfg)
         guarantee = self.guarantee(cfg)
