@@ -212,3 +212,77 @@ def test_post_full_pt_without_the_nonprivate_trainer_is_refused_at_config_time(t
     finally:
         register_method(registered)
     assert isinstance(get_method(NonPrivateSoftPrompt.name), NonPrivateSoftPrompt)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """The project's modules (tasks, privacy, flows, models) → the project modules they import
+    (inside functions too; an imported name resolves to the deepest module it lies in)."""
+    modules = {}
+    for top in ("tasks", "privacy", "flows", "models"):
+        for path, module, is_package in _files(REPO / top):
+            modules[module] = (path, is_package)
+    graph = {}
+    for module, (path, is_package) in modules.items():
+        graph[module] = set()
+        for _, name in imported_modules(path.read_text(), module, is_package):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                graph[module].add(name)
+    return graph
+
+
+def _in_cycles(graph: dict[str, set[str]]) -> set[str]:
+    """The modules that lie on an import circle (strongly connected components of 2 or more)."""
+    index, low, stack, on, cyclic = {}, {}, [], set(), set()
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on.discard(component[-1])
+            if len(component) > 1:
+                cyclic.update(component)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cyclic
+
+
+def test_the_methods_layer_lies_on_no_import_circle():
+    """The method interface, the toolkit, every method package and the comparison report import
+    only downward: none of them lies on an import circle of the project (counting imports inside
+    functions), whatever circles remain above them."""
+    graph = _import_graph()
+    assert {"tasks.methods.base", "tasks.methodkit.classifiers", "tasks.comparison"} <= set(graph)
+    assert _in_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {"a", "b", "c"}  # the finder finds one
+    layer = [m for m in _in_cycles(graph)
+             if _is_under(m, "tasks.methods") or _is_under(m, "tasks.methodkit") or m == "tasks.comparison"]
+    assert not layer, sorted(layer)
+
+
+def test_the_toolkits_split_reader_reads_what_the_data_layer_reads(tmp_path):
+    """The toolkit reads a partition split without ``tasks.data`` (above it, with the config
+    schema): the same texts and labels as ``tasks.data.read_partition_split``, extra columns aside."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.data import read_partition_split
+    from tasks.methodkit.classifiers import read_split
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"unit": ["u1", "u2", "u1"], "text": ["a fine film", "dull é", ""],
+                             "label": ["positive", "negative", "positive"]}), path)
+    assert read_split(str(path)) == read_partition_split(str(path)) == (
+        ["a fine film", "dull é", ""], ["positive", "negative", "positive"])

@@ -62,11 +62,19 @@ def encode_split(classifier, path: str, labels: list[str], max_length: int, limi
     for ``classifier``, with their label indices."""
     import numpy as np
 
-    from ..data import read_partition_split
-
-    texts, names = read_partition_split(path)
+    texts, names = read_split(path)
     idx = np.arange(len(texts))
     if limit is not None and len(idx) > limit:
         idx = np.sort((rng or np.random.default_rng(0)).choice(len(idx), size=limit, replace=False))
     y = label_indices([names[i] for i in idx], labels)
     return classifier.encode([texts[i] for i in idx], max_length=max_length), y
+
+
+def read_split(path: str) -> tuple[list[str], list[str]]:
+    """(texts, label names) of a partition split file: its ``text`` and ``label`` columns, as
+    ``tasks.data`` writes them (read here without ``tasks.data``, which sits above the toolkit with
+    the config schema)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["text", "label"])
+    return table.column("text").to_pylist(), table.column("label").to_pylist()
