@@ -37,7 +37,7 @@ from .errors import PrivPromptError
 from .record import RunRecord, client
 from .lifecycle import shadow_prompt as method_shadow
 from .methods import PrivateRows, get_method
-from .stages import classifier_for, input_length, label_indices, prompted
+from .methodkit.classifiers import classifier_for, input_length, label_indices, prompted
 from .state import make_private_dir, private_file, state_paths
 
 

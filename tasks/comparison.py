@@ -1,21 +1,50 @@
 """The privacy–utility report of an experiment, rebuilt from MLflow alone (``privprompt report
 EXPERIMENT``, and the sweep's summary): parent runs only, pulled back with ``search_runs``.
 
-Accuracy vs ε and MIA AUC vs ε, one line per method (its ``method.label``: Privacy-Flat's rungs apart), markers by ``privacy.guarantee``; runs
-without an ε (non-private methods, ``none``) stand at ε = ∞ on the right; local-DP runs (``ldp``,
-no ε) get their own panel against their privacy parameter (the method's ``ldp_level``, RAPT's η)."""
+Accuracy vs ε and MIA AUC vs ε, one line per method (its ``method.label``: a method whose runs
+differ in kind labels them apart), markers by ``privacy.guarantee``; runs without an ε
+(non-private methods, ``none``) stand at ε = ∞ on the right; local-DP runs (``ldp``, no ε) get
+their own panel against their privacy parameter (the method's ``ldp_level``).
+
+What a method adds — metrics read into its runs' rows, summary columns, panels against the
+privacy level, tables and figures — it declares (``Method.report_metrics`` /
+``report_sections``); this module reads the declarations from the registry and names no method."""
 
 from __future__ import annotations
 
 import math
 
 from . import plots
+from .methods.base import LevelPanel, ReferenceAccuracy, ReportArtifact, SummaryColumn
 
 MARKERS = {"dp": "o", "none": "x", "ldp": "s"}
 
 
+def report_declarations() -> tuple[dict, list]:
+    """What the registered methods add to the report: their row metrics (by method name) and their
+    sections (each once, in registry order: a skeleton's, declared by all its methods, once)."""
+    from .methods import get_method, registered_methods
+
+    metrics, sections = {}, []
+    for name in registered_methods():
+        method = get_method(name)
+        metrics[name] = tuple(method.report_metrics())
+        sections += [s for s in method.report_sections() if s not in sections]
+    return metrics, sections
+
+
+def _declared(sections: list | None, kind: type) -> list:
+    """The declared sections of ``kind`` (``sections`` None: the registered methods')."""
+    return [s for s in (report_declarations()[1] if sections is None else sections) if isinstance(s, kind)]
+
+
 def parent_runs(mlflow, experiment: str) -> list[dict]:
-    """Finished parent runs of method flows in ``experiment`` (sweep summaries excluded)."""
+    """Finished parent runs of method flows in ``experiment`` (sweep summaries excluded); each
+    row also holds what the run's method declares (``Method.report_metrics``), and every row the
+    keys other methods declare (empty)."""
+    declared, _ = report_declarations()
+    empty = {d.key: d.empty() for ds in declared.values() for d in ds}
+    everywhere = [d for ds in declared.values() for d in ds if d.every_run]
     exp = mlflow.get_experiment_by_name(experiment)
     if exp is None:
         from .errors import ConfigError
@@ -40,9 +69,8 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          f"k={run.data.params.get('data.max_records_per_unit', '?')}]")
             elif unit != "record":  # ε per person: never pooled with the record-level runs of the method
                 label = f"{label} [unit: {unit}]"
-            rows.append({"run_id": run.info.run_id, "method": label, "unit": unit,
+            row = {"run_id": run.info.run_id, "method": label, "unit": unit,
                          "dataset": tags.get("dataset", ""),
-                         "zero_shot": run.data.metrics.get("test.accuracy.zero_shot"),
                          "guarantee": tags.get("privacy.guarantee", "none"),
                          "variant": tags.get("sweep.variant", ""), "seed": run.data.params.get("seed"),
                          "epsilon": run.data.metrics.get("privacy.epsilon"), "eta": eta,
@@ -51,11 +79,17 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          "mia_auc": run.data.metrics.get("mia.loss.auc"),
                          "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),
                          "note": tags.get("privacy.note", ""),
-                         "flatness": {k: v for k, v in run.data.metrics.items() if k.startswith("flatness.")},
-                         "empirical_privacy": _empirical_privacy(run.data.metrics),
                          # a selection's published winner and its DP-released holdout accuracy (never an exact
                          # holdout number: none is logged)
-                         "selection": _selection_of(run) if selected else None})
+                         "selection": _selection_of(run) if selected else None}
+            for key, value in empty.items():
+                row.setdefault(key, value)
+            for metric in everywhere:  # what every run logs about a method (its accuracy as a baseline)
+                row[metric.key] = metric.read(run.data.metrics)
+            for metric in declared.get(tags["method"], ()):  # what the run's own method declares
+                if not metric.every_run:
+                    row[metric.key] = metric.read(run.data.metrics)
+            rows.append(row)
         token = page.token
         if not token:
             break
@@ -73,34 +107,22 @@ def _ldp_level(method: str, params: dict) -> float | None:
         return None
 
 
-def _empirical_privacy(metrics: dict) -> float | None:
-    """1 − hidden-state inversion success (RAPT's audit statistic; runs before the audit.* names
-    logged it as ``attack.inversion_hidden.success``)."""
-    for name in ("audit.attack.inversion_hidden.success", "attack.inversion_hidden.success"):
-        if name in metrics:
-            return 1.0 - metrics[name]
-    return None
-
-
-def zero_shot_accuracy(r: dict) -> float | None:
-    """The zero-shot baseline on a run's own test split: its ``test.accuracy.zero_shot``, or its
-    accuracy when the run is the zero-shot method itself."""
-    return r["accuracy"] if r["method"] == "zero_shot" else r.get("zero_shot")
-
-
-def comparison_table(rows: list[dict]) -> str:
-    """One row per run, by dataset (runs of different datasets are never pooled), with the zero-shot
-    baseline on the same test split beside the method's accuracy."""
-    lines = ["| dataset | method | guarantee | ε (spent) | η | test accuracy | zero-shot accuracy | "
-             "loss-MIA AUC (audit statistic) | seed | run |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+def comparison_table(rows: list[dict], sections: list | None = None) -> str:
+    """One row per run, by dataset (runs of different datasets are never pooled), with each declared
+    reference accuracy (a no-prompt baseline) on the same test split beside the method's accuracy
+    (``sections``: the registered methods' when None)."""
+    refs = _declared(sections, ReferenceAccuracy)
+    lines = ["| dataset | method | guarantee | ε (spent) | η | test accuracy | "
+             + "".join(f"{ref.label} accuracy | " for ref in refs) + "loss-MIA AUC (audit statistic) | seed | run |",
+             "|---|---|---|---:|---:|---:|" + "---:|" * len(refs) + "---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r.get("dataset", ""), r["method"],
                                          r["epsilon"] if r["epsilon"] is not None else math.inf)):
         f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
         lines.append(f"| {r.get('dataset') or '-'} | {r['method']} | "
                      f"{r['guarantee']}{' (' + r['note'] + ')' if r['note'] else ''} | "
-                     f"{f(r['epsilon'])} | {f(r['eta'])} | {f(r['accuracy'])} | {f(zero_shot_accuracy(r))} | "
-                     f"{f(r['mia_auc'])} | {r['seed'] or '-'} | {r['run_id'][:8]} |")
+                     f"{f(r['epsilon'])} | {f(r['eta'])} | {f(r['accuracy'])} | "
+                     + "".join(f"{f(r.get(ref.key))} | " for ref in refs)
+                     + f"{f(r['mia_auc'])} | {r['seed'] or '-'} | {r['run_id'][:8]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -190,10 +212,11 @@ def _mean_line(ax, groups, label: str, marker: str | None = None):
     return line
 
 
-def comparison_figure(rows: list[dict], title: str):
+def comparison_figure(rows: list[dict], title: str, sections: list | None = None):
     """Accuracy and MIA AUC vs ε (∞ for runs without ε) per method — a line through the means over
     seeds at each privacy level with ± one standard deviation, every run a faint marker behind it;
-    η panels for ldp runs."""
+    panels against the privacy level for ldp runs: accuracy, and each declared :class:`LevelPanel`
+    that a run logged (``sections``: the registered methods' when None)."""
     import matplotlib.pyplot as plt
 
     datasets = sorted({r.get("dataset", "") for r in rows})
@@ -203,9 +226,11 @@ def comparison_figure(rows: list[dict], title: str):
     ldp_rows = [r for r in rows if r["guarantee"] == "ldp"]
     finite = [r["epsilon"] for r in eps_rows if r["epsilon"] is not None]
     inf_x = (max(finite) * 1.6) if finite else 1.0
-    ldp_privacy = [r for r in ldp_rows if r.get("empirical_privacy") is not None]
-    eps_panels = 2 if eps_rows or not ldp_rows else 0  # only-ldp experiments (RAPT) get the η panels only
-    n_panels = eps_panels + bool(ldp_rows) + bool(ldp_privacy)
+    sections = report_declarations()[1] if sections is None else sections
+    level_panels = [(p, [r for r in ldp_rows if r.get(p.key) is not None]) for p in _declared(sections, LevelPanel)]
+    level_panels = [(p, runs) for p, runs in level_panels if runs]
+    eps_panels = 2 if eps_rows or not ldp_rows else 0  # only-ldp experiments get the η panels only
+    n_panels = eps_panels + bool(ldp_rows) + len(level_panels)
     fig, axes = plt.subplots(1, n_panels, figsize=(4.6 * n_panels, 3.8), squeeze=False)
     axes = list(axes[0])
     eps_axes = ((axes[0], "accuracy", "test accuracy"), (axes[1], "mia_auc", "loss-MIA AUC (not DP)")) if eps_panels else ()
@@ -219,12 +244,12 @@ def comparison_figure(rows: list[dict], title: str):
             for x, y, g in sorted((r["epsilon"] if r["epsilon"] is not None else inf_x, r[key], r["guarantee"])
                                   for r in runs):  # every run, faint behind the means
                 ax.scatter([x], [y], marker=MARKERS.get(g, "o"), color=line.get_color(), alpha=0.35, s=14, zorder=2)
-        if key == "accuracy":  # the zero-shot baseline of each dataset, on its own test split
-            for i, dataset in enumerate(datasets):
-                zs = mean_std(zero_shot_accuracy(r) for r in eps_rows + ldp_rows if r.get("dataset", "") == dataset)
-                if zs is not None:
-                    ax.axhline(zs[0], color="0.45", lw=1, ls=("--", "-.", ":")[i % 3],
-                               label="zero-shot" + (f" · {dataset}" if len(datasets) > 1 else ""))
+        for ref in _declared(sections, ReferenceAccuracy) if key == "accuracy" else ():
+            for i, dataset in enumerate(datasets):  # each dataset's reference, on its own test split
+                mean = mean_std(r.get(ref.key) for r in eps_rows + ldp_rows if r.get("dataset", "") == dataset)
+                if mean is not None:
+                    ax.axhline(mean[0], color="0.45", lw=1, ls=("--", "-.", ":")[i % 3],
+                               label=ref.label + (f" · {dataset}" if len(datasets) > 1 else ""))
         if finite:
             ax.axvline(inf_x / 1.25, color="0.7", lw=0.8, ls=":")
         ax.set_xscale("log")
@@ -242,14 +267,14 @@ def comparison_figure(rows: list[dict], title: str):
         ax.set_xlabel("η (local d_X privacy; no ε)")
         ax.set_ylabel("test accuracy")
         ax.legend(fontsize=7)
-    if ldp_privacy:
-        ax = axes[eps_panels + 1]
-        for method in sorted({r["method"] for r in ldp_privacy}):
-            runs = [r for r in ldp_privacy if r["method"] == method and r["eta"] is not None]
+    for i, (panel, panel_rows) in enumerate(level_panels):
+        ax = axes[eps_panels + 1 + i]
+        for method in sorted({r["method"] for r in panel_rows}):
+            runs = [r for r in panel_rows if r["method"] == method and r["eta"] is not None]
             if runs:
-                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], "empirical_privacy"), method, "s")
+                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], panel.key), method, "s")
         ax.set_xlabel("η (local d_X privacy; no ε)")
-        ax.set_ylabel("empirical privacy: 1 − hidden-state inversion")
+        ax.set_ylabel(panel.ylabel)
         ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
@@ -257,9 +282,14 @@ def comparison_figure(rows: list[dict], title: str):
     return fig
 
 
-def label_summary(rows: list[dict]) -> str:
-    """Per dataset, method label and target ε (η for ldp runs): runs (seeds), test accuracy and loss-MIA AUC as mean ± sample
-    std over them, ε spent, and the test loss at 0.3‖w‖ along the adversarial direction where logged."""
+def label_summary(rows: list[dict], sections: list | None = None) -> str:
+    """Per dataset, method label and target ε (η for ldp runs): runs (seeds), test accuracy, each
+    declared reference accuracy and loss-MIA AUC as mean ± sample std over them, ε
+    spent, and a column per declared :class:`SummaryColumn` (``sections``: the registered methods'
+    when None)."""
+    sections = report_declarations()[1] if sections is None else sections
+    refs, columns = _declared(sections, ReferenceAccuracy), _declared(sections, SummaryColumn)
+
     def stat(values):
         ms = mean_std(values)
         if ms is None:
@@ -269,85 +299,44 @@ def label_summary(rows: list[dict]) -> str:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r.get("dataset", ""), r["method"], r["guarantee"], privacy_level(r)), []).append(r)
-    lines = ["| dataset | method | guarantee | target ε (dp) / η (ldp) | runs | test accuracy | zero-shot accuracy | "
-             "loss-MIA AUC (audit statistic) | ε spent | test loss, adversarial 0.3‖w‖ |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| dataset | method | guarantee | target ε (dp) / η (ldp) | runs | test accuracy | "
+             + "".join(f"{ref.label} accuracy | " for ref in refs) + "loss-MIA AUC (audit statistic) | ε spent |"
+             + "".join(f" {c.header} |" for c in columns),
+             "|---|---|---|---:|---:|---:|" + "---:|" * len(refs) + "---:|---:|" + "---:|" * len(columns)]
     for (dataset, label, guarantee, eps), members in sorted(groups.items(),
                                                             key=lambda kv: (kv[0][0], kv[0][1], kv[0][3] or 0)):
         spent = [m["epsilon"] for m in members if m["epsilon"] is not None]
         lines.append(f"| {dataset or '-'} | {label} | {guarantee} | {'-' if eps is None else f'{eps:g}'} | "
                      f"{len(members)} | {stat(m['accuracy'] for m in members)} | "
-                     f"{stat(zero_shot_accuracy(m) for m in members)} | {stat(m['mia_auc'] for m in members)} | "
-                     f"{f'{max(spent):.4f}' if spent else '-'} | "
-                     f"{stat(m.get('flatness', {}).get('flatness.adversarial.r30') for m in members)} |")
+                     + "".join(f"{stat(m.get(ref.key) for m in members)} | " for ref in refs)
+                     + f"{stat(m['mia_auc'] for m in members)} | "
+                     f"{f'{max(spent):.4f}' if spent else '-'} |"
+                     + "".join(f" {stat(c.value(m) for m in members)} |" for c in columns))
     return "\n".join(lines) + "\n"
 
 
-def ldp_table(rows: list[dict]) -> str | None:
-    """RAPT's Table 1 shape: one row per variant (its label), one column per η; each cell the
-    test accuracy and the empirical privacy (1 − hidden-state inversion), mean over seeds."""
-    rows = [r for r in rows if r["guarantee"] == "ldp" and r["eta"] is not None]
-    if not rows:
-        return None
-    etas = sorted({r["eta"] for r in rows})
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    lines = ["| variant | " + " | ".join(f"η = {e:g}" for e in etas) + " |", "|---|" + "---:|" * len(etas)]
-    for label in sorted({r["method"] for r in rows}):
-        cells = []
-        for e in etas:
-            sel = [r for r in rows if r["method"] == label and r["eta"] == e]
-            acc = mean([r["accuracy"] for r in sel if r["accuracy"] is not None])
-            priv = mean([r["empirical_privacy"] for r in sel if r.get("empirical_privacy") is not None])
-            cells.append("-" if acc is None else f"{acc:.4f}" + (f" ({priv:.3f})" if priv is not None else "")
-                         + (f" n={len(sel)}" if len(sel) > 1 else ""))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return ("test accuracy (empirical privacy = 1 − hidden-state inversion success, an audit statistic); "
-            "mean over seeds\n\n" + "\n".join(lines) + "\n")
-
-
-def flatness_figure(rows: list[dict], title: str):
-    """Test loss along a random and an adversarial direction (Privacy-Flat Figures 1, 3), the
-    mean over runs per method label; None when no run logged flatness curves."""
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r.get("flatness")]
-    if not rows:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(9.2, 3.6), sharey=True)
-    for ax, kind in zip(axes, ("random", "adversarial")):
-        for label in sorted({r["method"] for r in rows}):
-            curves = [r["flatness"] for r in rows if r["method"] == label]
-            keys = sorted(k for k in curves[0] if k.startswith(f"flatness.{kind}.r"))
-            xs = [int(k.rsplit(".r", 1)[1]) / 100 for k in keys]
-            ys = [sum(c[k] for c in curves if k in c) / len(curves) for k in keys]
-            ax.plot(xs, ys, marker="o", label=f"{label} (n={len(curves)})")
-        ax.set_xlabel("perturbation ‖v‖ / ‖w‖")
-        ax.set_title(f"{kind} direction", fontsize=9)
-    axes[0].set_ylabel("test loss (test split)")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
 def log_report(record, rows: list[dict], title: str) -> dict:
-    """Log the table (Markdown) and figures (PNG) on ``record``; returns their artifact paths."""
-    table = comparison_table(rows)
+    """Log the table (Markdown) and figures (PNG) on ``record``, then each artifact the registered
+    methods declare (:class:`ReportArtifact`) that has something to show; returns their paths."""
+    sections = report_declarations()[1]
+    table = comparison_table(rows, sections)
     record.log_text(table, "report/comparison.md")
-    fig = comparison_figure(rows, title)
+    fig = comparison_figure(rows, title, sections)
     record.log_figure(fig, "report/privacy_utility.png")
     plots.close(fig)
-    record.log_text(label_summary(rows), "report/summary.md")
-    ldp = ldp_table(rows)
-    if ldp is not None:
-        record.log_text(ldp, "report/ldp_table.md")
+    record.log_text(label_summary(rows, sections), "report/summary.md")
     selected = selection_table(rows)
     if selected is not None:
         record.log_text(selected, "report/selection.md")
-    flat = flatness_figure(rows, "flatness of the published prompts (test split)")
-    if flat is not None:
-        record.log_figure(flat, "report/flatness.png")
-        plots.close(flat)
+    for artifact in _declared(sections, ReportArtifact):
+        built = artifact.build(rows)
+        if built is None:
+            continue
+        if isinstance(built, str):
+            record.log_text(built, artifact.path)
+        else:
+            record.log_figure(built, artifact.path)
+            plots.close(built)
     from prefect.artifacts import create_markdown_artifact
     from prefect.context import get_run_context
     from prefect.exceptions import MissingContextError

@@ -33,7 +33,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
     from models.prompts.peft_export import PeftExportError, save_peft_adapter, save_text_template
 
     from .registry_model import check_registrable, predictor_spec, register_output, registered_model_name
-    from .stages import classifier_for
+    from .methodkit.classifiers import classifier_for
 
     cfg, paths = ctx.cfg, ctx.paths
     check_registrable(guarantee, prompt_path, paths.private)

@@ -49,7 +49,7 @@ def predictor_spec(cfg, method: str, model_name: str, backbone_ref: dict) -> dic
 @dataclass
 class Predictor:
     """Classifier + the prompt its forward takes, built like the run's own evaluation
-    (``tasks.stages.prompted`` / ``input_length``)."""
+    (``tasks.methodkit.classifiers.prompted`` / ``input_length``)."""
 
     classifier: object
     prompt: object

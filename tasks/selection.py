@@ -591,7 +591,7 @@ def holdout_counts(method, mctx, prompt, holdout, weights=None):
     (correct_c, wrong_c). Whole counts of rows (``weights`` None: ``Method.holdout_correct`` /
     ``Method.holdout_predictions``), or with a person unit sums of the rows' ``weights``
     (:func:`holdout_weights`; from ``Method.holdout_predictions``). Exact: never published as is."""
-    from .stages import label_indices
+    from .methodkit.classifiers import label_indices
 
     cfg = mctx.cfg
     metric = cfg.selection.metric

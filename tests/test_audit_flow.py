@@ -197,7 +197,7 @@ def test_audit_fails_loudly_when_leakage_exceeds_the_claim(audited, tmp_path, mo
     import pyarrow.parquet as pq
 
     from models.soft_prompt import save_prompt
-    from tasks import stages
+    from tasks.methodkit import classifiers
     from tasks.audit import AuditFailure, AuditTarget, canary_audit
     from tasks.config import AuditConfig, parse_config
 
@@ -206,7 +206,7 @@ def test_audit_fails_loudly_when_leakage_exceeds_the_claim(audited, tmp_path, mo
     planted = [r for r in pq.read_table(Path(part["directory"]) / "canaries.parquet").to_pylist() if r["planted"]]
     labels = torch.tensor([cfg.data.labels.index(r["label"]) for r in planted])
     memorised = _fine_tuned([r["text"] for r in planted], labels, 0, label_names=cfg.data.labels)
-    monkeypatch.setattr(stages, "classifier_for", lambda cfg, name, template=None: memorised)
+    monkeypatch.setattr(classifiers, "classifier_for", lambda cfg, name, template=None: memorised)
     path = tmp_path / "prompt.safetensors"
     save_prompt(path, torch.zeros(1, memorised.embed_dim), {})
     target = AuditTarget(config=cfg.model_dump(mode="json"), partition=part, prompt_path=str(path),

@@ -106,7 +106,7 @@ def test_a_long_text_prompt_does_not_eat_the_inputs_token_budget(model, tmp_path
     'max_length leaves no room for text')."""
     from models.prompts import TextPrompt
     from tasks.config import parse_config
-    from tasks.stages import input_length, prompted
+    from tasks.methodkit.classifiers import input_length, prompted
 
     cfg = parse_config({"method": "icl", "experiment": "x", "state_dir": str(tmp_path),
                         "allow_nonprivate_baselines": True,

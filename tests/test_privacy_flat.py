@@ -209,12 +209,12 @@ def test_private_sharpness_selection_publishes_nothing_of_it(toy, monkeypatch, t
     private data: they stay in the private history, not in the published metrics or progress."""
     from types import SimpleNamespace
 
-    from tasks import stages
+    from tasks.methodkit import classifiers
     from tasks.config import parse_config
     from tasks.methods import PrivateRows, get_method
 
     clf, enc, y, init = toy
-    monkeypatch.setattr(stages, "classifier_for", lambda cfg, name, template=None: clf)
+    monkeypatch.setattr(classifiers, "classifier_for", lambda cfg, name, template=None: clf)
     cfg = parse_config({
         "method": "privacy_flat", "experiment": "x", "state_dir": str(tmp_path), "allow_nonprivate_baselines": True,
         "data": {"name": "sst2", "labels": LABELS}, "models": {"local": "tiny-bert"},

@@ -42,7 +42,7 @@ def test_summary_of_an_unpublished_prompt_says_it_stays_private(capsys):
 def test_report_keeps_datasets_apart_and_shows_zero_shot():
     rows = [_row(dataset="tickets_csv", acc=0.80, zero_shot=0.50, run="a"),
             _row(dataset="tickets_parquet", acc=0.60, zero_shot=0.52, run="b"),
-            _row(method="zero_shot", eps=None, acc=0.50, dataset="tickets_csv", zero_shot=None, run="c")]
+            _row(method="zero_shot", eps=None, acc=0.50, dataset="tickets_csv", zero_shot=0.50, run="c")]
     table = comparison_table(rows).splitlines()
     assert table[0].startswith("| dataset | method |") and "zero-shot accuracy" in table[0]
     assert table[2] == "| tickets_csv | prompt_dpsgd | dp | 8.0000 | - | 0.8000 | 0.5000 | 0.5000 | 0 | aaaaaaaa |"

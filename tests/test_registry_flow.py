@@ -40,7 +40,7 @@ def _own_labels(dp_run, texts: list[str]) -> list[str]:
     from models.scoring import predict_logits
     from tasks.config import parse_config
     from tasks.prompts import load_prompt_file
-    from tasks.stages import input_length, prompted
+    from tasks.methodkit.classifiers import input_length, prompted
 
     cfg = parse_config(dp_run["config"])
     prompt = load_prompt_file(dp_run["summary"]["published"]["prompt_path"])

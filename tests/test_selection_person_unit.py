@@ -100,7 +100,7 @@ def stand_in(monkeypatch):
     """prompt_dpsgd with a stand-in plan (a fixed DP-SGD event per candidate), training (the real
     check that a unit-level step gets its rows' units, then a prompt naming the candidate) and
     predictions (:func:`_prediction`). Records the rows each training got."""
-    from tasks.methods.soft_prompt import unit_tensor
+    from tasks.methodkit.training import unit_tensor
 
     method_cls = type(get_method("prompt_dpsgd"))
     trained_rows = []
@@ -370,9 +370,10 @@ def test_a_user_level_selection_trains_its_candidates_and_publishes_one(tmp_path
     from tasks.config import parse_config
     from tasks.data import partition_dataset
     from tasks.lifecycle import run_method
+    from tasks.methodkit.classifiers import label_indices
     from tasks.pipeline import plan_run
     from tasks.record import RunRecord, client, ensure_experiment
-    from tasks.stages import StageContext, label_indices
+    from tasks.stages import StageContext
     from tasks.state import SECRET_NAME, state_paths
     from test_flow import _config
     from test_release_once import _dp_entries, _published_prompts

@@ -76,7 +76,7 @@ PACKAGE = {
 
             def train(self, mctx, plan, rows, progress=None):
                 from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
-                from tasks.stages import classifier_for, label_indices
+                from tasks.methodkit.classifiers import classifier_for, label_indices
 
                 from .decay import DecayHook
 

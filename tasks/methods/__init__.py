@@ -10,8 +10,11 @@ registered) on first use: adding a method is adding its package, plus a config f
 is imported (``register_method`` is the public door; the config schema's ``methods:`` block follows).
 
 Generic torch stays in ``models/`` (backbones, prompt kinds, per-sample-gradient DP training with
-its step hooks, scoring); helpers several methods share are the modules beside the packages
-(``soft_prompt.py``: soft-prompt / prefix (DP-)SGD from settings; ``base.py``: the interface).
+its step hooks, scoring); ``base.py`` beside the packages is the interface; what several methods
+share sits below them in the toolkit ``tasks/methodkit/`` (classifiers and encodings, soft-prompt /
+prefix (DP-)SGD from settings, the skeletons several packages extend). A method package imports
+the interface, the toolkit and the data-level modules, never another method package
+(``tests/test_architecture_methods.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import os
 import pkgutil
 import sys
 
-from .base import (Method, MethodContext, MethodPlan, PostProcessed, PrivateRows, Trained,  # noqa: F401
-                   Variant)
+from .base import (LevelPanel, Method, MethodContext, MethodPlan, PostProcessed, PrivateRows,  # noqa: F401
+                   ReferenceAccuracy, ReportArtifact, ReportMetric, SummaryColumn, Trained, Variant)
 
 _REGISTRY: dict[str, Method] = {}
 _LOADED = False

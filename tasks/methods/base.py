@@ -15,6 +15,11 @@ Its hooks, in the order the lifecycle calls them:
 * ``post_process(mctx, plan, prompt, progress)`` — public data only (POST: the transfer).
 * ``variants(...)`` — optional extra evaluated prompts (POST: Compressed PT, Direct Transfer).
 
+What a method adds to the comparison report (``privprompt report``, the sweep's summary) it
+declares: ``report_metrics()`` (metrics read into its runs' rows) and ``report_sections()``
+(a reference accuracy, summary columns, panels against the privacy level, tables and figures);
+``tasks/comparison.py`` reads the declarations from the registry and names no method.
+
 ``train`` and ``post_process`` get a :class:`MethodContext` (config, state paths, what
 ``prepare`` returned, DP randomness): no MLflow, no Prefect, so audit shadows call them as they are.
 """
@@ -145,6 +150,78 @@ class Variant:
     label: str | None = None     # shown in tables and plots
 
 
+# ---- what a method adds to the comparison report (tasks/comparison.py reads the declarations) -----
+
+@dataclass(frozen=True)
+class ReportMetric:
+    """A metric of a method's parent runs that the comparison report reads into the rows of that
+    method's runs (``row[key]``), beside the generic ones (accuracy, ε, loss-MIA AUC, ...).
+
+    ``names``: the logged metric names, the first one logged wins (a renamed metric's old name after
+    its new one); ``prefix``: instead, every logged metric whose name starts with it, as a dict;
+    ``transform``: applied to the value read. Runs of other methods get :meth:`empty` under ``key``,
+    unless ``key`` is a generic one: the method's reading then replaces it for its own runs only.
+    ``every_run``: read on EVERY run's row instead (what the other methods' runs log about this
+    method, e.g. its accuracy as their baseline), before the runs' own methods' readings."""
+
+    key: str
+    names: tuple[str, ...] = ()
+    prefix: str | None = None
+    transform: Callable[[float], float] | None = None
+    every_run: bool = False
+
+    def empty(self) -> Any:
+        return {} if self.prefix is not None else None
+
+    def read(self, metrics: dict[str, float]) -> Any:
+        if self.prefix is not None:
+            return {k: v for k, v in metrics.items() if k.startswith(self.prefix)}
+        for name in self.names:
+            if name in metrics:
+                return metrics[name] if self.transform is None else self.transform(metrics[name])
+        return None
+
+
+@dataclass(frozen=True)
+class SummaryColumn:
+    """A column of the report's per-label summary (``report/summary.md``): ``value(row)`` of each
+    run of a group (None: not logged), shown as mean ± sample std over the group."""
+
+    header: str
+    value: Callable[[dict], float | None]
+
+
+@dataclass(frozen=True)
+class ReferenceAccuracy:
+    """An accuracy every run is compared with on its own test split (the zero-shot baseline): a
+    column "<label> accuracy" beside the test accuracy in the report's tables and a horizontal line
+    per dataset in its accuracy panel, from the rows' ``key`` (a :class:`ReportMetric`)."""
+
+    key: str
+    label: str
+
+
+@dataclass(frozen=True)
+class LevelPanel:
+    """A panel of the privacy–utility figure: ``key`` of the local-DP runs' rows against their
+    privacy level (the method's ``ldp_level``), one line through the seed means per label."""
+
+    key: str
+    ylabel: str
+
+
+@dataclass(frozen=True)
+class ReportArtifact:
+    """An artifact of the report at ``path``: ``build(rows)`` (every run's row) returns a Markdown
+    table (str), a matplotlib figure, or None (nothing to show: not logged)."""
+
+    path: str
+    build: Callable[[list[dict]], Any]
+
+
+ReportSection = ReferenceAccuracy | SummaryColumn | LevelPanel | ReportArtifact
+
+
 def dp_unless_debug(cfg: "PrivPromptConfig") -> Guarantee:
     """``dp``, except under the seeded-DP-randomness debug switch (the noise is then known)."""
     return "none" if cfg.debug_seeded_dp_randomness else "dp"
@@ -256,6 +333,19 @@ class Method:
         """Markdown tables to log on the parent run (``tables/<name>.md``)."""
         return {}
 
+    # ---- the comparison report (``privprompt report``, the sweep's summary: tasks/comparison.py) ----
+    def report_metrics(self) -> tuple[ReportMetric, ...]:
+        """The metrics the report reads into the rows of this method's runs (or of every run, with
+        ``every_run``) beyond the generic ones (RAPT: its empirical privacy; the prefix methods: their
+        flatness curves; zero-shot: its accuracy, on its own runs and as the others' baseline)."""
+        return ()
+
+    def report_sections(self) -> tuple[ReportSection, ...]:
+        """What this method adds to the report, built from every run's row: summary columns,
+        panels of the privacy–utility figure, artifacts (tables, figures). A section several
+        methods declare (one skeleton's) is shown once; the report names no method itself."""
+        return ()
+
     def run_label(self, cfg: "PrivPromptConfig") -> str:
         """How this run is named in comparisons (tag ``method.label``): the method's name, or a
         name of its settings where runs of one method differ in kind (Privacy-Flat's ladder)."""
@@ -282,7 +372,7 @@ class Method:
         calibrated for."""
         from models.scoring import row_wise_logits
 
-        from ..stages import input_length, prompted
+        from ..methodkit.classifiers import input_length, prompted
 
         cfg = mctx.cfg
         model = self.source_model(cfg, mctx.prepared)
@@ -294,7 +384,7 @@ class Method:
         the model it was trained on: an EXACT count, which the selection only releases with noise
         (sensitivity 1: one record changes it by at most one). With a person unit the selection
         weighs each row (one vote per person) and reads :meth:`holdout_predictions` instead."""
-        from ..stages import label_indices
+        from ..methodkit.classifiers import label_indices
 
         y = label_indices(rows.labels, mctx.cfg.data.labels).cpu().numpy()
         return int((self.holdout_predictions(mctx, prompt, rows) == y).sum())
@@ -313,7 +403,7 @@ def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str) -> Non
     from models.backbones import ModelLoadError
 
     from ..errors import ConfigError
-    from ..stages import classifier_for
+    from ..methodkit.classifiers import classifier_for
 
     try:
         classifier_for(cfg, model_name)

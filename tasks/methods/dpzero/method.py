@@ -80,11 +80,11 @@ class DPZero(Method):
 
         from models.soft_prompt import SoftPrompt
 
-        from ...stages import classifier_for, label_indices
+        from ...methodkit.classifiers import classifier_for, label_indices
+        from ...methodkit.training import unit_tensor
         from .events import dpzero_event
         from .training import DPZeroConfig as ModelConfig
         from .training import train_dpzero
-        from ..soft_prompt import unit_tensor
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         clf = classifier_for(cfg, cfg.models.local)
@@ -94,14 +94,11 @@ class DPZero(Method):
                                           seed=mctx.seed).weight.detach()
         s = plan.settings
         regularizer = None
-        if block.regularizer:
-            from ..privacy_flat.flat import FlatStepHook
+        if block.regularizer:  # Privacy-Flat's cross-model pull to w_nor, added to the noised update
+            from ...methodkit.training import cross_model_pull, nonprivate_copy
 
-            from ..soft_prompt import nonprivate_copy
-
-            pull = FlatStepHook(w_nor=nonprivate_copy(mctx, clf, init, rows, block, "soft", block.nor_epochs),
-                               lam=block.lam)
-            regularizer = lambda w: pull.regularizer_gradient(w, None)  # noqa: E731
+            w_nor = nonprivate_copy(mctx, clf, init, rows, block, "soft", block.nor_epochs)
+            regularizer = lambda w: cross_model_pull(w, w_nor, block.lam)  # noqa: E731
         sample, noise = mctx.randomness.torch_generators()
         result = train_dpzero(clf, enc, y, init, ModelConfig(
             steps=s["steps"], sample_rate=s["sample_rate"], noise_multiplier=s["noise_multiplier"],

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from ...methodkit.prompt_methods import NonPrivateSoftPrompt
 from ...schema import Block, DPSGDConfig
 from ...state import digest_key
 from .. import register_method
@@ -167,7 +168,7 @@ def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], prog
     """Train the target prompt to behave on the target like the DP prompt on the student, on
     public texts only. Returns (``transfer.py``'s result, the ``transfer`` child run to log)."""
     from ...data import assert_public
-    from ...stages import classifier_for
+    from ...methodkit.classifiers import classifier_for
 
     cfg = mctx.cfg
     assert_public(student_dir, mctx.paths.private)
@@ -220,9 +221,20 @@ class Post(Method):
         if block.full_pt and not cfg.allow_nonprivate_baselines:
             raise ValueError("methods.post.full_pt is non-private tuning on the target: set "
                              "allow_nonprivate_baselines: true to opt in")
+        if block.full_pt:
+            from .. import get_method
+
+            trainer = NonPrivateSoftPrompt.name
+            try:
+                registered = isinstance(get_method(trainer), NonPrivateSoftPrompt)
+            except KeyError:
+                registered = False
+            if not registered:
+                raise ValueError(f"methods.post.full_pt runs the non-private soft-prompt trainer registered as "
+                                 f"{trainer!r}, and no such method is registered")
 
     def plan(self, cfg, n_train, delta):
-        from ..soft_prompt import dpsgd_event, dpsgd_params, dpsgd_settings
+        from ...methodkit.training import dpsgd_event, dpsgd_params, dpsgd_settings
 
         block = self.settings(cfg)
         settings = dpsgd_settings(block.tuning, n_train, cfg.privacy.target_epsilon, delta, cfg.data.privacy_unit)
@@ -249,7 +261,7 @@ class Post(Method):
                                     "post.public": ctx.cfg.public.name}}
 
     def train(self, mctx, plan, rows, progress=None):
-        from ..soft_prompt import dpsgd_event, fit_soft_prompt
+        from ...methodkit.training import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, self.settings(cfg).tuning, mctx.prepared["student_dir"], rows, mctx.seed,
@@ -284,7 +296,9 @@ class Post(Method):
                Variant("direct_transfer", result.source_prompt_path, teacher, guarantee, eps,
                        NAMES["direct_transfer"])]
         if self.settings(cfg).full_pt:  # non-private tuning on the target: an upper bound, opt-in
-            full = run_method("prompt_sgd")
+            # the toolkit's non-private trainer, through the lifecycle (which records its non-private
+            # use of the private rows in the ledger): the method it is registered as, by its class
+            full = run_method(NonPrivateSoftPrompt.name)
             out.append(Variant("full_pt", full.prompt_path, teacher, "none", label=NAMES["full_pt"]))
         return out
 

@@ -12,7 +12,8 @@
   remain or the sharpness stops decreasing. A removed layer is frozen at its initial value (its
   keys and values stay, untrained; see the README for why it is not deleted).
 * **Cross-model** (§3.1, eq. 3.3–3.4): ``λ · ‖w − w_nor‖₂`` (not squared) to a non-privately
-  trained copy; its gradient ``λ (w − w_nor) / ‖w − w_nor‖`` is added to the noised gradient.
+  trained copy; its gradient ``λ (w − w_nor) / ‖w − w_nor‖`` is added to the noised gradient
+  (``tasks.methodkit.training.cross_model_pull``, which DPZero's regulariser uses too).
 
 No Prefect or MLflow; the honest privacy labels are the method's (``method.py``). The loss-landscape
 measures it uses (mean loss and gradient, Definition 1's sharpness, flatness curves) are generic:
@@ -28,6 +29,8 @@ import torch
 from models.classifiers import PromptClassifier, select_rows
 from models.dp_prompt_training import DPStepHook
 from models.landscape import mean_gradient
+
+from ...methodkit.training import cross_model_pull
 
 
 @dataclass
@@ -69,13 +72,7 @@ class FlatStepHook(DPStepHook):
     def regularizer_gradient(self, weight: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor | None:
         if self.w_nor is None or not self.lam:
             return None
-        diff = weight - self.w_nor.to(weight.device)
-        if mask is not None:
-            diff = diff * mask
-        norm = diff.norm()
-        if norm == 0:
-            return torch.zeros_like(weight)
-        return self.lam * diff / norm
+        return cross_model_pull(weight, self.w_nor, self.lam, mask)
 
     # ---- the hook points of models.dp_prompt_training ------------------------------------------
     def trainable_mask(self, shape, device):

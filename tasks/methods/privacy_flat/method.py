@@ -6,7 +6,8 @@ Honest labels: AWP's perturbation, the sharpness selection on private data (Defi
 ∇L(w|D)) and w_nor all read private data WITHOUT noise, so a run with any of them has no formal
 guarantee (``none``: opt-in, recorded as non-private use, the prefix stays under private/).
 Sparse selection on public data (``sparse_data: public``, labels = the frozen model's zero-shot
-predictions) keeps the DP guarantee. With everything off it is ``prefix_dpsgd``, step for step.
+predictions) keeps the DP guarantee. With everything off it is ``prefix_dpsgd``, step for step (both
+extend the toolkit's ``PrefixDPSGDMethod``).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
+from ...methodkit.prompt_methods import PrefixDPSGDConfig, PrefixDPSGDMethod
 from ...schema import Block
 from .. import register_method
-from ..prefix_dpsgd.method import PrefixDPSGD, PrefixDPSGDConfig
 
 
 class FlatConfig(Block):
@@ -46,7 +47,10 @@ class PrivacyFlatConfig(PrefixDPSGDConfig):
 
 
 @register_method
-class PrivacyFlat(PrefixDPSGD):
+class PrivacyFlat(PrefixDPSGDMethod):
+    """DP prefix tuning (the toolkit's skeleton, ``prefix_dpsgd``'s too) with Privacy-Flat's step
+    additions and honest labels."""
+
     name = "privacy_flat"
     config_class = PrivacyFlatConfig
     label = "Privacy-Flat (DP prefix tuning + flattening)"
@@ -90,7 +94,7 @@ class PrivacyFlat(PrefixDPSGD):
         from .flat import FlatStepHook
         from models.soft_prompt import PrefixPrompt
 
-        from ...stages import classifier_for
+        from ...methodkit.classifiers import classifier_for
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         f = block.flat
@@ -113,7 +117,7 @@ class PrivacyFlat(PrefixDPSGD):
                 out["metrics"].update({f"flat.layer_kept.{l}": 1.0 for l in layers})
         w_nor = None
         if f.regularizer:  # trained once per seed and reused across ε (cached under private/)
-            from ..soft_prompt import nonprivate_copy
+            from ...methodkit.training import nonprivate_copy
 
             w_nor = nonprivate_copy(mctx, clf, init, rows, block, "prefix", f.nor_epochs)
         q, steps = plan.settings["sample_rate"], plan.settings["steps"]
@@ -132,7 +136,7 @@ class PrivacyFlat(PrefixDPSGD):
         from models.landscape import mean_gradient, mean_loss, prefix_sharpness
         from models.scoring import predict_logits
 
-        from ...stages import label_indices
+        from ...methodkit.classifiers import label_indices
         from .flat import eliminate_layers
 
         cfg = mctx.cfg

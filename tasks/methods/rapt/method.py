@@ -133,6 +133,16 @@ class Rapt(Method):
         eta = params.get("rapt.eta")
         return None if eta is None else float(eta)
 
+    def report_metrics(self):
+        from .report import METRICS
+
+        return METRICS
+
+    def report_sections(self):
+        from .report import SECTIONS
+
+        return SECTIONS
+
     def plan(self, cfg, n_train, delta):
         block = self.settings(cfg)
         guarantee = self.guarantee(cfg)
@@ -223,7 +233,7 @@ class Rapt(Method):
         from models.backbones import load_backbone
         from models.soft_prompt import PrefixPrompt, SoftPrompt
 
-        from ...stages import label_indices
+        from ...methodkit.classifiers import label_indices
 
         block = self.settings(cfg)
         data = self.load_privatized(privatized_path)
@@ -369,7 +379,7 @@ class Rapt(Method):
 
         from ...data import read_partition_split
         from ...prompts import load_prompt_file
-        from ...stages import label_indices
+        from ...methodkit.classifiers import label_indices
 
         cfg = ctx.cfg
         texts, names = read_partition_split(ctx.part.test_path)

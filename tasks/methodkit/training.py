@@ -1,5 +1,6 @@
-"""Soft-prompt training shared by the soft-prompt methods (prompt_sgd, prompt_dpsgd, POST's DP
-tuning): settings → ``models.dp_prompt_training`` on already-tokenised rows."""
+"""Soft-prompt and prefix training shared by the methods that tune one (DP-SGD and non-private
+prompt / prefix tuning, POST's DP tuning on its student, Privacy-Flat, DPZero's w_nor): a method's
+settings → ``models.dp_prompt_training`` on the private rows, tokenised here."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     ``TrainResult``."""
     from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
 
-    from ..stages import classifier_for, label_indices
+    from .classifiers import classifier_for, label_indices
 
     clf = classifier_for(cfg, model_name)
     enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
@@ -80,6 +81,15 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     return result
 
 
+def fit_nonprivate(cfg, block, model_name: str, rows, seed: int, n_train: int, progress=None,
+                   kind: str = "soft"):
+    """The non-private trainer: a soft prompt (or prefix) of ``block``'s settings on ``model_name``
+    with private ``rows``, without DP — :func:`nonprivate_steps` of the plan's (released) ``n_train``
+    steps. No guarantee: a run using it is labelled ``none``."""
+    return fit_soft_prompt(cfg, block, model_name, rows, seed, progress=progress, kind=kind,
+                           steps=nonprivate_steps(block, n_train))
+
+
 def unit_tensor(cfg, rows) -> dict:
     """``{"units": (N,) unit index per row}`` for a DP trainer when ``data.privacy_unit`` names a
     person (the trainer then samples, combines and clips per unit); {} with ``record``. Rows
@@ -97,7 +107,7 @@ def unit_tensor(cfg, rows) -> dict:
 
 
 def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
-    """Privacy-Flat's w_nor: the prompt trained NON-privately from the same initialisation on the
+    """Privacy-Flat's w_nor (its cross-model flattening; DPZero's regulariser too): the prompt trained NON-privately from the same initialisation on the
     private rows (no guarantee: a run using it is labelled ``none``). Cached under private/ per
     seed, model, settings and rows, so the runs of one seed at several ε share it; never published."""
     import hashlib
@@ -105,7 +115,7 @@ def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
     from models.dp_prompt_training import PromptTrainingConfig, train_prompt
     from models.soft_prompt import load_prompt, save_prompt
 
-    from ..stages import label_indices
+    from .classifiers import label_indices
     from ..state import digest_key, made_once, make_private_dir, private_file
 
     cfg = mctx.cfg
@@ -131,3 +141,19 @@ def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
 
     # runs of one seed on parallel Dask workers train it once
     return made_once(path, train, lambda p: load_prompt(p)[0], save)
+
+
+def cross_model_pull(weight, w_nor, lam: float, mask=None):
+    """The gradient of Privacy-Flat's cross-model regulariser λ‖w − w_nor‖₂ (not squared):
+    ``λ (w − w_nor) / ‖w − w_nor‖`` over the trainable entries (``mask``; None: all), zero at
+    w = w_nor. Added to the NOISED gradient: a function of w and w_nor alone, it adds no privacy
+    cost of its own (w_nor's does: it reads private data without noise)."""
+    import torch
+
+    diff = weight - w_nor.to(weight.device)
+    if mask is not None:
+        diff = diff * mask
+    norm = diff.norm()
+    if norm == 0:
+        return torch.zeros_like(weight)
+    return lam * diff / norm
