@@ -829,8 +829,8 @@ class Ledger:
 
     # -- reserving, committing, aborting --
 
-    def reserve(self, fingerprint: str, run_id: str, event: ev.DpEvent, description: str = ""
-                ) -> Reservation:
+    def reserve(self, fingerprint: str, run_id: str, event: ev.DpEvent, description: str = "",
+                allow_delta_at_least_one_over_n: bool = False) -> Reservation:
         """Reserve ``event`` (the run's declared worst case) against the dataset's budget.
 
         Call this before the run touches private data. The events of all reserved and committed
@@ -843,6 +843,9 @@ class Ledger:
         (``Reservation.new`` is False) without charging again; with a different event, or for a
         different dataset, it raises ``ValueError``. An entry that was aborted or released is
         reserved again (with a fresh budget check).
+
+        A dataset composed at δ ≥ 1/n (n: the records the ledger knows it by) is refused unless the
+        caller passes ``allow_delta_at_least_one_over_n`` (a config's explicit, recorded opt-in).
         """
         _check_text(fingerprint, "fingerprint")
         _check_text(run_id, "run_id")
@@ -875,7 +878,7 @@ class Ledger:
                         status=row["status"], created_at=row["created_at"], new=False)
 
             n = self._record_count(conn, fingerprint)
-            if n is not None and delta >= 1.0 / n:  # n is not in the message (the rule of check_delta)
+            if n is not None and delta >= 1.0 / n and not allow_delta_at_least_one_over_n:  # n is not in the message (the rule of check_delta)
                 raise ValueError(
                     f"dataset {ds['name']!r} (fingerprint {_short(fingerprint)}) is composed at δ={delta:g}, which is "
                     ">= 1/n for the n records the ledger knows it by: such a δ permits releasing whole records; "

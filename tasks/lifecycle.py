@@ -700,7 +700,8 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
                              f"≤ {cfg.data.group_size} records)")
                 try:
                     reservation = ledger.reserve(part.dataset_key, run_key, plan.event,
-                                                 description=f"{name} flow run {ctx.flow_run_id}{note}")
+                                                 description=f"{name} flow run {ctx.flow_run_id}{note}",
+                                                 allow_delta_at_least_one_over_n=opt_in)
                 except BudgetExceededError as exc:  # say what does fit, for this config
                     # spent above the cap (a lowered cap, or ε held from before a δ change): nothing fits
                     largest = None if exc.spent > exc.cap else largest_fitting_target_epsilon(

@@ -610,6 +610,10 @@ def test_a_stored_delta_at_or_above_one_over_n_is_refused_at_reserve(tmp_path):
         led.reserve(wide, "w1", ev.ExponentialEvent(0.1))
     assert "\n" not in str(info.value) and "10" not in str(info.value)
     assert led.trail() == trail and led.entries(wide) == []
+    # a config's explicit opt-in (privacy.allow_delta_at_least_one_over_n, recorded in the run record)
+    opted = led.reserve(wide, "w0", ev.ExponentialEvent(0.1), allow_delta_at_least_one_over_n=True)
+    assert opted.new and opted.delta == pytest.approx(0.2)
+    led.abort("w0", "test: opted in, nothing read")
     led.change_delta(wide, 1e-3, "below 1/n")   # a lowering is always allowed; then runs go on
     assert led.reserve(wide, "w1", ev.ExponentialEvent(0.1)).new
 
