@@ -46,6 +46,7 @@ def _fine_tuned(texts, labels, seed, label_names=None):
     return clf
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_attacks_find_planted_memorisation():
     """Loss attack and LiRA (8 shadows on random halves of the pool) on models that memorised
     random labels (8 classes) of their members: AUC near 1."""

@@ -333,6 +333,7 @@ def _make_v4_ledger(path: Path, fingerprint: str) -> None:
         db.execute("PRAGMA user_version = 4")
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_a_flow_on_a_copy_is_tagged_and_charged_as_the_registered_dataset(prefect_harness, sources, tmp_path):
     """The method flow on a re-export of registered records with one row appended: its reservation and commit
     are the registered dataset's, yet it publishes `dataset.fingerprint` = its own source's keyed
@@ -432,6 +433,7 @@ def test_a_run_whose_source_was_charged_elsewhere_meanwhile_stops_before_its_res
     assert ledger.entries() == [] and [d["fingerprint"] for d in ledger.datasets()] == [other.dataset_key]
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_a_plan_of_several_sources_applies_the_rule_among_them(sources, tmp_path):
     """Variants of one plan on sources no ledger has seen: a grown copy of an earlier variant's
     records is charged with it (one dataset, the runs composed), and a source over two earlier

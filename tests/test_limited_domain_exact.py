@@ -107,8 +107,10 @@ def test_small_domains_exhaustive(eps0, k_bar, d):
     assert worst > 0.05 * delta0
 
 
-@pytest.mark.parametrize("eps0", EPS0)
-@pytest.mark.parametrize("delta0", [1e-2, 5e-7])
+# one pair in the default suite, every pair with -m slow (suite time)
+@pytest.mark.parametrize("delta0,eps0", [
+    pytest.param(d, e, marks=() if (d, e) == (1e-2, 1.0) else pytest.mark.slow, id=f"{d:g}-{e:g}")
+    for e in EPS0 for d in (1e-2, 5e-7)])
 def test_k_bar_10_boundary_exhaustive(eps0, delta0):
     hist = list(boundary_histograms(10))
     worst, pair = worst_delta(hist, eps0, delta0, 10, tokens=boundary_tokens(10))

@@ -92,6 +92,7 @@ def test_sweep_over_the_cap_is_refused_before_anything_runs(prefect_harness, toy
     assert "toy-sst2" in str(refused.value) and "privprompt plan" in str(refused.value)
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_resumed_sweep_skips_finished_variants(prefect_harness, toy, tmp_path, monkeypatch):
     from flows import sweep
     from flows.sweep import sweep_flow

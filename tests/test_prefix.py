@@ -141,6 +141,7 @@ def _toy(clf, n=16):
     return clf.encode(texts, max_length=16), torch.tensor([i % 2 for i in range(n)])
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 @pytest.mark.parametrize("private", [False, True], ids=["nonprivate", "dp"])
 def test_prefix_training_learns_on_minilm(private):
     """Tiny random models cannot separate a balanced task with one shared prompt; MiniLM can."""

@@ -95,6 +95,7 @@ def _one_line(err):
 
 # ---- mistakes that need no private data ---------------------------------------------------------
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_sentences_as_verbalizer_words_fail_before_the_reservation(prefect_harness, toy, tmp_path):
     from tasks.errors import ConfigError
 
@@ -109,6 +110,7 @@ def test_sentences_as_verbalizer_words_fail_before_the_reservation(prefect_harne
     assert _plan(cfg)["fits"]
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_an_unloadable_local_model_fails_before_the_reservation(prefect_harness, toy, tmp_path, monkeypatch):
     from models.backbones import ModelLoadError
 
@@ -230,6 +232,7 @@ def test_a_failure_after_the_read_began_keeps_the_reservation_spent(tmp_path, ss
 
 # ---- the largest ε that fits ------------------------------------------------------------------
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_the_largest_fitting_epsilon_is_the_accountants(toy, tmp_path):
     from privacy import accountant as acct
     from privacy import events as ev

@@ -111,6 +111,7 @@ def test_no_unprivatized_private_text_is_published(rapt_run):
             assert CANARY.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_variants_share_one_draw_and_report_every_attack(rapt_run):
     """A second run with prefix tuning and no reconstruction on the same data and η reuses the
     first run's privatization (its inputs are the same draw with the plain positions dropped)."""
