@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger, task, unmapped
 from prefect.runtime import flow_run
 
 
+from tasks.attacks import needs_shadows
 from tasks.audit import (AuditFailure, AuditTarget, attack_metrics, audit_dir, build_pool, canary_audit,
                          check_audit, train_shadow, write_results)
 from tasks.config import AuditConfig
@@ -67,7 +68,7 @@ def audit_flow(target_file: str, audit_config: dict) -> dict:
         seed = t.cfg.seed + 4242
         pool = pool_task(target_file, audit_config, str(directory), seed)
         shadows = []
-        if "lira" in acfg.attacks:
+        if needs_shadows(acfg.attacks):  # an attack that compares with shadow prompts (LiRA)
             futures = shadow_task.map(unmapped(target_file), unmapped(audit_config), unmapped(pool),
                                       list(range(acfg.shadows)), unmapped(audit_run.run_id))
             shadows = [f.result() for f in futures]

@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 from privacy import audit as stats
 
 from . import plots
+from .attacks import PoolScoring, Shadows, chosen_attacks
 from .config import AuditConfig, PrivPromptConfig, parse_config
 from .data import Partition, read_partition_split
 from .errors import PrivPromptError
@@ -229,17 +230,16 @@ def _encoded_pool(cfg: PrivPromptConfig, pool_path: str, model: str, template: s
     return _POOLS[key]
 
 
-def pool_scores(cfg: PrivPromptConfig, pool_path: str, model: str, prompt, attacks: list[str], min_k: float) -> dict:
-    """Per-example attack statistics of one prompt on the pool (higher = looks like a member)."""
-    from models.scoring import min_k_percent_scores, per_example_loss, true_label_logit_scores
-
+def pool_scores(cfg: PrivPromptConfig, pool_path: str, model: str, prompt, acfg: AuditConfig) -> dict:
+    """Per-example statistics of one prompt on the pool that the chosen attacks read (higher = looks
+    like a member): each attack's own (:meth:`tasks.attacks.Attack.statistics`)."""
     clf, prompt = prompted(cfg, model, prompt)
     _, enc, y, _ = _encoded_pool(cfg, pool_path, model, clf.template)
-    bs = cfg.models.eval_batch_size
-    out = {"logit": true_label_logit_scores(clf, enc, y, prompt, bs).numpy(),
-           "loss": -per_example_loss(clf, enc, y, prompt, bs).numpy()}
-    if "min_k" in attacks and clf.backbone.kind == "causal":
-        out["min_k"] = min_k_percent_scores(clf, enc, prompt, k=min_k, batch_size=bs).numpy()
+    scoring = PoolScoring(classifier=clf, encoded=enc, labels=y, prompt=prompt,
+                          batch_size=cfg.models.eval_batch_size, audit=acfg)
+    out = {}
+    for attack in chosen_attacks(acfg.attacks):
+        out.update(attack.statistics(scoring))
     return out
 
 
@@ -265,7 +265,7 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
     started, started_at = time.perf_counter(), time.time()
     idx = np.flatnonzero(np.load(pool["mask_path"])[index])
     prompt, steps = shadow_prompt(target, pool["pool_path"], idx, seed=cfg.seed * 1000 + 1 + index)
-    scores = pool_scores(cfg, pool["pool_path"], target.model, prompt, acfg.attacks, acfg.min_k)
+    scores = pool_scores(cfg, pool["pool_path"], target.model, prompt, acfg)
     path = Path(pool["pool_path"]).parent / f"shadow_{index:03d}.npz"
     np.savez(path, **scores)
     private_file(path)
@@ -291,24 +291,21 @@ def attack_metrics(target: AuditTarget, acfg: AuditConfig, pool: dict, shadow_pa
 
     cfg = target.cfg
     prompt = load_prompt_file(target.prompt_path)
-    tgt = pool_scores(cfg, pool["pool_path"], target.model, prompt, acfg.attacks, acfg.min_k)
+    tgt = pool_scores(cfg, pool["pool_path"], target.model, prompt, acfg)
     member = _encoded_pool(cfg, pool["pool_path"], target.model)[3]
-    per_attack = {}
-    if "loss" in acfg.attacks:  # the loss attack on the audit pool: not the in-flow `mia.loss` (other examples)
-        per_attack["loss_pool"] = tgt["loss"]
-    if "min_k" in tgt:
-        per_attack["min_k"] = tgt["min_k"]
-    if "lira" in acfg.attacks:
-        shadows = [np.load(p) for p in shadow_paths]
-        shadow_logit = np.stack([s["logit"] for s in shadows])
+    attacks = chosen_attacks(acfg.attacks)
+    shadows = None
+    if any(a.needs_shadows for a in attacks):
         in_mask = np.load(pool["mask_path"])[[int(Path(p).stem.split("_")[1]) for p in shadow_paths]]
-        per_attack["lira"] = stats.lira_scores_online(tgt["logit"], shadow_logit, in_mask)
-        per_attack["lira_offline"] = stats.lira_scores_offline(tgt["logit"], shadow_logit, in_mask)
+        shadows = Shadows(statistics=[dict(np.load(p)) for p in shadow_paths], in_mask=in_mask)
+    per_attack, reduction = {}, {}
+    for attack in attacks:
+        for name, scores in attack.scores(tgt, shadows).items():
+            per_attack[name], reduction[name] = scores, attack.unit_reduction
     units = _pool_units(pool["pool_path"])
     what = "pool examples"
     if units is not None:  # membership of a unit: its records' log-likelihood ratios summed, other scores averaged
-        per_attack = {name: stats.unit_scores(s, units, "sum" if name.startswith("lira") else "mean")
-                      for name, s in per_attack.items()}
+        per_attack = {name: stats.unit_scores(s, units, reduction[name]) for name, s in per_attack.items()}
         member, what = stats.unit_labels(member, units), "pool units"
     metrics, curves, report = {}, {}, {}
     rng = np.random.default_rng(seed)

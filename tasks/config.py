@@ -44,7 +44,7 @@ class LedgerConfig(Block):
     def _ledger_url(cls, v):
         if v is None:
             return v
-        from privacy.ledger_store import mask_url, resolve
+        from privacy.ledger.store import mask_url, resolve
 
         if "://" not in v:
             raise ValueError(f"{v!r} is not a ledger URL: use sqlite:////abs/path.sqlite or postgresql://user@host/db")

@@ -1,6 +1,7 @@
 """Partition a labelled text dataset into private train / holdout / test Parquet files.
 
-Plain functions (no Prefect): read JSONL / CSV / Parquet files or a hub dataset, map labels,
+Plain functions (no Prefect): read a data folder's split files or a hub dataset through the
+registry of data sources (:mod:`tasks.sources`: JSONL, CSV, Parquet, the hub; one module each), map labels,
 split and subsample by a keyed hash of each record (so one source record added or removed changes
 only its own assignment), optionally plant canaries, write Parquet under ``<state>/private/``,
 fingerprint the training partition, and keep the source's keyed record digests (the ledger knows a
@@ -9,7 +10,6 @@ dataset by its records: :func:`record_digests`). Nothing here logs or returns ex
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import hmac
 import json
@@ -23,12 +23,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import sources
 from .config import DataConfig
 from .errors import DataError
 from .state import digest_key, make_private_dir, owner_only_tree
-
-FORMATS = (".jsonl", ".json", ".csv", ".parquet")
-
 
 @dataclass(frozen=True)
 class Partition:
@@ -193,60 +191,14 @@ def release_sizes(cfg: DataConfig, membership: str, private_dir: str | Path, exa
 # ---- reading ---------------------------------------------------------------------------------
 
 def find_split_file(folder: Path, split: str) -> Path:
-    for ext in FORMATS:
+    """The file of ``split`` in ``folder``: ``<split><suffix>`` of a registered file format
+    (:mod:`tasks.sources`), the first present in their precedence order."""
+    suffixes = sources.file_suffixes()
+    for ext in suffixes:
         candidate = folder / f"{split}{ext}"
         if candidate.is_file():
             return candidate
-    raise DataError(f"no '{split}' file ({'/'.join(FORMATS)}) in data folder {folder}")
-
-
-def _read_rows(path: Path) -> list[dict]:
-    suffix = path.suffix.lower()
-    try:
-        if suffix in (".jsonl", ".json"):
-            rows = []
-            with path.open(encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise DataError(f"malformed JSON in {path} line {lineno}: {err.msg}") from None
-                    if not isinstance(row, dict):
-                        raise DataError(f"{path} line {lineno}: expected a JSON object per line")
-                    rows.append(row)
-            return rows
-        if suffix == ".csv":
-            with path.open(encoding="utf-8", newline="") as fh:
-                return list(csv.DictReader(fh))
-        if suffix == ".parquet":
-            return pq.read_table(path).to_pylist()
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"cannot read {path}: {type(err).__name__}") from None
-    except (pa.ArrowException, csv.Error) as err:  # their messages may quote the file's content
-        raise DataError(f"cannot read {path}: malformed {suffix.lstrip('.')} ({type(err).__name__})") from None
-    raise DataError(f"unsupported data file format {path.suffix!r} ({path}); use {', '.join(FORMATS)}")
-
-
-def _read_hub(cfg: DataConfig, split: str) -> list[dict]:
-    try:
-        import datasets  # heavy; only for hub datasets
-        ds = datasets.load_dataset(cfg.hub, cfg.hub_config, split=split, revision=cfg.hub_revision)
-    except Exception as err:  # noqa: BLE001 - any loading failure is reported the same way
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DataError(f"cannot load hub dataset {cfg.hub!r} split {split!r}: {first}") from None
-    names = getattr(ds.features.get(cfg.label_field), "names", None)
-    rows = []
-    for row in ds:
-        label = row.get(cfg.label_field)
-        if names is not None and isinstance(label, int):
-            label = names[label]
-        item = {cfg.text_field: row.get(cfg.text_field), cfg.label_field: label}
-        if cfg.unit_field is not None and cfg.unit_field in row:
-            item[cfg.unit_field] = row[cfg.unit_field]
-        rows.append(item)
-    return rows
+    raise DataError(f"no '{split}' file ({'/'.join(suffixes)}) in data folder {folder}")
 
 
 def _unit_id(row: dict, cfg: DataConfig, source: str, i: int) -> str:
@@ -311,19 +263,21 @@ def read_split_units(cfg: DataConfig, data_root: str | None, split: str
     (``data.privacy_unit: record`` and no ``data.person_field``).
     The unit ids are private (they identify people): they never leave this module but as keyed
     digests (:func:`unit_digests`)."""
-    if cfg.hub:
-        return _normalise(_read_hub(cfg, split), cfg, f"hub dataset {cfg.hub}:{split}")
+    named = sources.named_source(cfg)
+    if named is not None:
+        return _normalise(named.read_split(cfg, split), cfg, named.describe(cfg, split))
     folder = resolve_data_folder(cfg, data_root)
     if not folder.is_dir():
         raise DataError(f"data folder not found: {folder}")
     path = find_split_file(folder, split)
-    return _normalise(_read_rows(path), cfg, str(path))
+    return _normalise(sources.read_file(path), cfg, str(path))
 
 
 def source_signature(cfg: DataConfig, data_root: str | None) -> str:
     """Identifies the input files (path, size, mtime) so that caches notice changed data."""
-    if cfg.hub:
-        return f"hub:{cfg.hub}:{cfg.hub_config}"
+    named = sources.named_source(cfg)
+    if named is not None:
+        return named.signature(cfg)
     folder = resolve_data_folder(cfg, data_root)
     parts = []
     for split in (cfg.train_split, cfg.test_split):
@@ -735,89 +689,136 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
 
     key = partition_key(cfg, seed, data_root, private_dir)
     out_dir = Path(private_dir) / "partitions" / f"{cfg.name}-{key}"
-    manifest = out_dir / "manifest.json"
-    if manifest.is_file():  # same data and config (and seed, with canaries): reuse
-        data = json.loads(manifest.read_text())
-        if data.get("source_key") and data.get("released") and (out_dir / RECORDS_FILE).is_file():
-            return Partition(**data)
-        shutil.rmtree(out_dir)  # written before datasets were known by their records: partition again
-
+    reused = _reusable_partition(out_dir)
+    if reused is not None:
+        return reused
     secret = installation_secret(private_dir)
-    texts, labels, units = read_split_units(cfg, data_root, cfg.train_split)
-    test_texts, test_labels, test_units = read_split_units(cfg, data_root, cfg.test_split)
-    split = split_source(cfg, secret, (texts, labels, units), (test_texts, test_labels, test_units))
-    train_mask, holdout_mask, test_mask = split.train, split.holdout, split.test
-    if not train_mask.any():
+    train = read_split_units(cfg, data_root, cfg.train_split)
+    test = read_split_units(cfg, data_root, cfg.test_split)
+    split = split_source(cfg, secret, train, test)
+    if not split.train.any():
         raise DataError(f"dataset {cfg.name!r}: the training split is empty after partitioning; raise "
                         "data.train_fraction")
-    if not holdout_mask.any():
+    if not split.holdout.any():
         raise DataError(f"dataset {cfg.name!r}: the holdout split is empty; raise holdout_fraction")
+    rows = _partition_rows(cfg, seed, secret, split, train, test)
+    make_private_dir(out_dir.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))  # 0700
+    try:
+        part = _write_partition(tmp, out_dir, cfg, secret, rows, train, test, data_root, private_dir)
+        _check_test_split(cfg, part)
+        part = _with_released_sizes(cfg, private_dir, secret, split, rows, part, train, test)
+        (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
+        owner_only_tree(tmp)  # its files 0600, whatever the umask they were written with
+        try:
+            os.replace(tmp, out_dir)  # atomic: a partition is complete or absent
+        except OSError:
+            if not (out_dir / "manifest.json").is_file():  # not a concurrent writer of the same partition
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Partition(**json.loads((out_dir / "manifest.json").read_text()))
 
+
+def _reusable_partition(out_dir: Path) -> Partition | None:
+    """The partition already written for the same data and config (and seed, with canaries); a
+    folder written before datasets were known by their records is removed (partitioned again)."""
+    manifest = out_dir / "manifest.json"
+    if not manifest.is_file():
+        return None
+    data = json.loads(manifest.read_text())
+    if data.get("source_key") and data.get("released") and (out_dir / RECORDS_FILE).is_file():
+        return Partition(**data)
+    shutil.rmtree(out_dir)
+    return None
+
+
+@dataclass(frozen=True)
+class _PartitionRows:
+    """The rows of a partition's files in their keyed order ((texts, labels, units) per split; units
+    None but with a user unit), and the canaries drawn (all of them, with which are planted)."""
+
+    train: tuple
+    holdout: tuple
+    test: tuple
+    canaries: tuple  # (texts, labels, planted)
+    canary_size: int
+
+
+def _partition_rows(cfg: DataConfig, seed: int, secret: bytes, split: "SourceSplit", train: tuple, test: tuple
+                    ) -> _PartitionRows:
+    texts, labels, _ = train
+    test_texts, test_labels, _ = test
     pick = lambda mask, xs: [x for x, m in zip(xs, mask) if m]  # noqa: E731
-    tr_texts, tr_labels = pick(train_mask, texts), pick(train_mask, labels)
+    tr_texts, tr_labels = pick(split.train, texts), pick(split.train, labels)
     canary_texts, canary_labels, planted = draw_canaries(cfg, seed)
     tr_texts += pick(planted, canary_texts)
     tr_labels += pick(planted, canary_labels)
     # with a user unit, the rows' keyed unit digests (a planted canary is a unit of its own)
     size = canary_unit_size(cfg)
-    tr_units = (pick(train_mask, split.units) + [f"canary-{i // size:06d}" for i in np.flatnonzero(planted)]
+    tr_units = (pick(split.train, split.units) + [f"canary-{i // size:06d}" for i in np.flatnonzero(planted)]
                 if cfg.user_unit else None)
 
     def ordered(xs, ys, us=None):
         order = _keyed_order(secret, xs, ys)
         return [xs[i] for i in order], [ys[i] for i in order], (None if us is None else [us[i] for i in order])
 
-    tr_texts, tr_labels, tr_units = ordered(tr_texts, tr_labels, tr_units)
-    ho_texts, ho_labels, ho_units = ordered(pick(holdout_mask, texts), pick(holdout_mask, labels),
-                                            pick(holdout_mask, split.units) if cfg.user_unit else None)
-    te_texts, te_labels, _ = ordered(pick(test_mask, test_texts), pick(test_mask, test_labels))
-    unit_col = lambda us: None if us is None else {"unit": us}  # noqa: E731
+    return _PartitionRows(
+        train=ordered(tr_texts, tr_labels, tr_units),
+        holdout=ordered(pick(split.holdout, texts), pick(split.holdout, labels),
+                        pick(split.holdout, split.units) if cfg.user_unit else None),
+        test=ordered(pick(split.test, test_texts), pick(split.test, test_labels)),
+        canaries=(canary_texts, canary_labels, planted), canary_size=size)
 
-    make_private_dir(out_dir.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))  # 0700
-    try:
-        _write_table(tmp / "train.parquet", tr_texts, tr_labels, unit_col(tr_units))
-        _write_table(tmp / "holdout.parquet", ho_texts, ho_labels, unit_col(ho_units))
-        _write_table(tmp / "test.parquet", te_texts, te_labels)
-        if cfg.canaries:
-            _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {
-                "planted": planted.tolist(),
-                **({"unit": [j // size for j in range(len(canary_texts))]} if cfg.user_unit else {})})
-        digests = record_digests(secret, texts + test_texts)  # the source's records (canaries are none of them)
-        (tmp / RECORDS_FILE).write_bytes(digests)
-        source_key = records_key(secret, digests)
-        part = Partition(dataset=cfg.name, directory=str(out_dir.resolve()),
-                         fingerprint=fingerprint(tr_texts, tr_labels, secret),
-                         labels=list(cfg.labels), n_train=len(tr_texts), n_holdout=len(ho_texts),
-                         n_test=len(te_texts), n_canaries_planted=int(planted.sum()),
-                         dataset_key=source_key, source_key=source_key,
-                         legacy_key=legacy_dataset_key(cfg, data_root, private_dir), unit=cfg.privacy_unit,
-                         person_field=cfg.person_field or "", group_size=cfg.group_size or 0)
-        if part.n_test == 0:
-            raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
-                            ("; raise data.test_fraction" if cfg.test_fraction < 1 else "") +
-                            (f" (with the privacy unit field {cfg.unit_field}, a test record is kept only when its "
-                             "person has no record in training or holdout)" if cfg.unit_field is not None else ""))
-        membership, exact, planted_units = release_inputs(cfg, secret, split, (texts, labels, units),
-                                                          (test_texts, test_labels, test_units),
-                                                          int(planted.sum()) // size)
-        if cfg.user_unit:  # released (and planned with): counts of units, sensitivity 1 per unit
-            part = replace(part, **{f"{k}_units": v for k, v in split.unit_counts(planted_units).items()},
-                           n_canary_units_planted=planted_units)
-        sizes = release_sizes(cfg, membership, private_dir, exact, planted_units)
-        part = replace(part, released=asdict(sizes))
-        (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
-        owner_only_tree(tmp)  # its files 0600, whatever the umask they were written with
-        try:
-            os.replace(tmp, out_dir)  # atomic: a partition is complete or absent
-        except OSError:
-            if not manifest.is_file():  # not a concurrent writer of the same partition
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return Partition(**json.loads(manifest.read_text()))
+
+def _write_partition(tmp: Path, out_dir: Path, cfg: DataConfig, secret: bytes, rows: _PartitionRows,
+                     train: tuple, test: tuple, data_root: str | None, private_dir: str | Path) -> Partition:
+    """The partition's files and the source's record digests written under ``tmp``; its manifest
+    (without the released sizes)."""
+    unit_col = lambda us: None if us is None else {"unit": us}  # noqa: E731
+    (tr_texts, tr_labels, tr_units), (ho_texts, ho_labels, ho_units) = rows.train, rows.holdout
+    te_texts, te_labels, _ = rows.test
+    canary_texts, canary_labels, planted = rows.canaries
+    _write_table(tmp / "train.parquet", tr_texts, tr_labels, unit_col(tr_units))
+    _write_table(tmp / "holdout.parquet", ho_texts, ho_labels, unit_col(ho_units))
+    _write_table(tmp / "test.parquet", te_texts, te_labels)
+    if cfg.canaries:
+        _write_table(tmp / "canaries.parquet", canary_texts, canary_labels, {
+            "planted": planted.tolist(),
+            **({"unit": [j // rows.canary_size for j in range(len(canary_texts))]} if cfg.user_unit else {})})
+    digests = record_digests(secret, train[0] + test[0])  # the source's records (canaries are none of them)
+    (tmp / RECORDS_FILE).write_bytes(digests)
+    source_key = records_key(secret, digests)
+    return Partition(dataset=cfg.name, directory=str(out_dir.resolve()),
+                     fingerprint=fingerprint(tr_texts, tr_labels, secret),
+                     labels=list(cfg.labels), n_train=len(tr_texts), n_holdout=len(ho_texts),
+                     n_test=len(te_texts), n_canaries_planted=int(planted.sum()),
+                     dataset_key=source_key, source_key=source_key,
+                     legacy_key=legacy_dataset_key(cfg, data_root, private_dir), unit=cfg.privacy_unit,
+                     person_field=cfg.person_field or "", group_size=cfg.group_size or 0)
+
+
+def _check_test_split(cfg: DataConfig, part: Partition) -> None:
+    if part.n_test == 0:
+        raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
+                        ("; raise data.test_fraction" if cfg.test_fraction < 1 else "") +
+                        (f" (with the privacy unit field {cfg.unit_field}, a test record is kept only when its "
+                         "person has no record in training or holdout)" if cfg.unit_field is not None else ""))
+
+
+def _with_released_sizes(cfg: DataConfig, private_dir: str | Path, secret: bytes, split: "SourceSplit",
+                         rows: _PartitionRows, part: Partition, train: tuple, test: tuple) -> Partition:
+    """``part`` with its unit counts (a user unit) and its released sizes, drawn once (:func:`release_sizes`)."""
+    planted = rows.canaries[2]
+    membership, exact, planted_units = release_inputs(cfg, secret, split, train, test,
+                                                      int(planted.sum()) // rows.canary_size)
+    if cfg.user_unit:  # released (and planned with): counts of units, sensitivity 1 per unit
+        part = replace(part, **{f"{k}_units": v for k, v in split.unit_counts(planted_units).items()},
+                       n_canary_units_planted=planted_units)
+    sizes = release_sizes(cfg, membership, private_dir, exact, planted_units)
+    return replace(part, released=asdict(sizes))
 
 
 def read_partition_split(path: str) -> tuple[list[str], list[str]]:
@@ -843,7 +844,7 @@ def read_public_texts(name: str, path: str | None, split: str, text_field: str, 
         raise DataError(f"public data folder not found: {folder}")
     file = find_split_file(folder, split)
     assert_public(file, private_dir)
-    rows = _read_rows(file)
+    rows = sources.read_file(file)
     texts = [r.get(text_field) for r in rows]
     texts = [t for t in texts if isinstance(t, str) and t.strip()]
     if not texts:

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .attacks import default_attacks, registered_attacks, unknown_attack_message
+
 
 class Block(BaseModel):
     """Base of every config block: unknown keys are errors."""
@@ -262,7 +264,8 @@ class DaskConfig(Block):
 class AuditConfig(Block):
     enabled: bool = False
     shadows: int = Field(8, ge=2, description="shadow prompts for LiRA (each example in half of them)")
-    attacks: list[Literal["loss", "lira", "min_k"]] = Field(default_factory=lambda: ["loss", "lira", "min_k"])
+    attacks: list[str] = Field(default_factory=default_attacks, description="membership attacks on the audit "
+                               "pool, by the names they are registered under (tasks/attacks/: one module each)")
     pool_size: int | None = Field(None, gt=3, description="audit pool (members + non-members); at most twice "
                                   "the smaller released size (data.n_train without its canaries, data.n_holdout), "
                                   "never the exact sizes (copies of rows where a split holds fewer)")
@@ -276,6 +279,15 @@ class AuditConfig(Block):
     def _fprs(cls, v):
         if not v or any(not (0 < f < 1) for f in v):
             raise ValueError(f"every FPR must lie in (0, 1), got {v}")
+        return v
+
+    @field_validator("attacks")
+    @classmethod
+    def _registered(cls, v):
+        known = registered_attacks()
+        for name in v:
+            if name not in known:
+                raise ValueError(unknown_attack_message(name))
         return v
 
     @field_validator("shadows")

@@ -69,7 +69,7 @@ class StatePaths:
     def ledger_url(self) -> str:
         """Where this state folder's runs keep their budget: the config's ``ledger.url``, else
         ``$PRIVPROMPT_LEDGER_URL``, else ``sqlite:///<state>/ledger.sqlite``."""
-        from privacy.ledger_store import sqlite_url
+        from privacy.ledger.store import sqlite_url
 
         return self.ledger_setting or os.environ.get(LEDGER_URL_ENV) or sqlite_url(self.ledger)
 
@@ -77,14 +77,14 @@ class StatePaths:
     def ledger_is_shared(self) -> bool:
         """True when the ledger is not this state folder's own file (a team's database, or a file
         elsewhere): it then keeps the team key of fingerprints and splits."""
-        from privacy.ledger_store import resolve
+        from privacy.ledger.store import resolve
 
         return resolve(self.ledger_url)[1] != self.ledger.resolve()
 
     @property
     def ledger_location(self) -> str:
         """The ledger's URL with its password masked (for people and logs)."""
-        from privacy.ledger_store import mask_url
+        from privacy.ledger.store import mask_url
 
         return mask_url(self.ledger_url)
 

@@ -7,9 +7,10 @@ that is a module, else ``pkg``.
 
 * ``privacy/`` has no import cycle: its modules form layers (validation, events → trials → rdp →
   pld → accountants → accountant → calibrate, selection …), each readable and testable from below.
-* The math of ``privacy/`` (everything but the ledger's persistence) imports no torch, Prefect,
-  MLflow or SQLAlchemy, directly or through another project module: the privacy claims rest on
-  numpy, scipy and dp-accounting alone.
+* ``privacy/`` outside its ledger subpackage (``privacy/ledger/``) imports no torch, Prefect, MLflow
+  or SQLAlchemy, directly or through another project module: the privacy claims rest on numpy,
+  scipy and dp-accounting alone. The ledger subpackage is the only part of ``privacy/`` allowed
+  SQLAlchemy (and nothing else heavy), and it imports nothing from ``tasks/``, ``flows/`` or ``models/``.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("privacy", "models", "tasks", "flows")
 SCRIPTS = ("privprompt_cli", "privprompt_worker")
-# the ledger's persistence (SQLAlchemy, sqlite, a team's PostgreSQL): the one part of privacy/
-# allowed a heavy dependency
-PERSISTENCE = ("privacy.ledger", "privacy.ledger_store")
+# the ledger subpackage (SQLAlchemy, sqlite, a team's PostgreSQL): the one part of privacy/ allowed
+# SQLAlchemy, and no other heavy framework
+LEDGER = "privacy.ledger"
 HEAVY = {"torch", "prefect", "mlflow", "sqlalchemy"}
+
+
+def in_ledger(module: str) -> bool:
+    return module == LEDGER or module.startswith(LEDGER + ".")
 
 
 def project_modules() -> dict[str, Path]:
@@ -159,25 +164,54 @@ def test_tasks_has_no_import_cycle():
     assert found == [], f"import cycles among tasks/ modules: {found}"
 
 
-def test_privacy_math_imports_no_heavy_framework():
-    """privacy/ outside the ledger's persistence imports no torch, Prefect, MLflow or SQLAlchemy,
-    directly or through any project module it imports (transitively)."""
+def _reach(graph: dict[str, set[str]], module: str) -> set[str]:
+    """``module`` and every project module it imports, transitively."""
+    reach, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in reach:
+            reach.add(m)
+            todo.extend(graph[m])
+    return reach
+
+
+def _heavy_imports(modules: dict[str, Path], graph, module: str, heavy: set[str]) -> list[str]:
+    """'M imports X' for each project module M reachable from ``module`` that imports one of ``heavy``."""
+    found = []
+    for m in sorted(_reach(graph, module)):
+        path = modules[m]
+        names = sorted(n for n in imported_names(path.read_text(), m, path.name == "__init__.py")
+                       if n.split(".")[0].lower() in heavy)
+        if names:
+            found.append(f"{m} imports {', '.join(names)}")
+    return found
+
+
+def test_privacy_outside_the_ledger_subpackage_imports_no_heavy_framework():
+    """privacy/ outside privacy/ledger/ imports no torch, Prefect, MLflow or SQLAlchemy, directly or
+    through any project module it imports (transitively): so none of it imports the ledger either."""
     modules = project_modules()
     graph = import_graph()
-    math_modules = sorted(m for m in modules if m.startswith("privacy") and not m.startswith(PERSISTENCE))
+    math_modules = sorted(m for m in modules if m.startswith("privacy") and not in_ledger(m))
     assert "privacy.accountant" in math_modules and "privacy.ledger" not in math_modules
-    offenders = {}
-    for module in math_modules:
-        reach, todo = set(), [module]
-        while todo:
-            m = todo.pop()
-            if m not in reach:
-                reach.add(m)
-                todo.extend(graph[m])
-        for m in sorted(reach):
-            path = modules[m]
-            heavy = sorted(n for n in imported_names(path.read_text(), m, path.name == "__init__.py")
-                           if n.split(".")[0].lower() in HEAVY)
-            if heavy:
-                offenders.setdefault(module, []).append(f"{m} imports {', '.join(heavy)}")
-    assert offenders == {}, f"privacy/ math reaching a heavy framework: {offenders}"
+    assert "privacy.ledger.store" in modules and "privacy.ledger_store" not in modules  # the subpackage is read
+    offenders = {m: found for m in math_modules if (found := _heavy_imports(modules, graph, m, HEAVY))}
+    assert offenders == {}, f"privacy/ outside its ledger subpackage reaching a heavy framework: {offenders}"
+
+
+def test_the_ledger_subpackage_is_the_only_privacy_part_allowed_sqlalchemy():
+    """The ledger subpackage uses SQLAlchemy (it is its store) but no torch, Prefect or MLflow, and it
+    imports nothing from tasks/, flows/ or models/ (not even through privacy/): it sits under them."""
+    modules = project_modules()
+    graph = import_graph()
+    ledger = sorted(m for m in modules if in_ledger(m))
+    assert {"privacy.ledger", "privacy.ledger.store", "privacy.ledger.schema", "privacy.ledger.ledger"} <= set(ledger)
+    sqlalchemy_users = sorted(m for m in modules if m.startswith("privacy") and any(
+        n.split(".")[0] == "sqlalchemy"
+        for n in imported_names(modules[m].read_text(), m, modules[m].name == "__init__.py")))
+    assert sqlalchemy_users and all(in_ledger(m) for m in sqlalchemy_users), sqlalchemy_users
+    offenders = {m: found for m in ledger if (found := _heavy_imports(modules, graph, m, HEAVY - {"sqlalchemy"}))}
+    assert offenders == {}, f"the ledger subpackage reaching torch, Prefect or MLflow: {offenders}"
+    upward = {m: sorted(d for d in _reach(graph, m) if d.split(".")[0] in ("tasks", "flows", "models")
+                        or d in SCRIPTS) for m in ledger}
+    assert {m: d for m, d in upward.items() if d} == {}, f"the ledger subpackage importing tasks/flows/models: {upward}"

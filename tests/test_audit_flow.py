@@ -215,3 +215,44 @@ def test_audit_fails_loudly_when_leakage_exceeds_the_claim(audited, tmp_path, mo
                          flow_run_id="x", state_dir=str(audited["state"]))
     with pytest.raises(AuditFailure, match=r"exceeds the claimed ε = 0\.010 .* DP implementation is broken"):
         canary_audit(target, AuditConfig(enabled=True, fprs=[0.05]))
+
+
+def test_an_attack_registered_by_a_test_is_run_by_the_audit(audited, tmp_path):
+    """A toy attack (the true-label logit as a threshold attack) registered here, in tests/, is
+    chosen by name in ``audit.attacks`` and scored on the audited run's pool by the audit's own
+    ``attack_metrics``, beside a built-in one; no shadows are read (none of them needs any)."""
+    from flows.audit import target_from_run
+    from tasks.attacks import Attack, register_attack, unregister_attack
+    from tasks.audit import attack_metrics
+    from tasks.config import AuditConfig
+
+    @register_attack
+    class ToyLogit(Attack):
+        name = "toy_logit"
+
+        def statistics(self, scoring):
+            from models.scoring import true_label_logit_scores
+
+            return {"toy_logit": true_label_logit_scores(scoring.classifier, scoring.encoded, scoring.labels,
+                                                         scoring.prompt, scoring.batch_size).numpy()}
+
+        def scores(self, target, shadows):
+            assert shadows is None
+            return {"toy_logit": target["toy_logit"]}
+
+    try:
+        target, _ = target_from_run(audited["summary"]["mlflow_run_id"], str(audited["state"]), shadows=2)
+        acfg = AuditConfig(enabled=True, shadows=2, fprs=[0.05], attacks=["toy_logit", "loss"])
+        # the flow's pool (a slow test's audit of the finished run draws the same one: same seed)
+        pool_path = sorted((audited["state"] / "private" / "audits").glob("*/pool.parquet"))[0]
+        pool = {"pool_path": str(pool_path), "mask_path": str(pool_path.parent / "shadow_in.npy")}
+        metrics, details = attack_metrics(target, acfg, pool, [], tmp_path, seed=0)
+    finally:
+        unregister_attack("toy_logit")
+    assert sorted(details["report"]) == ["loss_pool", "toy_logit"]
+    assert 0 <= metrics["mia.toy_logit.auc"] <= 1 and "mia.toy_logit.tpr_at_5pct_fpr" in metrics
+    assert "mia.lira.auc" not in metrics and Path(details["roc_path"]).is_file()
+    client = _client(audited["state"])
+    # the same pool and prompt: the built-in loss attack scores as it did inside the flow
+    assert metrics["mia.loss_pool.auc"] == pytest.approx(
+        client.get_run(audited["summary"]["mlflow_run_id"]).data.metrics["mia.loss_pool.auc"])

@@ -222,7 +222,7 @@ def test_a_version_4_ledger_is_migrated_and_its_datasets_get_their_records(sourc
     schema 5; the next run on the same files is charged to the old dataset (its spend kept),
     which then knows its records, so a CSV re-export is charged to it too."""
     from privacy.ledger import Ledger
-    from privacy.ledger_store import SCHEMA_VERSION
+    from privacy.ledger.schema import SCHEMA_VERSION
     from tasks.config import parse_config
     from tasks.data import legacy_dataset_key
     from tasks.state import state_paths

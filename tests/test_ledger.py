@@ -1,4 +1,4 @@
-"""Tests of the persistent privacy budget ledger (privacy/ledger.py)."""
+"""Tests of the persistent privacy budget ledger (privacy/ledger/)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ import sqlalchemy as sa
 
 from privacy import events as ev
 from privacy.ledger import Ledger, LedgerKeyError, key_id_of
-from privacy.ledger_store import RECORD_DIGEST_BYTES
+from privacy.ledger.schema import RECORD_DIGEST_BYTES
 from tasks.data import record_digests, records_key
 from tasks.state import export_key, import_key, installation_secret, state_paths, team_key
 from test_dataset_records import _charge, _data_cfg, _write
@@ -64,7 +64,7 @@ def _digests(blob: bytes) -> set[bytes]:
 
 def _cells(url: str) -> list[bytes]:
     """Every value a client with the ledger URL can read: every row of every table (and the schema)."""
-    from privacy.ledger_store import resolve
+    from privacy.ledger.store import resolve
 
     engine = sa.create_engine(resolve(url)[0])  # the driver the ledger itself uses
     out = []

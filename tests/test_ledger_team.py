@@ -508,7 +508,8 @@ def test_ledger_and_budget_commands_use_the_ledger_url(tmp_path, monkeypatch, ca
 _HOLDER = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from privacy.ledger import Ledger, _q
+from privacy.ledger import Ledger
+from privacy.ledger.common import _q
 led = Ledger({url!r})
 with led._store.write() as conn:  # the write lock, and a reservation inserted but not committed
     _q(conn, "INSERT INTO entries (run_id, fingerprint, kind, status, reserved_event, epsilon_reserved, description,"

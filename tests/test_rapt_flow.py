@@ -264,7 +264,7 @@ def test_a_draw_is_recorded_in_the_runs_ledger_also_a_team_ledger(tmp_path):
     where the run's other uses and its dataset are: never in a file of the state folder."""
     from types import SimpleNamespace
 
-    from privacy.ledger_store import sqlite_url
+    from privacy.ledger.store import sqlite_url
     from tasks.config import parse_config
     from tasks.methods.rapt.method import Rapt
     from tasks.randomness import DpRandomness

@@ -1,0 +1,108 @@
+"""What every part of the ledger shares: the SQL helper ``_q``, times, names of the machine and user,
+and the composition of stored events by the accountant (``privacy.accountant``: no SQL there)."""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import math
+import os
+import socket
+from datetime import datetime, timezone
+from typing import Any
+
+import sqlalchemy as sa
+
+from .. import events as ev
+from ..accountant import PrivacySpend, spend
+
+# Relative slack when comparing a committed ε with the reserved one (the accountant is
+# deterministic; this only absorbs float noise).
+_EPS_RTOL = 1e-9
+EXPORT_FORMAT = "privprompt-ledger"
+_TABLES = ("datasets", "entries", "cap_changes", "trail")
+
+
+def _q(conn: sa.Connection, sql: str, params: tuple = ()):
+    """Run ``sql`` with ``?`` placeholders bound to ``params`` in order; rows as mappings."""
+    parts = sql.split("?")
+    if len(parts) - 1 != len(params):
+        raise AssertionError(f"{len(parts) - 1} placeholders, {len(params)} parameters: {sql}")
+    named = parts[0] + "".join(f":p{i}{part}" for i, part in enumerate(parts[1:]))
+    return conn.execute(sa.text(named), {f"p{i}": v for i, v in enumerate(params)}).mappings()
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
+def _host() -> str:
+    return socket.gethostname() or "unknown"
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry and no $USER: the numeric id
+        return f"uid {os.getuid()}"
+
+
+def _short(fingerprint: str, n: int = 12) -> str:
+    return fingerprint if len(fingerprint) <= n else fingerprint[:n] + "…"
+
+
+def _check_text(value, name: str, allow_empty: bool = False) -> str:
+    if not isinstance(value, str) or (not allow_empty and not value.strip()):
+        kind = "a string" if allow_empty else "a non-empty string"
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
+    return value
+
+
+def _event_json(event, name: str = "event") -> str:
+    try:
+        return ev.event_to_json(event)
+    except TypeError as exc:
+        raise ValueError(f"{name} must be a privacy event (privacy.events), got {event!r}") from exc
+
+
+def _counted_event_json(row: Any) -> str | None:
+    """The event an entry counts with: committed if committed, reserved if reserved, else none
+    (aborted and released entries cost nothing)."""
+    if row["kind"] != "dp" or row["status"] in ("aborted", "released"):
+        return None
+    if row["status"] == "committed":
+        return row["committed_event"]
+    return row["reserved_event"]
+
+
+def _compose(event_jsons: list[str], delta: float) -> PrivacySpend:
+    events = tuple(ev.event_from_json(text) for text in event_jsons)
+    return spend(ev.ComposedEvent(events), delta)
+
+
+def _held(s: PrivacySpend, floor: float) -> PrivacySpend:
+    """``s`` (the composition at the dataset's δ) held at ``floor``, the largest ε the dataset was
+    recorded as having spent when its δ changed (:meth:`Ledger._delta_floor`): a δ change never
+    lowers what the ledger says a dataset has spent."""
+    if not floor > s.epsilon:
+        return s
+    return dataclasses.replace(s, epsilon=float(floor),
+                               accountant=f"{s.accountant}, held at the ε spent before a δ change")
+
+
+def _preview(existing: list[str], events: list[ev.DpEvent], delta: float, cap: float, name: str,
+             floor: float = 0.0) -> dict:
+    planned = [_event_json(e) for e in events]
+    spent_eps = max(floor, _compose(existing, delta).epsilon)
+    total = max(floor, _compose(existing + planned, delta).epsilon)
+    return {"name": name, "cap": cap, "delta": delta, "spent_epsilon": spent_eps,
+            "planned_epsilon": [_compose([p], delta).epsilon for p in planned], "total_epsilon": total,
+            "remaining_after": cap - total, "fits": bool(total <= cap)}
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.4f}"

@@ -1,0 +1,160 @@
+"""Where a dataset's records come from, by name (a registry, like the methods' and the attacks'):
+the file formats of a data folder's split files (``jsonl``, ``csv``, ``parquet``: a split is the file
+``<split><suffix>`` of one registered format) and the sources a config names itself (``hub``: a
+Hugging Face hub dataset, ``data.hub``). :mod:`tasks.data` reads every source through this registry
+and never compares format names or suffixes.
+
+A source lives in ONE module of this folder: a :class:`DataSource` subclass decorated with
+:func:`register_source`. Every module here is imported (and so registered) on first use; a source
+elsewhere registers the same way when it is imported (a test's toy format, a plugin). A reader returns
+rows as dicts (the config's ``data.text_field`` / ``data.label_field`` / unit field pick the columns)
+and raises :class:`~tasks.errors.DataError` in one line that never quotes a record's content.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+from typing import Any
+
+from ..errors import DataError
+
+
+class DataSource:
+    """A kind of data source. A file format has ``suffixes`` and :meth:`read_file`; a source named by
+    the config answers :meth:`named_by` and has :meth:`read_split`."""
+
+    name: str = ""
+    suffixes: tuple[str, ...] = ()  # lower case, with the dot; empty: not a file format
+    # which format's file is the split when a folder holds one in several (lower first; the built-ins
+    # keep the order they always had: .jsonl, .json, .csv, .parquet)
+    precedence: int = 100
+
+    def read_file(self, path: Path) -> list[dict]:
+        """The rows of one split file."""
+        raise NotImplementedError(f"data source {self.name!r} reads no files")
+
+    def named_by(self, cfg: Any) -> bool:
+        """Whether the data config ``cfg`` names this source itself (instead of a data folder)."""
+        return False
+
+    def read_split(self, cfg: Any, split: str) -> list[dict]:
+        """The rows of one split of the source the config names."""
+        raise NotImplementedError(f"data source {self.name!r} is not named by a config")
+
+    def describe(self, cfg: Any, split: str) -> str:
+        """How errors name one split of the source the config names (never a record)."""
+        return f"{self.name} dataset {cfg.name}:{split}"
+
+    def signature(self, cfg: Any) -> str:
+        """Identifies the source the config names (caches notice another one)."""
+        return f"{self.name}:{cfg.name}"
+
+
+_REGISTRY: dict[str, DataSource] = {}
+_LOADED = False
+
+
+def register_source(cls: type[DataSource]) -> type[DataSource]:
+    """Class decorator: register ``cls`` under ``cls.name``; a name, or a file suffix, that another
+    class registered already is an error."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a data source needs an identifier as its name, got {name!r}")
+    source = cls()
+    for other in _REGISTRY.values():
+        if type(other).__qualname__ == cls.__qualname__ and other.name == name:
+            continue
+        if other.name == name:
+            raise ValueError(f"data source {name!r} is already registered by {type(other).__qualname__}")
+        shared = set(other.suffixes) & {s.lower() for s in source.suffixes}
+        if shared:
+            raise ValueError(f"data source {name!r}: file suffix {sorted(shared)[0]!r} is already read by "
+                             f"data source {other.name!r}")
+    if any(not s.startswith(".") or s != s.lower() for s in source.suffixes):
+        raise ValueError(f"data source {name!r}: suffixes are lower case and start with a dot, got {source.suffixes}")
+    _REGISTRY[name] = source
+    return cls
+
+
+def unregister_source(name: str) -> None:
+    """Remove ``name`` from the registry (a source added for a while: a test's toy format)."""
+    _load_builtins()
+    if _REGISTRY.pop(name, None) is None:
+        raise KeyError(f"data source {name!r} is not registered")
+
+
+def _load_builtins() -> None:
+    """Import every module of this folder once (alphabetical order)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    try:
+        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+            if not info.name.startswith("_"):
+                importlib.import_module(f"{__name__}.{info.name}")
+    except BaseException:
+        _LOADED = False
+        raise
+
+
+def registered_sources() -> list[str]:
+    """The registered source names, in registration order."""
+    _load_builtins()
+    return list(_REGISTRY)
+
+
+def get_source(name: str) -> DataSource:
+    """The source registered as ``name``; one line listing the registered ones when there is none."""
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise KeyError(f"unknown data source {name!r}; registered data sources: "
+                       f"{', '.join(registered_sources())}") from None
+
+
+def _file_formats() -> list[DataSource]:
+    _load_builtins()
+    return sorted((s for s in _REGISTRY.values() if s.suffixes), key=lambda s: s.precedence)
+
+
+def file_suffixes() -> tuple[str, ...]:
+    """Every registered file suffix, in precedence order (the first present file is the split)."""
+    return tuple(suffix for source in _file_formats() for suffix in source.suffixes)
+
+
+def source_for_file(path: Path) -> DataSource:
+    """The file format of ``path`` by its suffix; one line listing the registered ones otherwise."""
+    suffix = path.suffix.lower()
+    for source in _file_formats():
+        if suffix in source.suffixes:
+            return source
+    raise DataError(f"unsupported data file format {path.suffix!r} ({path}); use {', '.join(file_suffixes())}")
+
+
+def named_source(cfg: Any) -> DataSource | None:
+    """The source the data config names itself (e.g. ``data.hub``), None for a data folder's files."""
+    _load_builtins()
+    for source in _REGISTRY.values():
+        if source.named_by(cfg):
+            return source
+    return None
+
+
+def read_file(path: Path) -> list[dict]:
+    """The rows of one split file, read by its format; a file that cannot be read is one line
+    naming the file and the kind of problem, never its content."""
+    source = source_for_file(path)
+    try:
+        return source.read_file(path)
+    except (OSError, UnicodeDecodeError) as err:
+        raise DataError(f"cannot read {path}: {type(err).__name__}") from None
+
+
+def malformed(path: Path, err: BaseException) -> DataError:
+    """The one-line error of a file its format's parser refused (the parser's message may quote the
+    file's content, so only its type is given)."""
+    return DataError(f"cannot read {path}: malformed {path.suffix.lower().lstrip('.')} ({type(err).__name__})")
