@@ -13,9 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class Block(BaseModel):
-    """Base of every config block: unknown keys are errors."""
+    """Base of every config block: unknown keys are errors. A parsed config is frozen (read, never
+    written: a changed value is a new config, ``model_copy(update=...)``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class DataConfig(Block):
