@@ -865,13 +865,8 @@ def _exit_now(rc: int) -> None:
     os._exit(rc)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The CLI. With ``argv=None`` (the console script) the process ends when the command is done
-    (:func:`_exit_now`); with a list (tests, scripts) it returns the exit code."""
-    parser = argparse.ArgumentParser(prog="privprompt", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--state-dir", default=None, help="state folder (default $PRIVPROMPT_HOME, else a per-user folder: privprompt plan / ledger say where)")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_run_commands(sub) -> None:
+    """run, worker, audit, plan and report."""
     run = sub.add_parser("run", help="run a config's flow in-process (embedded Prefect, local MLflow)")
     run.add_argument("config")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -888,6 +883,10 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="privacy–utility table and figure of an experiment, from MLflow")
     report.add_argument("experiment")
     report.add_argument("--out", default=None, help="also write the report's table and figures to this folder")
+
+
+def _add_ledger_commands(sub) -> None:
+    """ledger (with import and set-key)."""
     ledger = sub.add_parser("ledger", help="DP spend per dataset against its cap, and non-private uses")
     ledger.add_argument("--config", default=None, help="also say the largest target_epsilon of this config that fits")
     ledger.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -904,6 +903,10 @@ def main(argv: list[str] | None = None) -> int:
     setkey = ledger_sub.add_parser("set-key", help="a shared ledger: privprompt key import KEYFILE (the key its "
                                                    "registered fingerprints were made with)")
     setkey.add_argument("key_file")
+
+
+def _add_key_commands(sub) -> None:
+    """key export / import / show."""
     key = sub.add_parser("key", help="the key of the ledger's keyed record digests (never in the ledger): export it "
                                      "for the team, import it on a machine that joins, show which is in use")
     key_sub = key.add_subparsers(dest="key_command", required=True)
@@ -914,6 +917,10 @@ def main(argv: list[str] | None = None) -> int:
                                                    "against the key id the ledger records)")
     key_import.add_argument("file")
     key_sub.add_parser("show", help="which key the ledger's datasets are keyed with, and where it lives (never the key)")
+
+
+def _add_budget_commands(sub) -> None:
+    """budget reservations / release / lower-cap / set-delta / set-unit."""
     budget = sub.add_parser("budget", help="open reservations; lower a cap; compose a dataset at a smaller δ")
     budget_sub = budget.add_subparsers(dest="budget_command", required=True)
     budget_sub.add_parser("reservations", help="runs holding a reservation (running, or stopped after reading data)")
@@ -937,6 +944,10 @@ def main(argv: list[str] | None = None) -> int:
     reunit.add_argument("dataset", help="dataset name or fingerprint prefix (privprompt ledger)")
     reunit.add_argument("unit", help="record, or the data.privacy_unit field")
     reunit.add_argument("--reason", required=True, help="why (recorded in the ledger)")
+
+
+def _add_tool_commands(sub) -> None:
+    """config, ui and predict."""
     config = sub.add_parser("config", help="the config reference, generated from the schema (docs/config.md)")
     config.add_argument("--schema", action="store_true", required=True,
                         help="print every config key with its type, default and meaning as Markdown")
@@ -950,6 +961,26 @@ def main(argv: list[str] | None = None) -> int:
     predict.add_argument("--output", default=None, help="JSONL, CSV or Parquet (default: JSONL on stdout)")
     predict.add_argument("--batch-size", type=int, default=64)
     predict.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser: every command, in the order ``--help`` lists them."""
+    parser = argparse.ArgumentParser(prog="privprompt", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--state-dir", default=None, help="state folder (default $PRIVPROMPT_HOME, else a per-user folder: privprompt plan / ledger say where)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_commands(sub)
+    _add_ledger_commands(sub)
+    _add_key_commands(sub)
+    _add_budget_commands(sub)
+    _add_tool_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The CLI. With ``argv=None`` (the console script) the process ends when the command is done
+    (:func:`_exit_now`); with a list (tests, scripts) it returns the exit code."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a warm worker's child runs again
     if args.state_dir:

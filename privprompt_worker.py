@@ -183,24 +183,10 @@ def serve(paths, idle_timeout: float = 1800.0) -> int:
         server.stop()
         return 1
     path = socket_path(paths.root)
-    if path.exists():
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-            probe.close()
-            print(f"privprompt worker: another worker already serves {paths.root}", file=sys.stderr)
-            server.stop()
-            return 1
-        except OSError:
-            path.unlink()  # a stale socket of a worker that died
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old_umask = os.umask(0o177)
-    try:
-        listener.bind(str(path))
-    finally:
-        os.umask(old_umask)
-    listener.listen(8)
-    listener.settimeout(1.0)
+    listener = _listen(path, paths.root)
+    if listener is None:
+        server.stop()
+        return 1
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("SIGTERM"))
     signal.signal(signal.SIGINT, lambda *_: stopping.append("SIGINT"))
@@ -208,44 +194,8 @@ def serve(paths, idle_timeout: float = 1800.0) -> int:
           f"{time.perf_counter() - started:.1f} s; Prefect server {server.api_url}; stops after {idle_timeout:g} s "
           "idle)", flush=True)
     children: set[int] = set()
-    last = time.monotonic()
     try:
-        while not stopping:
-            children -= {pid for pid in list(children) if _reaped(pid)}
-            if not children and time.monotonic() - last > idle_timeout:
-                print(f"privprompt worker: idle for {idle_timeout:g} s; stopping", flush=True)
-                break
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                continue
-            except InterruptedError:
-                continue
-            last = time.monotonic()
-            try:
-                request, fds = _receive(conn)
-            except (OSError, ValueError) as exc:
-                print(f"privprompt worker: a bad request ({exc}); ignored", flush=True)
-                conn.close()
-                continue
-            if code_stamp() > stamp:
-                _send(conn, b"stale\n")
-                conn.close()
-                for fd in fds:
-                    os.close(fd)
-                print("privprompt worker: the checkout's code changed since it started; stopping", flush=True)
-                break
-            pid = os.fork()
-            if pid == 0:  # the run's own process
-                listener.close()
-                _child(conn, request, fds, str(paths.root), server)
-            children.add(pid)
-            conn.close()
-            for fd in fds:
-                os.close(fd)
-            print(f"privprompt worker: run pid {pid}: privprompt {request['argv'][0] if request['argv'] else ''}",
-                  flush=True)
-            del request  # the caller's environment (its keys too) is not kept between runs
+        _accept_runs(listener, str(paths.root), server, stamp, idle_timeout, stopping, children)
     finally:
         listener.close()
         try:
@@ -259,6 +209,78 @@ def serve(paths, idle_timeout: float = 1800.0) -> int:
                 pass
         server.stop()
     return 0
+
+
+def _listen(path: Path, root) -> socket.socket | None:
+    """The worker's socket at ``path`` (mode 0600), listening; None when another worker serves
+    ``root`` already (a stale socket of a worker that died is removed)."""
+    if path.exists():
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+            probe.close()
+            print(f"privprompt worker: another worker already serves {root}", file=sys.stderr)
+            return None
+        except OSError:
+            path.unlink()  # a stale socket of a worker that died
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    listener.listen(8)
+    listener.settimeout(1.0)
+    return listener
+
+
+def _accept_runs(listener, root: str, server, stamp: float, idle_timeout: float, stopping: list,
+                 children: set[int]) -> None:
+    """Accept runs until stopped, idle for ``idle_timeout`` seconds or stale: each run is a forked
+    child (its pid added to ``children``)."""
+    last = time.monotonic()
+    while not stopping:
+        children -= {pid for pid in list(children) if _reaped(pid)}
+        if not children and time.monotonic() - last > idle_timeout:
+            print(f"privprompt worker: idle for {idle_timeout:g} s; stopping", flush=True)
+            return
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        except InterruptedError:
+            continue
+        last = time.monotonic()
+        try:
+            request, fds = _receive(conn)
+        except (OSError, ValueError) as exc:
+            print(f"privprompt worker: a bad request ({exc}); ignored", flush=True)
+            conn.close()
+            continue
+        if code_stamp() > stamp:
+            _send(conn, b"stale\n")
+            conn.close()
+            for fd in fds:
+                os.close(fd)
+            print("privprompt worker: the checkout's code changed since it started; stopping", flush=True)
+            return
+        children.add(_fork_run(listener, conn, request, fds, root, server))
+        del request  # the caller's environment (its keys too) is not kept between runs
+
+
+def _fork_run(listener, conn, request: dict, fds: list[int], root: str, server) -> int:
+    """Fork the run's own process (:func:`_child`); the worker keeps none of the caller's
+    descriptors. Returns the child's pid."""
+    pid = os.fork()
+    if pid == 0:  # the run's own process
+        listener.close()
+        _child(conn, request, fds, root, server)
+    conn.close()
+    for fd in fds:
+        os.close(fd)
+    print(f"privprompt worker: run pid {pid}: privprompt {request['argv'][0] if request['argv'] else ''}",
+          flush=True)
+    return pid
 
 
 def _reaped(pid: int) -> bool:
@@ -290,6 +312,17 @@ def _receive(conn) -> tuple[dict, list[int]]:
 def _child(conn, request: dict, fds: list[int], root: str, server) -> None:
     """In the forked child: become the caller's command (its terminal, directory, environment), run
     it, send the exit code back, and end the process."""
+    keep = _become_caller(conn, request, fds, root, server)
+    _report_to_worker_server(keep["PREFECT_API_URL"])
+    rc = _run_command(list(request["argv"]))
+    _send(conn, f"rc {int(rc)}\n".encode())
+    os._exit(int(rc) & 0xFF)
+
+
+def _become_caller(conn, request: dict, fds: list[int], root: str, server) -> dict:
+    """Take the caller's terminal (its three descriptors), environment and directory, and follow its
+    connection (its Ctrl-C becomes ours; the caller gone ends this run at once). Returns the
+    worker's Prefect settings kept in the caller's environment."""
     import atexit
     import threading
     import _thread
@@ -321,7 +354,14 @@ def _child(conn, request: dict, fds: list[int], root: str, server) -> None:
                 _thread.interrupt_main()
 
     threading.Thread(target=watch, daemon=True, name="privprompt-worker-caller").start()
-    import privprompt_cli
+    return keep
+
+
+def _report_to_worker_server(api_url: str) -> None:
+    """Prefect read its settings when the worker imported it, before the server's URL was known: the
+    run's flow must report to the worker's server (not start a temporary one of its own); as with
+    a run's embedded server, no API-version round trip and no heartbeat thread. The global context
+    too: threads the run starts (Prefect's log and event workers) begin from it, not from ours."""
     from prefect.context import refresh_global_settings_context
     from prefect.settings import (
         PREFECT_API_URL,
@@ -330,18 +370,23 @@ def _child(conn, request: dict, fds: list[int], root: str, server) -> None:
         temporary_settings,
     )
 
-    # Prefect read its settings when the worker imported it, before the server's URL was known: the
-    # run's flow must report to the worker's server (not start a temporary one of its own); as with
-    # a run's embedded server, no API-version round trip and no heartbeat thread. The global context
-    # too: threads the run starts (Prefect's log and event workers) begin from it, not from ours
     refresh_global_settings_context()
-    temporary_settings(updates={PREFECT_API_URL: keep["PREFECT_API_URL"],
+    temporary_settings(updates={PREFECT_API_URL: api_url,
                                 PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False,
                                 PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}).__enter__()
 
+
+def _run_command(argv: list[str]) -> int:
+    """The caller's ``privprompt`` command, its exit code; then what a normal exit runs that
+    matters (as ``privprompt_cli._exit_now``)."""
+    import atexit
+    import threading
+
+    import privprompt_cli
+
     rc = 1
     try:
-        rc = privprompt_cli.main(list(request["argv"]))
+        rc = privprompt_cli.main(argv)
     except KeyboardInterrupt:
         print("privprompt: interrupted", file=sys.stderr)
         rc = 130
@@ -356,13 +401,12 @@ def _child(conn, request: dict, fds: list[int], root: str, server) -> None:
         sys.stderr.flush()
     except OSError:
         pass
-    try:  # what a normal exit runs that matters, as privprompt_cli._exit_now: threads' exit hooks
+    try:  # threads' exit hooks
         threading._shutdown()  # noqa: SLF001 — (Prefect's log and event workers drain there)
         atexit._run_exitfuncs()  # noqa: SLF001 — MLflow's, logging's (the server's was removed above)
         sys.stdout.flush()
         sys.stderr.flush()
     except Exception:  # noqa: BLE001
         pass
-    _send(conn, f"rc {int(rc)}\n".encode())
-    os._exit(int(rc) & 0xFF)
+    return rc
 

@@ -19,35 +19,47 @@ from prefect.runtime import flow_run
 from tasks.attacks import needs_shadows
 from tasks.audit import (AuditFailure, AuditTarget, attack_metrics, audit_dir, build_pool, canary_audit,
                          check_audit, train_shadow, write_results)
-from tasks.config import AuditConfig
+from tasks.config import AuditConfig, ParsedAuditConfig, ParsedConfig, PrivPromptConfig
 from tasks.prefect_tasks import GPU_TAG, dask_task_runner, transient_only
 from tasks.record import RunRecord, client
 from tasks.state import make_private_dir, open_private, state_paths
 
 
+def read_target(target_file: str, cfg: PrivPromptConfig | None = None) -> AuditTarget:
+    """The audit's target from its private file (its partition's exact sizes and charged dataset
+    key never are a flow or task parameter), with its config as the flow parsed it (when given)."""
+    target = AuditTarget(**json.loads(Path(target_file).read_text()))
+    if cfg is not None:
+        target.__dict__["cfg"] = cfg  # the parsed config (AuditTarget.cfg is a cached property): not parsed again
+    return target
+
+
 @task(name="audit-pool", retries=1, retry_condition_fn=transient_only)
-def pool_task(target_file: str, audit_config: dict, directory: str, seed: int) -> dict:
-    target = AuditTarget(**json.loads(Path(target_file).read_text()))  # a private file, never a task parameter
-    return build_pool(target, AuditConfig.model_validate(audit_config), Path(directory), seed)
+def pool_task(target_file: str, cfg: PrivPromptConfig, acfg: AuditConfig, directory: str, seed: int) -> dict:
+    return build_pool(read_target(target_file, cfg), acfg, Path(directory), seed)
 
 
 @task(name="shadow", task_run_name="shadow-{index}", tags=[GPU_TAG], retries=1, retry_condition_fn=transient_only)
-def shadow_task(target_file: str, audit_config: dict, pool: dict, index: int, audit_run_id: str) -> dict:
+def shadow_task(target_file: str, cfg: PrivPromptConfig, acfg: AuditConfig, pool: dict, index: int,
+                audit_run_id: str) -> dict:
     import torch
 
-    acfg = AuditConfig.model_validate(audit_config)
     torch.set_num_threads(acfg.dask.threads_per_worker)  # one worker per core, not oversubscribed
-    out = train_shadow(AuditTarget(**json.loads(Path(target_file).read_text())), acfg, pool, index, audit_run_id)
+    out = train_shadow(read_target(target_file, cfg), acfg, pool, index, audit_run_id)
     get_run_logger().info("shadow %d: %d steps in %.1f s", index, out["steps"], out["compute_s"])
     return out
 
 
 @flow(name="audit", log_prints=False)
-def audit_flow(target_file: str, audit_config: dict) -> dict:
+def audit_flow(target_file: str, audit_config: dict | ParsedAuditConfig, config: ParsedConfig | None = None) -> dict:
+    """``audit_config``: the audit block (parsed already, or a dict parsed here); ``config``: the
+    audited run's config as its caller parsed it (else parsed here from the target, once). Both go
+    to the tasks as they are: nothing parses them again."""
     # the target (its partition's exact sizes, the charged dataset key) stays in a private file:
     # a flow's parameters are stored on the Prefect server
-    t = AuditTarget(**json.loads(Path(target_file).read_text()))
-    acfg = AuditConfig.model_validate(audit_config)
+    t = read_target(target_file, config)
+    acfg = audit_config if isinstance(audit_config, AuditConfig) else AuditConfig.model_validate(audit_config)
+    cfg = t.cfg
     logger = get_run_logger()
     sizes = check_audit(t, acfg)  # before any training
     paths = state_paths(t.state_dir)
@@ -65,11 +77,11 @@ def audit_flow(target_file: str, audit_config: dict) -> dict:
                               # membership of a unit (a person: all their records) or of a record
                               "audit.membership": "units" if t.part.unit != "record" else "records"})
         directory = audit_dir(t, audit_id)
-        seed = t.cfg.seed + 4242
-        pool = pool_task(target_file, audit_config, str(directory), seed)
+        seed = cfg.seed + 4242
+        pool = pool_task(target_file, cfg, acfg, str(directory), seed)
         shadows = []
         if needs_shadows(acfg.attacks):  # an attack that compares with shadow prompts (LiRA)
-            futures = shadow_task.map(unmapped(target_file), unmapped(audit_config), unmapped(pool),
+            futures = shadow_task.map(unmapped(target_file), unmapped(cfg), unmapped(acfg), unmapped(pool),
                                       list(range(acfg.shadows)), unmapped(audit_run.run_id))
             shadows = [f.result() for f in futures]
         metrics, details = attack_metrics(t, acfg, pool, [s["scores_path"] for s in shadows], directory, seed)
@@ -88,9 +100,10 @@ def audit_flow(target_file: str, audit_config: dict) -> dict:
         raise
 
 
-def run_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
-    """Run the audit flow (as a subflow when called from a flow) on its Dask task runner; the
-    result has ``wall_s``, the audit's wall time (shadows run in parallel: not a sum of their work)."""
+def run_audit(target: AuditTarget, acfg: AuditConfig, cfg: PrivPromptConfig | None = None) -> dict:
+    """Run the audit flow (as a subflow when called from a flow) on its Dask task runner; ``cfg``:
+    the target's config as the caller parsed it (default ``target.cfg``). The result has ``wall_s``,
+    the audit's wall time (shadows run in parallel: not a sum of their work)."""
     import time
 
     import uuid
@@ -102,8 +115,8 @@ def run_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     with open_private(target_file, "w") as handle:
         handle.write(json.dumps(target.to_dict()))
     try:
-        out = audit_flow.with_options(task_runner=dask_task_runner(acfg.dask))(str(target_file),
-                                                                               acfg.model_dump(mode="json"))
+        out = audit_flow.with_options(task_runner=dask_task_runner(acfg.dask))(
+            str(target_file), acfg, cfg if cfg is not None else target.cfg)
     finally:
         target_file.unlink(missing_ok=True)
         paths.tighten()  # what the shadows' workers wrote with their umask
@@ -123,73 +136,100 @@ def _find_prompt(directory: Path, method: str) -> Path | None:
     return hits[0] if hits else None
 
 
-def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | None = None):
-    """(AuditTarget, AuditConfig) of a finished MLflow run; every problem is an ``AuditError``
-    raised before any training."""
-    import json as _json
-
-    import yaml
+def _artifact(mlflow, run_id: str, path: str, what: str) -> str:
+    """A local copy of the run's artifact ``path``; its absence is an ``AuditError``."""
     from mlflow.exceptions import MlflowException
 
     from tasks.audit import AuditError
-    from tasks.config import parse_config
+
+    try:
+        return mlflow.download_artifacts(run_id, path)
+    except (MlflowException, OSError):
+        raise AuditError(f"run {run_id} has no {what} artifact ({path})") from None
+
+
+def _audited_run(mlflow, run_id: str, paths):
+    """The MLflow run to audit: a method run of a registered method with a partition."""
+    from mlflow.exceptions import MlflowException
+
+    from tasks.audit import AuditError
     from tasks.methods import registered_methods
 
-    paths = state_paths(state_dir)
-    mlflow = client(paths)
     try:
         run = mlflow.get_run(run_id)
     except MlflowException:
         raise AuditError(f"no MLflow run {run_id!r} in {paths.root}") from None
-    tags, metrics = run.data.tags, run.data.metrics
-    method = tags.get("method")
-    if method not in registered_methods() or "dataset.fingerprint" not in tags:
+    tags = run.data.tags
+    if tags.get("method") not in registered_methods() or "dataset.fingerprint" not in tags:
         raise AuditError(f"run {run_id} ({tags.get('mlflow.runName', '?')}) is not a prompt-tuning run: "
                          "no method run with a prompt to audit")
+    return run
 
-    def artifact(path: str, what: str) -> str:
-        try:
-            return mlflow.download_artifacts(run_id, path)
-        except (MlflowException, OSError):
-            raise AuditError(f"run {run_id} has no {what} artifact ({path})") from None
 
-    config = yaml.safe_load(open(artifact("config.yaml", "config.yaml")).read())
-    config["state_dir"] = str(paths.root)
-    cfg = parse_config(config)
-    prepared = _json.loads(open(artifact("method/prepared.json", "prepared-stage")).read())
+def _private_partition(paths, run_id: str, tags: dict) -> dict:
+    """The run's partition from its manifest under private/, resolved to the ledger dataset its
+    source is charged to (perhaps another registered dataset holding its records: the run's tag
+    names the source only), found in the local ledger by its records."""
+    from tasks.audit import AuditError
+    from tasks.lifecycle import resolve_partition
+
     wanted = tags.get("data.partition", tags["dataset.fingerprint"])
     partition = None
     for manifest in (paths.private / "partitions").glob("*/manifest.json"):
-        data = _json.loads(manifest.read_text())
+        data = json.loads(manifest.read_text())
         if data["fingerprint"] == wanted:
             partition = data
             break
     if partition is None:
         raise AuditError(f"run {run_id}: its private partition (data.partition {wanted[:12]}) is not under "
                          f"{paths.private}; audits run where the private data is")
-    # the ledger dataset the run's source is charged to (perhaps another registered dataset holding
-    # its records: the run's tag names the source only), found in the local ledger by its records
-    from tasks.lifecycle import resolve_partition
-
     partition, _ = resolve_partition(paths.open_ledger(), partition)
+    return partition
+
+
+def _audited_prompt(mlflow, paths, run_id: str, tags: dict, method: str) -> Path:
+    """The run's prompt: its published artifact (dp), else the non-private prompt kept next to the
+    private data (never published)."""
+    from tasks.audit import AuditError
+
     if tags.get("privacy.guarantee") == "dp":
-        found = _find_prompt(Path(artifact("prompt", "published prompt")), method)
+        found = _find_prompt(Path(_artifact(mlflow, run_id, "prompt", "published prompt")), method)
         if found is None:
             raise AuditError(f"run {run_id} has no published prompt artifact (prompt/{method}.*)")
-    else:  # non-private prompts are never published; they stay next to the private data
-        directory = paths.private / "runs" / tags.get("prefect.flow_run_id", "?")
-        found = _find_prompt(directory, method) if directory.is_dir() else None
-        if found is None:
-            raise AuditError(f"run {run_id} has no prompt artifact to audit (non-private run; looked in {directory})")
-    acfg = cfg.audit.model_copy(update={"enabled": True})
-    if shadows is not None:
-        acfg = acfg.model_copy(update={"shadows": shadows})
-        AuditConfig.model_validate(acfg.model_dump())
+        return found
+    directory = paths.private / "runs" / tags.get("prefect.flow_run_id", "?")
+    found = _find_prompt(directory, method) if directory.is_dir() else None
+    if found is None:
+        raise AuditError(f"run {run_id} has no prompt artifact to audit (non-private run; looked in {directory})")
+    return found
+
+
+def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | None = None):
+    """(AuditTarget, AuditConfig) of a finished MLflow run; every problem is an ``AuditError``
+    raised before any training. The run's config is parsed once, here."""
+    import yaml
+
+    from tasks.config import parse_config
+
+    paths = state_paths(state_dir)
+    mlflow = client(paths)
+    run = _audited_run(mlflow, run_id, paths)
+    tags, metrics = run.data.tags, run.data.metrics
+    method = tags["method"]
+    config = yaml.safe_load(open(_artifact(mlflow, run_id, "config.yaml", "config.yaml")).read())
+    config["state_dir"] = str(paths.root)
+    cfg = parse_config(config)
+    prepared = json.loads(open(_artifact(mlflow, run_id, "method/prepared.json", "prepared-stage")).read())
+    partition = _private_partition(paths, run_id, tags)
+    found = _audited_prompt(mlflow, paths, run_id, tags, method)
+    acfg = (cfg.audit.model_copy(update={"enabled": True}) if shadows is None else  # a CLI's shadows: validated
+            AuditConfig.model_validate({**cfg.audit.model_dump(), "enabled": True, "shadows": shadows}))
     target = AuditTarget(config=cfg.model_dump(mode="json"), partition=partition, prompt_path=str(found),
                          method=method, delta=metrics.get("privacy.delta"),
                          # single-record canaries: a record-level run charged per person is audited per record
                          epsilon=metrics.get("privacy.epsilon_per_record", metrics.get("privacy.epsilon")),
                          run_id=run_id, flow_run_id=tags.get("prefect.flow_run_id", ""), state_dir=str(paths.root),
                          prepared=prepared)
+    target.__dict__["cfg"] = cfg  # the config parsed above (AuditTarget.cfg is a cached property)
     check_audit(target, acfg)
     return target, acfg

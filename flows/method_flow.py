@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger
 
 from flows.parent_run import parent_run
 from tasks import pipeline
-from tasks.config import load_config, parse_config
+from tasks.config import ParsedConfig, PrivPromptConfig, load_config, parse_config
 from tasks.lifecycle import RunOutcome, preflight, resolve_partition
 from tasks.methods import get_method
 from tasks.prefect_tasks import (endpoint_task, evaluate_task, loss_mia_task, partition_task, prepare_task,
@@ -30,7 +30,7 @@ from tasks.state import default_data_root
 
 
 def partition(cfg, paths, data_root) -> dict:
-    args = dict(data_config=cfg.data.model_dump(mode="json"), seed=cfg.seed,
+    args = dict(data_config=cfg.data, seed=cfg.seed,
                 private_dir=str(paths.private), data_root=data_root)
     part = partition_task(**args)
     manifest = Path(part["directory"]) / "manifest.json"
@@ -67,10 +67,20 @@ def evaluate_published(ctx: StageContext, rec: pipeline.RunReport, published: Ru
         rec.other_model(endpoint.alias, out["accuracy"], out["compute_s"])
 
 
+def parsed_config(config: dict | str | PrivPromptConfig, overrides: list[str] | None = None) -> PrivPromptConfig:
+    """The one parse of a flow's config: a parsed config as it is (a sweep's variant, parsed when
+    the sweep validated it), a dict parsed here, or a YAML file's path (deployments) loaded with
+    its ``overrides``."""
+    if isinstance(config, PrivPromptConfig):
+        return config
+    return load_config(config, overrides) if isinstance(config, str) else parse_config(config)
+
+
 @flow(name="method", log_prints=False)
-def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
-    """``config``: a validated config dict, or the path of a YAML config (deployments)."""
-    cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
+def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None = None) -> dict:
+    """``config``: a parsed config, a config dict, or the path of a YAML config (deployments);
+    parsed once, here, and passed to every task as it is (frozen)."""
+    cfg = parsed_config(config, overrides)
     method = get_method(cfg.method)
     with parent_run(cfg, "method", cfg.method, cfg.guarantee,
                     params={"privacy.dataset_epsilon_cap": cfg.privacy.dataset_epsilon_cap}) as run:
@@ -110,7 +120,7 @@ def method_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
         if cfg.audit.enabled:
             from flows.audit import run_audit
 
-            rec.audited(run_audit(pipeline.audit_target(ctx, published, prepared), cfg.audit))
+            rec.audited(run_audit(pipeline.audit_target(ctx, published, prepared), cfg.audit, cfg))
         run.summary.update(rec.record(ctx, published, plan))
     get_run_logger().info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in rec.metrics.items()}))
     for warning in run.summary.get("warnings", []):

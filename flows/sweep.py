@@ -7,10 +7,10 @@ from __future__ import annotations
 from prefect import flow, get_run_logger, task
 
 from flows.parent_run import parent_run
-from flows.method_flow import method_flow
+from flows.method_flow import method_flow, parsed_config
 from tasks import plots
 from tasks.comparison import mean_std
-from tasks.config import load_config, parse_config, sweep_variants, variant_group
+from tasks.config import ParsedConfig, PrivPromptConfig, sweep_variants, variant_group
 from tasks.errors import ConfigError
 from tasks.planning import format_plan, plan_runs
 from tasks.prefect_tasks import dask_task_runner
@@ -104,16 +104,17 @@ def _row(label: str, variant, run_id: str, metrics: dict, resumed: bool) -> dict
 
 
 @task(name="sweep-variant", task_run_name="variant-{label}")
-def variant_task(vcfg: dict, label: str, threads: int) -> dict:
-    """One variant's method flow, on a Dask worker (a nested flow run of the sweep)."""
+def variant_task(vcfg: PrivPromptConfig, label: str, threads: int) -> dict:
+    """One variant's method flow, on a Dask worker (a nested flow run of the sweep): its config
+    as the sweep parsed it (pickled to the worker, not parsed again)."""
     import torch
 
     torch.set_num_threads(threads)  # one worker per core, not oversubscribed
-    out = method_flow.with_options(flow_run_name=f"{vcfg['method']}:{label}")(vcfg)
+    out = method_flow.with_options(flow_run_name=f"{vcfg.method}:{label}")(vcfg)
     return {k: out[k] for k in ("mlflow_run_id", "metrics", "budget")}
 
 
-def run_in_parallel(items: list[tuple[str, dict]], dcfg) -> dict[str, dict]:
+def run_in_parallel(items: list[tuple[str, PrivPromptConfig]], dcfg) -> dict[str, dict]:
     """Variants as tasks on a DaskTaskRunner (a local cluster of processes, or ``dcfg.address``)."""
     @flow(name="sweep-variants", task_runner=dask_task_runner(dcfg), log_prints=False)
     def variants_flow(items):
@@ -123,87 +124,106 @@ def run_in_parallel(items: list[tuple[str, dict]], dcfg) -> dict[str, dict]:
     return variants_flow(items)
 
 
-@flow(name="sweep", log_prints=False)
-def sweep_flow(config: dict | str, overrides: list[str] | None = None) -> dict:
-    """Every variant (``sweep:`` list and ``grid:`` product) × seed as one method flow run.
-    Resumable: a variant whose validated config already has a FINISHED run is not run again.
-    The budget of what remains to run is planned up front; over a cap, nothing runs."""
-    from tasks.comparison import log_report, parent_runs
+def pending_variants(variants: list[tuple[str, PrivPromptConfig]], paths) -> tuple[dict, list, dict]:
+    """(each variant's FINISHED run of its config hash or None, the variants left to run, their
+    budget plan). Over a dataset's cap nothing runs: refused before any training, and before any
+    MLflow run exists."""
     from tasks.config import config_hash
     from tasks.record import client
 
-    cfg = load_config(config, overrides) if isinstance(config, str) else parse_config(config)
-    variants = sweep_variants(cfg)  # every variant validated before anything runs
-    logger = get_run_logger()
-    paths = config_state_paths(cfg)
     mlflow = client(paths) if paths.mlflow_db.is_file() else None
     done = {label: finished_run(mlflow, v.experiment_name, config_hash(v)) if mlflow else None for label, v in variants}
     todo = [(label, v) for label, v in variants if done[label] is None]
     budget = plan_runs(todo, paths) if todo else {"runs": [], "datasets": {}, "fits": True}
-    if not budget["fits"]:  # refused before any training, and before any MLflow run exists
+    if not budget["fits"]:
         # no plan number here: they derive from the released sizes, and Prefect keeps this message
         # (the flow run's state) while no run is charged for the release; `privprompt plan` shows them
         over = sorted({d.get("name", "?") for d in budget["datasets"].values() if not d["fits"]})
         raise ConfigError(f"the sweep's planned runs exceed a dataset's privacy budget (dataset "
                           f"{', '.join(map(repr, over))}): nothing ran and nothing was reserved; "
                           "`privprompt plan CONFIG` shows the plan")
+    return done, todo, budget
+
+
+def run_variants(cfg: PrivPromptConfig, variants, done: dict, todo: list, run) -> list[dict]:
+    """Every variant's row: a FINISHED run's as it was, else a method flow run of its parsed config
+    (with ``sweep_dask``, the variants without an audit as Dask tasks first)."""
+    logger, record = get_run_logger(), run.parent
+
+    def vconfig(variant: PrivPromptConfig) -> PrivPromptConfig:
+        return variant.model_copy(update={"state_dir": str(run.paths.root)})  # a path: nothing to validate
+
+    # with sweep_dask, variants without an audit run as Dask tasks (an audit starts its own
+    # cluster, which cannot start inside a Dask worker: audited variants run here, serially)
+    parallel = {}
+    if cfg.sweep_dask is not None:
+        items = [(label, vconfig(v)) for label, v in todo if not v.audit.enabled]
+        if items:
+            logger.info("sweep: %d variants on Dask (%s)", len(items),
+                        cfg.sweep_dask.address or f"local cluster, {cfg.sweep_dask.n_workers} workers")
+            parallel = run_in_parallel(items, cfg.sweep_dask)
+    rows = []
+    for label, variant in variants:
+        previous = done[label]
+        if previous is not None:
+            logger.info("sweep variant %s: FINISHED before as run %s, not run again", label, previous.info.run_id)
+            rows.append(_row(label, variant, previous.info.run_id, previous.data.metrics, True))
+            continue
+        if label in parallel:
+            out = parallel[label]
+        else:
+            logger.info("sweep variant %s", label)
+            out = method_flow.with_options(flow_run_name=f"{variant.method}:{label}")(vconfig(variant))
+        record.mlflow.set_tag(out["mlflow_run_id"], "sweep.variant", label)
+        rows.append(_row(label, variant, out["mlflow_run_id"], out["metrics"], False))
+        fingerprint = out.get("budget", {}).get("dataset.fingerprint")
+        if fingerprint:
+            record.set_tags({"dataset.fingerprint": fingerprint})
+    return rows
+
+
+def log_summary(record, cfg: PrivPromptConfig, variants, rows: list[dict], budget: dict) -> list[dict]:
+    """The sweep's parent run: results, seed groups, the table, the budget plan, the privacy–utility
+    and leakage plots and the report of its runs. Returns the seed groups."""
+    from tasks.comparison import log_report, parent_runs
+
+    groups = seed_groups(rows)
+    record.log_json(rows, "sweep/results.json")
+    record.log_json(groups, "sweep/groups.json")
+    record.log_text(summary_table(rows, groups), "tables/sweep.md")
+    record.log_text(format_plan(budget) + "\n", "sweep/budget_plan.txt")
+    if cfg.seeds:
+        record.log_params({"sweep.seeds": ",".join(map(str, cfg.seeds))})
+    points = [{"method": r["variant"], "accuracy": r["test.accuracy"], "epsilon": r["privacy.epsilon"],
+               "guarantee": "no DP"} for r in rows]
+    fig = plots.privacy_utility_plot(points, f"{cfg.data.name}: test accuracy by variant")
+    record.log_figure(fig, "plots/privacy_utility.png")
+    plots.close(fig)
+    if any(r.get("mia.lira.auc") is not None for r in rows):
+        fig = plots.leakage_plot(rows, f"{cfg.data.name}: membership inference by variant")
+        record.log_figure(fig, "plots/leakage.png")
+        plots.close(fig)
+    ids = {r["mlflow_run_id"] for r in rows}
+    report_rows = [r for e in {v.experiment_name for _, v in variants}
+                   for r in parent_runs(record.mlflow, e) if r["run_id"] in ids]
+    log_report(record, report_rows, f"{cfg.data.name}: privacy–utility by method")
+    return groups
+
+
+@flow(name="sweep", log_prints=False)
+def sweep_flow(config: dict | str | ParsedConfig, overrides: list[str] | None = None) -> dict:
+    """Every variant (``sweep:`` list and ``grid:`` product) × seed as one method flow run.
+    Resumable: a variant whose validated config already has a FINISHED run is not run again.
+    The budget of what remains to run is planned up front; over a cap, nothing runs."""
+    cfg = parsed_config(config, overrides)
+    variants = sweep_variants(cfg)  # every variant parsed (once) and validated before anything runs
+    done, todo, budget = pending_variants(variants, config_state_paths(cfg))
     # the plan once it fits: its runs are charged (each run's ε composes the sizes' release)
-    logger.info("budget plan (%d to run, %d finished before):\n%s", len(todo), len(variants) - len(todo),
-                format_plan(budget))
+    get_run_logger().info("budget plan (%d to run, %d finished before):\n%s", len(todo), len(variants) - len(todo),
+                          format_plan(budget))
     with parent_run(cfg, "sweep", "sweep", "none", tags={"sweep.variants": len(variants)}, params={
             "privacy.target_delta": cfg.privacy.target_delta or "default: the method's"}) as run:
-        paths, record = run.paths, run.parent
-        rows = []
-
-        def vconfig(variant):
-            vcfg = variant.model_dump(mode="json")
-            vcfg["state_dir"] = str(paths.root)
-            return vcfg
-
-        # with sweep_dask, variants without an audit run as Dask tasks (an audit starts its own
-        # cluster, which cannot start inside a Dask worker: audited variants run here, serially)
-        parallel = {}
-        if cfg.sweep_dask is not None:
-            items = [(label, vconfig(v)) for label, v in todo if not v.audit.enabled]
-            if items:
-                logger.info("sweep: %d variants on Dask (%s)", len(items),
-                            cfg.sweep_dask.address or f"local cluster, {cfg.sweep_dask.n_workers} workers")
-                parallel = run_in_parallel(items, cfg.sweep_dask)
-        for label, variant in variants:
-            previous = done[label]
-            if previous is not None:
-                logger.info("sweep variant %s: FINISHED before as run %s, not run again", label, previous.info.run_id)
-                rows.append(_row(label, variant, previous.info.run_id, previous.data.metrics, True))
-                continue
-            if label in parallel:
-                out = parallel[label]
-            else:
-                logger.info("sweep variant %s", label)
-                out = method_flow.with_options(flow_run_name=f"{variant.method}:{label}")(vconfig(variant))
-            record.mlflow.set_tag(out["mlflow_run_id"], "sweep.variant", label)
-            rows.append(_row(label, variant, out["mlflow_run_id"], out["metrics"], False))
-            fingerprint = out.get("budget", {}).get("dataset.fingerprint")
-            if fingerprint:
-                record.set_tags({"dataset.fingerprint": fingerprint})
-        groups = seed_groups(rows)
-        record.log_json(rows, "sweep/results.json")
-        record.log_json(groups, "sweep/groups.json")
-        record.log_text(summary_table(rows, groups), "tables/sweep.md")
-        record.log_text(format_plan(budget) + "\n", "sweep/budget_plan.txt")
-        if cfg.seeds:
-            record.log_params({"sweep.seeds": ",".join(map(str, cfg.seeds))})
-        points = [{"method": r["variant"], "accuracy": r["test.accuracy"], "epsilon": r["privacy.epsilon"],
-                   "guarantee": "no DP"} for r in rows]
-        fig = plots.privacy_utility_plot(points, f"{cfg.data.name}: test accuracy by variant")
-        record.log_figure(fig, "plots/privacy_utility.png")
-        plots.close(fig)
-        if any(r.get("mia.lira.auc") is not None for r in rows):
-            fig = plots.leakage_plot(rows, f"{cfg.data.name}: membership inference by variant")
-            record.log_figure(fig, "plots/leakage.png")
-            plots.close(fig)
-        ids = {r["mlflow_run_id"] for r in rows}
-        report_rows = [r for e in {v.experiment_name for _, v in variants}
-                       for r in parent_runs(record.mlflow, e) if r["run_id"] in ids]
-        log_report(record, report_rows, f"{cfg.data.name}: privacy–utility by method")
-    return {"flow_run_id": run.flow_run_id, "mlflow_run_id": record.run_id, "experiment": cfg.experiment_name,
+        rows = run_variants(cfg, variants, done, todo, run)
+        groups = log_summary(run.parent, cfg, variants, rows, budget)
+    return {"flow_run_id": run.flow_run_id, "mlflow_run_id": run.parent.run_id, "experiment": cfg.experiment_name,
             "method": "sweep", "variants": rows, "groups": groups, "metrics": {}}

@@ -388,99 +388,148 @@ def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, se
     return TrainResult(prompt.weight.detach().cpu().clone(), history, step, 0, private=False)
 
 
+@dataclass
+class _Batch:
+    """One Poisson-sampled step: the examples drawn (``idx``) and ``B``, the units sampled
+    (examples, without units); with units, each example's position among the sampled units."""
+
+    idx: torch.Tensor
+    B: int
+    unit_pos: torch.Tensor | None = None
+
+
+@dataclass
+class _ClippedSum:
+    """The sum of one step's clipped gradients (one per example, or one per unit) and its
+    diagnostics (statistics of private data: kept in the private history only)."""
+
+    summed: torch.Tensor
+    seen: int = 0
+    losses: list = field(default_factory=list)
+    clipped: int = 0
+    norm_sum: float = 0.0
+    nonfinite: int = 0
+
+    def add_clipped(self, grads: torch.Tensor, C: float) -> None:
+        """Clip each row of ``grads`` to norm ``C`` and add them up."""
+        norms = grads.flatten(1).norm(dim=1)
+        factor = (C / (norms + 1e-6)).clamp(max=1.0)
+        self.summed += (grads * factor.view(-1, *[1] * (grads.dim() - 1))).sum(0)
+        self.clipped += int((norms > C).sum())
+        self.norm_sum += float(norms.sum())
+
+
+def _poisson_batch(g_sample: torch.Generator, q: float, U: int, units: torch.Tensor | None) -> _Batch:
+    """Poisson sampling of units (of examples without units): every example of each sampled unit."""
+    drawn = torch.rand(U, generator=g_sample) < q
+    if units is None:
+        idx = drawn.nonzero().squeeze(1)
+        return _Batch(idx, int(idx.numel()))
+    idx = drawn[units].nonzero().squeeze(1)
+    sampled_units = drawn.nonzero().squeeze(1)
+    B = int(sampled_units.numel())
+    unit_pos = torch.full((U,), -1, dtype=torch.long)
+    unit_pos[sampled_units] = torch.arange(B)
+    return _Batch(idx, B, unit_pos)
+
+
+def _clipped_gradient_sum(classifier, enc, labels, config, dp: DPConfig, at, batch: _Batch, mask,
+                          units: torch.Tensor | None, shape) -> _ClippedSum:
+    """Per-sample gradients of the batch at ``at`` (physical chunks), masked, non-finite rows
+    zeroed, clipped to ``dp.max_grad_norm`` per example, or combined per unit and clipped once per
+    unit; summed."""
+    C, idx, B = dp.max_grad_norm, batch.idx, batch.B
+    out = _ClippedSum(torch.zeros(shape, device=classifier.device))
+    per_unit = counts = None
+    for chunk in idx.split(config.physical_batch_size):
+        grads, loss = per_sample_prompt_gradients(
+            classifier, select_rows(enc, chunk), labels[chunk], at, return_losses=True
+        )
+        _check_per_sample_shape(grads, int(chunk.numel()), shape)
+        if mask is not None:
+            grads = grads * mask  # frozen (removed) layers: no gradient, no sensitivity
+        finite = torch.isfinite(grads.flatten(1)).all(dim=1)
+        if not bool(finite.all()):  # an example whose gradient overflowed contributes nothing
+            grads = torch.where(finite.view(-1, *[1] * len(shape)), grads, torch.zeros_like(grads))
+            out.nonfinite += int((~finite).sum())
+        out.seen += grads.shape[0]
+        out.losses.append(loss)
+        if units is not None:  # combined per unit, then clipped once per unit (below)
+            per_unit, counts = combine_per_unit(grads, batch.unit_pos[units[chunk]], B, per_unit, counts)
+            continue
+        out.add_clipped(grads, C)
+    if out.seen != int(idx.numel()):
+        raise RuntimeError(f"per-sample gradients cover {out.seen} examples, the Poisson batch has {int(idx.numel())}")
+    if units is not None and B:
+        per_unit = finish_per_unit(per_unit, counts, dp.unit_combine)
+        if per_unit.shape[0] != B or bool((counts < 1).any()):
+            raise RuntimeError(f"per-unit gradients cover {per_unit.shape[0]} units, the Poisson batch has {B}")
+        out.add_clipped(per_unit, C)  # one clipped gradient per unit
+    return out
+
+
+def _noised_update(prompt, opt, summed: torch.Tensor, dp: DPConfig, expected_batch: float, mask, hooks,
+                   g_noise: torch.Generator, step: int, check_update: bool) -> bool:
+    """Add the Gaussian noise (σ·C) to the clipped sum, scale by the expected batch, apply the
+    hooks' terms and take the optimizer step; returns whether the update was checked to move the
+    prompt (the first step with a non-zero gradient is: opacus#820-style "never updates")."""
+    shape = prompt.weight.shape
+    noise = torch.normal(0.0, dp.noise_multiplier * dp.max_grad_norm, size=tuple(shape), generator=g_noise)
+    noise = noise.to(summed.device)
+    if mask is not None:
+        noise = noise * mask  # frozen layers do not move
+    grad = (summed + noise) / expected_batch
+    for hook in hooks:  # hook point 3: terms added to the noised gradient
+        grad = hook.adjust_gradient(grad, prompt.weight.detach(), mask)
+    moving = check_update and bool(grad.abs().max() > 0)
+    before = prompt.weight.detach().clone() if moving else None
+    opt.zero_grad(set_to_none=True)
+    prompt.weight.grad = grad.to(prompt.weight.dtype)
+    opt.step()
+    if not torch.isfinite(prompt.weight).all():
+        raise RuntimeError(f"prompt became non-finite at DP step {step}")
+    if before is not None:
+        if torch.equal(before, prompt.weight.detach()):
+            raise RuntimeError(f"the prompt did not change after DP step {step}: the optimizer is not updating it")
+        return True
+    return False
+
+
 def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progress,
               g_sample: torch.Generator, g_noise: torch.Generator,
               hooks: tuple[DPStepHook, ...] = (), units: torch.Tensor | None = None) -> TrainResult:
     N = num_examples(enc)
     U = N if units is None else int(units.max()) + 1  # privacy units: examples, or the given units
-    q, C, sigma = dp.sample_rate, dp.max_grad_norm, dp.noise_multiplier
+    q = dp.sample_rate
     total = config.steps if config.steps is not None else max(1, round(config.epochs / q))
     expected_batch = dp.expected_batch if dp.expected_batch is not None else q * U
     # Separate CPU streams for sampling and noise (device independent), secret unless the caller
     # injected seeded ones (tests, the debug switch).
     report = StepProgress(progress, config.log_every, total)
-    dev = classifier.device
     shape = prompt.weight.shape
     history, empty, update_checked = [], 0, False
-    mask = _combined_mask(hooks, shape, dev)  # hook point 1: the trainable part (None: all of it)
+    mask = _combined_mask(hooks, shape, classifier.device)  # hook point 1: the trainable part (None: all of it)
     for step in range(1, total + 1):
-        drawn = torch.rand(U, generator=g_sample) < q  # Poisson sampling of units (of examples without units)
-        if units is None:
-            idx = drawn.nonzero().squeeze(1)
-            B = int(idx.numel())
-        else:  # every example of each sampled unit
-            idx = drawn[units].nonzero().squeeze(1)
-            sampled_units = drawn.nonzero().squeeze(1)
-            B = int(sampled_units.numel())
-            unit_pos = torch.full((U,), -1, dtype=torch.long)
-            unit_pos[sampled_units] = torch.arange(B)
-            per_unit = counts = None
-        summed = torch.zeros(shape, device=dev)
-        seen, losses, clipped, norm_sum, nonfinite = 0, [], 0, 0.0, 0
+        batch = _poisson_batch(g_sample, q, U, units)
         at = prompt.weight  # hook point 2: where the per-sample gradients are taken (the noise is added below)
         for hook in hooks:
-            at = hook.gradient_point(step, classifier, enc, labels, idx, at, q)
-        for chunk in idx.split(config.physical_batch_size):
-            grads, loss = per_sample_prompt_gradients(
-                classifier, select_rows(enc, chunk), labels[chunk], at, return_losses=True
-            )
-            _check_per_sample_shape(grads, int(chunk.numel()), shape)
-            if mask is not None:
-                grads = grads * mask  # frozen (removed) layers: no gradient, no sensitivity
-            finite = torch.isfinite(grads.flatten(1)).all(dim=1)
-            if not bool(finite.all()):  # an example whose gradient overflowed contributes nothing
-                grads = torch.where(finite.view(-1, *[1] * len(shape)), grads, torch.zeros_like(grads))
-                nonfinite += int((~finite).sum())
-            seen += grads.shape[0]
-            losses.append(loss)
-            if units is not None:  # combined per unit, then clipped once per unit (below)
-                per_unit, counts = combine_per_unit(grads, unit_pos[units[chunk]], B, per_unit, counts)
-                continue
-            norms = grads.flatten(1).norm(dim=1)
-            factor = (C / (norms + 1e-6)).clamp(max=1.0)
-            summed += (grads * factor.view(-1, *[1] * len(shape))).sum(0)
-            clipped += int((norms > C).sum())
-            norm_sum += float(norms.sum())
-        if seen != int(idx.numel()):
-            raise RuntimeError(f"per-sample gradients cover {seen} examples, the Poisson batch has {int(idx.numel())}")
-        if units is not None and B:
-            per_unit = finish_per_unit(per_unit, counts, dp.unit_combine)
-            if per_unit.shape[0] != B or bool((counts < 1).any()):
-                raise RuntimeError(f"per-unit gradients cover {per_unit.shape[0]} units, the Poisson batch has {B}")
-            norms = per_unit.flatten(1).norm(dim=1)
-            factor = (C / (norms + 1e-6)).clamp(max=1.0)
-            summed += (per_unit * factor.view(-1, *[1] * len(shape))).sum(0)  # one clipped gradient per unit
-            clipped += int((norms > C).sum())
-            norm_sum += float(norms.sum())
+            at = hook.gradient_point(step, classifier, enc, labels, batch.idx, at, q)
+        step_sum = _clipped_gradient_sum(classifier, enc, labels, config, dp, at, batch, mask, units, shape)
+        B = batch.B
         if B == 0:
             empty += 1  # still step: noise only (skipping would reveal the empty batch)
-        noise = torch.normal(0.0, sigma * C, size=tuple(shape), generator=g_noise).to(dev)
-        if mask is not None:
-            noise = noise * mask  # frozen layers do not move
-        grad = (summed + noise) / expected_batch
-        for hook in hooks:  # hook point 3: terms added to the noised gradient
-            grad = hook.adjust_gradient(grad, prompt.weight.detach(), mask)
-        moving = not update_checked and bool(grad.abs().max() > 0)
-        before = prompt.weight.detach().clone() if moving else None
-        opt.zero_grad(set_to_none=True)
-        prompt.weight.grad = grad.to(prompt.weight.dtype)
-        opt.step()
-        if not torch.isfinite(prompt.weight).all():
-            raise RuntimeError(f"prompt became non-finite at DP step {step}")
-        if before is not None:  # first step with a non-zero gradient (opacus#820-style "never updates")
-            if torch.equal(before, prompt.weight.detach()):
-                raise RuntimeError(f"the prompt did not change after DP step {step}: the optimizer is not updating it")
-            update_checked = True
-        mean_loss = float(torch.cat(losses).mean()) if B else None
+        update_checked |= _noised_update(prompt, opt, step_sum.summed, dp, expected_batch, mask, hooks, g_noise,
+                                         step, not update_checked)
+        mean_loss = float(torch.cat(step_sum.losses).mean()) if B else None
         history.append(
             {
                 "step": step,
                 "loss": mean_loss,
                 "batch_size": B,  # units sampled (examples, without units)
-                **({"batch_examples": int(idx.numel())} if units is not None else {}),
-                "clipped_frac": clipped / B if B else None,
-                "mean_grad_norm": norm_sum / B if B else None,
-                "nonfinite_examples": nonfinite,
+                **({"batch_examples": int(batch.idx.numel())} if units is not None else {}),
+                "clipped_frac": step_sum.clipped / B if B else None,
+                "mean_grad_norm": step_sum.norm_sum / B if B else None,
+                "nonfinite_examples": step_sum.nonfinite,
             }
         )
         report(step, mean_loss)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +71,7 @@ class AuditTarget:
         """The model the audited prompt is used on."""
         return get_method(self.method).published_model(self.cfg, self.prepared)
 
-    @property
+    @cached_property
     def cfg(self) -> PrivPromptConfig:
         return parse_config(self.config)
 

@@ -212,6 +212,47 @@ def _mean_line(ax, groups, label: str, marker: str | None = None):
     return line
 
 
+def _epsilon_panel(ax, key: str, label: str, eps_rows: list[dict], ldp_rows: list[dict], datasets: list[str],
+                   sections: list) -> None:
+    """``key`` against ε spent (log; runs without ε at "∞", right of a dotted line) per method:
+    the means over seeds, every run faint behind them; on the accuracy panel, each declared
+    :class:`ReferenceAccuracy` per dataset as a horizontal line."""
+    finite = [r["epsilon"] for r in eps_rows if r["epsilon"] is not None]
+    inf_x = (max(finite) * 1.6) if finite else 1.0
+    for method in sorted({r["method"] for r in eps_rows}):
+        runs = [r for r in eps_rows if r["method"] == method and r[key] is not None]
+        if not runs:
+            continue
+        groups = _seed_groups(runs, lambda r: r["epsilon"] if r["epsilon"] is not None else inf_x, key)
+        line = _mean_line(ax, groups, method)
+        for x, y, g in sorted((r["epsilon"] if r["epsilon"] is not None else inf_x, r[key], r["guarantee"])
+                              for r in runs):  # every run, faint behind the means
+            ax.scatter([x], [y], marker=MARKERS.get(g, "o"), color=line.get_color(), alpha=0.35, s=14, zorder=2)
+    for ref in _declared(sections, ReferenceAccuracy) if key == "accuracy" else ():
+        for i, dataset in enumerate(datasets):  # each dataset's reference, on its own test split
+            mean = mean_std(r.get(ref.key) for r in eps_rows + ldp_rows if r.get("dataset", "") == dataset)
+            if mean is not None:
+                ax.axhline(mean[0], color="0.45", lw=1, ls=("--", "-.", ":")[i % 3],
+                           label=ref.label + (f" · {dataset}" if len(datasets) > 1 else ""))
+    if finite:
+        ax.axvline(inf_x / 1.25, color="0.7", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    plots.epsilon_ticks(ax, finite, inf_x if any(r["epsilon"] is None for r in eps_rows) else None)
+    ax.set_xlabel("ε spent (log); no DP at ε=∞")
+    ax.set_ylabel(label)
+
+
+def _level_panel(ax, rows: list[dict], key: str, ylabel: str) -> None:
+    """``key`` against the local privacy level η per method (ldp runs: no ε), means over seeds."""
+    for method in sorted({r["method"] for r in rows}):
+        runs = [r for r in rows if r["method"] == method and r["eta"] is not None]
+        if runs:
+            _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], key), method, "s")
+    ax.set_xlabel("η (local d_X privacy; no ε)")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+
+
 def comparison_figure(rows: list[dict], title: str, sections: list | None = None):
     """Accuracy and MIA AUC vs ε (∞ for runs without ε) per method — a line through the means over
     seeds at each privacy level with ± one standard deviation, every run a faint marker behind it;
@@ -224,8 +265,6 @@ def comparison_figure(rows: list[dict], title: str, sections: list | None = None
         rows = [{**r, "method": f"{r['method']} · {r.get('dataset') or '?'}"} for r in rows]
     eps_rows = [r for r in rows if r["guarantee"] != "ldp"]
     ldp_rows = [r for r in rows if r["guarantee"] == "ldp"]
-    finite = [r["epsilon"] for r in eps_rows if r["epsilon"] is not None]
-    inf_x = (max(finite) * 1.6) if finite else 1.0
     sections = report_declarations()[1] if sections is None else sections
     level_panels = [(p, [r for r in ldp_rows if r.get(p.key) is not None]) for p in _declared(sections, LevelPanel)]
     level_panels = [(p, runs) for p, runs in level_panels if runs]
@@ -235,47 +274,13 @@ def comparison_figure(rows: list[dict], title: str, sections: list | None = None
     axes = list(axes[0])
     eps_axes = ((axes[0], "accuracy", "test accuracy"), (axes[1], "mia_auc", "loss-MIA AUC (not DP)")) if eps_panels else ()
     for ax, key, label in eps_axes:
-        for method in sorted({r["method"] for r in eps_rows}):
-            runs = [r for r in eps_rows if r["method"] == method and r[key] is not None]
-            if not runs:
-                continue
-            groups = _seed_groups(runs, lambda r: r["epsilon"] if r["epsilon"] is not None else inf_x, key)
-            line = _mean_line(ax, groups, method)
-            for x, y, g in sorted((r["epsilon"] if r["epsilon"] is not None else inf_x, r[key], r["guarantee"])
-                                  for r in runs):  # every run, faint behind the means
-                ax.scatter([x], [y], marker=MARKERS.get(g, "o"), color=line.get_color(), alpha=0.35, s=14, zorder=2)
-        for ref in _declared(sections, ReferenceAccuracy) if key == "accuracy" else ():
-            for i, dataset in enumerate(datasets):  # each dataset's reference, on its own test split
-                mean = mean_std(r.get(ref.key) for r in eps_rows + ldp_rows if r.get("dataset", "") == dataset)
-                if mean is not None:
-                    ax.axhline(mean[0], color="0.45", lw=1, ls=("--", "-.", ":")[i % 3],
-                               label=ref.label + (f" · {dataset}" if len(datasets) > 1 else ""))
-        if finite:
-            ax.axvline(inf_x / 1.25, color="0.7", lw=0.8, ls=":")
-        ax.set_xscale("log")
-        plots.epsilon_ticks(ax, finite, inf_x if any(r["epsilon"] is None for r in eps_rows) else None)
-        ax.set_xlabel("ε spent (log); no DP at ε=∞")
-        ax.set_ylabel(label)
+        _epsilon_panel(ax, key, label, eps_rows, ldp_rows, datasets, sections)
     if eps_panels:
         axes[0].legend(fontsize=7, title="o dp · x none", title_fontsize=7)
     if ldp_rows:
-        ax = axes[eps_panels]
-        for method in sorted({r["method"] for r in ldp_rows}):
-            runs = [r for r in ldp_rows if r["method"] == method and r["eta"] is not None and r["accuracy"] is not None]
-            if runs:
-                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], "accuracy"), method, "s")
-        ax.set_xlabel("η (local d_X privacy; no ε)")
-        ax.set_ylabel("test accuracy")
-        ax.legend(fontsize=7)
+        _level_panel(axes[eps_panels], [r for r in ldp_rows if r["accuracy"] is not None], "accuracy", "test accuracy")
     for i, (panel, panel_rows) in enumerate(level_panels):
-        ax = axes[eps_panels + 1 + i]
-        for method in sorted({r["method"] for r in panel_rows}):
-            runs = [r for r in panel_rows if r["method"] == method and r["eta"] is not None]
-            if runs:
-                _mean_line(ax, _seed_groups(runs, lambda r: r["eta"], panel.key), method, "s")
-        ax.set_xlabel("η (local d_X privacy; no ε)")
-        ax.set_ylabel(panel.ylabel)
-        ax.legend(fontsize=7)
+        _level_panel(axes[eps_panels + 1 + i], panel_rows, panel.key, panel.ylabel)
     fig.suptitle(title)
     fig.tight_layout()
     plots.drop_overlapping_tick_labels(fig)

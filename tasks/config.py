@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, InstanceOf, ValidationError, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from .errors import ConfigError
 
@@ -17,20 +18,58 @@ from .schema import (AuditConfig, Block, DaskConfig, DataConfig, DPSGDConfig, Mi
 from .state import digest_key
 
 
-def _methods_config_class():
-    """``methods:``: one block per registered method (``methods.<name>``), defaults filled in."""
-    from pydantic import create_model
-
+def method_blocks() -> dict[str, type[Block]]:
+    """Each registered method's config block class by name, in the registry's order: what
+    ``methods.<name>`` is validated against (read at parse time: a method registered later is
+    validated the same way, and the schema itself never changes)."""
     from .methods import get_method, registered_methods
 
-    fields = {}
-    for name in registered_methods():
-        block = get_method(name).config_class
-        fields[name] = (block, Field(default_factory=block))
-    return create_model("MethodsConfig", __base__=Block, **fields)
+    return {name: get_method(name).config_class for name in registered_methods()}
 
 
-MethodsConfig = _methods_config_class()
+def _line_errors(name: str, err: ValidationError) -> list[dict]:
+    """``err``'s errors as line errors under ``methods.<name>`` (their type and message kept)."""
+    from pydantic_core import PydanticCustomError
+
+    out = []
+    for e in err.errors():
+        line = {"type": e["type"], "loc": (name, *e["loc"]), "input": e["input"]}
+        if e.get("ctx"):
+            line["ctx"] = e["ctx"]
+        try:  # a pydantic error type as it is; a custom one keeps its type name and message
+            ValidationError.from_exception_data("check", [line])
+        except (KeyError, TypeError, ValueError):
+            line = {"type": PydanticCustomError(e["type"], e["msg"]), "loc": line["loc"], "input": e["input"]}
+        out.append(line)
+    return out
+
+
+class MethodsConfig(Block):
+    """One block per registered method (`methods.<name>`), its defaults filled in.
+
+    The schema is fixed: each entry is validated at parse time against the block class its method
+    registered (:func:`method_blocks`), so a method registered after import needs no rebuild. The
+    blocks are kept in the registry's order, as fields would be (``model_dump`` is unchanged); an
+    unknown name is an unknown key, a method's own error keeps its location ``methods.<name>.<key>``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _registered_blocks(cls, data, handler):
+        if isinstance(data, cls) or not isinstance(data, dict):
+            return handler(data)
+        blocks, errors, out = method_blocks(), [], {}
+        for name, block in blocks.items():
+            try:
+                out[name] = block.model_validate(data[name]) if name in data else block()
+            except ValidationError as err:
+                errors.extend(_line_errors(name, err))
+        errors += [{"type": "extra_forbidden", "loc": (name,), "input": value}  # as pydantic orders them
+                   for name, value in data.items() if name not in blocks]
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return handler(out)
 
 
 class LedgerConfig(Block):
@@ -187,20 +226,11 @@ class PrivPromptConfig(Block):
         return self.experiment or self.method
 
 
-def refresh_methods_schema() -> None:
-    """Rebuild the ``methods:`` block when a method is registered after this module was imported
-    (``tasks.methods.register_method`` calls it): one block per registered method, as at import."""
-    global MethodsConfig
-    from pydantic.fields import FieldInfo
-
-    from .methods import registered_methods
-
-    if set(registered_methods()) == set(MethodsConfig.model_fields):
-        return
-    MethodsConfig = _methods_config_class()
-    PrivPromptConfig.__pydantic_fields__["methods"] = FieldInfo.from_annotated_attribute(
-        MethodsConfig, Field(default_factory=MethodsConfig))
-    PrivPromptConfig.model_rebuild(force=True)
+# A flow parameter that may be a config parsed already (a sweep's variant, an audit's target): taken
+# as it is (an isinstance check, never a parse by Prefect's parameter validation), and absent from
+# the deployments' parameter schema (a deployment passes a YAML path or a dict).
+ParsedConfig = SkipJsonSchema[InstanceOf[PrivPromptConfig]]
+ParsedAuditConfig = SkipJsonSchema[InstanceOf[AuditConfig]]
 
 
 def _format_error(err: ValidationError) -> str:
@@ -296,8 +326,9 @@ def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
         for seed in seeds:
             item = dict(variant) if seed is None else {**variant, "seed": seed}
             overrides = [f"{k}={json.dumps(v)}" for k, v in item.items()]
-            try:
-                variant_cfg = parse_config(apply_overrides(copy.deepcopy(base), overrides))
+            try:  # the config itself (no override) is not parsed again
+                variant_cfg = (parse_config(apply_overrides(copy.deepcopy(base), overrides)) if overrides else
+                               cfg.model_copy(update={"sweep": [], "seeds": [], "grid": {}, "sweep_dask": None}))
             except ConfigError as err:
                 raise ConfigError(f"sweep.{i} ({variant}): {err}") from None
             out.append((",".join(f"{k}={v}" for k, v in item.items()), variant_cfg))

@@ -27,7 +27,7 @@ For your own data see the README's "Bring your own data".
 def _schema_root() -> type[BaseModel]:
     from . import config
 
-    return config.PrivPromptConfig  # looked up now: the methods block follows the registry
+    return config.PrivPromptConfig
 
 
 def _block_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
@@ -91,9 +91,17 @@ def _default(field) -> str:
 
 
 def _fields(block: type[BaseModel]) -> list[tuple[str, Any]]:
-    """A block's fields in schema order; the method blocks by name (the registry's order may change)."""
-    items = list(block.model_fields.items())
-    return sorted(items) if block.__name__ == "MethodsConfig" else items
+    """A block's fields in schema order; the ``methods:`` block's entries (one per registered
+    method, validated against its block at parse time) by name: the registry's order may change."""
+    from .config import MethodsConfig, method_blocks
+
+    if block is MethodsConfig:
+        from pydantic import Field
+        from pydantic.fields import FieldInfo
+
+        return sorted((name, FieldInfo.from_annotated_attribute(cls, Field(default_factory=cls)))
+                      for name, cls in method_blocks().items())
+    return list(block.model_fields.items())
 
 
 def walk(model: type[BaseModel] | None = None, prefix: str = "") -> Iterator[tuple[str, Any, type[BaseModel] | None]]:
@@ -159,7 +167,7 @@ def _block_at(loc: tuple) -> type[BaseModel] | None:
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
-        field = block.model_fields.get(part)
+        field = dict(_fields(block)).get(part)
         if field is None:
             return None
         block, _ = _block_of(field.annotation)
@@ -177,7 +185,7 @@ def did_you_mean(loc: tuple) -> str:
     prefix = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
     block = _block_at(loc)
     if block is not None:
-        close = difflib.get_close_matches(name, list(block.model_fields), n=2, cutoff=0.6)
+        close = difflib.get_close_matches(name, [key for key, _ in _fields(block)], n=2, cutoff=0.6)
         if close:
             return "did you mean " + " or ".join(f"'{prefix + '.' if prefix else ''}{c}'" for c in close) + "?"
     elsewhere = [k.replace("[]", "") for k in all_keys() if k.rsplit(".", 1)[-1] == name]

@@ -46,16 +46,21 @@ def dask_task_runner(dask):
         "dashboard_address": None})
 
 
+def _data_config(data_config: DataConfig | dict) -> DataConfig:
+    """The ``data:`` block as the flow parsed it (a dict, from an older caller, is parsed)."""
+    return data_config if isinstance(data_config, DataConfig) else DataConfig.model_validate(data_config)
+
+
 def _partition_cache_key(context, parameters) -> str:
-    cfg = DataConfig.model_validate(parameters["data_config"])
+    cfg = _data_config(parameters["data_config"])
     key = partition_key(cfg, parameters["seed"], parameters["data_root"], parameters["private_dir"])
     return f"partition-{key}-{abs(hash(str(Path(parameters['private_dir']).resolve()))) % 10**8}"
 
 
 @task(name="partition-data", cache_key_fn=_partition_cache_key, persist_result=True,
       retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only)
-def partition_task(data_config: dict, seed: int, private_dir: str, data_root: str | None) -> dict:
-    part = partition_dataset(DataConfig.model_validate(data_config), seed, private_dir, data_root)
+def partition_task(data_config: DataConfig | dict, seed: int, private_dir: str, data_root: str | None) -> dict:
+    part = partition_dataset(_data_config(data_config), seed, private_dir, data_root)
     # no sizes: Prefect's logs reach its server, and the released sizes are published only beside
     # the dp charge that covers them (the exact ones never leave private/)
     get_run_logger().info("partition %s ready (data.partition %s; its source's records key %s)",

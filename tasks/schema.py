@@ -15,9 +15,10 @@ from .attacks import default_attacks, registered_attacks, unknown_attack_message
 
 
 class Block(BaseModel):
-    """Base of every config block: unknown keys are errors."""
+    """Base of every config block: unknown keys are errors. A parsed config is frozen (read, never
+    written: a changed value is a new config, ``model_copy(update=...)``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class DataConfig(Block):

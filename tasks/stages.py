@@ -6,7 +6,6 @@ writes its child run of the run record, and returns paths and numbers only — n
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ import numpy as np
 from privacy import audit
 
 from . import plots
-from .config import PrivPromptConfig, parse_config
+from .config import PrivPromptConfig
 from .data import Partition, read_partition_split
 from .errors import ConfigError
 from .methodkit.classifiers import encode_split, input_length, pool_indices, prompted
@@ -31,11 +30,15 @@ if TYPE_CHECKING:
     from .methods import MethodContext
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageContext:
-    """What every stage of one flow run shares (JSON-able: it is a task parameter)."""
+    """What every stage of one flow run shares: the config the flow parsed once (frozen: read,
+    never written, never parsed again by a stage), the state folder, the partition and the run
+    ids. A task parameter: it pickles whole (a Dask worker gets the parsed config) and holds no
+    private text (the partition's manifest: paths and its released sizes; Prefect stores no task
+    parameter values, and hashes them only for its cache keys)."""
 
-    config: dict
+    cfg: PrivPromptConfig
     state_dir: str
     partition: dict
     parent_run_id: str
@@ -46,22 +49,13 @@ class StageContext:
     def for_run(cls, cfg: PrivPromptConfig, paths: StatePaths, partition: dict, parent_run_id: str,
                 flow_run_id: str) -> "StageContext":
         """The context of a flow run of ``cfg`` (its config parsed already: not parsed again)."""
-        ctx = cls(config=cfg.model_dump(mode="json"), state_dir=str(paths.root), partition=partition,
-                  parent_run_id=parent_run_id, flow_run_id=flow_run_id)
-        ctx._parsed = (_config_key(ctx.config), cfg)
-        return ctx
+        return cls(cfg=cfg, state_dir=str(paths.root), partition=partition, parent_run_id=parent_run_id,
+                   flow_run_id=flow_run_id)
 
     @property
-    def cfg(self) -> PrivPromptConfig:
-        """The config, parsed once per content (a stage that changes ``config`` gets it parsed again)."""
-        key = _config_key(self.config)
-        parsed = self.__dict__.get("_parsed")
-        if parsed is None or parsed[0] != key:
-            parsed = self._parsed = (key, parse_config(self.config))
-        return parsed[1]
-
-    def __getstate__(self) -> dict:  # the parsed config is a cache: never pickled with the context
-        return {k: v for k, v in self.__dict__.items() if k != "_parsed"}
+    def config(self) -> dict:
+        """The config as JSON (what a run record or a private file keeps): a dump, not a parse."""
+        return self.cfg.model_dump(mode="json")
 
     def method_context(self, prepared: dict, dataset_key: str | None = None) -> "MethodContext":
         """A method's view of this run (no tracking, no orchestration), its outputs under ``outputs/``."""
@@ -73,7 +67,7 @@ class StageContext:
 
     @property
     def paths(self) -> StatePaths:
-        return state_paths(self.state_dir, (self.config.get("ledger") or {}).get("url"))
+        return state_paths(self.state_dir, self.cfg.ledger.url)
 
     @property
     def part(self) -> Partition:
@@ -91,10 +85,6 @@ class StageContext:
     @property
     def private_run_dir(self) -> Path:
         return make_private_dir(self.paths.private / "runs" / self.flow_run_id)
-
-
-def _config_key(config: dict) -> str:
-    return json.dumps(config, sort_keys=True, default=str)
 
 
 def model_alias(model_name: str) -> str:

@@ -215,3 +215,59 @@ def test_the_ledger_subpackage_is_the_only_privacy_part_allowed_sqlalchemy():
     upward = {m: sorted(d for d in _reach(graph, m) if d.split(".")[0] in ("tasks", "flows", "models")
                         or d in SCRIPTS) for m in ledger}
     assert {m: d for m, d in upward.items() if d} == {}, f"the ledger subpackage importing tasks/flows/models: {upward}"
+
+
+# ---- function length (issue 36: no function over 80 lines, at most five over 60) ---------------
+
+LONGEST, LONG, MOST_LONG = 80, 60, 5
+# files other slices of issue 36 rewrite in parallel (the lifecycle door, the plan, selection as a
+# wrapper, the ledger subpackage, the data sources' and attacks' registries): their long functions
+# go with those rewrites; anywhere else the rule holds now
+BEING_REWRITTEN = ("tasks/lifecycle.py", "tasks/selection.py", "tasks/planning.py", "tasks/pipeline.py",
+                   "tasks/data.py", "tasks/audit.py", "privacy/ledger")
+
+
+def function_lengths(source: str) -> list[tuple[str, int]]:
+    """(qualified name, lines from ``def`` to its last line) of every function and method,
+    nested ones too (a nested function counts in its own right and inside its parent)."""
+    out = []
+
+    def visit(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out.append((prefix + child.name, child.end_lineno - child.lineno + 1))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return out
+
+
+def long_functions(limit: int) -> list[tuple[int, str]]:
+    """(lines, ``file:function``) of the project's functions over ``limit`` lines, longest first
+    (the project: its packages and scripts; tests, benches and docs' result scripts are not)."""
+    found = []
+    for path in project_modules().values():
+        rel = path.relative_to(REPO).as_posix()
+        found += [(n, f"{rel}:{name}") for name, n in function_lengths(path.read_text()) if n > limit]
+    return sorted(found, reverse=True)
+
+
+def test_function_lengths_are_measured_from_def_to_last_line():
+    source = "def f():\n    x = 1\n\n    def g():\n        return x\n    return g\n\n\nclass A:\n    def m(self):\n        pass\n"
+    assert function_lengths(source) == [("f", 6), ("f.g", 2), ("A.m", 2)]
+
+
+def test_no_function_over_80_lines_and_at_most_five_over_60():
+    """Outside the files other slices rewrite the rule holds now (a hard failure); while those
+    files still hold long functions the test is an expected failure naming them."""
+    over_longest, over_long = long_functions(LONGEST), long_functions(LONG)
+    print("over 80 lines:", over_longest, "\nover 60 lines:", over_long)
+    elsewhere = [(n, f) for n, f in over_long if not f.startswith(BEING_REWRITTEN)]
+    assert not [(n, f) for n, f in elsewhere if n > LONGEST], f"functions over {LONGEST} lines: {elsewhere}"
+    assert len(elsewhere) <= MOST_LONG, f"more than {MOST_LONG} functions over {LONG} lines: {elsewhere}"
+    if over_longest or len(over_long) > MOST_LONG:
+        pytest.xfail(f"issue 36: long functions left in files being rewritten: {over_long}")

@@ -250,7 +250,7 @@ def _retry_same_flow_run(setup, killed: dict) -> None:
 
     cfg = parse_config(setup["cfg"])
     part = partition_dataset(cfg.data, cfg.seed, state_paths(str(setup["state"])).private, None)
-    ctx = StageContext(config=cfg.model_dump(mode="json"), state_dir=str(setup["state"]), partition=part.to_dict(),
+    ctx = StageContext(cfg=cfg, state_dir=str(setup["state"]), partition=part.to_dict(),
                        parent_run_id=killed["run_id"], flow_run_id=killed["flow_run_id"])
     spent = _composed_spend(setup)[0]
     reads = []

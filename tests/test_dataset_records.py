@@ -425,7 +425,7 @@ def test_a_run_whose_source_was_charged_elsewhere_meanwhile_stops_before_its_res
     other, _, ledger = _charge(_data_cfg(sources["jsonl"], "toy-sst2", state))  # meanwhile, another run
     mlflow = client(paths)
     parent = RunRecord.create(mlflow, ensure_experiment(mlflow, cfg.experiment, paths), "parent", {})
-    ctx = StageContext(config=cfg.model_dump(mode="json"), state_dir=str(state), partition=resolved,
+    ctx = StageContext(cfg=cfg, state_dir=str(state), partition=resolved,
                        parent_run_id=parent.run_id, flow_run_id="flow-run-1")
     with pytest.raises(LedgerError, match="nothing was reserved: run it again") as info:
         run_method(ctx, "prompt_dpsgd", {})

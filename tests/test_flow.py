@@ -214,13 +214,14 @@ def test_rerun_reuses_partition_and_composes_budget(flow_run):
 def test_retried_training_never_charges_twice(flow_run):
     from privacy.ledger import Ledger
     from tasks import stages
+    from tasks.config import parse_config
     from tasks.lifecycle import run_method
 
     summary = flow_run["summary"]
     cfg = _config(flow_run["data"], flow_run["state"])
     state = flow_run["state"]
     part_dir = next((state / "private" / "partitions").iterdir())
-    ctx = stages.StageContext(config=cfg, state_dir=str(state),
+    ctx = stages.StageContext(cfg=parse_config(cfg), state_dir=str(state),
                               partition=json.loads((part_dir / "manifest.json").read_text()),
                               parent_run_id=summary["mlflow_run_id"], flow_run_id="retry-test")
     ledger = Ledger(state / "ledger.sqlite")
@@ -395,11 +396,13 @@ def test_baseline_names_follow_the_methods_properties():
         "audit.leakage.prompts": 2.0, "audit.leakage.exact_copies": 0.0, "mia.x.auc": 0.5}
 
 
-def test_stage_context_parses_its_config_once_and_outcomes_pickle(tmp_path):
-    """ctx.cfg is parsed once per config content (a changed config is parsed again), the parsed
-    config is neither pickled nor part of Prefect's input hash; a RunOutcome pickles whole."""
+def test_stage_context_holds_the_parsed_frozen_config_and_pickles_whole(tmp_path):
+    """The context carries the config the flow parsed (the same object, frozen: no stage writes
+    it); it pickles whole (a Dask worker gets the parsed config, no parse) and hashes stably for
+    Prefect's input hash; a RunOutcome pickles whole."""
     import pickle
 
+    import pydantic
     from prefect.utilities.hashing import hash_objects
 
     from tasks.config import parse_config
@@ -410,10 +413,15 @@ def test_stage_context_parses_its_config_once_and_outcomes_pickle(tmp_path):
     cfg = parse_config(_config(tmp_path / "data", tmp_path / "state"))
     ctx = StageContext.for_run(cfg, state_paths(tmp_path / "state"), {"n_train": 10}, "parent", "flow")
     before = hash_objects(ctx)
-    assert ctx.cfg is cfg and ctx.cfg is ctx.cfg and hash_objects(ctx) == before
+    assert before is not None and ctx.cfg is cfg and hash_objects(ctx) == before
+    assert ctx.config == cfg.model_dump(mode="json")
     copy = pickle.loads(pickle.dumps(ctx))
-    assert "_parsed" not in copy.__dict__ and copy == ctx and copy.cfg == cfg and hash_objects(copy) == before
-    ctx.config["privacy"]["target_epsilon"] = 1.5
-    assert ctx.cfg.privacy.target_epsilon == 1.5 and cfg.privacy.target_epsilon == 4.0
+    assert copy == ctx and copy.cfg == cfg and copy.cfg is not cfg and hash_objects(copy) == before
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.privacy.target_epsilon = 1.5
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        cfg.methods.prompt_dpsgd = cfg.methods.prompt_sgd
+    changed = cfg.model_copy(update={"seed": 3})  # a changed value is a new config; the old one stays
+    assert changed.seed == 3 and cfg.seed == 0 and ctx.cfg.seed == 0
     out = RunOutcome("prompt_dpsgd", "dp", True, spend={"epsilon": 1.0, "delta": 1e-5}, compute={"train": 0.5})
     assert pickle.loads(pickle.dumps(out)) == out and out.epsilon == 1.0

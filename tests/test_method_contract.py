@@ -54,9 +54,9 @@ def contexts(tmp_path_factory):
     exp = ensure_experiment(mlflow, "contract", paths)
     out = {}
     for name in registered_methods():
-        config = parse_config(_config(state, name)).model_dump(mode="json")
+        cfg = parse_config(_config(state, name))
         parent = RunRecord.create(mlflow, exp, f"contract-{name}", {"method": name})
-        ctx = StageContext(config=config, state_dir=str(state), partition={}, parent_run_id=parent.run_id,
+        ctx = StageContext(cfg=cfg, state_dir=str(state), partition={}, parent_run_id=parent.run_id,
                            flow_run_id=f"contract-{name}")
         out[name] = (ctx, get_method(name).prepare(ctx))
     return out

@@ -95,6 +95,7 @@ def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
 
     from tasks.lifecycle import log_post_child
     from tasks.methods import MethodContext
+    from tasks.config import parse_config
     from tasks.data import public_texts
     from tasks.methods.post import method as post_mod
     from tasks.prompts import load_prompt_file, save_prompt_file
@@ -105,7 +106,7 @@ def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
     config = _config(state, post_run["sst2"])
     config["methods"]["post"]["transfer"].update(transfer)
     part = json.loads(next((state / "private" / "partitions").glob("*/manifest.json")).read_text())
-    ctx = StageContext(config=config, state_dir=str(state), partition=part,
+    ctx = StageContext(cfg=parse_config(config), state_dir=str(state), partition=part,
                        parent_run_id=post_run["first"]["mlflow_run_id"], flow_run_id=flow_run_id)
     student_dir = str(next((state / "models" / "students").iterdir()))
     source = str(next((state / "outputs").rglob("post_source.safetensors")))

@@ -42,7 +42,7 @@ def _context(root: Path, sst2_dir: Path, **extra):
     part = partition_dataset(cfg.data, cfg.seed, paths.private, None)
     mlflow = client(paths)
     parent = RunRecord.create(mlflow, ensure_experiment(mlflow, cfg.experiment, paths), "parent", {})
-    return StageContext(config=cfg.model_dump(mode="json"), state_dir=str(state), partition=part.to_dict(),
+    return StageContext(cfg=cfg, state_dir=str(state), partition=part.to_dict(),
                         parent_run_id=parent.run_id, flow_run_id="flow-run-1")
 
 

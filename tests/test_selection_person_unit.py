@@ -396,7 +396,7 @@ def test_a_user_level_selection_trains_its_candidates_and_publishes_one(tmp_path
     assert part.n_holdout_units >= 5 and part.n_holdout > part.n_holdout_units  # people of several records held out
     mlflow = client(paths)
     parent = RunRecord.create(mlflow, ensure_experiment(mlflow, cfg.experiment, paths), "parent", {})
-    ctx = StageContext(config=cfg.model_dump(mode="json"), state_dir=str(state), partition=part.to_dict(),
+    ctx = StageContext(cfg=cfg, state_dir=str(state), partition=part.to_dict(),
                        parent_run_id=parent.run_id, flow_run_id="flow-run-1")
 
     method_cls = type(get_method("prompt_dpsgd"))

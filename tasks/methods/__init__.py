@@ -7,7 +7,8 @@ subclass (decorated with :func:`register_method`) and config block (``method.py`
 code, and its privacy events if it has new ones. Every package in this folder is imported (and so
 registered) on first use: adding a method is adding its package, plus a config file and tests
 (see the README); nothing else lists methods. A package elsewhere registers the same way when it
-is imported (``register_method`` is the public door; the config schema's ``methods:`` block follows).
+is imported (``register_method`` is the public door; the config's ``methods:`` block validates
+``methods.<name>`` against the registered block when a config is parsed: the schema never changes).
 
 Generic torch stays in ``models/`` (backbones, prompt kinds, per-sample-gradient DP training with
 its step hooks, scoring); ``base.py`` beside the packages is the interface; what several methods
@@ -22,7 +23,6 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
-import sys
 
 from .base import (LevelPanel, Method, MethodContext, MethodPlan, PostProcessed, PrivateRows,  # noqa: F401
                    ReferenceAccuracy, ReportArtifact, ReportMetric, SummaryColumn, Trained, Variant)
@@ -33,8 +33,9 @@ _LOADED = False
 
 def register_method(cls: type[Method]) -> type[Method]:
     """Class decorator: register ``cls`` under ``cls.name`` (a second registration of a name
-    by another class is an error). A method registered after the config schema was built (a
-    package outside this folder, imported later) gets its ``methods.<name>`` block added to it."""
+    by another class is an error). A method registered late (a package outside this folder,
+    imported later) is configured like the others: ``methods.<name>`` is validated against
+    ``cls.config_class`` when a config is parsed."""
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"a method needs an identifier as its name, got {name!r}")
@@ -42,24 +43,15 @@ def register_method(cls: type[Method]) -> type[Method]:
     if existing is not None and type(existing) is not cls and type(existing).__qualname__ != cls.__qualname__:
         raise ValueError(f"method {name!r} is already registered by {type(existing).__qualname__}")
     _REGISTRY[name] = cls()
-    _refresh_config_schema()
     return cls
 
 
 def unregister_method(name: str) -> None:
-    """Remove ``name`` from the registry (and its block from the config schema): a method added
-    for a while (a test's toy method, a plugin being reloaded)."""
+    """Remove ``name`` from the registry (configs parsed afterwards have no ``methods.<name>``): a
+    method added for a while (a test's toy method, a plugin being reloaded)."""
     _load_builtins()
     if _REGISTRY.pop(name, None) is None:
         raise KeyError(f"method {name!r} is not registered")
-    _refresh_config_schema()
-
-
-def _refresh_config_schema() -> None:
-    config = sys.modules.get(__name__.rsplit(".", 1)[0] + ".config")
-    refresh = getattr(config, "refresh_methods_schema", None)  # absent while tasks.config is being imported
-    if refresh is not None:
-        refresh()
 
 
 PLUGIN_GROUP = "privprompt.methods"

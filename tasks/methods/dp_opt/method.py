@@ -227,49 +227,88 @@ class DPOpt(_TextMethod):
                  "(on the disjoint holdout rows) compose in parallel")
 
     def train(self, mctx, plan, rows, progress=None):
-        import torch
-
-        from .generate import dp_generate
         from .templates import backward_head
-        from privacy.mechanisms import dp_argmax, limited_domain_top1
+        from privacy.mechanisms import dp_argmax
 
-        from .text_prompts import body_ids, correct_counts, decode, engine_for, predictions
+        from .text_prompts import correct_counts, engine_for
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         gen, val = self._select_rows(rows, mctx.seed)
         engine = engine_for(cfg)
         instruction = _instruction(cfg, block)
+        # secret DP streams: sampling, the mechanisms, the members' sampled proposals
+        sampling, mechanism, proposing = (mctx.randomness.numpy(i) for i in (1, 2, 3))
+        proposer = _Proposer(engine, cfg, block, instruction, gen, sampling, mechanism, plan.settings["sample_rate"])
+        out = proposer.candidates(engine.encode_prefix(backward_head(instruction)), plan.settings["max_queries"],
+                                  proposing, progress)
+        if out["candidates"]:
+            counts = correct_counts(engine, cfg, out["candidates"], val.texts, val.labels, _unit_array(cfg, val))
+            chosen = out["candidates"][dp_argmax(counts, plan.settings["selection_epsilon"], mechanism)]
+        else:  # nothing generated: the (data-independent) initial instruction
+            chosen = instruction
+        from models.prompts import TextPrompt
+
+        queries = out["queries"]
+        event = (_events(block, plan.settings["sample_rate"], queries, plan.settings["selection_epsilon"])
+                 if plan.guarantee == "dp" else None)
+        # how many distinct training rows the meta-prompts drew: nearly the exact n_train, so it stays
+        # in the private history (a review found it published beside ε)
+        return Trained(TextPrompt(chosen), event, queries, _train_metrics(out), [{"forward_rows": len(proposer.yhat)}],
+                       audit_metrics=_leakage(cfg, out["candidates"], gen.texts))
+
+
+class _Proposer:
+    """DP-OPT's generation side: meta-prompts of Poisson-sampled demos (each row labelled ŷ under the
+    initial instruction the first time it is drawn), next tokens by LimitedDomain top-1 over the
+    members' proposals."""
+
+    def __init__(self, engine, cfg, block, instruction: str, gen, sampling, mechanism, q: float):
+        self.engine, self.cfg, self.block, self.instruction, self.gen = engine, cfg, block, instruction, gen
+        self.sampling, self.mechanism, self.q = sampling, mechanism, q
+        self.gen_units = _unit_array(cfg, gen)
         # forward pass (ŷ: the label each row gets under the initial instruction), computed the first
         # time a row is drawn into a meta-prompt: ŷ of a row depends on that row alone, so this is the
         # same mechanism as labelling every row up front, without the rows that are never drawn
-        yhat: dict[int, str] = {}
+        self.yhat: dict[int, str] = {}
 
-        def demos_of(idx) -> list[tuple[str, str, str]]:
-            new = [int(i) for i in idx if int(i) not in yhat]
-            yhat.update(zip(new, predictions(engine, cfg, instruction, [gen.texts[i] for i in new])))
-            return [(gen.texts[i], gen.labels[i], yhat[int(i)]) for i in idx]
+    def demos_of(self, idx) -> list[tuple[str, str, str]]:
+        from .text_prompts import predictions
 
-        prefix = engine.encode_prefix(backward_head(instruction))
-        q, budget = plan.settings["sample_rate"], plan.settings["max_queries"]
-        # secret DP streams: sampling, the mechanisms, the members' sampled proposals
-        sampling, mechanism, proposing = (mctx.randomness.numpy(i) for i in (1, 2, 3))
+        gen = self.gen
+        new = [int(i) for i in idx if int(i) not in self.yhat]
+        self.yhat.update(zip(new, predictions(self.engine, self.cfg, self.instruction, [gen.texts[i] for i in new])))
+        return [(gen.texts[i], gen.labels[i], self.yhat[int(i)]) for i in idx]
 
-        gen_units = _unit_array(cfg, gen)
+    def draw_bodies(self) -> list[list[int]]:
+        from .text_prompts import body_ids
 
-        def draw_bodies() -> list[list[int]]:
-            members = member_demos(sampling, len(gen), q, block.meta_prompts, 2 * block.demos, gen_units)
-            return [body_ids(engine, demos_of(idx)) for idx in members if idx.size]
+        block = self.block
+        members = member_demos(self.sampling, len(self.gen), self.q, block.meta_prompts, 2 * block.demos,
+                               self.gen_units)
+        return [body_ids(self.engine, self.demos_of(idx)) for idx in members if idx.size]
 
-        def select(counts: np.ndarray):
-            return limited_domain_top1(counts, block.epsilon0, block.delta0, mechanism, k_bar=block.k_bar,
-                                       l0_sensitivity=2, domain_size=len(counts))
+    def select(self, counts: np.ndarray):
+        from privacy.mechanisms import limited_domain_top1
 
+        return limited_domain_top1(counts, self.block.epsilon0, self.block.delta0, self.mechanism,
+                                   k_bar=self.block.k_bar, l0_sensitivity=2, domain_size=len(counts))
+
+    def candidates(self, prefix, budget: int, proposing, progress) -> dict:
+        """Up to ``block.candidates`` instructions within ``budget`` LimitedDomain queries, and
+        the generation's counts (queries, bottoms, tokens, stop reasons)."""
+        import torch
+
+        from .generate import dp_generate
+        from .text_prompts import decode
+
+        block = self.block
         used = {"queries": 0}
         candidates, bottoms, tokens, stops = [], 0, 0, {}
+
         def new_generator():  # fresh per query, from the secret stream
             return torch.Generator().manual_seed(int(proposing.integers(2**63)))
         for c in range(block.candidates):
-            out = dp_generate(engine, prefix, draw_bodies, select,
+            out = dp_generate(self.engine, prefix, self.draw_bodies, self.select,
                               lambda n: used["queries"] + n <= budget, block.max_new_tokens,
                               temperature=block.temperature, new_generator=new_generator,
                               progress=None if progress is None else
@@ -277,28 +316,21 @@ class DPOpt(_TextMethod):
             used["queries"] += out.queries
             bottoms, tokens = bottoms + out.bottoms, tokens + len(out.tokens)
             stops[out.stop_reason] = stops.get(out.stop_reason, 0) + 1
-            text = decode(engine, out.tokens)
+            text = decode(self.engine, out.tokens)
             if text:
                 candidates.append(text)
             if out.stop_reason == "budget":
                 break
-        if candidates:
-            counts = correct_counts(engine, cfg, candidates, val.texts, val.labels, _unit_array(cfg, val))
-            chosen = candidates[dp_argmax(counts, plan.settings["selection_epsilon"], mechanism)]
-        else:  # nothing generated: the (data-independent) initial instruction
-            chosen = instruction
-        from models.prompts import TextPrompt
+        return {"candidates": candidates, "queries": used["queries"], "bottoms": bottoms, "tokens": tokens,
+                "stops": stops}
 
-        queries = used["queries"]
-        event = _events(block, q, queries, plan.settings["selection_epsilon"]) if plan.guarantee == "dp" else None
-        metrics = {"dpopt.queries": queries, "dpopt.bottoms": bottoms,
-                   "dpopt.bottom_rate": bottoms / queries if queries else 0.0, "dpopt.tokens": tokens,
-                   "dpopt.candidates_nonempty": len(candidates), "dpopt.fallback_initial": float(not candidates),
-                   **{f"dpopt.stops.{k}": v for k, v in stops.items()}}
-        # how many distinct training rows the meta-prompts drew: nearly the exact n_train, so it stays
-        # in the private history (a review found it published beside ε)
-        return Trained(TextPrompt(chosen), event, queries, metrics, [{"forward_rows": len(yhat)}],
-                       audit_metrics=_leakage(cfg, candidates, gen.texts))
+
+def _train_metrics(out: dict) -> dict:
+    queries, candidates = out["queries"], out["candidates"]
+    return {"dpopt.queries": queries, "dpopt.bottoms": out["bottoms"],
+            "dpopt.bottom_rate": out["bottoms"] / queries if queries else 0.0, "dpopt.tokens": out["tokens"],
+            "dpopt.candidates_nonempty": len(candidates), "dpopt.fallback_initial": float(not candidates),
+            **{f"dpopt.stops.{k}": v for k, v in out["stops"].items()}}
 
 
 def _unit_array(cfg, rows) -> np.ndarray | None:

@@ -310,23 +310,8 @@ def distill(teacher: Backbone, student: Backbone, texts: list[str], config: Dist
     call :func:`freeze` before using it as a frozen model. ``progress(step, total, mean loss)``
     every ``config.log_every`` steps and at the end.
     """
-    if student.model is teacher.model:
-        raise ValueError("student and teacher are the same model")
-    if student.kind != teacher.kind:
-        raise ValueError(f"student kind {student.kind!r} != teacher kind {teacher.kind!r}")
-    texts = [str(t) for t in texts if str(t).strip()]
-    if not texts:
-        raise ValueError("no (non-empty) texts to distil on")
-    tok = student.tokenizer
-    if student.kind == "masked" and getattr(tok, "mask_token_id", None) is None:
-        raise ValueError("masked-LM distillation needs a tokenizer with a mask token")
-    if config.freeze_embeddings:
-        student.model.get_input_embeddings().requires_grad_(False)
-    if config.freeze_head and student.model.get_output_embeddings() is not None:
-        student.model.get_output_embeddings().requires_grad_(False)
-    params = [p for p in student.model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the student has no trainable parameters (was it frozen?)")
+    texts = _check_pair(teacher, student, texts)
+    params = _trainable(student, config)
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     g = torch.Generator().manual_seed(config.seed)
     vocab = int(student.model.get_input_embeddings().weight.shape[0])
@@ -345,19 +330,7 @@ def distill(teacher: Backbone, student: Backbone, texts: list[str], config: Dist
             if len(order) < config.batch_size:
                 order += torch.randperm(len(texts), generator=g).tolist()
             idx, order = order[: config.batch_size], order[config.batch_size :]
-            enc = tok([texts[i] for i in idx], padding=True, truncation=True, max_length=config.max_length,
-                      return_tensors="pt")
-            ids, attn = enc["input_ids"], enc["attention_mask"]
-            mlm_labels = None
-            if student.kind == "masked":
-                ids, mlm_labels = _mask_tokens(ids, attn, tok, vocab, config.mlm_probability, g)
-            loss, terms = distill_losses(teacher, student, ids, attn, config, mlm_labels)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-            opt.step()
-            value = float(loss.detach())
+            value, terms = _distill_step(teacher, student, [texts[i] for i in idx], config, opt, params, vocab, g)
             if not math.isfinite(value):
                 raise RuntimeError(f"distillation loss is not finite at step {step}")
             history.append({"step": step, "loss": value, **terms, "batch_size": len(idx)})
@@ -366,6 +339,51 @@ def distill(teacher: Backbone, student: Backbone, texts: list[str], config: Dist
         fork.__exit__(None, None, None)
         student.model.eval()
     return DistillResult(history, config.steps)
+
+
+def _check_pair(teacher: Backbone, student: Backbone, texts: list[str]) -> list[str]:
+    """The non-empty texts to distil on, once teacher and student are checked to be a pair."""
+    if student.model is teacher.model:
+        raise ValueError("student and teacher are the same model")
+    if student.kind != teacher.kind:
+        raise ValueError(f"student kind {student.kind!r} != teacher kind {teacher.kind!r}")
+    texts = [str(t) for t in texts if str(t).strip()]
+    if not texts:
+        raise ValueError("no (non-empty) texts to distil on")
+    if student.kind == "masked" and getattr(student.tokenizer, "mask_token_id", None) is None:
+        raise ValueError("masked-LM distillation needs a tokenizer with a mask token")
+    return texts
+
+
+def _trainable(student: Backbone, config: DistillConfig) -> list:
+    """The student's parameters that train (embeddings and head frozen as ``config`` says)."""
+    if config.freeze_embeddings:
+        student.model.get_input_embeddings().requires_grad_(False)
+    if config.freeze_head and student.model.get_output_embeddings() is not None:
+        student.model.get_output_embeddings().requires_grad_(False)
+    params = [p for p in student.model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the student has no trainable parameters (was it frozen?)")
+    return params
+
+
+def _distill_step(teacher: Backbone, student: Backbone, batch: list[str], config: DistillConfig, opt, params,
+                  vocab: int, g: torch.Generator) -> tuple[float, dict]:
+    """One AdamW step of the student on a batch of texts (masked LMs: tokens masked from ``g``):
+    the loss and its terms."""
+    tok = student.tokenizer
+    enc = tok(batch, padding=True, truncation=True, max_length=config.max_length, return_tensors="pt")
+    ids, attn = enc["input_ids"], enc["attention_mask"]
+    mlm_labels = None
+    if student.kind == "masked":
+        ids, mlm_labels = _mask_tokens(ids, attn, tok, vocab, config.mlm_probability, g)
+    loss, terms = distill_losses(teacher, student, ids, attn, config, mlm_labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+    opt.step()
+    return float(loss.detach()), terms
 
 
 def save_student(backbone: Backbone, directory: str | Path) -> Path:

@@ -341,36 +341,17 @@ def transfer_prompt(
     p_s = _prompt_tensor(source_prompt).detach()
     enc_s, enc_t = _encode_pair(source_clf, target_clf, public_texts, config.max_length)
     N = num_examples(enc_s)
-    if init_prompt is not None:
-        t = _prompt_tensor(init_prompt).detach().float().cpu()
-        prompt = SoftPrompt(t.shape[0], t.shape[1], t)
-    else:
-        prompt = init_target_prompt(target_clf, p_s, config)
-    if prompt.embed_dim != target_clf.embed_dim:
-        raise ValueError(f"target prompt width {prompt.embed_dim} != target embedding width {target_clf.embed_dim}")
-    prompt = prompt.to(target_clf.device)
+    prompt = _start_prompt(target_clf, p_s, init_prompt, config)
     opt = torch.optim.Adam([prompt.weight], lr=config.lr)
     cached = _all_fixed(source_clf, p_s, target_clf, enc_s, enc_t, config) if _cacheable(
         source_clf, target_clf, N, config) else None
     need_plain = config.alpha > 0
-
-    selection: list[dict] = []
-    best = {"score": -math.inf, "step": None, "prompt": None}
-
-    def select(step: int) -> None:
-        if select_fn is None:
-            return
-        snapshot = prompt.weight.detach().cpu().clone()
-        score = float(select_fn(snapshot.clone()))
-        selection.append({"step": step, "score": score})
-        if score > best["score"] or best["prompt"] is None:
-            best.update(score=score, step=step, prompt=snapshot)
-
+    selector = _Selector(select_fn, prompt)
     g = torch.Generator().manual_seed(config.seed)
     report = StepProgress(progress, config.log_every, config.steps)
     history: list[dict] = []
     order: list[int] = []
-    select(0)
+    selector(0)
     for step in range(1, config.steps + 1):
         if len(order) < min(config.batch_size, N):
             order += torch.randperm(N, generator=g).tolist()
@@ -381,25 +362,62 @@ def transfer_prompt(
             fixed = FixedOutputs(*(None if x is None else x[rows.to(x.device)] for x in cached))
         else:
             fixed = fixed_outputs(source_clf, p_s, target_clf, select_rows(enc_s, rows), b_t, config.logits, need_plain)
-        z_t = _scores(target_clf, b_t, prompt.weight, config.logits)
-        terms = transfer_loss(fixed.source_prompted, fixed.source_plain, z_t, fixed.target_plain,
-                              config.alpha, config.temperature)
-        opt.zero_grad(set_to_none=True)
-        terms.loss.backward()
-        opt.step()
-        value = float(terms.loss.detach())
-        if not math.isfinite(value):
-            raise RuntimeError(f"transfer loss is not finite at step {step}")
-        history.append({"step": step, "loss": value, "kl_prompted": float(terms.kl_prompted.detach()),
-                        "kl_delta": float(terms.kl_delta.detach()), "batch_size": len(idx)})
-        report(step, value)
+        history.append({"step": step, **_transfer_step(target_clf, b_t, prompt, opt, fixed, config, step),
+                        "batch_size": len(idx)})
+        report(step, history[-1]["loss"])
         if select_fn is not None and config.select_every and step % config.select_every == 0 and step != config.steps:
-            select(step)
-    select(config.steps)
+            selector(step)
+    selector(config.steps)
     final = prompt.weight.detach().cpu().clone()
     if select_fn is None:
-        return TransferResult(final, history, config.steps, None, selection, final)
-    return TransferResult(best["prompt"], history, config.steps, best["step"], selection, final)
+        return TransferResult(final, history, config.steps, None, selector.selection, final)
+    return TransferResult(selector.best_prompt, history, config.steps, selector.best_step, selector.selection, final)
+
+
+def _start_prompt(target_clf: PromptClassifier, p_s: torch.Tensor, init_prompt, config: TransferConfig) -> SoftPrompt:
+    """P_t's start, on the target's device: ``init_prompt`` when given, else from ``config.init``."""
+    if init_prompt is not None:
+        t = _prompt_tensor(init_prompt).detach().float().cpu()
+        prompt = SoftPrompt(t.shape[0], t.shape[1], t)
+    else:
+        prompt = init_target_prompt(target_clf, p_s, config)
+    if prompt.embed_dim != target_clf.embed_dim:
+        raise ValueError(f"target prompt width {prompt.embed_dim} != target embedding width {target_clf.embed_dim}")
+    return prompt.to(target_clf.device)
+
+
+class _Selector:
+    """Scores snapshots of the prompt with ``select_fn`` (public data only; higher is better) and
+    keeps the best one (ties keep the earlier); a no-op without ``select_fn``."""
+
+    def __init__(self, select_fn: SelectFn | None, prompt: SoftPrompt):
+        self.select_fn, self.prompt = select_fn, prompt
+        self.selection: list[dict] = []
+        self.best_score, self.best_step, self.best_prompt = -math.inf, None, None
+
+    def __call__(self, step: int) -> None:
+        if self.select_fn is None:
+            return
+        snapshot = self.prompt.weight.detach().cpu().clone()
+        score = float(self.select_fn(snapshot.clone()))
+        self.selection.append({"step": step, "score": score})
+        if score > self.best_score or self.best_prompt is None:
+            self.best_score, self.best_step, self.best_prompt = score, step, snapshot
+
+
+def _transfer_step(target_clf: PromptClassifier, b_t, prompt: SoftPrompt, opt, fixed: FixedOutputs,
+                   config: TransferConfig, step: int) -> dict:
+    """One Adam step on the POST loss of a batch; its loss terms."""
+    z_t = _scores(target_clf, b_t, prompt.weight, config.logits)
+    terms = transfer_loss(fixed.source_prompted, fixed.source_plain, z_t, fixed.target_plain,
+                          config.alpha, config.temperature)
+    opt.zero_grad(set_to_none=True)
+    terms.loss.backward()
+    opt.step()
+    value = float(terms.loss.detach())
+    if not math.isfinite(value):
+        raise RuntimeError(f"transfer loss is not finite at step {step}")
+    return {"loss": value, "kl_prompted": float(terms.kl_prompted.detach()), "kl_delta": float(terms.kl_delta.detach())}
 
 
 __all__ = [

@@ -94,6 +94,26 @@ def ieee_float32_products():
         cuda_matmul.allow_bf16_reduced_precision_reduction = bf16_reduction
 
 
+def _checked_embeddings(embeddings) -> torch.Tensor:
+    """The vocabulary's embeddings as a CPU tensor: a non-empty, finite (V, d) matrix."""
+    emb = embeddings.detach().cpu() if isinstance(embeddings, torch.Tensor) else torch.as_tensor(np.asarray(embeddings))
+    if emb.dim() != 2 or emb.shape[0] == 0 or emb.shape[1] == 0:
+        raise ValueError(f"embeddings must be a non-empty (V, d) matrix, got shape {tuple(emb.shape)}")
+    if not torch.isfinite(emb).all():
+        raise ValueError("embeddings must be finite")
+    return emb
+
+
+def _excluded_ids(exclude_ids: Iterable[int] | None, V: int) -> torch.Tensor:
+    """The excluded token ids, sorted: each in [0, V), at least one token left."""
+    excluded = sorted({int(i) for i in (exclude_ids or [])})
+    if excluded and (excluded[0] < 0 or excluded[-1] >= V):
+        raise ValueError(f"exclude_ids must lie in [0, {V}), got ids from {excluded[0]} to {excluded[-1]}")
+    if len(excluded) >= V:
+        raise ValueError("exclude_ids must leave at least one vocabulary token")
+    return torch.tensor(excluded, dtype=torch.long)
+
+
 class VocabularyIndex:
     """A (V, d) vocabulary prepared once for repeated nearest-neighbour searches: a float64 copy,
     ‖v‖² penalties (+inf for excluded ids), and the screening matrix [v, −½‖v‖²] in
@@ -102,11 +122,7 @@ class VocabularyIndex:
 
     def __init__(self, embeddings, exclude_ids: Iterable[int] | None = None, screen_dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
-        emb = embeddings.detach().cpu() if isinstance(embeddings, torch.Tensor) else torch.as_tensor(np.asarray(embeddings))
-        if emb.dim() != 2 or emb.shape[0] == 0 or emb.shape[1] == 0:
-            raise ValueError(f"embeddings must be a non-empty (V, d) matrix, got shape {tuple(emb.shape)}")
-        if not torch.isfinite(emb).all():
-            raise ValueError("embeddings must be finite")
+        emb = _checked_embeddings(embeddings)
         self.vocab64 = emb.to(torch.float64).contiguous()
         from models.device import resolve_device
 
@@ -119,17 +135,18 @@ class VocabularyIndex:
         self.unit_roundoff = SCREEN_UNIT_ROUNDOFF[screen_dtype]
         self.accumulation_error = (emb.shape[1] + 1) * 2.0 ** -23  # float32 sums of d+1 products
         V = emb.shape[0]
-        excluded = sorted({int(i) for i in (exclude_ids or [])})
-        if excluded and (excluded[0] < 0 or excluded[-1] >= V):
-            raise ValueError(f"exclude_ids must lie in [0, {V}), got ids from {excluded[0]} to {excluded[-1]}")
-        if len(excluded) >= V:
-            raise ValueError("exclude_ids must leave at least one vocabulary token")
-        self.excluded = torch.tensor(excluded, dtype=torch.long)
+        self.excluded = _excluded_ids(exclude_ids, V)
         pen64 = (self.vocab64 ** 2).sum(1)
         pen64[self.excluded] = float("inf")
         self.penalty64 = pen64
         kept = torch.ones(V, dtype=torch.bool)
         kept[self.excluded] = False
+        self._prepare_screening(kept)
+
+    def _prepare_screening(self, kept: torch.Tensor) -> None:
+        """The screening matrix [v, −½‖v‖²] in ``screen_dtype`` (excluded and padding rows masked),
+        on the device, and the norms its error bound needs (over the ``kept`` ids)."""
+        V, screen_dtype = self.vocab64.shape[0], self.screen_dtype
         half_pen = -0.5 * (self.vocab64 ** 2).sum(1)
         # excluded ids screen as zero rows whose scores are then set to −inf after every product, so
         # they never set a row's best score nor pass its floor (a finite penalty could, for queries
