@@ -168,10 +168,15 @@ class RunPlan:
         return event, None
 
     @property
+    def own(self) -> Release | None:
+        """The method's own release (``method``, or ``selection`` for a selection of its settings:
+        every trial and the noisy holdout scores, one mechanism); None without a dp claim."""
+        return next((r for r in self.releases if r.name != "sizes"), None)
+
+    @property
     def charge_unit(self) -> str:
         """The unit the ledger charges this plan per (``record`` for a plan without releases)."""
-        method = self.release("method")
-        return "record" if method is None else method.unit
+        return "record" if self.own is None else self.own.unit
 
 
 def with_size_release(event: ev.DpEvent, size_event: ev.DpEvent) -> ev.DpEvent:
@@ -198,12 +203,13 @@ def group_charge(event: ev.DpEvent, k: int, name: str, person_field: str) -> ev.
 def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calibration: Calibration, *,
              sizes_event: ev.DpEvent | None = None, sizes_sigma: float | None = None, unit: str = "record",
              group_size: int | None = None, person_field: str | None = None, always_dp: bool = False,
-             sizes_delta_share: float = SIZES_DELTA_SHARE) -> RunPlan:
+             release: str = "method", sizes_delta_share: float = SIZES_DELTA_SHARE) -> RunPlan:
     """The one plan of method ``name``'s run: ``calibration(ε, δ)`` is the method's own (its plan
     at a budget). A method that makes no ``dp`` claim at the whole budget (``always_dp`` False:
     asked first) gets a plan without releases. A ``dp`` one: the sizes release at
     ``sizes_delta_share`` of δ, the method calibrated to the rest, checked to meet the target
-    (a calibration that misses it is refused), the group charge when ``group_size`` is set."""
+    (a calibration that misses it is refused), the group charge when ``group_size`` is set.
+    ``release``: the name of the method's own release (``selection`` for a selection)."""
     target = float(target_epsilon)
     if not always_dp:
         alone = calibration(target, delta)
@@ -232,7 +238,7 @@ def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calib
     if sizes_event is not None:
         releases.append(Release("sizes", eps_sizes, delta_sizes, sizes_event, float(k or 1), charge_unit))
         params.update({"privacy.size_epsilon": eps_sizes, "privacy.method_epsilon": share})
-    releases.append(Release("method", share, method_delta, own.event, float(k or 1), charge_unit))
+    releases.append(Release(release, share, method_delta, own.event, float(k or 1), charge_unit))
     event = own.event if sizes_event is None else with_size_release(own.event, sizes_event)
     record_event = None
     if k:

@@ -92,7 +92,8 @@ def plan_for(cfg, name: str, sizes, delta: float | None = None, target_epsilon: 
     try:
         return pplan.plan_run(name, target, delta, sizes.n_train, calibration, sizes_event=sizes.event,
                               sizes_sigma=sizes.sigma, unit=cfg.data.charge_unit, group_size=cfg.data.group_size,
-                              person_field=cfg.data.person_field, always_dp=getattr(method, "always_dp", False))
+                              person_field=cfg.data.person_field, always_dp=getattr(method, "always_dp", False),
+                              release=getattr(method, "release", "method"))
     except pplan.PlanError as exc:
         raise ConfigError(str(exc)) from None
 

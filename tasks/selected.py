@@ -49,6 +49,7 @@ class Selected:
     """``method`` with its settings chosen privately on the holdout (``selection: {enabled: true}``)."""
 
     always_dp = True  # a selection is dp under every candidate (check_selection_config)
+    release = "selection"  # its release in the run's plan: the trials and the noisy holdout scores, one mechanism
     uses_validation = True  # the trials are scored on the holdout
 
     def __init__(self, method):

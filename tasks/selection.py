@@ -817,8 +817,12 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
     (Papernot & Steinke at E[K])."""
     from privacy import accountant as acct
 
+    from privacy.plan import with_size_release as composed
+
     from .methods import get_method
-    from .run_plan import with_size_release
+
+    def with_size_release(event, sizes):
+        return composed(event, sizes.event)
 
     info = plan.settings["selection"]
     method = get_method(name)

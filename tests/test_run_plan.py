@@ -168,6 +168,7 @@ def test_plan_for_gives_the_method_its_share_and_leaves_the_config_as_it_was(tmp
 
 def test_a_selection_is_planned_through_its_wrapper_with_each_trial_at_its_target(tmp_path):
     from privacy import accountant as acct
+    from privacy.plan import with_size_release
     from tasks.methods import get_method
     from tasks.run_plan import plan_for, runner
     from tasks.selected import Selected
@@ -182,6 +183,8 @@ def test_a_selection_is_planned_through_its_wrapper_with_each_trial_at_its_targe
     assert cfg.model_dump() == before and plan == plan_for(cfg, "prompt_dpsgd", _sizes(), DELTA)
     info = plan.settings["selection"]
     assert plan.params["selection.trial_target_epsilon"] == info["trial_target"] < plan.method_epsilon
+    assert [r.name for r in plan.releases] == ["sizes", "selection"] and plan.own.epsilon == plan.method_epsilon
+    assert plan.event == with_size_release(plan.own.event, plan.sizes_event)  # the whole mechanism, with the sizes
     assert acct.spend(plan.event, DELTA).epsilon <= cfg.privacy.target_epsilon * (1 + 1e-6)
     # each trial: the method's own plan of the candidate's settings, at the per-trial target
     trial = get_method("prompt_dpsgd").plan(cfg, 480, info["delta"], epsilon=info["trial_target"])
@@ -295,7 +298,7 @@ def test_a_selection_goes_through_the_same_door(tmp_path, sst2_dir, monkeypatch)
 
     def train(self, mctx, plan, rows, progress=None):
         seen.append(("train", type(self).__name__, len(rows.validation) > 0))
-        return Trained(None, plan.release("method").event, 0, {"selection.winner_index": 1.0})
+        return Trained(None, plan.release("selection").event, 0, {"selection.winner_index": 1.0})
 
     monkeypatch.setattr(Selected, "train", train)
     for step in ("reserve", "store", "commit", "publish"):
