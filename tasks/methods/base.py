@@ -3,9 +3,11 @@
 A method is a subclass of :class:`Method` registered by name (``tasks.methods.register_method``).
 Its hooks, in the order the lifecycle calls them:
 
-* ``plan(cfg, n_train, delta)`` — pure (reads no data): the guarantee (``dp`` | ``ldp`` |
-  ``none``, derived from the settings), the worst-case privacy event for ``dp``, and the params
-  the run record logs.
+* ``plan(cfg, n_train, delta, epsilon)`` — pure (reads no data): the guarantee (``dp`` | ``ldp`` |
+  ``none``, derived from the settings), the worst-case privacy event for ``dp`` calibrated to the
+  ε share ``epsilon`` (given by the run's planner, ``tasks.run_plan.plan_for``; the config is
+  never rewritten), and the params the run record logs. The lifecycle hands ``train`` and
+  ``post_process`` the run's frozen ``privacy.plan.RunPlan`` (the same attribute names).
 * ``prepare(ctx)`` — public data only, may be cached across runs (POST: the student).
 * ``preflight(cfg, prepared)`` — every check that needs no private data (models and tokenizers
   load, label words / descriptions and template work on them): run by ``privprompt plan``
