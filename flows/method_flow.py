@@ -23,6 +23,7 @@ from tasks import pipeline
 from tasks.config import ParsedConfig, PrivPromptConfig, load_config, parse_config
 from tasks.lifecycle import RunOutcome, preflight, resolve_partition
 from tasks.methods import get_method
+from tasks.run_plan import plan_for
 from tasks.prefect_tasks import (endpoint_task, evaluate_task, loss_mia_task, partition_task, prepare_task,
                                  train_task)
 from tasks.stages import StageContext, model_alias
@@ -91,15 +92,18 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
         if charged:
             get_run_logger().info(charged)
         ctx = StageContext.for_run(cfg, run.paths, part, run.parent.run_id, run.flow_run_id)
-        plan = pipeline.plan_run(ctx, run.parent)  # δ and the plan, once: validated before any work
+        plan = pipeline.plan_run(ctx, run.parent)  # δ and every run's plan, once: validated before any work
         # every method's public-data preparation, then every check that needs no private data, BEFORE
         # any method reserves budget or reads a private row: a config mistake spends nothing
         prepared_by = {name: prepare_task(ctx, name) for name in cfg.run_methods}
         preflight(cfg, prepared_by)
-        rec, trained = pipeline.RunReport(cfg, method, run.parent), {}
+        rec, trained, plans = pipeline.RunReport(cfg, method, run.parent), {}, dict(plan.plans)
 
         def run_method(name: str, prepared: dict | None = None) -> RunOutcome:
-            trained[name] = train_task(ctx, name, prepared if prepared is not None else prepare_task(ctx, name))
+            if name not in plans:  # a method a variant asks for (POST's Full PT): planned once, here
+                plans[name] = plan_for(cfg, name, ctx.part.sizes, plan.delta)
+            trained[name] = train_task(ctx, name, prepared if prepared is not None else prepare_task(ctx, name),
+                                       plans[name])
             return trained[name]
 
         for name in cfg.run_methods[:-1]:  # baselines first, the published method last

@@ -1,8 +1,15 @@
 """The one privacy lifecycle every method runs through:
 
-    plan (pure) → register dataset / check δ → reserve the plan's worst case (dp) or record the use
-    (ldp / none) → read private rows → train → commit what was spent (≤ the reservation) →
-    post-process (public data only) → publish.
+    plan (pure, once: ``tasks.run_plan.plan_for``) → register dataset / check δ → reserve the
+    plan's worst case (dp) or record the use (ldp / none) → read private rows → train → store the
+    DP output → commit what was spent (≤ the reservation) → post-process (public data only) →
+    publish.
+
+:func:`run_method` is that door, one small function a step (:func:`open_door`, :func:`reserve`,
+:func:`train`, :func:`store`, :func:`commit`, :func:`publish`); what it records on MLflow is in
+``tasks/recording.py``, the usable forms of a published output in ``tasks/publish.py``. A
+selection of a method's settings is a method too (``tasks.selected.Selected``): the door never
+asks whether a run selects.
 
 Everything that needs no private data is checked first (:func:`preflight`: the config's models
 and tokenizers, label words and templates on them, endpoints), by ``privprompt plan`` and by a
@@ -25,70 +32,29 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from privacy import accountant as acct
 from privacy import events as ev
 from privacy.ledger import BudgetExceededError, DeltaMismatchError, Ledger, UnknownRunError
+from privacy.plan import RunPlan, thawed
 
-from . import plots, randomness, selection
+from . import plots, randomness, recording
 from .data import Partition, SourceRecords, read_partition_split, read_partition_units
 from .errors import ConfigError, PrivPromptError
 from .methods import MethodContext, PrivateRows, get_method
 from .methods.base import Trained
 from .prompts import load_prompt_file, save_prompt_file
+from .recording import log_post_child  # noqa: F401 - where callers found it
+from .run_plan import (SIZES_DELTA_SHARE, fitting_hint, largest_fitting_target_epsilon,  # noqa: F401
+                       plan_for, planned_epsilon, planned_events, resolve_delta, runner, with_size_release)
+from .selected import Choice
 from .state import make_private_dir, open_private, private_file
 
 
 # The publish rule: outputs of a formal guarantee — central DP, or local d_X privacy (the model
 # only ever saw privatized inputs) — go to outputs/ and MLflow; everything else stays in private/.
 PUBLISHED = ("dp", "ldp")
-
-
-def resolve_delta(cfg, n_train: int, method_name: str | None = None) -> float:
-    """δ of a run, under one policy for every method (whatever its ``default_delta`` returns):
-
-    * no ``privacy.target_delta``: the published (or given) method's default, capped at
-      1/(10·n_train);
-    * a configured δ ≥ 1/n_train — which (ε, δ)-DP lets a mechanism spend on publishing whole
-      records — is refused with a :class:`ConfigError`, unless the config opts in with
-      ``privacy.allow_delta_at_least_one_over_n: true`` (then it is warned about, and the run
-      record says so: :func:`delta_opt_in`)."""
-    import numbers
-
-    from privacy.validation import check_delta
-
-    if isinstance(n_train, bool) or not isinstance(n_train, numbers.Integral) or n_train < 1:
-        raise ConfigError(f"a run's δ needs the number of training records n_train >= 1, got {n_train!r}")
-    n_train = int(n_train)
-    if cfg.privacy.target_delta:
-        allow = cfg.privacy.allow_delta_at_least_one_over_n
-        try:
-            return check_delta(cfg.privacy.target_delta, "privacy.target_delta", n=n_train,
-                               allow_at_least_one_over_n=allow)
-        except ValueError as exc:
-            raise ConfigError(
-                f"{exc}; or, to accept it knowingly, set "
-                "privacy.allow_delta_at_least_one_over_n: true (the run record then carries "
-                "privacy.delta_opt_in=true)") from None
-    name = method_name or cfg.method
-    # rounded down to 1, 2 or 5 × 10^k: n here is a released size, and a partition drawn anew (its
-    # file touched) must keep its dataset's δ, not move it by a record's worth of noise
-    default = _round_down_125(min(float(get_method(name).default_delta(n_train)), 0.1 / n_train))
-    try:
-        return check_delta(default, f"{name}.default_delta", n=n_train, allow_at_least_one_over_n=False)
-    except ValueError as exc:
-        raise ConfigError(f"method {name!r}: {exc}") from None
-
-
-def _round_down_125(x: float) -> float:
-    """The largest 1, 2 or 5 × 10^k not above ``x`` (> 0)."""
-    import math
-
-    k = math.floor(math.log10(x))
-    for m in (5, 2, 1):
-        if m * 10.0 ** k <= x * (1 + 1e-12):
-            return float(f"{m}e{k}")
-    return float(f"5e{k - 1}")
 
 
 def delta_opt_in(cfg, n_train: int, delta: float) -> bool:
@@ -104,7 +70,7 @@ def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, 
     the dataset's is refused (its cap and charges are stated per that unit: ``Ledger.require_unit``;
     a plain record-level run on a dataset of people is refused; one that bounds each person's
     records — ``data.person_field`` with ``data.max_records_per_unit`` — comes here with the person's
-    field as its ``unit`` and is charged the group-privacy bound: :func:`charged_event`); a δ other
+    field as its ``unit`` and is charged the group-privacy bound: ``privacy.plan.group_charge``); a δ other
     than the dataset's is refused (its ε would compose at another δ); a cap above the stored one is
     refused (raising a budget is a deliberate act). Returns the stored row (None: not registered
     yet)."""
@@ -206,192 +172,6 @@ def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) ->
         row = ledger.register_dataset(row["fingerprint"], row["name"], cap, row["delta"], allow_cap_change=True,
                                       unit=unit)
     return {**row, "how": how}
-
-
-# ---- a method's plan, with the released sizes ------------------------------------------------
-
-def with_size_release(event, sizes):
-    """A dp run's event: the release of its partition's sizes (:class:`tasks.data.ReleasedSizes`)
-    composed with the method's mechanism. Into each branch of a parallel composition (disjoint
-    parts of the data, e.g. DP-OPT's generation and selection rows): a record lies in one branch,
-    and the sizes release is about it too, so its loss is the release's plus its branch's."""
-    size_event = sizes.event
-    if isinstance(event, ev.ParallelEvent):
-        return ev.ParallelEvent(tuple(ev.ComposedEvent((size_event, e)) for e in event.events))
-    return ev.ComposedEvent((size_event, event))
-
-
-def _with_target(cfg, target_epsilon: float):
-    return cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"target_epsilon": float(target_epsilon)})})
-
-
-SIZES_DELTA_SHARE = 0.1  # of a dp run's δ, for the release of its partition's sizes
-
-
-def charged_event(cfg, name: str, event):
-    """The event the ledger charges for a dp run's ``event`` (the sizes release included): the
-    event itself, or — for a record-level run on a dataset of people (``data.person_field`` with
-    ``data.max_records_per_unit`` = k: whole people split, at most k records of each kept) — its
-    group-privacy event for k records (:func:`privacy.group.group_event`), so that the ledger,
-    whose dataset is stated per person, never under-counts a person. The sizes release is covered
-    by the same rule: its record counts are moved by at most k by one person (whole people per
-    split, at most k records each, canaries are no one's), so its Gaussian(σ) becomes σ/k. An
-    event without a proven
-    group rule (argmax / limited-domain votes, private selection) is a :class:`ConfigError` naming
-    the method, raised before anything is reserved or read."""
-    k = cfg.data.group_size
-    if not k or event is None:
-        return event
-    from privacy.group import GroupPrivacyError, group_event
-
-    try:
-        return group_event(event, k)
-    except GroupPrivacyError as exc:
-        raise ConfigError(f"{name}: {exc}; refused for this record-level run on a dataset of people "
-                          f"(data.person_field: {cfg.data.person_field})") from None
-
-
-def sized_plan(cfg, name: str, sizes, delta: float):
-    """Method ``name``'s plan on the released sizes, and the config the method runs with.
-
-    The method plans with ``n_train`` = the released size ñ (q = B/ñ, steps, DP-OPT's rate). For a
-    dp plan the sizes release S (``sizes.event``, a Gaussian count) is part of the run's
-    mechanism, and the method's parameters are chosen from its output — an adaptive composition.
-    Its guarantee is by basic composition, which holds for adaptively chosen mechanisms as long as
-    their (ε, δ) are fixed beforehand [DR14, Thm. 3.16; Dwork, Rothblum & Vadhan 2010]: S is
-    (ε_S, δ/10)-DP (``privacy.size_epsilon``: a function of σ and δ only), and the method is
-    calibrated, whatever ñ is, to (ε' = target − ε_S, 9δ/10) (``privacy.method_epsilon``), so the
-    run is (target, δ)-DP. The returned plan's event is S composed with the method's realised
-    event (:func:`with_size_release`): what the ledger composes, and the run's ``privacy.epsilon``
-    (the accountant's composition of the two realised events, at most the basic bound). The
-    returned config carries ε' (what the method's ``train`` sees).
-
-    For a record-level run on a dataset of people (``data.group_size`` = k), the plan's ``event``
-    is the per-person charge (:func:`charged_event`) and ``record_event`` the per-record event
-    above, which the target calibrates (:func:`planned_epsilon` checks it)."""
-    from dataclasses import replace
-
-    method = get_method(name)
-    if not selection.applies(cfg, name):  # a selection is dp (its config check): no single-run plan needed
-        plan = method.plan(cfg, sizes.n_train, delta)
-        if plan.guarantee != "dp":
-            return plan, cfg
-    target = float(cfg.privacy.target_epsilon)
-    delta_sizes = delta * SIZES_DELTA_SHARE
-    eps_sizes = acct.spend(sizes.event, delta_sizes).epsilon
-    share = target - eps_sizes
-    if not share > target * 1e-3:
-        raise ConfigError(f"{name}: privacy.target_epsilon = {target:g} leaves nothing for the method once the split "
-                          f"sizes are released (ε = {eps_sizes:.4f} at data.size_noise_sigma = {sizes.sigma:g} records); "
-                          "raise the target or data.size_noise_sigma")
-    run_cfg = _with_target(cfg, share)
-    if selection.applies(cfg, name):  # the published method's settings selected: one mechanism, one event
-        try:
-            plan = selection.plan_selection(method, run_cfg, sizes.n_train, delta - delta_sizes)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-    else:
-        plan = method.plan(run_cfg, sizes.n_train, delta - delta_sizes)
-    method_eps = acct.spend(plan.event, delta - delta_sizes).epsilon
-    if not eps_sizes + method_eps <= target * (1 + 1e-6):
-        raise ConfigError(f"{name}: its plan would spend ε = {method_eps:.4f} at δ = {delta - delta_sizes:g} above its "
-                          f"share {share:.4f} of privacy.target_epsilon = {target:g} (a calibration that misses its "
-                          "target); nothing reserved")
-    params = {**plan.params, "privacy.size_epsilon": eps_sizes, "privacy.method_epsilon": share}
-    event = with_size_release(plan.event, sizes)
-    if cfg.data.group_size:  # charged per person: the group event; the per-record one is what the target calibrates
-        params["privacy.group_size"] = cfg.data.group_size
-        return replace(plan, event=charged_event(cfg, name, event), record_event=event, delta=delta,
-                       params=params), run_cfg
-    return replace(plan, event=event, delta=delta, params=params), run_cfg
-
-
-# ---- what fits -------------------------------------------------------------------------------
-
-def planned_epsilon(cfg, name: str, plan, delta: float) -> float:
-    """ε of a dp plan's worst case (its event, by the accountant), refused with a
-    :class:`ConfigError` when above ``privacy.target_epsilon``: a method's calibration (σ, number of
-    queries) must meet the target, and one that does not — a bug, or a stale or tampered accounting
-    cache (privacy/calibration_cache.py) — is stopped before anything is reserved. ``plan`` and a
-    run check it alike. For a record-level run charged per person it checks the per-record event
-    (``plan.record_event``: what the target is for); the ledger charges ``plan.event``."""
-    epsilon = acct.spend(plan.record_event if plan.record_event is not None else plan.event, delta).epsilon
-    target = float(cfg.privacy.target_epsilon)
-    if not epsilon <= target * (1 + 1e-6):
-        raise ConfigError(f"{name}: its plan would spend ε = {epsilon:.4f} at δ = {delta:g}, above "
-                          f"privacy.target_epsilon = {target:g} (a calibration that misses its target; if the "
-                          "state folder's cache/accounting.json was edited or copied from elsewhere, remove it); "
-                          "nothing reserved")
-    return epsilon
-
-
-def planned_events(cfg, sizes, delta: float, target_epsilon: float | None = None) -> list:
-    """The worst-case events of every dp run of ``cfg`` (baselines and the published method) on
-    the released ``sizes``, at ``target_epsilon`` instead of the config's when given."""
-    if target_epsilon is not None:
-        cfg = _with_target(cfg, target_epsilon)
-    events = []
-    for name in cfg.run_methods:
-        plan, _ = sized_plan(cfg, name, sizes, delta)
-        if plan.event is not None:
-            events.append(plan.event)
-    return events
-
-
-def _shown_digits(x: float) -> int:
-    """Decimals that show ``x`` with 4 significant digits (never fewer than 0)."""
-    import math
-
-    return max(3 - math.floor(math.log10(x)), 0)
-
-
-def largest_fitting_target_epsilon(cfg, sizes, delta: float, existing: list, cap: float) -> float | None:
-    """The largest ``privacy.target_epsilon`` at which a run of ``cfg`` still fits the dataset's
-    budget: its planned events composed with ``existing`` (the ledger's counted events) by the
-    accountant, ≤ ``cap``. None when no run of ``cfg`` fits, or when it plans no dp event (then the
-    budget does not limit it).
-
-    The answer is the number a user types: rounded DOWN to 4 significant digits and checked to
-    fit as rounded. (Rounding down alone is not enough: calibration meets each target only to a
-    tolerance, so the composed ε is not monotone in the target at that scale, and 2.422 could
-    compose to 3.0003 where 2.4226 composed to ≤ 3.)"""
-    import math
-
-    planned = planned_events(cfg, sizes, delta)
-    if not planned:
-        return None
-    if not existing and len(planned) == 1 and not cfg.data.group_size:
-        # nothing spent and one dp run: every method calibrates its worst case to ε ≤ its target,
-        # so a run at target = cap fits, and no larger target is meaningful (exact, no search); not
-        # so for a record-level run charged per person (its charge is above its per-record target)
-        return float(cap)
-
-    def fits(x: float) -> bool:
-        try:
-            events = planned_events(cfg, sizes, delta, x)
-        except ValueError:
-            return False
-        return acct.spend(ev.ComposedEvent(tuple(existing + events)), delta).epsilon <= cap
-
-    found = acct.largest_fitting_epsilon(lambda x: planned_events(cfg, sizes, delta, x), existing, delta, cap)
-    if found is None:
-        return None
-    digits = _shown_digits(found)
-    step = 10.0 ** -digits
-    shown = math.floor(found / step) * step
-    for _ in range(10):  # a step or two down at most, in practice
-        if shown <= 0:
-            break
-        if fits(round(shown, digits)):
-            return round(shown, digits)
-        shown -= step
-    return found  # fits (the search checked it), unrounded
-
-
-def fitting_hint(largest: float | None) -> str:
-    if largest is None:
-        return "no target_epsilon fits: the dataset's budget is spent for this config"
-    return f"the largest target_epsilon that still fits: ≈ {largest:.{_shown_digits(largest)}f}"
 
 
 # ---- checks that need no private data ------------------------------------------------------
@@ -644,8 +424,34 @@ class RunOutcome:
         return (self.spend or {}).get("epsilon")
 
 
-def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
-    """Run method ``name`` through the lifecycle inside flow run ``ctx``; returns a :class:`RunOutcome`.
+@dataclass
+class Door:
+    """One method's pass through the lifecycle: what each step of the door reads and leaves."""
+
+    ctx: Any
+    name: str
+    method: Any
+    plan: RunPlan
+    prepared: dict
+    run_key: str
+    ledger: Ledger
+    child: Any
+    opt_in: bool
+    mctx: MethodContext | None = None
+    reservation: Any = None
+    stored: Trained | None = None
+    read_begun: bool = False
+
+    @property
+    def dp(self) -> bool:
+        return self.plan.guarantee == "dp"
+
+
+def run_method(ctx, name: str, prepared: dict, progress=None, plan: RunPlan | None = None) -> RunOutcome:
+    """Run method ``name`` through the lifecycle inside flow run ``ctx`` under its ``plan`` (the
+    flow's, computed once by :func:`tasks.run_plan.plan_for`; None: planned here by that function),
+    through the door: :func:`open_door` → :func:`reserve` → :func:`train` (and :func:`store`) →
+    :func:`commit` → :func:`publish`. Returns a :class:`RunOutcome`.
 
     Retries (a Prefect task or flow retry calls this again with the same flow run id, so the same
     ``run_key``) never make a second DP output under the run's one charge:
@@ -666,15 +472,28 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
       worst case, kept spent — covers; running the mechanism again would need a second charge.
       Such a run fails; a new ``privprompt run`` is a new run with its own reservation.
     """
-    method = get_method(name)
-    cfg, part, paths = ctx.cfg, ctx.part, ctx.paths
-    sizes = part.sizes  # released: what the run publishes and plans with (never the exact sizes)
-    delta = resolve_delta(cfg, sizes.n_for_delta)  # the run's δ (its published method's): one δ per run
-    opt_in = delta_opt_in(cfg, sizes.n_for_delta, delta)
-    plan, method_cfg = sized_plan(cfg, name, sizes, delta)
-    run_key = f"{ctx.flow_run_id}:{name}"
-    ledger = paths.open_ledger()  # the state folder's file, or the team's ledger by URL
-    charged = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)["fingerprint"]
+    door = open_door(ctx, name, prepared, plan)
+    try:
+        reserve(door)
+        trained, train_s = train(door, progress)
+        info, metrics = commit(door, trained, train_s)
+        return publish(door, trained, info, metrics, progress)
+    except BaseException as exc:
+        door.child.end(ok=False)
+        _release_unread(door, exc)
+        raise
+
+
+def open_door(ctx, name: str, prepared: dict, plan: RunPlan | None = None) -> Door:
+    """The run's dataset registered (checked against the ledger's terms), the method's checks that
+    need no private data, the training's child run: before anything is reserved."""
+    cfg, part = ctx.cfg, ctx.part
+    if plan is None:  # released sizes: what the run publishes and plans with (never the exact sizes)
+        plan = plan_for(cfg, name, part.sizes)
+    method = runner(cfg, name)
+    opt_in = delta_opt_in(cfg, part.sizes.n_for_delta, plan.delta)
+    ledger = ctx.paths.open_ledger()  # the state folder's file, or the team's ledger by URL
+    charged = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, plan.delta)["fingerprint"]
     if charged != part.dataset_key:  # the flow tagged and planned the run against another dataset
         from privacy.ledger import LedgerError
 
@@ -682,185 +501,195 @@ def run_method(ctx, name: str, prepared: dict, progress=None) -> RunOutcome:
                           f"{part.dataset_key[:12]} that this run started with (another run registered a source "
                           "sharing its records meanwhile); nothing was reserved: run it again")
     method.preflight(cfg, prepared)  # before the reservation (the flow ran all of them already: cached)
-    if opt_in:  # the run record says that this run's δ is ≥ 1/n by the config's explicit opt-in
-        ctx.parent.set_tags({"privacy.delta_opt_in": "true"})
-    child = ctx.parent.child(name, {"method": name, "stage": "train", "privacy.guarantee": plan.guarantee,
-                                    **({"privacy.delta_opt_in": "true"} if opt_in else {})})
-    reservation = stored = None
-    read_begun = False
+    child = recording.open_training(ctx, name, plan.guarantee, opt_in)
+    return Door(ctx, name, method, plan, prepared, f"{ctx.flow_run_id}:{name}", ledger, child, opt_in)
+
+
+def reserve(door: Door) -> None:
+    """Before any private row is read: reserve the plan's worst case (dp), or record the use as
+    what it is (ldp, none); a retry whose output is stored finds it here."""
+    ctx, plan, name, ledger = door.ctx, door.plan, door.name, door.ledger
+    if not plan.reads_private:
+        return
+    part = ctx.part
+    if plan.guarantee == "ldp":
+        ledger.record_ldp(part.dataset_key, door.run_key, f"{name}: local d_X privacy, no (ε, δ) claim")
+        return
+    if plan.guarantee != "dp":
+        ledger.record_nonprivate(part.dataset_key, door.run_key, f"{name}: {plan.note or 'no formal guarantee'}")
+        return
+    cfg, delta = ctx.cfg, plan.delta
+    planned_epsilon(cfg, name, plan, delta)
+    door.stored = stored_release(ledger, door.run_key, ctx.private_run_dir, name)
+    note = f" (δ={delta:g} ≥ 1/n by privacy.allow_delta_at_least_one_over_n)" if door.opt_in else ""
+    if cfg.data.group_size:
+        note += (f" (record-level, charged per {cfg.data.person_field} by group privacy for "
+                 f"≤ {cfg.data.group_size} records)")
     try:
-        if plan.reads_private:
-            # before any private row is read: reserve the worst case, or record the use as what it is
-            if plan.guarantee == "dp":
-                planned_epsilon(cfg, name, plan, delta)
-                stored = stored_release(ledger, run_key, ctx.private_run_dir, name)
-                note = f" (δ={delta:g} ≥ 1/n by privacy.allow_delta_at_least_one_over_n)" if opt_in else ""
-                if cfg.data.group_size:
-                    note += (f" (record-level, charged per {cfg.data.person_field} by group privacy for "
-                             f"≤ {cfg.data.group_size} records)")
-                try:
-                    reservation = ledger.reserve(part.dataset_key, run_key, plan.event,
-                                                 description=f"{name} flow run {ctx.flow_run_id}{note}",
-                                                 allow_delta_at_least_one_over_n=opt_in)
-                except BudgetExceededError as exc:  # say what does fit, for this config
-                    # spent above the cap (a lowered cap, or ε held from before a δ change): nothing fits
-                    largest = None if exc.spent > exc.cap else largest_fitting_target_epsilon(
-                        cfg, sizes, delta, ledger.counted_events(part.dataset_key), exc.cap)
-                    raise exc.with_hint(fitting_hint(largest), largest) from None
-            elif plan.guarantee == "ldp":
-                ledger.record_ldp(part.dataset_key, run_key, f"{name}: local d_X privacy, no (ε, δ) claim")
-            else:
-                ledger.record_nonprivate(part.dataset_key, run_key, f"{name}: {plan.note or 'no formal guarantee'}")
-        mctx = MethodContext(method_cfg, paths, prepared, randomness.for_config(cfg), cfg.seed,
-                             ctx.output_dir if plan.guarantee in PUBLISHED else ctx.private_run_dir, part.dataset_key)
-        if stored is not None:  # a retry: the stored DP output, no private read, no training
-            trained, train_s = stored, 0.0
-        else:
-            if reservation is not None:
-                _test_pause("reserved")
-                if ledger.entry(run_key).get("read_started_at") is not None:
-                    # an earlier attempt of this run read private rows and was lost before it stored
-                    # its output; it may have shown some of its mechanism's outputs on the way
-                    # (progress of DP-OPT's queries), which the reservation covers. A second run of
-                    # the mechanism would need a second charge: refused, the reservation stays spent
-                    raise ReleaseError(
-                        f"run {run_key}: an earlier attempt began reading private data and was lost before it "
-                        "stored its DP output; its reservation stays spent and this attempt does not run the "
-                        "mechanism again under it (a new `privprompt run` is a new charge)")
-                ledger.mark_read(run_key)  # from here on the reservation stays spent, whatever happens
-            read_begun = plan.reads_private
-            selects = selection.applies(cfg, name)
-            rows = (read_private_rows(part, method.uses_validation or selects) if plan.reads_private
-                    else PrivateRows([], []))
-            if reservation is not None:
-                _test_pause("training")
-            started = time.perf_counter()
-            if selects:  # K trials of candidates, noisy holdout scores, the best one: the plan's one mechanism
-                trained = selection.train_selection(method, mctx, plan, rows,
-                                                    ctx.private_run_dir / "selection.log", announce=_announce)
-            else:
-                trained = method.train(mctx, plan, rows, progress=progress(name) if progress else None)
-            train_s = time.perf_counter() - started
-            del rows
-            if plan.guarantee == "dp":
-                if trained.event is None:
-                    raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
-                trained.event = with_size_release(trained.event, sizes)  # the run's mechanism: sizes + method
-                if cfg.data.group_size:  # charged per person (group privacy); the per-record event kept beside it
-                    trained.record_event, trained.event = trained.event, charged_event(cfg, name, trained.event)
-                if not store_release(ctx.private_run_dir, name, run_key, trained):  # a retry republishes it
-                    # another attempt of this run, alive at the same time, stored its DP output first:
-                    # that one is the run's output; this attempt's is dropped, never published
-                    trained = stored = stored_release(ledger, run_key, ctx.private_run_dir, name)
-        info: dict = {"method": name, "guarantee": plan.guarantee, "private": plan.guarantee == "dp",
-                      "params": plan.params, "steps": trained.steps, "compute": {"train": train_s},
-                      "prompt_path": None, "source_prompt_path": None, "spend": None, "event": None,
-                      "republished": stored is not None}
-        metrics = dict(trained.metrics)
-        if plan.guarantee == "dp":
-            if trained.event is None:
-                raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
-            ledger.commit(run_key, trained.event)  # refuses (after recording it) a spend above the reservation
-            _test_pause("committed")
-            spend = acct.spend(trained.event, delta)
-            info.update({"spend": spend.to_dict(), "event": ev.event_to_dict(trained.event),
-                         "reserved_new": reservation.new if reservation is not None else None})
-            metrics.update({"privacy.epsilon": spend.epsilon, "privacy.delta": delta,
-                            "privacy.epsilon_rdp": spend.epsilon_rdp})
-            if trained.record_event is not None:  # privacy.epsilon is per person; the mechanism's per-record ε beside it
-                per_record = acct.spend(trained.record_event, delta).epsilon
-                info["spend"]["epsilon_per_record"] = per_record
-                metrics["privacy.epsilon_per_record"] = per_record
-        _write_private_history(ctx.private_run_dir, name, trained.history)
-        if trained.audit_metrics:
-            ledger.record_nonprivate(part.dataset_key, f"{run_key}:audit-statistics",
-                                     f"{name}: audit statistics computed on private data (not DP): "
-                                     + ", ".join(sorted(trained.audit_metrics)))
-            metrics.update(trained.audit_metrics)
-            info["audit_metrics"] = trained.audit_metrics
-        info["train_metrics"] = dict(metrics)
-        winner = None
-        if selection.applies(cfg, name):  # the published candidate, by name, on the run record
-            won = selection.winner_of(plan, trained.metrics)
-            winner = "none" if won is None else (selection.NO_PROMPT if won[2] else won[0])
-            chosen = {"selection.winner": winner}
-            best = selection.best_trial_name(plan, trained.metrics)
-            if best is not None:  # no prompt published instead of the best trial (released numbers only)
-                chosen["selection.best_trial"] = best
-            ctx.parent.log_params(chosen)
-            if not selection.every_candidate(cfg.selection):  # the opt-in check_selection_config asked for
-                ctx.parent.set_tags({"selection.timing_channel": "the run's duration grows with the secret number of "
-                                     "trials K and shows in MLflow's and Prefect's timestamps; its ε assumes K "
-                                     "secret (selection.accept_timing_channel: true)"})
-            info["params"] = {**plan.params, **chosen}
-        child.log_params({**info["params"], **({"privacy.delta_opt_in": "true"} if opt_in else {})})
-        child.log_metrics(metrics)
-        if trained.prompt is not None:
-            published = plan.guarantee in PUBLISHED  # the publish rule
-            directory = ctx.output_dir if published else ctx.private_run_dir
-            meta = {"method": name, "privacy.guarantee": plan.guarantee, "model": method.published_model(cfg, prepared)}
-            if info["spend"] is not None:
-                meta.update({"privacy.epsilon": f"{info['spend']['epsilon']:.6f}", "privacy.delta": f"{delta:.3g}",
-                             "dataset.fingerprint": part.published_key})
-            meta.update({k: str(v) for k, v in plan.params.items()})
-            post_mctx, post_plan = mctx, plan
-            if selection.applies(cfg, name):  # the winner's own settings post-process its output
-                meta["selection.winner"] = winner
-                post_mctx, post_plan = selection.winner_context(method, mctx, plan, trained.metrics)
-            started = time.perf_counter()
-            post = method.post_process(post_mctx, post_plan, trained.prompt,
-                                       progress=progress(f"{name}:post") if progress else None)
-            if post.prompt is not trained.prompt:
-                info["compute"]["post_process"] = time.perf_counter() - started
-                info["source_prompt_path"] = str(save_prompt_file(directory, f"{name}_source", trained.prompt, {
-                    **meta, "model": method.source_model(cfg, prepared), "stage": "train"}))
-            info["prompt_path"] = str(save_prompt_file(directory, name, post.prompt, meta))
-            if info["source_prompt_path"] is None:
-                info["source_prompt_path"] = info["prompt_path"]
-            if published:
-                _test_pause("publishing")
-                child.log_file(info["prompt_path"], "prompt")
-                from .publish import publish_usable  # PEFT adapter + registered model version
-
-                publish_usable(ctx, child, name, plan.guarantee, info["prompt_path"], info["spend"])
-            if post.child:
-                log_post_child(ctx, post.child, plan.guarantee)
-        child.end()
-        info["published"] = plan.guarantee in PUBLISHED and info["prompt_path"] is not None
-        return RunOutcome(**info)
-    except BaseException as exc:
-        child.end(ok=False)
-        if reservation is not None:
-            if not read_begun and stored is None:
-                try:  # no private record was read: the reservation costs nothing (recorded as released)
-                    ledger.release(run_key, f"{type(exc).__name__} before any private record was read")
-                except ValueError:
-                    pass  # an earlier attempt of this run began reading: it stays spent
-            try:
-                exc.add_note(f"budget: {budget_statement(ledger.entry(run_key))}")
-            except Exception:  # noqa: BLE001 - the statement must never hide the error itself
-                pass
-        raise
+        door.reservation = ledger.reserve(part.dataset_key, door.run_key, plan.event,
+                                          description=f"{name} flow run {ctx.flow_run_id}{note}",
+                                          allow_delta_at_least_one_over_n=door.opt_in)
+    except BudgetExceededError as exc:  # say what does fit, for this config
+        # spent above the cap (a lowered cap, or ε held from before a δ change): nothing fits
+        largest = None if exc.spent > exc.cap else largest_fitting_target_epsilon(
+            cfg, part.sizes, delta, ledger.counted_events(part.dataset_key), exc.cap)
+        raise exc.with_hint(fitting_hint(largest), largest) from None
 
 
-def _announce(line: str) -> None:
-    """A public progress line of the selection (start and end only: tasks/selection.py)."""
+def train(door: Door, progress=None) -> tuple[Trained, float]:
+    """The method's training on the private rows (the ONLY step that reads them), or on a retry
+    the stored DP output (no private read, no training). Returns (trained, seconds)."""
+    ctx, cfg, plan, name = door.ctx, door.ctx.cfg, door.plan, door.name
+    door.mctx = MethodContext(cfg, ctx.paths, door.prepared, randomness.for_config(cfg), cfg.seed,
+                              ctx.output_dir if plan.guarantee in PUBLISHED else ctx.private_run_dir,
+                              ctx.part.dataset_key, private_dir=ctx.private_run_dir)
+    if door.stored is not None:  # a retry: the stored DP output, no private read, no training
+        return door.stored, 0.0
+    if door.reservation is not None:
+        _test_pause("reserved")
+        if door.ledger.entry(door.run_key).get("read_started_at") is not None:
+            # an earlier attempt of this run read private rows and was lost before it stored its
+            # output; it may have shown some of its mechanism's outputs on the way (progress of
+            # DP-OPT's queries), which the reservation covers. A second run of the mechanism would
+            # need a second charge: refused, the reservation stays spent
+            raise ReleaseError(
+                f"run {door.run_key}: an earlier attempt began reading private data and was lost before it "
+                "stored its DP output; its reservation stays spent and this attempt does not run the "
+                "mechanism again under it (a new `privprompt run` is a new charge)")
+        door.ledger.mark_read(door.run_key)  # from here on the reservation stays spent, whatever happens
+    door.read_begun = plan.reads_private
+    rows = (read_private_rows(ctx.part, door.method.uses_validation) if plan.reads_private
+            else PrivateRows([], []))
+    if door.reservation is not None:
+        _test_pause("training")
+    started = time.perf_counter()
+    trained = door.method.train(door.mctx, plan, rows, progress=progress(name) if progress else None)
+    train_s = time.perf_counter() - started
+    del rows
+    if door.dp:
+        trained = store(door, trained)
+    return trained, train_s
+
+
+def store(door: Door, trained: Trained) -> Trained:
+    """A dp training's output stored with its charged event BEFORE the commit (the run's
+    mechanism: the sizes release and the method's; per person by group privacy where the plan
+    says so). When another attempt of this run stored first, that one is the run's output."""
+    if trained.event is None:
+        raise RuntimeError(f"{door.name}: a dp plan's training returned no privacy event")
+    event, record_event = door.plan.charged(trained.event)
+    trained.event = event
+    if record_event is not None:  # charged per person (group privacy); the per-record event kept beside it
+        trained.record_event = record_event
+    if store_release(door.ctx.private_run_dir, door.name, door.run_key, trained):
+        return trained
+    # another attempt of this run, alive at the same time, stored its DP output first: that one
+    # is the run's output; this attempt's is dropped, never published
+    door.stored = stored_release(door.ledger, door.run_key, door.ctx.private_run_dir, door.name)
+    return door.stored
+
+
+def commit(door: Door, trained: Trained, train_s: float) -> tuple[dict, dict]:
+    """The ledger's commit of what a dp run spent (≤ its reservation), the training's private
+    history kept under private/, its audit statistics recorded as a non-private use. Returns the
+    outcome's fields so far and the child run's metrics."""
+    plan, name, ledger, delta = door.plan, door.name, door.ledger, door.plan.delta
+    info: dict = {"method": name, "guarantee": plan.guarantee, "private": door.dp,
+                  "params": thawed(plan.params), "steps": trained.steps, "compute": {"train": train_s},
+                  "prompt_path": None, "source_prompt_path": None, "spend": None, "event": None,
+                  "republished": door.stored is not None}
+    metrics = dict(trained.metrics)
+    if door.dp:
+        if trained.event is None:
+            raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
+        ledger.commit(door.run_key, trained.event)  # refuses (after recording it) a spend above the reservation
+        _test_pause("committed")
+        spend = acct.spend(trained.event, delta)
+        info.update({"spend": spend.to_dict(), "event": ev.event_to_dict(trained.event),
+                     "reserved_new": door.reservation.new if door.reservation is not None else None})
+        metrics.update({"privacy.epsilon": spend.epsilon, "privacy.delta": delta,
+                        "privacy.epsilon_rdp": spend.epsilon_rdp})
+        if trained.record_event is not None:  # privacy.epsilon is per person; the mechanism's per-record ε beside it
+            per_record = acct.spend(trained.record_event, delta).epsilon
+            info["spend"]["epsilon_per_record"] = per_record
+            metrics["privacy.epsilon_per_record"] = per_record
+    _write_private_history(door.ctx.private_run_dir, name, trained.history)
+    if trained.audit_metrics:
+        ledger.record_nonprivate(door.ctx.part.dataset_key, f"{door.run_key}:audit-statistics",
+                                 f"{name}: audit statistics computed on private data (not DP): "
+                                 + ", ".join(sorted(trained.audit_metrics)))
+        metrics.update(trained.audit_metrics)
+        info["audit_metrics"] = trained.audit_metrics
+    info["train_metrics"] = dict(metrics)
+    return info, metrics
+
+
+def publish(door: Door, trained: Trained, info: dict, metrics: dict, progress=None) -> RunOutcome:
+    """The training's record (its child run; a choice among settings on the parent), then its
+    output post-processed (public data only) and written under the publish rule."""
+    choice = chosen(door, trained)
+    recording.record_choice(door.ctx, choice.params, choice.tags)
+    info["params"] = {**info["params"], **choice.params}
+    recording.record_training(door.child, info["params"], metrics, door.opt_in)
+    if trained.prompt is not None:
+        write_outputs(door, trained, info, choice, progress)
+    door.child.end()
+    info["published"] = door.plan.guarantee in PUBLISHED and info["prompt_path"] is not None
+    return RunOutcome(**info)
+
+
+def chosen(door: Door, trained: Trained) -> Choice:
+    """What the method chose among settings (a selection: its winner), or nothing to say."""
+    choose = getattr(door.method, "chosen", None)
+    return Choice() if choose is None else choose(door.mctx, door.plan, trained.metrics)
+
+
+def write_outputs(door: Door, trained: Trained, info: dict, choice: Choice, progress=None) -> None:
+    """Post-process the output (public data only) and write it: ``outputs/`` and MLflow under the
+    publish rule (a PEFT adapter and a registered model version with it), else ``private/``."""
+    ctx, cfg, plan, name, method = door.ctx, door.ctx.cfg, door.plan, door.name, door.method
+    published = plan.guarantee in PUBLISHED  # the publish rule
+    directory = ctx.output_dir if published else ctx.private_run_dir
+    meta = {"method": name, "privacy.guarantee": plan.guarantee, "model": method.published_model(cfg, door.prepared)}
+    if info["spend"] is not None:
+        meta.update({"privacy.epsilon": f"{info['spend']['epsilon']:.6f}", "privacy.delta": f"{plan.delta:.3g}",
+                     "dataset.fingerprint": ctx.part.published_key})
+    meta.update({k: str(v) for k, v in thawed(plan.params).items()})
+    meta.update(choice.meta)
+    started = time.perf_counter()
+    post = method.post_process(choice.mctx or door.mctx, choice.plan or plan, trained.prompt,
+                               progress=progress(f"{name}:post") if progress else None)
+    if post.prompt is not trained.prompt:
+        info["compute"]["post_process"] = time.perf_counter() - started
+        info["source_prompt_path"] = str(save_prompt_file(directory, f"{name}_source", trained.prompt, {
+            **meta, "model": method.source_model(cfg, door.prepared), "stage": "train"}))
+    info["prompt_path"] = str(save_prompt_file(directory, name, post.prompt, meta))
+    if info["source_prompt_path"] is None:
+        info["source_prompt_path"] = info["prompt_path"]
+    if published:
+        _test_pause("publishing")
+        door.child.log_file(info["prompt_path"], "prompt")
+        from .publish import publish_usable  # PEFT adapter + registered model version
+
+        publish_usable(ctx, door.child, name, plan.guarantee, info["prompt_path"], info["spend"])
+    if post.child:
+        recording.log_post_child(ctx, post.child, plan.guarantee)
+
+
+def _release_unread(door: Door, exc: BaseException) -> None:
+    """A failed pass: a reservation nothing was read under is released (recorded as such); the
+    error says what the run used."""
+    if door.reservation is None:
+        return
+    if not door.read_begun and door.stored is None:
+        try:  # no private record was read: the reservation costs nothing (recorded as released)
+            door.ledger.release(door.run_key, f"{type(exc).__name__} before any private record was read")
+        except ValueError:
+            pass  # an earlier attempt of this run began reading: it stays spent
     try:
-        from prefect import get_run_logger
-
-        get_run_logger().info(line)
-    except Exception:  # noqa: BLE001 - outside a flow (tests, audit shadows): nowhere to say it
+        exc.add_note(f"budget: {budget_statement(door.ledger.entry(door.run_key))}")
+    except Exception:  # noqa: BLE001 - the statement must never hide the error itself
         pass
-
-
-def log_post_child(ctx, spec: dict, guarantee: str) -> None:
-    run = ctx.parent.child(spec["name"], {**spec.get("tags", {}), "privacy.guarantee": guarantee})
-    run.log_params(spec.get("params", {}))
-    run.log_metrics(spec.get("metrics", {}))
-    for metric, points in spec.get("series", {}).items():
-        for step, value in points:
-            run.log_metrics({metric: value}, step=step)
-    run.end()
 
 
 def shadow_prompt(config: dict, method_name: str, prepared: dict, state_dir: str, rows: PrivateRows,
@@ -874,7 +703,7 @@ def shadow_prompt(config: dict, method_name: str, prepared: dict, state_dir: str
     method = get_method(method_name)
     index = rows.unit_index()
     n = len(rows) if index is None else index[1]  # privacy units: rows, or the pool's units (user unit)
-    plan = method.plan(cfg, n, resolve_delta(cfg, n, method_name))
+    plan = method.plan(cfg, n, resolve_delta(cfg, n, method_name), epsilon=cfg.privacy.target_epsilon)
     mctx = MethodContext(cfg, state_paths(state_dir), prepared, randomness.for_shadow(cfg, shadow_seed), shadow_seed)
     trained = method.train(mctx, plan, rows)
     post = method.post_process(mctx, plan, trained.prompt)

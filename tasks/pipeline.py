@@ -21,7 +21,9 @@ from .stages import model_alias
 if TYPE_CHECKING:
     from .config import PrivPromptConfig
     from .lifecycle import RunOutcome
-    from .methods.base import Method, MethodPlan, Variant
+    from privacy.plan import RunPlan
+
+    from .methods.base import Method, Variant
     from .record import RunRecord
     from .stages import StageContext
 
@@ -71,26 +73,35 @@ def cross_model_table(cross: dict[str, float]) -> str:
 # ---- the run's plan, once --------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class RunPlan:
-    """δ of the run and the published method's plan: computed once, before any work."""
+class FlowPlan:
+    """The flow's plans, computed once before any work (``tasks.run_plan.plan_for``) and handed to
+    the tasks: δ of the run and each run method's :class:`privacy.plan.RunPlan`."""
 
     delta: float
-    plan: MethodPlan
+    plans: dict
+    method: str
     # what the parent publishes of the plan once the published method's run has committed its
     # charge (the released sizes for a dp run, and q = B/ñ, steps, σ: functions of them)
     published_params: dict = field(default_factory=dict)
 
+    @property
+    def plan(self) -> "RunPlan":
+        """The published method's plan."""
+        return self.plans[self.method]
 
-def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
-    """The run's δ and the published method's plan (pure: validates the settings before any
-    work), on the parent's tags and params; an audit that cannot run is refused here, before any
-    training."""
-    from .lifecycle import resolve_delta, sized_plan
+
+def plan_run(ctx: StageContext, parent: RunRecord) -> FlowPlan:
+    """The run's δ and every run method's plan (pure: validates the settings before any work),
+    the published method's first, on the parent's tags and params; an audit that cannot run is
+    refused here, before any training."""
+    from privacy.plan import thawed
+
+    from .run_plan import plan_for, resolve_delta
 
     cfg, part = ctx.cfg, ctx.partition
     sizes = ctx.part.sizes  # the released sizes (never the exact ones: tasks.data.ReleasedSizes)
     delta = resolve_delta(cfg, sizes.n_for_delta)
-    plan, _ = sized_plan(cfg, cfg.method, sizes, delta)
+    plan = plan_for(cfg, cfg.method, sizes, delta)
     parent.set_tags({"dataset.fingerprint": ctx.part.published_key, "data.partition": part["fingerprint"],
                      "method.label": get_method(cfg.method).run_label(cfg)})
     # δ only (a 1-2-5 rounding of 0.1/(ñ + 3σ), fixed by the partition's one draw): the released
@@ -102,7 +113,9 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> RunPlan:
         from .audit import check_pool_size
 
         check_pool_size(ctx.part, cfg.audit)
-    return RunPlan(delta, plan, {**(sizes.params() if plan.guarantee == "dp" else {}), **plan.params})
+    plans = {name: plan if name == cfg.method else plan_for(cfg, name, sizes, delta) for name in cfg.run_methods}
+    return FlowPlan(delta, plans, cfg.method,
+                    {**(sizes.params() if plan.guarantee == "dp" else {}), **thawed(plan.params)})
 
 
 def runs_loss_mia(cfg: PrivPromptConfig, name: str, outcome: RunOutcome) -> bool:
@@ -224,7 +237,7 @@ class RunReport:
         self.metrics.update(mia["metrics"])
         self.parent.log_file(mia["roc_plot"], "plots")
 
-    def released(self, published: RunOutcome, run_plan: RunPlan) -> None:
+    def released(self, published: RunOutcome, run_plan: FlowPlan) -> None:
         """The published method's spend on the parent, the plan's parameters (the released sizes
         among them: its charge is committed now), and its output when the publish rule allows."""
         self.parent.log_params(run_plan.published_params)
@@ -244,7 +257,7 @@ class RunReport:
         self.metrics.update(audited["metrics"])
         self.audit = audited
 
-    def record(self, ctx: StageContext, published: RunOutcome, run_plan: RunPlan) -> dict[str, Any]:
+    def record(self, ctx: StageContext, published: RunOutcome, run_plan: FlowPlan) -> dict[str, Any]:
         """Write the parent's record (budget record, plot, tables, metrics); returns the summary's
         fields."""
         cfg, parent = self.cfg, self.parent

@@ -14,8 +14,9 @@ from privacy.ledger import Ledger
 
 from .data import partition_key
 from .errors import ConfigError
-from .lifecycle import (charged_note, check_dataset_terms, fitting_hint, largest_fitting_target_epsilon, planned_epsilon,
-                        planned_events, preflight, resolve_delta, sized_plan, source_dataset)
+from .lifecycle import charged_note, check_dataset_terms, preflight, source_dataset
+from .run_plan import (fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, planned_events,
+                       resolve_delta)
 from .state import default_data_root
 
 
@@ -108,7 +109,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
             raise ConfigError(f"{label or cfg.method}: δ={delta:g} differs from δ={meta[key]['delta']:g} of another "
                               f"run on dataset {dname!r}; runs on one dataset compose at one δ")
         for name in cfg.run_methods:
-            plan, _ = sized_plan(cfg, name, sizes, delta)
+            plan = plan_for(cfg, name, sizes, delta)
             row = {"variant": label, "method": name, "dataset": cfg.data.name,
                    "guarantee": plan.guarantee, "delta": delta, "epsilon": None}
             if plan.event is not None:

@@ -100,12 +100,13 @@ def prepare_task(ctx: stages.StageContext, method: str) -> dict:
 
 @task(name="train-prompt", task_run_name="train-{method}", tags=[GPU_TAG],
       retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
-def train_task(ctx: stages.StageContext, method: str, prepared: dict) -> dict:
-    """The method through the one lifecycle (reserve → train → commit → post-process → publish).
-    A retry reuses the reservation of the same (flow run, method): it never charges twice."""
+def train_task(ctx: stages.StageContext, method: str, prepared: dict, plan=None) -> dict:
+    """The method through the one lifecycle (reserve → train → store → commit → publish) under
+    the flow's ``plan`` (``privacy.plan.RunPlan``, computed once by the flow). A retry reuses the
+    reservation of the same (flow run, method): it never charges twice."""
     from .lifecycle import run_method
 
-    return run_method(ctx, method, prepared, progress=progress_reporter)
+    return run_method(ctx, method, prepared, progress=progress_reporter, plan=plan)
 
 
 @task(name="evaluate", task_run_name="evaluate-{name}", tags=[GPU_TAG],

@@ -36,7 +36,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from privacy import calibrate
 from privacy import events as ev
 from privacy import rdp as rdp_lib
 from privacy import selection as psel
@@ -431,10 +430,10 @@ def _selection_of(sel, candidates, train_event, delta: float) -> tuple[ev.DpEven
 
 
 def _candidate_plan(method, cfg, cand: Candidate, trial_target: float, n_train: int, delta: float):
-    from .lifecycle import _with_target
-
-    cand_cfg = apply_settings(_with_target(cfg, trial_target), method.name, cand.config)
-    return cand_cfg, method.plan(cand_cfg, n_train, delta)
+    """(the candidate's config — ``cfg`` with its own settings of ``methods.<name>``, the user's
+    budget untouched —, its plan at the per-trial ε ``trial_target``)."""
+    cand_cfg = apply_settings(cfg, method.name, cand.config)
+    return cand_cfg, method.plan(cand_cfg, n_train, delta, epsilon=trial_target)
 
 
 def selection_epsilon_at(method, cfg, candidates, trial_target: float, n_train: int, delta: float):
@@ -456,7 +455,10 @@ def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, 
     its scores). ε(t) is smooth and increasing with slope ≈ 1 (the selection adds a near-constant
     to one trial), so: a first guess from a Gaussian trial (closed form), then secant steps
     (``privacy.calibrate.largest_within``). Each step plans every candidate at t (the methods' own
-    calibrations, cached). Raises ValueError when no t above target/1000 fits."""
+    calibrations, cached; the search: ``privacy.plan.calibrate_trial_target``). Raises ValueError
+    when no t above target/1000 fits."""
+    from privacy import plan as pplan
+
     seen: dict[float, tuple[float, ev.DpEvent, float]] = {}
 
     def at(t: float) -> float:
@@ -468,35 +470,25 @@ def calibrate_trial_target(method, cfg, candidates, n_train: int, delta: float, 
         return seen[t][0]
 
     sel = cfg.selection
-    if every_candidate(sel):
-        first = psel.composed_gaussian_target(target, sum(not c.zero_shot for c in candidates), delta)
-    else:
-        dist = trial_count(sel)
-        score = RANDOM_STOPPING_SCORE_SIGMA if sel.score_noise_multiplier is None else sel.score_noise_multiplier
-        overhead = psel.gaussian_selection_overhead(
-            target - psel.gaussian_selection_overhead(target / 2, delta, dist, score), delta, dist, score)
-        first = max(target - 1.1 * overhead, target / 8)
-    try:
-        best = calibrate.largest_within(at, target, first, tolerance=tolerance, floor=target * 1e-3)
-    except calibrate.BelowFloor:
-        raise ValueError(f"selection: privacy.target_epsilon leaves too little for the trials (the selection "
-                         f"overhead alone comes near ε = {target:.4g}): raise the target, lower "
-                         "selection.expected_trials or raise selection.score_noise_multiplier") from None
-    if best is None:
-        raise ValueError(f"selection: no per-trial calibration found that keeps the selection within ε = {target:.4g}")
+    every = every_candidate(sel)
+    score = RANDOM_STOPPING_SCORE_SIGMA if sel.score_noise_multiplier is None else sel.score_noise_multiplier
+    first = pplan.first_trial_target(target, delta, every_candidate=every,
+                                     n_trained=sum(not c.zero_shot for c in candidates),
+                                     distribution=None if every else trial_count(sel), score_sigma=score)
+    best = pplan.calibrate_trial_target(at, target, first, tolerance)
     return best, seen[best][0], seen[best][1], seen[best][2]
 
 
-def plan_selection(method, cfg, n_train: int, delta: float):
+def plan_selection(method, cfg, n_train: int, delta: float, epsilon: float):
     """The published method's plan when its settings are selected: a ``dp`` MethodPlan whose event
-    is :func:`mechanism_event` (trials calibrated to ``cfg.privacy.target_epsilon``: the method's
-    share of the run's budget), params for the run record, and in ``settings['selection']`` what
-    the trials need (per-trial target, candidates, δ)."""
+    is :func:`mechanism_event` (trials calibrated together so that it spends ``epsilon``: the
+    method's share of the run's budget), params for the run record, and in
+    ``settings['selection']`` what the trials need (per-trial target, candidates, δ)."""
     from .methods.base import MethodPlan
 
     sel = cfg.selection
     candidates = candidates_of(cfg)
-    target = float(cfg.privacy.target_epsilon)
+    target = float(epsilon)
     t, eps, event, sigma = calibrate_trial_target(method, cfg, candidates, n_train, delta, target)
     params = {"selection.enabled": True, "selection.candidates": len(candidates), "selection.mode": sel.mode,
               "selection.metric": sel.metric, "selection.score_noise_multiplier": sigma,
@@ -825,16 +817,18 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
     (Papernot & Steinke at E[K])."""
     from privacy import accountant as acct
 
-    from .lifecycle import with_size_release
+    from privacy.plan import with_size_release as composed
+
     from .methods import get_method
+
+    def with_size_release(event, sizes):
+        return composed(event, sizes.event)
 
     info = plan.settings["selection"]
     method = get_method(name)
     sel = cfg.selection
-    run_cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(
-        update={"target_epsilon": float(plan.params["privacy.method_epsilon"])})})
     candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
-    train_events = {c.name: _candidate_plan(method, run_cfg, c, info["trial_target"], plan.n_train,
+    train_events = {c.name: _candidate_plan(method, cfg, c, info["trial_target"], plan.n_train,
                                             info["delta"])[1].event for c in candidates if not c.zero_shot}
     sigma = float(info.get("score_noise_multiplier", RANDOM_STOPPING_SCORE_SIGMA))  # plans stored before it: 5
     trials = [psel.trial_event(train_events[c.name], sigma) for c in candidates

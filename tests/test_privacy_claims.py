@@ -53,7 +53,8 @@ def test_replaying_the_logged_config_does_not_reproduce_the_prompt(two_runs):
 
     from tasks.config import parse_config
     from tasks.data import Partition
-    from tasks.lifecycle import read_private_rows, resolve_delta, sized_plan
+    from tasks.lifecycle import read_private_rows
+    from tasks.run_plan import plan_for
     from tasks.methods import MethodContext, get_method
     from tasks.randomness import DpRandomness
     from tasks.state import state_paths
@@ -64,7 +65,7 @@ def test_replaying_the_logged_config_does_not_reproduce_the_prompt(two_runs):
     cfg = parse_config(logged)
     part = Partition(**json.loads(next((state / "private" / "partitions").glob("*/manifest.json")).read_text()))
     method = get_method(cfg.method)
-    plan, cfg = sized_plan(cfg, cfg.method, part.sizes, resolve_delta(cfg, part.sizes.n_for_delta))
+    plan = plan_for(cfg, cfg.method, part.sizes)
     # the best an attacker can do without the secret: the seed-derived streams
     replay = method.train(MethodContext(cfg, state_paths(str(state)), {}, DpRandomness(seeded=True, seed=cfg.seed),
                                         cfg.seed), plan, read_private_rows(part))

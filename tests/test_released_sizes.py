@@ -116,20 +116,22 @@ def test_a_dp_plan_composes_the_release_within_the_target(tmp_path, method):
     from privacy import accountant as acct
     from privacy import events as ev
     from tasks.data import ReleasedSizes
-    from tasks.lifecycle import sized_plan
     from tasks.methods import get_method
+    from tasks.run_plan import plan_for
 
     cfg = _cfg(tmp_path, method)
     sizes = ReleasedSizes(n_train=480, n_holdout=60, n_test=200, sigma=50.0)
     delta = 1e-5
-    plan, method_cfg = sized_plan(cfg, method, sizes, delta)
+    before = cfg.model_dump()
+    plan = plan_for(cfg, method, sizes, delta)
+    assert cfg.model_dump() == before  # the budget travels in the plan, never written into the config
     assert isinstance(plan.event, ev.ComposedEvent) and plan.event.events[0] == ev.GaussianEvent(50.0)
     eps_sizes = acct.spend(ev.GaussianEvent(50.0), delta / 10).epsilon
     assert plan.params["privacy.size_epsilon"] == eps_sizes and 0.05 < eps_sizes < 0.08
-    share = method_cfg.privacy.target_epsilon
+    share = plan.method_epsilon
     assert share == plan.params["privacy.method_epsilon"] == pytest.approx(2.0 - eps_sizes)
     # the method alone, calibrated to its share at 9δ/10 on the released n
-    alone = get_method(method).plan(method_cfg, 480, delta * 0.9)
+    alone = get_method(method).plan(cfg, 480, delta * 0.9, epsilon=share)
     assert alone.event == plan.event.events[1]
     method_eps = acct.spend(alone.event, delta * 0.9).epsilon
     assert share * 0.99 < method_eps <= share * (1 + 1e-6)
@@ -138,10 +140,10 @@ def test_a_dp_plan_composes_the_release_within_the_target(tmp_path, method):
     assert plan.delta == delta and alone.settings["sample_rate"] == pytest.approx(16 / 480)
     assert alone.settings["expected_batch"] == pytest.approx(16.0)  # gradients scaled by the released n
     # a noisier release costs less of the target
-    _, quieter = sized_plan(cfg, method, ReleasedSizes(480, 60, 200, sigma=200.0), delta)
-    assert share < quieter.privacy.target_epsilon < 2.0
+    quieter = plan_for(cfg, method, ReleasedSizes(480, 60, 200, sigma=200.0), delta)
+    assert share < quieter.method_epsilon < 2.0
     with pytest.raises(Exception, match="leaves nothing for the method"):
-        sized_plan(cfg, method, ReleasedSizes(480, 60, 200, sigma=0.5), delta)
+        plan_for(cfg, method, ReleasedSizes(480, 60, 200, sigma=0.5), delta)
 
 
 def test_dp_opt_composes_the_release_into_each_parallel_branch():

@@ -8,7 +8,7 @@
   charged per person, whose score Gaussians the group rule divides by k);
 * the candidates train on rows that keep their units (a unit-level training without them refuses:
   "the private rows carry no units");
-* (c) the plan's charged event (``sized_plan``) holds its score Gaussians at that sensitivity,
+* (c) the plan's charged event (``tasks.run_plan.plan_for``) holds its score Gaussians at that sensitivity,
   checked against dp-accounting's own accountants, and covers the measured worst change;
 * (b) a user-level selection run end to end on tiny-bert, users of 1–20 records: every candidate
   trains (none fails) and a trained prompt is published;
@@ -105,7 +105,7 @@ def stand_in(monkeypatch):
     method_cls = type(get_method("prompt_dpsgd"))
     trained_rows = []
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         return MethodPlan(self.name, "dp", n_train, delta, event=ev.dpsgd_event(0.05, 1.5, 40))
 
     def train(self, mctx, plan, rows, progress=None):
@@ -182,9 +182,10 @@ def _declared_sensitivity(cfg, event, sigma: float) -> float:
     """The L2 sensitivity per unit that the charged event states for the released counts: the σ of
     the noise actually added over the σ of the charged score Gaussian (one Gaussian of σ' at
     sensitivity 1 is the mechanism of σ at sensitivity σ/σ')."""
-    from tasks.lifecycle import charged_event
+    from privacy.plan import group_charge
 
-    charged = charged_event(cfg, "prompt_dpsgd", event)
+    k = cfg.data.group_size
+    charged = group_charge(event, k, "prompt_dpsgd", cfg.data.person_field) if k else event
     gaussians = _score_gaussians(charged)
     assert gaussians and all(isinstance(g, ev.GaussianEvent) for g in gaussians)
     noise = {g.noise_multiplier for g in gaussians}
@@ -305,11 +306,12 @@ def test_the_plans_charged_scores_hold_the_units_sensitivity_by_dp_accounting(un
 
     from privacy import rdp as rdp_lib
     from tasks.data import ReleasedSizes
-    from tasks.lifecycle import sized_plan, with_size_release
+    from tasks.run_plan import plan_for
 
     cfg = _cfg(tmp_path, unit, mode, "balanced_accuracy")
     sizes = ReleasedSizes(n_train=400, n_holdout=120, n_test=40, sigma=5.0)
-    plan, run_cfg = sized_plan(cfg, "prompt_dpsgd", sizes, DELTA)
+    plan = plan_for(cfg, "prompt_dpsgd", sizes, DELTA)
+    run_cfg = cfg
     sigma = float(plan.params["selection.score_noise_multiplier"])
     sensitivity = K if unit == "record_charged_per_person" else 1.0  # a person's rows: one vote, or ≤ K rows
     scores = _score_gaussians(plan.event)
@@ -329,10 +331,8 @@ def test_the_plans_charged_scores_hold_the_units_sensitivity_by_dp_accounting(un
         ours = acct.spend(ev.SelfComposedEvent(scores[0], len(scores)), DELTA).epsilon
         assert ours == pytest.approx(pld.get_epsilon(DELTA), rel=5e-3)
     # the run charges what the plan reserved (the lifecycle: the sizes' release, then the group rule)
-    from tasks.lifecycle import charged_event
-
     trained = _select(run_cfg, plan, _holdout(unit), tmp_path / "run.log")
-    assert charged_event(cfg, "prompt_dpsgd", with_size_release(trained.event, sizes)) == plan.event
+    assert plan.charged(trained.event)[0] == plan.event
     # and the charged score Gaussian covers the worst change measured on neighbouring holdouts: the
     # Gaussian mechanism of σ at the measured shift, by dp-accounting, costs no more than it at every order
     released.clear()

@@ -64,10 +64,11 @@ PACKAGE = {
             def guarantee(self, cfg):
                 return dp_unless_debug(cfg)
 
-            def plan(self, cfg, n_train, delta):
+            def plan(self, cfg, n_train, delta, epsilon=None):
                 block = self.settings(cfg)
                 q = min(1.0, block.batch_size / n_train)
-                sigma = acct.calibrate_noise_multiplier(cfg.privacy.target_epsilon, delta, q, block.steps)
+                sigma = acct.calibrate_noise_multiplier(cfg.privacy.target_epsilon if epsilon is None else epsilon,
+                                                       delta, q, block.steps)
                 guarantee = self.guarantee(cfg)
                 return MethodPlan(self.name, guarantee, n_train, delta,
                                   event=ev.dpsgd_event(q, sigma, block.steps) if guarantee == "dp" else None,

@@ -210,7 +210,7 @@ def test_methods_without_a_group_rule_are_refused_before_anything_runs(people, t
     from tasks.config import parse_config
     from tasks.data import ReleasedSizes
     from tasks.errors import ConfigError
-    from tasks.lifecycle import sized_plan
+    from tasks.run_plan import plan_for
 
     cfg = _cfg(people, tmp_path / "state")
     cfg["data"].update({"person_field": "author", "max_records_per_unit": K})
@@ -219,7 +219,7 @@ def test_methods_without_a_group_rule_are_refused_before_anything_runs(people, t
     cfg["methods"] = {"dp_opt": {"meta_prompts": 4, "demos": 2, "max_new_tokens": 4, "candidates": 2}}
     sizes = ReleasedSizes(n_train=400, n_holdout=80, n_test=40, sigma=5.0)
     with pytest.raises(ConfigError) as err:
-        sized_plan(parse_config(cfg), "dp_opt", sizes, 1e-4)
+        plan_for(parse_config(cfg), "dp_opt", sizes, 1e-4)
     assert "dp_opt:" in str(err.value) and "LimitedDomainEvent" in str(err.value) and "\n" not in str(err.value)
     cfg["method"], cfg["methods"] = "rapt", {}
     cfg["public"] = {"name": "tweet_sentiment", "split": "validation", "size": 20}
@@ -237,14 +237,15 @@ def test_a_private_selection_is_charged_per_person_or_refused_by_its_mode(people
     from tasks.config import parse_config
     from tasks.data import ReleasedSizes
     from tasks.errors import ConfigError
-    from tasks.lifecycle import planned_epsilon, sized_plan
+    from tasks.lifecycle import planned_epsilon
+    from tasks.run_plan import plan_for
 
     cfg = _cfg(people, tmp_path / "state")
     cfg["data"].update({"person_field": "author", "max_records_per_unit": K})
     cfg["selection"] = {"enabled": True, "candidates": [{"lr": 0.05}]}
     sizes = ReleasedSizes(n_train=400, n_holdout=80, n_test=40, sigma=5.0)
     parsed = parse_config(cfg)
-    plan, _ = sized_plan(parsed, "prompt_dpsgd", sizes, 1e-4)
+    plan = plan_for(parsed, "prompt_dpsgd", sizes, 1e-4)
     assert plan.event == group_event(plan.record_event, K)
     assert planned_epsilon(parsed, "prompt_dpsgd", plan, 1e-4) <= 4.0 * (1 + 1e-6) < spend(plan.event, 1e-4).epsilon
     assert plan.params["selection.score_counts"] == f"rows, at most {K} per author (charged at sensitivity {K} per author)"

@@ -175,11 +175,11 @@ def test_plan_samples_units_at_q_over_the_released_unit_count(tmp_path, method, 
     from privacy import events as ev
 
     # σ's calibration is tested in test_accountant.py; a fixed σ keeps this test fast (the ε of the
-    # plan below is still the accountant's, and sized_plan still checks it against the target)
+    # plan below is still the accountant's, and plan_for still checks it against the target)
     monkeypatch.setattr(acct, "calibrate_noise_multiplier", lambda *a, **k: 3.0)
     from tasks.config import parse_config
     from tasks.data import partition_dataset
-    from tasks.lifecycle import sized_plan
+    from tasks.run_plan import plan_for
 
     _user_source(tmp_path / "toy")
     raw = {"method": method, "state_dir": str(tmp_path / "state"),
@@ -192,7 +192,7 @@ def test_plan_samples_units_at_q_over_the_released_unit_count(tmp_path, method, 
     sizes = part.sizes
     assert part.n_train == 5 * part.n_train_units  # records vs people
     assert abs(sizes.n_train - part.n_train_units) < 25  # released: a count of units (σ = 4)
-    plan, _ = sized_plan(cfg, method, sizes, 1e-6)
+    plan = plan_for(cfg, method, sizes, 1e-6)
     q = plan.settings["sample_rate"]
     assert q == pytest.approx(10 / sizes.n_train)  # B units over the released number of units
     assert plan.settings["steps"] == math.ceil(0.3 / q)  # epochs over units

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..methods.base import Method, MethodPlan, ReportArtifact, ReportMetric, SummaryColumn, Trained, dp_unless_debug
+from ..methods.base import Method, MethodPlan, ReportArtifact, ReportMetric, SummaryColumn, Trained, budget, dp_unless_debug
 from ..schema import DPSGDConfig, PromptTuningConfig
 
 
@@ -37,10 +37,10 @@ class SoftPromptDPSGD(Method):
         """Learning rate × epochs around the quickstart's (lr 0.05, 2 epochs): 6 candidates."""
         return [{"lr": lr, "epochs": epochs} for lr in (0.01, 0.05, 0.2) for epochs in (1.0, 3.0)]
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         from .training import dpsgd_event, dpsgd_params, dpsgd_settings
 
-        settings = dpsgd_settings(self.settings(cfg), n_train, cfg.privacy.target_epsilon, delta,
+        settings = dpsgd_settings(self.settings(cfg), n_train, budget(cfg, epsilon), delta,
                                   cfg.data.privacy_unit)
         guarantee = self.guarantee(cfg)
         return MethodPlan(self.name, guarantee, n_train, delta,
@@ -230,7 +230,7 @@ class NonPrivateSoftPrompt(Method):
     def guarantee(self, cfg):
         return "none"
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         return MethodPlan(self.name, "none", n_train, delta,
                           note=f"{self.name} has no formal privacy guarantee: nothing was published but "
                                "metrics, and its prompt stays under private/")

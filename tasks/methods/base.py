@@ -3,9 +3,11 @@
 A method is a subclass of :class:`Method` registered by name (``tasks.methods.register_method``).
 Its hooks, in the order the lifecycle calls them:
 
-* ``plan(cfg, n_train, delta)`` — pure (reads no data): the guarantee (``dp`` | ``ldp`` |
-  ``none``, derived from the settings), the worst-case privacy event for ``dp``, and the params
-  the run record logs.
+* ``plan(cfg, n_train, delta, epsilon)`` — pure (reads no data): the guarantee (``dp`` | ``ldp`` |
+  ``none``, derived from the settings), the worst-case privacy event for ``dp`` calibrated to the
+  ε share ``epsilon`` (given by the run's planner, ``tasks.run_plan.plan_for``; the config is
+  never rewritten), and the params the run record logs. The lifecycle hands ``train`` and
+  ``post_process`` the run's frozen ``privacy.plan.RunPlan`` (the same attribute names).
 * ``prepare(ctx)`` — public data only, may be cached across runs (POST: the student).
 * ``preflight(cfg, prepared)`` — every check that needs no private data (models and tokenizers
   load, label words / descriptions and template work on them): run by ``privprompt plan``
@@ -57,7 +59,7 @@ class MethodPlan:
     reads_private: bool = True       # False: the method never reads private training rows
     note: str = ""                   # said in budget.json (why no guarantee, what is post-processing)
     # a record-level run charged per person (data.person_field): the per-record event the target
-    # calibrates; ``event`` is then its group-privacy charge (tasks.lifecycle.sized_plan)
+    # calibrates; ``event`` is then its group-privacy charge (privacy.plan.plan_run)
     record_event: "DpEvent | None" = None
 
     def __post_init__(self):
@@ -66,6 +68,12 @@ class MethodPlan:
         if (self.event is not None) != (self.guarantee == "dp"):
             raise ValueError(f"{self.method}: a plan has a privacy event if and only if its guarantee is dp "
                              f"(guarantee {self.guarantee!r}, event {self.event!r})")
+
+
+def budget(cfg: "PrivPromptConfig", epsilon: float | None) -> float:
+    """The ε a method's plan calibrates to: its share ``epsilon`` when the planner gives one, else
+    the user's whole ``privacy.target_epsilon`` (never a value written into the config)."""
+    return float(cfg.privacy.target_epsilon if epsilon is None else epsilon)
 
 
 @dataclass
@@ -108,6 +116,7 @@ class MethodContext:
     seed: int
     output_dir: "Path | None" = None   # where mechanism outputs of this run may be written (outputs side)
     dataset_key: str | None = None     # the ledger's key of the private dataset (None: audit shadows)
+    private_dir: "Path | None" = None  # the run's private working folder (a selection's operator log)
 
 
 @dataclass
@@ -275,7 +284,11 @@ class Method:
         return False
 
     # ---- lifecycle hooks ----------------------------------------------------------------
-    def plan(self, cfg: "PrivPromptConfig", n_train: int, delta: float) -> MethodPlan:
+    def plan(self, cfg: "PrivPromptConfig", n_train: int, delta: float, epsilon: float | None = None) -> MethodPlan:
+        """The method's plan for ``n_train`` units at its ε share ``epsilon`` and δ share ``delta``
+        (given by the run's planner, ``tasks.run_plan.plan_for``: what is left of the run's budget
+        once its other releases are paid for); None — a plan asked directly, e.g. an audit's
+        shadows — calibrates to the config's whole ``privacy.target_epsilon`` (:func:`budget`)."""
         raise NotImplementedError
 
     def preflight(self, cfg: "PrivPromptConfig", prepared: dict[str, Any] | None) -> None:

@@ -23,7 +23,7 @@ from pydantic import Field, model_validator
 
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, Trained, dp_unless_debug
+from ..base import Method, MethodPlan, Trained, budget, dp_unless_debug
 
 
 class OptConfig(Block):
@@ -197,20 +197,21 @@ class DPOpt(_TextMethod):
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         from privacy import accountant as acct
 
         block = self.settings(cfg)
+        epsilon = budget(cfg, epsilon)
         q = _generation_rate(block, n_train)
-        affordable = acct.max_limited_domain_queries(cfg.privacy.target_epsilon, delta, block.epsilon0,
+        affordable = acct.max_limited_domain_queries(epsilon, delta, block.epsilon0,
                                                      block.delta0, q, limit=_worst_case_queries(block))
         if affordable < 1:
             from ...errors import ConfigError
 
-            raise ConfigError(f"dp_opt: ε={cfg.privacy.target_epsilon:g} at δ={delta:g} affords no LimitedDomain "
+            raise ConfigError(f"dp_opt: ε={epsilon:g} at δ={delta:g} affords no LimitedDomain "
                               f"query with ε0={block.epsilon0:g}, δ0={block.delta0:g}, q={q:.4g}")
         guarantee = self.guarantee(cfg)
-        selection_epsilon = _selection_epsilon(cfg.privacy.target_epsilon, delta)
+        selection_epsilon = _selection_epsilon(epsilon, delta)
         settings = {"sample_rate": q, "max_queries": affordable, "selection_epsilon": selection_epsilon}
         return MethodPlan(
             self.name, guarantee, n_train, delta,
@@ -380,7 +381,7 @@ class Opt(_TextMethod):
     def guarantee(self, cfg):
         return "none"
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         return MethodPlan(self.name, "none", n_train, delta, note="OPT: non-private ensemble generation (ε = ∞)")
 
     def _generate(self, mctx, rows, members: int, temperature: float):
@@ -424,7 +425,7 @@ class DLN1(Opt):
     name = "dln1"
     label = "DLN-1"
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         return MethodPlan(self.name, "none", n_train, delta, note="DLN-1: non-private (ε = ∞)")
 
     def train(self, mctx, plan, rows, progress=None):
@@ -461,7 +462,7 @@ class ICL(Method):
     def published_model(self, cfg, prepared):
         return cfg.models.target_name
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         return MethodPlan(self.name, "none", n_train, delta,
                           note="ICL: private demos in the prompt; no guarantee, never published")
 

@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Field
 
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, Trained, dp_unless_debug
+from ..base import Method, MethodPlan, Trained, budget, dp_unless_debug
 
 
 class DPZeroConfig(Block):
@@ -50,7 +50,7 @@ class DPZero(Method):
     def guarantee(self, cfg):
         return "none" if self.settings(cfg).regularizer else dp_unless_debug(cfg)
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         from privacy import accountant as acct
 
         from .events import dpzero_event
@@ -58,7 +58,7 @@ class DPZero(Method):
         block = self.settings(cfg)
         q = min(1.0, block.batch_size / n_train)
         steps = block.steps or max(1, math.ceil(block.epochs / q))
-        sigma = acct.calibrate_noise_multiplier(cfg.privacy.target_epsilon, delta, q, steps)
+        sigma = acct.calibrate_noise_multiplier(budget(cfg, epsilon), delta, q, steps)
         settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "expected_batch": q * n_train}
         guarantee = self.guarantee(cfg)
         return MethodPlan(self.name, guarantee, n_train, delta,

@@ -23,7 +23,7 @@ from ...methodkit.prompt_methods import NonPrivateSoftPrompt
 from ...schema import Block, DPSGDConfig
 from ...state import digest_key
 from .. import register_method
-from ..base import Method, MethodPlan, PostProcessed, Trained, Variant, dp_unless_debug
+from ..base import Method, MethodPlan, PostProcessed, Trained, Variant, budget, dp_unless_debug
 
 STUDENT_TAG = "privprompt.student_key"
 NAMES = {"full_zs": "Full ZS", "full_pt": "Full PT", "compressed_pt": "Compressed PT",
@@ -233,11 +233,11 @@ class Post(Method):
                 raise ValueError(f"methods.post.full_pt runs the non-private soft-prompt trainer registered as "
                                  f"{trainer!r}, and no such method is registered")
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         from ...methodkit.training import dpsgd_event, dpsgd_params, dpsgd_settings
 
         block = self.settings(cfg)
-        settings = dpsgd_settings(block.tuning, n_train, cfg.privacy.target_epsilon, delta, cfg.data.privacy_unit)
+        settings = dpsgd_settings(block.tuning, n_train, budget(cfg, epsilon), delta, cfg.data.privacy_unit)
         guarantee = self.guarantee(cfg)
         return MethodPlan(
             self.name, guarantee, n_train, delta, event=dpsgd_event(settings) if guarantee == "dp" else None,

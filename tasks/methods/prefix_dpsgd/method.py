@@ -36,7 +36,7 @@ class PrefixSGD(PrefixDPSGD):
     def run_label(self, cfg):
         return "prefix_nonprivate"
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         return MethodPlan(self.name, "none", n_train, delta, params=self.extra_params(cfg),
                           note=f"{self.name} has no formal privacy guarantee: nothing was published but metrics, "
                                "and its prefix stays under private/")

@@ -143,7 +143,7 @@ class Rapt(Method):
 
         return SECTIONS
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         block = self.settings(cfg)
         guarantee = self.guarantee(cfg)
         return MethodPlan(self.name, guarantee, n_train, delta,

@@ -26,7 +26,7 @@ class ZeroShot(Method):
     def reads_private_data(self, cfg) -> bool:
         return False
 
-    def plan(self, cfg, n_train, delta):
+    def plan(self, cfg, n_train, delta, epsilon=None):
         return MethodPlan(self.name, "none", n_train, delta, reads_private=False,
                           note="no training: nothing learnt from private data")
 

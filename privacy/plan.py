@@ -1,0 +1,287 @@
+"""The plan of one run, computed once and never written into a config (issue 36).
+
+A run's budget is the user's ``target_epsilon`` at the run's δ. :func:`plan_run` divides it into
+releases and returns one frozen :class:`RunPlan`:
+
+* the release of the partition's sizes (a Gaussian count, ``(ε_S, δ/10)``: a function of its σ and
+  δ only), when the method makes a ``dp`` claim;
+* the method's own release, calibrated to what is left — ``ε' = target − ε_S`` at ``9δ/10`` —
+  by the method's own calibration, handed in as a callable ``calibrate(epsilon, delta)``: σ, the
+  number of steps or queries stay the method's business, the division of the budget is this
+  module's. A selection of the method's settings is one such callable (its trials calibrated
+  together with :func:`calibrate_trial_target`).
+
+The run's event is the sizes release composed with the method's (into each branch of a parallel
+composition: a record lies in one branch, and the sizes are about it too), by basic composition
+of mechanisms whose (ε, δ) are fixed beforehand — the guarantee holds for the adaptive choice of
+the method's parameters from the released sizes [DR14, Thm. 3.16]. For a record-level run charged
+per person (a group of at most k records each) the ledger is charged the group-privacy event
+(:func:`privacy.group.group_event`); the per-record event is what the target calibrates.
+
+Pure: numpy, scipy, dp-accounting and the standard library only (tests/test_architecture.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from . import accountant as acct
+from . import calibrate
+from . import events as ev
+
+SIZES_DELTA_SHARE = 0.1  # of a dp run's δ, for the release of its partition's sizes
+
+
+class PlanError(ValueError):
+    """A budget that cannot be planned (one line naming the problem); nothing was reserved."""
+
+
+class FrozenMap(Mapping):
+    """An immutable mapping (nested dicts frozen too, lists become tuples) that pickles, compares
+    equal to a dict with the same items and is hashable when its values are."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping | None = None):
+        object.__setattr__(self, "_data", {k: _frozen(v) for k, v in dict(data or {}).items()})
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a FrozenMap cannot be changed")
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._data.items(), key=lambda kv: repr(kv[0]))))
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._data!r})"
+
+    def __reduce__(self):
+        return FrozenMap, (thawed(self),)
+
+
+def _frozen(value):
+    if isinstance(value, FrozenMap):
+        return value
+    if isinstance(value, Mapping):
+        return FrozenMap(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def thawed(value):
+    """A plain (JSON-able) copy of a frozen value: FrozenMap → dict, tuple → list."""
+    if isinstance(value, Mapping):
+        return {k: thawed(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [thawed(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Release:
+    """One release of a run and its share of the budget: ``epsilon`` at ``delta`` (its share of
+    the run's δ), its event (the worst case), and what one privacy ``unit`` moves it by
+    (``sensitivity``: 1 for a mechanism stated per unit; k for a record-level one charged per
+    person of ≤ k records, by group privacy)."""
+
+    name: str
+    epsilon: float
+    delta: float
+    event: ev.DpEvent
+    sensitivity: float = 1.0
+    unit: str = "record"
+
+
+class Calibrated(Protocol):
+    """What a method's calibration returns for an ε share and δ (``tasks.methods.MethodPlan``)."""
+
+    method: str
+    guarantee: str
+    n_train: int
+    event: ev.DpEvent | None
+    params: Mapping[str, Any]
+    settings: Mapping[str, Any]
+    reads_private: bool
+    note: str
+
+
+Calibration = Callable[[float, float], Calibrated]  # (ε share, δ share) -> the method's plan at it
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run's plan: δ, the user's budget and its division into releases, the method's share,
+    the event the ledger is charged (``event``; ``record_event``: the per-record one of a run
+    charged per person), the guarantee and the method's settings (immutable). Its attribute names
+    are those of a method's plan, so ``train`` and ``post_process`` read it alike."""
+
+    method: str
+    guarantee: str
+    n_train: int
+    delta: float
+    target_epsilon: float | None = None
+    method_epsilon: float | None = None
+    releases: tuple[Release, ...] = ()
+    event: ev.DpEvent | None = None
+    record_event: ev.DpEvent | None = None
+    params: FrozenMap = field(default_factory=FrozenMap)
+    settings: FrozenMap = field(default_factory=FrozenMap)
+    reads_private: bool = True
+    note: str = ""
+    group_size: int | None = None
+
+    def __post_init__(self):
+        if self.guarantee not in ("dp", "ldp", "none"):
+            raise PlanError(f"guarantee must be dp, ldp or none, got {self.guarantee!r}")
+        if (self.event is not None) != (self.guarantee == "dp"):
+            raise PlanError(f"{self.method}: a plan has a privacy event if and only if its guarantee is dp")
+        object.__setattr__(self, "params", FrozenMap(self.params))
+        object.__setattr__(self, "settings", FrozenMap(self.settings))
+        object.__setattr__(self, "releases", tuple(self.releases))
+
+    def release(self, name: str) -> Release | None:
+        return next((r for r in self.releases if r.name == name), None)
+
+    @property
+    def sizes_event(self) -> ev.DpEvent | None:
+        sizes = self.release("sizes")
+        return None if sizes is None else sizes.event
+
+    def charged(self, method_event: ev.DpEvent) -> tuple[ev.DpEvent, ev.DpEvent | None]:
+        """The realised counterpart of the plan's events for the event a training actually spent
+        (≤ the planned one): (the event the ledger is charged, the per-record event of a run
+        charged per person, else None)."""
+        event = method_event if self.sizes_event is None else with_size_release(method_event, self.sizes_event)
+        if self.group_size:
+            return group_charge(event, self.group_size, self.method, self.charge_unit), event
+        return event, None
+
+    @property
+    def own(self) -> Release | None:
+        """The method's own release (``method``, or ``selection`` for a selection of its settings:
+        every trial and the noisy holdout scores, one mechanism); None without a dp claim."""
+        return next((r for r in self.releases if r.name != "sizes"), None)
+
+    @property
+    def charge_unit(self) -> str:
+        """The unit the ledger charges this plan per (``record`` for a plan without releases)."""
+        return "record" if self.own is None else self.own.unit
+
+
+def with_size_release(event: ev.DpEvent, size_event: ev.DpEvent) -> ev.DpEvent:
+    """The sizes release composed with a method's event; into each branch of a parallel
+    composition (disjoint parts of the data: a record lies in one branch, and the sizes release
+    is about it too, so its loss is the release's plus its branch's)."""
+    if isinstance(event, ev.ParallelEvent):
+        return ev.ParallelEvent(tuple(ev.ComposedEvent((size_event, e)) for e in event.events))
+    return ev.ComposedEvent((size_event, event))
+
+
+def group_charge(event: ev.DpEvent, k: int, name: str, person_field: str) -> ev.DpEvent:
+    """The group-privacy event of ``event`` for a person of ≤ ``k`` records; an event without a
+    proven group rule is a :class:`PlanError` naming the method."""
+    from .group import GroupPrivacyError, group_event
+
+    try:
+        return group_event(event, k)
+    except GroupPrivacyError as exc:
+        raise PlanError(f"{name}: {exc}; refused for this record-level run on a dataset of people "
+                        f"(data.person_field: {person_field})") from None
+
+
+def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calibration: Calibration, *,
+             sizes_event: ev.DpEvent | None = None, sizes_sigma: float | None = None, unit: str = "record",
+             group_size: int | None = None, person_field: str | None = None, always_dp: bool = False,
+             release: str = "method", sizes_delta_share: float = SIZES_DELTA_SHARE) -> RunPlan:
+    """The one plan of method ``name``'s run: ``calibration(ε, δ)`` is the method's own (its plan
+    at a budget). A method that makes no ``dp`` claim at the whole budget (``always_dp`` False:
+    asked first) gets a plan without releases. A ``dp`` one: the sizes release at
+    ``sizes_delta_share`` of δ, the method calibrated to the rest, checked to meet the target
+    (a calibration that misses it is refused), the group charge when ``group_size`` is set.
+    ``release``: the name of the method's own release (``selection`` for a selection)."""
+    target = float(target_epsilon)
+    if not always_dp:
+        alone = calibration(target, delta)
+        if alone.guarantee != "dp":
+            return _plan_of(alone, delta, target_epsilon=None, method_epsilon=None)
+    delta_sizes = delta * sizes_delta_share if sizes_event is not None else 0.0
+    eps_sizes = acct.spend(sizes_event, delta_sizes).epsilon if sizes_event is not None else 0.0
+    share = target - eps_sizes
+    if not share > target * 1e-3:
+        raise PlanError(f"{name}: privacy.target_epsilon = {target:g} leaves nothing for the method once the split "
+                        f"sizes are released (ε = {eps_sizes:.4f} at data.size_noise_sigma = {sizes_sigma:g} records); "
+                        "raise the target or data.size_noise_sigma")
+    method_delta = delta - delta_sizes
+    own = calibration(share, method_delta)
+    if own.guarantee != "dp" or own.event is None:
+        raise PlanError(f"{name}: its calibration at ε = {share:.4f} makes no dp claim (guarantee {own.guarantee!r})")
+    method_eps = acct.spend(own.event, method_delta).epsilon
+    if not eps_sizes + method_eps <= target * (1 + 1e-6):
+        raise PlanError(f"{name}: its plan would spend ε = {method_eps:.4f} at δ = {method_delta:g} above its "
+                        f"share {share:.4f} of privacy.target_epsilon = {target:g} (a calibration that misses its "
+                        "target); nothing reserved")
+    k = group_size or None
+    charge_unit = person_field if k else unit
+    releases = []
+    params = dict(own.params)
+    if sizes_event is not None:
+        releases.append(Release("sizes", eps_sizes, delta_sizes, sizes_event, float(k or 1), charge_unit))
+        params.update({"privacy.size_epsilon": eps_sizes, "privacy.method_epsilon": share})
+    releases.append(Release(release, share, method_delta, own.event, float(k or 1), charge_unit))
+    event = own.event if sizes_event is None else with_size_release(own.event, sizes_event)
+    record_event = None
+    if k:
+        params["privacy.group_size"] = k
+        record_event, event = event, group_charge(event, k, name, person_field or unit)
+    return RunPlan(own.method, "dp", own.n_train, delta, target, share, tuple(releases), event, record_event,
+                   params, own.settings, own.reads_private, own.note, k)
+
+
+def _plan_of(own: Calibrated, delta: float, **budget) -> RunPlan:
+    return RunPlan(own.method, own.guarantee, own.n_train, delta, event=own.event, params=own.params,
+                   settings=own.settings, reads_private=own.reads_private, note=own.note, **budget)
+
+
+# ---- a selection's trials: one per-trial target for the whole mechanism's budget ---------------
+
+def first_trial_target(target: float, delta: float, *, every_candidate: bool, n_trained: int,
+                       distribution=None, score_sigma: float | None = None) -> float:
+    """A first guess of the per-trial ε at which a selection spends ``target``: every candidate
+    once — ``n_trained`` Gaussian trainings composed (closed form); random stopping — the target
+    less the Gaussian selection overhead of the law of K (Papernot & Steinke)."""
+    from . import selection as psel
+
+    if every_candidate:
+        return psel.composed_gaussian_target(target, n_trained, delta)
+    overhead = psel.gaussian_selection_overhead(
+        target - psel.gaussian_selection_overhead(target / 2, delta, distribution, score_sigma), delta,
+        distribution, score_sigma)
+    return max(target - 1.1 * overhead, target / 8)
+
+
+def calibrate_trial_target(epsilon_at: Callable[[float], float], target: float, first: float,
+                           tolerance: float = 0.01) -> float:
+    """The largest per-trial target ε t found at which the whole selection spends at most
+    ``target`` (``epsilon_at(t)``: its ε when every trial is calibrated to t), within
+    ``tolerance`` (relative) of it: secant steps from ``first`` (ε(t) is smooth and increasing
+    with slope ≈ 1). Raises :class:`PlanError` when no t above target/1000 fits."""
+    try:
+        best = calibrate.largest_within(epsilon_at, target, first, tolerance=tolerance, floor=target * 1e-3)
+    except calibrate.BelowFloor:
+        raise PlanError(f"selection: privacy.target_epsilon leaves too little for the trials (the selection "
+                        f"overhead alone comes near ε = {target:.4g}): raise the target, lower "
+                        "selection.expected_trials or raise selection.score_noise_multiplier") from None
+    if best is None:
+        raise PlanError(f"selection: no per-trial calibration found that keeps the selection within ε = {target:.4g}")
+    return best

@@ -1,0 +1,186 @@
+"""The one place a run's plan is computed: :func:`plan_for` (config, method, released sizes) →
+a frozen :class:`privacy.plan.RunPlan`, by the pure planner of ``privacy/plan.py`` with the
+method's own calibration (``Method.plan`` at the ε share the planner gives it; a selection of its
+settings is the method wrapped in :class:`tasks.selected.Selected`). The flow computes it once
+and hands it to the tasks; ``privprompt plan`` (``tasks/planning.py``) and the budget hints
+(:func:`largest_fitting_target_epsilon`) call the same function. Nothing here writes a value
+into a config: the budget travels as an argument.
+"""
+
+from __future__ import annotations
+
+import math
+
+from privacy import accountant as acct
+from privacy import events as ev
+from privacy import plan as pplan
+from privacy.plan import RunPlan
+
+from .errors import ConfigError
+from .methods import get_method
+
+SIZES_DELTA_SHARE = pplan.SIZES_DELTA_SHARE
+
+
+def resolve_delta(cfg, n_train: int, method_name: str | None = None) -> float:
+    """δ of a run, under one policy for every method (whatever its ``default_delta`` returns):
+
+    * no ``privacy.target_delta``: the published (or given) method's default, capped at
+      1/(10·n_train);
+    * a configured δ ≥ 1/n_train — which (ε, δ)-DP lets a mechanism spend on publishing whole
+      records — is refused with a :class:`ConfigError`, unless the config opts in with
+      ``privacy.allow_delta_at_least_one_over_n: true`` (then it is warned about, and the run
+      record says so: ``tasks.lifecycle.delta_opt_in``)."""
+    import numbers
+
+    from privacy.validation import check_delta
+
+    if isinstance(n_train, bool) or not isinstance(n_train, numbers.Integral) or n_train < 1:
+        raise ConfigError(f"a run's δ needs the number of training records n_train >= 1, got {n_train!r}")
+    n_train = int(n_train)
+    if cfg.privacy.target_delta:
+        allow = cfg.privacy.allow_delta_at_least_one_over_n
+        try:
+            return check_delta(cfg.privacy.target_delta, "privacy.target_delta", n=n_train,
+                               allow_at_least_one_over_n=allow)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{exc}; or, to accept it knowingly, set "
+                "privacy.allow_delta_at_least_one_over_n: true (the run record then carries "
+                "privacy.delta_opt_in=true)") from None
+    name = method_name or cfg.method
+    # rounded down to 1, 2 or 5 × 10^k: n here is a released size, and a partition drawn anew (its
+    # file touched) must keep its dataset's δ, not move it by a record's worth of noise
+    default = _round_down_125(min(float(get_method(name).default_delta(n_train)), 0.1 / n_train))
+    try:
+        return check_delta(default, f"{name}.default_delta", n=n_train, allow_at_least_one_over_n=False)
+    except ValueError as exc:
+        raise ConfigError(f"method {name!r}: {exc}") from None
+
+
+def _round_down_125(x: float) -> float:
+    """The largest 1, 2 or 5 × 10^k not above ``x`` (> 0)."""
+    k = math.floor(math.log10(x))
+    for m in (5, 2, 1):
+        if m * 10.0 ** k <= x * (1 + 1e-12):
+            return float(f"{m}e{k}")
+    return float(f"5e{k - 1}")
+
+
+def runner(cfg, name: str):
+    """What runs method ``name`` of ``cfg`` through the lifecycle: the method, or — when its
+    settings are selected privately — the method wrapped in :class:`tasks.selected.Selected`."""
+    from .selected import method_for
+
+    return method_for(cfg, name)
+
+
+def plan_for(cfg, name: str, sizes, delta: float | None = None, target_epsilon: float | None = None) -> RunPlan:
+    """Method ``name``'s run plan on the released ``sizes`` (:class:`tasks.data.ReleasedSizes`:
+    the method plans with ñ, and for a dp claim their release is part of the run's mechanism,
+    ``privacy.plan.plan_run``), at δ ``delta`` (None: :func:`resolve_delta`) and the budget
+    ``target_epsilon`` (None: the config's ``privacy.target_epsilon``; :func:`planned_events`
+    asks other budgets). The config is read, never changed. Raises :class:`ConfigError`."""
+    method = runner(cfg, name)
+    if delta is None:
+        delta = resolve_delta(cfg, sizes.n_for_delta)
+    target = float(cfg.privacy.target_epsilon if target_epsilon is None else target_epsilon)
+
+    def calibration(epsilon: float, delta_share: float):
+        return method.plan(cfg, sizes.n_train, delta_share, epsilon=epsilon)
+
+    try:
+        return pplan.plan_run(name, target, delta, sizes.n_train, calibration, sizes_event=sizes.event,
+                              sizes_sigma=sizes.sigma, unit=cfg.data.charge_unit, group_size=cfg.data.group_size,
+                              person_field=cfg.data.person_field, always_dp=getattr(method, "always_dp", False),
+                              release=getattr(method, "release", "method"))
+    except pplan.PlanError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def with_size_release(event, sizes):
+    """A dp run's event: the release of its partition's sizes composed with the method's
+    (``privacy.plan.with_size_release``)."""
+    return pplan.with_size_release(event, sizes.event)
+
+
+# ---- what fits -------------------------------------------------------------------------------
+
+def planned_epsilon(cfg, name: str, plan, delta: float) -> float:
+    """ε of a dp plan's worst case (its event, by the accountant), refused with a
+    :class:`ConfigError` when above ``privacy.target_epsilon``: a method's calibration (σ, number of
+    queries) must meet the target, and one that does not — a bug, or a stale or tampered accounting
+    cache (privacy/calibration_cache.py) — is stopped before anything is reserved. ``plan`` and a
+    run check it alike. For a record-level run charged per person it checks the per-record event
+    (``plan.record_event``: what the target is for); the ledger charges ``plan.event``."""
+    epsilon = acct.spend(plan.record_event if plan.record_event is not None else plan.event, delta).epsilon
+    target = float(cfg.privacy.target_epsilon)
+    if not epsilon <= target * (1 + 1e-6):
+        raise ConfigError(f"{name}: its plan would spend ε = {epsilon:.4f} at δ = {delta:g}, above "
+                          f"privacy.target_epsilon = {target:g} (a calibration that misses its target; if the "
+                          "state folder's cache/accounting.json was edited or copied from elsewhere, remove it); "
+                          "nothing reserved")
+    return epsilon
+
+
+def planned_events(cfg, sizes, delta: float, target_epsilon: float | None = None) -> list:
+    """The worst-case events of every dp run of ``cfg`` (baselines and the published method) on
+    the released ``sizes``, at the budget ``target_epsilon`` instead of the config's when given."""
+    events = []
+    for name in cfg.run_methods:
+        plan = plan_for(cfg, name, sizes, delta, target_epsilon)
+        if plan.event is not None:
+            events.append(plan.event)
+    return events
+
+
+def _shown_digits(x: float) -> int:
+    """Decimals that show ``x`` with 4 significant digits (never fewer than 0)."""
+    return max(3 - math.floor(math.log10(x)), 0)
+
+
+def largest_fitting_target_epsilon(cfg, sizes, delta: float, existing: list, cap: float) -> float | None:
+    """The largest ``privacy.target_epsilon`` at which a run of ``cfg`` still fits the dataset's
+    budget: its planned events composed with ``existing`` (the ledger's counted events) by the
+    accountant, ≤ ``cap``. None when no run of ``cfg`` fits, or when it plans no dp event (then the
+    budget does not limit it).
+
+    The answer is the number a user types: rounded DOWN to 4 significant digits and checked to
+    fit as rounded. (Rounding down alone is not enough: calibration meets each target only to a
+    tolerance, so the composed ε is not monotone in the target at that scale, and 2.422 could
+    compose to 3.0003 where 2.4226 composed to ≤ 3.)"""
+    planned = planned_events(cfg, sizes, delta)
+    if not planned:
+        return None
+    if not existing and len(planned) == 1 and not cfg.data.group_size:
+        # nothing spent and one dp run: every method calibrates its worst case to ε ≤ its target,
+        # so a run at target = cap fits, and no larger target is meaningful (exact, no search); not
+        # so for a record-level run charged per person (its charge is above its per-record target)
+        return float(cap)
+
+    def fits(x: float) -> bool:
+        try:
+            events = planned_events(cfg, sizes, delta, x)
+        except ValueError:
+            return False
+        return acct.spend(ev.ComposedEvent(tuple(existing + events)), delta).epsilon <= cap
+
+    found = acct.largest_fitting_epsilon(lambda x: planned_events(cfg, sizes, delta, x), existing, delta, cap)
+    if found is None:
+        return None
+    digits = _shown_digits(found)
+    step = 10.0 ** -digits
+    shown = math.floor(found / step) * step
+    for _ in range(10):  # a step or two down at most, in practice
+        if shown <= 0:
+            break
+        if fits(round(shown, digits)):
+            return round(shown, digits)
+        shown -= step
+    return found  # fits (the search checked it), unrounded
+
+
+def fitting_hint(largest: float | None) -> str:
+    if largest is None:
+        return "no target_epsilon fits: the dataset's budget is spent for this config"
+    return f"the largest target_epsilon that still fits: ≈ {largest:.{_shown_digits(largest)}f}"

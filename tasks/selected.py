@@ -1,0 +1,100 @@
+"""A private selection of a method's settings, as a method: ``Selected(method)`` implements the
+method protocol (``plan``, ``train``, ``post_process``, the rest delegated), so the lifecycle runs
+it through the same door as any method and never asks whether a run selects.
+
+* ``plan(cfg, n_train, delta, epsilon)``: every candidate's training calibrated together so that
+  the whole mechanism — K trials (or every candidate once) with noisy holdout scores, one winner —
+  spends the method's share ``epsilon`` (``tasks.selection.plan_selection``);
+* ``train``: the trials on the training rows, scored on the holdout (``uses_validation``), the
+  mechanism's event (``tasks.selection.train_selection``);
+* ``chosen``: what the run record says of the winner (by name, from released numbers only), and
+  the winner's own context to post-process its output with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import selection
+from .errors import ConfigError
+from .methods import get_method
+from .methods.base import budget
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a run publishes of a choice among settings: ``params`` (the parent's and the child's
+    run record), ``tags`` (the parent's), ``meta`` (the published prompt file's), and the context
+    and plan its output is post-processed with (None: the run's own)."""
+
+    params: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    mctx: Any = None
+    plan: Any = None
+
+
+def announce(line: str) -> None:
+    """A public progress line of the selection (start and end only: tasks/selection.py)."""
+    try:
+        from prefect import get_run_logger
+
+        get_run_logger().info(line)
+    except Exception:  # noqa: BLE001 - outside a flow (tests, audit shadows): nowhere to say it
+        pass
+
+
+class Selected:
+    """``method`` with its settings chosen privately on the holdout (``selection: {enabled: true}``)."""
+
+    always_dp = True  # a selection is dp under every candidate (check_selection_config)
+    release = "selection"  # its release in the run's plan: the trials and the noisy holdout scores, one mechanism
+    uses_validation = True  # the trials are scored on the holdout
+
+    def __init__(self, method):
+        self.method = method
+        self.name = method.name
+
+    def __getattr__(self, item):  # everything else is the method's own
+        return getattr(self.method, item)
+
+    def __repr__(self) -> str:
+        return f"Selected({self.method.name})"
+
+    def plan(self, cfg, n_train: int, delta: float, epsilon: float | None = None):
+        try:
+            return selection.plan_selection(self.method, cfg, n_train, delta, budget(cfg, epsilon))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def train(self, mctx, plan, rows, progress=None):
+        return selection.train_selection(self.method, mctx, plan, rows, mctx.private_dir / "selection.log",
+                                         announce=announce)
+
+    def post_process(self, mctx, plan, prompt, progress=None):
+        return self.method.post_process(mctx, plan, prompt, progress=progress)
+
+    def chosen(self, mctx, plan, metrics: dict) -> Choice:
+        """The published candidate by name on the run record, and its own settings to post-process
+        its output with (public data only)."""
+        won = selection.winner_of(plan, metrics)
+        winner = "none" if won is None else (selection.NO_PROMPT if won[2] else won[0])
+        params = {"selection.winner": winner}
+        best = selection.best_trial_name(plan, metrics)
+        if best is not None:  # no prompt published instead of the best trial (released numbers only)
+            params["selection.best_trial"] = best
+        tags = {}
+        if not selection.every_candidate(mctx.cfg.selection):  # the opt-in check_selection_config asked for
+            tags["selection.timing_channel"] = ("the run's duration grows with the secret number of trials K and "
+                                                "shows in MLflow's and Prefect's timestamps; its ε assumes K secret "
+                                                "(selection.accept_timing_channel: true)")
+        post_mctx, post_plan = selection.winner_context(self.method, mctx, plan, metrics)
+        return Choice(params, tags, {"selection.winner": winner}, post_mctx, post_plan)
+
+
+def method_for(cfg, name: str):
+    """What runs method ``name`` of ``cfg``: the registered method, or it wrapped in
+    :class:`Selected` when its settings are selected (the published method under ``selection:``)."""
+    method = get_method(name)
+    return Selected(method) if selection.applies(cfg, name) else method
