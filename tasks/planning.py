@@ -56,36 +56,13 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
     cap only lowered). With ``largest`` and one config per dataset, each dataset's preview also
     says the largest ``privacy.target_epsilon`` at which that config still fits
     (``largest_epsilon``, solved with the accountant; None: nothing fits)."""
-    from privacy.ledger import RecordOverlapError
-
-    from .data import RECORD_DIGEST_BYTES, source_records
-
     runs, events, meta = [], {}, {}
     ledger = state_paths.open_ledger() if state_paths.ledger_exists() else None
     checked: set[str] = set()
     pending: dict[str, set[bytes]] = {}  # sources new to the ledger that earlier variants register
     for label, cfg in variants:
         sizes = released_sizes(cfg, state_paths.private)
-        records = source_records(cfg.data, default_data_root(cfg.data_root), state_paths.private, cfg.seed)
-        # the dataset it is charged to: as a run finds it (tasks.lifecycle.ensure_dataset)
-        match = source_dataset(ledger, records, cfg.data.name)
-        key, dname, note = records.key, cfg.data.name, charged_note(match, cfg.data.name)
-        mine = {records.digests[i:i + RECORD_DIGEST_BYTES] for i in range(0, len(records.digests), RECORD_DIGEST_BYTES)}
-        if match is not None:
-            key, dname = match["fingerprint"], match["name"]
-        else:
-            shared = [k for k, held in pending.items() if k == records.key or not held.isdisjoint(mine)]
-            if len(shared) > 1:
-                raise RecordOverlapError(
-                    f"data source {cfg.data.name!r} (records key {records.key[:12]}…) shares records with "
-                    f"{len(shared)} datasets that earlier runs of this plan register: "
-                    + ", ".join(f"{meta[k]['name']!r} (fingerprint {k[:12]}…)" for k in shared)
-                    + "; a run on it would draw on several budgets at once")
-            if shared and shared[0] != records.key:
-                key, dname = shared[0], meta[shared[0]]["name"]
-                note = (f"data source {cfg.data.name!r} shares records with dataset {dname!r} (fingerprint "
-                        f"{key[:12]}) that an earlier run of this plan registers: charged against its budget")
-        pending.setdefault(key, set()).update(mine)  # what the dataset holds once this variant ran
+        key, dname, note = _charged_dataset(ledger, cfg, state_paths, pending, meta)
         delta = resolve_delta(cfg, sizes.n_for_delta)
         # the unit its dataset is stated for: data.privacy_unit, or data.person_field of a record-level run charged per person
         unit = cfg.data.charge_unit
@@ -94,55 +71,98 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
         if signature not in checked:  # the variants of a sweep mostly share their models
             preflight(cfg, None)
             checked.add(signature)
-        meta.setdefault(key, {"name": dname, "delta": delta, "cap": cfg.privacy.dataset_epsilon_cap,
-                              "unit": unit, "configs": [], "notes": []})
-        if meta[key]["unit"] != unit:  # as a run would be, once an earlier one registered it
-            from privacy.ledger import UnitMismatchError, unit_mismatch_message
-
-            raise UnitMismatchError(f"{label or cfg.method}: " + unit_mismatch_message(
-                dname, key, meta[key]["unit"], unit) + " (another run of this plan registers it)")
-        if note and note not in meta[key]["notes"]:
-            meta[key]["notes"].append(note)
-        meta[key]["configs"].append((cfg, sizes))
-        meta[key]["cap"] = min(meta[key]["cap"], cfg.privacy.dataset_epsilon_cap)
-        if abs(meta[key]["delta"] - delta) > 1e-15:
-            raise ConfigError(f"{label or cfg.method}: δ={delta:g} differs from δ={meta[key]['delta']:g} of another "
-                              f"run on dataset {dname!r}; runs on one dataset compose at one δ")
+        _add_to_dataset(meta, key, dname, note, label, cfg, sizes, delta, unit)
         for name in cfg.run_methods:
-            plan = plan_for(cfg, name, sizes, delta)
-            row = {"variant": label, "method": name, "dataset": cfg.data.name,
-                   "guarantee": plan.guarantee, "delta": delta, "epsilon": None}
-            if plan.event is not None:
-                row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
-                if plan.record_event is not None:  # charged per person: the ledger composes the group event
-                    row["epsilon_per_record"], row["epsilon"] = row["epsilon"], acct.spend(plan.event, delta).epsilon
-                    row["group"] = f"{cfg.data.group_size} {unit}"
-                events.setdefault(key, []).append(plan.event)
-            if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
-                from .selection import describe_plan
-
-                row["selection"] = describe_plan(cfg, name, plan, sizes, delta)
-            runs.append(row)
-    datasets = {}
-    for key, m in meta.items():
-        planned = events.get(key, [])
-        if ledger is not None:
-            d = ledger.preview(key, planned, m["delta"], cap=m["cap"], name=m["name"])
-        else:
-            d = Ledger.preview_new(planned, m["delta"], cap=m["cap"], name=m["name"])
-        if m["cap"] < d["cap"]:  # a run lowers the stored cap to its config's (never raises it)
-            d.update(cap=m["cap"], remaining_after=m["cap"] - d["total_epsilon"], fits=d["total_epsilon"] <= m["cap"])
-        if largest and len(m["configs"]) == 1:
-            cfg, sizes = m["configs"][0]
-            if planned_events(cfg, sizes, m["delta"]):
-                existing = ledger.counted_events(key) if ledger is not None and _registered(ledger, key) else []
-                # spent above the cap (a lowered cap, or ε held from before a δ change): nothing fits
-                d["largest_epsilon"] = (None if d["spent_epsilon"] > d["cap"] else
-                                        largest_fitting_target_epsilon(cfg, sizes, m["delta"], existing, d["cap"]))
-                d["largest_hint"] = fitting_hint(d["largest_epsilon"])
-        d["notes"] = m["notes"]
-        datasets[key] = d
+            runs.append(_plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, [])))
+    datasets = {key: _dataset_preview(ledger, key, m, events.get(key, []), largest) for key, m in meta.items()}
     return {"runs": runs, "datasets": datasets, "fits": all(d["fits"] for d in datasets.values())}
+
+
+def _charged_dataset(ledger, cfg, state_paths, pending: dict, meta: dict) -> tuple[str, str, str | None]:
+    """(fingerprint, name, note) of the dataset a variant's source is charged to, as a run finds it
+    (:func:`tasks.lifecycle.ensure_dataset`), counting sources that earlier variants register
+    (``pending``, updated with this one's records)."""
+    from privacy.ledger import RecordOverlapError
+
+    from .data import RECORD_DIGEST_BYTES, source_records
+
+    records = source_records(cfg.data, default_data_root(cfg.data_root), state_paths.private, cfg.seed)
+    match = source_dataset(ledger, records, cfg.data.name)
+    key, dname, note = records.key, cfg.data.name, charged_note(match, cfg.data.name)
+    mine = {records.digests[i:i + RECORD_DIGEST_BYTES] for i in range(0, len(records.digests), RECORD_DIGEST_BYTES)}
+    if match is not None:
+        key, dname = match["fingerprint"], match["name"]
+    else:
+        shared = [k for k, held in pending.items() if k == records.key or not held.isdisjoint(mine)]
+        if len(shared) > 1:
+            raise RecordOverlapError(
+                f"data source {cfg.data.name!r} (records key {records.key[:12]}…) shares records with "
+                f"{len(shared)} datasets that earlier runs of this plan register: "
+                + ", ".join(f"{meta[k]['name']!r} (fingerprint {k[:12]}…)" for k in shared)
+                + "; a run on it would draw on several budgets at once")
+        if shared and shared[0] != records.key:
+            key, dname = shared[0], meta[shared[0]]["name"]
+            note = (f"data source {cfg.data.name!r} shares records with dataset {dname!r} (fingerprint "
+                    f"{key[:12]}) that an earlier run of this plan registers: charged against its budget")
+    pending.setdefault(key, set()).update(mine)  # what the dataset holds once this variant ran
+    return key, dname, note
+
+
+def _add_to_dataset(meta: dict, key: str, dname: str, note, label, cfg, sizes, delta: float, unit: str) -> None:
+    """Count a variant under its dataset: one unit and one δ per dataset, the smallest cap."""
+    meta.setdefault(key, {"name": dname, "delta": delta, "cap": cfg.privacy.dataset_epsilon_cap,
+                          "unit": unit, "configs": [], "notes": []})
+    if meta[key]["unit"] != unit:  # as a run would be, once an earlier one registered it
+        from privacy.ledger import UnitMismatchError, unit_mismatch_message
+
+        raise UnitMismatchError(f"{label or cfg.method}: " + unit_mismatch_message(
+            dname, key, meta[key]["unit"], unit) + " (another run of this plan registers it)")
+    if note and note not in meta[key]["notes"]:
+        meta[key]["notes"].append(note)
+    meta[key]["configs"].append((cfg, sizes))
+    meta[key]["cap"] = min(meta[key]["cap"], cfg.privacy.dataset_epsilon_cap)
+    if abs(meta[key]["delta"] - delta) > 1e-15:
+        raise ConfigError(f"{label or cfg.method}: δ={delta:g} differs from δ={meta[key]['delta']:g} of another "
+                          f"run on dataset {dname!r}; runs on one dataset compose at one δ")
+
+
+def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: list) -> dict:
+    """One run's row of the plan (its plan's event appended to its dataset's ``events``)."""
+    plan = plan_for(cfg, name, sizes, delta)
+    row = {"variant": label, "method": name, "dataset": cfg.data.name,
+           "guarantee": plan.guarantee, "delta": delta, "epsilon": None}
+    if plan.event is not None:
+        row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
+        if plan.record_event is not None:  # charged per person: the ledger composes the group event
+            row["epsilon_per_record"], row["epsilon"] = row["epsilon"], acct.spend(plan.event, delta).epsilon
+            row["group"] = f"{cfg.data.group_size} {unit}"
+        events.append(plan.event)
+    if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
+        from .selection import describe_plan
+
+        row["selection"] = describe_plan(cfg, name, plan, sizes, delta)
+    return row
+
+
+def _dataset_preview(ledger, key: str, m: dict, planned: list, largest: bool) -> dict:
+    """The ledger's preview of a dataset with the plan's events (and, with ``largest``, the largest
+    fitting target of its one config)."""
+    if ledger is not None:
+        d = ledger.preview(key, planned, m["delta"], cap=m["cap"], name=m["name"])
+    else:
+        d = Ledger.preview_new(planned, m["delta"], cap=m["cap"], name=m["name"])
+    if m["cap"] < d["cap"]:  # a run lowers the stored cap to its config's (never raises it)
+        d.update(cap=m["cap"], remaining_after=m["cap"] - d["total_epsilon"], fits=d["total_epsilon"] <= m["cap"])
+    if largest and len(m["configs"]) == 1:
+        cfg, sizes = m["configs"][0]
+        if planned_events(cfg, sizes, m["delta"]):
+            existing = ledger.counted_events(key) if ledger is not None and _registered(ledger, key) else []
+            # spent above the cap (a lowered cap, or ε held from before a δ change): nothing fits
+            d["largest_epsilon"] = (None if d["spent_epsilon"] > d["cap"] else
+                                    largest_fitting_target_epsilon(cfg, sizes, m["delta"], existing, d["cap"]))
+            d["largest_hint"] = fitting_hint(d["largest_epsilon"])
+    d["notes"] = m["notes"]
+    return d
 
 
 def _registered(ledger: Ledger, key: str) -> bool:

@@ -663,47 +663,66 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     private = private_logger(log_path)
     rng = mctx.randomness.numpy(stream=30)
     train_event = lambda c: plans[c.name][1].event  # noqa: E731
-    if every:
+    try:
+        result, reference = _run_trials(candidates, train, score, key, sigma, rng, train_event, sel, every,
+                                        len(plans), log_path, announce)
+        _log_trials(private, result, sel.metric)
+        if not every:
+            reference = tuple(psel.release_holdout_count_vector(score(candidates[-1], None), sigma, rng))
+        winner_index, metrics = published_choice(candidates, result, reference,
+                                                 sel.fallback_to_no_prompt and not every, sel.metric)
+        _report_failures(private, result, every, log_path, announce)
+        winner_out = None if winner_index < 0 or candidates[winner_index].zero_shot else result.winner_output
+        private.info("best trial: %s; published: %s", "none" if result.winner is None else result.winner.name,
+                     winner_label(candidates, winner_index))
         if announce:
-            announce(f"selection: every one of {len(plans)} candidate settings trained once, then each and no prompt "
-                     f"scored on the holdout with noise ({sel.metric})")
-        result = run_every_candidate(candidates, train, score, sigma, rng, train_event, key)
-        reference = next((t.noisy_counts for t in result.trials if candidates[t.index].zero_shot), None)
-    else:
-        dist = trial_count(sel)
-        if announce:
-            announce(f"selection: {len(candidates) - 1} candidate settings + no prompt, E[K] = {dist.mean:g} trials "
-                     f"({dist.name}); each trial's progress is in the private log {log_path} (the number of trials "
-                     "is part of the mechanism and is not shown here)")
-        result = run_selection(candidates, train, score, dist, sigma, rng, train_event, key)
-    for t in result.trials:  # random stopping: operator-only (private), never published, not covered by the ε
-        if t.error is None:
-            private.info("trial %d: candidate %s, noisy holdout %s %.4f", t.index + 1, t.candidate, sel.metric,
-                         t.noisy_score)
-        else:
-            private.warning("trial %d: candidate %s FAILED and was skipped: %s", t.index + 1, t.candidate, t.error)
-    if not every:
-        reference = tuple(psel.release_holdout_count_vector(score(candidates[-1], None), sigma, rng))
-    winner_index, metrics = published_choice(candidates, result, reference, sel.fallback_to_no_prompt and not every,
-                                             sel.metric)
-    if result.failed:
-        private.warning("%d trial(s) failed and were skipped (sound only for failures that do not depend on the "
-                        "private data: a model that does not load, a full disk)", len(result.failed))
-        if every and announce:  # which ones, and why, only in the private log: an error's text may quote data
-            announce(f"selection: {len(result.failed)} candidate(s) failed and were skipped (which, and why: the "
-                     f"private log {log_path})")
-    winner_out = None if winner_index < 0 or candidates[winner_index].zero_shot else result.winner_output
-    private.info("best trial: %s; published: %s", "none" if result.winner is None else result.winner.name,
-                 winner_label(candidates, winner_index))
-    if announce:
-        announce(f"selection: finished; published candidate: {winner_label(candidates, winner_index)}")
-    for handler in list(private.handlers):  # the run's log file is closed (long-lived workers run many)
-        private.removeHandler(handler)
-        handler.close()
+            announce(f"selection: finished; published candidate: {winner_label(candidates, winner_index)}")
+    finally:
+        for handler in list(private.handlers):  # the run's log file is closed (long-lived workers run many)
+            private.removeHandler(handler)
+            handler.close()
     event = mechanism_event(result.event, sigma)  # the one reserved (with the sizes' release)
     prompt = None if winner_out is None else winner_out.prompt
     steps = 0 if winner_out is None else winner_out.steps
     return Trained(prompt, event, steps, metrics, [])
+
+
+def _run_trials(candidates, train, score, key, sigma: float, rng, train_event, sel, every: bool, n_trained: int,
+                log_path, announce):
+    """The mechanism: every candidate once, or random stopping. Returns (result, the "no prompt"
+    reference's released counts; None for random stopping, released after the trials)."""
+    if every:
+        if announce:
+            announce(f"selection: every one of {n_trained} candidate settings trained once, then each and no prompt "
+                     f"scored on the holdout with noise ({sel.metric})")
+        result = run_every_candidate(candidates, train, score, sigma, rng, train_event, key)
+        return result, next((t.noisy_counts for t in result.trials if candidates[t.index].zero_shot), None)
+    dist = trial_count(sel)
+    if announce:
+        announce(f"selection: {len(candidates) - 1} candidate settings + no prompt, E[K] = {dist.mean:g} trials "
+                 f"({dist.name}); each trial's progress is in the private log {log_path} (the number of trials "
+                 "is part of the mechanism and is not shown here)")
+    return run_selection(candidates, train, score, dist, sigma, rng, train_event, key), None
+
+
+def _log_trials(private, result: SelectionResult, metric: str) -> None:
+    """Each trial to the private log (random stopping: operator-only, never published, not covered by the ε)."""
+    for t in result.trials:
+        if t.error is None:
+            private.info("trial %d: candidate %s, noisy holdout %s %.4f", t.index + 1, t.candidate, metric,
+                         t.noisy_score)
+        else:
+            private.warning("trial %d: candidate %s FAILED and was skipped: %s", t.index + 1, t.candidate, t.error)
+
+
+def _report_failures(private, result: SelectionResult, every: bool, log_path, announce) -> None:
+    if not result.failed:
+        return
+    private.warning("%d trial(s) failed and were skipped (sound only for failures that do not depend on the "
+                    "private data: a model that does not load, a full disk)", len(result.failed))
+    if every and announce:  # which ones, and why, only in the private log: an error's text may quote data
+        announce(f"selection: {len(result.failed)} candidate(s) failed and were skipped (which, and why: the "
+                 f"private log {log_path})")
 
 
 def published_choice(candidates, result: SelectionResult, reference, fallback: bool,

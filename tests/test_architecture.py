@@ -220,12 +220,6 @@ def test_the_ledger_subpackage_is_the_only_privacy_part_allowed_sqlalchemy():
 # ---- function length (issue 36: no function over 80 lines, at most five over 60) ---------------
 
 LONGEST, LONG, MOST_LONG = 80, 60, 5
-# files other slices of issue 36 rewrite in parallel (the lifecycle door, the plan, selection as a
-# wrapper, the ledger subpackage, the data sources' and attacks' registries): their long functions
-# go with those rewrites; anywhere else the rule holds now
-BEING_REWRITTEN = ("tasks/lifecycle.py", "tasks/selection.py", "tasks/planning.py", "tasks/pipeline.py",
-                   "tasks/data.py", "tasks/audit.py", "privacy/ledger")
-
 
 def function_lengths(source: str) -> list[tuple[str, int]]:
     """(qualified name, lines from ``def`` to its last line) of every function and method,
@@ -262,12 +256,6 @@ def test_function_lengths_are_measured_from_def_to_last_line():
 
 
 def test_no_function_over_80_lines_and_at_most_five_over_60():
-    """Outside the files other slices rewrite the rule holds now (a hard failure); while those
-    files still hold long functions the test is an expected failure naming them."""
     over_longest, over_long = long_functions(LONGEST), long_functions(LONG)
-    print("over 80 lines:", over_longest, "\nover 60 lines:", over_long)
-    elsewhere = [(n, f) for n, f in over_long if not f.startswith(BEING_REWRITTEN)]
-    assert not [(n, f) for n, f in elsewhere if n > LONGEST], f"functions over {LONGEST} lines: {elsewhere}"
-    assert len(elsewhere) <= MOST_LONG, f"more than {MOST_LONG} functions over {LONG} lines: {elsewhere}"
-    if over_longest or len(over_long) > MOST_LONG:
-        pytest.xfail(f"issue 36: long functions left in files being rewritten: {over_long}")
+    assert over_longest == [], f"functions over {LONGEST} lines: {over_longest}"
+    assert len(over_long) <= MOST_LONG, f"more than {MOST_LONG} functions over {LONG} lines: {over_long}"

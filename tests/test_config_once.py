@@ -43,7 +43,7 @@ def late_method():
         def reads_private_data(self, cfg) -> bool:
             return False
 
-        def plan(self, cfg, n_train, delta):
+        def plan(self, cfg, n_train, delta, epsilon=None):
             return MethodPlan(self.name, "none", n_train, delta, reads_private=False)
 
     register_method(LateMethod)
