@@ -388,7 +388,7 @@ def cmd_worker(args) -> int:
 
     paths = state_paths()
     configure_environment(paths)  # before Prefect is imported, as a run does
-    return serve(paths, args.idle_timeout)
+    return serve(paths, args.idle_timeout, command=main, prefect_server=_local_prefect_server)
 
 
 def cmd_audit(args) -> int:
@@ -492,8 +492,6 @@ def cmd_ledger(args) -> int:
     from the same function); ``--json``: the whole ledger (datasets, entries, cap changes, audit
     trail) as JSON for backup; ``import FILE``: restore such a file into an empty ledger;
     ``set-key PATH``: keep a key file as a shared ledger's team key."""
-    import json
-
     from privacy.ledger import LedgerError
     from tasks.state import config_state_paths, state_paths
 

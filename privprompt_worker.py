@@ -149,7 +149,6 @@ def _send(conn, data: bytes) -> None:
 def _preimport() -> None:
     """What a run imports (seconds each), done once before any fork. Nothing here starts a thread
     or runs a torch operation (forking after either is unsafe)."""
-    import privprompt_cli  # noqa: F401
     import tasks.config  # noqa: F401
     import tasks.lifecycle  # noqa: F401
     import torch  # noqa: F401
@@ -164,16 +163,22 @@ def _preimport() -> None:
     from mlflow.store.tracking import sqlalchemy_store  # noqa: F401
 
 
-def serve(paths, idle_timeout: float = 1800.0) -> int:
+# the command a forked run executes: the CLI's ``main``, handed in by ``privprompt worker`` (the CLI
+# imports this module; this module never imports the CLI)
+_COMMAND: list = []
+
+
+def serve(paths, idle_timeout: float = 1800.0, *, command, prefect_server) -> int:
     """Run the worker for state folder ``paths`` (``configure_environment`` already applied) until
-    it is idle for ``idle_timeout`` seconds, stopped, or stale. Returns the exit code."""
+    it is idle for ``idle_timeout`` seconds, stopped, or stale; each run executes ``command(argv)``
+    (the CLI's ``main``) in a forked process, against the Prefect server ``prefect_server()``
+    starts. Returns the exit code."""
     import threading
 
-    import privprompt_cli
-
+    _COMMAND[:] = [command]
     started = time.perf_counter()
     stamp = code_stamp()
-    server = privprompt_cli._local_prefect_server().start()  # starts up while the imports run
+    server = prefect_server().start()  # starts up while the imports run
     _preimport()
     server._wait()  # noqa: SLF001 — the same wait as a run's
     os.environ["PREFECT_API_URL"] = server.api_url
@@ -382,11 +387,9 @@ def _run_command(argv: list[str]) -> int:
     import atexit
     import threading
 
-    import privprompt_cli
-
     rc = 1
     try:
-        rc = privprompt_cli.main(argv)
+        rc = _COMMAND[0](argv)
     except KeyboardInterrupt:
         print("privprompt: interrupted", file=sys.stderr)
         rc = 130

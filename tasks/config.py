@@ -3,12 +3,15 @@ experiment. Unknown keys are errors; every error names the key and the problem."
 
 from __future__ import annotations
 
+import difflib
 import json
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import yaml
-from pydantic import ConfigDict, Field, InstanceOf, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, ValidationError, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from .errors import ConfigError
@@ -239,8 +242,6 @@ def _format_error(err: ValidationError) -> str:
         key = ".".join(str(x) for x in e["loc"]) or "<root>"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            from .config_reference import did_you_mean
-
             hint = did_you_mean(tuple(e["loc"]))
             msg = "unknown config key" + (f" ({hint})" if hint else "")
         elif e["type"] == "missing":
@@ -353,3 +354,84 @@ def config_hash(cfg: PrivPromptConfig) -> str:
 def variant_group(label: str) -> str:
     """A sweep label without its seed: the runs that differ only by seed share it."""
     return ",".join(p for p in label.split(",") if p and not p.startswith("seed=")) or "base"
+
+
+# ---- the schema's keys (read by the config reference and the did-you-mean hints) ----------------
+
+def _block_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The config block inside an annotation (``X``, ``X | None``, ``list[X]``) and whether it is a list."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        blocks = [b for b in (_block_of(a) for a in args if a is not type(None)) if b[0] is not None]
+        return blocks[0] if len(blocks) == 1 else (None, False)
+    if origin is list and args:
+        inner, _ = _block_of(args[0])
+        return inner, inner is not None
+    return None, False
+
+
+def _fields(block: type[BaseModel]) -> list[tuple[str, Any]]:
+    """A block's fields in schema order; the ``methods:`` block's entries (one per registered
+    method, validated against its block at parse time) by name: the registry's order may change."""
+    if block is MethodsConfig:
+        from pydantic import Field
+        from pydantic.fields import FieldInfo
+
+        return sorted((name, FieldInfo.from_annotated_attribute(cls, Field(default_factory=cls)))
+                      for name, cls in method_blocks().items())
+    return list(block.model_fields.items())
+
+
+def walk(model: type[BaseModel] | None = None, prefix: str = "") -> Iterator[tuple[str, Any, type[BaseModel] | None]]:
+    """Every key of the schema, depth first: (dotted key, field, the block it opens or None).
+    A list of blocks (``models.endpoints``) appears as ``key[]`` with its block's keys under it."""
+    model = model or PrivPromptConfig
+    for name, field in _fields(model):
+        key = f"{prefix}{name}"
+        block, is_list = _block_of(field.annotation)
+        yield key, field, block
+        if block is not None:
+            yield from walk(block, f"{key}[]." if is_list else f"{key}.")
+
+
+def all_keys() -> list[str]:
+    """Every dotted key of the schema (list items as ``key[]``)."""
+    return [key for key, _, _ in walk()]
+
+
+def _block_at(loc: tuple) -> type[BaseModel] | None:
+    """The block a validation error location's last element was looked up in."""
+    block = PrivPromptConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = dict(_fields(block)).get(part)
+        if field is None:
+            return None
+        block, _ = _block_of(field.annotation)
+        if block is None:
+            return None
+    return block
+
+
+def did_you_mean(loc: tuple) -> str:
+    """A hint for an unknown key at ``loc`` (a pydantic error location): the closest keys of the
+    same block (difflib), else a block elsewhere that has a key of that name. '' when none."""
+    if not loc or not isinstance(loc[-1], str):
+        return ""
+    name = loc[-1]
+    prefix = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
+    block = _block_at(loc)
+    if block is not None:
+        close = difflib.get_close_matches(name, [key for key, _ in _fields(block)], n=2, cutoff=0.6)
+        if close:
+            return "did you mean " + " or ".join(f"'{prefix + '.' if prefix else ''}{c}'" for c in close) + "?"
+    elsewhere = [k.replace("[]", "") for k in all_keys() if k.rsplit(".", 1)[-1] == name]
+    if elsewhere:
+        return "did you mean " + " or ".join(f"'{k}'" for k in elsewhere[:3]) + " (a key of another block)?"
+    leaves = {k.rsplit(".", 1)[-1]: k.replace("[]", "") for k in all_keys()}
+    close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.75)
+    return f"did you mean '{leaves[close[0]]}'?" if close else ""

@@ -5,14 +5,16 @@ is this text committed (``tests/test_config_reference.py`` regenerates and compa
 
 from __future__ import annotations
 
-import difflib
 import json
 import types
 import typing
-from typing import Any, Iterator
+from typing import Any
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
+
+from .config import (PrivPromptConfig, _block_of, _fields, all_keys,  # noqa: F401  (the schema's keys)
+                     did_you_mean, walk)
 
 HEADER = """# Config reference
 
@@ -22,27 +24,6 @@ Generated from the pydantic schema by `privprompt config --schema` (do not edit 
 "did you mean" hint. Every key can be set on the command line: `--set dotted.key=value`.
 For your own data see the README's "Bring your own data".
 """
-
-
-def _schema_root() -> type[BaseModel]:
-    from . import config
-
-    return config.PrivPromptConfig
-
-
-def _block_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
-    """The config block inside an annotation (``X``, ``X | None``, ``list[X]``) and whether it is a list."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation, False
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        blocks = [b for b in (_block_of(a) for a in args if a is not type(None)) if b[0] is not None]
-        return blocks[0] if len(blocks) == 1 else (None, False)
-    if origin is list and args:
-        inner, _ = _block_of(args[0])
-        return inner, inner is not None
-    return None, False
 
 
 def type_name(annotation: Any) -> str:
@@ -90,32 +71,6 @@ def _default(field) -> str:
     return f"`{json.dumps(value, ensure_ascii=False)}`"
 
 
-def _fields(block: type[BaseModel]) -> list[tuple[str, Any]]:
-    """A block's fields in schema order; the ``methods:`` block's entries (one per registered
-    method, validated against its block at parse time) by name: the registry's order may change."""
-    from .config import MethodsConfig, method_blocks
-
-    if block is MethodsConfig:
-        from pydantic import Field
-        from pydantic.fields import FieldInfo
-
-        return sorted((name, FieldInfo.from_annotated_attribute(cls, Field(default_factory=cls)))
-                      for name, cls in method_blocks().items())
-    return list(block.model_fields.items())
-
-
-def walk(model: type[BaseModel] | None = None, prefix: str = "") -> Iterator[tuple[str, Any, type[BaseModel] | None]]:
-    """Every key of the schema, depth first: (dotted key, field, the block it opens or None).
-    A list of blocks (``models.endpoints``) appears as ``key[]`` with its block's keys under it."""
-    model = model or _schema_root()
-    for name, field in _fields(model):
-        key = f"{prefix}{name}"
-        block, is_list = _block_of(field.annotation)
-        yield key, field, block
-        if block is not None:
-            yield from walk(block, f"{key}[]." if is_list else f"{key}.")
-
-
 def _doc(block: type[BaseModel]) -> str:
     doc = (block.__doc__ or "").strip()
     if not doc or doc.startswith(("Base of every", "A base class")) or block.__module__.startswith("pydantic"):
@@ -129,7 +84,7 @@ def _cell(text: str) -> str:
 
 def markdown() -> str:
     """The reference: one table per block (top level first), a row per key."""
-    root = _schema_root()
+    root = PrivPromptConfig
     sections: list[tuple[str, type[BaseModel], str]] = [("", root, "Top-level keys.")]
     for key, field, block in walk(root):
         if block is not None:
@@ -154,43 +109,3 @@ def markdown() -> str:
             out.append(f"| `{dotted}` | {_cell(type_name(field.annotation))} | {_default(field)} | "
                        f"{_cell(_constraints(field))} | {_cell(desc)} |\n")
     return "".join(out)
-
-
-def all_keys() -> list[str]:
-    """Every dotted key of the schema (list items as ``key[]``)."""
-    return [key for key, _, _ in walk()]
-
-
-def _block_at(loc: tuple) -> type[BaseModel] | None:
-    """The block a validation error location's last element was looked up in."""
-    block = _schema_root()
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = dict(_fields(block)).get(part)
-        if field is None:
-            return None
-        block, _ = _block_of(field.annotation)
-        if block is None:
-            return None
-    return block
-
-
-def did_you_mean(loc: tuple) -> str:
-    """A hint for an unknown key at ``loc`` (a pydantic error location): the closest keys of the
-    same block (difflib), else a block elsewhere that has a key of that name. '' when none."""
-    if not loc or not isinstance(loc[-1], str):
-        return ""
-    name = loc[-1]
-    prefix = ".".join(str(p) for p in loc[:-1] if not isinstance(p, int))
-    block = _block_at(loc)
-    if block is not None:
-        close = difflib.get_close_matches(name, [key for key, _ in _fields(block)], n=2, cutoff=0.6)
-        if close:
-            return "did you mean " + " or ".join(f"'{prefix + '.' if prefix else ''}{c}'" for c in close) + "?"
-    elsewhere = [k.replace("[]", "") for k in all_keys() if k.rsplit(".", 1)[-1] == name]
-    if elsewhere:
-        return "did you mean " + " or ".join(f"'{k}'" for k in elsewhere[:3]) + " (a key of another block)?"
-    leaves = {k.rsplit(".", 1)[-1]: k.replace("[]", "") for k in all_keys()}
-    close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.75)
-    return f"did you mean '{leaves[close[0]]}'?" if close else ""

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import sources
-from .config import DataConfig
+from .schema import DataConfig
 from .errors import DataError
 from .state import digest_key, make_private_dir, owner_only_tree
 

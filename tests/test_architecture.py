@@ -66,9 +66,36 @@ def imported_names(source: str, module: str, is_package: bool) -> set[str]:
     return names
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` that can run: all of it but the bodies of ``if TYPE_CHECKING:``
+    (annotations only, never imported at run time; their ``else`` branches do run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if _is_type_checking(node):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def test_imports_under_type_checking_are_not_run_time_imports():
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\ndef f():\n    import c\n"
+    names = {alias.name for n in runtime_nodes(ast.parse(source)) if isinstance(n, ast.Import) for alias in n.names}
+    assert names == {"b", "c"}
+
+
 def module_imports(source: str, module: str, is_package: bool, modules) -> set[str]:
-    """The project modules the source imports: for ``from a import b``, ``a.b`` when it is a
-    module, else ``a``; for ``import a.b``, the longest module prefix of ``a.b``."""
+    """The project modules the source imports when it runs (inside functions too; not the
+    annotation-only imports under ``if TYPE_CHECKING:``): for ``from a import b``, ``a.b`` when it
+    is a module, else ``a``; for ``import a.b``, the longest module prefix of ``a.b``."""
     package = module if is_package else module.rpartition(".")[0]
     out: set[str] = set()
 
@@ -77,7 +104,7 @@ def module_imports(source: str, module: str, is_package: bool, modules) -> set[s
             name = name.rpartition(".")[0]
         return name or None
 
-    for node in ast.walk(ast.parse(source)):
+    for node in runtime_nodes(ast.parse(source)):
         if isinstance(node, ast.Import):
             out.update(filter(None, (longest(alias.name) for alias in node.names)))
         elif isinstance(node, ast.ImportFrom):
@@ -103,7 +130,7 @@ def import_graph() -> dict[str, set[str]]:
 def cycles(graph: dict[str, set[str]], scope: str) -> list[list[str]]:
     """The import cycles among the modules under ``scope``: each strongly connected component
     of more than one module (Tarjan), sorted."""
-    nodes = sorted(m for m in graph if m == scope or m.startswith(scope + "."))
+    nodes = sorted(m for m in graph if not scope or m == scope or m.startswith(scope + "."))
     inside = set(nodes)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -157,11 +184,16 @@ def test_privacy_has_no_import_cycle():
     assert found == [], f"import cycles among privacy/ modules (imports inside functions counted): {found}"
 
 
-@pytest.mark.xfail(reason="issue 36: tasks/ still has import cycles (config, methods, lifecycle, selection, stages, "
-                          "…); another slice of the issue removes them", strict=False)
 def test_tasks_has_no_import_cycle():
     found = cycles(import_graph(), "tasks")
     assert found == [], f"import cycles among tasks/ modules: {found}"
+
+
+def test_the_project_has_no_import_cycle():
+    """Among all the project's modules (privacy, models, tasks, flows, the scripts), imports inside
+    functions counted."""
+    found = cycles(import_graph(), "")
+    assert found == [], f"import cycles among the project's modules: {found}"
 
 
 def _reach(graph: dict[str, set[str]], module: str) -> set[str]:
