@@ -242,3 +242,40 @@ def test_the_toy_method_runs_through_sweep_report_and_audit(toy_package, tmp_pat
     new = [r for r in mlflow.search_runs([exp.experiment_id]) if r.info.run_id not in before]
     aucs = [r.data.metrics[k] for r in new for k in r.data.metrics if k.startswith("mia.lira") and k.endswith("auc")]
     assert aucs and all(0.0 <= a <= 1.0 for a in aucs)
+
+
+def test_the_toy_method_is_selected_privately_through_the_same_door(toy_package, tmp_path, monkeypatch,
+                                                                    prefect_harness, sst2_dir):
+    """`selection: {enabled: true}` wraps the one-package method (Selected(method)): its two
+    candidates' trainings and the noisy holdout scores are one DP release within the target, one
+    committed ledger entry, the winner named on the run record — no project file names the method."""
+    from prefect.settings import PREFECT_API_URL
+
+    from privprompt_cli import main
+    from tasks.record import client
+    from tasks.state import state_paths
+
+    monkeypatch.setenv("PREFECT_API_URL", PREFECT_API_URL.value())
+    state = tmp_path / "state"
+    cfg = _config(state)
+    cfg["data"]["holdout_fraction"] = 0.0006
+    cfg["selection"] = {"enabled": True, "candidates": [{"lr": 0.05}, {"lr": 0.2}]}
+    config = tmp_path / "toy-selection.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+
+    assert main(["plan", str(config)]) == 0
+    assert main(["run", str(config)]) == 0
+    mlflow = client(state_paths(str(state)))
+    exp = mlflow.get_experiment_by_name("toy")
+    (run,) = [r for r in mlflow.search_runs([exp.experiment_id], f"tags.method = '{NAME}'")
+              if "mlflow.parentRunId" not in r.data.tags]
+    metrics = run.data.metrics
+    assert 0.0 < metrics["privacy.epsilon"] <= 8.0 * (1 + 1e-6)
+    winner = run.data.params.get("selection.winner") or run.data.tags.get("selection.winner")
+    assert winner in ("lr=0.05", "lr=0.2", "no prompt"), (winner, run.data.params)
+    scores = [k for k in metrics if k.startswith("selection.") and "candidate_" in k]
+    # each candidate's noisy holdout score is released, "no prompt" (always added) the last
+    assert len(scores) == 3, sorted(metrics)
+    assert metrics["selection.candidate_2.holdout_score"] == metrics["selection.no_prompt.holdout_score"]
+    entries = state_paths(str(state)).open_ledger().entries()
+    assert [e["status"] for e in entries if e["kind"] == "dp"] == ["committed"]
