@@ -126,6 +126,7 @@ def _client(state):
     return MlflowClient(tracking_uri=f"sqlite:///{state / 'mlflow.db'}")
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_audit_results_in_run_record_and_child_runs(audited):
     client = _client(audited["state"])
     run = client.get_run(audited["summary"]["mlflow_run_id"])
@@ -149,6 +150,7 @@ def test_audit_results_in_run_record_and_child_runs(audited):
     assert "plots/roc_attacks.png" in plots
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_audit_recorded_as_nonprivate_use_and_pool_stays_private(audited):
     from privacy.ledger import Ledger
 
@@ -167,6 +169,7 @@ def test_cli_style_audit_of_finished_run(audited):
     assert out["metrics"]["audit.epsilon_lower_bound"] <= target.epsilon
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_audit_bad_input_fails_before_training(audited, tmp_path):
     from flows.audit import target_from_run
     from tasks.audit import AuditError
@@ -192,6 +195,7 @@ def test_audit_bad_input_fails_before_training(audited, tmp_path):
     assert refused.info.status == "FAILED" and "mlflow.parentRunId" not in refused.data.tags
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_audit_fails_loudly_when_leakage_exceeds_the_claim(audited, tmp_path, monkeypatch):
     """A model that memorised its planted canaries, audited against a (false) claim of ε = 0.01:
     the one-run lower bound exceeds the claim and the audit raises."""
@@ -217,6 +221,7 @@ def test_audit_fails_loudly_when_leakage_exceeds_the_claim(audited, tmp_path, mo
         canary_audit(target, AuditConfig(enabled=True, fprs=[0.05]))
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_an_attack_registered_by_a_test_is_run_by_the_audit(audited, tmp_path):
     """A toy attack (the true-label logit as a threshold attack) registered here, in tests/, is
     chosen by name in ``audit.attacks`` and scored on the audited run's pool by the audit's own

@@ -292,6 +292,7 @@ def _release_rule(setup, killed: list[dict], monkeypatch) -> None:
 
 # ---- the tests ------------------------------------------------------------------------------
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_kill_after_the_commit_then_rerun(sst2_dir, tmp_path, monkeypatch, prefect_harness):
     """The representative stage: killed after the commit, before publishing; the runs report to the
     session's Prefect test server (no database migrations per run: the slow test below kills the

@@ -155,6 +155,7 @@ def test_a_disjoint_dataset_gets_its_own_budget(sources, tmp_path):
     assert ledger.spent(b.dataset_key).epsilon == 0.0
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_plan_names_the_registered_dataset_a_copy_is_charged_to(sources, tmp_path):
     """`privprompt plan` on a re-export: the registered dataset's key, name and spend, and a note
     that names it; never a record nor a count of shared records."""
@@ -404,6 +405,7 @@ def _postgres_fixture():
 postgres = _postgres_fixture()
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_a_run_whose_source_was_charged_elsewhere_meanwhile_stops_before_its_reservation(sources, tmp_path):
     """The flow tags a run with the dataset its source resolves to; if another run registers records
     of that source in between, the run stops before its reservation (one line) instead of

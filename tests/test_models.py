@@ -333,6 +333,7 @@ def test_dp_first_step_must_change_prompt():
         train_prompt(clf, enc, y, cfg, DPConfig(1.0, 1.0, 1.0))
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 @pytest.mark.parametrize("private", [False, True], ids=["nonprivate", "dp"])
 def test_training_reduces_loss_on_toy_task(private):
     # Tiny random models cannot separate a balanced task with one shared prompt; the real

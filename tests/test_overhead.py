@@ -32,6 +32,7 @@ def cache_file(tmp_path, monkeypatch):
     real.cache_clear()
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_calibration_is_cached_on_disk_and_keyed_by_the_code(cache_file, monkeypatch):
     calls = []
     real = accountant._calibrate_noise_multiplier
@@ -70,6 +71,7 @@ def test_calibration_without_a_cache_or_with_a_broken_one(tmp_path, monkeypatch)
     assert json.loads(bad.read_text())["values"] == {"k:[1.5]": 3.0}
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch):
     import privprompt_cli
     from tasks.state import configure_environment, state_paths
@@ -180,6 +182,7 @@ def test_a_saved_pyfunc_pins_this_environment_without_mlflows_package_scan(tmp_p
     assert {f"{p}=={md.version(p)}" for p in ("torch", "transformers", "safetensors", "pandas", "mlflow")} <= pins
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_a_ledgers_compositions_resume_from_a_kept_prefix_with_the_same_pld(monkeypatch):
     """Composing a dataset's entries with one more event (or a last one changed) starts from the
     fold of the entries before it: the same compositions in the same order, so the same PLD and

@@ -20,6 +20,7 @@ def _cfg(toy, state, **extra):
     return cfg
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_plan_composes_variants_and_writes_no_run(toy, tmp_path):
     from tasks.config import parse_config, sweep_variants
     from tasks.planning import format_plan, plan_runs

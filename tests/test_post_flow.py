@@ -41,6 +41,7 @@ def post_run(prefect_harness, sst2_dir, tmp_path_factory):
     return {"first": first, "second": second, "state": state, "sst2": sst2_dir}
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_post_run_record(post_run):
     from mlflow.tracking import MlflowClient
 
@@ -61,6 +62,7 @@ def test_post_run_record(post_run):
     assert "POST" in table and "Direct Transfer" in table and "Compressed PT" in table
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_student_is_registered_and_reused(post_run):
     from mlflow.tracking import MlflowClient
 
@@ -74,6 +76,7 @@ def test_student_is_registered_and_reused(post_run):
     assert r1 == r2
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_public_stages_refuse_private_paths(post_run, tmp_path):
     from tasks.data import DataError, read_public_texts
 
@@ -139,6 +142,7 @@ def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
     return ctx, out, texts, transfer_stage
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_transfer_stage_is_given_public_data_only(post_run, monkeypatch):
     """The transfer task reads only the public dataset: every file it opens is outside private/."""
     _, out, _, _ = _public_transfer(post_run, monkeypatch, "transfer-check")
@@ -181,6 +185,7 @@ def test_post_audit_shadows_rerun_dp_tuning_and_transfer(post_run):
     assert target.epsilon == m["privacy.epsilon"]
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_transfer_selection_uses_held_out_public_texts_only(post_run, monkeypatch):
     """`select_every`: the prompt is scored on held-out public texts every N steps and the best
     one kept; the selection, like the training, opens no file under private/."""

@@ -260,6 +260,7 @@ def test_distill_losses_vanish_for_identical_student(arch):
     assert terms2["cos"] > 1e-6 and terms2["cos"] > 10 * terms["cos"]
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 @pytest.mark.parametrize("arch", ["gpt2", "bert-masked", "bert-encoder"])
 def test_distillation_reduces_loss_and_leaves_teacher_alone(arch, public_texts):
     teacher = make_teacher(arch)

@@ -122,6 +122,7 @@ def test_an_unloadable_local_model_fails_before_the_reservation(prefect_harness,
         _plan(cfg)
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_plan_and_run_refuse_a_higher_cap_and_another_delta_alike(toy, tmp_path):
     from privacy.ledger import DeltaMismatchError, Ledger
     from tasks.errors import ConfigError
@@ -156,6 +157,7 @@ def test_plan_and_run_refuse_a_higher_cap_and_another_delta_alike(toy, tmp_path)
     assert lower["datasets"][key]["cap"] == 10.0 and _contents(ledger) == before
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_cli_plan_errors_are_one_line(toy, tmp_path):
     state = tmp_path / "state"
     cfg = _cfg(toy, state)

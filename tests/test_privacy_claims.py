@@ -123,6 +123,7 @@ def test_prefect_logs_and_results_carry_no_private_loss(two_runs):
     assert "history" not in text and "loss_last" not in text
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_debug_seeded_randomness_replays_but_claims_and_publishes_nothing(two_runs, tmp_path):
     import torch
 

@@ -52,6 +52,7 @@ def rapt_run(prefect_harness, sst2_dir, tmp_path_factory):
     return {"summary": summary, "state": state, "loaded": loaded}
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_rapt_run_record_is_ldp_with_eta_and_no_epsilon(rapt_run):
     client = _mlflow(rapt_run["state"])
     run = client.get_run(rapt_run["summary"]["mlflow_run_id"])
@@ -67,6 +68,7 @@ def test_rapt_run_record_is_ldp_with_eta_and_no_epsilon(rapt_run):
     assert arts == {"prompt/rapt.safetensors"}  # an ldp output: published
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_rapt_output_is_neither_a_peft_adapter_nor_registered_and_says_why(rapt_run):
     """RAPT's prompt is evaluated on privatized inputs: neither a PEFT adapter nor the registry's
     predictor (plain text in) reproduces it, so nothing is exported and the run record says so."""
@@ -80,6 +82,7 @@ def test_rapt_output_is_neither_a_peft_adapter_nor_registered_and_says_why(rapt_
     assert client.search_registered_models() == []
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_model_side_only_loads_privatized_ids(rapt_run):
     from tasks.methods.rapt.method import Rapt
 
@@ -93,6 +96,7 @@ def test_model_side_only_loads_privatized_ids(rapt_run):
     assert set(torch.load(loaded[0][0])) == {"input_ids", "attention_mask", "text_mask", "plain_ids", "eta"}
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_ledger_lists_rapt_as_local_dp_and_the_attacks_as_nonprivate(rapt_run):
     from privacy.ledger import Ledger
 
@@ -104,6 +108,7 @@ def test_ledger_lists_rapt_as_local_dp_and_the_attacks_as_nonprivate(rapt_run):
     assert ds["ldp_uses"] == 1 and ds["ldp_releases"] == 2 and ds["ldp_eta_bound"] == pytest.approx(40.0)
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_no_unprivatized_private_text_is_published(rapt_run):
     state = rapt_run["state"]
     for path in state.rglob("*"):

@@ -148,6 +148,7 @@ def test_block_maxima_find_every_candidate(size, screen_dtype):
     assert np.array_equal(index.nearest(queries), expected)
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_minilm_search_equals_brute_force_over_the_eta_grid():
     """The real vocabulary (MiniLM's 30,522 × 384 input embeddings, specials excluded), the
     default screening dtype of this machine, 1,200 noisy tokens (more than two chunks) per η of
@@ -498,6 +499,7 @@ def test_hidden_inversion_attack_end_to_end(tiny, tiny_privatizer, monkeypatch):
                                 tiny_privatizer.index, unseen, epochs=5, states=states)
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_attribute_inference_success_beside_majority_rate():
     g = torch.Generator().manual_seed(0)
     attr = torch.randint(0, 2, (300,), generator=g)
@@ -511,6 +513,7 @@ def test_attribute_inference_success_beside_majority_rate():
         attribute_inference(informative, np.zeros(300))
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_prefix_tuning_trains_the_prefix_and_keeps_text_positions(tiny, tiny_privatizer):
     """RAPT with prefix tuning: the prefix's keys/values reach every layer (the text states change,
     the placeholders are dropped from G), the reconstruction loss falls, and the prefix trains."""

@@ -50,6 +50,7 @@ def _own_labels(dp_run, texts: list[str]) -> list[str]:
     return [cfg.data.labels[i] for i in logits.argmax(1).tolist()]
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_the_dp_output_is_a_registered_version_with_its_guarantee(dp_run):
     client = _mlflow(dp_run["state"])
     parent = client.get_run(dp_run["summary"]["mlflow_run_id"])
@@ -73,6 +74,7 @@ def test_the_dp_output_is_a_registered_version_with_its_guarantee(dp_run):
     assert spec["backbone"]["name"] == "tiny-bert" and spec["labels"] == ["negative", "positive"]
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_the_training_run_carries_a_peft_adapter_that_scores_like_the_run(dp_run):
     client = _mlflow(dp_run["state"])
     parent = dp_run["summary"]["mlflow_run_id"]
@@ -87,6 +89,7 @@ def test_the_training_run_carries_a_peft_adapter_that_scores_like_the_run(dp_run
     assert_peft_scores_like_ours("tiny-bert", dp_run, folder, prompt_positions=True)
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_predict_gives_the_runs_own_labels(dp_run, tmp_path, capsys):
     from privprompt_cli import main
 
@@ -104,6 +107,7 @@ def test_predict_gives_the_runs_own_labels(dp_run, tmp_path, capsys):
     assert f"accuracy on the 20 rows' label column: {acc:.4f}" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_predict_on_the_whole_test_split_matches_the_runs_test_accuracy(dp_run, tmp_path, capsys):
     from privprompt_cli import main
 
@@ -138,6 +142,7 @@ def prefix_run(prefect_harness, sst2_dir, tmp_path_factory):
     return {"summary": summary, "state": state, "config": cfg, "test_rows": rows}
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_a_dp_prefix_is_a_peft_prefix_adapter_and_predicts_the_runs_labels(prefix_run, tmp_path, capsys):
     from privprompt_cli import main
 

@@ -142,6 +142,7 @@ def test_a_retry_after_the_commit_republishes_the_one_output_under_one_charge(tm
     assert len(_dp_entries(ctx)) == 1 and _published_prompts(ctx)[0] == ["prompt_dpsgd.safetensors"]
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_a_committed_run_without_its_stored_output_is_refused_not_retrained(tmp_path, sst2_dir, monkeypatch, spies):
     from tasks.lifecycle import ReleaseError, release_dir, run_method
 
@@ -217,6 +218,7 @@ def test_a_retry_after_a_lost_attempt_that_read_private_rows_is_refused_and_its_
     assert _published_prompts(ctx) == ([], [])
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_two_attempts_alive_at_once_release_one_output(tmp_path, sst2_dir, monkeypatch, spies):
     """A worker declared lost keeps running while its retry starts: the retry finds the run's
     reservation already marked read, so it is refused before it reads or trains anything; the
@@ -314,6 +316,7 @@ def test_check_delta_refuses_or_warns_at_one_over_n():
         check_delta(1e-4, n=10, allow_at_least_one_over_n="yes")
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_an_opted_in_run_says_so_in_its_run_record(tmp_path, sst2_dir):
     from privacy.ledger import Ledger
     from tasks.lifecycle import run_method

@@ -166,6 +166,7 @@ def test_plan_for_gives_the_method_its_share_and_leaves_the_config_as_it_was(tmp
     assert cfg.model_dump() == before
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_a_selection_is_planned_through_its_wrapper_with_each_trial_at_its_target(tmp_path):
     from privacy import accountant as acct
     from privacy.plan import with_size_release
@@ -309,3 +310,18 @@ def test_a_selection_goes_through_the_same_door(tmp_path, sst2_dir, monkeypatch)
     assert seen == ["reserve", ("train", "Selected", True), "store", "commit", "publish"]
     assert out.params["selection.winner"] == "no prompt" and out.prompt_path is None
     assert out.spend is not None and out.guarantee == "dp"
+
+
+def test_a_plan_handed_to_another_method_is_refused_before_anything_is_reserved(tmp_path, sst2_dir):
+    """The door trusts the flow's plan only for the method it was made for (review F2)."""
+    from test_release_once import _context
+
+    from privacy.ledger import Ledger
+    from tasks.lifecycle import run_method
+    from tasks.run_plan import plan_for
+
+    ctx = _context(tmp_path, sst2_dir)
+    other = plan_for(ctx.cfg, "zero_shot", ctx.part.sizes)
+    with pytest.raises(ValueError, match="handed the plan of 'zero_shot'"):
+        run_method(ctx, "prompt_dpsgd", {}, plan=other)
+    assert not ctx.paths.ledger.exists() or Ledger(ctx.paths.ledger).entries() == []

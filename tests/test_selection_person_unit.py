@@ -386,7 +386,8 @@ def test_a_user_level_selection_trains_its_candidates_and_publishes_one(tmp_path
     (state / "secrets").mkdir(parents=True)
     (state / "secrets" / SECRET_NAME).write_bytes(bytes(range(32)))  # fixed key: a reproducible split of people
     raw = _config(tmp_path / "data", state)
-    raw["data"].update({"privacy_unit": "author", "holdout_fraction": 0.3, "size_noise_sigma": 4.0})
+    # a holdout of ~24 people: the trained prompts (all right) beat no prompt (all wrong) far beyond the noise
+    raw["data"].update({"privacy_unit": "author", "holdout_fraction": 0.6, "size_noise_sigma": 4.0})
     raw["methods"] = {"prompt_dpsgd": {"n_tokens": 3, "epochs": 1, "batch_size": 8}}
     raw["selection"] = {"enabled": True, "candidates": CANDIDATES}
     raw["privacy"]["target_epsilon"] = 8.0

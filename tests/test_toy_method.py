@@ -244,6 +244,7 @@ def test_the_toy_method_runs_through_sweep_report_and_audit(toy_package, tmp_pat
     assert aucs and all(0.0 <= a <= 1.0 for a in aucs)
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_the_toy_method_is_selected_privately_through_the_same_door(toy_package, tmp_path, monkeypatch,
                                                                     prefect_harness, sst2_dir):
     """`selection: {enabled: true}` wraps the one-package method (Selected(method)): its two

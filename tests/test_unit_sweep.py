@@ -99,6 +99,7 @@ def test_a_grouped_partition_splits_whole_people_caps_them_and_counts_records(pe
     assert max(per_person.values()) == K
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_plan_charges_the_record_level_variant_per_person_and_refuses_a_plain_one(people, tmp_path):
     """`privprompt plan` of the unit sweep on a ledger whose dataset is registered per person: the
     record-level variant's row shows its per-record ε and its (larger) per-person charge, the dataset's

@@ -81,6 +81,7 @@ def _run(state: Path, *args: str) -> subprocess.CompletedProcess:
                           env=_env(state), capture_output=True, text=True, timeout=900)
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_a_run_through_the_worker_and_a_config_mistake_and_the_stop(worker):
     from privacy.ledger import Ledger
 
