@@ -237,6 +237,7 @@ def test_seeds_cross_every_variant_and_group_by_variant():
         parse_config({**raw, "sweep": [], "seeds": [1, 1]})
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_seed_groups_mean_and_sample_std():
     from flows.sweep import seed_groups, summary_table
 

@@ -133,6 +133,7 @@ def test_console_script_exits_fast_without_losing_output():
     assert proc.returncode == 2 and "config file not found: no/such/config.yaml" in proc.stderr
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_a_tampered_calibration_is_refused_before_any_reservation(cache_file):
     """The cache only saves time: a σ in it that misses its target (edited, or copied from other
     code) cannot make a run spend above privacy.target_epsilon — plan and run refuse the plan."""

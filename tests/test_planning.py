@@ -61,6 +61,7 @@ class _Logs:
         return "\n".join(self.lines)
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_sweep_over_the_cap_is_refused_before_anything_runs(prefect_harness, toy, tmp_path, monkeypatch):
     """Refused before any run and any reservation, and with no plan number on Prefect (its log or
     the flow run's state message): they derive from the released sizes, and nothing is charged for

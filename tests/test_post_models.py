@@ -283,6 +283,7 @@ def test_distillation_reduces_loss_and_leaves_teacher_alone(arch, public_texts):
     assert not any(p.requires_grad for p in student.model.parameters())
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_distillation_replays_from_its_seed_dropout_included(public_texts):
     """Dropout is seeded by the distillation's seed (a seeded debug run replays compressed_pt),
     and the caller's global torch stream is left as it was."""

@@ -444,6 +444,7 @@ def test_embedding_inversion_is_one_minus_replacement(tiny, tiny_privatizer):
     assert rp == pytest.approx(replaced_share(enc, data))
 
 
+@pytest.mark.slow  # suite time: runs with -m slow
 def test_hidden_state_inversion_attacks(tiny, tiny_privatizer):
     plain, enc, data = _privatized(tiny, tiny_privatizer, eta=1e9, m=0)  # nothing replaced
     model = _model(tiny, plain, enc, with_head=False, prompt_tokens=1)
