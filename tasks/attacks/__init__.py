@@ -13,12 +13,12 @@ registered outside this folder that needs shadows must be imported there too.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ..folder_modules import import_folder
 
 
 @dataclass(frozen=True)
@@ -97,9 +97,7 @@ def _load_builtins() -> None:
         return
     _LOADED = True
     try:
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-            if not info.name.startswith("_"):
-                importlib.import_module(f"{__name__}.{info.name}")
+        import_folder(__name__, __path__)
     except BaseException:
         _LOADED = False
         raise

@@ -13,12 +13,11 @@ and raises :class:`~tasks.errors.DataError` in one line that never quotes a reco
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
+from ..folder_modules import import_folder
 
 
 class DataSource:
@@ -92,9 +91,7 @@ def _load_builtins() -> None:
         return
     _LOADED = True
     try:
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-            if not info.name.startswith("_"):
-                importlib.import_module(f"{__name__}.{info.name}")
+        import_folder(__name__, __path__)
     except BaseException:
         _LOADED = False
         raise
