@@ -256,7 +256,8 @@ def shadow_prompt(target: AuditTarget, pool_path: str, idx: np.ndarray, seed: in
         idx = [i for i in idx if copy_of[i] == own[i]]
     rows = PrivateRows([texts[i] for i in idx], [labels[i] for i in idx],
                        units=None if units is None else [str(units[i]) for i in idx])
-    return method_shadow(target.config, target.method, target.prepared, target.state_dir, rows, seed)
+    return method_shadow(target.config, target.method, target.prepared, target.state_dir, rows, seed,
+                         sizes=target.part.sizes)
 
 
 def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int, audit_run_id: str) -> dict:

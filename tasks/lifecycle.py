@@ -695,17 +695,25 @@ def _release_unread(door: Door, exc: BaseException) -> None:
 
 
 def shadow_prompt(config: dict, method_name: str, prepared: dict, state_dir: str, rows: PrivateRows,
-                  shadow_seed: int):
+                  shadow_seed: int, sizes=None):
     """An audit shadow: the audited method's own ``train`` + ``post_process`` on ``rows`` (pool
-    rows), no ledger, no tracking (shadows are private working data). Returns (prompt, steps)."""
+    rows), no ledger, no tracking (shadows are private working data). Returns (prompt, steps).
+
+    Calibrated as the audited run was: its plan on its released ``sizes`` (the partition's), so a
+    shadow has the run's noise and sampling rate (σ from the method's share of the target, after
+    the sizes release; q on the run's ñ), not a fresh calibration to the whole target on the pool.
+    A selection's trials are calibrated inside it: its shadows are the method at the target on ñ."""
     from .config import parse_config
     from .state import state_paths
 
     cfg = parse_config(config)  # its seed stays: models and splits are the audited run's
     method = get_method(method_name)
-    index = rows.unit_index()
-    n = len(rows) if index is None else index[1]  # privacy units: rows, or the pool's units (user unit)
-    plan = method.plan(cfg, n, resolve_delta(cfg, n, method_name), epsilon=cfg.privacy.target_epsilon)
+    if sizes is None or cfg.selection.enabled:
+        index = rows.unit_index()
+        n = (len(rows) if index is None else index[1]) if sizes is None else sizes.n_train
+        plan = method.plan(cfg, n, resolve_delta(cfg, n, method_name), epsilon=cfg.privacy.target_epsilon)
+    else:
+        plan = plan_for(cfg, method_name, sizes)
     mctx = MethodContext(cfg, state_paths(state_dir), prepared, randomness.for_shadow(cfg, shadow_seed), shadow_seed)
     trained = method.train(mctx, plan, rows)
     post = method.post_process(mctx, plan, trained.prompt)

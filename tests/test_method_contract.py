@@ -132,6 +132,38 @@ def test_shadow_is_train_and_post_process_through_the_registry(name, contexts):
     assert torch.equal(prompt, again) if isinstance(prompt, torch.Tensor) else prompt == again
 
 
+@pytest.mark.parametrize("name", [m for m in registered_methods()])
+def test_a_shadow_is_calibrated_as_the_audited_run_was(name, contexts, monkeypatch):
+    """Given the run's released sizes, a shadow trains with the run's own plan (σ from the method's
+    share after the sizes release, q on the run's ñ), not a fresh calibration to the whole target
+    on the pool (review F4): its noise is the audited prompt's."""
+    from tasks.data import ReleasedSizes
+    from tasks.lifecycle import shadow_prompt
+    from tasks.run_plan import plan_for
+
+    ctx, prepared = contexts[name]
+    method = get_method(name)
+    if not method.reads_private_data(ctx.cfg):
+        pytest.skip(f"{name} trains nothing: no shadow")
+    sizes = ReleasedSizes(n_train=400, n_holdout=100, n_test=100, sigma=5.0)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def train(self, mctx, plan, rows, progress=None):
+        seen["plan"] = plan
+        raise Stop
+
+    monkeypatch.setattr(type(method), "train", train)
+    with pytest.raises(Stop):
+        shadow_prompt(ctx.config, name, prepared, ctx.state_dir, ROWS, shadow_seed=3, sizes=sizes)
+    run_plan = plan_for(ctx.cfg, name, sizes)
+    assert seen["plan"].settings == run_plan.settings and seen["plan"].n_train == 400
+    if run_plan.guarantee == "dp":
+        assert run_plan.method_epsilon < ctx.cfg.privacy.target_epsilon  # the sizes release took its part
+
+
 def test_unknown_method_fails_at_config_time_listing_the_registered_ones(tmp_path):
     from tasks.config import parse_config
     from tasks.errors import ConfigError

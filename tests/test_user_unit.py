@@ -350,8 +350,10 @@ def test_audit_pool_holds_whole_units_in_half_the_shadows(tmp_path, monkeypatch,
     assert (max(len(us) for us in people.values()) > 1) == (sizes["n_members"] > exact_train)
     # a shadow trains on each person of its half once, copies or not
     seen = {}
-    monkeypatch.setattr(audit, "method_shadow", lambda config, method, prepared, state, rows, seed: seen.update(rows=rows))
-    audit.shadow_prompt(SimpleNamespace(config={}, method="m", prepared={}, state_dir=""), pool["pool_path"],
+    monkeypatch.setattr(audit, "method_shadow",
+                        lambda config, method, prepared, state, rows, seed, sizes=None: seen.update(rows=rows))
+    audit.shadow_prompt(SimpleNamespace(config={}, method="m", prepared={}, state_dir="",
+                                        part=SimpleNamespace(sizes=None)), pool["pool_path"],
                         np.flatnonzero(mask[0]), 0)
     in_shadow = {owner.get(t, t) for t, m in zip(texts, mask[0]) if m}
     assert len(set(seen["rows"].units)) == len(in_shadow)
