@@ -19,7 +19,7 @@ guarantee, is silently void (reproduced: a batch of 4 gives grad_sample of shape
 see shared NOTES.md). Therefore every DP step below checks that the per-sample gradient's batch
 dimension equals the number of sampled examples and raises RuntimeError otherwise, and the
 tests compare these gradients to a per-example autograd loop. Opacus is a test dependency only:
-``tests/test_peft_export.py`` reproduces the trap (one ``grad_sample`` row, the batch's sum) and
+``tests/pipeline/test_peft_export.py`` reproduces the trap (one ``grad_sample`` row, the batch's sum) and
 uses Opacus' hooks on PEFT's prefix tuning, which are right there, as an independent reference for
 the prefix gradients below (equal row for row). Training keeps its own gradients because they
 cost one ordinary backward pass for every prompt kind, need no hooks on the shared frozen

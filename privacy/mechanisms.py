@@ -235,7 +235,7 @@ def limited_domain_threshold(counts, epsilon0: float, delta0: float, k_bar: int 
     MOVES one (one count −1, another +1), a token at h(k̄+1) + 2 can leave the top k̄ on a tie
     and its probability under one dataset has no counterpart under the other: the realised δ
     reaches e^{ε0/2}·δ0/2 per bad token (2.24·δ0 at ε0 = 3). The proof of (ε0, δ0) with "+ 2" is
-    in :func:`limited_domain_top1`; ``tests/test_limited_domain_exact.py`` checks it exactly.
+    in :func:`limited_domain_top1`; ``tests/accounting/test_limited_domain_exact.py`` checks it exactly.
     """
     return _threshold(*_check_limited_domain_args(counts, epsilon0, delta0, k_bar,
                                                   l0_sensitivity, domain_size))

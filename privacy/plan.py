@@ -18,7 +18,7 @@ the method's parameters from the released sizes [DR14, Thm. 3.16]. For a record-
 per person (a group of at most k records each) the ledger is charged the group-privacy event
 (:func:`privacy.group.group_event`); the per-record event is what the target calibrates.
 
-Pure: numpy, scipy, dp-accounting and the standard library only (tests/test_architecture.py).
+Pure: numpy, scipy, dp-accounting and the standard library only (tests/pipeline/test_architecture.py).
 """
 
 from __future__ import annotations

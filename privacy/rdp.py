@@ -356,7 +356,7 @@ def repeat_and_select_rdp(trial_rdp: TrialRdp, distribution: TrialCount, orders=
         mu = distribution.mu
         if mu < 1.0:
             # below 1 the log(μ) term is negative and the bound can fall below the exact Rényi
-            # divergence (tests/test_selection_privacy.py enumerates a case); dp-accounting also
+            # divergence (tests/accounting/test_selection_privacy.py enumerates a case); dp-accounting also
             # requires a mean of at least 1
             raise ValueError(f"mu must be >= 1 for the Poisson selection bound, got {mu!r}")
         out = np.empty_like(grid)

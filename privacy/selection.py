@@ -111,7 +111,7 @@ Given the trial's RDP curve ε(·) on a grid of orders G (all > 1):
 * (ε, δ) from ε'(·) with the project's conversion ``rdp.rdp_to_epsilon``.
 
 This is the same computation as dp-accounting's ``RepeatAndSelectDpEvent`` in its RDP accountant
-(which parametrises D_{η,γ} by its mean and shape η ≥ 0); ``tests/test_selection_privacy.py``
+(which parametrises D_{η,γ} by its mean and shape η ≥ 0); ``tests/accounting/test_selection_privacy.py``
 checks the two against each other, and checks the bound against the exact Rényi divergence of a
 best-of-K mechanism enumerated on a small output domain.
 

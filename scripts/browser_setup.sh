@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up the on-demand browser check (tests/test_browser.py, -m browser): Debian's Chromium
+# Set up the on-demand browser check (tests/pipeline/test_browser.py, -m browser): Debian's Chromium
 # (Playwright cannot download browsers here) and the Playwright Python package, which drives it
 # through `executable_path`. Idempotent; needs root for apt-get.
 set -euo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start a team's servers on this machine, for trying the shared set-up or for the on-demand test
-# (tests/test_team_servers.py): PostgreSQL (Debian's package) with two databases, `mlflow` (the
+# (tests/pipeline/test_team_servers.py): PostgreSQL (Debian's package) with two databases, `mlflow` (the
 # tracking server's store) and `ledger` (the team's privacy budget ledger), an MLflow tracking server
 # backed by it (artifacts served by MLflow from a folder), and a Prefect server. Prints the three
 # URLs to export.

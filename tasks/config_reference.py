@@ -1,6 +1,6 @@
 """The config reference, generated from the pydantic schema (``tasks/config.py`` + ``tasks/schema.py``
 + each method's block): ``privprompt config --schema`` prints it as Markdown, ``docs/config.md``
-is this text committed (``tests/test_config_reference.py`` regenerates and compares), and the
+is this text committed (``tests/pipeline/test_config_reference.py`` regenerates and compares), and the
 "did you mean" hints of unknown config keys come from the same walk over the schema."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .config import (PrivPromptConfig, _block_of, _fields, all_keys,  # noqa: F4
 HEADER = """# Config reference
 
 Generated from the pydantic schema by `privprompt config --schema` (do not edit by hand:
-`tests/test_config_reference.py` fails when this file and the schema disagree; regenerate with
+`tests/pipeline/test_config_reference.py` fails when this file and the schema disagree; regenerate with
 `.venv/bin/privprompt config --schema > docs/config.md`). Unknown keys are errors, with a
 "did you mean" hint. Every key can be set on the command line: `--set dotted.key=value`.
 For your own data see the README's "Bring your own data".

@@ -18,7 +18,7 @@ reservation but before its first private read releases the reservation (recorded
 the first read on (``Ledger.mark_read``), the reservation stays spent. A run killed outright
 (SIGKILL, out of memory) releases nothing: its reservation stays counted (``read_started_at`` says
 whether it had begun reading) until an operator releases it (``privprompt budget release``), which
-the ledger refuses once the run was marked read (tests/test_crash_stages.py).
+the ledger refuses once the run was marked read (tests/claims/test_crash_stages.py).
 
 Publish rule, in this one place: the output of a ``dp`` run goes to ``outputs/`` and MLflow;
 every other output stays under ``private/``. Exact statistics of private data (training losses)
@@ -368,7 +368,7 @@ def stored_release(ledger: Ledger, run_key: str, private_run_dir: Path, name: st
                    [], dict(manifest.get("audit_metrics", {})), record_event=record_event)
 
 
-# TEST-ONLY (tests/test_crash_stages.py kills a run with SIGKILL at each stage of the lifecycle):
+# TEST-ONLY (tests/claims/test_crash_stages.py kills a run with SIGKILL at each stage of the lifecycle):
 # PRIVPROMPT_TEST_PAUSE_AT="<stage>:<marker file>" makes the run write its pid to the marker file
 # at that stage point and sleep there, so that the test can kill it at a known point. Unset (always,
 # outside that test) it does nothing. The stages: reserved (after the reservation, before the first

@@ -14,7 +14,7 @@
 
 A method package imports this toolkit, the interface (``tasks.methods`` / ``tasks.methods.base``)
 and the data-level modules (``tasks.schema``, ``tasks.errors``, ``tasks.data``, ``tasks.state``,
-``tasks.prompts``) — never another method package (``tests/test_architecture_methods.py``). Nothing
+``tasks.prompts``) — never another method package (``tests/methods/test_architecture_methods.py``). Nothing
 here registers a method: a package that uses a skeleton registers its own subclass. This
 ``__init__`` imports nothing, so importing one module of the toolkit loads only what it needs.
 """

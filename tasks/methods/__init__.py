@@ -15,7 +15,7 @@ its step hooks, scoring); ``base.py`` beside the packages is the interface; what
 share sits below them in the toolkit ``tasks/methodkit/`` (classifiers and encodings, soft-prompt /
 prefix (DP-)SGD from settings, the skeletons several packages extend). A method package imports
 the interface, the toolkit and the data-level modules, never another method package
-(``tests/test_architecture_methods.py``).
+(``tests/methods/test_architecture_methods.py``).
 """
 
 from __future__ import annotations

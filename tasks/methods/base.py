@@ -249,7 +249,7 @@ class Method:
     @classmethod
     def contract_test_config(cls) -> dict[str, Any]:
         """Settings of ``methods.<name>`` small enough to train in seconds on the tiny test models
-        (tiny-gpt2, 20 rows): the contract test (``tests/test_method_contract.py``) runs every
+        (tiny-gpt2, 20 rows): the contract test (``tests/methods/test_method_contract.py``) runs every
         registered method with them. {}: the defaults are small enough."""
         return {}
 
