@@ -30,8 +30,9 @@ DELTA = 1e-5
 
 # ---- the mechanism's accounting ----------------------------------------------------------------
 
-@pytest.mark.parametrize("n_trained,q,sigma,steps,score_sigma", [(6, 0.04, 0.9, 48, 5.0), (2, 0.1, 1.2, 20, 2.0),
-                                                                  (4, 0.02, 0.7, 100, 8.0)])
+@pytest.mark.parametrize("n_trained,q,sigma,steps,score_sigma", [
+    pytest.param(6, 0.04, 0.9, 48, 5.0, marks=pytest.mark.slow),  # suite time: two cases by default
+    (2, 0.1, 1.2, 20, 2.0), (4, 0.02, 0.7, 100, 8.0)])
 def test_every_candidate_event_matches_dp_accountings_pld_on_each_part(n_trained, q, sigma, steps, score_sigma):
     from dp_accounting import dp_event as dpe
     from dp_accounting.pld import pld_privacy_accountant as dpa_pld
