@@ -46,13 +46,14 @@ Privacy-Flat's AWP, frozen prefix layers and regulariser); this module knows no 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from models.classifiers import PromptClassifier, num_examples, select_rows
+from models.memory import choose as choose_physical_batch
 from models.soft_prompt import PrefixPrompt, SoftPrompt
 
 ProgressFn = Callable[[int, int, float | None], None]
@@ -66,7 +67,8 @@ class PromptTrainingConfig:
     the caller turns it into ``DPConfig.sample_rate``). ``steps`` overrides ``epochs``.
     ``max_length`` is the tokenisation length the caller encodes with (kept here for the record).
     ``init_words``: words whose token embeddings initialise the prompt (cycled to ``n_tokens``);
-    None: random vocabulary rows. ``physical_batch_size`` bounds memory (micro-batches).
+    None: random vocabulary rows. ``physical_batch_size`` bounds memory (micro-batches of one
+    logical step; None: chosen by :func:`models.memory.choose` from the device's free memory).
     """
 
     n_tokens: int = 10
@@ -79,11 +81,12 @@ class PromptTrainingConfig:
     init_words: str | None = None
     optimizer: str = "adam"  # "adam" | "sgd"
     log_every: int = 10
-    physical_batch_size: int = 64
+    physical_batch_size: int | None = 64
     kind: str = "soft"  # "soft" (n_tokens, embed_dim) | "prefix" (layers, 2, n_tokens, d_kv)
 
     def __post_init__(self):
-        if self.n_tokens < 1 or self.batch_size < 1 or self.physical_batch_size < 1:
+        if self.n_tokens < 1 or self.batch_size < 1 or (self.physical_batch_size is not None
+                                                        and self.physical_batch_size < 1):
             raise ValueError("n_tokens, batch_size and physical_batch_size must be >= 1")
         if self.steps is None and not self.epochs > 0:
             raise ValueError("give epochs > 0 or steps")
@@ -296,6 +299,17 @@ class StepProgress:
             self._sum, self._n = 0.0, 0
 
 
+def _physical_batch(classifier, enc, labels, prompt) -> int:
+    """The physical batch size chosen for this device (:func:`models.memory.choose`), its probe
+    one pass of per-sample gradients on the first rows (nothing of it is kept or released)."""
+
+    def probe(n: int) -> None:
+        rows = torch.arange(min(n, num_examples(enc)))
+        per_sample_prompt_gradients(classifier, select_rows(enc, rows), labels[rows], prompt.weight)
+
+    return choose_physical_batch(None, classifier.device, probe)
+
+
 def train_prompt(
     classifier: PromptClassifier,
     encoded_train: dict[str, torch.Tensor],
@@ -333,6 +347,8 @@ def train_prompt(
     classifier.eval()
     prompt = _initial_prompt(classifier, config, init_prompt, seed)
     opt = _optimizer([prompt.weight], config)
+    if config.physical_batch_size is None:  # memory only: the logical step is the same at any size
+        config = replace(config, physical_batch_size=_physical_batch(classifier, encoded_train, labels, prompt))
     if dp is None:
         return _train_nonprivate(classifier, encoded_train, labels, config, prompt, opt, progress, seed)
     if units is not None:

@@ -192,6 +192,12 @@ class ModelsConfig(Block):
                                  "\"Input: {text}\\n\\nOutput:\"")
     max_length: int = Field(64, gt=4, description="tokens per input, template included (the text is truncated)")
     eval_batch_size: int = Field(64, gt=0, description="batch size of evaluation and scoring")
+    physical_batch_size: int | None = Field(
+        None, gt=0, description="examples per forward/backward pass of a training step (every DP path: soft "
+        "prompt, prefix, per-unit, DPZero, POST's student, Privacy-Flat): one logical DP step — one clipped "
+        "gradient per example or unit, one sum, one noise draw — computed over micro-batches of this size; "
+        "memory only, the accounting and the released numbers are unchanged. null: chosen from the GPU's "
+        "free memory by a measured probe (80%), 64 on CPU")
 
     @property
     def target_name(self) -> str:

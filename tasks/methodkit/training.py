@@ -62,7 +62,8 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     y = label_indices(rows.labels, cfg.data.labels)
     tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=block.epochs,
                               batch_size=block.batch_size, max_length=cfg.models.max_length,
-                              seed=seed, init_words=block.init, kind=kind, steps=steps)
+                              seed=seed, init_words=block.init, kind=kind, steps=steps,
+                              physical_batch_size=cfg.models.physical_batch_size)
     dp_config, generators = None, {}
     if dp is not None:
         dp_config = DPConfig(noise_multiplier=dp["noise_multiplier"], max_grad_norm=dp["max_grad_norm"],
@@ -129,7 +130,8 @@ def nonprivate_copy(mctx, clf, init, rows, block, kind: str, epochs: float):
     def train():
         enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
         tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=epochs, batch_size=block.batch_size,
-                                  max_length=cfg.models.max_length, seed=mctx.seed, kind=kind)
+                                  max_length=cfg.models.max_length, seed=mctx.seed, kind=kind,
+                                  physical_batch_size=cfg.models.physical_batch_size)
         return train_prompt(clf, enc, label_indices(rows.labels, cfg.data.labels), tc, seed=mctx.seed,
                             init_prompt=init).prompt
 

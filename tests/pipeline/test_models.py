@@ -472,3 +472,59 @@ def test_min_k_percent_scores_follow_token_log_probs():
     assert torch.all(lowest <= got + 1e-6)
     with pytest.raises(ValueError, match="causal"):
         min_k_percent_scores(build_classifier(load_backbone("tiny-bert"), ["a", "b"]), enc)
+
+
+@pytest.mark.parametrize("sigma", [0.0, 1.0])
+def test_micro_batches_give_the_same_dp_step(sigma):
+    """``physical_batch_size`` is memory only (Opacus's BatchMemoryManager semantics): one logical
+    DP step — the same Poisson sample, one clipped gradient per example, one sum, ONE noise draw —
+    whatever the micro-batch size. Equal up to the float order of the sum (the prompt is fp32):
+    a noise draw per micro-batch, or a step per micro-batch, would move it by far more."""
+    clf = VerbalizerCausalLM(load_backbone("tiny-gpt2", DEV), LABELS)
+    enc, y = _toy(clf, 24)
+    init = _prompt(clf, n=3)
+    outs = {}
+    for physical in (64, 7, 1):
+        sample, noise = seeded_dp_generators(0)
+        cfg = PromptTrainingConfig(n_tokens=3, steps=4, lr=2.0, optimizer="sgd", physical_batch_size=physical)
+        res = train_prompt(clf, enc, y, cfg, DPConfig(sigma, 0.5, 0.5), init_prompt=init,
+                           sample_generator=sample, noise_generator=noise)
+        outs[physical] = res
+    sizes = {k: [h["batch_size"] for h in r.history] for k, r in outs.items()}
+    assert sizes[64] == sizes[7] == sizes[1] and all(s > 7 for s in sizes[64])  # several micro-batches a step
+    for physical in (7, 1):
+        assert torch.allclose(outs[physical].prompt, outs[64].prompt, atol=1e-6, rtol=0)
+    assert float((outs[64].prompt - init.float()).abs().max()) > 1e-3  # the steps moved it
+
+
+def test_physical_batch_size_is_chosen_from_memory_when_not_set():
+    """``models.physical_batch_size: null``: 64 on CPU; on CUDA the largest size whose measured
+    per-example peak fits 80% of the free memory (the probe is one pass of the training's own kind)."""
+    from models.memory import CPU_DEFAULT, LARGEST, choose
+
+    assert choose(None, torch.device("cpu"), probe=lambda n: None) == CPU_DEFAULT
+    assert choose(16, torch.device("cpu")) == 16
+    cuda = torch.device("cuda")
+    probed = []
+    got = choose(None, cuda, probe=probed.append, free_bytes=lambda: 10_000_000,
+                 peak_bytes=lambda run: (run(), 2 * 50_000)[1])
+    assert probed == [2] and got == int(0.8 * 10_000_000 // 50_000)  # 160 examples of 50 kB in 8 MB
+    assert choose(None, cuda, probe=lambda n: None, free_bytes=lambda: 10**15, peak_bytes=lambda run: 2) == LARGEST
+    assert choose(None, cuda, probe=lambda n: None, free_bytes=lambda: 10, peak_bytes=lambda run: 10**9) == 1
+    with pytest.raises(ValueError, match="physical_batch_size"):
+        choose(0, cuda)
+    # unset, the trainer asks for a size (with its probe) and uses it for every micro-batch
+    clf = VerbalizerCausalLM(load_backbone("tiny-gpt2", DEV), LABELS)
+    enc, y = _toy(clf, 16)
+    asked, seen = [], []
+    real = dpt.per_sample_prompt_gradients
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(dpt, "choose_physical_batch", lambda requested, device, probe: (asked.append(requested), 3)[1])
+    monkey.setattr(dpt, "per_sample_prompt_gradients",
+                   lambda c, e, l, *a, **k: (seen.append(len(l)), real(c, e, l, *a, **k))[1])
+    try:
+        cfg = PromptTrainingConfig(n_tokens=2, steps=2, lr=0.01, physical_batch_size=None)
+        train_prompt(clf, enc, y, cfg, DPConfig(1.0, 1.0, 0.9), init_prompt=_prompt(clf, n=2))
+    finally:
+        monkey.undo()
+    assert asked == [None] and seen and max(seen) == 3

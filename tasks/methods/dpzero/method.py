@@ -84,7 +84,7 @@ class DPZero(Method):
         from ...methodkit.training import unit_tensor
         from .events import dpzero_event
         from .training import DPZeroConfig as ModelConfig
-        from .training import train_dpzero
+        from .training import physical_batch, train_dpzero
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         clf = classifier_for(cfg, cfg.models.local)
@@ -102,7 +102,8 @@ class DPZero(Method):
         sample, noise = mctx.randomness.torch_generators()
         result = train_dpzero(clf, enc, y, init, ModelConfig(
             steps=s["steps"], sample_rate=s["sample_rate"], noise_multiplier=s["noise_multiplier"],
-            clip=block.clip, mu=block.mu, lr=block.lr, expected_batch=s.get("expected_batch")), sample_generator=sample, noise_generator=noise,
+            clip=block.clip, mu=block.mu, lr=block.lr, expected_batch=s.get("expected_batch"),
+            physical_batch_size=physical_batch(cfg, clf, enc, y, init)), sample_generator=sample, noise_generator=noise,
             direction_generator=torch.Generator().manual_seed(mctx.seed), progress=progress,
             regularizer=regularizer, **unit_tensor(cfg, rows))
         if result.steps != s["steps"]:

@@ -54,6 +54,18 @@ class DPZeroResult:
     history: list[dict] = field(default_factory=list)  # exact private statistics: local only
 
 
+def physical_batch(cfg, classifier: PromptClassifier, batch: dict, labels: torch.Tensor, prompt: torch.Tensor) -> int:
+    """``models.physical_batch_size``, or (null) the size chosen for the device from a probe of two
+    forward passes (:func:`models.memory.choose`; DPZero takes no gradient)."""
+    from models.memory import choose
+
+    def probe(n: int) -> None:
+        rows = torch.arange(min(n, num_examples(batch)))
+        per_example_losses(classifier, select_rows(batch, rows), labels[rows], prompt, n)
+
+    return choose(cfg.models.physical_batch_size, classifier.device, probe)
+
+
 @torch.no_grad()
 def per_example_losses(classifier: PromptClassifier, batch: dict, labels: torch.Tensor, prompt: torch.Tensor,
                        physical_batch_size: int = 64) -> torch.Tensor:

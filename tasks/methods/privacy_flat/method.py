@@ -92,6 +92,7 @@ class PrivacyFlat(PrefixDPSGDMethod):
 
     def step_additions(self, mctx, plan, rows, progress=None) -> dict:
         from .flat import FlatStepHook
+        from models.memory import CPU_DEFAULT
         from models.soft_prompt import PrefixPrompt
 
         from ...methodkit.classifiers import classifier_for
@@ -125,7 +126,9 @@ class PrivacyFlat(PrefixDPSGDMethod):
         out["metrics"]["flat.awp_steps"] = awp_steps
         out["hooks"] = [FlatStepHook(layers=layers if layers is not None and len(layers) < n_layers else None,
                                       awp_steps=awp_steps, awp_gamma=f.awp_gamma, w_nor=w_nor,
-                                      lam=f.lam if f.regularizer else 0.0)]
+                                      lam=f.lam if f.regularizer else 0.0,
+                                      # AWP's ascent: a mean gradient, lighter than the per-sample pass
+                                      physical_batch_size=cfg.models.physical_batch_size or CPU_DEFAULT)]
         return out
 
     # ---- cross-layer: Definition 1 and the greedy elimination -----------------------------------
