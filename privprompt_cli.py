@@ -286,8 +286,14 @@ def _print_summary(summary: dict, wall: float) -> None:
         print(f"{'wall time:':<28}{wall:.1f} s")
         return
     if "privacy.epsilon" in m:
-        print(f"{'privacy:':<28}ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
-              f"(RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f})")
+        from tasks.statement import epsilon_statement, unit_phrase
+
+        print(f"{'privacy:':<28}" + epsilon_statement(m["privacy.epsilon"], m["privacy.delta"], summary.get("unit"),
+                                                      summary.get("accountant"))
+              + f"; RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f}")
+        if m.get("privacy.epsilon_per_record") is not None:
+            print(f"{'':<28}(the mechanism is per record: ε = {m['privacy.epsilon_per_record']:.4f} per record; "
+                  f"charged {unit_phrase(summary.get('unit'))} by group privacy)")
     elif summary.get("guarantee") == "ldp":
         print(f"{'privacy:':<28}local d_X privacy of the inputs (metric LDP; no (ε, δ) claim: see the run's params)")
     else:
@@ -304,6 +310,8 @@ def _print_summary(summary: dict, wall: float) -> None:
               f"{m['selection.winner.holdout_score']:.4f}" + ("" if ref is None else f", no prompt {ref:.4f}")
               + " (noisy, DP; params: selection.metric)")
     _print_prompt(summary.get("published"), "selection.winner_index" in m)
+    if summary.get("registered_model"):
+        print(f"{'registered model:':<28}{summary['registered_model']} (privprompt predict / privprompt serve)")
     for warning in summary.get("warnings", []):
         print(f"{'WARNING:':<28}{warning}")
     if summary.get("device"):
@@ -335,14 +343,31 @@ def cmd_run(args) -> int:
     if os.environ.get(ROOT_ENV) and str(paths.root) != os.environ[ROOT_ENV]:
         return STATE_MISMATCH  # in a worker's child: another state folder than the worker's; the caller runs it
     configure_environment(paths)  # before Prefect is imported (exports the config's ledger.url)
-    server = _local_prefect_server().start()  # starts up while this process imports and checks
     from privacy import calibration_cache
 
     calibration_cache.enable(paths.root)  # noise calibrations kept between runs (and plans)
+    if not (cfg.sweep or cfg.seeds or cfg.grid):  # a sweep composes every variant's plan in its flow
+        refused = _budget_refusal(cfg, paths)  # the ledger's answer in seconds: before any model, server or baseline
+        if refused is not None:
+            return refused
+    server = _local_prefect_server().start()  # starts up while this process imports and checks
     try:
         return _run_with_server(cfg, paths, server)
     finally:
         server.stop()
+
+
+def _budget_refusal(cfg, paths) -> int | None:
+    """The run's plan composed with the ledger (as `privprompt plan`, without the model checks that
+    follow): an exit code and one line when it is over the cap or against the dataset's terms."""
+    from privacy.ledger import LedgerError
+    from tasks.planning import budget_refusal
+
+    try:
+        refusal = budget_refusal(cfg, paths)
+    except (*_user_errors(), LedgerError) as err:
+        return _fail(_one_line(err) + " (budget: nothing reserved, no ε used)")
+    return None if refusal is None else _fail(refusal + " (budget: nothing reserved, no ε used)")
 
 
 def _run_with_server(cfg, paths, server) -> int:
@@ -476,8 +501,10 @@ def cmd_report(args) -> int:
             fetched = Path(mlflow.download_artifacts(record.run_id, "report", tmp))
             for f in sorted(fetched.iterdir()):  # the report's flat files, replacing older copies
                 os.replace(f, dest / f.name)
-    from tasks.comparison import comparison_table, selection_table
+    from tasks.comparison import add_composed_spend, comparison_table, selection_table
 
+    if paths.ledger_exists():  # each DP run's dataset: its composed spend on this machine's ledger (printed only)
+        add_composed_spend(rows, paths.open_ledger())
     print(comparison_table(rows), end="")
     selected = selection_table(rows)
     if selected is not None:  # the published candidates and their DP-released holdout scores
@@ -796,7 +823,8 @@ def _model_load_error(exc: BaseException):
 
 def cmd_predict(args) -> int:
     """Labels and per-label scores of a registered model (``models:/NAME/VERSION`` or ``/latest``,
-    ``runs:/…``) for the ``text`` column of a file; an input ``label`` column gives the accuracy."""
+    ``runs:/…``) for the ``text`` column of a file (``--text-field``); an input ``label`` column
+    (``--label-field``) gives the accuracy."""
     from tasks.registry_model import input_texts
     from tasks.state import state_paths
 
@@ -805,7 +833,7 @@ def cmd_predict(args) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # our own progress line only
     try:
         frame = _read_table(args.input)
-        texts = input_texts(frame)
+        texts = input_texts(frame, args.text_field)
     except (OSError, ValueError, KeyError) as exc:
         return _fail(f"cannot read {args.input}: {_one_line(exc)}")
     import tempfile
@@ -838,9 +866,9 @@ def cmd_predict(args) -> int:
     for column in out.columns[1:]:
         result[column] = out[column].to_numpy()
     _write_table(result, args.output)
-    if "label" in frame.columns and len(frame):
-        acc = float((frame["label"].astype(str).to_numpy() == out["label"].to_numpy()).mean())
-        print(f"accuracy on the {len(frame)} rows' label column: {acc:.4f}", file=sys.stderr)
+    if args.label_field in frame.columns and len(frame):
+        acc = float((frame[args.label_field].astype(str).to_numpy() == out["label"].to_numpy()).mean())
+        print(f"accuracy on the {len(frame)} rows' {args.label_field} column: {acc:.4f}", file=sys.stderr)
     if args.output:
         print(f"predictions of {len(texts)} texts on {predictor.classifier.device}: {args.output}", file=sys.stderr)
     return 0
@@ -955,7 +983,11 @@ def _add_tool_commands(sub) -> None:
     predict = sub.add_parser("predict", help="labels and scores of a registered model for a JSONL / CSV / Parquet "
                                              "file's text column")
     predict.add_argument("model_uri", help="models:/NAME/VERSION (or /latest), as `privprompt run` registered it")
-    predict.add_argument("--input", required=True, help="JSONL, CSV or Parquet with a 'text' column")
+    predict.add_argument("--input", required=True, help="JSONL, CSV or Parquet with a 'text' column (or --text-field)")
+    predict.add_argument("--text-field", default="text", metavar="NAME", help="the input's text column (default: text; "
+                         "e.g. the config's data.text_field)")
+    predict.add_argument("--label-field", default="label", metavar="NAME", help="a column of true labels: the accuracy "
+                         "is printed when present (default: label)")
     predict.add_argument("--output", default=None, help="JSONL, CSV or Parquet (default: JSONL on stdout)")
     predict.add_argument("--batch-size", type=int, default=64)
     predict.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")

@@ -18,6 +18,7 @@ from .lifecycle import charged_note, check_dataset_terms, preflight, source_data
 from .run_plan import (fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, planned_events,
                        resolve_delta)
 from .state import default_data_root
+from .statement import unit_phrase
 
 
 _EXACT: dict[tuple[str, str], tuple] = {}  # (private dir, partition key) -> split_release_inputs, this process
@@ -47,11 +48,12 @@ def released_sizes(cfg, private_dir: Path):
     return release_sizes(cfg.data, membership, private_dir, exact, planted)
 
 
-def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
+def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool = True) -> dict:
     """``variants``: [(label, config)]. Returns {"runs": [...], "datasets": {key: preview}, "fits": bool}.
 
     The same rules and checks as a run, writing nothing but the released sizes: every check that needs no
-    private data (:func:`tasks.lifecycle.preflight`: models, label words, templates, endpoints),
+    private data (:func:`tasks.lifecycle.preflight`: models, label words, templates, endpoints;
+    ``checks=False``: a caller that ran them already),
     and the ledger's terms of each dataset (:func:`tasks.lifecycle.check_dataset_terms`: its δ, a
     cap only lowered). With ``largest`` and one config per dataset, each dataset's preview also
     says the largest ``privacy.target_epsilon`` at which that config still fits
@@ -68,7 +70,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
         unit = cfg.data.charge_unit
         check_dataset_terms(ledger, key, dname, cfg.privacy.dataset_epsilon_cap, delta, unit)
         signature = cfg.model_dump_json(include={"models", "data", "method", "methods", "seed"})
-        if signature not in checked:  # the variants of a sweep mostly share their models
+        if checks and signature not in checked:  # the variants of a sweep mostly share their models
             preflight(cfg, None)
             checked.add(signature)
         _add_to_dataset(meta, key, dname, note, label, cfg, sizes, delta, unit)
@@ -76,6 +78,21 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
             runs.append(_plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, [])))
     datasets = {key: _dataset_preview(ledger, key, m, events.get(key, []), largest) for key, m in meta.items()}
     return {"runs": runs, "datasets": datasets, "fits": all(d["fits"] for d in datasets.values())}
+
+
+def budget_refusal(cfg, state_paths) -> str | None:
+    """``privprompt run``'s budget check before its flow starts (before any baseline or evaluation):
+    the plan of ``cfg`` composed with the ledger as ``privprompt plan`` does it (the model checks
+    left to the caller). None when it fits; else one line saying what is over the cap."""
+    plan = plan_runs([("", cfg)], state_paths, checks=False)
+    for key, d in plan["datasets"].items():
+        if not d["fits"]:
+            return (f"privacy budget for dataset {d['name']!r} (fingerprint {key[:12]}…) exhausted: this run would "
+                    f"take the composed ε {unit_phrase(d.get('unit'))} from {d['spent_epsilon']:.4f} to "
+                    f"{d['total_epsilon']:.4f}, over the cap ε={d['cap']:.4f} at δ={d['delta']:g}; refused before any "
+                    "baseline, evaluation or training (privprompt plan CONFIG / privprompt ledger --config CONFIG: "
+                    "the largest target_epsilon that fits)")
+    return None
 
 
 def _charged_dataset(ledger, cfg, state_paths, pending: dict, meta: dict) -> tuple[str, str, str | None]:
@@ -130,7 +147,7 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
     """One run's row of the plan (its plan's event appended to its dataset's ``events``)."""
     plan = plan_for(cfg, name, sizes, delta)
     row = {"variant": label, "method": name, "dataset": cfg.data.name,
-           "guarantee": plan.guarantee, "delta": delta, "epsilon": None}
+           "guarantee": plan.guarantee, "delta": delta, "epsilon": None, "unit": unit}
     if plan.event is not None:
         row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
         if plan.record_event is not None:  # charged per person: the ledger composes the group event
@@ -162,6 +179,7 @@ def _dataset_preview(ledger, key: str, m: dict, planned: list, largest: bool) ->
                                     largest_fitting_target_epsilon(cfg, sizes, m["delta"], existing, d["cap"]))
             d["largest_hint"] = fitting_hint(d["largest_epsilon"])
     d["notes"] = m["notes"]
+    d["unit"] = m["unit"]
     return d
 
 
@@ -190,10 +208,11 @@ def format_plan(plan: dict) -> str:
     width = max([len("variant"), *map(len, labels)]) + 2
     # no n_train column: the sweep logs this table to Prefect (its server) before any run's charge
     # covers the release of the sizes
-    lines = [f"{'variant':<{width}}{'method':<16}{'guarantee':<10}{'planned ε':>12}"]
+    lines = [f"{'variant':<{width}}{'method':<16}{'guarantee':<10}{'planned ε':>12}  {'δ':<9}unit"]
     for r, label in zip(plan["runs"], labels):
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.4f}"
-        lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}")
+        delta, unit = ("-", "-") if r["epsilon"] is None else (f"{r['delta']:.3g}", unit_phrase(r.get("unit")))
+        lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}  {delta:<9}{unit}")
         if r.get("group"):
             lines.append(f"  record-level: ε = {r['epsilon_per_record']:.4f} per record; charged per person (≤ "
                          f"{r['group']} records, group privacy): ε = {r['epsilon']:.4f}")
@@ -212,7 +231,8 @@ def format_plan(plan: dict) -> str:
                          f"composed naively ε = {s['naive_epsilon']:.4f}; {others} (each with the sizes' release, "
                          "at the run's δ)")
     for key, d in plan["datasets"].items():
-        lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
+        lines.append(f"dataset {d.get('name', '?')} ({key[:12]}), ε {unit_phrase(d.get('unit'))} at δ = "
+                     f"{d['delta']:.3g}: spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "
                      f"remaining after ε={max(0.0, d['cap'] - d['total_epsilon']):.4f} "
                      f"({'fits' if d['fits'] else 'OVER THE CAP'})")
