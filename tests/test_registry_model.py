@@ -180,3 +180,23 @@ def test_predict_reads_and_writes_every_format(state, tmp_path, capsys, suffix):
     assert "predict: 5/5 texts" in err
     acc = float((out["prediction"] == frame["label"]).mean())
     assert f"accuracy on the 5 rows' label column: {acc:.4f}" in err
+
+
+def test_predict_reads_the_text_field_it_is_told(state, tmp_path, capsys):
+    """Issue 41: a user's file names its columns as their config does (``review``, ``sentiment``)."""
+    from models.backbone_ref import backbone_reference
+    from privprompt_cli import main
+    from tasks.registry_model import register_output
+
+    prompt_path = _soft_prompt(state["outputs"] / "p.safetensors", 32)
+    register_output(state["client"], state["run_id"], "privprompt.toy.rev", _spec(backbone_reference("tiny-gpt2", 0)),
+                    prompt_path, "dp", SPEND, "fp", state["paths"].private)
+    src, dst = tmp_path / "reviews.csv", tmp_path / "out.csv"
+    pd.DataFrame({"review": TEXTS, "sentiment": ["positive"] * 5, "customer_id": list("abcde")}).to_csv(src, index=False)
+    base = ["--state-dir", str(state["paths"].root), "predict", "models:/privprompt.toy.rev/latest", "--input", str(src)]
+    assert main(base) == 2
+    assert "needs a 'text' column (--text-field NAME names another)" in capsys.readouterr().err
+    assert main(base + ["--text-field", "review", "--label-field", "sentiment", "--output", str(dst)]) == 0
+    out = pd.read_csv(dst)
+    assert out["review"].tolist() == TEXTS and set(out["prediction"]) <= set(LABELS)
+    assert "accuracy on the 5 rows' sentiment column:" in capsys.readouterr().err
