@@ -783,6 +783,56 @@ def cmd_ui(args) -> int:
     return 0
 
 
+def serve_command(model_dir: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """``mlflow models serve`` of a downloaded pyfunc folder, from this project's environment: its
+    Python (``-m mlflow``), its ``bin`` first on PATH (the server execs ``uvicorn`` by name: without
+    the venv activated it was not found) and the project importable (the model's code)."""
+    env = dict(os.environ)
+    bin_dir = os.path.dirname(os.path.abspath(sys.executable))
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    root = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return ([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_dir, "--env-manager", "local",
+             "--host", host, "--port", str(port)], env)
+
+
+def cmd_serve(args) -> int:
+    """Serve a registered model (``models:/NAME/VERSION`` or ``/latest``, as ``privprompt run``
+    printed it) over HTTP on localhost: ``POST /invocations`` with ``{"dataframe_records": [{"text":
+    ...}]}`` answers labels and scores. Runs until Ctrl-C."""
+    import tempfile
+
+    from tasks.record import client
+    from tasks.registry_model import download_model
+    from tasks.state import state_paths
+
+    with tempfile.TemporaryDirectory(prefix="privprompt-serve-") as tmp:
+        try:
+            folder = download_model(client(state_paths(args.state_dir)), args.model_uri, tmp)
+        except Exception as exc:  # noqa: BLE001 - reported as one line
+            return _fail(f"cannot load {args.model_uri}: {_one_line(exc)}")
+        command, env = serve_command(str(folder), args.host, args.port)
+        print(f"serving {args.model_uri} at http://{args.host}:{args.port}/invocations (POST JSON "
+              '{"dataframe_records": [{"text": "..."}]}; Ctrl-C stops it)', flush=True)
+        proc = subprocess.Popen(command, env=env, start_new_session=True)
+
+        def stop(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _read_table(path: str):
     """A JSONL / JSON / CSV / Parquet file as a DataFrame (by its extension)."""
     import pandas as pd
@@ -973,7 +1023,7 @@ def _add_budget_commands(sub) -> None:
 
 
 def _add_tool_commands(sub) -> None:
-    """config, ui and predict."""
+    """config, ui, predict and serve."""
     config = sub.add_parser("config", help="the config reference, generated from the schema (docs/config.md)")
     config.add_argument("--schema", action="store_true", required=True,
                         help="print every config key with its type, default and meaning as Markdown")
@@ -991,6 +1041,11 @@ def _add_tool_commands(sub) -> None:
     predict.add_argument("--output", default=None, help="JSONL, CSV or Parquet (default: JSONL on stdout)")
     predict.add_argument("--batch-size", type=int, default=64)
     predict.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
+    serve = sub.add_parser("serve", help="serve a registered model over HTTP on localhost (mlflow models serve from "
+                                         "this environment)")
+    serve.add_argument("model_uri", help="models:/NAME/VERSION (or /latest), as `privprompt run` printed it")
+    serve.add_argument("--port", type=int, default=5001)
+    serve.add_argument("--host", default="127.0.0.1", help="default: localhost only")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1016,7 +1071,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.state_dir:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
     command = {"run": cmd_run, "worker": cmd_worker, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
-               "key": cmd_key, "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict}[args.command]
+               "key": cmd_key, "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict,
+               "serve": cmd_serve}[args.command]
     try:
         rc = command(args)
         sys.stdout.flush()  # inside the try: a closed pipe is met here, not in the interpreter's exit

@@ -200,3 +200,67 @@ def test_predict_reads_the_text_field_it_is_told(state, tmp_path, capsys):
     out = pd.read_csv(dst)
     assert out["review"].tolist() == TEXTS and set(out["prediction"]) <= set(LABELS)
     assert "accuracy on the 5 rows' sentiment column:" in capsys.readouterr().err
+
+
+def test_serve_runs_mlflow_from_this_environment_with_uvicorn_on_path(monkeypatch):
+    """`mlflow models serve` execs `uvicorn` by name: without the venv activated it was not found."""
+    import shutil
+    import sys
+
+    from privprompt_cli import serve_command
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    command, env = serve_command("/tmp/model", "127.0.0.1", 5123)
+    assert command[:3] == [sys.executable, "-m", "mlflow"] and command[3:5] == ["models", "serve"]
+    assert command[command.index("--env-manager") + 1] == "local" and command[-2:] == ["--port", "5123"]
+    assert shutil.which("uvicorn", path=env["PATH"]) is not None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # a model server's start-up (≈ 20-60 s on two shared cores)
+def test_privprompt_serve_answers_on_localhost(state, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from models.backbone_ref import backbone_reference
+    from tasks.registry_model import register_output
+
+    prompt_path = _soft_prompt(state["outputs"] / "p.safetensors", 32)
+    register_output(state["client"], state["run_id"], "privprompt.toy.srv", _spec(backbone_reference("tiny-gpt2", 0)),
+                    prompt_path, "dp", SPEND, "fp", state["paths"].private)
+    port = _free_port()
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}  # the venv NOT activated: serve finds uvicorn itself
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "privprompt_cli", "--state-dir", str(state["paths"].root), "serve",
+                             "models:/privprompt.toy.srv/latest", "--port", str(port)], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline, answer = time.time() + 240, None
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", method="POST",
+                                                 data=json.dumps({"dataframe_records": [{"text": t} for t in TEXTS]})
+                                                 .encode(), headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    answer = json.loads(response.read())
+                break
+            except OSError:
+                time.sleep(2)
+        assert answer is not None, proc.stdout.read() if proc.poll() is not None else "no answer"
+        predictions = answer["predictions"]
+        assert len(predictions) == len(TEXTS) and {p["label"] for p in predictions} <= set(LABELS)
+    finally:
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
