@@ -462,7 +462,7 @@ def cmd_plan(args) -> int:
         from privacy import calibration_cache
 
         calibration_cache.enable(paths.root)  # the same calibrations as the run's
-        plan = plan_runs(variants, paths, largest=True)
+        plan = plan_runs(variants, paths, largest=True, estimate=True)
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     print(format_plan(plan))

@@ -328,7 +328,9 @@ def test_plan_shows_the_selections_epsilon_beside_one_trials(selected):
     text = format_plan(plan)
     assert f"ε = {s['selection_epsilon']:.4f} for the whole selection" in text
     assert f"a single trial alone ε = {s['trial_epsilon']:.4f}" in text
-    assert f"3 trials composed naively ε = {s['naive_epsilon']:.4f}" in text
+    assert f"selection among {len(CANDIDATES) + 1} choices: {len(CANDIDATES)} candidate settings + no prompt" in text
+    assert (f"3 trials (draws among the {len(CANDIDATES) + 1} choices) composed naively ε = {s['naive_epsilon']:.4f}"
+            in text)
     assert f"every candidate once, composed, ε = {s['naive_candidates_epsilon']:.4f}" in text
     assert s["naive_candidates_epsilon"] > s["trial_epsilon"]
 
