@@ -136,18 +136,18 @@ def comparison_table(rows: list[dict], sections: list | None = None) -> str:
                      + f"{f(r['eta'])} | {f(r['accuracy'])} | "
                      + "".join(f"{f(r.get(ref.key))} | " for ref in refs)
                      + f"{f(r['mia_auc'])} | {r['seed'] or '-'} | {r['run_id'][:8]} |")
-    return "\n".join(lines + below_no_prompt_lines(rows)) + "\n"
+    return "\n".join(lines + below_no_prompt_lines(rows, refs)) + "\n"
 
 
-def below_no_prompt_lines(rows: list[dict]) -> list[str]:
+def below_no_prompt_lines(rows: list[dict], refs: list) -> list[str]:
     """The report's warning lines: DP runs whose published prompt scored below no prompt (test accuracy
-    below the zero-shot one on the same test split, or the run's tag ``result.below_no_prompt``), and
-    selection runs with failed candidates (a count)."""
+    below a declared no-prompt reference's on the same test split, ``refs``, or the run's tag
+    ``result.below_no_prompt``), and selection runs with failed candidates (a count)."""
     out = []
     for r in rows:
-        ref = r.get("zero_shot")
-        below = r.get("below_no_prompt") or (r["epsilon"] is not None and r["accuracy"] is not None
-                                             and isinstance(ref, float) and r["accuracy"] < ref)
+        worse = [ref for ref in refs if isinstance(r.get(ref.key), float) and r["accuracy"] is not None
+                 and r["accuracy"] < r[ref.key]]
+        below = r.get("below_no_prompt") or (r["epsilon"] is not None and bool(worse))
         if below:
             out.append(f"WARNING: run {r['run_id'][:8]} ({r['method']}, {r.get('dataset') or '-'}): its prompt scored "
                        "below no prompt; the model without a prompt serves better")

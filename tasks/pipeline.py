@@ -301,11 +301,21 @@ class RunReport:
         return [n for n in notes if n is not None]
 
     def below_no_prompt_on_test(self, published: RunOutcome) -> str | None:
-        """The warning when the published prompt scores below no prompt on the test split (None when
-        it does not, or when no ``zero_shot`` ran beside it: ``methods.zero_shot.enabled``)."""
-        acc, ref = self.metrics.get("test.accuracy"), self.metrics.get("test.accuracy.zero_shot")
-        if published.guarantee != "dp" or published.prompt_path is None or acc is None or ref is None or acc >= ref:
+        """The warning when the published prompt scores below a no-prompt reference on the test split
+        (a method's declared ``ReferenceAccuracy``, run beside it as a baseline: ``zero_shot`` with
+        ``methods.zero_shot.enabled``); None when it does not, or when none ran."""
+        from .comparison import report_declarations
+        from .methods.base import ReferenceAccuracy
+
+        acc = self.metrics.get("test.accuracy")
+        if published.guarantee != "dp" or published.prompt_path is None or acc is None:
+            return None
+        refs = [r for r in report_declarations()[1] if isinstance(r, ReferenceAccuracy)]
+        worse = [(r.key, self.metrics[f"test.accuracy.{r.key}"]) for r in refs
+                 if self.metrics.get(f"test.accuracy.{r.key}", -1.0) > acc]
+        if not worse:
             return None
         self.parent.set_tags({"result.below_no_prompt": "true"})
-        return (f"the published prompt's test accuracy {acc:.4f} is below no prompt's {ref:.4f} (zero_shot, the "
+        name, ref = worse[0]
+        return (f"the published prompt's test accuracy {acc:.4f} is below no prompt's {ref:.4f} ({name}, the "
                 "same test split): the model without a prompt serves better; do not deploy this prompt")

@@ -223,7 +223,7 @@ def test_the_report_warns_below_no_prompt_and_counts_failed_candidates():
             {**base, "run_id": "bbbbbbbb1", "accuracy": 0.80, "zero_shot": 0.7445,
              "selection": {"failed_candidates": 2.0}},
             {**base, "run_id": "cccccccc1", "accuracy": 0.80, "zero_shot": None, "below_no_prompt": True}]
-    lines = comparison_table(rows, []).splitlines()
+    lines = comparison_table(rows).splitlines()  # the registered methods' sections: zero-shot is a reference
     warnings = [line for line in lines if line.startswith("WARNING")]
     assert warnings == [
         "WARNING: run aaaaaaaa (prompt_dpsgd, reviews): its prompt scored below no prompt; the model without a "
