@@ -182,6 +182,21 @@ def test_predict_reads_and_writes_every_format(state, tmp_path, capsys, suffix):
     assert f"accuracy on the 5 rows' label column: {acc:.4f}" in err
 
 
+def test_input_texts_reads_the_field_it_is_told():
+    from privprompt_cli import build_parser
+    from tasks.registry_model import input_texts
+
+    frame = pd.DataFrame({"review": TEXTS, "customer_id": list("abcde")})
+    assert input_texts(frame, "review") == TEXTS
+    with pytest.raises(ValueError, match=r"needs a 'text' column \(--text-field NAME names another\)"):
+        input_texts(frame)
+    args = build_parser().parse_args(["predict", "models:/m/1", "--input", "x.csv", "--text-field", "review",
+                                      "--label-field", "sentiment"])
+    assert (args.text_field, args.label_field) == ("review", "sentiment")
+    assert build_parser().parse_args(["predict", "models:/m/1", "--input", "x.csv"]).text_field == "text"
+
+
+@pytest.mark.slow  # a registered model and a prediction (≈ 25 s); the option's parsing and reading: above
 def test_predict_reads_the_text_field_it_is_told(state, tmp_path, capsys):
     """Issue 41: a user's file names its columns as their config does (``review``, ``sentiment``)."""
     from models.backbone_ref import backbone_reference
