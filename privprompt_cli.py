@@ -286,8 +286,14 @@ def _print_summary(summary: dict, wall: float) -> None:
         print(f"{'wall time:':<28}{wall:.1f} s")
         return
     if "privacy.epsilon" in m:
-        print(f"{'privacy:':<28}ε = {m['privacy.epsilon']:.4f} at δ = {m['privacy.delta']:.3g} "
-              f"(RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f})")
+        from tasks.statement import epsilon_statement, unit_phrase
+
+        print(f"{'privacy:':<28}" + epsilon_statement(m["privacy.epsilon"], m["privacy.delta"], summary.get("unit"),
+                                                      summary.get("accountant"))
+              + f"; RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f}")
+        if m.get("privacy.epsilon_per_record") is not None:
+            print(f"{'':<28}(the mechanism is per record: ε = {m['privacy.epsilon_per_record']:.4f} per record; "
+                  f"charged {unit_phrase(summary.get('unit'))} by group privacy)")
     elif summary.get("guarantee") == "ldp":
         print(f"{'privacy:':<28}local d_X privacy of the inputs (metric LDP; no (ε, δ) claim: see the run's params)")
     else:
@@ -304,6 +310,8 @@ def _print_summary(summary: dict, wall: float) -> None:
               f"{m['selection.winner.holdout_score']:.4f}" + ("" if ref is None else f", no prompt {ref:.4f}")
               + " (noisy, DP; params: selection.metric)")
     _print_prompt(summary.get("published"), "selection.winner_index" in m)
+    if summary.get("registered_model"):
+        print(f"{'registered model:':<28}{summary['registered_model']} (privprompt predict / privprompt serve)")
     for warning in summary.get("warnings", []):
         print(f"{'WARNING:':<28}{warning}")
     if summary.get("device"):
@@ -335,14 +343,31 @@ def cmd_run(args) -> int:
     if os.environ.get(ROOT_ENV) and str(paths.root) != os.environ[ROOT_ENV]:
         return STATE_MISMATCH  # in a worker's child: another state folder than the worker's; the caller runs it
     configure_environment(paths)  # before Prefect is imported (exports the config's ledger.url)
-    server = _local_prefect_server().start()  # starts up while this process imports and checks
     from privacy import calibration_cache
 
     calibration_cache.enable(paths.root)  # noise calibrations kept between runs (and plans)
+    if not (cfg.sweep or cfg.seeds or cfg.grid):  # a sweep composes every variant's plan in its flow
+        refused = _budget_refusal(cfg, paths)  # the ledger's answer in seconds: before any model, server or baseline
+        if refused is not None:
+            return refused
+    server = _local_prefect_server().start()  # starts up while this process imports and checks
     try:
         return _run_with_server(cfg, paths, server)
     finally:
         server.stop()
+
+
+def _budget_refusal(cfg, paths) -> int | None:
+    """The run's plan composed with the ledger (as `privprompt plan`, without the model checks that
+    follow): an exit code and one line when it is over the cap or against the dataset's terms."""
+    from privacy.ledger import LedgerError
+    from tasks.planning import budget_refusal
+
+    try:
+        refusal = budget_refusal(cfg, paths)
+    except (*_user_errors(), LedgerError) as err:
+        return _fail(_one_line(err) + " (budget: nothing reserved, no ε used)")
+    return None if refusal is None else _fail(refusal + " (budget: nothing reserved, no ε used)")
 
 
 def _run_with_server(cfg, paths, server) -> int:
@@ -437,7 +462,7 @@ def cmd_plan(args) -> int:
         from privacy import calibration_cache
 
         calibration_cache.enable(paths.root)  # the same calibrations as the run's
-        plan = plan_runs(variants, paths, largest=True)
+        plan = plan_runs(variants, paths, largest=True, estimate=True)
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     print(format_plan(plan))
@@ -476,8 +501,10 @@ def cmd_report(args) -> int:
             fetched = Path(mlflow.download_artifacts(record.run_id, "report", tmp))
             for f in sorted(fetched.iterdir()):  # the report's flat files, replacing older copies
                 os.replace(f, dest / f.name)
-    from tasks.comparison import comparison_table, selection_table
+    from tasks.comparison import add_composed_spend, comparison_table, selection_table
 
+    if paths.ledger_exists():  # each DP run's dataset: its composed spend on this machine's ledger (printed only)
+        add_composed_spend(rows, paths.open_ledger())
     print(comparison_table(rows), end="")
     selected = selection_table(rows)
     if selected is not None:  # the published candidates and their DP-released holdout scores
@@ -756,6 +783,56 @@ def cmd_ui(args) -> int:
     return 0
 
 
+def serve_command(model_dir: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:
+    """``mlflow models serve`` of a downloaded pyfunc folder, from this project's environment: its
+    Python (``-m mlflow``), its ``bin`` first on PATH (the server execs ``uvicorn`` by name: without
+    the venv activated it was not found) and the project importable (the model's code)."""
+    env = dict(os.environ)
+    bin_dir = os.path.dirname(os.path.abspath(sys.executable))
+    env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    root = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return ([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_dir, "--env-manager", "local",
+             "--host", host, "--port", str(port)], env)
+
+
+def cmd_serve(args) -> int:
+    """Serve a registered model (``models:/NAME/VERSION`` or ``/latest``, as ``privprompt run``
+    printed it) over HTTP on localhost: ``POST /invocations`` with ``{"dataframe_records": [{"text":
+    ...}]}`` answers labels and scores. Runs until Ctrl-C."""
+    import tempfile
+
+    from tasks.record import client
+    from tasks.registry_model import download_model
+    from tasks.state import state_paths
+
+    with tempfile.TemporaryDirectory(prefix="privprompt-serve-") as tmp:
+        try:
+            folder = download_model(client(state_paths(args.state_dir)), args.model_uri, tmp)
+        except Exception as exc:  # noqa: BLE001 - reported as one line
+            return _fail(f"cannot load {args.model_uri}: {_one_line(exc)}")
+        command, env = serve_command(str(folder), args.host, args.port)
+        print(f"serving {args.model_uri} at http://{args.host}:{args.port}/invocations (POST JSON "
+              '{"dataframe_records": [{"text": "..."}]}; Ctrl-C stops it)', flush=True)
+        proc = subprocess.Popen(command, env=env, start_new_session=True)
+
+        def stop(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            return 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _read_table(path: str):
     """A JSONL / JSON / CSV / Parquet file as a DataFrame (by its extension)."""
     import pandas as pd
@@ -796,7 +873,8 @@ def _model_load_error(exc: BaseException):
 
 def cmd_predict(args) -> int:
     """Labels and per-label scores of a registered model (``models:/NAME/VERSION`` or ``/latest``,
-    ``runs:/…``) for the ``text`` column of a file; an input ``label`` column gives the accuracy."""
+    ``runs:/…``) for the ``text`` column of a file (``--text-field``); an input ``label`` column
+    (``--label-field``) gives the accuracy."""
     from tasks.registry_model import input_texts
     from tasks.state import state_paths
 
@@ -805,7 +883,7 @@ def cmd_predict(args) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # our own progress line only
     try:
         frame = _read_table(args.input)
-        texts = input_texts(frame)
+        texts = input_texts(frame, args.text_field)
     except (OSError, ValueError, KeyError) as exc:
         return _fail(f"cannot read {args.input}: {_one_line(exc)}")
     import tempfile
@@ -838,9 +916,9 @@ def cmd_predict(args) -> int:
     for column in out.columns[1:]:
         result[column] = out[column].to_numpy()
     _write_table(result, args.output)
-    if "label" in frame.columns and len(frame):
-        acc = float((frame["label"].astype(str).to_numpy() == out["label"].to_numpy()).mean())
-        print(f"accuracy on the {len(frame)} rows' label column: {acc:.4f}", file=sys.stderr)
+    if args.label_field in frame.columns and len(frame):
+        acc = float((frame[args.label_field].astype(str).to_numpy() == out["label"].to_numpy()).mean())
+        print(f"accuracy on the {len(frame)} rows' {args.label_field} column: {acc:.4f}", file=sys.stderr)
     if args.output:
         print(f"predictions of {len(texts)} texts on {predictor.classifier.device}: {args.output}", file=sys.stderr)
     return 0
@@ -945,7 +1023,7 @@ def _add_budget_commands(sub) -> None:
 
 
 def _add_tool_commands(sub) -> None:
-    """config, ui and predict."""
+    """config, ui, predict and serve."""
     config = sub.add_parser("config", help="the config reference, generated from the schema (docs/config.md)")
     config.add_argument("--schema", action="store_true", required=True,
                         help="print every config key with its type, default and meaning as Markdown")
@@ -955,10 +1033,19 @@ def _add_tool_commands(sub) -> None:
     predict = sub.add_parser("predict", help="labels and scores of a registered model for a JSONL / CSV / Parquet "
                                              "file's text column")
     predict.add_argument("model_uri", help="models:/NAME/VERSION (or /latest), as `privprompt run` registered it")
-    predict.add_argument("--input", required=True, help="JSONL, CSV or Parquet with a 'text' column")
+    predict.add_argument("--input", required=True, help="JSONL, CSV or Parquet with a 'text' column (or --text-field)")
+    predict.add_argument("--text-field", default="text", metavar="NAME", help="the input's text column (default: text; "
+                         "e.g. the config's data.text_field)")
+    predict.add_argument("--label-field", default="label", metavar="NAME", help="a column of true labels: the accuracy "
+                         "is printed when present (default: label)")
     predict.add_argument("--output", default=None, help="JSONL, CSV or Parquet (default: JSONL on stdout)")
     predict.add_argument("--batch-size", type=int, default=64)
     predict.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
+    serve = sub.add_parser("serve", help="serve a registered model over HTTP on localhost (mlflow models serve from "
+                                         "this environment)")
+    serve.add_argument("model_uri", help="models:/NAME/VERSION (or /latest), as `privprompt run` printed it")
+    serve.add_argument("--port", type=int, default=5001)
+    serve.add_argument("--host", default="127.0.0.1", help="default: localhost only")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -984,7 +1071,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.state_dir:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
     command = {"run": cmd_run, "worker": cmd_worker, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
-               "key": cmd_key, "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict}[args.command]
+               "key": cmd_key, "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict,
+               "serve": cmd_serve}[args.command]
     try:
         rc = command(args)
         sys.stdout.flush()  # inside the try: a closed pipe is met here, not in the interpreter's exit

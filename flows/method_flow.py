@@ -19,9 +19,9 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from flows.parent_run import parent_run
-from tasks import pipeline
+from tasks import pipeline, statement
 from tasks.config import ParsedConfig, PrivPromptConfig, load_config, parse_config
-from tasks.lifecycle import RunOutcome, preflight, resolve_partition
+from tasks.lifecycle import RunOutcome, check_budget, preflight, resolve_partition
 from tasks.methods import get_method
 from tasks.run_plan import plan_for
 from tasks.prefect_tasks import (endpoint_task, evaluate_task, loss_mia_task, partition_task, prepare_task,
@@ -68,6 +68,16 @@ def evaluate_published(ctx: StageContext, rec: pipeline.RunReport, published: Ru
         rec.other_model(endpoint.alias, out["accuracy"], out["compute_s"])
 
 
+def publish_statement(summary: dict) -> None:
+    """The flow run's markdown artifact in Prefect: ε with its unit, δ and accountant, the test
+    accuracies, released scores, warnings and the registered model (what the MLflow run's description
+    says; public numbers only: :func:`tasks.statement.run_markdown`)."""
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(markdown=statement.run_markdown(summary), key="privprompt-run",
+                             description="privacy statement (ε, unit, δ, accountant) and result of this run")
+
+
 def parsed_config(config: dict | str | PrivPromptConfig, overrides: list[str] | None = None) -> PrivPromptConfig:
     """The one parse of a flow's config: a parsed config as it is (a sweep's variant, parsed when
     the sweep validated it), a dict parsed here, or a YAML file's path (deployments) loaded with
@@ -93,6 +103,7 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
             get_run_logger().info(charged)
         ctx = StageContext.for_run(cfg, run.paths, part, run.parent.run_id, run.flow_run_id)
         plan = pipeline.plan_run(ctx, run.parent)  # δ and every run's plan, once: validated before any work
+        check_budget(ctx, plan.plans, plan.delta)  # the ledger's answer before any baseline or evaluation
         # every method's public-data preparation, then every check that needs no private data, BEFORE
         # any method reserves budget or reads a private row: a config mistake spends nothing
         prepared_by = {name: prepare_task(ctx, name) for name in cfg.run_methods}
@@ -126,6 +137,7 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
 
             rec.audited(run_audit(pipeline.audit_target(ctx, published, prepared), cfg.audit, cfg))
         run.summary.update(rec.record(ctx, published, plan))
+    publish_statement(run.summary)
     get_run_logger().info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in rec.metrics.items()}))
     for warning in run.summary.get("warnings", []):
         get_run_logger().warning(warning)

@@ -9,6 +9,7 @@ the hub is reachable.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import threading
@@ -222,6 +223,26 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+@functools.lru_cache(maxsize=4)
+def _hub_reachable(endpoint: str | None = None, timeout: float = 2.0) -> bool:
+    """Whether the model hub answers a TCP connection within ``timeout`` seconds (``HF_ENDPOINT``,
+    default huggingface.co:443; once per process). With a proxy configured the proxy decides:
+    assumed reachable. Without the hub, a load asks the local cache only (``local_files_only``, the
+    hub's offline mode) and fails in a second instead of after the hub client's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
 def detect_kind(config) -> Kind:
     """causal / masked / encoder from a transformers config (architectures first, then model_type)."""
     from transformers.models.auto.modeling_auto import (
@@ -300,7 +321,8 @@ def _load_pretrained(name: str, device: torch.device, display_name: str | None =
 
     offline = _hub_offline()
     is_local = os.path.exists(name)
-    kw = {"local_files_only": True} if offline else {}
+    unreachable = not offline and not is_local and not _looks_like_path(name) and not _hub_reachable()
+    kw = {"local_files_only": True} if offline or unreachable else {}
     try:
         config = AutoConfig.from_pretrained(name, **kw)
         kind = detect_kind(config)
@@ -308,7 +330,10 @@ def _load_pretrained(name: str, device: torch.device, display_name: str | None =
         model = cls.from_pretrained(name, config=config, **kw)
         tokenizer = AutoTokenizer.from_pretrained(name, **kw)
     except Exception as e:  # noqa: BLE001 - turned into a one-line ModelLoadError
-        raise ModelLoadError(f"cannot load model {name!r}: {_cause(e, is_local, offline, name)}") from e
+        cause = ("not a local path, not in the local hub cache, and the hub is unreachable (no network; looked "
+                 "up locally only, as HF_HUB_OFFLINE=1 does)" if unreachable and not _invalid_id(e)
+                 else _cause(e, is_local, offline, name))
+        raise ModelLoadError(f"cannot load model {name!r}: {cause}") from e
     if tokenizer.pad_token is None:
         fill = tokenizer.eos_token or tokenizer.unk_token
         if fill is not None:
@@ -324,6 +349,15 @@ def _one_line(e: BaseException, limit: int = 240) -> str:
 
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~", ".\\")) or os.path.isabs(name) or name.count("/") > 1
+
+
+def _invalid_id(e: BaseException) -> bool:
+    """Whether a load failed on the name itself (not a valid hub id): said as such, network or not."""
+    chain, cur = [], e
+    while cur is not None and len(chain) < 10:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return any(type(x).__name__ == "HFValidationError" or "repo id must" in str(x).lower() for x in chain)
 
 
 def _cause(e: BaseException, is_local: bool, offline: bool, name: str = "") -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 from . import plots
+from .statement import unit_phrase
 from .methods.base import LevelPanel, ReferenceAccuracy, ReportArtifact, SummaryColumn
 
 MARKERS = {"dp": "o", "none": "x", "ldp": "s"}
@@ -74,11 +75,14 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          "guarantee": tags.get("privacy.guarantee", "none"),
                          "variant": tags.get("sweep.variant", ""), "seed": run.data.params.get("seed"),
                          "epsilon": run.data.metrics.get("privacy.epsilon"), "eta": eta,
+                         "delta": run.data.metrics.get("privacy.delta"),
+                         "flow_run_id": tags.get("prefect.flow_run_id"),
                          "epsilon_per_record": run.data.metrics.get("privacy.epsilon_per_record"),
                          "accuracy": run.data.metrics.get("test.accuracy"),
                          "mia_auc": run.data.metrics.get("mia.loss.auc"),
                          "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),
                          "note": tags.get("privacy.note", ""),
+                         "below_no_prompt": tags.get("result.below_no_prompt") == "true",
                          # a selection's published winner and its DP-released holdout accuracy (never an exact
                          # holdout number: none is logged)
                          "selection": _selection_of(run) if selected else None}
@@ -112,18 +116,62 @@ def comparison_table(rows: list[dict], sections: list | None = None) -> str:
     reference accuracy (a no-prompt baseline) on the same test split beside the method's accuracy
     (``sections``: the registered methods' when None)."""
     refs = _declared(sections, ReferenceAccuracy)
-    lines = ["| dataset | method | guarantee | ε (spent) | η | test accuracy | "
+    # the dataset's composed spend from this machine's ledger (privprompt report prints it; never logged)
+    composed = any(r.get("dataset_epsilon") for r in rows)
+    lines = ["| dataset | method | guarantee | ε (spent, this run) | δ | unit | "
+             + ("dataset ε (composed, ledger) | " if composed else "") + "η | test accuracy | "
              + "".join(f"{ref.label} accuracy | " for ref in refs) + "loss-MIA AUC (audit statistic) | seed | run |",
-             "|---|---|---|---:|---:|---:|" + "---:|" * len(refs) + "---:|---:|---|"]
+             "|---|---|---|---:|---:|---|" + ("---:|" if composed else "") + "---:|---:|" + "---:|" * len(refs)
+             + "---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r.get("dataset", ""), r["method"],
                                          r["epsilon"] if r["epsilon"] is not None else math.inf)):
         f = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+        dp = r["epsilon"] is not None
+        delta = f"{r['delta']:.3g}" if dp and r.get("delta") else "-"
         lines.append(f"| {r.get('dataset') or '-'} | {r['method']} | "
                      f"{r['guarantee']}{' (' + r['note'] + ')' if r['note'] else ''} | "
-                     f"{f(r['epsilon'])} | {f(r['eta'])} | {f(r['accuracy'])} | "
+                     f"{f(r['epsilon'])} | {delta} | "
+                     f"{unit_phrase(r.get('unit')) if dp else '-'} | "
+                     + (f"{r.get('dataset_epsilon') or '-'} | " if composed else "")
+                     + f"{f(r['eta'])} | {f(r['accuracy'])} | "
                      + "".join(f"{f(r.get(ref.key))} | " for ref in refs)
                      + f"{f(r['mia_auc'])} | {r['seed'] or '-'} | {r['run_id'][:8]} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + below_no_prompt_lines(rows, refs)) + "\n"
+
+
+def below_no_prompt_lines(rows: list[dict], refs: list) -> list[str]:
+    """The report's warning lines: DP runs whose published prompt scored below no prompt (test accuracy
+    below a declared no-prompt reference's on the same test split, ``refs``, or the run's tag
+    ``result.below_no_prompt``), and selection runs with failed candidates (a count)."""
+    out = []
+    for r in rows:
+        worse = [ref for ref in refs if isinstance(r.get(ref.key), float) and r["accuracy"] is not None
+                 and r["accuracy"] < r[ref.key]]
+        below = r.get("below_no_prompt") or (r["epsilon"] is not None and bool(worse))
+        if below:
+            out.append(f"WARNING: run {r['run_id'][:8]} ({r['method']}, {r.get('dataset') or '-'}): its prompt scored "
+                       "below no prompt; the model without a prompt serves better")
+        failed = (r.get("selection") or {}).get("failed_candidates")
+        if failed:
+            out.append(f"WARNING: run {r['run_id'][:8]} ({r['method']}): {int(failed)} selection candidate(s) failed "
+                       "and were skipped")
+    return [""] + out if out else []
+
+
+def add_composed_spend(rows: list[dict], ledger) -> None:
+    """Each DP run's row gets its dataset's composed spend from ``ledger`` (this machine's: the
+    dataset a run was charged to is found by the run's ledger entry, ``<flow run id>:<method>``):
+    ``dataset_epsilon`` = "ε spent of cap". Printed by ``privprompt report``, never logged to MLflow
+    (which dataset a source is charged to depends on its records: ``tasks.report.budget_record``)."""
+    by_flow: dict[str, str] = {}
+    for e in ledger.entries():
+        if e["kind"] == "dp" and e["status"] in ("committed", "reserved"):
+            by_flow.setdefault(str(e["run_id"]).split(":", 1)[0], e["fingerprint"])
+    datasets = {d["fingerprint"]: d for d in ledger.datasets()}
+    for r in rows:
+        d = datasets.get(by_flow.get(r.get("flow_run_id") or "", ""))
+        if r["epsilon"] is not None and d is not None:
+            r["dataset_epsilon"] = f"{d['spent_epsilon']:.4f} of cap {d['epsilon_cap']:g}"
 
 
 def _selection_of(run) -> dict:
@@ -140,7 +188,7 @@ def _selection_of(run) -> dict:
             # runs before the scores' generic name logged the accuracy as selection.winner.holdout_accuracy
             "released_holdout_score": metrics.get("selection.winner.holdout_score",
                                                   metrics.get("selection.winner.holdout_accuracy")),
-            "candidates": scores}
+            "candidates": scores, "failed_candidates": metrics.get("selection.failed_candidates")}
 
 
 def selection_table(rows: list[dict]) -> str | None:

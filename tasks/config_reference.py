@@ -22,7 +22,7 @@ Generated from the pydantic schema by `privprompt config --schema` (do not edit 
 `tests/pipeline/test_config_reference.py` fails when this file and the schema disagree; regenerate with
 `.venv/bin/privprompt config --schema > docs/config.md`). Unknown keys are errors, with a
 "did you mean" hint. Every key can be set on the command line: `--set dotted.key=value`.
-For your own data see the README's "Bring your own data".
+For your own data see docs/own-data.md (the README's first screen has a 5-step example).
 """
 
 

@@ -218,6 +218,38 @@ def preflight(cfg, prepared: dict[str, dict] | None = None) -> None:
 
 # ---- what a failed run used ----------------------------------------------------------------
 
+def check_budget(ctx, plans: dict, delta: float) -> None:
+    """Before any baseline, evaluation or training of a flow run: the dataset's terms (unit, δ, cap:
+    :func:`check_dataset_terms`) and every DP event the run will reserve (``plans``: each run
+    method's :class:`RunPlan`) composed with what the dataset has spent, against its cap — a dry
+    run (``Ledger.preview``), writing nothing. Over the cap: :class:`BudgetExceededError` with what
+    fits, as a reservation's refusal says it; a retry's methods already reserved are not counted twice."""
+    cfg, part = ctx.cfg, ctx.part
+    ledger = ctx.paths.open_ledger()
+    key, cap = part.dataset_key, cfg.privacy.dataset_epsilon_cap
+    row = check_dataset_terms(ledger, key, part.dataset, cap, delta, getattr(part, "ledger_unit", "record"))
+    held = ({e["run_id"] for e in ledger.entries(key) if e["status"] in ("reserved", "committed")}
+            if row is not None else set())
+    events = [p.event for name, p in plans.items() if p.guarantee == "dp" and p.reads_private
+              and p.event is not None and f"{ctx.flow_run_id}:{name}" not in held]
+    if not events:
+        return
+    preview = ledger.preview(key, events, delta, cap=cap, name=part.dataset)
+    cap = min(cap, preview["cap"])
+    if preview["total_epsilon"] <= cap:
+        return
+    spent, needed = preview["spent_epsilon"], acct.spend(ev.ComposedEvent(tuple(events)), delta).epsilon
+    largest = None if spent > cap else largest_fitting_target_epsilon(
+        cfg, part.sizes, delta, ledger.counted_events(key) if row is not None else [], cap)
+    raise BudgetExceededError(
+        f"privacy budget for dataset {preview['name']!r} (fingerprint {key[:12]}…) exhausted: this run needs "
+        f"ε={needed:.4f}, already spent ε={spent:.4f} of cap ε={cap:.4f} at δ={delta:g}; remaining "
+        f"ε={max(0.0, cap - spent):.4f} (cap − spent; ε composes sub-additively); composed the total would be "
+        f"ε={preview['total_epsilon']:.4f}; refused before any baseline, evaluation or training",
+        fingerprint=key, name=preview["name"], needed=needed, spent=spent, total=preview["total_epsilon"],
+        cap=cap, delta=delta).with_hint(fitting_hint(largest), largest)
+
+
 def budget_statement(entry: dict) -> str:
     """One clause saying what a dp ledger entry of a run used."""
     eps = entry["epsilon_reserved"]
@@ -417,6 +449,7 @@ class RunOutcome:
     train_metrics: dict = field(default_factory=dict)
     audit_metrics: dict = field(default_factory=dict)
     published: bool = False
+    registered_model: str | None = None  # models:/NAME/VERSION of the published output, when registered
 
     @property
     def epsilon(self) -> float | None:
@@ -673,7 +706,9 @@ def write_outputs(door: Door, trained: Trained, info: dict, choice: Choice, prog
         door.child.log_file(info["prompt_path"], "prompt")
         from .publish import publish_usable  # PEFT adapter + registered model version
 
-        publish_usable(ctx, door.child, name, plan.guarantee, info["prompt_path"], info["spend"])
+        tags = publish_usable(ctx, door.child, name, plan.guarantee, info["prompt_path"], info["spend"])
+        if str(tags.get("registry.model", "")).startswith("models:/"):
+            info["registered_model"] = tags["registry.model"]
     if post.child:
         recording.log_post_child(ctx, post.child, plan.guarantee)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import plots, report
+from . import plots, report, statement
 from .methods import get_method
 from .stages import model_alias
 
@@ -274,20 +274,48 @@ class RunReport:
         summary: dict[str, Any] = {} if self.audit is None else {"audit": self.audit}
         summary.update({"metrics": self.metrics, "budget": budget, "guarantee": published.guarantee,
                         "compute_seconds": self.compute, "runtime": self.runtime, "accuracy": self.accuracies,
-                        "published": budget["published"]})
+                        "published": budget["published"], "dataset": cfg.data.name, "unit": cfg.data.charge_unit,
+                        "accountant": budget.get("accountant"), "registered_model": published.registered_model,
+                        "method": cfg.method})
         summary["warnings"] = self.warnings(published)
         if summary["warnings"]:
             parent.set_tags({"warning": " | ".join(summary["warnings"])})
+        # the run page's description, read at the top of the MLflow UI: ε with its unit and δ
+        parent.set_tags({"mlflow.note.content": statement.run_markdown(summary)})
         return summary
 
     def warnings(self, published: RunOutcome) -> list[str]:
-        """The run summary's warnings: a selection whose published prompt's RELEASED holdout score is
-        below the released "no prompt" reference (with ``selection.fallback_to_no_prompt: false``), or
-        whose best trial was dropped for no prompt for that reason (both DP outputs: tasks/selection.py)."""
-        from .selection import below_no_prompt, fallback_note
+        """The run summary's warnings (also the parent's ``warning`` tag and the report): a published
+        DP prompt whose test accuracy is below no prompt's on the same test split (``zero_shot`` run
+        beside it: both already published; tag ``result.below_no_prompt``); a selection whose published
+        prompt's RELEASED holdout score is below the released "no prompt" reference (with
+        ``selection.fallback_to_no_prompt: false``), whose best trial was dropped for no prompt for that
+        reason (both DP outputs: tasks/selection.py), or some of whose candidates failed (a count)."""
+        from .selection import below_no_prompt, failed_note, fallback_note
 
-        if not self.cfg.selection.enabled:
-            return []
-        notes = [below_no_prompt(published.train_metrics),
-                 fallback_note(published.train_metrics, published.params.get("selection.best_trial"))]
+        notes = [self.below_no_prompt_on_test(published)]
+        if self.cfg.selection.enabled:
+            notes += [below_no_prompt(published.train_metrics),
+                      fallback_note(published.train_metrics, published.params.get("selection.best_trial")),
+                      failed_note(published.train_metrics)]
         return [n for n in notes if n is not None]
+
+    def below_no_prompt_on_test(self, published: RunOutcome) -> str | None:
+        """The warning when the published prompt scores below a no-prompt reference on the test split
+        (a method's declared ``ReferenceAccuracy``, run beside it as a baseline: ``zero_shot`` with
+        ``methods.zero_shot.enabled``); None when it does not, or when none ran."""
+        from .comparison import report_declarations
+        from .methods.base import ReferenceAccuracy
+
+        acc = self.metrics.get("test.accuracy")
+        if published.guarantee != "dp" or published.prompt_path is None or acc is None:
+            return None
+        refs = [r for r in report_declarations()[1] if isinstance(r, ReferenceAccuracy)]
+        worse = [(r.key, self.metrics[f"test.accuracy.{r.key}"]) for r in refs
+                 if self.metrics.get(f"test.accuracy.{r.key}", -1.0) > acc]
+        if not worse:
+            return None
+        self.parent.set_tags({"result.below_no_prompt": "true"})
+        name, ref = worse[0]
+        return (f"the published prompt's test accuracy {acc:.4f} is below no prompt's {ref:.4f} ({name}, the "
+                "same test split): the model without a prompt serves better; do not deploy this prompt")

@@ -18,6 +18,8 @@ from .lifecycle import charged_note, check_dataset_terms, preflight, source_data
 from .run_plan import (fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, planned_events,
                        resolve_delta)
 from .state import default_data_root
+from .estimate import format_seconds
+from .statement import unit_phrase
 
 
 _EXACT: dict[tuple[str, str], tuple] = {}  # (private dir, partition key) -> split_release_inputs, this process
@@ -47,11 +49,12 @@ def released_sizes(cfg, private_dir: Path):
     return release_sizes(cfg.data, membership, private_dir, exact, planted)
 
 
-def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
+def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool = True, estimate: bool = False) -> dict:
     """``variants``: [(label, config)]. Returns {"runs": [...], "datasets": {key: preview}, "fits": bool}.
 
     The same rules and checks as a run, writing nothing but the released sizes: every check that needs no
-    private data (:func:`tasks.lifecycle.preflight`: models, label words, templates, endpoints),
+    private data (:func:`tasks.lifecycle.preflight`: models, label words, templates, endpoints;
+    ``checks=False``: a caller that ran them already),
     and the ledger's terms of each dataset (:func:`tasks.lifecycle.check_dataset_terms`: its δ, a
     cap only lowered). With ``largest`` and one config per dataset, each dataset's preview also
     says the largest ``privacy.target_epsilon`` at which that config still fits
@@ -68,14 +71,29 @@ def plan_runs(variants: list, state_paths, largest: bool = False) -> dict:
         unit = cfg.data.charge_unit
         check_dataset_terms(ledger, key, dname, cfg.privacy.dataset_epsilon_cap, delta, unit)
         signature = cfg.model_dump_json(include={"models", "data", "method", "methods", "seed"})
-        if signature not in checked:  # the variants of a sweep mostly share their models
+        if checks and signature not in checked:  # the variants of a sweep mostly share their models
             preflight(cfg, None)
             checked.add(signature)
         _add_to_dataset(meta, key, dname, note, label, cfg, sizes, delta, unit)
         for name in cfg.run_methods:
-            runs.append(_plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, [])))
+            runs.append(_plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, []), estimate))
     datasets = {key: _dataset_preview(ledger, key, m, events.get(key, []), largest) for key, m in meta.items()}
     return {"runs": runs, "datasets": datasets, "fits": all(d["fits"] for d in datasets.values())}
+
+
+def budget_refusal(cfg, state_paths) -> str | None:
+    """``privprompt run``'s budget check before its flow starts (before any baseline or evaluation):
+    the plan of ``cfg`` composed with the ledger as ``privprompt plan`` does it (the model checks
+    left to the caller). None when it fits; else one line saying what is over the cap."""
+    plan = plan_runs([("", cfg)], state_paths, checks=False)
+    for key, d in plan["datasets"].items():
+        if not d["fits"]:
+            return (f"privacy budget for dataset {d['name']!r} (fingerprint {key[:12]}…) exhausted: this run would "
+                    f"take the composed ε {unit_phrase(d.get('unit'))} from {d['spent_epsilon']:.4f} to "
+                    f"{d['total_epsilon']:.4f}, over the cap ε={d['cap']:.4f} at δ={d['delta']:g}; refused before any "
+                    "baseline, evaluation or training (privprompt plan CONFIG / privprompt ledger --config CONFIG: "
+                    "the largest target_epsilon that fits)")
+    return None
 
 
 def _charged_dataset(ledger, cfg, state_paths, pending: dict, meta: dict) -> tuple[str, str, str | None]:
@@ -126,17 +144,29 @@ def _add_to_dataset(meta: dict, key: str, dname: str, note, label, cfg, sizes, d
                           f"run on dataset {dname!r}; runs on one dataset compose at one δ")
 
 
-def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: list) -> dict:
-    """One run's row of the plan (its plan's event appended to its dataset's ``events``)."""
+def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: list, estimate: bool = False) -> dict:
+    """One run's row of the plan (its plan's event appended to its dataset's ``events``); with
+    ``estimate``, its steps and a wall-time estimate from a measured probe (``tasks/estimate.py``)."""
     plan = plan_for(cfg, name, sizes, delta)
     row = {"variant": label, "method": name, "dataset": cfg.data.name,
-           "guarantee": plan.guarantee, "delta": delta, "epsilon": None}
+           "guarantee": plan.guarantee, "delta": delta, "epsilon": None, "unit": unit}
     if plan.event is not None:
         row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
         if plan.record_event is not None:  # charged per person: the ledger composes the group event
             row["epsilon_per_record"], row["epsilon"] = row["epsilon"], acct.spend(plan.event, delta).epsilon
             row["group"] = f"{cfg.data.group_size} {unit}"
         events.append(plan.event)
+    if estimate:
+        from . import estimate as est
+        from .methods import get_method
+
+        try:  # a model the probe cannot drive (an endpoint, a GGUF-only model): no estimate, never a failed plan
+            measured = est.probe(get_method(name).source_model(cfg, {}), cfg.models.max_length,
+                                 plan.settings.get("expected_batch") or est.PROBE_BATCH, cfg.models.eval_batch_size,
+                                 cfg.seed)
+        except Exception:  # noqa: BLE001 - the estimate is advisory
+            measured = None
+        row.update(est.run_estimate(plan, sizes, measured))
     if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
         from .selection import describe_plan
 
@@ -162,6 +192,7 @@ def _dataset_preview(ledger, key: str, m: dict, planned: list, largest: bool) ->
                                     largest_fitting_target_epsilon(cfg, sizes, m["delta"], existing, d["cap"]))
             d["largest_hint"] = fitting_hint(d["largest_epsilon"])
     d["notes"] = m["notes"]
+    d["unit"] = m["unit"]
     return d
 
 
@@ -190,10 +221,15 @@ def format_plan(plan: dict) -> str:
     width = max([len("variant"), *map(len, labels)]) + 2
     # no n_train column: the sweep logs this table to Prefect (its server) before any run's charge
     # covers the release of the sizes
-    lines = [f"{'variant':<{width}}{'method':<16}{'guarantee':<10}{'planned ε':>12}"]
+    timed = any("seconds" in r for r in plan["runs"])
+    timing = lambda r: (f"{'-' if r.get('steps') is None else r['steps']:>7}  "  # noqa: E731
+                        f"{format_seconds(r.get('seconds')):>10}  ") if timed else ""
+    lines = [f"{'variant':<{width}}{'method':<16}{'guarantee':<10}{'planned ε':>12}  "
+             + (f"{'steps':>7}  {'est. time':>10}  " if timed else "") + f"{'δ':<9}unit"]
     for r, label in zip(plan["runs"], labels):
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.4f}"
-        lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}")
+        delta, unit = ("-", "-") if r["epsilon"] is None else (f"{r['delta']:.3g}", unit_phrase(r.get("unit")))
+        lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}  {timing(r)}{delta:<9}{unit}")
         if r.get("group"):
             lines.append(f"  record-level: ε = {r['epsilon_per_record']:.4f} per record; charged per person (≤ "
                          f"{r['group']} records, group privacy): ε = {r['epsilon']:.4f}")
@@ -202,20 +238,27 @@ def format_plan(plan: dict) -> str:
             others = (f"the same trials by random stopping (E[K] = {s['expected_trials']:g}) ε = "
                       f"{s['random_stopping_epsilon']:.4f}" if s["mode"] == "every_candidate" else
                       f"every candidate once, composed, ε = {s['naive_candidates_epsilon']:.4f}")
-            how = ("every candidate trained once" if s["mode"] == "every_candidate"
-                   else f"random stopping, E[K] = {s['expected_trials']:g} trials")
-            lines.append(f"  selection of {s['candidates'] - 1} candidate settings + no prompt ({how}, ranked by "
-                         f"{s['metric']}, noise σ = {s['score_noise_multiplier']:.4g} records on each holdout "
-                         "count): ε = "
-                         f"{s['selection_epsilon']:.4f} for the whole selection (one ledger "
-                         f"entry); a single trial alone ε = {s['trial_epsilon']:.4f}; {s['naive_trials']} trials "
-                         f"composed naively ε = {s['naive_epsilon']:.4f}; {others} (each with the sizes' release, "
-                         "at the run's δ)")
+            every = s["mode"] == "every_candidate"
+            how = ("every candidate trained once" if every
+                   else f"random stopping, E[K] = {s['expected_trials']:g} trials drawn among them")
+            naive = ("" if every else f"{s['naive_trials']} trials (draws among the {s['candidates']} choices) "
+                     f"composed naively ε = {s['naive_epsilon']:.4f}; ")
+            lines.append(f"  selection among {s['candidates']} choices: {s['candidates'] - 1} candidate settings + no "
+                         f"prompt ({how}, ranked by {s['metric']}, noise σ = {s['score_noise_multiplier']:.4g} records "
+                         f"on each holdout count): ε = {s['selection_epsilon']:.4f} for the whole selection (one "
+                         f"ledger entry); a single trial alone ε = {s['trial_epsilon']:.4f}; {naive}{others} (each "
+                         "with the sizes' release, at the run's δ)")
+    if timed:
+        total = sum(r["seconds"] for r in plan["runs"] if r.get("seconds") is not None)
+        lines.append(f"est. time: {format_seconds(total)} of model work in all (training steps × expected batch and "
+                     "the test split, from a probe of the model on this machine; start-up, tracking and any audit "
+                     "come on top; a selection's trials are not estimated)")
     for key, d in plan["datasets"].items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "
                      f"remaining after ε={max(0.0, d['cap'] - d['total_epsilon']):.4f} "
-                     f"({'fits' if d['fits'] else 'OVER THE CAP'})")
+                     f"({'fits' if d['fits'] else 'OVER THE CAP'}); every ε {unit_phrase(d.get('unit'))}, "
+                     f"δ = {d['delta']:.3g}")
         for note in d.get("notes", []):
             lines.append(f"  {note}")
         if d.get("largest_hint"):

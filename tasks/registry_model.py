@@ -96,14 +96,15 @@ class Predictor:
         return frame
 
 
-def input_texts(model_input) -> list[str]:
-    """Texts from a DataFrame (column ``text``, else its only column), a dict or a list."""
+def input_texts(model_input, field: str = "text") -> list[str]:
+    """Texts from a DataFrame (column ``field``, default ``text``; else its only column), a dict or a list."""
     if isinstance(model_input, pd.DataFrame):
-        if "text" in model_input.columns:
-            return model_input["text"].astype(str).tolist()
+        if field in model_input.columns:
+            return model_input[field].astype(str).tolist()
         if len(model_input.columns) == 1:
             return model_input.iloc[:, 0].astype(str).tolist()
-        raise ValueError(f"input needs a 'text' column (columns: {list(model_input.columns)})")
+        hint = " (--text-field NAME names another)" if field == "text" else ""
+        raise ValueError(f"input needs a {field!r} column{hint} (columns: {list(model_input.columns)})")
     if isinstance(model_input, dict):
         return [str(t) for t in model_input["text"]]
     return [str(t) for t in model_input]

@@ -756,8 +756,23 @@ def published_choice(candidates, result: SelectionResult, reference, fallback: b
                             "selection.best_trial_index": float(index), score_key("winner"): ref})
             index = no_prompt
     metrics.update({"selection.winner_index": float(index),
-                    "selection.winner_is_no_prompt": float(index >= 0 and candidates[index].zero_shot)})
+                    "selection.winner_is_no_prompt": float(index >= 0 and candidates[index].zero_shot),
+                    # how many candidates failed and were skipped: a count, never which or why (those stay in
+                    # the private log). Every candidate once: the count Prefect's log already says; random
+                    # stopping: a function of the trials drawn, inside the timing channel the config accepts
+                    # (selection.accept_timing_channel). Skipping is sound only for failures that do not
+                    # depend on the private data (a model that does not load, a full disk).
+                    "selection.failed_candidates": float(len({t.candidate for t in result.failed}))})
     return index, metrics
+
+
+def failed_note(metrics: dict) -> str | None:
+    """The run summary's warning when selection candidates failed and were skipped (a count only)."""
+    n = int(metrics.get("selection.failed_candidates") or 0)
+    if not n:
+        return None
+    return (f"{n} selection candidate(s) failed and were skipped: the published choice is among the others only "
+            "(which, and why: the run's private selection.log)")
 
 
 def fallback_note(metrics: dict, best_trial: str | None) -> str | None:

@@ -161,6 +161,7 @@ class ReportsMixin(LedgerBase):
         out = self._summary_grid(datasets)
         if datasets:
             out += ["",
+                    "unit: what every ε of the dataset protects (record, or the field naming a person: ε per person);",
                     "eps_spent: the composed ε (accountant, at the dataset's δ) of every committed and reserved DP run;",
                     "  eps_left = eps_cap − eps_spent is no bound on one run's ε: ε composes sub-additively",
                     "  (privprompt plan CONFIG / privprompt ledger --config CONFIG: the largest target_epsilon that fits).",
@@ -182,9 +183,10 @@ class ReportsMixin(LedgerBase):
 
     def _summary_grid(self, datasets: list[dict[str, Any]]) -> list[str]:
         """The title and one aligned line per dataset."""
-        header = ("dataset", "fingerprint", "delta", "eps_cap", "eps_spent", "eps_left",
+        header = ("dataset", "fingerprint", "unit", "delta", "eps_cap", "eps_spent", "eps_left",
                   "reserved", "committed", "released", "aborted", "local-DP", "non-private")
-        rows = [(d["name"], _short(d["fingerprint"]), f"{d['delta']:g}", _fmt(d["epsilon_cap"]),
+        rows = [(d["name"], _short(d["fingerprint"]), d["unit"] or "record", f"{d['delta']:g}",
+                 _fmt(d["epsilon_cap"]),
                  _fmt(d["spent_epsilon"]), _fmt(d["remaining_epsilon"]), str(d["reserved_runs"]),
                  str(d["committed_runs"]), str(d["released_runs"]), str(d["aborted_runs"]), str(d["ldp_uses"]),
                  str(d["nonprivate_uses"]))
@@ -192,7 +194,7 @@ class ReportsMixin(LedgerBase):
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
 
         def line(cells):
-            return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+            return "  ".join(c.ljust(w) if i < 3 else c.rjust(w)
                              for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
         out = [f"privacy ledger {self.location}", line(header), line(["-" * w for w in widths])]

@@ -350,7 +350,7 @@ def test_ledger_table_explains_its_counts(tmp_path):
     ledger.release("a", "ModelLoadError before any private record was read")
     table = ledger.summary_table({"c" * 64: "the largest target_epsilon that still fits: ≈ 7.123"})
     header = next(l for l in table.splitlines() if l.startswith("dataset"))
-    assert header.split()[6:10] == ["reserved", "committed", "released", "aborted"]
+    assert header.split()[2] == "unit" and header.split()[7:11] == ["reserved", "committed", "released", "aborted"]
     for needle in ("reserved = holding a reservation", "committed = finished", "released = failed before reading",
                    "aborted = cancelled", "ε composes sub-additively", "≈ 7.123"):
         assert needle in table, needle

@@ -163,6 +163,23 @@ def test_run_says_where_its_prompt_is_and_on_which_device(flow_run, capsys):
     assert f"device:                     {summary['device']}" in out
 
 
+def test_mlflow_description_and_prefect_artifact_state_unit_and_delta(flow_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+
+    summary = flow_run["summary"]
+    run = _mlflow(flow_run["state"]).get_run(summary["mlflow_run_id"])
+    note = run.data.tags["mlflow.note.content"]
+    eps = run.data.metrics["privacy.epsilon"]
+    assert f"ε = {eps:.4f} per record, δ = {run.data.metrics['privacy.delta']:.3g} (accountant " in note
+    assert summary["unit"] == "record" and summary["accountant"] in note
+    assert summary["registered_model"].startswith("models:/") and summary["registered_model"] in note
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["privprompt-run"])),
+                                     flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[summary["flow_run_id"]])))
+    assert len(arts) == 1 and arts[0].type == "markdown" and arts[0].data == note
+
+
 def test_child_runs_and_baselines(flow_run):
     client = _mlflow(flow_run["state"])
     parent = client.get_run(flow_run["summary"]["mlflow_run_id"])
@@ -241,15 +258,17 @@ def test_run_refused_by_ledger(flow_run, tmp_path):
     state = tmp_path / "state"
     cfg = _config(flow_run["data"], state, **{"privacy.dataset_epsilon_cap": 1.0})
     cfg["methods"]["prompt_sgd"]["enabled"] = False
-    with pytest.raises(BudgetExceededError, match=r"remaining ε=1(\.0+)?\b"):
+    with pytest.raises(BudgetExceededError, match=r"remaining ε=1(\.0+)?\b") as info:
         method_flow(cfg)
-    ds = Ledger(state / "ledger.sqlite").datasets()[0]
-    assert ds["spent_epsilon"] == 0 and ds["reserved_runs"] == 0 and ds["committed_runs"] == 0
+    assert "refused before any baseline, evaluation or training" in str(info.value)
+    for ds in Ledger(state / "ledger.sqlite").datasets():  # refused before the dataset's registration: none
+        assert ds["spent_epsilon"] == 0 and ds["reserved_runs"] == 0 and ds["committed_runs"] == 0
     client = _mlflow(state)
     runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
     assert runs and all(r.info.status in ("FAILED", "FINISHED") for r in runs)
     parent = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert [r.info.status for r in parent] == ["FAILED"]
+    assert len(runs) == 1  # refused before the zero-shot baseline's evaluation: no child run at all
 
 
 # ---- the CLI, end to end, with planted canaries ------------------------------------------------

@@ -105,6 +105,33 @@ def test_unknown_model_raises_model_load_error(monkeypatch):
         load_backbone("./does/not/exist", DEV)
 
 
+def test_without_the_hub_a_load_fails_in_seconds_and_says_which(monkeypatch):
+    """Issue 41: no 23 s of the hub client's retries on a machine without network; one line saying
+    whether the model is missing locally with the hub unreachable, or missing from the local cache
+    under HF_HUB_OFFLINE."""
+    import time
+
+    from models import backbones
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    backbones._hub_reachable.cache_clear()
+    started = time.perf_counter()
+    assert backbones._hub_reachable("http://127.0.0.1:9") is False  # a closed port: refused at once
+    with monkeypatch.context() as proxied:  # behind a proxy, the proxy decides: no direct probe
+        proxied.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+        assert backbones._hub_reachable("http://127.0.0.1:9/") is True
+    backbones._hub_reachable.cache_clear()
+    monkeypatch.setattr(backbones, "_hub_reachable", lambda *a, **k: False)
+    with pytest.raises(ModelLoadError) as ei:
+        load_backbone("no-such-org/no-such-model-xyz", DEV)
+    assert time.perf_counter() - started < 10
+    msg = str(ei.value)
+    assert "\n" not in msg and "the hub is unreachable (no network" in msg and "not in the local hub cache" in msg
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match=r"not in the local hub cache \(HF_HUB_OFFLINE=1\)$"):
+        load_backbone("no-such-org/no-such-model-xyz", DEV)
+
+
 def test_minilm_loads_from_pypi_package_and_ranks_sentiment():
     bb = load_backbone("minilm", DEV)
     assert bb.kind == "encoder" and bb.embed_dim == 384

@@ -13,6 +13,7 @@ from tasks.comparison import comparison_figure, comparison_table, label_summary,
 def _row(method="prompt_dpsgd", eps=8.0, acc=0.7, dataset="tickets", zero_shot=0.55, seed="0", run="r"):
     return {"run_id": run * 8, "method": method, "dataset": dataset, "zero_shot": zero_shot,
             "guarantee": "dp" if eps is not None else "none", "variant": "", "seed": seed, "epsilon": eps,
+            "delta": 1e-5 if eps is not None else None, "unit": "record",
             "eta": None, "accuracy": acc, "mia_auc": 0.5, "target_epsilon": eps if eps is not None else float("nan"),
             "note": "", "flatness": {}, "empirical_privacy": None}
 
@@ -45,9 +46,11 @@ def test_report_keeps_datasets_apart_and_shows_zero_shot():
             _row(method="zero_shot", eps=None, acc=0.50, dataset="tickets_csv", zero_shot=0.50, run="c")]
     table = comparison_table(rows).splitlines()
     assert table[0].startswith("| dataset | method |") and "zero-shot accuracy" in table[0]
-    assert table[2] == "| tickets_csv | prompt_dpsgd | dp | 8.0000 | - | 0.8000 | 0.5000 | 0.5000 | 0 | aaaaaaaa |"
-    assert table[3].startswith("| tickets_csv | zero_shot | none | - | - | 0.5000 | 0.5000 |")
-    assert table[4] == "| tickets_parquet | prompt_dpsgd | dp | 8.0000 | - | 0.6000 | 0.5200 | 0.5000 | 0 | bbbbbbbb |"
+    assert table[2] == ("| tickets_csv | prompt_dpsgd | dp | 8.0000 | 1e-05 | per record | - | 0.8000 | 0.5000 | 0.5000 "
+                        "| 0 | aaaaaaaa |")
+    assert table[3].startswith("| tickets_csv | zero_shot | none | - | - | - | - | 0.5000 | 0.5000 |")
+    assert table[4] == ("| tickets_parquet | prompt_dpsgd | dp | 8.0000 | 1e-05 | per record | - | 0.6000 | 0.5200 | "
+                        "0.5000 | 0 | bbbbbbbb |")
     summary = label_summary(rows).splitlines()
     # the same method and ε on two datasets: two rows of one run each, never one row averaging 0.8 and 0.6
     assert summary[2].startswith("| tickets_csv | prompt_dpsgd | dp | 8 | 1 | 0.8000 | 0.5000 |")

@@ -180,3 +180,102 @@ def test_predict_reads_and_writes_every_format(state, tmp_path, capsys, suffix):
     assert "predict: 5/5 texts" in err
     acc = float((out["prediction"] == frame["label"]).mean())
     assert f"accuracy on the 5 rows' label column: {acc:.4f}" in err
+
+
+def test_input_texts_reads_the_field_it_is_told():
+    from privprompt_cli import build_parser
+    from tasks.registry_model import input_texts
+
+    frame = pd.DataFrame({"review": TEXTS, "customer_id": list("abcde")})
+    assert input_texts(frame, "review") == TEXTS
+    with pytest.raises(ValueError, match=r"needs a 'text' column \(--text-field NAME names another\)"):
+        input_texts(frame)
+    args = build_parser().parse_args(["predict", "models:/m/1", "--input", "x.csv", "--text-field", "review",
+                                      "--label-field", "sentiment"])
+    assert (args.text_field, args.label_field) == ("review", "sentiment")
+    assert build_parser().parse_args(["predict", "models:/m/1", "--input", "x.csv"]).text_field == "text"
+
+
+@pytest.mark.slow  # a registered model and a prediction (≈ 25 s); the option's parsing and reading: above
+def test_predict_reads_the_text_field_it_is_told(state, tmp_path, capsys):
+    """Issue 41: a user's file names its columns as their config does (``review``, ``sentiment``)."""
+    from models.backbone_ref import backbone_reference
+    from privprompt_cli import main
+    from tasks.registry_model import register_output
+
+    prompt_path = _soft_prompt(state["outputs"] / "p.safetensors", 32)
+    register_output(state["client"], state["run_id"], "privprompt.toy.rev", _spec(backbone_reference("tiny-gpt2", 0)),
+                    prompt_path, "dp", SPEND, "fp", state["paths"].private)
+    src, dst = tmp_path / "reviews.csv", tmp_path / "out.csv"
+    pd.DataFrame({"review": TEXTS, "sentiment": ["positive"] * 5, "customer_id": list("abcde")}).to_csv(src, index=False)
+    base = ["--state-dir", str(state["paths"].root), "predict", "models:/privprompt.toy.rev/latest", "--input", str(src)]
+    assert main(base) == 2
+    assert "needs a 'text' column (--text-field NAME names another)" in capsys.readouterr().err
+    assert main(base + ["--text-field", "review", "--label-field", "sentiment", "--output", str(dst)]) == 0
+    out = pd.read_csv(dst)
+    assert out["review"].tolist() == TEXTS and set(out["prediction"]) <= set(LABELS)
+    assert "accuracy on the 5 rows' sentiment column:" in capsys.readouterr().err
+
+
+def test_serve_runs_mlflow_from_this_environment_with_uvicorn_on_path(monkeypatch):
+    """`mlflow models serve` execs `uvicorn` by name: without the venv activated it was not found."""
+    import shutil
+    import sys
+
+    from privprompt_cli import serve_command
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    command, env = serve_command("/tmp/model", "127.0.0.1", 5123)
+    assert command[:3] == [sys.executable, "-m", "mlflow"] and command[3:5] == ["models", "serve"]
+    assert command[command.index("--env-manager") + 1] == "local" and command[-2:] == ["--port", "5123"]
+    assert shutil.which("uvicorn", path=env["PATH"]) is not None
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow  # a model server's start-up (≈ 20-60 s on two shared cores)
+def test_privprompt_serve_answers_on_localhost(state, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from models.backbone_ref import backbone_reference
+    from tasks.registry_model import register_output
+
+    prompt_path = _soft_prompt(state["outputs"] / "p.safetensors", 32)
+    register_output(state["client"], state["run_id"], "privprompt.toy.srv", _spec(backbone_reference("tiny-gpt2", 0)),
+                    prompt_path, "dp", SPEND, "fp", state["paths"].private)
+    port = _free_port()
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}  # the venv NOT activated: serve finds uvicorn itself
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "privprompt_cli", "--state-dir", str(state["paths"].root), "serve",
+                             "models:/privprompt.toy.srv/latest", "--port", str(port)], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline, answer = time.time() + 240, None
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", method="POST",
+                                                 data=json.dumps({"dataframe_records": [{"text": t} for t in TEXTS]})
+                                                 .encode(), headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    answer = json.loads(response.read())
+                break
+            except OSError:
+                time.sleep(2)
+        assert answer is not None, proc.stdout.read() if proc.poll() is not None else "no answer"
+        predictions = answer["predictions"]
+        assert len(predictions) == len(TEXTS) and {p["label"] for p in predictions} <= set(LABELS)
+    finally:
+        import signal
+
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)

@@ -328,7 +328,9 @@ def test_plan_shows_the_selections_epsilon_beside_one_trials(selected):
     text = format_plan(plan)
     assert f"ε = {s['selection_epsilon']:.4f} for the whole selection" in text
     assert f"a single trial alone ε = {s['trial_epsilon']:.4f}" in text
-    assert f"3 trials composed naively ε = {s['naive_epsilon']:.4f}" in text
+    assert f"selection among {len(CANDIDATES) + 1} choices: {len(CANDIDATES)} candidate settings + no prompt" in text
+    assert (f"3 trials (draws among the {len(CANDIDATES) + 1} choices) composed naively ε = {s['naive_epsilon']:.4f}"
+            in text)
     assert f"every candidate once, composed, ε = {s['naive_candidates_epsilon']:.4f}" in text
     assert s["naive_candidates_epsilon"] > s["trial_epsilon"]
 
@@ -374,9 +376,12 @@ def test_the_run_report_carries_the_warning(selected):
 
     ctx, out = selected["ctx"], selected["out"]
     rec = RunReport(ctx.cfg, get_method("prompt_dpsgd"), ctx.parent)
-    assert rec.warnings(out) == []  # the winner's released score is above no prompt's here
+    # the winner's released score is above no prompt's here; lr=0.2 failed: counted, never named
+    assert rec.warnings(out) == ["1 selection candidate(s) failed and were skipped: the published choice is among "
+                                 "the others only (which, and why: the run's private selection.log)"]
+    assert out.train_metrics["selection.failed_candidates"] == 1.0
     worse = replace(out, train_metrics={**out.train_metrics, "selection.no_prompt.holdout_score": 1.5})
-    (warning,) = rec.warnings(worse)
+    (warning, _) = rec.warnings(worse)
     assert "below the released no-prompt reference" in warning
     off = RunReport(ctx.cfg.model_copy(update={"selection": ctx.cfg.selection.model_copy(update={"enabled": False})}),
                     get_method("prompt_dpsgd"), ctx.parent)

@@ -1,0 +1,96 @@
+"""``privprompt plan``'s size of each run before it runs: its training steps (the plan's, which the
+run takes exactly) and a wall-time estimate from a short measured probe of the model on this
+machine (a forward + backward pass of a synthetic batch at ``models.max_length``, and a forward
+pass alone), scaled by the plan's steps and expected batch, and by the released test size that
+the run evaluates on. Public inputs only: the plan (released sizes) and synthetic token ids."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+PROBE_BATCH = 8
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Seconds per example on this machine: training (forward + backward) and evaluation (forward)."""
+
+    model: str
+    train_s: float
+    eval_s: float
+
+
+_PROBES: dict[tuple, Probe] = {}
+
+
+def probe(model_name: str, max_length: int, train_batch: int = PROBE_BATCH, eval_batch: int = 64, seed: int = 0,
+          repeats: int = 2) -> Probe:
+    """The model's per-example seconds at the run's batch sizes (a small model's time is mostly
+    per call), measured once per process on synthetic ids (the best of ``repeats`` after a warm-up
+    pass)."""
+    train_batch, eval_batch = max(1, min(int(train_batch), 64)), max(1, min(int(eval_batch), 128))
+    key = (model_name, max_length, train_batch, eval_batch)
+    if key in _PROBES:
+        return _PROBES[key]
+    import torch
+
+    from models.backbones import load_backbone
+
+    bb = load_backbone(model_name, seed=seed)
+    model = bb.model
+    vocab = model.get_input_embeddings().weight.shape[0]
+    device = model.get_input_embeddings().weight.device
+    generator = torch.Generator().manual_seed(0)
+    ids = {b: torch.randint(0, vocab, (b, max_length), generator=generator).to(device)
+           for b in {train_batch, eval_batch}}
+
+    def train_pass() -> None:
+        emb = model.get_input_embeddings()(ids[train_batch]).detach().requires_grad_(True)
+        out = model(inputs_embeds=emb, attention_mask=torch.ones_like(ids[train_batch]))
+        out[0].float().sum().backward()
+
+    def eval_pass() -> None:
+        with torch.no_grad():
+            model(input_ids=ids[eval_batch], attention_mask=torch.ones_like(ids[eval_batch]))
+
+    def best(fn, batch: int) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return min(times) / batch
+
+    _PROBES[key] = Probe(model_name, best(train_pass, train_batch), best(eval_pass, eval_batch))
+    return _PROBES[key]
+
+
+def run_estimate(plan, sizes, measured: Probe | None) -> dict:
+    """``steps`` (the plan's training steps; None for a run without its own step count, or a
+    selection, whose trials have their own) and ``seconds`` (None without a probe, or for a
+    selection): steps × expected batch × training seconds per example, plus the evaluation of the
+    released test split; a private method without a step count: one pass over its training data."""
+    settings = plan.settings
+    if "selection" in settings:
+        return {"steps": None, "seconds": None}
+    steps, batch = settings.get("steps"), settings.get("expected_batch")
+    out = {"steps": None if steps is None else int(steps), "seconds": None}
+    if measured is None:
+        return out
+    seconds = sizes.n_test * measured.eval_s
+    if steps is not None and batch is not None:
+        seconds += float(steps) * float(batch) * measured.train_s
+    elif plan.reads_private:
+        seconds += sizes.n_train * measured.train_s
+    out["seconds"] = seconds
+    return out
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 90:
+        return f"≈{seconds:.0f} s"
+    return f"≈{seconds / 60:.1f} min"
