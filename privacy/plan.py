@@ -16,7 +16,9 @@ composition: a record lies in one branch, and the sizes are about it too), by ba
 of mechanisms whose (ε, δ) are fixed beforehand — the guarantee holds for the adaptive choice of
 the method's parameters from the released sizes [DR14, Thm. 3.16]. For a record-level run charged
 per person (a group of at most k records each) the ledger is charged the group-privacy event
-(:func:`privacy.group.group_event`); the per-record event is what the target calibrates.
+(:func:`privacy.group.group_event`: a Poisson-subsampled Gaussian — DP-SGD, DPZero — by the exact
+mixture of Gaussians, ``privacy.group_accounting`` = ``exact_mixture``; the conservative map only
+where no exact form exists); the per-record event is what the target calibrates.
 
 Pure: numpy, scipy, dp-accounting and the standard library only (tests/test_architecture.py).
 """
@@ -188,6 +190,14 @@ def with_size_release(event: ev.DpEvent, size_event: ev.DpEvent) -> ev.DpEvent:
     return ev.ComposedEvent((size_event, event))
 
 
+def group_accounting(event: ev.DpEvent) -> str:
+    """How a group charge accounted its subsampled parts (``privacy.group.group_accounting``):
+    ``exact_mixture``, ``conservative_map``, both joined by ``+``, or ``exact``."""
+    from .group import group_accounting as rule
+
+    return rule(event)
+
+
 def group_charge(event: ev.DpEvent, k: int, name: str, person_field: str) -> ev.DpEvent:
     """The group-privacy event of ``event`` for a person of ≤ ``k`` records; an event without a
     proven group rule is a :class:`PlanError` naming the method."""
@@ -244,6 +254,7 @@ def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calib
     if k:
         params["privacy.group_size"] = k
         record_event, event = event, group_charge(event, k, name, person_field or unit)
+        params["privacy.group_accounting"] = group_accounting(event)
     return RunPlan(own.method, "dp", own.n_train, delta, target, share, tuple(releases), event, record_event,
                    params, own.settings, own.reads_private, own.note, k)
 
