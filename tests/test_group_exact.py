@@ -139,3 +139,28 @@ def test_the_mixture_is_the_mechanisms_own_sigma_rate_and_steps():
     assert grouped.event.noise_multiplier == record.event.event.noise_multiplier
     assert grouped.event.moved_probability == pytest.approx(grouped_rate(0.04, 4), rel=1e-12)
     assert grouped.count == record.count
+
+
+def test_a_ledger_composes_its_stored_events_old_conservative_entries_kept(tmp_path):
+    """A sweep over the unit on one ledger: an entry charged before (the conservative map, stored
+    as its event) keeps its event; a new entry is charged the exact mixture; the dataset's ε is the
+    composition of the stored events by the accountant (no stale number), below what two
+    conservative charges would compose to."""
+    from privacy.ledger import Ledger
+
+    fp, delta, k = "c0ffee" + "0" * 58, 1e-5, 3
+    record = ev.dpsgd_event(0.05, 1.2, 40)
+    old = ev.dpsgd_event(grouped_rate(0.05, k), 1.2 / k, 40)  # what the ledger stored before issue 37
+    new = group_event(record, k)
+    led = Ledger(tmp_path / "ledger.db")
+    led.register_dataset(fp, "people", 1000.0, delta)
+    led.reserve(fp, "before", old)
+    led.commit("before", old)
+    led.reserve(fp, "after", new)
+    led.commit("after", new)
+    rows = {e["run_id"]: ev.event_from_dict(e["event"]) for e in Ledger(tmp_path / "ledger.db").entries(fp)}
+    assert rows == {"before": old, "after": new}
+    composed = spend(ev.ComposedEvent((old, new)), delta).epsilon
+    assert led.spent(fp).epsilon == pytest.approx(composed, rel=1e-9)
+    assert composed < spend(ev.ComposedEvent((old, old)), delta).epsilon
+    assert led.counted_events(fp) == [old, new]
