@@ -95,7 +95,11 @@ class Release:
     """One release of a run and its share of the budget: ``epsilon`` at ``delta`` (its share of
     the run's δ), its event (the worst case), and what one privacy ``unit`` moves it by
     (``sensitivity``: 1 for a mechanism stated per unit; k for a record-level one charged per
-    person of ≤ k records, by group privacy)."""
+    person of ≤ k records, by group privacy). ``statistics``: the names of its deterministic pre-noise
+    statistics (``tasks/neighbours.py``: the released sizes, clipped per-unit gradient sums,
+    selection counts), each of which one unit moves by at most ``sensitivity`` (L2, in units of the
+    mechanism's clip): what the neighbour harness checks (tests/test_neighbour_harness.py); () where
+    none is declared."""
 
     name: str
     epsilon: float
@@ -103,6 +107,7 @@ class Release:
     event: ev.DpEvent
     sensitivity: float = 1.0
     unit: str = "record"
+    statistics: tuple[str, ...] = ()
 
 
 class Calibrated(Protocol):
@@ -213,13 +218,15 @@ def group_charge(event: ev.DpEvent, k: int, name: str, person_field: str) -> ev.
 def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calibration: Calibration, *,
              sizes_event: ev.DpEvent | None = None, sizes_sigma: float | None = None, unit: str = "record",
              group_size: int | None = None, person_field: str | None = None, always_dp: bool = False,
-             release: str = "method", sizes_delta_share: float = SIZES_DELTA_SHARE) -> RunPlan:
+             release: str = "method", sizes_delta_share: float = SIZES_DELTA_SHARE,
+             statistics: tuple[str, ...] = ()) -> RunPlan:
     """The one plan of method ``name``'s run: ``calibration(ε, δ)`` is the method's own (its plan
     at a budget). A method that makes no ``dp`` claim at the whole budget (``always_dp`` False:
     asked first) gets a plan without releases. A ``dp`` one: the sizes release at
     ``sizes_delta_share`` of δ, the method calibrated to the rest, checked to meet the target
     (a calibration that misses it is refused), the group charge when ``group_size`` is set.
-    ``release``: the name of the method's own release (``selection`` for a selection)."""
+    ``release``: the name of the method's own release (``selection`` for a selection);
+    ``statistics``: its declared pre-noise statistics (:class:`Release`)."""
     target = float(target_epsilon)
     if not always_dp:
         alone = calibration(target, delta)
@@ -246,9 +253,10 @@ def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calib
     releases = []
     params = dict(own.params)
     if sizes_event is not None:
-        releases.append(Release("sizes", eps_sizes, delta_sizes, sizes_event, float(k or 1), charge_unit))
+        releases.append(Release("sizes", eps_sizes, delta_sizes, sizes_event, float(k or 1), charge_unit,
+                                ("released_sizes",)))
         params.update({"privacy.size_epsilon": eps_sizes, "privacy.method_epsilon": share})
-    releases.append(Release(release, share, method_delta, own.event, float(k or 1), charge_unit))
+    releases.append(Release(release, share, method_delta, own.event, float(k or 1), charge_unit, tuple(statistics)))
     event = own.event if sizes_event is None else with_size_release(own.event, sizes_event)
     record_event = None
     if k:
