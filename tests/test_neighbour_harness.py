@@ -63,12 +63,18 @@ def neighbours_of(unit: str) -> dict[str, SourceData]:
     """D′ for D: one record (record unit) or one person (every other unit) added, one removed. The
     added person has records in both source splits and more than the cap."""
     if unit == "record":
-        return {"add": _source(BASE_TRAIN + _person(999, 1, "new"), BASE_TEST),
-                "add_test": _source(BASE_TRAIN, BASE_TEST + _person(998, 1, "new")),
-                "remove": _source(BASE_TRAIN[:3] + BASE_TRAIN[4:], BASE_TEST)}
-    big = max(range(len(SIZES)), key=lambda u: SIZES[u])
-    return {"add": _source(BASE_TRAIN + _person(999, 5, "new"), BASE_TEST + _person(999, 2, "new")),
-            "remove": _source([r for r in BASE_TRAIN if r["author"] != f"person-{big}"], BASE_TEST)}
+        out = {"add": _source(BASE_TRAIN + _person(999, 1, "new"), BASE_TEST),
+               "add_test": _source(BASE_TRAIN, BASE_TEST + _person(998, 1, "new"))}
+        for i in range(6):
+            out[f"add_{i}"] = _source(BASE_TRAIN + _person(990 + i, 1, "new"), BASE_TEST)
+            out[f"remove_{i}"] = _source(BASE_TRAIN[:7 * i] + BASE_TRAIN[7 * i + 1:], BASE_TEST)
+        return out
+    out = {"add": _source(BASE_TRAIN + _person(999, 5, "new"), BASE_TEST + _person(999, 2, "new"))}
+    for i in range(6):  # more people, so that their keyed hashes put them in training, holdout and test alike
+        out[f"add_{i}"] = _source(BASE_TRAIN + _person(990 + i, 4, "new"), BASE_TEST + _person(990 + i, 3, "new"))
+    for u in sorted(range(len(SIZES)), key=lambda u: -SIZES[u])[:4]:
+        out[f"remove_{u}"] = _source([r for r in BASE_TRAIN if r["author"] != f"person-{u}"], BASE_TEST)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +121,8 @@ def _config(tmp_path, method: str, unit: str, selection: str) -> dict:
 
     cfg = {"method": method, "experiment": "harness", "seed": 0, "state_dir": str(tmp_path / "state"),
            "allow_nonprivate_baselines": True,
-           "data": {"name": "people", "path": str(tmp_path), "labels": LABELS, "holdout_fraction": 0.3,
+           "data": {"name": "people", "path": str(tmp_path), "labels": LABELS, "holdout_fraction": 0.25,
+                    "train_fraction": 0.5,
                     "size_noise_sigma": 5.0, **UNITS[unit]},
            "models": {"local": "tiny-gpt2", "max_length": 24},
            "privacy": {"target_epsilon": 8.0, "target_delta": 1e-4, "dataset_epsilon_cap": 1000.0},
@@ -157,6 +164,18 @@ def _plan(raw: dict, method: str):
         return plan_for(cfg, method, sizes), cfg
     except (ConfigError, ValueError) as exc:
         return None, str(exc)
+
+
+def test_the_added_people_land_in_every_split():
+    """The neighbours exercise each branch of the split rule: some added person trains, some is held
+    out, some is tested (the person unit's keyed hashes)."""
+    from tasks.config import parse_config
+
+    cfg = parse_config(_config_for_split("person"))
+    base = neighbours.released_sizes(_source(BASE_TRAIN, BASE_TEST), cfg, KEY)
+    moved = {int(np.flatnonzero(neighbours.released_sizes(d, cfg, KEY) - base)[0])
+             for how, d in neighbours_of("person").items() if how.startswith("add")}
+    assert moved == {0, 1, 2}
 
 
 def test_splits_of_others_never_move_when_a_neighbour_is_added():
