@@ -217,7 +217,7 @@ def test_every_method_and_unit_and_the_selection_modes(tmp_path, toy_plugin, fas
     _run_matrix(tmp_path, toy_plugin, capsys, full=False)
 
 
-@pytest.mark.slow  # every method × unit × selection mode (≈ 5 min on 2 busy cores)
+@pytest.mark.slow  # every method × unit × selection mode (≈ 2.5 min on 2 busy cores: 45 covered, 85 refused)
 def test_the_whole_matrix(tmp_path, toy_plugin, fast_calibration, capsys):
     _run_matrix(tmp_path, toy_plugin, capsys, full=True)
 
