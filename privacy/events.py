@@ -20,6 +20,11 @@ Conventions (add/remove neighbouring datasets throughout):
   is only 2ε0-DP and its published ε is not a valid bound for what it samples. We sample with
   the paper's scale 2/ε0 (``privacy.mechanisms``), for which the same accounting is valid.
 * ``PoissonSampledEvent(q, e)``: ``e`` run on a Poisson subsample with inclusion probability q.
+* ``MixtureOfGaussiansEvent(σ, sensitivities, sampling_probs)``: dp-accounting's
+  ``MixtureOfGaussiansDpEvent`` — on one side N(0, σ²), on the other Σ_i p_i·N(c_i, σ²) (the
+  sensitivity a random variable, c_i with probability p_i; both neighbouring directions are
+  accounted). ``binomial_mixture(q, σ, k)`` is a person of ≤ k records under Poisson sampling at
+  rate q: c = 0..k with Binomial(k, q) probabilities (``privacy/group.py``).
 * ``SelfComposedEvent(e, k)``, ``ComposedEvent([e1, e2, …])``: sequential composition.
 * ``ParallelEvent([e1, e2, …])``: parts that touch disjoint subsets of the data; the cost is the
   largest part's (parallel composition).
@@ -76,6 +81,36 @@ class PoissonSampledEvent:
 
     def __post_init__(self):
         check_rate(self.sampling_probability, "sampling_probability")
+
+
+@dataclass(frozen=True)
+class MixtureOfGaussiansEvent:
+    noise_multiplier: float
+    sensitivities: tuple
+    sampling_probs: tuple
+
+    def __post_init__(self):
+        check_positive(self.noise_multiplier, "noise_multiplier")
+        sens = tuple(float(c) for c in self.sensitivities)
+        probs = tuple(float(p) for p in self.sampling_probs)
+        object.__setattr__(self, "sensitivities", sens)
+        object.__setattr__(self, "sampling_probs", probs)
+        if not sens or len(sens) != len(probs):
+            raise ValueError(f"a mixture of Gaussians needs as many sampling_probs as sensitivities (at least one), "
+                             f"got {len(sens)} and {len(probs)}")
+        if any(not math.isfinite(c) or c < 0 for c in sens):
+            raise ValueError(f"sensitivities must be finite and >= 0, got {sens!r}")
+        if any(not math.isfinite(p) or p < 0 for p in probs) or abs(sum(probs) - 1.0) > 1e-9:
+            raise ValueError(f"sampling_probs must be >= 0 and sum to 1, got {probs!r}")
+
+    @property
+    def max_sensitivity(self) -> float:
+        return max(c for c, p in zip(self.sensitivities, self.sampling_probs) if p > 0)
+
+    @property
+    def moved_probability(self) -> float:
+        """P(sensitivity > 0): the probability that the output moves at all."""
+        return float(min(1.0, sum(p for c, p in zip(self.sensitivities, self.sampling_probs) if c > 0)))
 
 
 @dataclass(frozen=True)
@@ -151,6 +186,7 @@ DpEvent = Union[
     ExponentialEvent,
     LimitedDomainEvent,
     PoissonSampledEvent,
+    MixtureOfGaussiansEvent,
     SelfComposedEvent,
     ComposedEvent,
     ParallelEvent,
@@ -162,6 +198,7 @@ _TYPES = {
     "exponential": ExponentialEvent,
     "limited_domain": LimitedDomainEvent,
     "poisson_sampled": PoissonSampledEvent,
+    "mixture_of_gaussians": MixtureOfGaussiansEvent,
     "self_composed": SelfComposedEvent,
     "composed": ComposedEvent,
     "parallel": ParallelEvent,
@@ -200,6 +237,9 @@ def event_to_dict(event: DpEvent) -> dict[str, Any]:
         return {"type": name, "count": event.count, "event": event_to_dict(event.event)}
     if isinstance(event, (ComposedEvent, ParallelEvent)):
         return {"type": name, "events": [event_to_dict(e) for e in event.events]}
+    if isinstance(event, MixtureOfGaussiansEvent):
+        return {"type": name, "noise_multiplier": event.noise_multiplier,
+                "sensitivities": list(event.sensitivities), "sampling_probs": list(event.sampling_probs)}
     if isinstance(event, RepeatAndSelectEvent):
         return {"type": name, "trials": [event_to_dict(e) for e in event.trials],
                 "distribution": event.distribution, "eta": event.eta, "gamma": event.gamma, "mu": event.mu}
@@ -222,6 +262,8 @@ def event_from_dict(data: dict[str, Any]) -> DpEvent:
         return cls(event_from_dict(args["event"]), args["count"])
     if cls in (ComposedEvent, ParallelEvent):
         return cls(tuple(event_from_dict(e) for e in args["events"]))
+    if cls is MixtureOfGaussiansEvent:
+        return cls(args["noise_multiplier"], tuple(args["sensitivities"]), tuple(args["sampling_probs"]))
     if cls is RepeatAndSelectEvent:
         return cls(tuple(event_from_dict(e) for e in args["trials"]), args["distribution"],
                    args.get("eta"), args.get("gamma"), args.get("mu"))
@@ -243,3 +285,22 @@ def dpsgd_event(sample_rate: float, noise_multiplier: float, steps: int) -> DpEv
     """``steps`` DP-SGD steps: Poisson-subsampled Gaussian on clipped per-sample gradients."""
     check_count(steps, "steps")
     return SelfComposedEvent(PoissonSampledEvent(sample_rate, GaussianEvent(noise_multiplier)), steps)
+
+
+def binomial_mixture(sample_rate: float, noise_multiplier: float, k: int) -> MixtureOfGaussiansEvent:
+    """One Poisson-subsampled Gaussian step (rate q, noise σ per unit of sensitivity) seen by a group
+    of ``k`` records, each sampled independently: the number J of them in the batch is
+    Binomial(k, q), and they move the clipped sum by at most J — the mixture c = 0..k with
+    P(J = c) (Ganesh 2024, arXiv:2401.10294; dp-accounting's ``MixtureOfGaussiansDpEvent``)."""
+    check_rate(sample_rate, "sample_rate")
+    check_count(k, "k", minimum=1)
+    q = float(sample_rate)
+    if q >= 1.0:
+        probs = [0.0] * k + [1.0]
+    else:
+        probs = [math.exp(math.lgamma(k + 1) - math.lgamma(j + 1) - math.lgamma(k - j + 1)
+                          + j * math.log(q) + (k - j) * math.log1p(-q)) if q > 0 or j == 0 else 0.0
+                 for j in range(k + 1)]
+        total = sum(probs)
+        probs = [p / total for p in probs]
+    return MixtureOfGaussiansEvent(float(noise_multiplier), tuple(float(j) for j in range(k + 1)), tuple(probs))

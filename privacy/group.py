@@ -13,8 +13,20 @@ charged a guess. The rules:
   dividing by k, N(0, (σ/k)²) vs N(1, (σ/k)²), and a shift j ≤ k is dominated by the shift k
   (the Gaussian hockey-stick divergence grows with the shift). Exact, not a bound.
   (A Laplace mechanism would be the same rule, b → b/k; the events module has no Laplace event.)
-* ``PoissonSampledEvent(q, M)`` (each record in the batch independently with probability q) →
-  ``PoissonSampledEvent(1 − (1 − q)^k, group(M, k))``. Let B be the others' sample and J the
+* ``PoissonSampledEvent(q, GaussianEvent(σ))`` (a DP-SGD / DPZero step: clipped per-record
+  contributions of norm ≤ 1 summed, plus N(0, σ²)) → ``MixtureOfGaussiansEvent(σ, [0, 1, …, k],
+  Binomial(k, q))``: EXACT (rule ``exact_mixture``). J ~ Binomial(k, q) of the person's records are
+  in the batch, and they move the sum by a vector of norm ≤ J; the vector-valued mixture is
+  dominated by the scalar one with each shift replaced by its norm (Choquette-Choo, Ganesh, Steinke,
+  Thakurta 2023, Cor. 4.7) and a larger shift only dominates a smaller one, so the pair
+  (N(0, σ²), Σ_j P(J = j)·N(j, σ²)) dominates the person's pair in both directions, and is attained
+  when the person's records have aligned gradients (tight: Ganesh 2024, arXiv:2401.10294). Its ε is
+  the PLD accountant's (dp-accounting's mixture PLD); the RDP curve of the event is only the
+  conservative map below (``rdp.mixture_rdp_bound``), a cross-check the default accountant's
+  minimum never prefers over the exact PLD unless it is smaller (and then it is a valid bound too).
+* ``PoissonSampledEvent(q, M)`` for any other M (each record in the batch independently with
+  probability q) → ``PoissonSampledEvent(1 − (1 − q)^k, group(M, k))`` (rule ``conservative_map``,
+  a valid bound, not exact; the review measured it 2–7× above the mixture for Gaussians). Let B be the others' sample and J the
   number of the person's records sampled, J ~ Binomial(k, q). With the person, the output is
   P = (1 − q')·Q + q'·R, where Q = M(B) (none of the person's records sampled, probability
   (1 − q)^k = 1 − q') and R = Σ_{j≥1} P(J = j | J ≥ 1)·M(B ∪ S_j), a mixture. Each pair
@@ -38,7 +50,8 @@ charged a guess. The rules:
   disjointly; composing them is a valid bound (each part sees at most k of the person's records).
   Keeping the parallel maximum would need the parts to be split by person, which an event cannot
   show.
-* Anything else — ``ExponentialEvent`` (report-noisy-max / argmax), ``LimitedDomainEvent`` (DP-OPT's
+* Anything else — a ``MixtureOfGaussiansEvent`` (already a group's; its records' draws are not
+  independent copies of it), ``ExponentialEvent`` (report-noisy-max / argmax), ``LimitedDomainEvent`` (DP-OPT's
   top-1 queries on votes), ``RepeatAndSelectEvent`` (private selection) — is refused: the generic
   group-privacy bound of an (ε, δ) mechanism, (kε, k·e^{(k−1)ε}·δ), is not an event the accountant
   composes, and these mechanisms' per-unit costs belong to their own unit-level variants
@@ -75,9 +88,29 @@ def group_event(event: ev.DpEvent, k: int) -> ev.DpEvent:
     return _group(event, k)
 
 
+EXACT_MIXTURE = "exact_mixture"
+CONSERVATIVE_MAP = "conservative_map"
+
+
+def group_accounting(event: ev.DpEvent) -> str:
+    """Which rule charged the Poisson-subsampled parts of a group event (the run record's
+    ``privacy.group_accounting``): ``exact_mixture`` when every one is a mixture of Gaussians
+    (and none a conservatively mapped subsampled event), ``conservative_map`` when every one was
+    mapped, ``exact_mixture+conservative_map`` when both occur; ``exact`` for an event without
+    subsampling (a Gaussian's σ/k is exact)."""
+    parts = list(ev.all_events(event))
+    mixture = any(isinstance(e, ev.MixtureOfGaussiansEvent) for e in parts)
+    mapped = any(isinstance(e, ev.PoissonSampledEvent) for e in parts)
+    if mixture and mapped:
+        return f"{EXACT_MIXTURE}+{CONSERVATIVE_MAP}"
+    return EXACT_MIXTURE if mixture else CONSERVATIVE_MAP if mapped else "exact"
+
+
 def _group(event: ev.DpEvent, k: int) -> ev.DpEvent:
     if isinstance(event, ev.GaussianEvent):
         return ev.GaussianEvent(event.noise_multiplier / k)
+    if isinstance(event, ev.PoissonSampledEvent) and isinstance(event.event, ev.GaussianEvent):
+        return ev.binomial_mixture(event.sampling_probability, event.event.noise_multiplier, k)
     if isinstance(event, ev.PoissonSampledEvent):
         return ev.PoissonSampledEvent(grouped_rate(event.sampling_probability, k), _group(event.event, k))
     if isinstance(event, ev.SelfComposedEvent):

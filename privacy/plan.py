@@ -16,7 +16,9 @@ composition: a record lies in one branch, and the sizes are about it too), by ba
 of mechanisms whose (ε, δ) are fixed beforehand — the guarantee holds for the adaptive choice of
 the method's parameters from the released sizes [DR14, Thm. 3.16]. For a record-level run charged
 per person (a group of at most k records each) the ledger is charged the group-privacy event
-(:func:`privacy.group.group_event`); the per-record event is what the target calibrates.
+(:func:`privacy.group.group_event`: a Poisson-subsampled Gaussian — DP-SGD, DPZero — by the exact
+mixture of Gaussians, ``privacy.group_accounting`` = ``exact_mixture``; the conservative map only
+where no exact form exists); the per-record event is what the target calibrates.
 
 Pure: numpy, scipy, dp-accounting and the standard library only (tests/pipeline/test_architecture.py).
 """
@@ -93,7 +95,11 @@ class Release:
     """One release of a run and its share of the budget: ``epsilon`` at ``delta`` (its share of
     the run's δ), its event (the worst case), and what one privacy ``unit`` moves it by
     (``sensitivity``: 1 for a mechanism stated per unit; k for a record-level one charged per
-    person of ≤ k records, by group privacy)."""
+    person of ≤ k records, by group privacy). ``statistics``: the names of its deterministic pre-noise
+    statistics (``tasks/neighbours.py``: the released sizes, clipped per-unit gradient sums,
+    selection counts), each of which one unit moves by at most ``sensitivity`` (L2, in units of the
+    mechanism's clip): what the neighbour harness checks (tests/claims/test_neighbour_harness.py); () where
+    none is declared."""
 
     name: str
     epsilon: float
@@ -101,6 +107,7 @@ class Release:
     event: ev.DpEvent
     sensitivity: float = 1.0
     unit: str = "record"
+    statistics: tuple[str, ...] = ()
 
 
 class Calibrated(Protocol):
@@ -188,6 +195,14 @@ def with_size_release(event: ev.DpEvent, size_event: ev.DpEvent) -> ev.DpEvent:
     return ev.ComposedEvent((size_event, event))
 
 
+def group_accounting(event: ev.DpEvent) -> str:
+    """How a group charge accounted its subsampled parts (``privacy.group.group_accounting``):
+    ``exact_mixture``, ``conservative_map``, both joined by ``+``, or ``exact``."""
+    from .group import group_accounting as rule
+
+    return rule(event)
+
+
 def group_charge(event: ev.DpEvent, k: int, name: str, person_field: str) -> ev.DpEvent:
     """The group-privacy event of ``event`` for a person of ≤ ``k`` records; an event without a
     proven group rule is a :class:`PlanError` naming the method."""
@@ -203,13 +218,15 @@ def group_charge(event: ev.DpEvent, k: int, name: str, person_field: str) -> ev.
 def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calibration: Calibration, *,
              sizes_event: ev.DpEvent | None = None, sizes_sigma: float | None = None, unit: str = "record",
              group_size: int | None = None, person_field: str | None = None, always_dp: bool = False,
-             release: str = "method", sizes_delta_share: float = SIZES_DELTA_SHARE) -> RunPlan:
+             release: str = "method", sizes_delta_share: float = SIZES_DELTA_SHARE,
+             statistics: tuple[str, ...] = ()) -> RunPlan:
     """The one plan of method ``name``'s run: ``calibration(ε, δ)`` is the method's own (its plan
     at a budget). A method that makes no ``dp`` claim at the whole budget (``always_dp`` False:
     asked first) gets a plan without releases. A ``dp`` one: the sizes release at
     ``sizes_delta_share`` of δ, the method calibrated to the rest, checked to meet the target
     (a calibration that misses it is refused), the group charge when ``group_size`` is set.
-    ``release``: the name of the method's own release (``selection`` for a selection)."""
+    ``release``: the name of the method's own release (``selection`` for a selection);
+    ``statistics``: its declared pre-noise statistics (:class:`Release`)."""
     target = float(target_epsilon)
     if not always_dp:
         alone = calibration(target, delta)
@@ -236,14 +253,16 @@ def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calib
     releases = []
     params = dict(own.params)
     if sizes_event is not None:
-        releases.append(Release("sizes", eps_sizes, delta_sizes, sizes_event, float(k or 1), charge_unit))
+        releases.append(Release("sizes", eps_sizes, delta_sizes, sizes_event, float(k or 1), charge_unit,
+                                ("released_sizes",)))
         params.update({"privacy.size_epsilon": eps_sizes, "privacy.method_epsilon": share})
-    releases.append(Release(release, share, method_delta, own.event, float(k or 1), charge_unit))
+    releases.append(Release(release, share, method_delta, own.event, float(k or 1), charge_unit, tuple(statistics)))
     event = own.event if sizes_event is None else with_size_release(own.event, sizes_event)
     record_event = None
     if k:
         params["privacy.group_size"] = k
         record_event, event = event, group_charge(event, k, name, person_field or unit)
+        params["privacy.group_accounting"] = group_accounting(event)
     return RunPlan(own.method, "dp", own.n_train, delta, target, share, tuple(releases), event, record_event,
                    params, own.settings, own.reads_private, own.note, k)
 

@@ -213,11 +213,28 @@ def poisson_subsampled_rdp(q: float, base_rdp, base_pure_epsilon: float, orders)
     return out
 
 
+def mixture_rdp_bound(event: ev.MixtureOfGaussiansEvent, orders) -> np.ndarray:
+    """An upper bound on the RDP of a mixture of Gaussians (no exact RDP form here; dp-accounting
+    0.6.0's RDP accountant has none either, so its exact ε is the PLD accountant's): the
+    Poisson-subsampled Gaussian at rate q' = P(c > 0) and noise σ/c_max. With Q = N(0, σ²) and the
+    other side (1 − q')·Q + q'·R, R the mixture of the shifts c > 0, each N(c, σ²) is dominated by
+    N(c_max, σ²) in every hockey-stick divergence, both orders; by joint convexity so is R, and the
+    subsampling identities of ``privacy/group.py`` carry it to the whole pair: dominance in every
+    H_γ, hence in every Rényi divergence. A cross-check only: it is the conservative map."""
+    q, c = event.moved_probability, event.max_sensitivity
+    if q <= 0.0 or c <= 0.0:
+        return np.zeros_like(np.asarray(orders, dtype=float))
+    sigma = event.noise_multiplier / c
+    if q >= 1.0:
+        return gaussian_rdp(sigma, orders)
+    return sampled_gaussian_rdp(q, sigma, orders)
+
+
 # ---- events → (RDP curve, δ-part) ------------------------------------------------------------
 
 def pure_epsilon(event: ev.DpEvent) -> float:
     """Pure-DP ε of an event (inf for Gaussian)."""
-    if isinstance(event, ev.GaussianEvent):
+    if isinstance(event, (ev.GaussianEvent, ev.MixtureOfGaussiansEvent)):
         return math.inf
     if isinstance(event, (ev.ExponentialEvent, ev.LimitedDomainEvent)):
         return event.epsilon
@@ -262,6 +279,8 @@ def rdp_of_event(event: ev.DpEvent, orders=DEFAULT_ORDERS) -> tuple[np.ndarray, 
 def _rdp(event: ev.DpEvent, orders: np.ndarray) -> tuple[np.ndarray, float]:
     if isinstance(event, ev.GaussianEvent):
         return gaussian_rdp(event.noise_multiplier, orders), 0.0
+    if isinstance(event, ev.MixtureOfGaussiansEvent):
+        return mixture_rdp_bound(event, orders), 0.0
     if isinstance(event, ev.ExponentialEvent):
         return exponential_rdp(event.epsilon, orders, event.monotone), 0.0
     if isinstance(event, ev.LimitedDomainEvent):

@@ -559,7 +559,7 @@ def reserve(door: Door) -> None:
     note = f" (δ={delta:g} ≥ 1/n by privacy.allow_delta_at_least_one_over_n)" if door.opt_in else ""
     if cfg.data.group_size:
         note += (f" (record-level, charged per {cfg.data.person_field} by group privacy for "
-                 f"≤ {cfg.data.group_size} records)")
+                 f"≤ {cfg.data.group_size} records, {plan.params.get('privacy.group_accounting', 'group event')})")
     try:
         door.reservation = ledger.reserve(part.dataset_key, door.run_key, plan.event,
                                           description=f"{name} flow run {ctx.flow_run_id}{note}",

@@ -76,7 +76,10 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
             checked.add(signature)
         _add_to_dataset(meta, key, dname, note, label, cfg, sizes, delta, unit)
         for name in cfg.run_methods:
-            runs.append(_plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, []), estimate))
+            row = _plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, []), estimate)
+            if row.get("group"):  # a record-level run charged per person: a user-level run's per-person ε beside it
+                row["user_level"] = _user_level_beside(cfg, name, delta, state_paths.private)
+            runs.append(row)
     datasets = {key: _dataset_preview(ledger, key, m, events.get(key, []), largest) for key, m in meta.items()}
     return {"runs": runs, "datasets": datasets, "fits": all(d["fits"] for d in datasets.values())}
 
@@ -155,6 +158,7 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
         if plan.record_event is not None:  # charged per person: the ledger composes the group event
             row["epsilon_per_record"], row["epsilon"] = row["epsilon"], acct.spend(plan.event, delta).epsilon
             row["group"] = f"{cfg.data.group_size} {unit}"
+            row["group_accounting"] = plan.params.get("privacy.group_accounting")
         events.append(plan.event)
     if estimate:
         from . import estimate as est
@@ -172,6 +176,32 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
 
         row["selection"] = describe_plan(cfg, name, plan, sizes, delta)
     return row
+
+
+def user_level_config(cfg):
+    """The same config as a user-level run: ``data.privacy_unit`` naming the person field of a
+    record-level run charged per person (its cap ``data.max_records_per_unit`` kept)."""
+    from .config import parse_config
+
+    raw = cfg.model_dump(mode="json")
+    raw["sweep"], raw["seeds"], raw["grid"], raw["sweep_dask"] = [], [], {}, None
+    raw["data"]["privacy_unit"] = cfg.data.person_field
+    return parse_config(raw)
+
+
+def _user_level_beside(cfg, name: str, delta: float, private_dir) -> dict:
+    """What a user-level run of the same method at the same target would charge one person
+    (``epsilon``), or why it cannot be planned (``refused``, one line): shown beside a record-level
+    run's exact per-person charge so a team can choose. It reads only released sizes, like the plan."""
+    try:
+        user_cfg = user_level_config(cfg)
+        sizes = released_sizes(user_cfg, private_dir)
+        plan = plan_for(user_cfg, name, sizes, delta)
+        if plan.event is None:
+            return {"refused": f"{name} makes no dp claim at user level"}
+        return {"epsilon": planned_epsilon(user_cfg, name, plan, delta), "unit": cfg.data.person_field}
+    except ValueError as exc:  # ConfigError / PlanError: one line
+        return {"refused": str(exc).splitlines()[0]}
 
 
 def _dataset_preview(ledger, key: str, m: dict, planned: list, largest: bool) -> dict:
@@ -231,8 +261,16 @@ def format_plan(plan: dict) -> str:
         delta, unit = ("-", "-") if r["epsilon"] is None else (f"{r['delta']:.3g}", unit_phrase(r.get("unit")))
         lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}  {timing(r)}{delta:<9}{unit}")
         if r.get("group"):
+            how = {"exact_mixture": "exact mixture of Gaussians"}.get(r.get("group_accounting"),
+                                                                      r.get("group_accounting") or "group privacy")
             lines.append(f"  record-level: ε = {r['epsilon_per_record']:.4f} per record; charged per person (≤ "
-                         f"{r['group']} records, group privacy): ε = {r['epsilon']:.4f}")
+                         f"{r['group']} records, {how}): ε = {r['epsilon']:.4f}")
+            user = r.get("user_level") or {}
+            if "epsilon" in user:
+                lines.append(f"  beside it, a user-level run (data.privacy_unit: {user['unit']}) at the same target: "
+                             f"ε = {user['epsilon']:.4f} per person")
+            elif user:
+                lines.append(f"  a user-level run at the same target cannot be planned: {user['refused']}")
         if r.get("selection"):
             s = r["selection"]
             others = (f"the same trials by random stopping (E[K] = {s['expected_trials']:g}) ε = "

@@ -93,9 +93,16 @@ def plan_for(cfg, name: str, sizes, delta: float | None = None, target_epsilon: 
         return pplan.plan_run(name, target, delta, sizes.n_train, calibration, sizes_event=sizes.event,
                               sizes_sigma=sizes.sigma, unit=cfg.data.charge_unit, group_size=cfg.data.group_size,
                               person_field=cfg.data.person_field, always_dp=getattr(method, "always_dp", False),
-                              release=getattr(method, "release", "method"))
+                              release=getattr(method, "release", "method"), statistics=release_statistics(method))
     except pplan.PlanError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def release_statistics(method) -> tuple[str, ...]:
+    """The pre-noise statistics a method's own release declares (``Method.neighbour_statistics``;
+    a selection adds its holdout count vectors): what the neighbour harness checks."""
+    own = tuple(getattr(method, "neighbour_statistics", ()))
+    return own + ("selection_counts",) if getattr(method, "release", "method") == "selection" else own
 
 
 def with_size_release(event, sizes):

@@ -25,6 +25,7 @@ class SoftPromptDPSGD(Method):
     accounting. A subclass sets ``name``, ``config_class`` (a ``DPSGDConfig``) and ``label``."""
 
     unit_level = True  # Poisson sampling of units, one clipped gradient per unit (models.dp_prompt_training)
+    neighbour_statistics = ("clipped_gradient_sum",)
 
     @classmethod
     def contract_test_config(cls):

@@ -269,6 +269,10 @@ class Method:
     # ``data.privacy_unit`` names a person (``rows.units``: Poisson sampling of units, one clipped
     # contribution per unit, the accountant over units); a dp method without it is refused there
     unit_level: ClassVar[bool] = False
+    # the names of the deterministic pre-noise statistics of its release (tasks/neighbours.py), which
+    # the neighbour harness computes on neighbouring datasets (tests/claims/test_neighbour_harness.py); ()
+    # where none is declared (the harness then reports the combination as not covered)
+    neighbour_statistics: ClassVar[tuple[str, ...]] = ()
 
     def reads_private_data(self, cfg: "PrivPromptConfig") -> bool:
         """False for methods that never read private training rows (zero-shot)."""

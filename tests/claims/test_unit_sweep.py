@@ -124,7 +124,10 @@ def test_plan_charges_the_record_level_variant_per_person_and_refuses_a_plain_on
     # the dataset's total composes the per-person charge (the flow test checks it against the committed events)
     assert record_row["epsilon"] < d["total_epsilon"] < record_row["epsilon"] + user_row["epsilon"] and d["fits"]
     text = format_plan(planned)
-    assert f"charged per person (≤ {K} author records, group privacy)" in text
+    assert f"charged per person (≤ {K} author records, exact mixture of Gaussians)" in text
+    # a user-level run's per-person ε beside the record-level run's (issue 37)
+    assert record_row["user_level"]["epsilon"] <= 4.0 * (1 + 1e-6) < record_row["epsilon"]
+    assert "beside it, a user-level run (data.privacy_unit: author) at the same target" in text
     plain = parse_config(_cfg(people, state, **{"privacy.target_epsilon": 1.0}))
     with pytest.raises(UnitMismatchError) as err:
         plan_runs([("plain", plain)], paths)
@@ -152,7 +155,7 @@ def test_a_unit_sweep_on_one_ledger_charges_the_record_level_run_per_person(pref
     user_row, record_row = planned["runs"]
     assert "epsilon_per_record" not in user_row and user_row["epsilon"] <= 4.0
     assert record_row["epsilon_per_record"] <= 4.0 < record_row["epsilon"]  # the per-person charge is larger
-    assert f"charged per person (≤ {K} author records, group privacy)" in format_plan(planned)
+    assert f"charged per person (≤ {K} author records, exact mixture of Gaussians)" in format_plan(planned)
 
     out = sweep_flow(cfg)
     rows = {r["variant"]: r for r in out["variants"]}

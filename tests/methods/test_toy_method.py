@@ -60,6 +60,7 @@ PACKAGE = {
             name = "toy_decayed_dpsgd"
             config_class = ToyConfig
             label = "toy: DP-SGD with a decayed update"
+            neighbour_statistics = ("clipped_gradient_sum",)  # its DP step: train_prompt's clipped sum
 
             def guarantee(self, cfg):
                 return dp_unless_debug(cfg)

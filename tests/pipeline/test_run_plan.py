@@ -98,6 +98,19 @@ def test_the_planner_divides_the_budget_into_its_releases_and_the_plan_is_frozen
     assert pickle.loads(pickle.dumps(plan)) == plan and isinstance(plan, RunPlan)
 
 
+class _Sampled:
+    """A calibration of DP-SGD-like steps: Poisson-subsampled Gaussians, σ chosen for the share."""
+
+    method, guarantee, n_train, reads_private, note, settings = "toy", "dp", 100, True, "", {}
+
+    def __init__(self, epsilon, delta):
+        from privacy import events as ev
+        from privacy.accountant import calibrate_noise_multiplier
+
+        self.event = ev.dpsgd_event(0.1, calibrate_noise_multiplier(epsilon, delta, 0.1, 5), 5)
+        self.params = {}
+
+
 def test_the_planner_charges_a_person_by_group_privacy_and_refuses_what_it_cannot_plan():
     from privacy import events as ev
     from privacy.group import group_event
@@ -108,6 +121,10 @@ def test_the_planner_charges_a_person_by_group_privacy_and_refuses_what_it_canno
                     group_size=3, person_field="author")
     assert plan.record_event == ev.ComposedEvent((sizes, plan.release("method").event))
     assert plan.event == group_event(plan.record_event, 3) and plan.params["privacy.group_size"] == 3
+    assert plan.params["privacy.group_accounting"] == "exact"  # Gaussians only: σ/k is exact
+    sampled = plan_run("toy", 2.0, DELTA, 100, lambda e, d: _Sampled(e, d), sizes_event=sizes, sizes_sigma=50.0,
+                       group_size=3, person_field="author")
+    assert sampled.params["privacy.group_accounting"] == "exact_mixture"  # DP-SGD steps: the exact mixture
     assert {(r.sensitivity, r.unit) for r in plan.releases} == {(3.0, "author")}
     # what a training realised is charged by the same rule
     method_event = plan.release("method").event

@@ -38,6 +38,7 @@ class DPZero(Method):
     config_class = DPZeroConfig
     label = "DPZero (black-box)"
     unit_level = True  # Poisson sampling of units, one clipped two-point difference per unit
+    neighbour_statistics = ("clipped_difference_sum",)
 
     @classmethod
     def contract_test_config(cls):

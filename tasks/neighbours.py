@@ -1,0 +1,144 @@
+"""The deterministic pre-noise statistics of a run's releases, by name (issue 37).
+
+A :class:`privacy.plan.Release` names its statistics (``Release.statistics``: the sizes release
+``released_sizes``; a method's own release what its class declares in
+``Method.neighbour_statistics``; a selection adds ``selection_counts``). Each statistic here is
+computed by the project's own code for that release — the split rule and its counts
+(``tasks.data``), the per-unit combination and clipping of DP-SGD (``models.dp_prompt_training``)
+and DPZero (``tasks.methods.dpzero.training``), the holdout weights and count vectors of selection
+(``tasks.selection``) — on a SOURCE dataset, with no noise, so that the neighbour harness
+(tests/claims/test_neighbour_harness.py) can compute it on D and on D′ (one record, or one person, added
+or removed) and check that it moves by at most the release's declared sensitivity (L2, in units of
+the mechanism's clip bound).
+
+Where a statistic needs what a model computes (a gradient, a two-point difference, a prediction),
+it takes the worst case the mechanism must bound: every row's contribution far above the clip bound
+and aligned with every other (the largest a sum of clipped parts can move), every holdout row
+predicted right. These are statistics of private data: the harness runs them on synthetic data
+only; nothing here is logged or published.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+Statistic = Callable[["SourceData", object, bytes], np.ndarray]
+_STATISTICS: dict[str, Statistic] = {}
+
+# a row's contribution before clipping, in units of the clip bound: far above it, so clipping binds
+_OVER_CLIP = 50.0
+
+
+@dataclass(frozen=True)
+class SourceData:
+    """A source dataset: (texts, labels, person ids or None) of its train and test splits."""
+
+    train: tuple
+    test: tuple
+
+
+def register_statistic(name: str):
+    """Register a pre-noise statistic ``fn(source, cfg, key) -> vector`` under ``name``."""
+    def add(fn: Statistic) -> Statistic:
+        _STATISTICS[name] = fn
+        return fn
+
+    return add
+
+
+def unregister_statistic(name: str) -> None:
+    _STATISTICS.pop(name, None)
+
+
+def statistic(name: str) -> Statistic | None:
+    """The statistic registered under ``name`` (None: none is)."""
+    return _STATISTICS.get(name)
+
+
+def split_rows(source: SourceData, cfg, key: bytes):
+    """The partition's rows of ``source`` (train, holdout, test: (texts, labels, units)), by the
+    partition's own split rule and row assembly (no canaries: a neighbour differs in source records)."""
+    from .data import _partition_rows, split_source
+
+    split = split_source(cfg.data, key, source.train, source.test)
+    return split, _partition_rows(cfg.data.model_copy(update={"canaries": 0}), 0, key, split, source.train, source.test)
+
+
+@register_statistic("released_sizes")
+def released_sizes(source: SourceData, cfg, key: bytes) -> np.ndarray:
+    """The exact counts the sizes release adds noise to: (n_train, n_holdout, n_test), records or,
+    with a user unit, distinct units (``tasks.data.release_inputs``)."""
+    from .data import release_inputs
+
+    split, _ = split_rows(source, cfg, key)
+    _, exact, _ = release_inputs(cfg.data, key, split, source.train, source.test, 0)
+    return np.array([exact["n_train"], exact["n_holdout"], exact["n_test"]], dtype=float)
+
+
+def _training_rows(source: SourceData, cfg, key: bytes):
+    from .methods.base import PrivateRows
+
+    _, rows = split_rows(source, cfg, key)
+    texts, labels, units = rows.train
+    return PrivateRows(texts, labels, units=units)
+
+
+@register_statistic("clipped_gradient_sum")
+def clipped_gradient_sum(source: SourceData, cfg, key: bytes) -> np.ndarray:
+    """DP-SGD's pre-noise sum over a batch holding every training row (the sum each sampled batch
+    is a part of): per row, or — as the trainer is handed units (``methodkit.training.unit_tensor``)
+    — per unit combined (``combine_per_unit`` / ``finish_per_unit``) and clipped once
+    (``_ClippedSum.add_clipped``), clip bound 1."""
+    import torch
+
+    from models.dp_prompt_training import _ClippedSum, combine_per_unit, finish_per_unit
+
+    from .methodkit.training import unit_tensor
+
+    rows = _training_rows(source, cfg, key)
+    grads = torch.zeros((len(rows), 3), dtype=torch.float64)
+    grads[:, 0] = _OVER_CLIP
+    out = _ClippedSum(torch.zeros(3, dtype=torch.float64))
+    units = unit_tensor(cfg, rows).get("units")
+    if units is None:
+        out.add_clipped(grads, 1.0)
+    elif len(rows):
+        n_units = int(units.max()) + 1
+        summed, counts = combine_per_unit(grads, units, n_units)
+        out.add_clipped(finish_per_unit(summed, counts, "mean"), 1.0)
+    return out.summed.numpy()
+
+
+@register_statistic("clipped_difference_sum")
+def clipped_difference_sum(source: SourceData, cfg, key: bytes) -> np.ndarray:
+    """DPZero's pre-noise scalar: per row, or per unit (``unit_means``), two-point differences
+    clipped to 1 and summed (``noisy_clipped_sum`` at noise 0)."""
+    import torch
+
+    from .methodkit.training import unit_tensor
+    from .methods.dpzero.training import noisy_clipped_sum, unit_means
+
+    rows = _training_rows(source, cfg, key)
+    diffs = torch.full((len(rows),), _OVER_CLIP, dtype=torch.float64)
+    units = unit_tensor(cfg, rows).get("units")
+    if units is not None and len(rows):
+        diffs = unit_means(diffs, units)
+    zero = torch.Generator().manual_seed(0)
+    return np.array([float(noisy_clipped_sum(diffs, 1.0, 0.0, zero))])
+
+
+@register_statistic("selection_counts")
+def selection_counts(source: SourceData, cfg, key: bytes) -> np.ndarray:
+    """A candidate's holdout count vector (per class (right, wrong)), every row predicted right:
+    rows counted once, or with a person unit one vote per person (``tasks.selection.holdout_weights``)."""
+    from .methods.base import PrivateRows
+    from .selection import holdout_weights, per_class_counts
+
+    _, rows = split_rows(source, cfg, key)
+    texts, labels, units = rows.holdout
+    holdout = PrivateRows(texts, labels, units=units)
+    y = np.array([list(cfg.data.labels).index(label) for label in labels], dtype=int)
+    return np.asarray(per_class_counts(y, y, len(cfg.data.labels), holdout_weights(cfg, holdout)), dtype=float)
