@@ -47,7 +47,8 @@ from .methods.base import Trained
 from .prompts import load_prompt_file, save_prompt_file
 from .recording import log_post_child  # noqa: F401 - where callers found it
 from .run_plan import (SIZES_DELTA_SHARE, fitting_hint, largest_fitting_target_epsilon,  # noqa: F401
-                       plan_for, planned_epsilon, planned_events, resolve_delta, runner, with_size_release)
+                       plan_for, planned_epsilon, planned_events, resolve_delta, runner, shadow_plan,
+                       with_size_release)
 from .selected import Choice
 from .state import make_private_dir, open_private, private_file
 
@@ -734,21 +735,16 @@ def shadow_prompt(config: dict, method_name: str, prepared: dict, state_dir: str
     """An audit shadow: the audited method's own ``train`` + ``post_process`` on ``rows`` (pool
     rows), no ledger, no tracking (shadows are private working data). Returns (prompt, steps).
 
-    Calibrated as the audited run was: its plan on its released ``sizes`` (the partition's), so a
-    shadow has the run's noise and sampling rate (σ from the method's share of the target, after
-    the sizes release; q on the run's ñ), not a fresh calibration to the whole target on the pool.
-    A selection's trials are calibrated inside it: its shadows are the method at the target on ñ."""
+    Calibrated as the audited run was (:func:`tasks.run_plan.shadow_plan` on its released
+    ``sizes``, the partition's): the run's noise and sampling rate, not a fresh calibration to
+    the whole target on the pool."""
     from .config import parse_config
     from .state import state_paths
 
     cfg = parse_config(config)  # its seed stays: models and splits are the audited run's
     method = get_method(method_name)
-    if sizes is None or cfg.selection.enabled:
-        index = rows.unit_index()
-        n = (len(rows) if index is None else index[1]) if sizes is None else sizes.n_train
-        plan = method.plan(cfg, n, resolve_delta(cfg, n, method_name), epsilon=cfg.privacy.target_epsilon)
-    else:
-        plan = plan_for(cfg, method_name, sizes)
+    index = rows.unit_index()
+    plan = shadow_plan(cfg, method_name, sizes, len(rows) if index is None else index[1])
     mctx = MethodContext(cfg, state_paths(state_dir), prepared, randomness.for_shadow(cfg, shadow_seed), shadow_seed)
     trained = method.train(mctx, plan, rows)
     post = method.post_process(mctx, plan, trained.prompt)

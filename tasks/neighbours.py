@@ -40,10 +40,16 @@ class SourceData:
     test: tuple
 
 
-def register_statistic(name: str):
-    """Register a pre-noise statistic ``fn(source, cfg, key) -> vector`` under ``name``."""
+_NORMS: dict[str, float] = {}
+
+
+def register_statistic(name: str, norm: float = 2.0):
+    """Register a pre-noise statistic ``fn(source, cfg, key) -> vector`` under ``name``; ``norm``:
+    the norm its mechanism's sensitivity is stated in (2: a Gaussian's L2; ``inf``: the per-count
+    bound of a vote histogram or a count vector, LimitedDomain's and the DP-argmax's)."""
     def add(fn: Statistic) -> Statistic:
         _STATISTICS[name] = fn
+        _NORMS[name] = float(norm)
         return fn
 
     return add
@@ -51,6 +57,12 @@ def register_statistic(name: str):
 
 def unregister_statistic(name: str) -> None:
     _STATISTICS.pop(name, None)
+    _NORMS.pop(name, None)
+
+
+def norm_of(name: str) -> float:
+    """The norm (``ord`` of ``numpy.linalg.norm``) the statistic ``name`` moves are measured in."""
+    return _NORMS.get(name, 2.0)
 
 
 def statistic(name: str) -> Statistic | None:
@@ -78,7 +90,7 @@ def released_sizes(source: SourceData, cfg, key: bytes) -> np.ndarray:
     return np.array([exact["n_train"], exact["n_holdout"], exact["n_test"]], dtype=float)
 
 
-def _training_rows(source: SourceData, cfg, key: bytes):
+def training_rows(source: SourceData, cfg, key: bytes):
     from .methods.base import PrivateRows
 
     _, rows = split_rows(source, cfg, key)
@@ -98,7 +110,7 @@ def clipped_gradient_sum(source: SourceData, cfg, key: bytes) -> np.ndarray:
 
     from .methodkit.training import unit_tensor
 
-    rows = _training_rows(source, cfg, key)
+    rows = training_rows(source, cfg, key)
     grads = torch.zeros((len(rows), 3), dtype=torch.float64)
     grads[:, 0] = _OVER_CLIP
     out = _ClippedSum(torch.zeros(3, dtype=torch.float64))
@@ -121,7 +133,7 @@ def clipped_difference_sum(source: SourceData, cfg, key: bytes) -> np.ndarray:
     from .methodkit.training import unit_tensor
     from .methods.dpzero.training import noisy_clipped_sum, unit_means
 
-    rows = _training_rows(source, cfg, key)
+    rows = training_rows(source, cfg, key)
     diffs = torch.full((len(rows),), _OVER_CLIP, dtype=torch.float64)
     units = unit_tensor(cfg, rows).get("units")
     if units is not None and len(rows):

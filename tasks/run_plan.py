@@ -90,12 +90,43 @@ def plan_for(cfg, name: str, sizes, delta: float | None = None, target_epsilon: 
         return method.plan(cfg, sizes.n_train, delta_share, epsilon=epsilon)
 
     try:
-        return pplan.plan_run(name, target, delta, sizes.n_train, calibration, sizes_event=sizes.event,
+        plan = pplan.plan_run(name, target, delta, sizes.n_train, calibration, sizes_event=sizes.event,
                               sizes_sigma=sizes.sigma, unit=cfg.data.charge_unit, group_size=cfg.data.group_size,
                               person_field=cfg.data.person_field, always_dp=getattr(method, "always_dp", False),
                               release=getattr(method, "release", "method"), statistics=release_statistics(method))
     except pplan.PlanError as exc:
         raise ConfigError(str(exc)) from None
+    check_statistics(plan)
+    return plan
+
+
+def shadow_plan(cfg, name: str, sizes, n_pool: int) -> RunPlan:
+    """An audit shadow's plan: the audited run's own (:func:`plan_for` on its released ``sizes``:
+    σ from the method's share after the sizes release, q on the run's ñ), so a shadow has the
+    audited prompt's noise. A selection's trials are calibrated inside the selection: its shadows
+    (and a shadow without sizes) are the method at the whole target, on ñ (or the pool's ``n_pool``)."""
+    method = get_method(name)
+    if sizes is None or runner(cfg, name) is not method:
+        n = n_pool if sizes is None else sizes.n_train
+        return method.plan(cfg, n, resolve_delta(cfg, n, name), epsilon=cfg.privacy.target_epsilon)
+    return plan_for(cfg, name, sizes)
+
+
+def check_statistics(plan: RunPlan) -> None:
+    """Refuse a dp plan with a release whose pre-noise statistic the neighbour harness cannot
+    compute (none declared, or one not registered in ``tasks.neighbours``): a combination nothing
+    checks is never run (issue 37)."""
+    from . import neighbours
+
+    for release in plan.releases if plan.guarantee == "dp" else ():
+        if release.name == "sizes":  # the partition's own counts (tasks.neighbours.released_sizes)
+            continue
+        missing = [s for s in release.statistics if neighbours.statistic(s) is None]
+        if not release.statistics or missing:
+            raise ConfigError(f"{plan.method}: its release '{release.name}' declares "
+                              f"{'no pre-noise statistic' if not release.statistics else 'the unregistered ' + ', '.join(missing)}"
+                              " (Method.neighbour_statistics, tasks/neighbours.register_statistic), so the neighbour "
+                              "harness cannot check its sensitivity: refused")
 
 
 def release_statistics(method) -> tuple[str, ...]:

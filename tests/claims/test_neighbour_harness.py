@@ -144,7 +144,7 @@ def check_release(release, cfg, unit: str) -> list[str]:
         assert fn is not None, f"release {release.name} declares the unregistered statistic {name!r}"
         here = fn(base, cfg, KEY)
         for how, other in neighbours_of(unit).items():
-            moved = float(np.linalg.norm(fn(other, cfg, KEY) - here))
+            moved = float(np.linalg.norm(fn(other, cfg, KEY) - here, ord=neighbours.norm_of(name)))
             if moved > release.sensitivity + 1e-9:
                 problems.append(f"{release.name}/{name}, {how}: moved by {moved:g} > sensitivity {release.sensitivity:g}")
     return problems
@@ -197,12 +197,14 @@ def _config_for_split(unit: str) -> dict:
 
 def _selection_method() -> str:
     """The method the default suite runs the selection modes with: the first registered one that
-    declares statistics and trains per unit (no name written here). The selection's own statistic
-    (its holdout counts) does not depend on the method; every method's training statistic is
-    checked with selection off, and the full matrix runs with -m slow."""
+    declares statistics, trains per unit and can be selected (its training reads no holdout; no
+    name written here). The selection's own statistic (its holdout counts) does not depend on the
+    method; every method's training statistic is checked with selection off, and the full matrix
+    runs with -m slow."""
     from tasks.methods import get_method, registered_methods
 
-    return next(m for m in registered_methods() if get_method(m).neighbour_statistics and get_method(m).unit_level)
+    return next(m for m in registered_methods() if get_method(m).neighbour_statistics and get_method(m).unit_level
+                and not get_method(m).uses_validation)
 
 
 def _matrix(full: bool) -> list[tuple[str, str, str]]:
@@ -268,7 +270,7 @@ def test_a_mechanism_counting_rows_instead_of_people_is_caught(tmp_path, fast_ca
 
     @neighbours.register_statistic("rows_not_people")
     def rows_not_people(source, cfg, key):
-        rows = neighbours._training_rows(source, cfg, key)
+        rows = neighbours.training_rows(source, cfg, key)
         grads = torch.zeros((len(rows), 3), dtype=torch.float64)
         grads[:, 0] = 50.0
         out = _ClippedSum(torch.zeros(3, dtype=torch.float64))
@@ -285,3 +287,26 @@ def test_a_mechanism_counting_rows_instead_of_people_is_caught(tmp_path, fast_ca
         assert caught and all("rows_not_people" in p for p in caught)
     finally:
         neighbours.unregister_statistic("rows_not_people")
+
+
+def test_a_dp_release_without_a_checkable_statistic_is_refused(tmp_path, fast_calibration, monkeypatch):
+    """A dp method whose release declares no pre-noise statistic (or one nobody registered) is
+    refused by the planner — `plan` and `run` alike — in one line: never run unchecked."""
+    from tasks.errors import ConfigError
+    from tasks.methods import get_method
+
+    method = type(get_method("prompt_dpsgd"))
+    for declared, needle in (((), "declares no pre-noise statistic"), (("nobody_registered",), "unregistered")):
+        monkeypatch.setattr(method, "neighbour_statistics", declared)
+        with pytest.raises(ConfigError, match=needle) as err:
+            _plan_or_raise(_config(tmp_path, "prompt_dpsgd", "record", "off"), "prompt_dpsgd")
+        assert "\n" not in str(err.value) and "refused" in str(err.value)
+
+
+def _plan_or_raise(raw: dict, method: str):
+    from tasks.config import parse_config
+    from tasks.data import ReleasedSizes
+    from tasks.run_plan import plan_for
+
+    cfg = parse_config(raw)
+    return plan_for(cfg, method, ReleasedSizes(n_train=400, n_holdout=100, n_test=100, sigma=5.0))

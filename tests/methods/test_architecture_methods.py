@@ -20,7 +20,7 @@ METHOD_PACKAGES = sorted(p.name for p in METHODS.iterdir() if (p / "__init__.py"
 # what a method package may import from tasks/ besides its own package: the registry's door
 # (``tasks.methods``: register_method, get_method), the interface, the toolkit, the data level
 ALLOWED = ("tasks.methods.base", "tasks.methodkit", "tasks.schema", "tasks.errors", "tasks.data", "tasks.state",
-           "tasks.prompts")
+           "tasks.prompts", "tasks.neighbours")
 
 
 def _module_name(path: Path) -> str:

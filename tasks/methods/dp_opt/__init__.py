@@ -7,3 +7,4 @@ privacy events (``events.py``). The privacy math (LimitedDomain, DP-argmax, acco
 ``privacy/``: the loops take it as callbacks."""
 
 from .method import DLN1, ICL, DPOpt, DPOptConfig, ICLConfig, Opt, OptConfig  # noqa: F401  (registers the methods)
+from . import neighbour_stats  # noqa: F401,E402  (registers DP-OPT's pre-noise statistics)

@@ -188,6 +188,8 @@ class DPOpt(_TextMethod):
     # a unit's rows join one member per query (one vote per unit), and the selection scores each
     # unit by its rows' mean correctness (at most one per unit per candidate)
     unit_level = True
+    # what the neighbour harness checks (neighbour_stats.py): the votes and the DP-argmax's counts
+    neighbour_statistics = ("dp_opt_votes", "dp_opt_selection_counts")
 
     @classmethod
     def contract_test_config(cls):

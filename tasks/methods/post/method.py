@@ -191,6 +191,8 @@ def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], prog
 @register_method
 class Post(Method):
     unit_level = True  # the student's DP tuning is the per-unit DP-SGD of models.dp_prompt_training
+    # its one private release: that DP-SGD's clipped sum (fit_soft_prompt, units handed as prompt_dpsgd's)
+    neighbour_statistics = ("clipped_gradient_sum",)
     name = "post"
     config_class = PostConfig
     label = "POST"
