@@ -6,18 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import ConfigError
-
 
 def engine_for(cfg, max_batch: int = 32):
-    from .engine import CausalEngine
-    from models.backbones import load_backbone
+    from ...methodkit.causal_engine import causal_engine_for
 
-    bb = load_backbone(cfg.models.local, seed=cfg.seed)
-    if bb.kind != "causal":
-        raise ConfigError(f"models.local={cfg.models.local!r} is a {bb.kind} model: discrete-prompt methods "
-                          "generate with a causal LM (e.g. smollm2)")
-    return CausalEngine(bb.model, bb.tokenizer, max_batch=max_batch)
+    return causal_engine_for(cfg, max_batch)
 
 
 def label_words(cfg) -> list[str]:
@@ -115,3 +108,4 @@ def split_validation(rows, fraction: float, seed: int):
     val, gen = order[:cut], order[cut:]
     pick = lambda ix: PrivateRows([rows.texts[i] for i in ix], [rows.labels[i] for i in ix])  # noqa: E731
     return pick(gen), pick(val)
+
