@@ -15,7 +15,7 @@ from privacy import accountant as acct
 from privacy.mechanisms import DISTRIBUTION_SENSITIVITY, clip_distributions, distribution_vote
 from tasks.methods import PrivateRows, get_method
 from tasks.methods.dp_fewshot.events import generation_event
-from tasks.methods.dp_fewshot.partition import keyed_subsets
+from tasks.methodkit.keyed_partition import keyed_subsets
 
 from test_method_contract import ROWS, SHARED, _config
 

@@ -2,7 +2,7 @@
 Differentially Private Few-Shot Generation", ICLR 2024) on the local causal LM.
 
 For each label ℓ and each of D demonstrations, a disjoint group of M private subsets of ℓ's rows
-(each at most N rows, a SECRET keyed-hash partition: ``partition.py``) conditions the local LLM;
+(each at most N rows, a SECRET keyed-hash partition: ``tasks/methodkit/keyed_partition.py``) conditions the local LLM;
 every token of the demonstration is drawn by the paper's DP aggregate (``privacy.mechanisms.
 distribution_vote``): each subset's next-token distribution, restricted to the public top-k tokens
 of the same prompt without private demos (the paper's reduced vocabulary) and clipped to a

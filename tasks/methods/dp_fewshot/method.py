@@ -136,7 +136,7 @@ class _Generator:
 
     def run(self, rows, progress=None) -> tuple[dict[str, list[str]], dict[str, float]]:
         from .generate import generate_demo
-        from .partition import keyed_subsets
+        from ...methodkit.keyed_partition import keyed_subsets
 
         block, engine, labels = self.block, self.engine, list(self.cfg.data.labels)
         M, D = block.subsets, block.demos_per_label
