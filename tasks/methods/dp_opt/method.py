@@ -5,12 +5,15 @@
   record changes at most one member's demos and so at most one vote (moved, added or removed:
   the neighbours LimitedDomain is proved for); backward template with x, y and ŷ from the forward
   pass; each member proposes its next token; the vote histogram goes through LimitedDomain (ε0,
-  δ0; ⊥ retries once, two ⊥ end the prompt); N candidates; DP-argmax on the correct-counts of the
-  WHOLE holdout (one record moves each count by at most one; disjoint from generation: parallel
+  δ0; ⊥ retries once, two ⊥ end the prompt); N candidates and the initial instruction (public: it
+  costs nothing and the run never publishes below it; ``prompt.source`` says which won); DP-argmax
+  on the correct-counts of the WHOLE holdout (one record moves each count by at most one; disjoint from generation: parallel
   composition). Generation stops before the target ε would be exceeded. δ defaults to
   min(1e-5, 1/(10n)) like every method (the paper's δ = 1/n permits publishing a record).
-* ``opt``: the same ensemble with demos drawn once per prompt and a plain majority vote (ε = ∞).
-* ``dln1``: one meta-prompt per candidate, sampled; selection by validation log-likelihood.
+* ``opt``: the same ensemble with demos drawn once per prompt and a plain majority vote (ε = ∞);
+  the initial instruction competes in its selection too.
+* ``dln1``: one meta-prompt per candidate, sampled; selection (the initial instruction among the
+  candidates) by validation log-likelihood.
 * ``icl``: the initial instruction with k class-balanced demos (private text: never published).
 """
 
