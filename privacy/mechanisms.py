@@ -16,6 +16,8 @@ mechanism call                                              event
 ``dp_argmax(counts, eps, rng)``                             ``ExponentialEvent(eps, monotone=True)``
 ``limited_domain_top1(counts, eps0, delta0, rng)``          ``LimitedDomainEvent(eps0, delta0)``
 ``gaussian_mechanism(x, σ, Δ, rng)``                        ``GaussianEvent(σ)`` (Δ = L2 sensitivity)
+``distribution_vote(P, σ, rng)`` (one row per disjoint      ``GaussianEvent(σ)``
+subset)
 ``dx_privatize_*(…, eta, rng)``                             d_X privacy (metric DP); no (ε, δ) event
 ==========================================================  ==========================================
 
@@ -30,6 +32,8 @@ References
   Engineer", ICLR 2024 (LimitedDomain token generation; DP-argmax prompt selection).
 * [Fey20] Feyisetan et al., "Privacy- and Utility-Preserving Textual Analysis via Calibrated
   Multivariate Perturbations", WSDM 2020 (d_X noise: radius ~ Gamma(d, 1/η), uniform direction).
+* [Tang24] Tang et al., "Privacy-Preserving In-Context Learning with Differentially Private
+  Few-Shot Generation", ICLR 2024 (Gaussian-noised aggregate of next-token distributions).
 * [Li23] Li et al., "Privacy-Preserving Prompt Tuning for Large Language Model Services" (RAPT),
   2023 (token-level d_X privatisation by nearest-neighbour replacement).
 
@@ -393,6 +397,37 @@ def gaussian_mechanism(value, noise_multiplier: float, sensitivity: float, rng: 
         raise ValueError(f"value must be finite, got {value!r}")
     noisy = x + gaussian_noise(x.shape, noise_multiplier, sensitivity, rng)
     return float(noisy) if noisy.ndim == 0 else noisy
+
+
+DISTRIBUTION_SENSITIVITY = math.sqrt(2.0)
+
+
+def clip_distributions(distributions) -> np.ndarray:
+    """(m, K) rows made sub-distributions: negatives to 0, a row whose sum exceeds 1 scaled down
+    to sum 1. Two such rows differ by at most √2 in L2 (‖p − p'‖₂² ≤ ‖p − p'‖₁·‖p − p'‖∞ ≤ 2·1)."""
+    p = np.asarray(distributions, dtype=float)
+    if p.ndim != 2 or not np.all(np.isfinite(p)):
+        raise ValueError(f"distributions must be a finite (m, K) array, got shape {p.shape}")
+    p = np.clip(p, 0.0, None)
+    total = p.sum(axis=1, keepdims=True)
+    return p / np.maximum(total, 1.0)
+
+
+def distribution_vote(distributions, noise_multiplier: float, rng: np.random.Generator) -> int:
+    """DP few-shot generation's aggregate [Tang24]: each of m disjoint subsets gives a next-token
+    distribution over a public domain of K tokens (one row of ``distributions``, clipped by
+    :func:`clip_distributions`); their SUM + N(0, (σ·√2)² I_K) is the released vector and its
+    argmax (post-processing) the token. Adding or removing one record changes one subset, so one
+    row (replaced, or appearing / vanishing): the sum moves by L2 ≤ √2 =
+    ``DISTRIBUTION_SENSITIVITY``, and the release is ``GaussianEvent(σ)``. The paper adds noise to
+    the mean over a fixed m: the same mechanism scaled by 1/m. With m = 0 (no subset has rows) the
+    noise alone decides: the query is made all the same."""
+    p = np.asarray(distributions, dtype=float)
+    if p.ndim != 2 or p.shape[1] == 0:
+        raise ValueError(f"distributions must be an (m, K) array with K ≥ 1, got shape {p.shape}")
+    total = clip_distributions(p).sum(axis=0)
+    noisy = gaussian_mechanism(total, noise_multiplier, DISTRIBUTION_SENSITIVITY, _check_rng(rng))
+    return int(np.argmax(np.atleast_1d(noisy)))
 
 
 # ---- released sizes ---------------------------------------------------------------------------

@@ -13,26 +13,10 @@ it through the same door as any method and never asks whether a run selects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 from . import selection
 from .errors import ConfigError
 from .methods import get_method
-from .methods.base import budget
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What a run publishes of a choice among settings: ``params`` (the parent's and the child's
-    run record), ``tags`` (the parent's), ``meta`` (the published prompt file's), and the context
-    and plan its output is post-processed with (None: the run's own)."""
-
-    params: dict = field(default_factory=dict)
-    tags: dict = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)
-    mctx: Any = None
-    plan: Any = None
+from .methods.base import Choice, budget  # noqa: F401  (Choice: its home is the method base)
 
 
 def announce(line: str) -> None:

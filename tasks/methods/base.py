@@ -137,6 +137,19 @@ class Trained:
     record_event: "DpEvent | None" = None
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What a run publishes of a choice among settings: ``params`` (the parent's and the child's
+    run record), ``tags`` (the parent's), ``meta`` (the published prompt file's), and the context
+    and plan its output is post-processed with (None: the run's own)."""
+
+    params: dict = field(default_factory=dict)
+    tags: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    mctx: Any = None
+    plan: Any = None
+
+
 @dataclass
 class PostProcessed:
     """What ``post_process`` returns: the published prompt and, optionally, a child run to log

@@ -5,12 +5,15 @@
   record changes at most one member's demos and so at most one vote (moved, added or removed:
   the neighbours LimitedDomain is proved for); backward template with x, y and ŷ from the forward
   pass; each member proposes its next token; the vote histogram goes through LimitedDomain (ε0,
-  δ0; ⊥ retries once, two ⊥ end the prompt); N candidates; DP-argmax on the correct-counts of the
-  WHOLE holdout (one record moves each count by at most one; disjoint from generation: parallel
+  δ0; ⊥ retries once, two ⊥ end the prompt); N candidates and the initial instruction (public: it
+  costs nothing and the run never publishes below it; ``prompt.source`` says which won); DP-argmax
+  on the correct-counts of the WHOLE holdout (one record moves each count by at most one; disjoint from generation: parallel
   composition). Generation stops before the target ε would be exceeded. δ defaults to
   min(1e-5, 1/(10n)) like every method (the paper's δ = 1/n permits publishing a record).
-* ``opt``: the same ensemble with demos drawn once per prompt and a plain majority vote (ε = ∞).
-* ``dln1``: one meta-prompt per candidate, sampled; selection by validation log-likelihood.
+* ``opt``: the same ensemble with demos drawn once per prompt and a plain majority vote (ε = ∞);
+  the initial instruction competes in its selection too.
+* ``dln1``: one meta-prompt per candidate, sampled; selection (the initial instruction among the
+  candidates) by validation log-likelihood.
 * ``icl``: the initial instruction with k class-balanced demos (private text: never published).
 """
 
@@ -23,7 +26,7 @@ from pydantic import Field, model_validator
 
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, Trained, budget, dp_unless_debug
+from ..base import Choice, Method, MethodPlan, Trained, budget, dp_unless_debug
 
 
 class OptConfig(Block):
@@ -171,6 +174,18 @@ class _TextMethod(Method):
     def published_model(self, cfg, prepared):
         return cfg.models.target_name
 
+    def chosen(self, mctx, plan, metrics: dict) -> Choice:
+        """The run record says whether the published prompt is a generated candidate or the
+        initial instruction (``prompt.source``: generated | initial)."""
+        from .text_prompts import PROMPT_SOURCE, source_of
+
+        source = source_of(metrics)
+        if source is None:
+            return Choice()
+        # a baseline beside the published method says it under its own name (one parent, one param each)
+        key = PROMPT_SOURCE if self.name == mctx.cfg.method else f"audit.baseline.{self.name}.{PROMPT_SOURCE}"
+        return Choice({key: source}, {}, {PROMPT_SOURCE: source})
+
     def _select_rows(self, rows, seed):
         """(generation rows, selection rows): the partition's train and its WHOLE holdout. No
         subset by size (it would depend on every record): one record changes each candidate's
@@ -233,7 +248,7 @@ class DPOpt(_TextMethod):
         from .templates import backward_head
         from privacy.mechanisms import dp_argmax
 
-        from .text_prompts import correct_counts, engine_for
+        from .text_prompts import correct_counts, engine_for, source_metric, with_initial
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         gen, val = self._select_rows(rows, mctx.seed)
@@ -244,10 +259,13 @@ class DPOpt(_TextMethod):
         proposer = _Proposer(engine, cfg, block, instruction, gen, sampling, mechanism, plan.settings["sample_rate"])
         out = proposer.candidates(engine.encode_prefix(backward_head(instruction)), plan.settings["max_queries"],
                                   proposing, progress)
-        if out["candidates"]:
-            counts = correct_counts(engine, cfg, out["candidates"], val.texts, val.labels, _unit_array(cfg, val))
-            chosen = out["candidates"][dp_argmax(counts, plan.settings["selection_epsilon"], mechanism)]
-        else:  # nothing generated: the (data-independent) initial instruction
+        # the initial instruction is always a candidate (public: the same DP-argmax event), so the
+        # selection can publish it when every generated one scores worse
+        candidates = with_initial(out["candidates"], instruction)
+        if len(candidates) > 1:
+            counts = correct_counts(engine, cfg, candidates, val.texts, val.labels, _unit_array(cfg, val))
+            chosen = candidates[dp_argmax(counts, plan.settings["selection_epsilon"], mechanism)]
+        else:  # nothing generated: the (data-independent) initial instruction is the only candidate
             chosen = instruction
         from models.prompts import TextPrompt
 
@@ -256,7 +274,8 @@ class DPOpt(_TextMethod):
                  if plan.guarantee == "dp" else None)
         # how many distinct training rows the meta-prompts drew: nearly the exact n_train, so it stays
         # in the private history (a review found it published beside ε)
-        return Trained(TextPrompt(chosen), event, queries, _train_metrics(out), [{"forward_rows": len(proposer.yhat)}],
+        return Trained(TextPrompt(chosen), event, queries, {**_train_metrics(out), **source_metric(chosen, instruction)},
+                       [{"forward_rows": len(proposer.yhat)}],
                        audit_metrics=_leakage(cfg, out["candidates"], gen.texts))
 
 
@@ -407,19 +426,21 @@ class Opt(_TextMethod):
                 text = decode(engine, res.tokens)
                 if text:
                     out.append(text)
-        return engine, out or [instruction]
+        return engine, out, instruction
 
     def train(self, mctx, plan, rows, progress=None):
         from models.prompts import TextPrompt
 
-        from .text_prompts import correct_counts
+        from .text_prompts import correct_counts, source_metric, with_initial
 
         block = self.settings(mctx.cfg)
         gen, val = self._select_rows(rows, mctx.seed)
-        engine, candidates = self._generate(mctx, gen, block.meta_prompts, block.temperature)
+        engine, generated, instruction = self._generate(mctx, gen, block.meta_prompts, block.temperature)
+        candidates = with_initial(generated, instruction)  # the initial instruction always competes
         best = candidates[int(np.argmax(correct_counts(engine, mctx.cfg, candidates, val.texts, val.labels)))]
-        return Trained(TextPrompt(best), None, len(candidates), {"opt.candidates": len(candidates)},
-                       audit_metrics=_leakage(mctx.cfg, candidates, gen.texts))
+        return Trained(TextPrompt(best), None, len(candidates),
+                       {"opt.candidates": len(candidates), **source_metric(best, instruction)},
+                       audit_metrics=_leakage(mctx.cfg, generated, gen.texts))
 
 
 @register_method
@@ -433,15 +454,18 @@ class DLN1(Opt):
     def train(self, mctx, plan, rows, progress=None):
         from models.prompts import TextPrompt
 
-        from .text_prompts import label_loglik
+        from .text_prompts import label_loglik, source_metric, with_initial
 
         block = self.settings(mctx.cfg)
         gen, val = self._select_rows(rows, mctx.seed)
-        # one meta-prompt per candidate, sampled (Algorithm 3), selection by log-likelihood
-        engine, candidates = self._generate(mctx, gen, 1, max(block.temperature, 0.7))
+        # one meta-prompt per candidate, sampled (Algorithm 3), selection by log-likelihood; the
+        # initial instruction always competes
+        engine, generated, instruction = self._generate(mctx, gen, 1, max(block.temperature, 0.7))
+        candidates = with_initial(generated, instruction)
         best = candidates[int(np.argmax(label_loglik(engine, mctx.cfg, candidates, val.texts, val.labels)))]
-        return Trained(TextPrompt(best), None, len(candidates), {"dln1.candidates": len(candidates)},
-                       audit_metrics=_leakage(mctx.cfg, candidates, gen.texts))
+        return Trained(TextPrompt(best), None, len(candidates),
+                       {"dln1.candidates": len(candidates), **source_metric(best, instruction)},
+                       audit_metrics=_leakage(mctx.cfg, generated, gen.texts))
 
 
 @register_method

@@ -6,18 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import ConfigError
-
 
 def engine_for(cfg, max_batch: int = 32):
-    from .engine import CausalEngine
-    from models.backbones import load_backbone
+    from ...methodkit.causal_engine import causal_engine_for
 
-    bb = load_backbone(cfg.models.local, seed=cfg.seed)
-    if bb.kind != "causal":
-        raise ConfigError(f"models.local={cfg.models.local!r} is a {bb.kind} model: discrete-prompt methods "
-                          "generate with a causal LM (e.g. smollm2)")
-    return CausalEngine(bb.model, bb.tokenizer, max_batch=max_batch)
+    return causal_engine_for(cfg, max_batch)
 
 
 def label_words(cfg) -> list[str]:
@@ -115,3 +108,30 @@ def split_validation(rows, fraction: float, seed: int):
     val, gen = order[:cut], order[cut:]
     pick = lambda ix: PrivateRows([rows.texts[i] for i in ix], [rows.labels[i] for i in ix])  # noqa: E731
     return pick(gen), pick(val)
+
+
+def with_initial(candidates: list[str], instruction: str) -> list[str]:
+    """The candidates a selection chooses among: the generated ones, then the initial instruction
+    (what the run would publish with nothing generated). The initial instruction is public (the
+    config's or the dataset's default), so adding it changes no count's sensitivity: each
+    candidate's correct-count still moves by at most one per record, monotonically, and the
+    DP-argmax's event (Gumbel on monotone counts) is the same for any number of candidates. A
+    generated candidate equal to it is kept once."""
+    return [c for c in candidates if c != instruction] + [instruction]
+
+
+PROMPT_SOURCE = "prompt.source"        # the run record's param: generated | initial
+PROMPT_GENERATED = "prompt.generated"  # the training metric it is read from (1: generated, 0: initial)
+
+
+def source_metric(chosen: str, instruction: str) -> dict[str, float]:
+    """Whether the published prompt is a generated candidate or the initial instruction (a function
+    of the released choice and public text: publishable)."""
+    return {PROMPT_GENERATED: float(chosen != instruction)}
+
+
+def source_of(metrics: dict) -> str | None:
+    """``generated`` / ``initial`` from a training's metrics (None: the method selects nothing)."""
+    if PROMPT_GENERATED not in metrics:
+        return None
+    return "generated" if float(metrics[PROMPT_GENERATED]) >= 0.5 else "initial"

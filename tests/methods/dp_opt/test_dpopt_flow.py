@@ -101,6 +101,12 @@ def test_dpopt_run_record(dpopt_run):
     assert arts == {"prompt/dp_opt.json"}
     prompt = json.loads(Path(client.download_artifacts(run.info.run_id, "prompt/dp_opt.json")).read_text())
     assert prompt["kind"] == "text" and isinstance(prompt["instruction"], str)
+    # the record says whether the published prompt is generated or the (always competing) initial one
+    from tasks.methods.dp_opt.templates import initial_instruction
+
+    initial = prompt["instruction"] == initial_instruction("sst2")
+    assert params["prompt.source"] == ("initial" if initial else "generated")
+    assert params["audit.baseline.opt.prompt.source"] in ("generated", "initial")
     assert "tables/cross_model.md" in {a.path for a in client.list_artifacts(run.info.run_id, "tables")}
 
 
