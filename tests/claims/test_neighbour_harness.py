@@ -310,3 +310,44 @@ def _plan_or_raise(raw: dict, method: str):
 
     cfg = parse_config(raw)
     return plan_for(cfg, method, ReleasedSizes(n_train=400, n_holdout=100, n_test=100, sigma=5.0))
+
+
+def test_rapts_per_person_bound_holds_in_every_split_it_privatizes(tmp_path):
+    """RAPT's local bound per person, ``rapt.ldp_eta_tokens_per_unit`` = η·T·k, counts at most T
+    privatized text tokens per record and k records per person: on people with more records than
+    the cap (in both source splits) and texts far longer than T, the project's own partition and
+    RAPT's own encoding privatize at most T·k tokens of any person in every split a run releases
+    from (train, holdout, and test: RAPT privatizes it too) — and the heaviest person reaches it."""
+    from models import load_backbone
+    from tasks.config import parse_config
+    from tasks.methods import get_method
+    from tasks.methods.rapt.encoding import encode_rapt
+    from tasks.methods.rapt.method import text_tokens_per_record, unit_bounds
+
+    raw = _config(tmp_path, "rapt", "person_capped", "off")
+    raw["models"] = {"local": "tiny-bert", "max_length": 24}
+    cfg = parse_config(raw)
+    block = get_method("rapt").settings(cfg)
+    T, k = text_tokens_per_record(cfg, block), cfg.data.max_records_per_unit
+    assert unit_bounds(cfg, block)["rapt.ldp_eta_tokens_per_unit"] == pytest.approx(block.eta * T * k)
+    long = " ".join(WORDS * 6)  # far more than T tokens
+    people = [{"text": f"{long} {u} {j}", "label": LABELS[j % 2], "author": f"p{u}"} for u in range(12) for j in range(6)]
+    source = _source(people, [dict(r, text=r["text"] + " t") for r in people[:30]])
+    tokenizer = load_backbone("tiny-bert", "cpu").tokenizer
+    plain = list(range(1000, 1000 + (block.plain_tokens if block.reconstruction else 0)))
+    author = {t: a for part in (source.train, source.test) for t, a in zip(part[0], part[2])}
+    _, rows = neighbours.split_rows(source, cfg, KEY)
+    heaviest, splits = 0, 0
+    for split in (rows.train, rows.holdout, rows.test):
+        texts, _, units = split
+        if not texts:
+            continue
+        splits += 1
+        per_record = encode_rapt(tokenizer, texts, plain, cfg.models.max_length)["text_mask"].sum(dim=1)
+        per_person: dict = {}
+        units = units if units is not None else [author[t] for t in texts]  # the test split keeps no unit column
+        for unit, n in zip(units, per_record.tolist()):
+            per_person[unit] = per_person.get(unit, 0) + n
+        assert max(per_person.values()) <= T * k, (max(per_person.values()), T, k)
+        heaviest = max(heaviest, max(per_person.values()))
+    assert splits == 3 and heaviest == T * k  # every split checked; the bound is reached (not a loose one)
