@@ -134,7 +134,8 @@ def test_shadow_is_train_and_post_process_through_the_registry(name, contexts):
     assert torch.equal(prompt, again) if isinstance(prompt, torch.Tensor) else prompt == again
 
 
-@pytest.mark.parametrize("name", [m for m in registered_methods()])
+@pytest.mark.parametrize("name", [m if m == "prompt_dpsgd" else pytest.param(m, marks=pytest.mark.slow)
+                                  for m in registered_methods()])  # suite time: the rest with -m slow
 def test_a_shadow_is_calibrated_as_the_audited_run_was(name, contexts, monkeypatch):
     """Given the run's released sizes, a shadow trains with the run's own plan (σ from the method's
     share after the sizes release, q on the run's ñ), not a fresh calibration to the whole target

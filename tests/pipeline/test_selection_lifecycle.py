@@ -199,12 +199,14 @@ def selected(tmp_path_factory, sst2_dir):
     return {"ctx": ctx, "out": out, "exact": exact, "tried": tried, "root": root}
 
 
+@pytest.mark.slow  # suite time: the random-stopping run (opt-in); every_candidate's runs by default
 def test_random_stopping_is_tagged_with_its_timing_channel(selected):
     ctx = selected["ctx"]
     run = _mlflow(ctx.paths.root).get_run(ctx.parent_run_id)
     assert "secret number of trials K" in run.data.tags["selection.timing_channel"]
 
 
+@pytest.mark.slow  # suite time: the random-stopping run (opt-in); every_candidate's runs by default
 def test_one_ledger_entry_whose_epsilon_is_the_selection_mechanisms(selected):
     from dp_accounting import dp_event as dpe
     from dp_accounting.rdp import rdp_privacy_accountant as dpa_rdp
@@ -259,6 +261,7 @@ def test_one_ledger_entry_whose_epsilon_is_the_selection_mechanisms(selected):
     assert independent * (1 - 1e-2) <= entry["epsilon"] <= independent * (1 + 1e-9)
 
 
+@pytest.mark.slow  # suite time: the random-stopping run (opt-in); every_candidate's runs by default
 def test_the_winner_is_published_once_and_the_failed_candidate_skipped_and_said_so(selected):
     ctx, out = selected["ctx"], selected["out"]
     assert set(selected["tried"]) == {0.05, 0.2}  # both were tried (the pinned stream)
@@ -291,6 +294,7 @@ def _run_text(client, run_id: str) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # suite time: the random-stopping run (opt-in); every_candidate's runs by default
 def test_no_exact_holdout_number_reaches_mlflow(selected):
     ctx = selected["ctx"]
     client = _mlflow(ctx.paths.root)
@@ -314,6 +318,7 @@ def test_no_exact_holdout_number_reaches_mlflow(selected):
     assert not any("noisy holdout correct" in t or "trial 1" in t for t in texts)  # the per-trial list stays private
 
 
+@pytest.mark.slow  # suite time: the random-stopping run (opt-in); every_candidate's runs by default
 def test_plan_shows_the_selections_epsilon_beside_one_trials(selected):
     from tasks.planning import format_plan, plan_runs
 
@@ -335,6 +340,7 @@ def test_plan_shows_the_selections_epsilon_beside_one_trials(selected):
     assert s["naive_candidates_epsilon"] > s["trial_epsilon"]
 
 
+@pytest.mark.slow  # suite time: the random-stopping run (opt-in); every_candidate's runs by default
 def test_report_shows_the_winners_released_score_only(selected):
     from tasks.comparison import parent_runs, selection_table
 
@@ -369,6 +375,7 @@ def test_the_summary_warns_when_the_published_prompt_scores_below_no_prompt():
     assert below_no_prompt({}) is None
 
 
+@pytest.mark.slow  # suite time: the random-stopping run (opt-in); every_candidate's runs by default
 def test_the_run_report_carries_the_warning(selected):
     from dataclasses import replace
 
