@@ -203,7 +203,18 @@ def largest_fitting_target_epsilon(cfg, sizes, delta: float, existing: list, cap
             return False
         return acct.spend(ev.ComposedEvent(tuple(existing + events)), delta).epsilon <= cap
 
-    found = acct.largest_fitting_epsilon(lambda x: planned_events(cfg, sizes, delta, x), existing, delta, cap)
+    if cap > LARGEST_SEARCHED:
+        # above ~100 a target states no meaningful guarantee, and calibrating σ for it (σ → 0: a
+        # PLD on an ever finer grid) took minutes and gigabytes: the search stops there
+        if fits(LARGEST_SEARCHED):
+            return LARGEST_SEARCHED
+
+    def events_for(x: float) -> list:
+        if x > LARGEST_SEARCHED:
+            raise ValueError("not searched")  # counted as not fitting: the walk steps down at once
+        return planned_events(cfg, sizes, delta, x)
+
+    found = acct.largest_fitting_epsilon(events_for, existing, delta, cap)
     if found is None:
         return None
     digits = _shown_digits(found)
@@ -218,7 +229,13 @@ def largest_fitting_target_epsilon(cfg, sizes, delta: float, existing: list, cap
     return found  # fits (the search checked it), unrounded
 
 
+LARGEST_SEARCHED = 100.0
+
+
 def fitting_hint(largest: float | None) -> str:
     if largest is None:
         return "no target_epsilon fits: the dataset's budget is spent for this config"
+    if largest == LARGEST_SEARCHED:
+        return (f"the largest target_epsilon that still fits: ≥ {LARGEST_SEARCHED:g} (not searched further: a larger "
+                "target states no meaningful guarantee)")
     return f"the largest target_epsilon that still fits: ≈ {largest:.{_shown_digits(largest)}f}"

@@ -262,6 +262,25 @@ def test_the_largest_fitting_epsilon_is_the_accountants(toy, tmp_path):
     assert f"the largest target_epsilon that still fits: ≈ {shown:.3f}" in format_plan(plan)
 
 
+@pytest.mark.slow  # ~30 s: one calibration at ε = 100
+def test_a_cap_far_above_any_meaningful_target_is_not_searched_to_its_end(toy, tmp_path):
+    """With ε spent and a cap of 1000 the search once calibrated σ for targets near 1000 (σ → 0:
+    a PLD on an ever finer grid, > 10 min and 4 GB for configs/smoke.yaml): it stops at 100 and
+    says so."""
+    import time
+
+    from tasks.planning import format_plan
+    from tasks.run_plan import LARGEST_SEARCHED
+
+    cfg_dict = _cfg(toy, tmp_path / "state", **{"privacy.dataset_epsilon_cap": 1000.0})
+    _, key, _, _ = _spent_ledger(cfg_dict, epsilon=2.0)
+    started = time.perf_counter()
+    plan = _plan(cfg_dict, largest=True)
+    assert time.perf_counter() - started < 120
+    assert plan["datasets"][key]["largest_epsilon"] == LARGEST_SEARCHED
+    assert "still fits: ≥ 100 (not searched further" in format_plan(plan)
+
+
 @pytest.mark.slow  # three trainings and the search (≈ 55 s in the suite); the plan's answer is checked by default above
 def test_the_refusal_says_what_fits_and_records_nothing(tmp_path, sst2_dir):
     from privacy.ledger import BudgetExceededError, Ledger
