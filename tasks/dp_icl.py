@@ -91,6 +91,12 @@ class DPICLServer:
 
         self.engine, self.labels, self.settings = engine, list(labels), settings
         self.ledger, self.fingerprint = ledger, fingerprint
+        unit = ledger.dataset(fingerprint)["unit"]
+        if unit != "record" or getattr(rows, "units", None) is not None:
+            # the partition is keyed by record: one person's records land in many subsets, moving
+            # many votes — the √2 charged per query holds for one record only
+            raise ValueError(f"dp_icl: the dataset's privacy unit is {unit!r}: its subsets are keyed by record, so "
+                             "its per-query ε holds for one record, not one person; refused")
         self.serve_id = serve_id or f"dp_icl-{uuid.uuid4().hex[:12]}"
         self.noise = randomness.numpy(2)  # the votes' secret noise
         parts = keyed_subsets(rows.texts, rows.labels, None, randomness.numpy(1).bytes(32), settings.subsets,
@@ -127,11 +133,15 @@ class DPICLServer:
         ``BudgetExceededError`` at the cap: nothing answered), committed after."""
         if not texts:
             return []
-        run_id = f"{self.serve_id}:batch-{self.batches}"
+        # a fresh id per batch: a counter reused across threads or restarts (a stable serve_id) met
+        # the ledger's idempotent retry — the same entry returned, nothing charged, yet answered
+        run_id = f"{self.serve_id}:batch-{uuid.uuid4().hex}"
         event = batch_event(self.settings.noise_multiplier, len(texts))
-        self.ledger.reserve(self.fingerprint, run_id, event,
-                            description=f"dp_icl: {len(texts)} answered queries (inference-time spend)")
-        self.batches += 1  # the id is used: a refused or failed batch never reuses it
+        reservation = self.ledger.reserve(self.fingerprint, run_id, event,
+                                          description=f"dp_icl: {len(texts)} answered queries (inference-time spend)")
+        if not reservation.new:
+            raise RuntimeError(f"dp_icl: batch {run_id} was already charged: not answered again")
+        self.batches += 1
         self.ledger.mark_read(run_id)
         answers = [self._vote(t) for t in texts]
         self.ledger.commit(run_id, event)

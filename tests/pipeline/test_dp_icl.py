@@ -100,3 +100,33 @@ def test_queries_within_a_budget_agree_with_the_accountant_and_the_analytic_gaus
     assert _analytic_epsilon(2.0, b, 1e-5) <= 8.0 + 1e-6
     assert _analytic_epsilon(2.0, b + 2, 1e-5) > 8.0 * 0.99  # the accountant is nearly exact here
     assert queries_within(0.01, 1e-5, 0.5) == 0
+
+
+def test_every_batch_is_charged_even_from_threads_or_a_restarted_server(engine, tmp_path):
+    """A batch id is fresh (never a counter): concurrent batches, and a server restarted under the
+    same serve_id, each make their own ledger entry — none meets the ledger's idempotent retry,
+    which would return the old entry, charge nothing, and let the batch be answered (review F1)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ledger = _ledger(tmp_path, 1000.0)
+    servers = [DPICLServer(engine, ["negative", "positive"], ROWS, SETTINGS, ledger, "fp-icl",
+                           DpRandomness(seeded=True, seed=5), serve_id="privprompt.toy.dp_icl/1") for _ in range(2)]
+    with ThreadPoolExecutor(4) as pool:
+        answered = list(pool.map(lambda i: servers[i % 2].answer(["great", "awful"]), range(4)))
+    assert sum(len(a) for a in answered) == 8
+    entries = [e for e in ledger.entries() if e["kind"] == "dp"]
+    assert len(entries) == 4 and len({e["run_id"] for e in entries}) == 4
+    assert ledger.spent("fp-icl").epsilon == pytest.approx(
+        acct.spend(SelfComposedEvent(batch_event(2.0, 1).event, 8), 1e-5).epsilon, rel=1e-3)
+
+
+def test_a_dataset_of_people_is_refused(engine, tmp_path):
+    """The subsets are keyed by record: one person's records land in many subsets and move many
+    votes, so the √2 charged per query would hold for one record only (review F2)."""
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    ledger.register_dataset("fp-icl", "toy", 10.0, 1e-5, unit="author")
+    with pytest.raises(ValueError, match="privacy unit is 'author'.*refused"):
+        _server(engine, ledger)
+    people = PrivateRows(ROWS.texts, ROWS.labels, units=[f"p{i % 3}" for i in range(len(ROWS))])
+    with pytest.raises(ValueError, match="refused"):
+        _server(engine, _ledger(tmp_path / "other", 10.0), rows=people)

@@ -213,8 +213,17 @@ def test_failed_selection_candidates_are_counted_publicly_never_named():
               tsel.TrialOutcome(1, "lr=0.2", 0.8, None, (80.0, 20.0)), tsel.TrialOutcome(2, "no prompt", 0.9, None,
                                                                                      (90.0, 10.0))]
     result = tsel.SelectionResult(cands[2], None, 0.9, trials, None, (90.0, 10.0))
+    assert result.every_candidate  # every candidate once (the default mode): the count is published
     _, metrics = tsel.published_choice(cands, result, (90.0, 10.0), fallback=False)
     assert metrics["selection.failed_candidates"] == 1.0
+    # random stopping (trials drawn with repetition): the count would tell the secret number of trials K
+    from privacy import events as ev
+
+    stopping = ev.RepeatAndSelectEvent((ev.GaussianEvent(2.0),), "poisson", mu=3.0)
+    repeated = tsel.SelectionResult(cands[2], None, 0.9, trials + [tsel.TrialOutcome(3, "lr=0.05", None, "again")],
+                                    stopping, (90.0, 10.0))
+    assert not repeated.every_candidate
+    assert "selection.failed_candidates" not in tsel.published_choice(cands, repeated, (90.0, 10.0), False)[1]
     note = tsel.failed_note(metrics)
     assert note.startswith("1 selection candidate(s) failed") and "lr=0.05" not in note and "units" not in note
     assert tsel.failed_note({"selection.failed_candidates": 0.0}) is None
