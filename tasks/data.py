@@ -150,7 +150,7 @@ class ReleasedSizes:
 
 
 def release_sizes(cfg: DataConfig, membership: str, private_dir: str | Path, exact: dict[str, int],
-                  canaries_planted: int = 0) -> ReleasedSizes:
+                  canaries_planted: int = 0, draw: bool = True) -> ReleasedSizes | None:
     """The released sizes of the partition whose SOURCE records per split have the keyed key
     ``membership`` (:func:`membership_key`), drawn once from secret randomness and kept under
     ``private/released-sizes/`` so that ``plan`` and every run on those splits use (and publish)
@@ -161,12 +161,14 @@ def release_sizes(cfg: DataConfig, membership: str, private_dir: str | Path, exa
     so no config edit buys a fresh look at the same counts. Only the source's records are
     released by the mechanism; the canaries planted (a function of the logged seed, known to the
     audit) are added to the released training size afterwards. Created atomically; a concurrent
-    creator's draw wins."""
+    creator's draw wins. ``draw`` False: None instead of a fresh draw (a preview that is no run)."""
     from privacy.mechanisms import release_counts
     from privacy.rng import secret_rng
 
     folder = Path(private_dir) / "released-sizes"
     path = folder / f"{membership}.json"
+    if not path.is_file() and not draw:  # a preview that must not release anything: nothing drawn yet
+        return None
     if not path.is_file():
         make_private_dir(folder)
         names = ("n_train", "n_holdout", "n_test")

@@ -25,7 +25,7 @@ from .statement import unit_phrase
 _EXACT: dict[tuple[str, str], tuple] = {}  # (private dir, partition key) -> split_release_inputs, this process
 
 
-def released_sizes(cfg, private_dir: Path):
+def released_sizes(cfg, private_dir: Path, draw: bool = True):
     """The released split sizes (:class:`tasks.data.ReleasedSizes`) a run of ``cfg`` will plan
     with and publish: from its partition manifest when it exists, else drawn now — once, kept
     under ``private/released-sizes/`` for the run to use — from the exact sizes the split rule of
@@ -46,7 +46,7 @@ def released_sizes(cfg, private_dir: Path):
     membership, exact, planted = _EXACT[memo]
     if exact["n_train"] == 0:
         raise ConfigError(f"data {cfg.data.name!r}: the training split would be empty; raise data.train_fraction")
-    return release_sizes(cfg.data, membership, private_dir, exact, planted)
+    return release_sizes(cfg.data, membership, private_dir, exact, planted, draw=draw)
 
 
 def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool = True, estimate: bool = False) -> dict:
@@ -63,6 +63,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
     ledger = state_paths.open_ledger() if state_paths.ledger_exists() else None
     checked: set[str] = set()
     pending: dict[str, set[bytes]] = {}  # sources new to the ledger that earlier variants register
+    beside: list = []
     for label, cfg in variants:
         sizes = released_sizes(cfg, state_paths.private)
         key, dname, note = _charged_dataset(ledger, cfg, state_paths, pending, meta)
@@ -78,8 +79,10 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
         for name in cfg.run_methods:
             row = _plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, []), estimate)
             if row.get("group"):  # a record-level run charged per person: a user-level run's per-person ε beside it
-                row["user_level"] = _user_level_beside(cfg, name, delta, state_paths.private)
+                beside.append((row, cfg, name, delta))
             runs.append(row)
+    for row, cfg, name, delta in beside:  # after every variant: a user-level one of the sweep has drawn its sizes
+        row["user_level"] = _user_level_beside(cfg, name, delta, state_paths.private)
     datasets = {key: _dataset_preview(ledger, key, m, events.get(key, []), largest) for key, m in meta.items()}
     return {"runs": runs, "datasets": datasets, "fits": all(d["fits"] for d in datasets.values())}
 
@@ -192,10 +195,15 @@ def user_level_config(cfg):
 def _user_level_beside(cfg, name: str, delta: float, private_dir) -> dict:
     """What a user-level run of the same method at the same target would charge one person
     (``epsilon``), or why it cannot be planned (``refused``, one line): shown beside a record-level
-    run's exact per-person charge so a team can choose. It reads only released sizes, like the plan."""
+    run's exact per-person charge so a team can choose. It reads only released sizes, like the plan,
+    and never draws them: a draw here would be a release no run charges (review F6); until a
+    user-level variant is planned or run, it says how to see the number."""
     try:
         user_cfg = user_level_config(cfg)
-        sizes = released_sizes(user_cfg, private_dir)
+        sizes = released_sizes(user_cfg, private_dir, draw=False)
+        if sizes is None:
+            return {"refused": f"plan a variant with data.privacy_unit: {cfg.data.person_field} to see it (its split "
+                               "sizes are released by that plan, not by this one)"}
         plan = plan_for(user_cfg, name, sizes, delta)
         if plan.event is None:
             return {"refused": f"{name} makes no dp claim at user level"}

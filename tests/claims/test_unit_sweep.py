@@ -258,3 +258,27 @@ def test_a_private_selection_is_charged_per_person_or_refused_by_its_mode(people
         parse_config(cfg)
     msg = str(err.value)
     assert "selection.mode: random_stopping" in msg and "RepeatAndSelectEvent" in msg and "\n" not in msg
+
+
+@pytest.mark.slow  # ~30 s: two plans with the exact group charge
+def test_the_plans_user_level_line_releases_nothing_of_its_own(people, tmp_path):
+    """Planning a record-level run charged per person shows a user-level run's per-person ε beside
+    it only from sizes a user-level variant released; it never draws them itself (a draw no run
+    would charge: review F6), and `privprompt run`'s budget check plans the same way."""
+    from tasks.config import parse_config, sweep_variants
+    from tasks.planning import plan_runs
+    from tasks.state import state_paths
+
+    state = tmp_path / "state"
+    raw = _cfg(people, state)
+    raw["data"].update({"person_field": "author", "max_records_per_unit": K})
+    paths = state_paths(str(state)).create()
+    planned = plan_runs([("", parse_config(raw))], paths, checks=False)
+    (row,) = planned["runs"]
+    assert "plan a variant with data.privacy_unit: author" in row["user_level"]["refused"]
+    assert len(list((paths.private / "released-sizes").iterdir())) == 1  # the run's own draw only
+    # once a user-level variant is planned (it releases its sizes, for its run), the number shows
+    planned = plan_runs(sweep_variants(parse_config(_unit_sweep(people, state))), paths, checks=False)
+    record_row = next(r for r in planned["runs"] if r.get("group"))
+    assert record_row["user_level"]["epsilon"] > 0
+    assert len(list((paths.private / "released-sizes").iterdir())) == 2
