@@ -305,6 +305,7 @@ def test_the_refusal_says_what_fits_and_records_nothing(tmp_path, sst2_dir):
 
 # ---- the ledger commands ---------------------------------------------------------------------
 
+@pytest.mark.slow  # suite time: a CLI subprocess printing 300 entries into a closed pipe
 def test_ledger_into_a_closed_pipe_exits_quietly(tmp_path):
     from privacy import events as ev
     from privacy.ledger import Ledger

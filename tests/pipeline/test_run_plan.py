@@ -111,6 +111,7 @@ class _Sampled:
         self.params = {}
 
 
+@pytest.mark.slow  # suite time: the exact group charges are checked by tests/accounting/test_group_exact.py
 def test_the_planner_charges_a_person_by_group_privacy_and_refuses_what_it_cannot_plan():
     from privacy import events as ev
     from privacy.group import group_event
