@@ -12,6 +12,10 @@ class TextPrompt:
 
     def template(self, base: str) -> str:
         """``base`` (a classifier template with ``{text}``) with the instruction before it, in
-        DP-OPT's forward format. Braces in the instruction cannot open a template field."""
+        DP-OPT's forward format; an empty instruction is ``base`` itself (zero-shot's prompt, as
+        DP-OPT's forward template writes no instruction line for it). Braces in the instruction
+        cannot open a template field."""
+        if not self.instruction.strip():
+            return base
         safe = self.instruction.replace("{", "(").replace("}", ")")
         return f"Instruction: {safe}\n\n{base}"

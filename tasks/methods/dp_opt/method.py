@@ -176,7 +176,7 @@ class _TextMethod(Method):
 
     def chosen(self, mctx, plan, metrics: dict) -> Choice:
         """The run record says whether the published prompt is a generated candidate or the
-        initial instruction (``prompt.source``: generated | initial)."""
+        initial instruction, or no instruction at all (``prompt.source``: generated | initial | none)."""
         from .text_prompts import PROMPT_SOURCE, source_of
 
         source = source_of(metrics)

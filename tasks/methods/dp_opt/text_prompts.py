@@ -112,26 +112,34 @@ def split_validation(rows, fraction: float, seed: int):
 
 def with_initial(candidates: list[str], instruction: str) -> list[str]:
     """The candidates a selection chooses among: the generated ones, then the initial instruction
-    (what the run would publish with nothing generated). The initial instruction is public (the
-    config's or the dataset's default), so adding it changes no count's sensitivity: each
+    (what the run would publish with nothing generated), then NO instruction (what zero-shot uses:
+    the forward template without an instruction line). Both are public (the config's or the
+    dataset's default, and the empty string), so adding them changes no count's sensitivity: each
     candidate's correct-count still moves by at most one per record, monotonically, and the
     DP-argmax's event (Gumbel on monotone counts) is the same for any number of candidates. A
-    generated candidate equal to it is kept once."""
-    return [c for c in candidates if c != instruction] + [instruction]
+    generated candidate equal to either is kept once. So the published prompt is never a
+    generated one that scored below no instruction on the holdout, beyond the vote's noise."""
+    fixed = [instruction] + ([""] if instruction.strip() else [])
+    return [c for c in candidates if c not in fixed and c.strip()] + fixed
 
 
-PROMPT_SOURCE = "prompt.source"        # the run record's param: generated | initial
+PROMPT_SOURCE = "prompt.source"        # the run record's param: generated | initial | none
 PROMPT_GENERATED = "prompt.generated"  # the training metric it is read from (1: generated, 0: initial)
+PROMPT_NONE = "prompt.no_instruction"  # 1: no instruction won (the published prompt is zero-shot's)
 
 
 def source_metric(chosen: str, instruction: str) -> dict[str, float]:
-    """Whether the published prompt is a generated candidate or the initial instruction (a function
-    of the released choice and public text: publishable)."""
-    return {PROMPT_GENERATED: float(chosen != instruction)}
+    """Whether the published prompt is a generated candidate, the initial instruction, or no
+    instruction at all (a function of the released choice and public text: publishable)."""
+    return {PROMPT_GENERATED: float(chosen.strip() != "" and chosen != instruction),
+            PROMPT_NONE: float(chosen.strip() == "" and instruction.strip() != "")}
 
 
 def source_of(metrics: dict) -> str | None:
-    """``generated`` / ``initial`` from a training's metrics (None: the method selects nothing)."""
+    """``generated`` / ``initial`` / ``none`` (no instruction) from a training's metrics (None: the
+    method selects nothing)."""
     if PROMPT_GENERATED not in metrics:
         return None
+    if float(metrics.get(PROMPT_NONE, 0.0)) >= 0.5:
+        return "none"
     return "generated" if float(metrics[PROMPT_GENERATED]) >= 0.5 else "initial"

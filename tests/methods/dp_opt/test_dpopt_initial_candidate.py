@@ -19,10 +19,26 @@ from test_method_contract import ROWS, SHARED, _config
 INITIAL = initial_instruction("sst2")
 
 
-def test_initial_instruction_is_always_the_last_candidate_once():
-    assert with_initial([], INITIAL) == [INITIAL]
-    assert with_initial(["a", "b"], INITIAL) == ["a", "b", INITIAL]
-    assert with_initial(["a", INITIAL, "b"], INITIAL) == ["a", "b", INITIAL]  # kept once
+def test_initial_instruction_and_no_instruction_are_always_the_last_candidates_once():
+    assert with_initial([], INITIAL) == [INITIAL, ""]
+    assert with_initial(["a", "b"], INITIAL) == ["a", "b", INITIAL, ""]
+    assert with_initial(["a", INITIAL, "b", " "], INITIAL) == ["a", "b", INITIAL, ""]  # kept once
+    assert with_initial(["a"], "") == ["a", ""]  # an empty initial instruction is no instruction
+
+
+def test_no_instruction_is_zero_shots_prompt_and_says_so():
+    """An empty instruction renders as the forward template alone — the zero-shot prompt, not an
+    "Instruction:" line with nothing after it — and the run record calls it ``none``."""
+    from models.prompts import TextPrompt
+
+    from tasks.methods.dp_opt.templates import eval_prefix
+
+    base = "Input: {text}\n\nOutput:"
+    assert TextPrompt("").template(base) == base and eval_prefix("") == ""
+    assert TextPrompt("rate it").template(base) == "Instruction: rate it\n\n" + base
+    assert source_of(text_prompts.source_metric("", INITIAL)) == "none"
+    assert source_of(text_prompts.source_metric(INITIAL, INITIAL)) == "initial"
+    assert source_of(text_prompts.source_metric("gen", INITIAL)) == "generated"
 
 
 def test_selection_event_does_not_depend_on_the_number_of_candidates():
@@ -92,7 +108,7 @@ def test_dp_opt_publishes_the_initial_instruction_when_it_scores_best(tiny, monk
     _scripted_counts(monkeypatch, lambda c: (1000 if initial_wins else 0) if c == INITIAL else
                      (500 if c == "gen two" else 0), seen)
     trained = method.train(mctx, plan, ROWS)
-    assert seen == [["gen one", "gen two", INITIAL]]  # the vote counted the initial instruction
+    assert seen == [["gen one", "gen two", INITIAL, ""]]  # the vote counted the initial and no instruction
     assert trained.prompt.instruction == (INITIAL if initial_wins else "gen two")
     # the event is the plan's (the extra public candidate costs nothing)
     assert acct.spend(trained.event, 1e-5).epsilon <= acct.spend(plan.event, 1e-5).epsilon * (1 + 1e-9)
@@ -101,13 +117,17 @@ def test_dp_opt_publishes_the_initial_instruction_when_it_scores_best(tiny, monk
     assert choice.meta["prompt.source"] == choice.params["prompt.source"]
 
 
-def test_dp_opt_with_nothing_generated_publishes_the_initial_instruction(tiny, monkeypatch):
+@pytest.mark.parametrize("winner", [INITIAL, ""])
+def test_dp_opt_with_nothing_generated_votes_between_the_initial_and_no_instruction(tiny, monkeypatch, winner):
     mctx = tiny("dp_opt")
     method = get_method("dp_opt")
     plan = method.plan(mctx.cfg, len(ROWS), 1e-5)
     _fake_generation(monkeypatch, [])
+    seen = []
+    _scripted_counts(monkeypatch, lambda c: 1000 if c == winner else 0, seen)
     trained = method.train(mctx, plan, ROWS)
-    assert trained.prompt.instruction == INITIAL and source_of(trained.metrics) == "initial"
+    assert seen == [[INITIAL, ""]] and trained.prompt.instruction == winner
+    assert source_of(trained.metrics) == ("initial" if winner else "none")
 
 
 @pytest.mark.parametrize("name,scorer", [("opt", "correct_counts"), ("dln1", "label_loglik")])
@@ -121,7 +141,7 @@ def test_opt_and_dln1_select_the_initial_instruction_too(tiny, monkeypatch, name
     monkeypatch.setattr(text_prompts, scorer, lambda engine, cfg, cands, texts, labels, *a: (
         seen.append(list(cands)) or np.array([5.0 if c == INITIAL else 1.0 for c in cands])))
     trained = method.train(mctx, plan, ROWS)
-    assert seen == [["g1", "g2", INITIAL]] and trained.prompt.instruction == INITIAL
+    assert seen == [["g1", "g2", INITIAL, ""]] and trained.prompt.instruction == INITIAL
     # beside another published method, the baseline's source is labelled under its own name
     other = SimpleNamespace(cfg=SimpleNamespace(method="dp_opt"))
     assert method.chosen(other, plan, trained.metrics).params == {f"audit.baseline.{name}.prompt.source": "initial"}
