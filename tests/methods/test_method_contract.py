@@ -82,7 +82,8 @@ def test_plan_is_pure_and_has_an_event_iff_dp(name, contexts, monkeypatch):
     json.dumps(plan.params), json.dumps(plan.settings)  # loggable
 
 
-@pytest.mark.parametrize("name", registered_methods())
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow) if m == "rapt" else m  # suite time:
+                                  for m in registered_methods()])  # RAPT (ldp, 18 s) with -m slow
 def test_train_spends_at_most_the_plan_and_the_prompt_round_trips(name, contexts, tmp_path):
     import torch
 
@@ -134,8 +135,8 @@ def test_shadow_is_train_and_post_process_through_the_registry(name, contexts):
     assert torch.equal(prompt, again) if isinstance(prompt, torch.Tensor) else prompt == again
 
 
-@pytest.mark.parametrize("name", [m if m == "prompt_dpsgd" else pytest.param(m, marks=pytest.mark.slow)
-                                  for m in registered_methods()])  # suite time: the rest with -m slow
+@pytest.mark.parametrize("name", [pytest.param(m, marks=pytest.mark.slow)  # suite time: with -m slow
+                                  for m in registered_methods()])
 def test_a_shadow_is_calibrated_as_the_audited_run_was(name, contexts, monkeypatch):
     """Given the run's released sizes, a shadow trains with the run's own plan (σ from the method's
     share after the sizes release, q on the run's ñ), not a fresh calibration to the whole target

@@ -162,6 +162,7 @@ def test_prefix_shape_of_minilm():
     assert prefix_shape(backbone.model, 5) == (6, 2, 5, 384)
 
 
+@pytest.mark.slow  # suite time (10 s): Privacy-Flat's own regulariser test runs by default
 def test_dpzero_regulariser_is_labelled_none_and_pulls_toward_w_nor(tmp_path):
     from tasks.config import parse_config
     from tasks.methods import get_method
