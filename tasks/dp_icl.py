@@ -104,7 +104,6 @@ class DPICLServer:
         self._prefixes = [engine.encode_prefix(self._demos([(rows.texts[i], rows.labels[i]) for i in part]))
                           for part in parts if part]
         self._label_ids = [engine.ids(" " + label)[0] for label in self.labels]
-        self.batches = 0
 
     def _demos(self, demos: list[tuple[str, str]]) -> str:
         head = f"Instruction: {self.settings.instruction}\n\n" if self.settings.instruction else ""
@@ -141,7 +140,6 @@ class DPICLServer:
                                           description=f"dp_icl: {len(texts)} answered queries (inference-time spend)")
         if not reservation.new:
             raise RuntimeError(f"dp_icl: batch {run_id} was already charged: not answered again")
-        self.batches += 1
         self.ledger.mark_read(run_id)
         answers = [self._vote(t) for t in texts]
         self.ledger.commit(run_id, event)

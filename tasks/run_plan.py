@@ -177,6 +177,9 @@ def _shown_digits(x: float) -> int:
     return max(3 - math.floor(math.log10(x)), 0)
 
 
+LARGEST_SEARCHED = 100.0  # the largest target the fitting search tries (above it no meaningful guarantee)
+
+
 def largest_fitting_target_epsilon(cfg, sizes, delta: float, existing: list, cap: float) -> float | None:
     """The largest ``privacy.target_epsilon`` at which a run of ``cfg`` still fits the dataset's
     budget: its planned events composed with ``existing`` (the ledger's counted events) by the
@@ -227,9 +230,6 @@ def largest_fitting_target_epsilon(cfg, sizes, delta: float, existing: list, cap
             return round(shown, digits)
         shown -= step
     return found  # fits (the search checked it), unrounded
-
-
-LARGEST_SEARCHED = 100.0
 
 
 def fitting_hint(largest: float | None) -> str:
