@@ -9,32 +9,12 @@ fails with a one-line :class:`~models.backbones.ModelLoadError` naming the model
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
 from models.backbones import (MINILM, SMOLLM2, SMOLLM2_HUB_ID, TINY_MODELS, ModelLoadError, load_backbone,
                               minilm_path, smollm2_path)
-
-_HASHED_SUFFIXES = (".json", ".safetensors", ".bin", ".model", ".txt", ".gguf")
-_HASH_CACHE: dict[tuple, str] = {}
-
-
-def folder_sha256(path: str | Path) -> str:
-    """SHA-256 over the model files of a folder (names and contents, sorted; subfolders too)."""
-    root = Path(path)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _HASHED_SUFFIXES)
-    key = (str(root.resolve()), tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files))
-    if key in _HASH_CACHE:
-        return _HASH_CACHE[key]
-    h = hashlib.sha256()
-    for p in files:
-        h.update(str(p.relative_to(root)).encode() + b"\0")
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    _HASH_CACHE[key] = digest = h.hexdigest()
-    return digest
+from models.folder_hash import folder_sha256  # noqa: F401  (re-exported)
 
 
 def backbone_reference(name: str, seed: int = 0, model=None) -> dict:

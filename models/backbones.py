@@ -339,6 +339,10 @@ def _load_pretrained(name: str, device: torch.device, display_name: str | None =
         if fill is not None:
             tokenizer.pad_token = fill  # only a filler: padded positions are always masked out
     model = _freeze(model, device)
+    if is_local:  # its SHA-256 names it when a prompt is published: hashed while the run trains
+        from models.folder_hash import prefetch
+
+        prefetch(name)
     return Backbone(display_name or name, kind, model, tokenizer, _embed_dim(model))
 
 

@@ -10,6 +10,7 @@ import pytest
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="privprompt-tests-"))
 os.environ["PRIVPROMPT_HOME"] = str(_SESSION_DIR / "state")
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
+os.environ["PRIVPROMPT_HASH_CACHE"] = str(_SESSION_DIR / "folder_sha256.json")
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_DIR / "prefect" / "storage")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
