@@ -31,6 +31,7 @@ from models.prompts.prefix import (active_prefix_tokens, is_prefix, prefix_hooks
                                    prefix_tokens)
 from models.length_groups import in_length_groups, per_example_rows
 from models.backbones import Backbone
+from models.device import attention_backends
 
 DEFAULT_CAUSAL_TEMPLATE = "{text} It was"
 DEFAULT_MASKED_TEMPLATE = "{text} It was {mask}."
@@ -181,8 +182,8 @@ class PromptClassifier(nn.Module):
             part = batch if rows is None else select_rows(batch, rows)
             p = per_example_rows(prompt, rows, per_example)
             embeds, attn, pos = self._embed_inputs(part, p)
-            with self.prompting(p, embeds.shape[0]):
-                return head(embeds, attn, pos)
+            with self.prompting(p, embeds.shape[0]), attention_backends(self.device):
+                return head(embeds, attn, pos)  # no cuDNN attention on CUDA: batch shapes keep changing
 
         return in_length_groups(batch["attention_mask"].sum(1), run, self.device, self.embed_dim)
 

@@ -1,7 +1,8 @@
-"""Device choice and seeding."""
+"""Device choice, seeding and the attention kernels a forward may use."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -34,3 +35,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
+
+
+def attention_backends(device: torch.device | str):
+    """A context for forwards whose shapes keep changing: on CUDA, scaled_dot_product_attention may
+    pick flash, memory-efficient or math attention but not cuDNN's; elsewhere nothing.
+
+    cuDNN attention is SDPA's first choice for bfloat16/float16 on Hopper and builds an execution plan
+    for every new shape: DP-OPT's queries (one token longer each time) and DP-SGD's Poisson batches
+    (a new batch size nearly every step, times the batch's padded length) see mostly new shapes
+    (bench/bench_cuda_shapes.py: 217 vs 40 ms per OPT token on a Llama-2-7B shape; bench/RESULTS.md).
+    ``PRIVPROMPT_CUDNN_ATTENTION=1`` leaves torch's own choice (a switch for benchmarks). It sets
+    (and restores) torch's process-wide backend switches, which only choose kernels."""
+    if torch.device(device).type != "cuda" or os.environ.get("PRIVPROMPT_CUDNN_ATTENTION") == "1":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -8,7 +8,7 @@ dp_fewshot's: the text-prompt methods share it, :func:`causal_engine_for` builds
   covers head + suffix, and position ids count only real tokens, so a padded row computes exactly
   what it computes alone (tested against unpadded, one-by-one forwards).
 * Incremental decoding (OPT's ensemble, demos fixed per prompt) keeps one KV cache across tokens.
-* On CUDA the forwards run without cuDNN's attention kernel (:func:`attention_backends`): nearly
+* On CUDA the forwards run without cuDNN's attention kernel (:func:`models.device.attention_backends`): nearly
   every call here has shapes never run before (one token longer, other buckets), and cuDNN attention,
   scaled_dot_product_attention's first choice for bfloat16 on Hopper, builds a plan per new shape
   (bench/bench_cuda_shapes.py, Llama-2-7B's architecture in bfloat16 on an H100: 217 vs 40 ms per
@@ -17,12 +17,13 @@ dp_fewshot's: the text-prompt methods share it, :func:`causal_engine_for` builds
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from models.device import attention_backends  # noqa: F401  (re-exported: the engine's forwards use it)
 
 
 @dataclass
@@ -35,17 +36,6 @@ class SharedPrefix:
     @property
     def length(self) -> int:
         return len(self.ids)
-
-
-def attention_backends(device: torch.device):
-    """A context for the engine's forwards: on CUDA, scaled_dot_product_attention may pick flash,
-    memory-efficient or math attention but not cuDNN's (a plan per new shape); elsewhere nothing.
-    It sets (and restores) torch's process-wide backend switches, which only choose kernels."""
-    if torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class CausalEngine:
