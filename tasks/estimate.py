@@ -25,19 +25,19 @@ _PROBES: dict[tuple, Probe] = {}
 
 
 def probe(model_name: str, max_length: int, train_batch: int = PROBE_BATCH, eval_batch: int = 64, seed: int = 0,
-          repeats: int = 2) -> Probe:
+          repeats: int = 2, placement=None) -> Probe:
     """The model's per-example seconds at the run's batch sizes (a small model's time is mostly
     per call), measured once per process on synthetic ids (the best of ``repeats`` after a warm-up
     pass)."""
     train_batch, eval_batch = max(1, min(int(train_batch), 64)), max(1, min(int(eval_batch), 128))
-    key = (model_name, max_length, train_batch, eval_batch)
+    key = (model_name, max_length, train_batch, eval_batch, placement.key() if placement else None)
     if key in _PROBES:
         return _PROBES[key]
     import torch
 
     from models.backbones import load_backbone
 
-    bb = load_backbone(model_name, seed=seed)
+    bb = load_backbone(model_name, seed=seed, placement=placement)
     model = bb.model
     vocab = model.get_input_embeddings().weight.shape[0]
     device = model.get_input_embeddings().weight.device

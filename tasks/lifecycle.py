@@ -196,6 +196,24 @@ def check_endpoint(endpoint, timeout_s: float = 10.0) -> None:
                             f"({type(err).__name__}: {reason})") from None
 
 
+def check_placements(cfg) -> None:
+    """``models.placement`` and each ``models.placement_for`` entry can apply on this machine's device
+    (8-/4-bit and device_map need CUDA; 8-/4-bit need bitsandbytes): refused in one line before any model
+    is loaded or any budget reserved."""
+    from models.backbones import ModelLoadError
+    from models.device import default_device
+    from models.placement import PlacementError, check_placement
+
+    device = default_device()
+    blocks = [("models.placement", cfg.models.placement),
+              *((f"models.placement_for[{name!r}]", block) for name, block in cfg.models.placement_for.items())]
+    for where, block in blocks:
+        try:
+            check_placement(block.placement(), device)
+        except PlacementError as e:
+            raise ModelLoadError(f"{where}: {e}") from None
+
+
 def preflight(cfg, prepared: dict[str, dict] | None = None) -> None:
     """Every check of ``cfg`` that needs no private data, raising a one-line user error: each run
     method's own (:meth:`Method.preflight`: models, tokenizers, label words / descriptions,
@@ -205,6 +223,7 @@ def preflight(cfg, prepared: dict[str, dict] | None = None) -> None:
     from .methods.base import Method, check_classifier
     from .stages import evaluation_models
 
+    check_placements(cfg)
     methods = [get_method(name) for name in cfg.run_methods]
     for name, method in zip(cfg.run_methods, methods):
         method.preflight(cfg, None if prepared is None else prepared.get(name))

@@ -168,9 +168,10 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
         from .methods import get_method
 
         try:  # a model the probe cannot drive (an endpoint, a GGUF-only model): no estimate, never a failed plan
-            measured = est.probe(get_method(name).source_model(cfg, {}), cfg.models.max_length,
+            source = get_method(name).source_model(cfg, {})
+            measured = est.probe(source, cfg.models.max_length,
                                  plan.settings.get("expected_batch") or est.PROBE_BATCH, cfg.models.eval_batch_size,
-                                 cfg.seed)
+                                 cfg.seed, placement=cfg.models.placement_of(source))
         except Exception:  # noqa: BLE001 - the estimate is advisory
             measured = None
         row.update(est.run_estimate(plan, sizes, measured))

@@ -44,7 +44,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
         child.set_tags(tags)
         return tags
     model_name = cfg.models.target_name
-    backbone = load_backbone(model_name, seed=cfg.seed)
+    backbone = load_backbone(model_name, seed=cfg.seed, placement=cfg.models.placement_of(model_name))
     ref = backbone_reference(model_name, cfg.seed, backbone.model)
     check_registrable(guarantee, prompt_path, paths.private, ref)  # the adapter names the backbone too
     prompt, _ = load_prompt_artifact(prompt_path)

@@ -174,6 +174,25 @@ class EndpointConfig(Block):
     api_key_env: str | None = Field(None, description="environment variable holding the API key (never logged)")
 
 
+class PlacementConfig(Block):
+    """How a frozen backbone is loaded (``models.placement``): through Transformers / Accelerate /
+    bitsandbytes; the prompt, its per-sample gradients, the clipping and the noise stay float32."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="weights' dtype: auto (Transformers' default), float32, bfloat16, float16")
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | None = Field(
+        None, description="null: the whole model on the run's device; auto/balanced/balanced_low_0/sequential: "
+        "Accelerate spreads its layers over the visible GPUs, then CPU memory (offload) — CUDA only")
+    quantization: Literal["8bit", "4bit"] | None = Field(
+        None, description="8-/4-bit frozen weights (bitsandbytes; 4bit: NF4, double quantisation, compute in "
+        "bfloat16) — CUDA only; refused in one line elsewhere")
+
+    def placement(self):
+        from models.placement import Placement
+
+        return Placement(self.dtype, self.device_map, self.quantization)
+
+
 class ModelsConfig(Block):
     local: str = Field(description="model where private data is used (HF id, local path or alias)")
     target: str | None = Field(None, description="model the prompt is published for (default: local)")
@@ -199,9 +218,19 @@ class ModelsConfig(Block):
         "memory only, the accounting and the released numbers are unchanged. null: chosen from the GPU's "
         "free memory by a measured probe (80%), 64 on CPU")
 
+    placement: PlacementConfig = Field(default_factory=PlacementConfig, description="how every backbone (local, "
+                                       "target, student, evaluate_on) is loaded: dtype, device_map, quantization")
+    placement_for: dict[str, PlacementConfig] = Field(
+        default_factory=dict, description="model name -> its own placement, replacing `placement` for that model "
+        "(e.g. a 70B target with device_map: auto and quantization: 4bit)")
+
     @property
     def target_name(self) -> str:
         return self.target or self.local
+
+    def placement_of(self, name: str):
+        """The :class:`models.placement.Placement` model ``name`` is loaded with."""
+        return self.placement_for.get(name, self.placement).placement()
 
 
 class PrivacyConfig(Block):

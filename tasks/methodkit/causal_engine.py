@@ -173,7 +173,7 @@ def causal_engine_for(cfg, max_batch: int = 32) -> CausalEngine:
 
     from ..errors import ConfigError
 
-    bb = load_backbone(cfg.models.local, seed=cfg.seed)
+    bb = load_backbone(cfg.models.local, seed=cfg.seed, placement=cfg.models.placement_of(cfg.models.local))
     if bb.kind != "causal":
         raise ConfigError(f"models.local={cfg.models.local!r} is a {bb.kind} model: discrete-prompt methods "
                           "generate with a causal LM (e.g. smollm2)")

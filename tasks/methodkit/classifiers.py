@@ -25,7 +25,7 @@ def classifier_for(cfg: "PrivPromptConfig", model_name: str, template: str | Non
     key = (model_name, tuple(cfg.data.labels), json.dumps(cfg.models.label_descriptions, sort_keys=True),
            template, cfg.seed)
     if key not in _CLASSIFIERS:
-        backbone = load_backbone(model_name, seed=cfg.seed)
+        backbone = load_backbone(model_name, seed=cfg.seed, placement=cfg.models.placement_of(model_name))
         _CLASSIFIERS[key] = build_classifier(backbone, list(cfg.data.labels),
                                              cfg.models.label_descriptions or None, template)
     return _CLASSIFIERS[key]

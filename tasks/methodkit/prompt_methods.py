@@ -100,7 +100,8 @@ class PrefixDPSGDMethod(SoftPromptDPSGD):
 
         super().preflight(cfg, prepared)
         try:
-            shape = prefix_shape(load_backbone(cfg.models.local, seed=cfg.seed).model, self.settings(cfg).n_tokens)
+            shape = prefix_shape(load_backbone(cfg.models.local, seed=cfg.seed,
+                                               placement=cfg.models.placement_of(cfg.models.local)).model, self.settings(cfg).n_tokens)
         except ValueError as e:
             raise ConfigError(f"methods.{self.name}: {e}") from None
         self.check_model(cfg, shape[0])

@@ -92,7 +92,8 @@ def distill_student(ctx, progress=None) -> dict:
                     "registered": f"{model_name}/{versions[0].version}"}
     started = time.perf_counter()
     d = cfg.methods.post.distill
-    teacher = load_backbone(cfg.models.target_name, seed=cfg.seed)
+    teacher = load_backbone(cfg.models.target_name, seed=cfg.seed,
+                            placement=cfg.models.placement_of(cfg.models.target_name))
     student = build_student(teacher, d.student_layers, seed=cfg.seed)
     result = distill(teacher, student, texts, ModelDistillConfig(
         steps=d.steps, batch_size=d.batch_size, lr=d.lr, max_length=cfg.models.max_length,

@@ -169,7 +169,7 @@ class Rapt(Method):
         from ...errors import ConfigError
         from ..base import explain_classifier_error
 
-        bb = load_backbone(cfg.models.local, seed=cfg.seed)
+        bb = load_backbone(cfg.models.local, seed=cfg.seed, placement=cfg.models.placement_of(cfg.models.local))
         try:
             build_task_head(bb, list(cfg.data.labels), cfg.models.label_descriptions or None)
         except ModelLoadError:
@@ -188,7 +188,8 @@ class Rapt(Method):
 
         from ...data import public_texts
 
-        bb = load_backbone(ctx.cfg.models.local, seed=ctx.cfg.seed)
+        bb = load_backbone(ctx.cfg.models.local, seed=ctx.cfg.seed,
+                           placement=ctx.cfg.models.placement_of(ctx.cfg.models.local))
         texts = public_texts(ctx.cfg, ctx.paths.private)
         ids = bb.tokenizer(texts, add_special_tokens=False)["input_ids"]
         plain = default_plain_ids(bb.tokenizer, block.plain_tokens, ctx.cfg.seed)
@@ -218,7 +219,7 @@ class Rapt(Method):
         from .model import RaptModel, build_task_head
         from models.backbones import load_backbone
 
-        bb = load_backbone(cfg.models.local, seed=cfg.seed)
+        bb = load_backbone(cfg.models.local, seed=cfg.seed, placement=cfg.models.placement_of(cfg.models.local))
         head = build_task_head(bb, list(cfg.data.labels), cfg.models.label_descriptions or None)
         import torch
 
@@ -237,7 +238,7 @@ class Rapt(Method):
 
         block = self.settings(cfg)
         data = self.load_privatized(privatized_path)
-        bb = load_backbone(cfg.models.local, seed=cfg.seed)
+        bb = load_backbone(cfg.models.local, seed=cfg.seed, placement=cfg.models.placement_of(cfg.models.local))
         kind = PrefixPrompt if block.tuning == "prefix" else SoftPrompt
         prompt = kind.init_from_vocab(bb, block.n_tokens, seed=seed)
         with torch.random.fork_rng(devices=[]):  # the head's initialisation, seeded (not DP randomness)
@@ -264,7 +265,7 @@ class Rapt(Method):
         from models.backbones import load_backbone
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
-        bb = load_backbone(cfg.models.local, seed=cfg.seed)
+        bb = load_backbone(cfg.models.local, seed=cfg.seed, placement=cfg.models.placement_of(cfg.models.local))
         plain = self._plain(cfg, bb.tokenizer)
         encoding = encode_rapt(bb.tokenizer, texts, plain, cfg.models.max_length)
         if not bool(encoding["text_mask"].any()):  # before any release is recorded or drawn
