@@ -36,14 +36,18 @@ def transient_only(task, task_run, state) -> bool:
 def dask_task_runner(dask):
     """The one DaskTaskRunner of every fan-out (an audit's shadows, a sweep's variants), from a
     ``DaskConfig``: an existing scheduler at ``address``, else a local cluster of ``n_workers``
-    processes with ``threads_per_worker`` threads each."""
+    processes with ``threads_per_worker`` threads each, one device per worker
+    (:mod:`tasks.dask_devices`: ``dask.devices``, else the visible GPUs in turn)."""
     from prefect_dask import DaskTaskRunner
+
+    from .dask_devices import DEVICES_ENV
 
     if dask.address:
         return DaskTaskRunner(address=dask.address)
     return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
         "n_workers": dask.n_workers, "threads_per_worker": dask.threads_per_worker, "processes": True,
-        "dashboard_address": None})
+        "dashboard_address": None, "preload": ["tasks.dask_devices"],
+        "env": {DEVICES_ENV: ",".join(dask.devices or [])}})
 
 
 def _data_config(data_config: DataConfig | dict) -> DataConfig:

@@ -295,6 +295,9 @@ class DaskConfig(Block):
     address: str | None = Field(None, description="scheduler of an existing Dask cluster (default: local)")
     n_workers: int = Field(2, gt=0)
     threads_per_worker: int = Field(1, gt=0)
+    devices: list[str] | None = Field(None, description="a local cluster's worker i runs on devices[i mod len] "
+                                      "(e.g. [cuda:0, cuda:1]); null: one visible GPU per worker in turn, the CPU "
+                                      "where there is none (tasks/dask_devices.py). Not used with `address`")
 
 
 class AuditConfig(Block):
