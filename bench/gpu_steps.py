@@ -1,0 +1,165 @@
+"""DP prompt-tuning steps on a big backbone, on a GPU (issue 39): what the whole-run ratio is made of.
+
+    python bench/gpu_steps.py MODEL_DIR DATA.jsonl OUT.json [--sections attention,physical,4bit] [--steps 15]
+
+* ``attention``: the DP step (Poisson batches of expected size 32, per-sample gradients, clipping, one
+  noise draw) against the non-private step (fixed batches of 32) through ``models.dp_prompt_training
+  .train_prompt``, with cuDNN attention left out (PrivPrompt's default on CUDA) and left in
+  (``PRIVPROMPT_CUDNN_ATTENTION=1``): seconds per step, interleaved runs, after a warm-up run each.
+* ``physical``: one logical DP step of expected batch 64 over micro-batches of 64, 16 and 8
+  (``physical_batch_size``): seconds per step and peak GPU memory.
+* ``4bit``: the same DP and non-private steps on the backbone loaded in 4-bit (NF4, bitsandbytes,
+  ``models.placement``) against bf16: load time, weights' memory, seconds per step, peak memory.
+
+Random weights are fine (timings only). Prints one JSON line per measurement and writes them all
+to OUT.json as they come (a timed-out run keeps what it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS: list[dict] = []
+
+
+def cuda():
+    import torch
+
+    return torch.cuda if torch.cuda.is_available() else None
+
+
+def sync() -> None:
+    if cuda():
+        cuda().synchronize()
+
+
+def gib(fn: str) -> float | None:
+    """torch.cuda.<fn>() in GiB (None on a machine without CUDA: the script also runs on CPU, for checks)."""
+    return getattr(cuda(), fn)() / 2**30 if cuda() else None
+
+
+def emit(out: str, **row) -> None:
+    RESULTS.append(row)
+    print(json.dumps(row), flush=True)
+    Path(out).write_text(json.dumps(RESULTS, indent=1))
+
+
+def texts_and_labels(path: str, n: int):
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()[:n]]
+    return [r["text"] for r in rows], [0 if r["label"] == "negative" else 1 for r in rows]
+
+
+def timed_train(clf, enc, y, *, dp: bool, steps: int, batch: int, physical: int, seed: int = 0) -> dict:
+    from models.dp_prompt_training import DPConfig, PromptTrainingConfig, seeded_dp_generators, train_prompt
+
+    N = int(enc["input_ids"].shape[0])
+    cfg = PromptTrainingConfig(n_tokens=4, lr=0.05, steps=steps, batch_size=batch, physical_batch_size=physical,
+                               log_every=10**9, seed=seed)
+    dpc = DPConfig(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=batch / N) if dp else None
+    gens = seeded_dp_generators(seed) if dp else (None, None)  # timings only: no release
+    sync()
+    if cuda():
+        cuda().reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    res = train_prompt(clf, enc, y, cfg, dpc, sample_generator=gens[0], noise_generator=gens[1])
+    sync()
+    dt = time.perf_counter() - t0
+    examples = sum(h["batch_size"] for h in res.history)
+    return {"s_per_step": dt / steps, "examples_per_step": examples / steps,
+            "peak_gib": gib("max_memory_allocated")}
+
+
+def classifier(model_dir: str, placement=None):
+    from models.backbones import load_backbone
+    from models.classifiers import build_classifier
+
+    t0 = time.perf_counter()
+    bb = load_backbone(model_dir, placement=placement)
+    load_s = time.perf_counter() - t0
+    return build_classifier(bb, ["negative", "positive"], template="Review: {text}\nSentiment:"), load_s
+
+
+def attention(out, clf, enc, y, steps):
+    for setting in ("0", "1"):
+        os.environ["PRIVPROMPT_CUDNN_ATTENTION"] = setting
+        timed_train(clf, enc, y, dp=False, steps=3, batch=32, physical=64)  # warm-up
+        timed_train(clf, enc, y, dp=True, steps=3, batch=32, physical=64)
+        runs = {"nonprivate": [], "dp": []}
+        for rep in range(2):
+            for name in (("nonprivate", "dp") if rep == 0 else ("dp", "nonprivate")):
+                runs[name].append(timed_train(clf, enc, y, dp=name == "dp", steps=steps, batch=32, physical=64,
+                                              seed=rep + 1))
+        np_s = min(r["s_per_step"] for r in runs["nonprivate"])
+        dp_s = min(r["s_per_step"] for r in runs["dp"])
+        emit(out, section="attention", cudnn_attention=setting == "1", nonprivate_s_per_step=np_s, dp_s_per_step=dp_s,
+             dp_over_nonprivate=dp_s / np_s, runs=runs)
+    os.environ.pop("PRIVPROMPT_CUDNN_ATTENTION", None)
+
+
+def physical(out, clf, enc, y, steps):
+    for size in (64, 16, 8):
+        timed_train(clf, enc, y, dp=True, steps=2, batch=64, physical=size)
+        r = timed_train(clf, enc, y, dp=True, steps=steps, batch=64, physical=size, seed=1)
+        emit(out, section="physical", expected_batch=64, physical_batch_size=size, **r)
+
+
+def four_bit(out, model_dir, enc_texts, y, steps, bf16_weights_gib):
+    from models.backbones import clear_backbone_cache
+    from models.placement import Placement
+
+    clear_backbone_cache()
+    import gc
+
+    gc.collect()
+    if cuda():
+        cuda().empty_cache()
+    clf, load_s = classifier(model_dir, Placement(quantization="4bit"))
+    weights = gib("memory_allocated")
+    enc = clf.encode(enc_texts, max_length=64)
+    timed_train(clf, enc, y, dp=False, steps=3, batch=32, physical=64)
+    timed_train(clf, enc, y, dp=True, steps=3, batch=32, physical=64)
+    np_r = timed_train(clf, enc, y, dp=False, steps=steps, batch=32, physical=64, seed=1)
+    dp_r = timed_train(clf, enc, y, dp=True, steps=steps, batch=32, physical=64, seed=1)
+    emit(out, section="4bit", load_s=load_s, weights_gib=weights, bf16_weights_gib=bf16_weights_gib,
+         nonprivate=np_r, dp=dp_r, dp_over_nonprivate=dp_r["s_per_step"] / np_r["s_per_step"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("data")
+    ap.add_argument("out")
+    ap.add_argument("--sections", default="attention,physical,4bit")
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--rows", type=int, default=2048)
+    a = ap.parse_args()
+    import torch
+
+    sections = a.sections.split(",")
+    texts, labels = texts_and_labels(a.data, a.rows)
+    y = torch.tensor(labels)
+    clf, load_s = classifier(a.model_dir)
+    weights = gib("memory_allocated")
+    enc = clf.encode(texts, max_length=64)
+    emit(a.out, section="setup", device=cuda().get_device_name(0) if cuda() else "cpu", torch=torch.__version__, load_s=load_s,
+         weights_gib=weights, rows=len(texts), mean_tokens=float(enc["attention_mask"].sum(1).float().mean()),
+         dtype=str(clf.backbone.model.dtype))
+    parts = {"attention": lambda: attention(a.out, clf, enc, y, a.steps),
+             "physical": lambda: physical(a.out, clf, enc, y, max(5, a.steps // 2)),
+             "4bit": lambda: four_bit(a.out, a.model_dir, texts, y, max(5, a.steps // 2), weights)}
+    for name in sections:
+        try:
+            parts[name]()
+        except Exception as e:  # noqa: BLE001 - one section's failure is a result too; the others still run
+            emit(a.out, section=name, error=f"{type(e).__name__}: {e}"[:500])
+
+
+if __name__ == "__main__":
+    main()
