@@ -145,6 +145,8 @@ def main() -> None:
     sections = a.sections.split(",")
     texts, labels = texts_and_labels(a.data, a.rows)
     y = torch.tensor(labels)
+    if sections == ["4bit"]:  # on its own, in a fresh process: the 4-bit model's memory alone
+        return four_bit(a.out, a.model_dir, texts, y, max(5, a.steps // 2), None)
     clf, load_s = classifier(a.model_dir)
     weights = gib("memory_allocated")
     enc = clf.encode(texts, max_length=64)
