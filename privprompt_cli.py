@@ -466,8 +466,21 @@ def cmd_plan(args) -> int:
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     print(format_plan(plan))
+    _print_dp_icl_plan(cfg, plan)
     print(f"ledger: {paths.ledger_location}" + ("" if paths.ledger_exists() else " (none yet: nothing spent)"))
     return 0 if plan["fits"] else 4
+
+
+def _print_dp_icl_plan(cfg, plan: dict) -> None:
+    """A config with a ``dp_icl`` block: what its expected queries spend, served per query."""
+    from tasks.config import DPICLConfig
+    from tasks.dp_icl import plan_line
+
+    if cfg.dp_icl == DPICLConfig():
+        return
+    delta = cfg.privacy.target_delta or next((r["delta"] for r in plan["runs"] if r.get("delta")), None)
+    if delta:
+        print(plan_line(cfg, delta))
 
 
 def cmd_report(args) -> int:
@@ -886,6 +899,10 @@ def cmd_predict(args) -> int:
         texts = input_texts(frame, args.text_field)
     except (OSError, ValueError, KeyError) as exc:
         return _fail(f"cannot read {args.input}: {_one_line(exc)}")
+    if args.dp_icl:
+        return _predict_dp_icl(args, frame, texts)
+    if not args.model_uri:
+        return _fail("predict needs a MODEL_URI (models:/NAME/VERSION), or --dp-icl CONFIG")
     import tempfile
 
     import mlflow.pyfunc
@@ -921,6 +938,36 @@ def cmd_predict(args) -> int:
         print(f"accuracy on the {len(frame)} rows' {args.label_field} column: {acc:.4f}", file=sys.stderr)
     if args.output:
         print(f"predictions of {len(texts)} texts on {predictor.classifier.device}: {args.output}", file=sys.stderr)
+    return 0
+
+
+def _predict_dp_icl(args, frame, texts) -> int:
+    """``predict --dp-icl CONFIG``: DP-ICL's answers, every batch charged to the config's ledger."""
+    from tasks.config import load_config
+    from tasks.dp_icl import answer_all, open_server
+    from tasks.state import state_paths
+
+    cfg = load_config(args.dp_icl)
+    paths = state_paths(args.state_dir or cfg.state_dir, cfg.ledger.url)
+    served = open_server(cfg, paths)
+    started = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        print(f"\rdp_icl: {done}/{total} queries answered ({time.perf_counter() - started:.1f} s)", end="",
+              file=sys.stderr, flush=True)
+
+    answers = answer_all(served, texts, args.batch_size, progress)
+    print(file=sys.stderr)
+    result = frame.copy()
+    result["prediction"] = answers
+    _write_table(result, args.output)
+    spent = served.server.ledger.spent(served.server.fingerprint)
+    print(f"dp_icl: {len(texts)} queries answered in {-(-len(texts) // args.batch_size)} charged batch(es); dataset "
+          f"{served.dataset!r} has now spent ε={spent.epsilon:.4f} per record at δ={served.delta:g} of its cap "
+          f"ε={served.cap:.4f} (privprompt ledger)", file=sys.stderr)
+    if args.label_field in frame.columns and len(frame):
+        acc = float((frame[args.label_field].astype(str).to_numpy() == result["prediction"].to_numpy()).mean())
+        print(f"accuracy on the {len(frame)} rows' {args.label_field} column: {acc:.4f}", file=sys.stderr)
     return 0
 
 
@@ -1032,7 +1079,10 @@ def _add_tool_commands(sub) -> None:
     ui.add_argument("--mlflow-port", type=int, default=5000)
     predict = sub.add_parser("predict", help="labels and scores of a registered model for a JSONL / CSV / Parquet "
                                              "file's text column")
-    predict.add_argument("model_uri", help="models:/NAME/VERSION (or /latest), as `privprompt run` registered it")
+    predict.add_argument("model_uri", nargs="?", help="models:/NAME/VERSION (or /latest), as `privprompt run` "
+                         "registered it (not with --dp-icl)")
+    predict.add_argument("--dp-icl", metavar="CONFIG", default=None, help="answer by DP-ICL over CONFIG's private "
+                         "dataset (its dp_icl block): every batch is charged to the ledger, refused past the cap")
     predict.add_argument("--input", required=True, help="JSONL, CSV or Parquet with a 'text' column (or --text-field)")
     predict.add_argument("--text-field", default="text", metavar="NAME", help="the input's text column (default: text; "
                          "e.g. the config's data.text_field)")

@@ -16,7 +16,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from .errors import ConfigError
 
-from .schema import (AuditConfig, Block, DaskConfig, DataConfig, DPSGDConfig, MiaConfig,  # noqa: F401
+from .schema import (AuditConfig, Block, DaskConfig, DataConfig, DPICLConfig, DPSGDConfig, MiaConfig,  # noqa: F401
                      ModelsConfig, PrivacyConfig, PromptTuningConfig, PublicDataConfig, SelectionConfig)
 from .state import digest_key
 
@@ -129,6 +129,8 @@ class PrivPromptConfig(Block):
                            "no guarantee (privacy.guarantee=none) and publishes nothing")
     selection: SelectionConfig = Field(default_factory=SelectionConfig,
                                        description="private selection of the published method's settings (issue 30)")
+    dp_icl: DPICLConfig = Field(default_factory=DPICLConfig, description="DP-ICL served per query by "
+                                "`privprompt predict --dp-icl`, each answered batch charged to the ledger")
     mia: MiaConfig = Field(default_factory=MiaConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     sweep: list[dict[str, Any]] = Field(
@@ -336,6 +338,22 @@ def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
     return out
 
 
+def _drop_new_defaults(cfg: PrivPromptConfig, data: dict) -> None:
+    """Keys added later hash as before they existed while at their defaults (placement, a Dask
+    cluster's devices, the dp_icl block): stored runs' config.hash still match."""
+    from .schema import DPICLConfig, PlacementConfig
+
+    if cfg.dp_icl == DPICLConfig():
+        data.pop("dp_icl", None)
+    if cfg.models.placement == PlacementConfig() and not cfg.models.placement_for:
+        data["models"].pop("placement", None)
+        data["models"].pop("placement_for", None)
+    for block in ("audit", "sweep_dask"):
+        dask = data.get(block, {}).get("dask") if block == "audit" else data.get(block)
+        if isinstance(dask, dict) and dask.get("devices") is None:
+            dask.pop("devices", None)
+
+
 def config_hash(cfg: PrivPromptConfig) -> str:
     """A hash of the validated config minus where it runs (state folder, ledger): a rerun of the same
     variant has the same hash (resumable sweeps skip variants with a FINISHED run of it)."""
@@ -347,6 +365,7 @@ def config_hash(cfg: PrivPromptConfig) -> str:
     data["data"] = data_dump(cfg.data)  # the unit at its default hashes as before it existed
     if cfg.selection == SelectionConfig():  # hashed as before the block existed: stored runs' config.hash still match
         data.pop("selection", None)
+    _drop_new_defaults(cfg, data)
     data[LEGACY_FLOW_KEY[0]] = LEGACY_FLOW_KEY[1]  # hashed as before: stored runs' config.hash still match
     return digest_key(data, length=20)
 

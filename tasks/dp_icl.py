@@ -22,8 +22,11 @@ Charging (:meth:`DPICLServer.answer`): the batch's event is reserved BEFORE the 
 refuses it at the cap: nothing is answered), the read is marked, the answers are computed, the
 event is committed. The private demonstrations never leave this object: only labels come out.
 
-Not yet done here: ``privprompt predict`` and the MLflow pyfunc wiring, a ``privprompt plan`` line
-and the report's ε-after-N-queries figure (:func:`queries_within` is what they would read).
+Served by ``privprompt predict --dp-icl CONFIG`` (:func:`open_server`, :func:`answer_all`): the
+config's ``dp_icl`` block, its dataset's training split (the flows' keyed partition), the ledger
+of its state folder. There is no MLflow pyfunc of it on purpose: a registered model is an artifact
+people copy, and this model IS the private rows; it answers only where they live. ``privprompt
+plan`` prices ``dp_icl.expected_queries`` (:func:`plan_line`).
 """
 
 from __future__ import annotations
@@ -144,3 +147,128 @@ class DPICLServer:
         answers = [self._vote(t) for t in texts]
         self.ledger.commit(run_id, event)
         return answers
+
+
+# ---- served from a config (privprompt predict --dp-icl) ------------------------------------------
+
+@dataclass
+class Served:
+    server: DPICLServer
+    delta: float
+    dataset: str
+    cap: float
+
+
+def settings_of(cfg, delta: float) -> DPICLSettings:
+    """The config's ``dp_icl`` block; σ calibrated so that ``expected_queries`` answered queries
+    spend ``privacy.target_epsilon`` when not given."""
+    block = cfg.dp_icl
+    sigma = block.noise_multiplier or noise_for_queries(cfg.privacy.target_epsilon, delta, block.expected_queries)
+    return DPICLSettings(block.subsets, block.shots, float(sigma), block.instruction, block.template)
+
+
+def dataset_delta(cfg, ledger, key: str) -> float:
+    """δ of the spend: the registered dataset's own; for a dataset not registered yet,
+    ``privacy.target_delta`` (required: the default δ depends on the dataset's size, a statistic no
+    charge of this command covers)."""
+    from privacy.ledger import UnknownDatasetError
+
+    from .errors import ConfigError
+
+    try:
+        return float(ledger.dataset(key)["delta"])
+    except UnknownDatasetError:
+        if not cfg.privacy.target_delta:
+            raise ConfigError("dp_icl on a dataset the ledger has not seen needs privacy.target_delta: the default δ "
+                              "depends on the dataset's size, which nothing charged here may reveal") from None
+        return float(cfg.privacy.target_delta)
+
+
+def open_server(cfg, paths) -> Served:
+    """The DP-ICL server of ``cfg``'s dataset: its keyed partition (as the flows make it), the
+    dataset registered in (or matched against) the ledger under the config's cap, the training
+    split's rows split into secret keyed subsets, the local causal LM. Reads private rows; charges
+    nothing until a batch is answered."""
+    from tasks.methodkit.causal_engine import causal_engine_for
+    from tasks.methodkit.classifiers import read_split
+    from tasks.methods import PrivateRows
+    from tasks.randomness import DpRandomness
+
+    from .data import partition_dataset
+    from .lifecycle import ensure_dataset, source_dataset, _records_of
+
+    part = partition_dataset(cfg.data, cfg.seed, paths.private, cfg.data_root)
+    ledger = paths.open_ledger()
+    records = _records_of(part)
+    match = source_dataset(ledger, records, part.dataset) if records is not None else None
+    key = match["fingerprint"] if match else (records.key if records is not None else part.dataset_key)
+    delta = dataset_delta(cfg, ledger, key)
+    row = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)
+    texts, labels = read_split(part.train_path)
+    rows = PrivateRows(texts, labels)
+    engine = causal_engine_for(cfg)
+    server = DPICLServer(engine, list(cfg.data.labels), rows, settings_of(cfg, delta), ledger, row["fingerprint"],
+                         DpRandomness())
+    return Served(server, delta, row["name"], float(row["epsilon_cap"]))
+
+
+def check_fits(served: Served, n_queries: int, batch_size: int) -> dict:
+    """Every batch of ``n_queries`` composed with the dataset's spend, before any is answered: over
+    the cap, a ``BudgetExceededError`` and nothing answered."""
+    from privacy.ledger.errors import BudgetExceededError
+
+    sizes = [min(batch_size, n_queries - i) for i in range(0, n_queries, batch_size)]
+    events = [batch_event(served.server.settings.noise_multiplier, b) for b in sizes]
+    ledger, key = served.server.ledger, served.server.fingerprint
+    preview = ledger.preview(key, events, served.delta, cap=served.cap, name=served.dataset)
+    if preview["total_epsilon"] > preview["cap"] + 1e-12:
+        from privacy import accountant as acct
+        from privacy.events import ComposedEvent
+
+        raise BudgetExceededError(
+            f"dp_icl: answering {n_queries} queries would bring dataset {served.dataset!r} to ε="
+            f"{preview['total_epsilon']:.4f} per record at δ={served.delta:g}, over its cap ε={preview['cap']:.4f} "
+            f"(spent ε={preview['spent_epsilon']:.4f}); {queries_left(served, preview)} more fit; nothing answered",
+            fingerprint=key, name=served.dataset, needed=acct.spend(ComposedEvent(tuple(events)), served.delta).epsilon,
+            spent=preview["spent_epsilon"],
+            total=preview["total_epsilon"], cap=preview["cap"], delta=served.delta)
+    return preview
+
+
+def queries_left(served: Served, preview: dict) -> int:
+    """How many more queries (one batch) fit under the cap (binary search on the ledger's preview)."""
+    ledger, key, sigma = served.server.ledger, served.server.fingerprint, served.server.settings.noise_multiplier
+    lo, hi = 0, 1
+    fits = lambda b: ledger.preview(key, [batch_event(sigma, b)], served.delta, cap=served.cap)["total_epsilon"] \
+        <= preview["cap"] + 1e-12  # noqa: E731
+    while hi < 10**7 and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def answer_all(served: Served, texts: list[str], batch_size: int, progress=None) -> list[str]:
+    """The DP answers of ``texts`` in batches of ``batch_size``, each charged (:meth:`DPICLServer.answer`),
+    after :func:`check_fits` found room for all of them."""
+    check_count(batch_size, "batch_size", minimum=1)
+    check_fits(served, len(texts), batch_size)
+    answers: list[str] = []
+    for i in range(0, len(texts), batch_size):
+        answers += served.server.answer(texts[i:i + batch_size])
+        if progress is not None:
+            progress(len(answers), len(texts))
+    return answers
+
+
+def plan_line(cfg, delta: float) -> str:
+    """What ``dp_icl.expected_queries`` answered queries would spend on their own (``privprompt plan``)."""
+    settings = settings_of(cfg, delta)
+    from privacy import accountant as acct
+
+    n = cfg.dp_icl.expected_queries
+    eps = acct.spend(batch_event(settings.noise_multiplier, n), delta).epsilon
+    return (f"dp_icl (served, per query): {n} answered queries at σ={settings.noise_multiplier:.3g} spend ε={eps:.4f} "
+            f"per record at δ={delta:g} on their own — an inference-time spend that grows with every answer "
+            "(one-time methods such as dp_opt and dp_fewshot stay flat)")

@@ -291,6 +291,29 @@ class MiaConfig(Block):
                               "rows than its released size is scored with copies of its rows)")
 
 
+class DPICLConfig(Block):
+    """DP-ICL (Wu et al., ICLR 2024) served by `privprompt predict --dp-icl CONFIG`: every query is answered
+    by a DP vote of in-context prompts from disjoint private subsets of the training split, and every
+    answered batch is charged to the ledger (inference-time spend; tasks/dp_icl.py)."""
+
+    subsets: int = Field(10, ge=2, description="M: disjoint private subsets voting on every query")
+    shots: int = Field(4, ge=1, description="N: at most this many demonstrations in each subset's prompt")
+    noise_multiplier: float | None = Field(None, gt=0, description="σ of each vote (relative to its L2 sensitivity "
+                                           "√2); null: calibrated so that `expected_queries` answered queries spend "
+                                           "privacy.target_epsilon")
+    expected_queries: int = Field(1000, ge=1, description="queries the team expects to answer: what `plan` prices "
+                                  "and what σ is calibrated for when noise_multiplier is null")
+    instruction: str = Field("", description="a public instruction above the demonstrations")
+    template: str = Field("Input: {text}\n\nOutput:", description="each demonstration and the query ({text} once)")
+
+    @field_validator("template")
+    @classmethod
+    def _one_text(cls, v):
+        if v.count("{text}") != 1:
+            raise ValueError(f"must contain {{text}} exactly once, got {v!r}")
+        return v
+
+
 class DaskConfig(Block):
     address: str | None = Field(None, description="scheduler of an existing Dask cluster (default: local)")
     n_workers: int = Field(2, gt=0)

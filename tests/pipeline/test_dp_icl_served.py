@@ -1,0 +1,106 @@
+"""DP-ICL served from a config (`privprompt predict --dp-icl CONFIG`): the answers come from the
+dataset's keyed training split, every batch is charged to the config's ledger exactly as planned,
+queries past the cap are refused in one line before any is answered (nothing charged, nothing
+written), a dataset of people is refused, `plan` prices the expected queries, and no private
+text reaches the output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from privacy import accountant as acct
+from privacy.events import ComposedEvent
+from privacy.ledger import Ledger
+from tasks.dp_icl import batch_event
+from test_flow import _config, _toy_dataset
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def toy(sst2_dir, tmp_path_factory):
+    return _toy_dataset(tmp_path_factory.mktemp("dpicl") / "data", sst2_dir, n_train=60, n_test=10)
+
+
+def _write_config(toy, tmp_path, cap=50.0, **dp_icl):
+    cfg = _config(toy, tmp_path / "state", **{"models.local": "tiny-gpt2", "privacy.target_delta": 1e-5,
+                                              "privacy.dataset_epsilon_cap": cap})
+    cfg["dp_icl"] = {"subsets": 4, "shots": 2, "noise_multiplier": 3.0, **dp_icl}
+    path = tmp_path / "dp_icl.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _queries(tmp_path, n=5):
+    path = tmp_path / "queries.jsonl"
+    path.write_text("".join(json.dumps({"review": f"query number {i} , a fine film", "label": "positive"}) + "\n"
+                            for i in range(n)))
+    return path
+
+
+def _dp_entries(tmp_path):
+    ledger = Ledger(tmp_path / "state" / "ledger.sqlite")
+    return ledger, [e for e in ledger.entries() if e["kind"] == "dp"]
+
+
+def test_answers_are_charged_per_batch_exactly_as_planned(toy, tmp_path, capsys):
+    from privprompt_cli import main
+
+    config, queries, out = _write_config(toy, tmp_path), _queries(tmp_path), tmp_path / "out.jsonl"
+    rc = main(["predict", "--dp-icl", str(config), "--input", str(queries), "--text-field", "review",
+               "--batch-size", "2", "--output", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 5 and {r["prediction"] for r in rows} <= {"negative", "positive"}
+    ledger, entries = _dp_entries(tmp_path)
+    assert [e["status"] for e in entries] == ["committed"] * 3  # batches of 2, 2 and 1
+    (dataset,) = ledger.datasets()
+    expected = acct.spend(ComposedEvent((batch_event(3.0, 2), batch_event(3.0, 2), batch_event(3.0, 1))), 1e-5)
+    assert ledger.spent(dataset["fingerprint"]).epsilon == pytest.approx(expected.epsilon, rel=1e-3)
+    assert "3 charged batch(es)" in err and "per record at δ=1e-05" in err
+    private = [json.loads(line)["text"] for line in (toy / "train.jsonl").read_text().splitlines()]
+    assert not any(t in out.read_text() or t in err for t in private)  # answers only: no demonstration leaves
+
+
+def test_queries_past_the_cap_are_refused_before_any_is_answered(toy, tmp_path, capsys):
+    from privprompt_cli import main
+
+    config, queries, out = _write_config(toy, tmp_path, cap=1.0), _queries(tmp_path, 40), tmp_path / "out.jsonl"
+    rc = main(["predict", "--dp-icl", str(config), "--input", str(queries), "--text-field", "review",
+               "--output", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc != 0 and len(err) == 1 and "over its cap" in err[0] and "nothing answered" in err[0]
+    assert "more fit" in err[0]
+    assert not out.exists()
+    _, entries = _dp_entries(tmp_path)
+    assert entries == []  # nothing reserved, nothing charged
+
+
+def test_a_dataset_of_people_is_refused(toy, tmp_path):
+    from privacy.ledger.errors import UnitMismatchError
+    from tasks.config import load_config
+    from tasks.dp_icl import open_server
+    from tasks.state import state_paths
+
+    cfg = load_config(_write_config(toy, tmp_path))
+    served = open_server(cfg, state_paths(str(tmp_path / "state")))  # registers the dataset (per record)
+    Ledger(tmp_path / "state" / "ledger.sqlite").change_unit(served.server.fingerprint, "customer_id",
+                                                             reason="test: a dataset of people")
+    with pytest.raises(UnitMismatchError, match="customer_id"):  # its per-query ε holds for one record only
+        open_server(cfg, state_paths(str(tmp_path / "state")))
+
+
+def test_sigma_is_calibrated_for_the_expected_queries_and_plan_prices_them(toy, tmp_path):
+    from tasks.config import load_config
+    from tasks.dp_icl import plan_line, settings_of
+
+    cfg = load_config(_write_config(toy, tmp_path, noise_multiplier=None, expected_queries=100))
+    sigma = settings_of(cfg, 1e-5).noise_multiplier
+    assert acct.spend(batch_event(sigma, 100), 1e-5).epsilon == pytest.approx(cfg.privacy.target_epsilon, rel=1e-2)
+    line = plan_line(cfg, 1e-5)
+    assert "100 answered queries" in line and "per record at δ=1e-05" in line
+    assert f"spend ε={acct.spend(batch_event(sigma, 100), 1e-5).epsilon:.4f}" in line
