@@ -17,7 +17,8 @@ from pydantic.json_schema import SkipJsonSchema
 from .errors import ConfigError
 
 from .schema import (AuditConfig, Block, DaskConfig, DataConfig, DPSGDConfig, MiaConfig,  # noqa: F401
-                     ModelsConfig, PrivacyConfig, PromptTuningConfig, PublicDataConfig, SelectionConfig)
+                     ModelsConfig, PrivacyConfig, PromptTuningConfig, PublicDataConfig, SelectionConfig,
+                     FallbackConfig)
 from .state import digest_key
 
 
@@ -129,6 +130,9 @@ class PrivPromptConfig(Block):
                            "no guarantee (privacy.guarantee=none) and publishes nothing")
     selection: SelectionConfig = Field(default_factory=SelectionConfig,
                                        description="private selection of the published method's settings (issue 30)")
+    fallback: FallbackConfig = Field(default_factory=FallbackConfig,
+                                     description="every dp run compared with no prompt on the holdout (a released, "
+                                     "accounted difference), and no prompt published when it loses (issue 41)")
     mia: MiaConfig = Field(default_factory=MiaConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     sweep: list[dict[str, Any]] = Field(

@@ -163,6 +163,10 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
             row["group"] = f"{cfg.data.group_size} {unit}"
             row["group_accounting"] = plan.params.get("privacy.group_accounting")
         events.append(plan.event)
+    if plan.no_prompt is not None:  # the comparison with no prompt: its share of the run's ε
+        row["no_prompt"] = {"epsilon": plan.no_prompt.epsilon, "share": cfg.fallback.epsilon_share,
+                            "sigma": plan.no_prompt.event.noise_multiplier, "fallback": cfg.fallback.enabled,
+                            "method_epsilon": plan.method_epsilon}
     if estimate:
         from . import estimate as est
         from .methods import get_method
@@ -254,6 +258,15 @@ def short_labels(labels: list[str]) -> list[str]:
     return short if len(set(short)) == len(set(labels)) else list(labels)
 
 
+def no_prompt_line(c: dict) -> str:
+    """The plan's line for a run's comparison with no prompt (``fallback``; tasks/no_prompt.py)."""
+    then = ("no prompt is published if it loses" if c["fallback"] else "a loss is warned about (fallback.enabled: "
+            "false)")
+    return (f"  of it, the comparison with no prompt on the holdout: ε = {c['epsilon']:.4f} (fallback.epsilon_share "
+            f"{c['share']:g}; Gaussian noise σ = {c['sigma']:.3g} on the difference in holdout records right; {then}); "
+            f"the method's own share ε = {c['method_epsilon']:.4f}")
+
+
 def format_plan(plan: dict) -> str:
     labels = short_labels([r["variant"] or "(config)" for r in plan["runs"]])
     width = max([len("variant"), *map(len, labels)]) + 2
@@ -279,6 +292,8 @@ def format_plan(plan: dict) -> str:
                              f"ε = {user['epsilon']:.4f} per person")
             elif user:
                 lines.append(f"  a user-level run at the same target cannot be planned: {user['refused']}")
+        if r.get("no_prompt"):
+            lines.append(no_prompt_line(r["no_prompt"]))
         if r.get("selection"):
             s = r["selection"]
             others = (f"the same trials by random stopping (E[K] = {s['expected_trials']:g}) ε = "
