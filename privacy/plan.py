@@ -5,7 +5,11 @@ releases and returns one frozen :class:`RunPlan`:
 
 * the release of the partition's sizes (a Gaussian count, ``(ε_S, δ/10)``: a function of its σ and
   δ only), when the method makes a ``dp`` claim;
-* the method's own release, calibrated to what is left — ``ε' = target − ε_S`` at ``9δ/10`` —
+* with ``no_prompt_share`` > 0, the comparison of the run's output with no prompt on the holdout
+  (:func:`no_prompt_comparison`: a Gaussian scalar of sensitivity 1 per unit at
+  ``no_prompt_share · target`` and ``δ/10``; the release ``no_prompt``, composed last);
+* the method's own release, calibrated to what is left — ``ε' = target − ε_S − ε_C`` at
+  ``9δ/10`` (``8δ/10`` with the comparison) —
   by the method's own calibration, handed in as a callable ``calibrate(epsilon, delta)``: σ, the
   number of steps or queries stay the method's business, the division of the budget is this
   module's. A selection of the method's settings is one such callable (its trials calibrated

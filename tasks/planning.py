@@ -177,7 +177,7 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
                                  cfg.seed)
         except Exception:  # noqa: BLE001 - the estimate is advisory
             measured = None
-        row.update(est.run_estimate(plan, sizes, measured))
+        row.update(est.run_estimate(plan, sizes, measured, cfg.data.max_records_per_unit))
     if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
         from .selection import describe_plan
 
@@ -274,7 +274,7 @@ def format_plan(plan: dict) -> str:
     # covers the release of the sizes
     timed = any("seconds" in r for r in plan["runs"])
     timing = lambda r: (f"{'-' if r.get('steps') is None else r['steps']:>7}  "  # noqa: E731
-                        f"{format_seconds(r.get('seconds')):>10}  ") if timed else ""
+                        f"{('≤' if r.get('bound') else '') + format_seconds(r.get('seconds')):>10}  ") if timed else ""
     lines = [f"{'variant':<{width}}{'method':<16}{'guarantee':<10}{'planned ε':>12}  "
              + (f"{'steps':>7}  {'est. time':>10}  " if timed else "") + f"{'δ':<9}unit"]
     for r, label in zip(plan["runs"], labels):
@@ -292,6 +292,10 @@ def format_plan(plan: dict) -> str:
                              f"ε = {user['epsilon']:.4f} per person")
             elif user:
                 lines.append(f"  a user-level run at the same target cannot be planned: {user['refused']}")
+        if r.get("why"):  # no time estimate for this run, and why
+            lines.append(f"  est. time: - ({r['why']})")
+        elif r.get("bound"):
+            lines.append("  est. time: an upper bound (each person counted as data.max_records_per_unit records)")
         if r.get("no_prompt"):
             lines.append(no_prompt_line(r["no_prompt"]))
         if r.get("selection"):
