@@ -177,7 +177,13 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
                                  cfg.seed)
         except Exception:  # noqa: BLE001 - the estimate is advisory
             measured = None
-        row.update(est.run_estimate(plan, sizes, measured, cfg.data.max_records_per_unit))
+        if "selection" in plan.settings:  # its trials' own plans
+            from .selection import trial_work
+
+            row.update(est.selection_estimate(trial_work(cfg, name, plan), sizes, measured,
+                                              cfg.data.max_records_per_unit))
+        else:
+            row.update(est.run_estimate(plan, sizes, measured, cfg.data.max_records_per_unit))
     if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
         from .selection import describe_plan
 
@@ -317,7 +323,7 @@ def format_plan(plan: dict) -> str:
         total = sum(r["seconds"] for r in plan["runs"] if r.get("seconds") is not None)
         lines.append(f"est. time: {format_seconds(total)} of model work in all (training steps × expected batch and "
                      "the test split, from a probe of the model on this machine; start-up, tracking and any audit "
-                     "come on top; a selection's trials are not estimated)")
+                     "come on top; a selection's at its expected number of trials)")
     for key, d in plan["datasets"].items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "

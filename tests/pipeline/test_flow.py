@@ -117,11 +117,15 @@ def test_run_record_is_complete(flow_run):
     assert "train.loss_last10" not in metrics
     budget = json.loads(Path(client.download_artifacts(run.info.run_id, "privacy/budget.json")).read_text())
     assert budget["total"]["epsilon"] == pytest.approx(metrics["privacy.epsilon"])
-    # the run's mechanism: the partition's released sizes (one Gaussian count) and DP-SGD
+    # the run's mechanism: the partition's released sizes (one Gaussian count), DP-SGD and the comparison
+    # with no prompt on the holdout (one Gaussian difference: tasks/no_prompt.py)
     from tasks.data import Partition
 
     event = budget["stages"][0]["event"]
-    assert event["type"] == "composed" and [e["type"] for e in event["events"]] == ["gaussian", "self_composed"]
+    assert event["type"] == "composed" and [e["type"] for e in event["events"]] == [
+        "gaussian", "self_composed", "gaussian"]
+    assert float(params["no_prompt.noise_sigma"]) == event["events"][2]["noise_multiplier"]
+    assert "no_prompt.released_difference" in metrics and metrics["no_prompt.fallback"] == 0.0  # fallback off here
     sizes = Partition(**json.loads(next((flow_run["state"] / "private" / "partitions").glob("*/manifest.json"))
                                    .read_text())).sizes
     assert event["events"][0]["noise_multiplier"] == sizes.sigma == 50.0
