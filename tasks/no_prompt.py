@@ -17,7 +17,7 @@ comparison is conclusive when |D̃| > 1.96 σ (a 95% two-sided band of the noise
 inconclusive (a small holdout: noise dominates, and the run never calls the prompt "better"). With
 ``fallback.enabled`` (the default) a prompt that loses is not published: no prompt file, no
 registered model; the published result is the model without a prompt (what the run's test accuracy
-then measures). Unconclusive or not, D̃ < 0 falls back: on a tie the safe choice is no prompt.
+then measures). Conclusive or not, D̃ < 0 falls back: on a tie the safe choice is no prompt.
 
 Public numbers only leave this module: D̃, σ, D̃ over the RELEASED holdout size and the decision.
 """
