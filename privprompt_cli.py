@@ -233,13 +233,14 @@ def _run_flow(cfg, config: dict) -> dict:
 
 
 def _print_sweep(summary: dict) -> None:
-    from flows.sweep import present_columns, short_name
+    from flows.sweep import present_columns, privacy_cells, short_name
 
     columns = present_columns(summary["variants"])
-    print("variant".ljust(40) + "".join(short_name(c).rjust(16) for c in columns))
+    print("variant".ljust(40) + "".join(short_name(c).rjust(16) for c in columns) + "  " + "δ".ljust(9) + "unit")
     for row in summary["variants"]:
         cells = "".join(("-" if row.get(c) is None else f"{row[c]:.4f}").rjust(16) for c in columns)
-        print(row["variant"][:39].ljust(40) + cells)
+        delta, unit = privacy_cells(row)
+        print(row["variant"][:39].ljust(40) + cells + "  " + delta.ljust(9) + unit)
     if any(g["n"] > 1 for g in summary.get("groups", [])):
         print("mean ± std over seeds")
         for g in summary["groups"]:
@@ -262,10 +263,11 @@ def _print_attacks(m: dict) -> None:
         print(f"{'audit.epsilon_lower_bound:':<28}{m['audit.epsilon_lower_bound']:.4f} {AUDIT_NOTE}")
 
 
-def _print_prompt(published: dict | None, selected: bool = False) -> None:
+def _print_prompt(published: dict | None, selected: bool = False, fell_back: bool = False) -> None:
     """Where the run's prompt is: the published file and its MLflow artifact, or that it stays private."""
     if not published or published.get("prompt_path") is None:
-        why = "the selection chose no prompt" if selected else "the method publishes no prompt"
+        why = ("it lost to no prompt in the released holdout comparison: fallback; use the model without a prompt"
+               if fell_back else "the selection chose no prompt" if selected else "the method publishes no prompt")
         print(f"{'prompt:':<28}none ({why})")
     elif published.get("prompt_published"):
         print(f"{'published prompt:':<28}{published['prompt_path']}")
@@ -309,7 +311,7 @@ def _print_summary(summary: dict, wall: float) -> None:
         print(f"{'selection (released):':<28}published candidate's holdout score "
               f"{m['selection.winner.holdout_score']:.4f}" + ("" if ref is None else f", no prompt {ref:.4f}")
               + " (noisy, DP; params: selection.metric)")
-    _print_prompt(summary.get("published"), "selection.winner_index" in m)
+    _print_prompt(summary.get("published"), "selection.winner_index" in m, bool(m.get("no_prompt.fallback")))
     if summary.get("registered_model"):
         print(f"{'registered model:':<28}{summary['registered_model']} (privprompt predict / privprompt serve)")
     for warning in summary.get("warnings", []):

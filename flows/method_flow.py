@@ -132,7 +132,9 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
             model = method.published_model(cfg, prepared)
             rec.loss_mia(loss_mia_task(ctx, published.prompt_path, cfg.method, published.guarantee, model))
         rec.released(published, plan)
-        if cfg.audit.enabled:
+        if cfg.audit.enabled and published.prompt_path is None:  # no prompt published (fallback): none to audit
+            get_run_logger().warning("audit skipped: the run published no prompt")
+        elif cfg.audit.enabled:
             from flows.audit import run_audit
 
             rec.audited(run_audit(pipeline.audit_target(ctx, published, prepared), cfg.audit, cfg))

@@ -69,12 +69,24 @@ def seed_groups(rows: list[dict]) -> list[dict]:
     return out
 
 
+def privacy_cells(row: dict) -> tuple[str, str]:
+    """(δ, unit) of a variant's ε: what each ε of the sweep's table is stated for ('-' without one)."""
+    from tasks.statement import unit_phrase
+
+    if row.get("privacy.epsilon") is None:
+        return "-", "-"
+    delta = row.get("privacy.delta")
+    return ("-" if delta is None else f"{delta:.3g}"), unit_phrase(row.get("unit"))
+
+
 def summary_table(rows: list[dict], groups: list[dict]) -> str:
     columns = present_columns(rows)
-    lines = ["| variant | run | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
+    lines = ["| variant | run | " + " | ".join(columns) + " | δ | unit |",
+             "|---|---|" + "---:|" * len(columns) + "---:|---|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['mlflow_run_id'][:8]} | "
-                     + " | ".join("-" if r.get(c) is None else f"{r[c]:.4f}" for c in columns) + " |")
+                     + " | ".join("-" if r.get(c) is None else f"{r[c]:.4f}" for c in columns)
+                     + " | " + " | ".join(privacy_cells(r)) + " |")
     if any(g["n"] > 1 for g in groups):
         lines += ["", "Mean ± sample standard deviation over seeds:", "",
                   "| variant | seeds | " + " | ".join(columns) + " |", "|---|---|" + "---:|" * len(columns)]
@@ -97,7 +109,8 @@ def finished_run(mlflow, experiment: str, digest: str):
 
 def _row(label: str, variant, run_id: str, metrics: dict, resumed: bool) -> dict:
     row = {"variant": label, "method": variant.method, "mlflow_run_id": run_id,
-           "privacy.guarantee": variant.guarantee, "seed": variant.seed, "resumed": resumed}
+           "privacy.guarantee": variant.guarantee, "seed": variant.seed, "resumed": resumed,
+           "privacy.delta": metrics.get("privacy.delta"), "unit": variant.data.charge_unit}
     row.update({k: metrics.get(k) for k in COLUMNS})
     row.update({k: v for k, v in metrics.items() if _accuracy_column(k)})
     return row

@@ -452,3 +452,43 @@ def count_release_event(noise_multiplier: float):
     from .events import GaussianEvent
 
     return GaussianEvent(float(noise_multiplier))
+
+
+# ---- the comparison with no prompt ------------------------------------------------------------
+
+def gaussian_delta(epsilon: float, noise_multiplier: float) -> float:
+    """The exact δ(ε) of the Gaussian mechanism of noise σ (L2 sensitivity 1): Φ(1/(2σ) − εσ) −
+    e^ε Φ(−1/(2σ) − εσ) (Balle & Wang 2018, Thm. 8, the analytic Gaussian mechanism)."""
+    from scipy.stats import norm
+
+    s = float(noise_multiplier)
+    return float(norm.cdf(0.5 / s - epsilon * s) - math.exp(epsilon) * norm.cdf(-0.5 / s - epsilon * s))
+
+
+def analytic_gaussian_sigma(epsilon: float, delta: float) -> float:
+    """The smallest σ (to 1e-9 relative) at which one Gaussian release of L2 sensitivity 1 is (ε, δ)-DP
+    exactly (:func:`gaussian_delta`, decreasing in σ): a bisection on a closed form, instant."""
+    check_epsilon(epsilon, "epsilon")
+    check_delta(delta, "delta")
+    lo, hi = 1e-6, 1.0
+    while gaussian_delta(epsilon, hi) > delta:
+        lo, hi = hi, hi * 2.0
+    while hi - lo > 1e-9 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if gaussian_delta(epsilon, mid) > delta else (lo, mid)
+    return hi
+
+
+def difference_with_and_without(right_with, right_without, weights=None) -> float:
+    """D = Σ_i w_i (right_with_i − right_without_i) over the holdout rows: how many more rows (or,
+    with ``weights`` 1/n_u per row of unit u, people) the prompt classifies right than no prompt does.
+    One row moves D by ≤ 1 (|right_with − right_without| ≤ 1); one unit of weights summing to 1, by ≤ 1.
+    EXACT: a statistic of private data, only released through :func:`gaussian_mechanism`."""
+    a = np.asarray(right_with, dtype=float)
+    b = np.asarray(right_without, dtype=float)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"right_with and right_without must be two vectors of one length, got {a.shape}, {b.shape}")
+    w = np.ones_like(a) if weights is None else np.asarray(weights, dtype=float)
+    if w.shape != a.shape or np.any(w < 0):
+        raise ValueError(f"weights must give one non-negative weight per row, got shape {w.shape}")
+    return math.fsum((w * (a - b)).tolist())

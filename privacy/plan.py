@@ -5,7 +5,11 @@ releases and returns one frozen :class:`RunPlan`:
 
 * the release of the partition's sizes (a Gaussian count, ``(ε_S, δ/10)``: a function of its σ and
   δ only), when the method makes a ``dp`` claim;
-* the method's own release, calibrated to what is left — ``ε' = target − ε_S`` at ``9δ/10`` —
+* with ``no_prompt_share`` > 0, the comparison of the run's output with no prompt on the holdout
+  (:func:`no_prompt_comparison`: a Gaussian scalar of sensitivity 1 per unit at
+  ``no_prompt_share · target`` and ``δ/10``; the release ``no_prompt``, composed last);
+* the method's own release, calibrated to what is left — ``ε' = target − ε_S − ε_C`` at
+  ``9δ/10`` (``8δ/10`` with the comparison) —
   by the method's own calibration, handed in as a callable ``calibrate(epsilon, delta)``: σ, the
   number of steps or queries stay the method's business, the division of the budget is this
   module's. A selection of the method's settings is one such callable (its trials calibrated
@@ -34,6 +38,8 @@ from . import calibrate
 from . import events as ev
 
 SIZES_DELTA_SHARE = 0.1  # of a dp run's δ, for the release of its partition's sizes
+NO_PROMPT = "no_prompt"  # the release comparing a run's output with no prompt on the holdout
+NO_PROMPT_DELTA_SHARE = 0.1  # of a dp run's δ, for that comparison (when it has one)
 
 
 class PlanError(ValueError):
@@ -165,11 +171,18 @@ class RunPlan:
         sizes = self.release("sizes")
         return None if sizes is None else sizes.event
 
+    @property
+    def no_prompt(self) -> Release | None:
+        """The release comparing the run's output with no prompt on the holdout (None: the run has none)."""
+        return self.release(NO_PROMPT)
+
     def charged(self, method_event: ev.DpEvent) -> tuple[ev.DpEvent, ev.DpEvent | None]:
         """The realised counterpart of the plan's events for the event a training actually spent
         (≤ the planned one): (the event the ledger is charged, the per-record event of a run
         charged per person, else None)."""
         event = method_event if self.sizes_event is None else with_size_release(method_event, self.sizes_event)
+        if self.no_prompt is not None:
+            event = with_release(event, self.no_prompt.event)
         if self.group_size:
             return group_charge(event, self.group_size, self.method, self.charge_unit), event
         return event, None
@@ -177,8 +190,9 @@ class RunPlan:
     @property
     def own(self) -> Release | None:
         """The method's own release (``method``, or ``selection`` for a selection of its settings:
-        every trial and the noisy holdout scores, one mechanism); None without a dp claim."""
-        return next((r for r in self.releases if r.name != "sizes"), None)
+        every trial and the noisy holdout scores, one mechanism); None without a dp claim. Never the
+        sizes or the no-prompt comparison."""
+        return next((r for r in self.releases if r.name not in ("sizes", NO_PROMPT)), None)
 
     @property
     def charge_unit(self) -> str:
@@ -193,6 +207,14 @@ def with_size_release(event: ev.DpEvent, size_event: ev.DpEvent) -> ev.DpEvent:
     if isinstance(event, ev.ParallelEvent):
         return ev.ParallelEvent(tuple(ev.ComposedEvent((size_event, e)) for e in event.events))
     return ev.ComposedEvent((size_event, event))
+
+
+def with_release(event: ev.DpEvent, other: ev.DpEvent) -> ev.DpEvent:
+    """``event`` composed with one more release (the comparison with no prompt: it reads the
+    holdout, not a branch): appended to a composition, else a composition of the two."""
+    if isinstance(event, ev.ComposedEvent):
+        return ev.ComposedEvent(tuple(event.events) + (other,))
+    return ev.ComposedEvent((event, other))
 
 
 def group_accounting(event: ev.DpEvent) -> str:
@@ -215,16 +237,31 @@ def group_charge(event: ev.DpEvent, k: int, name: str, person_field: str) -> ev.
                         f"(data.person_field: {person_field})") from None
 
 
+def no_prompt_comparison(epsilon: float, delta: float) -> tuple[ev.GaussianEvent, float]:
+    """The comparison with no prompt at the budget (``epsilon``, ``delta``): one Gaussian release of
+    D = Σ_holdout (right with the prompt − right without) — a scalar one record (one person, each of
+    their rows weighing 1/n) moves by ≤ 1 — its σ the exact analytic Gaussian's
+    (:func:`privacy.mechanisms.analytic_gaussian_sigma`). Returns (its event, its ε by the
+    accountant: what the plan counts; never above ``epsilon`` by more than the PLD's rounding)."""
+    from .mechanisms import analytic_gaussian_sigma
+
+    event = ev.GaussianEvent(analytic_gaussian_sigma(epsilon, delta))
+    return event, acct.spend(event, delta).epsilon
+
+
 def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calibration: Calibration, *,
              sizes_event: ev.DpEvent | None = None, sizes_sigma: float | None = None, unit: str = "record",
              group_size: int | None = None, person_field: str | None = None, always_dp: bool = False,
              release: str = "method", sizes_delta_share: float = SIZES_DELTA_SHARE,
-             statistics: tuple[str, ...] = ()) -> RunPlan:
+             statistics: tuple[str, ...] = (), no_prompt_share: float = 0.0,
+             no_prompt_statistics: tuple[str, ...] = ()) -> RunPlan:
     """The one plan of method ``name``'s run: ``calibration(ε, δ)`` is the method's own (its plan
     at a budget). A method that makes no ``dp`` claim at the whole budget (``always_dp`` False:
     asked first) gets a plan without releases. A ``dp`` one: the sizes release at
-    ``sizes_delta_share`` of δ, the method calibrated to the rest, checked to meet the target
-    (a calibration that misses it is refused), the group charge when ``group_size`` is set.
+    ``sizes_delta_share`` of δ; with ``no_prompt_share`` > 0 the comparison with no prompt on the
+    holdout (:func:`no_prompt_comparison`) at that share of the target and ``NO_PROMPT_DELTA_SHARE``
+    of δ (its statistic ``no_prompt_statistics``); the method calibrated to the rest, checked to meet
+    the target (a calibration that misses it is refused), the group charge when ``group_size`` is set.
     ``release``: the name of the method's own release (``selection`` for a selection);
     ``statistics``: its declared pre-noise statistics (:class:`Release`)."""
     target = float(target_epsilon)
@@ -234,17 +271,20 @@ def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calib
             return _plan_of(alone, delta, target_epsilon=None, method_epsilon=None)
     delta_sizes = delta * sizes_delta_share if sizes_event is not None else 0.0
     eps_sizes = acct.spend(sizes_event, delta_sizes).epsilon if sizes_event is not None else 0.0
-    share = target - eps_sizes
+    delta_np = delta * NO_PROMPT_DELTA_SHARE if no_prompt_share > 0 else 0.0
+    np_event, eps_np = no_prompt_comparison(target * no_prompt_share, delta_np) if delta_np else (None, 0.0)
+    share = target - eps_sizes - eps_np
     if not share > target * 1e-3:
         raise PlanError(f"{name}: privacy.target_epsilon = {target:g} leaves nothing for the method once the split "
-                        f"sizes are released (ε = {eps_sizes:.4f} at data.size_noise_sigma = {sizes_sigma:g} records); "
+                        f"sizes are released (ε = {eps_sizes:.4f} at data.size_noise_sigma = {sizes_sigma:g} records)"
+                        f"{f' and the comparison with no prompt (ε = {eps_np:.4f})' if np_event else ''}; "
                         "raise the target or data.size_noise_sigma")
-    method_delta = delta - delta_sizes
+    method_delta = delta - delta_sizes - delta_np
     own = calibration(share, method_delta)
     if own.guarantee != "dp" or own.event is None:
         raise PlanError(f"{name}: its calibration at ε = {share:.4f} makes no dp claim (guarantee {own.guarantee!r})")
     method_eps = acct.spend(own.event, method_delta).epsilon
-    if not eps_sizes + method_eps <= target * (1 + 1e-6):
+    if not eps_sizes + method_eps + eps_np <= target * (1 + 1e-6):
         raise PlanError(f"{name}: its plan would spend ε = {method_eps:.4f} at δ = {method_delta:g} above its "
                         f"share {share:.4f} of privacy.target_epsilon = {target:g} (a calibration that misses its "
                         "target); nothing reserved")
@@ -258,6 +298,12 @@ def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calib
         params.update({"privacy.size_epsilon": eps_sizes, "privacy.method_epsilon": share})
     releases.append(Release(release, share, method_delta, own.event, float(k or 1), charge_unit, tuple(statistics)))
     event = own.event if sizes_event is None else with_size_release(own.event, sizes_event)
+    if np_event is not None:
+        releases.append(Release(NO_PROMPT, eps_np, delta_np, np_event, float(k or 1), charge_unit,
+                                tuple(no_prompt_statistics)))
+        params.update({"privacy.no_prompt_epsilon": eps_np, "privacy.method_epsilon": share,
+                       "no_prompt.noise_sigma": np_event.noise_multiplier})
+        event = with_release(event, np_event)
     record_event = None
     if k:
         params["privacy.group_size"] = k

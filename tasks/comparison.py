@@ -83,6 +83,8 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),
                          "note": tags.get("privacy.note", ""),
                          "below_no_prompt": tags.get("result.below_no_prompt") == "true",
+                         # its prompt lost the released comparison with no prompt, and none was published
+                         "fell_back": tags.get("result.fallback_to_no_prompt") == "true",
                          # a selection's published winner and its DP-released holdout accuracy (never an exact
                          # holdout number: none is logged)
                          "selection": _selection_of(run) if selected else None}
@@ -142,7 +144,8 @@ def comparison_table(rows: list[dict], sections: list | None = None) -> str:
 def below_no_prompt_lines(rows: list[dict], refs: list) -> list[str]:
     """The report's warning lines: DP runs whose published prompt scored below no prompt (test accuracy
     below a declared no-prompt reference's on the same test split, ``refs``, or the run's tag
-    ``result.below_no_prompt``), and selection runs with failed candidates (a count)."""
+    ``result.below_no_prompt``), runs that published no prompt because theirs lost the released
+    comparison (tag ``result.fallback_to_no_prompt``), and selection runs with failed candidates (a count)."""
     out = []
     for r in rows:
         worse = [ref for ref in refs if isinstance(r.get(ref.key), float) and r["accuracy"] is not None
@@ -151,6 +154,10 @@ def below_no_prompt_lines(rows: list[dict], refs: list) -> list[str]:
         if below:
             out.append(f"WARNING: run {r['run_id'][:8]} ({r['method']}, {r.get('dataset') or '-'}): its prompt scored "
                        "below no prompt; the model without a prompt serves better")
+        if r.get("fell_back"):
+            out.append(f"NOTE: run {r['run_id'][:8]} ({r['method']}, {r.get('dataset') or '-'}): its prompt lost to no "
+                       "prompt in the released holdout comparison: no prompt was published (fallback); its test "
+                       "accuracy is the model's without a prompt")
         failed = (r.get("selection") or {}).get("failed_candidates")
         if failed:
             out.append(f"WARNING: run {r['run_id'][:8]} ({r['method']}): {int(failed)} selection candidate(s) failed "

@@ -17,7 +17,8 @@ from pydantic.json_schema import SkipJsonSchema
 from .errors import ConfigError
 
 from .schema import (AuditConfig, Block, DaskConfig, DataConfig, DPICLConfig, DPSGDConfig, MiaConfig,  # noqa: F401
-                     ModelsConfig, PrivacyConfig, PromptTuningConfig, PublicDataConfig, SelectionConfig)
+                     ModelsConfig, PrivacyConfig, PromptTuningConfig, PublicDataConfig, SelectionConfig,
+                     FallbackConfig)
 from .state import digest_key
 
 
@@ -131,6 +132,9 @@ class PrivPromptConfig(Block):
                                        description="private selection of the published method's settings (issue 30)")
     dp_icl: DPICLConfig = Field(default_factory=DPICLConfig, description="DP-ICL served per query by "
                                 "`privprompt predict --dp-icl`, each answered batch charged to the ledger")
+    fallback: FallbackConfig = Field(default_factory=FallbackConfig,
+                                     description="every dp run compared with no prompt on the holdout (a released, "
+                                     "accounted difference), and no prompt published when it loses (issue 41)")
     mia: MiaConfig = Field(default_factory=MiaConfig)
     audit: AuditConfig = Field(default_factory=AuditConfig)
     sweep: list[dict[str, Any]] = Field(

@@ -67,24 +67,63 @@ def probe(model_name: str, max_length: int, train_batch: int = PROBE_BATCH, eval
     return _PROBES[key]
 
 
-def run_estimate(plan, sizes, measured: Probe | None) -> dict:
+def run_estimate(plan, sizes, measured: Probe | None, records_per_unit: int | None = None) -> dict:
     """``steps`` (the plan's training steps; None for a run without its own step count, or a
     selection, whose trials have their own) and ``seconds`` (None without a probe, or for a
     selection): steps × expected batch × training seconds per example, plus the evaluation of the
-    released test split; a private method without a step count: one pass over its training data."""
+    released test split and, with a comparison with no prompt (the plan's ``no_prompt`` release),
+    the holdout scored twice; a private method without a step count: one pass over its training data.
+
+    Under a person unit the released sizes and the expected batch count PEOPLE, and the model's work
+    is per record: each person is counted as ``records_per_unit`` records (``data.max_records_per_unit``,
+    public: the estimate is then an upper bound, ``bound``); without a cap the records per person are a
+    private statistic, and no time is estimated (``seconds`` None, ``why`` says so)."""
     settings = plan.settings
-    if "selection" in settings:
+    if "selection" in settings:  # a selection's trials: estimated from their own plans (selection_estimate)
         return {"steps": None, "seconds": None}
     steps, batch = settings.get("steps"), settings.get("expected_batch")
     out = {"steps": None if steps is None else int(steps), "seconds": None}
+    per_person = getattr(sizes, "unit", "record") != "record"
+    if per_person and not records_per_unit:
+        if measured is not None:
+            out["why"] = "records per person are private: set data.max_records_per_unit for an upper bound"
+        return out
     if measured is None:
         return out
-    seconds = sizes.n_test * measured.eval_s
+    rows = float(records_per_unit) if per_person else 1.0  # records per counted unit
+    seconds = sizes.n_test * rows * measured.eval_s
+    if getattr(plan, "no_prompt", None) is not None:
+        seconds += 2 * getattr(sizes, "n_holdout", 0) * rows * measured.eval_s
     if steps is not None and batch is not None:
-        seconds += float(steps) * float(batch) * measured.train_s
+        seconds += float(steps) * float(batch) * rows * measured.train_s
     elif plan.reads_private:
-        seconds += sizes.n_train * measured.train_s
+        seconds += sizes.n_train * rows * measured.train_s
     out["seconds"] = seconds
+    if per_person:
+        out["bound"] = True
+    return out
+
+
+def selection_estimate(work: dict, sizes, measured: Probe | None, records_per_unit: int | None = None) -> dict:
+    """A selection's estimate from :func:`tasks.selection.trial_work`: its trainings (steps × expected
+    batch each, weighted by the expected number of times each is trained), its holdout scores (one
+    row per forward pass, counted at the probe's evaluation rate: a lower bound there) and the test
+    split. ``steps``: the expected training steps in all."""
+    weight = float(work.get("weight", 1.0))
+    trained = [(s, b) for s, b in work["trainings"] if s is not None and b is not None]
+    steps = weight * sum(float(s) for s, _ in trained)
+    out = {"steps": int(round(steps)) if trained else None, "seconds": None}
+    per_person = getattr(sizes, "unit", "record") != "record"
+    if measured is None or (per_person and not records_per_unit):
+        if measured is not None:
+            out["why"] = "records per person are private: set data.max_records_per_unit for an upper bound"
+        return out
+    rows = float(records_per_unit) if per_person else 1.0
+    seconds = weight * sum(float(s) * float(b) for s, b in trained) * measured.train_s
+    seconds += (work["scores"] * getattr(sizes, "n_holdout", 0) + sizes.n_test) * measured.eval_s
+    out["seconds"] = seconds * rows
+    if per_person:
+        out["bound"] = True
     return out
 
 

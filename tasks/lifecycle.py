@@ -619,8 +619,13 @@ def train(door: Door, progress=None) -> tuple[Trained, float]:
         _test_pause("training")
     started = time.perf_counter()
     trained = door.method.train(door.mctx, plan, rows, progress=progress(name) if progress else None)
-    train_s = time.perf_counter() - started
     del rows
+    if plan.no_prompt is not None:  # the released comparison with no prompt: stored with the output
+        from . import no_prompt
+
+        trained.metrics.update(no_prompt.release(door.mctx, plan, door.method, trained.prompt, ctx.part,
+                                                 ctx.part.sizes.n_holdout))
+    train_s = time.perf_counter() - started
     if door.dp:
         trained = store(door, trained)
     return trained, train_s
@@ -682,11 +687,16 @@ def commit(door: Door, trained: Trained, train_s: float) -> tuple[dict, dict]:
 def publish(door: Door, trained: Trained, info: dict, metrics: dict, progress=None) -> RunOutcome:
     """The training's record (its child run; a choice among settings on the parent), then its
     output post-processed (public data only) and written under the publish rule."""
+    from .no_prompt import FALLBACK, decide
+
     choice = chosen(door, trained)
     recording.record_choice(door.ctx, choice.params, choice.tags)
     info["params"] = {**info["params"], **choice.params}
+    decision = decide(door.ctx.cfg, metrics)  # the released comparison with no prompt (post-processing)
+    metrics.update(decision)
+    info["train_metrics"] = {**info["train_metrics"], **decision}
     recording.record_training(door.child, info["params"], metrics, door.opt_in)
-    if trained.prompt is not None:
+    if trained.prompt is not None and not decision.get(FALLBACK):  # a prompt that lost to no prompt: none
         write_outputs(door, trained, info, choice, progress)
     door.child.end()
     info["published"] = door.plan.guarantee in PUBLISHED and info["prompt_path"] is not None

@@ -154,3 +154,24 @@ def selection_counts(source: SourceData, cfg, key: bytes) -> np.ndarray:
     holdout = PrivateRows(texts, labels, units=units)
     y = np.array([list(cfg.data.labels).index(label) for label in labels], dtype=int)
     return np.asarray(per_class_counts(y, y, len(cfg.data.labels), holdout_weights(cfg, holdout)), dtype=float)
+
+
+@register_statistic("no_prompt_difference", norm=2.0)
+def no_prompt_difference(source: SourceData, cfg, key: bytes) -> np.ndarray:
+    """The comparison with no prompt's pre-noise D (``tasks.no_prompt.exact_difference``, the run's
+    own code) on the partition's holdout, every row right with the prompt and wrong without it (the
+    largest D: each row +1, or with a person unit each person's rows 1/n each): one record (person)
+    moves it by ≤ 1, the sensitivity its Gaussian states (a record-level run charged per person: ≤ k)."""
+    from .methods.base import PrivateRows
+    from .no_prompt import exact_difference
+
+    _, rows = split_rows(source, cfg, key)
+    texts, labels, units = rows.holdout
+    holdout = PrivateRows(texts, labels, units=units)
+    n_labels = len(cfg.data.labels)
+    y = np.array([list(cfg.data.labels).index(label) for label in labels], dtype=int)
+
+    def predict(prompt, _rows):
+        return y if prompt is not None else (y + 1) % n_labels
+
+    return np.array([exact_difference(cfg, predict, "the prompt", holdout)])

@@ -285,20 +285,32 @@ class RunReport:
         return summary
 
     def warnings(self, published: RunOutcome) -> list[str]:
-        """The run summary's warnings (also the parent's ``warning`` tag and the report): a published
-        DP prompt whose test accuracy is below no prompt's on the same test split (``zero_shot`` run
+        """The run summary's warnings (also the parent's ``warning`` tag and the report): the released
+        comparison with no prompt on the holdout (a fallback, a loss published anyway, an inconclusive
+        one: :meth:`released_comparison`); a published DP prompt whose test accuracy is below no prompt's on the same test split (``zero_shot`` run
         beside it: both already published; tag ``result.below_no_prompt``); a selection whose published
         prompt's RELEASED holdout score is below the released "no prompt" reference (with
         ``selection.fallback_to_no_prompt: false``), whose best trial was dropped for no prompt for that
         reason (both DP outputs: tasks/selection.py), or some of whose candidates failed (a count)."""
         from .selection import below_no_prompt, failed_note, fallback_note
 
-        notes = [self.below_no_prompt_on_test(published)]
+        notes = [self.released_comparison(published), self.below_no_prompt_on_test(published)]
         if self.cfg.selection.enabled:
             notes += [below_no_prompt(published.train_metrics),
                       fallback_note(published.train_metrics, published.params.get("selection.best_trial")),
                       failed_note(published.train_metrics)]
         return [n for n in notes if n is not None]
+
+    def released_comparison(self, published: RunOutcome) -> str | None:
+        """The line about the run's released comparison with no prompt on the holdout (tasks/no_prompt.py:
+        it fell back to no prompt, it lost and was published anyway, or it is inconclusive), its tags on
+        the parent (``result.fallback_to_no_prompt`` / ``result.below_no_prompt``)."""
+        from .no_prompt import note
+
+        line, tags = note(published.train_metrics)
+        if tags:
+            self.parent.set_tags(tags)
+        return line
 
     def below_no_prompt_on_test(self, published: RunOutcome) -> str | None:
         """The warning when the published prompt scores below a no-prompt reference on the test split

@@ -163,6 +163,10 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
             row["group"] = f"{cfg.data.group_size} {unit}"
             row["group_accounting"] = plan.params.get("privacy.group_accounting")
         events.append(plan.event)
+    if plan.no_prompt is not None:  # the comparison with no prompt: its share of the run's ε
+        row["no_prompt"] = {"epsilon": plan.no_prompt.epsilon, "share": cfg.fallback.epsilon_share,
+                            "sigma": plan.no_prompt.event.noise_multiplier, "fallback": cfg.fallback.enabled,
+                            "method_epsilon": plan.method_epsilon}
     if estimate:
         from . import estimate as est
         from .methods import get_method
@@ -174,7 +178,13 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
                                  cfg.seed, placement=cfg.models.placement_of(source))
         except Exception:  # noqa: BLE001 - the estimate is advisory
             measured = None
-        row.update(est.run_estimate(plan, sizes, measured))
+        if "selection" in plan.settings:  # its trials' own plans
+            from .selection import trial_work
+
+            row.update(est.selection_estimate(trial_work(cfg, name, plan), sizes, measured,
+                                              cfg.data.max_records_per_unit))
+        else:
+            row.update(est.run_estimate(plan, sizes, measured, cfg.data.max_records_per_unit))
     if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
         from .selection import describe_plan
 
@@ -255,6 +265,15 @@ def short_labels(labels: list[str]) -> list[str]:
     return short if len(set(short)) == len(set(labels)) else list(labels)
 
 
+def no_prompt_line(c: dict) -> str:
+    """The plan's line for a run's comparison with no prompt (``fallback``; tasks/no_prompt.py)."""
+    then = ("no prompt is published if it loses" if c["fallback"] else "a loss is warned about (fallback.enabled: "
+            "false)")
+    return (f"  of it, the comparison with no prompt on the holdout: ε = {c['epsilon']:.4f} (fallback.epsilon_share "
+            f"{c['share']:g}; Gaussian noise σ = {c['sigma']:.3g} on the difference in holdout records right; {then}); "
+            f"the method's own share ε = {c['method_epsilon']:.4f}")
+
+
 def format_plan(plan: dict) -> str:
     labels = short_labels([r["variant"] or "(config)" for r in plan["runs"]])
     width = max([len("variant"), *map(len, labels)]) + 2
@@ -262,7 +281,7 @@ def format_plan(plan: dict) -> str:
     # covers the release of the sizes
     timed = any("seconds" in r for r in plan["runs"])
     timing = lambda r: (f"{'-' if r.get('steps') is None else r['steps']:>7}  "  # noqa: E731
-                        f"{format_seconds(r.get('seconds')):>10}  ") if timed else ""
+                        f"{('≤' if r.get('bound') else '') + format_seconds(r.get('seconds')):>10}  ") if timed else ""
     lines = [f"{'variant':<{width}}{'method':<16}{'guarantee':<10}{'planned ε':>12}  "
              + (f"{'steps':>7}  {'est. time':>10}  " if timed else "") + f"{'δ':<9}unit"]
     for r, label in zip(plan["runs"], labels):
@@ -280,6 +299,12 @@ def format_plan(plan: dict) -> str:
                              f"ε = {user['epsilon']:.4f} per person")
             elif user:
                 lines.append(f"  a user-level run at the same target cannot be planned: {user['refused']}")
+        if r.get("why"):  # no time estimate for this run, and why
+            lines.append(f"  est. time: - ({r['why']})")
+        elif r.get("bound"):
+            lines.append("  est. time: an upper bound (each person counted as data.max_records_per_unit records)")
+        if r.get("no_prompt"):
+            lines.append(no_prompt_line(r["no_prompt"]))
         if r.get("selection"):
             s = r["selection"]
             others = (f"the same trials by random stopping (E[K] = {s['expected_trials']:g}) ε = "
@@ -299,7 +324,7 @@ def format_plan(plan: dict) -> str:
         total = sum(r["seconds"] for r in plan["runs"] if r.get("seconds") is not None)
         lines.append(f"est. time: {format_seconds(total)} of model work in all (training steps × expected batch and "
                      "the test split, from a probe of the model on this machine; start-up, tracking and any audit "
-                     "come on top; a selection's trials are not estimated)")
+                     "come on top; a selection's at its expected number of trials)")
     for key, d in plan["datasets"].items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "

@@ -377,6 +377,24 @@ class DPSGDConfig(PromptTuningConfig):
     max_grad_norm: float = Field(1.0, gt=0, description="per-example clipping norm C (noise std σ·C)")
 
 
+class FallbackConfig(Block):
+    """Never worse than nothing (issue 41): every dp run (but those whose own mechanism already chooses
+    against no prompt: a private selection, DP-OPT) compares its output with no prompt on the private
+    HOLDOUT through one released, accounted number: D = Σ over holdout records of (right with the
+    prompt − right without), plus Gaussian noise (one record, or one person whose n rows weigh 1/n
+    each, moves D by ≤ 1). Its ε is ``epsilon_share`` of privacy.target_epsilon, taken out of the run's
+    budget (`privprompt plan` shows it); the method gets the rest. The decision is post-processing."""
+
+    enabled: bool = Field(True, description="when the released difference D̃ is below 0 (the prompt loses to no "
+                          "prompt), publish no prompt: no prompt file, no registered model; the run summary, MLflow "
+                          "(tag result.fallback_to_no_prompt) and the report say so. false: publish the prompt and "
+                          "warn in the same three places. Either way the comparison's ε is spent and committed")
+    epsilon_share: float = Field(0.1, ge=0.0, lt=0.5, description="the share of privacy.target_epsilon spent on the "
+                                 "comparison (at a tenth of the run's δ); 0: no comparison and no fallback, the whole "
+                                 "budget to the method. A larger share buys less noise: the run says 'inconclusive' "
+                                 "when |D̃| is within 1.96 σ of 0 (a small holdout)")
+
+
 class SelectionConfig(Block):
     """Private selection of the published method's settings (issue 30): candidates (the method's
     grid, or random draws from ranges) plus "no prompt", each trial trained on the training split

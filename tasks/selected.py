@@ -34,6 +34,7 @@ class Selected:
 
     always_dp = True  # a selection is dp under every candidate (check_selection_config)
     release = "selection"  # its release in the run's plan: the trials and the noisy holdout scores, one mechanism
+    compares_with_no_prompt = True  # "no prompt" is one of its candidates: no second comparison (fallback)
     uses_validation = True  # the trials are scored on the holdout
 
     def __init__(self, method):

@@ -884,3 +884,26 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
             "candidates": len(candidates),
             "naive_candidates_epsilon": float(acct.spend(with_size_release(every, sizes), delta).epsilon),
             "random_stopping_epsilon": float(acct.spend(with_size_release(stopping, sizes), delta).epsilon)}
+
+
+def trial_work(cfg, name: str, plan) -> dict:
+    """A selection plan's expected model work for ``privprompt plan``'s estimate (public: the config
+    and the released sizes): ``trainings`` — (steps, expected batch) of each training it expects (every
+    trained candidate once; random stopping: E[K] trials of a candidate drawn uniformly, each counted at
+    the candidates' mean) — and ``scores``, the holdout passes (one per candidate or trial, and no
+    prompt's)."""
+    from .methods import get_method
+
+    info = plan.settings["selection"]
+    method = get_method(name)
+    candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
+    work = []
+    for c in candidates:
+        if not c.zero_shot:
+            settings = _candidate_plan(method, cfg, c, info["trial_target"], plan.n_train, info["delta"])[1].settings
+            work.append((settings.get("steps"), settings.get("expected_batch")))
+    if every_candidate(cfg.selection):
+        return {"trainings": work, "scores": float(len(candidates))}
+    k = float(trial_count(cfg.selection).mean)
+    share = k / max(len(candidates), 1)  # each trial draws any of the candidates (no prompt among them)
+    return {"trainings": work, "weight": share, "scores": k + 1.0}

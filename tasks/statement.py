@@ -56,9 +56,10 @@ def run_markdown(summary: dict) -> str:
              if k.startswith("test.accuracy.")]
     if "selection.winner.holdout_score" in m:
         rows.append(("released holdout score (DP, noisy)", m["selection.winner.holdout_score"]))
-    if "no_prompt.released_holdout_score" in m:
-        rows.append(("no prompt, released holdout score (DP, noisy)", m["no_prompt.released_holdout_score"]))
-        rows.append(("this prompt, released holdout score (DP, noisy)", m.get("prompt.released_holdout_score")))
+    if "no_prompt.released_difference" in m:  # tasks/no_prompt.py: the released comparison with no prompt
+        rows.append(("holdout records right with the prompt − without (DP, noisy)", m["no_prompt.released_difference"]))
+        rows.append(("its noise σ", m.get("no_prompt.noise_sigma")))
+        rows.append(("no prompt published instead (fallback)", "yes" if m.get("no_prompt.fallback") else "no"))
     if m.get("selection.failed_candidates") is not None:
         rows.append(("failed selection candidates (count)", int(m["selection.failed_candidates"])))
     lines += ["| | |", "|---|---:|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows]

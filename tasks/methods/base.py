@@ -286,6 +286,10 @@ class Method:
     # the neighbour harness computes on neighbouring datasets (tests/claims/test_neighbour_harness.py); ()
     # where none is declared (the harness then reports the combination as not covered)
     neighbour_statistics: ClassVar[tuple[str, ...]] = ()
+    # True: the method's own dp mechanism already chooses between its output and no prompt on the
+    # holdout (DP-OPT's DP-argmax with the empty instruction among its candidates), so its run gets
+    # no separate comparison with no prompt (``fallback``; tasks/no_prompt.py)
+    compares_with_no_prompt: ClassVar[bool] = False
 
     def reads_private_data(self, cfg: "PrivPromptConfig") -> bool:
         """False for methods that never read private training rows (zero-shot)."""

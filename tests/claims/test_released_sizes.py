@@ -111,7 +111,7 @@ def _cfg(tmp_path, method="prompt_dpsgd", **methods):
 @pytest.mark.parametrize("method", ["prompt_dpsgd", "dpzero"])
 def test_a_dp_plan_composes_the_release_within_the_target(tmp_path, method):
     """Basic composition (valid although the method's parameters are chosen from ñ): the release
-    at δ/10 plus the method at 9δ/10 within the target; the accountant's composition of the two
+    at δ/10, the comparison with no prompt at δ/10, plus the method at 8δ/10 within the target; the accountant's composition of the two
     realised events (what the ledger holds) below that."""
     from privacy import accountant as acct
     from privacy import events as ev
@@ -129,14 +129,18 @@ def test_a_dp_plan_composes_the_release_within_the_target(tmp_path, method):
     eps_sizes = acct.spend(ev.GaussianEvent(50.0), delta / 10).epsilon
     assert plan.params["privacy.size_epsilon"] == eps_sizes and 0.05 < eps_sizes < 0.08
     share = plan.method_epsilon
-    assert share == plan.params["privacy.method_epsilon"] == pytest.approx(2.0 - eps_sizes)
-    # the method alone, calibrated to its share at 9δ/10 on the released n
-    alone = get_method(method).plan(cfg, 480, delta * 0.9, epsilon=share)
+    # the comparison with no prompt (fallback.epsilon_share of the target, at δ/10) comes out of it too
+    eps_np = plan.no_prompt.epsilon
+    assert plan.no_prompt.delta == delta / 10 and eps_np == pytest.approx(2.0 * cfg.fallback.epsilon_share, rel=1e-6)
+    assert plan.event.events[2] == plan.no_prompt.event
+    assert share == plan.params["privacy.method_epsilon"] == pytest.approx(2.0 - eps_sizes - eps_np)
+    # the method alone, calibrated to its share at 8δ/10 on the released n
+    alone = get_method(method).plan(cfg, 480, delta * 0.8, epsilon=share)
     assert alone.event == plan.event.events[1]
-    method_eps = acct.spend(alone.event, delta * 0.9).epsilon
+    method_eps = acct.spend(alone.event, delta * 0.8).epsilon
     assert share * 0.99 < method_eps <= share * (1 + 1e-6)
-    assert eps_sizes + method_eps <= 2.0 * (1 + 1e-6)  # the run's (target, δ) by basic composition
-    assert acct.spend(plan.event, delta).epsilon <= eps_sizes + method_eps  # the ledger's: tighter
+    assert eps_sizes + method_eps + eps_np <= 2.0 * (1 + 1e-6)  # the run's (target, δ) by basic composition
+    assert acct.spend(plan.event, delta).epsilon <= eps_sizes + method_eps + eps_np  # the ledger's: tighter
     assert plan.delta == delta and alone.settings["sample_rate"] == pytest.approx(16 / 480)
     assert alone.settings["expected_batch"] == pytest.approx(16.0)  # gradients scaled by the released n
     # a noisier release costs less of the target

@@ -100,6 +100,7 @@ def _audit_config(data_dir, state_dir, **audit):
         "models": {"local": "tiny-gpt2", "max_length": 24},
         "privacy": {"target_epsilon": 4.0, "dataset_epsilon_cap": 100.0},
         "methods": {"prompt_dpsgd": {"n_tokens": 3, "epochs": 1, "batch_size": 16}},
+        "fallback": {"enabled": False},  # a prompt to audit, whatever the noisy comparison says
         "mia": {"enabled": False},
         "audit": {"enabled": True, "shadows": 2, "fprs": [0.05], "dask": {"n_workers": 2}, **audit},
     }

@@ -38,6 +38,10 @@ def _config(data_dir: Path, state_dir: Path, **extra) -> dict:
                     "prompt_sgd": {"enabled": True, "n_tokens": 3, "epochs": 1, "batch_size": 32},
                     "prompt_dpsgd": {"n_tokens": 3, "epochs": 1, "batch_size": 32}},
         "mia": {"max_examples": 40},
+        # the comparison with no prompt runs (its ε is in every plan), but a noisy loss on the toy holdout
+        # must not withhold the prompt these tests inspect: tests/claims/test_no_prompt_fallback.py pins
+        # the fallback itself, and the toy plugin's flow (tests/methods/test_toy_method.py) runs the default
+        "fallback": {"enabled": False},
     }
     for k, v in extra.items():
         node = cfg
@@ -113,11 +117,15 @@ def test_run_record_is_complete(flow_run):
     assert "train.loss_last10" not in metrics
     budget = json.loads(Path(client.download_artifacts(run.info.run_id, "privacy/budget.json")).read_text())
     assert budget["total"]["epsilon"] == pytest.approx(metrics["privacy.epsilon"])
-    # the run's mechanism: the partition's released sizes (one Gaussian count) and DP-SGD
+    # the run's mechanism: the partition's released sizes (one Gaussian count), DP-SGD and the comparison
+    # with no prompt on the holdout (one Gaussian difference: tasks/no_prompt.py)
     from tasks.data import Partition
 
     event = budget["stages"][0]["event"]
-    assert event["type"] == "composed" and [e["type"] for e in event["events"]] == ["gaussian", "self_composed"]
+    assert event["type"] == "composed" and [e["type"] for e in event["events"]] == [
+        "gaussian", "self_composed", "gaussian"]
+    assert float(params["no_prompt.noise_sigma"]) == event["events"][2]["noise_multiplier"]
+    assert "no_prompt.released_difference" in metrics and metrics["no_prompt.fallback"] == 0.0  # fallback off here
     sizes = Partition(**json.loads(next((flow_run["state"] / "private" / "partitions").glob("*/manifest.json"))
                                    .read_text())).sizes
     assert event["events"][0]["noise_multiplier"] == sizes.sigma == 50.0

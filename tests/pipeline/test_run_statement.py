@@ -275,3 +275,74 @@ def test_the_plan_estimates_steps_and_time_from_a_measured_probe():
     assert lines[0].split()[5:8] == ["steps", "est.", "time"]
     assert "9" in lines[1].split() and "≈1.6 min" in lines[1]
     assert lines[2].startswith("est. time: ≈1.6 min of model work in all")
+
+
+def test_the_sweep_table_states_delta_and_unit_beside_epsilon():
+    from flows.sweep import summary_table
+
+    rows = [{"variant": "privacy.target_epsilon=4.0", "mlflow_run_id": "aaaaaaaa1", "privacy.epsilon": 3.8964,
+             "privacy.delta": 1e-5, "unit": "customer_id", "test.accuracy": 0.70},
+            {"variant": "method=zero_shot", "mlflow_run_id": "bbbbbbbb1", "privacy.epsilon": None, "unit": "customer_id",
+             "test.accuracy": 0.74}]
+    lines = summary_table(rows, []).splitlines()
+    assert lines[0].endswith("| δ | unit |") and "privacy.epsilon" in lines[0]
+    assert lines[2] == "| privacy.target_epsilon=4.0 | aaaaaaaa | 3.8964 | 0.7000 | 1e-05 | per person (customer_id) |"
+    assert lines[3] == "| method=zero_shot | bbbbbbbb | - | 0.7400 | - | - |"
+
+
+def test_the_time_estimate_counts_records_under_a_person_unit():
+    """The released sizes and the expected batch count people; the model's work is per record: each
+    person counts as data.max_records_per_unit records (public: an upper bound), and without a cap no
+    time is estimated (records per person are private). The comparison with no prompt scores the
+    holdout twice."""
+    from types import SimpleNamespace
+
+    from tasks import estimate as est
+    from tasks.planning import format_plan
+
+    fixed = est.Probe("m", train_s=0.01, eval_s=0.002)
+    dpsgd = SimpleNamespace(settings={"steps": 9, "expected_batch": 32.0}, reads_private=True, no_prompt=None)
+    people = SimpleNamespace(n_test=200, n_train=300, n_holdout=50, unit="customer_id")
+    assert est.run_estimate(dpsgd, people, fixed, 40) == {
+        "steps": 9, "seconds": pytest.approx(40 * (9 * 32 * 0.01 + 200 * 0.002)), "bound": True}
+    uncapped = est.run_estimate(dpsgd, people, fixed, None)
+    assert uncapped["seconds"] is None and "data.max_records_per_unit" in uncapped["why"]
+    compared = SimpleNamespace(**{**vars(dpsgd), "no_prompt": object()})
+    records = SimpleNamespace(n_test=200, n_train=300, n_holdout=50, unit="record")
+    assert est.run_estimate(compared, records, fixed)["seconds"] == pytest.approx(9 * 32 * 0.01 + 300 * 0.002)
+    plan = {"runs": [{"variant": "", "method": "prompt_dpsgd", "guarantee": "dp", "epsilon": 3.9, "delta": 1e-5,
+                      "unit": "customer_id", "steps": 9, "seconds": 95.0, "bound": True},
+                     {"variant": "b", "method": "prompt_dpsgd", "guarantee": "dp", "epsilon": 3.9, "delta": 1e-5,
+                      "unit": "customer_id", **uncapped}], "datasets": {}}
+    text = format_plan(plan)
+    assert "≤≈1.6 min" in text and "an upper bound (each person counted as data.max_records_per_unit" in text
+    assert "est. time: - (records per person are private" in text
+
+
+def test_a_selection_gets_an_estimate_from_its_trials_plans(monkeypatch):
+    """Every candidate once: each trained candidate's steps × batch, a holdout score per candidate (no
+    prompt's among them) and the test split; random stopping: E[K] trials of a uniformly drawn candidate."""
+    from types import SimpleNamespace
+
+    from tasks import estimate as est
+    from tasks import selection as tsel
+    from tasks.config import parse_config
+
+    plans = {"lr=0.05": {"steps": 10, "expected_batch": 32.0}, "lr=0.2": {"steps": 20, "expected_batch": 16.0}}
+    monkeypatch.setattr(tsel, "_candidate_plan", lambda method, cfg, c, t, n, d: (
+        cfg, SimpleNamespace(settings=plans[c.name])))
+    candidates = [{"name": n, "settings": {}, "zero_shot": False} for n in plans]
+    plan = SimpleNamespace(n_train=300, settings={"selection": {"trial_target": 1.0, "delta": 1e-5, "candidates": [
+        *candidates, {"name": "no prompt", "settings": None, "zero_shot": True}]}})
+    raw = {"method": "prompt_dpsgd", "data": {"name": "x", "labels": ["neg", "pos"]}, "models": {"local": "tiny-bert"}}
+    every = tsel.trial_work(parse_config({**raw, "selection": {"enabled": True}}), "prompt_dpsgd", plan)
+    assert every == {"trainings": [(10, 32.0), (20, 16.0)], "scores": 3.0}
+    fixed = est.Probe("m", train_s=0.01, eval_s=0.002)
+    sizes = SimpleNamespace(n_test=200, n_train=300, n_holdout=50, unit="record")
+    assert est.selection_estimate(every, sizes, fixed) == {
+        "steps": 30, "seconds": pytest.approx((10 * 32 + 20 * 16) * 0.01 + (3 * 50 + 200) * 0.002)}
+    stopping = tsel.trial_work(parse_config({**raw, "selection": {
+        "enabled": True, "mode": "random_stopping", "accept_timing_channel": True, "expected_trials": 6.0}}),
+        "prompt_dpsgd", plan)
+    assert stopping["weight"] == pytest.approx(6.0 / 3) and stopping["scores"] == pytest.approx(7.0)
+    assert est.selection_estimate(stopping, sizes, fixed)["steps"] == 60

@@ -38,7 +38,8 @@ def test_smoke_run_record_reads_back_from_the_team_servers(servers, tmp_path):
     urls, folder = servers
     env = {**os.environ, **urls}
     out = subprocess.run([sys.executable, str(ROOT / "privprompt_cli.py"), "--state-dir", str(tmp_path / "client"),
-                          "run", str(ROOT / "configs" / "smoke.yaml"), "--set", "experiment=team-smoke"],
+                          "run", str(ROOT / "configs" / "smoke.yaml"), "--set", "experiment=team-smoke",
+                          "--set", "fallback.enabled=false"],  # a prompt to read back
                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert not (tmp_path / "client" / "mlflow.db").exists()  # nothing tracked locally

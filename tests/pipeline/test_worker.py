@@ -92,7 +92,7 @@ def test_a_run_through_the_worker_and_a_config_mistake_and_the_stop(worker):
     assert err_lines and "lr" in err_lines[0] and "Traceback" not in bad.stderr
     assert "run pid" in worker["log"].read_text()  # it was the worker's child that answered
 
-    ok = _run(state, str(REPO / "configs" / "smoke.yaml"))
+    ok = _run(state, str(REPO / "configs" / "smoke.yaml"), "--set", "fallback.enabled=false")  # a prompt to print
     assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
     assert "published prompt:" in ok.stdout and "privacy:" in ok.stdout  # the summary, on the caller's stdout
     assert "Starting temporary server" not in ok.stdout + ok.stderr  # the worker's server, not one of its own

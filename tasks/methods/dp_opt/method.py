@@ -205,6 +205,9 @@ class DPOpt(_TextMethod):
     unit_level = True
     # what the neighbour harness checks (neighbour_stats.py): the votes and the DP-argmax's counts
     neighbour_statistics = ("dp_opt_votes", "dp_opt_selection_counts")
+    # its DP-argmax already chooses among the generated instructions, the initial one and none (the
+    # empty instruction) on the holdout: a second comparison would spend ε for what it decided
+    compares_with_no_prompt = True
 
     @classmethod
     def contract_test_config(cls):

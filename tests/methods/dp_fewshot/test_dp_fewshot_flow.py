@@ -27,6 +27,7 @@ def fewshot_run(prefect_harness, sst2_dir, tmp_path_factory):
     state = root / "state"
     cfg = yaml.safe_load((REPO / "configs" / "dp_fewshot.yaml").read_text())
     cfg["state_dir"] = str(state)
+    cfg["fallback"] = {"enabled": False}  # the published demos are inspected below, whatever the noisy comparison says
     cfg["data"] = {"name": "sst2", "path": str(data), "labels": ["negative", "positive"], "holdout_fraction": 0.1,
                    "size_noise_sigma": 5.0}
     key_with_records_in_training(state, cfg["data"], [f"{CANARY} , a film"], ["positive"])

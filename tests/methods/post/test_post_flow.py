@@ -23,6 +23,7 @@ def _config(state, sst2_dir, **extra):
                     "post": {"tuning": {"n_tokens": 3, "epochs": 1, "batch_size": 32},
                              "distill": {"student_layers": 1, "steps": 15, "batch_size": 16},
                              "transfer": {"steps": 10, "batch_size": 16}}},
+        "fallback": {"enabled": False},  # a prompt to audit, whatever the noisy comparison says
         "mia": {"max_examples": 24},
     }
     cfg.update(extra)
