@@ -569,11 +569,30 @@ def cmd_ledger(args) -> int:
         if args.json:
             return _emit_export(ledger.export(), args.out)
         print(ledger.summary_table(largest), end="")
+        _print_inference_spend(ledger)
         print(f"ledger: {paths.ledger_location}" + (" (shared; its team key: privprompt key show)"
                                                    if paths.ledger_is_shared else " (this state folder's own)"))
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     return 0
+
+
+def _print_inference_spend(ledger) -> None:
+    """Datasets charged at inference time (dp_icl's answered batches): the queries and batches, and
+    their ε alone — a spend that grows with every answer, unlike a run's."""
+    from privacy import accountant as acct
+    from privacy.events import ComposedEvent, event_from_dict
+
+    for row in ledger.datasets():
+        batches = [e for e in ledger.entries(row["fingerprint"]) if e["kind"] == "dp" and e["status"] == "committed"
+                   and str(e.get("description") or "").startswith("dp_icl:")]
+        if not batches:
+            continue
+        queries = sum(int(str(e["description"]).split()[1]) for e in batches)
+        eps = acct.spend(ComposedEvent(tuple(event_from_dict(e["event"]) for e in batches)), row["delta"]).epsilon
+        print(f"inference-time spend on {row['name']!r}: {queries} queries answered by dp_icl in {len(batches)} "
+              f"charged batches, ε={eps:.4f} {'per record' if row['unit'] == 'record' else 'per ' + row['unit']} "
+              f"at δ={row['delta']:g} on their own (included above)")
 
 
 def _emit_export(data: dict, out: str | None) -> int:

@@ -64,6 +64,9 @@ def test_answers_are_charged_per_batch_exactly_as_planned(toy, tmp_path, capsys)
     assert "3 charged batch(es)" in err and "per record at δ=1e-05" in err
     private = [json.loads(line)["text"] for line in (toy / "train.jsonl").read_text().splitlines()]
     assert not any(t in out.read_text() or t in err for t in private)  # answers only: no demonstration leaves
+    assert main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0  # the ledger says it as such
+    table = capsys.readouterr().out
+    assert f"5 queries answered by dp_icl in 3 charged batches, ε={expected.epsilon:.4f} per record" in table
 
 
 def test_queries_past_the_cap_are_refused_before_any_is_answered(toy, tmp_path, capsys):
