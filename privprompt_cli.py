@@ -12,6 +12,7 @@
     privprompt config --schema
     privprompt ui
     privprompt predict MODEL_URI --input FILE [--output FILE] [--batch-size N] [--device cpu|cuda]
+    privprompt promote MODEL_URI [--force]
 """
 
 from __future__ import annotations
@@ -924,6 +925,33 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def cmd_promote(args) -> int:
+    """Run the release gates on a registered version and move the alias ``production`` to it when
+    none failed (``--force``: despite failures, recorded). One line per gate; exit 5 when refused."""
+    from tasks.promotion import promote
+    from tasks.record import client
+    from tasks.state import state_paths
+
+    paths = state_paths(args.state_dir)
+    if not paths.mlflow_db.is_file() and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return _fail(f"no MLflow store at {paths.mlflow_db}")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per gate, nothing else
+    try:
+        out = promote(client(paths), args.model_uri, force=args.force)
+    except ValueError as err:
+        return _fail(_one_line(err))
+    for gate in out.gates:
+        print(gate.line())
+    uri = f"models:/{out.name}/{out.version}"
+    if not out.promoted:
+        print(f"privprompt: refused: {uri} stays out of production ({len(out.failed)} gate(s) failed; "
+              "--force promotes it with the failures recorded)", file=sys.stderr)
+        return 5
+    forced = f" with --force despite failed gates: {', '.join(g.name for g in out.failed)}" if out.forced else ""
+    print(f"promoted {uri}: models:/{out.name}@production{forced}")
+    return 0
+
+
 def _exit_now(rc: int) -> None:
     """End the process once the command is done: what a normal exit runs that matters (threads'
     exit hooks — Prefect's event and log workers drain there — and atexit handlers: MLflow's,
@@ -1046,6 +1074,11 @@ def _add_tool_commands(sub) -> None:
     serve.add_argument("model_uri", help="models:/NAME/VERSION (or /latest), as `privprompt run` printed it")
     serve.add_argument("--port", type=int, default=5001)
     serve.add_argument("--host", default="127.0.0.1", help="default: localhost only")
+    promote = sub.add_parser("promote", help="run the release gates on a registered version and move the alias "
+                                             "'production' to it when none fails")
+    promote.add_argument("model_uri", help="models:/NAME/VERSION, models:/NAME/latest or models:/NAME@candidate")
+    promote.add_argument("--force", action="store_true", help="promote despite failed gates (recorded in the "
+                                                              "version's tags and model card)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1072,7 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
     command = {"run": cmd_run, "worker": cmd_worker, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
                "key": cmd_key, "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict,
-               "serve": cmd_serve}[args.command]
+               "serve": cmd_serve, "promote": cmd_promote}[args.command]
     try:
         rc = command(args)
         sys.stdout.flush()  # inside the try: a closed pipe is met here, not in the interpreter's exit

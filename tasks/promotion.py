@@ -1,0 +1,101 @@
+"""From candidate to production in the MLflow registry (``privprompt promote``), and which version
+of each dataset is in production (``privprompt ledger``, ``privprompt report``).
+
+:func:`promote` runs the release gates (:mod:`tasks.release_gates`) on a version, records each
+result as the version's tags ``gate.<name>`` / ``gate.<name>.reason``, and moves the alias
+``production`` to it only when no gate failed (``skipped``: the check does not apply or its input
+was not logged, said why) — or with ``force``, which records what failed in ``gate.forced``. The
+model card (:mod:`tasks.model_card`) is rewritten with the results either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from .registry_model import PRODUCTION, resolve_version
+from .release_gates import GateResult, run_gates
+
+PREFIX = "privprompt."
+
+
+@dataclass
+class Promotion:
+    name: str
+    version: str
+    gates: list[GateResult] = field(default_factory=list)
+    promoted: bool = False
+    forced: bool = False
+
+    @property
+    def failed(self) -> list[GateResult]:
+        return [g for g in self.gates if g.status == "fail"]
+
+
+def promote(client, model_uri: str, force: bool = False) -> Promotion:
+    """Gate the version ``model_uri`` names and, when every gate passed or was skipped (or with
+    ``force``), move ``production`` to it."""
+    from .model_card import write_card
+
+    version = resolve_version(client, model_uri)
+    name, number = version.name, str(version.version)
+    if not name.startswith(PREFIX):
+        raise ValueError(f"{name!r} is not a PrivPrompt registered model (privprompt.<dataset>.<method>)")
+    gates = run_gates(client, version)
+    for gate in gates:
+        client.set_model_version_tag(name, number, f"gate.{gate.name}", gate.status)
+        client.set_model_version_tag(name, number, f"gate.{gate.name}.reason", gate.reason)
+    client.set_model_version_tag(name, number, "gate.checked_at",
+                                 datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    out = Promotion(name, number, gates)
+    if out.failed and force:
+        client.set_model_version_tag(name, number, "gate.forced",
+                                     "promoted with --force despite: " + ", ".join(g.name for g in out.failed))
+        out.forced = True
+    if not out.failed or force:
+        client.set_registered_model_alias(name, PRODUCTION, number)
+        out.promoted = True
+    write_card(client, version)
+    return out
+
+
+def dataset_of(model_name: str, tags: dict) -> str:
+    """The dataset a registered model serves: ``privprompt.<dataset>.<method>`` (dataset names may hold dots)."""
+    return model_name[len(PREFIX):].rpartition(".")[0]
+
+
+def production_versions(client, datasets: set[str] | None = None) -> list[dict]:
+    """Every PrivPrompt registered model's ``production`` version (one row each: dataset, model,
+    version, ε, unit, fingerprint, forced), sorted by dataset; ``datasets`` keeps those only."""
+    from mlflow.exceptions import MlflowException
+
+    rows = []
+    for model in client.search_registered_models(max_results=1000):
+        if not model.name.startswith(PREFIX) or PRODUCTION not in (model.aliases or {}):
+            continue
+        try:
+            version = client.get_model_version_by_alias(model.name, PRODUCTION)
+        except MlflowException:
+            continue
+        tags = dict(version.tags or {})
+        dataset = dataset_of(model.name, tags)
+        if datasets is not None and dataset not in datasets:
+            continue
+        rows.append({"dataset": dataset, "model": model.name, "version": str(version.version),
+                     "uri": f"models:/{model.name}/{version.version}", "epsilon": tags.get("privacy.epsilon"),
+                     "unit": tags.get("privacy.unit", "record"), "fingerprint": tags.get("dataset.fingerprint", ""),
+                     "forced": bool(tags.get("gate.forced")), "parent": tags.get("lineage.parent")})
+    return sorted(rows, key=lambda r: (r["dataset"], r["model"]))
+
+
+def production_table(rows: list[dict]) -> str:
+    """Plain text: one line per dataset × registered model in production."""
+    if not rows:
+        return "in production: none (privprompt promote MODEL_URI moves the alias 'production')\n"
+    lines = ["in production (MLflow registry, alias 'production'):"]
+    for r in rows:
+        extra = " [promoted with --force]" if r["forced"] else ""
+        extra += f" [retargeted from {r['parent']}]" if r["parent"] else ""
+        lines.append(f"  {r['dataset']}: {r['uri']} (ε = {r['epsilon']}, unit {r['unit']}, "
+                     f"fingerprint {r['fingerprint'][:12]}){extra}")
+    return "\n".join(lines) + "\n"

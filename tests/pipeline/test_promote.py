@@ -1,0 +1,178 @@
+"""The release gate (issue 40): a registered version gets the alias ``candidate``; ``privprompt
+promote`` moves ``production`` only when no gate fails, records every gate as a version tag and
+writes the model card; a run whose canary audit failed is refused (one line per gate, exit != 0)
+unless ``--force``, which records the failure. The gates' own rules are checked on their inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+LABELS = ["negative", "positive"]
+SPEND = {"epsilon": 3.5, "delta": 1e-5, "accountant": "min(pld, rdp)"}
+GOOD = {"privacy.epsilon": 3.5, "privacy.delta": 1e-5, "audit.epsilon_lower_bound": 0.41, "mia.lira.auc": 0.56,
+        "mia.lira.auc_low": 0.49, "selection.winner.holdout_score": 0.71, "selection.no_prompt.holdout_score": 0.52,
+        "test.accuracy": 0.7, "runtime.train_s": 3.0}
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    import os
+
+    from tasks.record import client, ensure_experiment
+    from tasks.state import state_paths
+
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    paths = state_paths(tmp_path_factory.mktemp("promote") / "state")
+    paths.create()
+    mlflow = client(paths)
+    return {"paths": paths, "client": mlflow, "experiment": ensure_experiment(mlflow, "tests", paths)}
+
+
+def publish(state, name: str, metrics: dict, seed: int = 1, peft_seed: int | None = None):
+    """A parent run as a dp flow leaves it (metrics, published prompt, a training child with the
+    PEFT adapter) and its registered version, as ``tasks.publish.publish_usable`` makes them."""
+    from models import load_backbone
+    from models.backbone_ref import backbone_reference, base_model_name_or_path
+    from models.prompts import save_prompt_artifact
+    from models.prompts.peft_export import save_peft_adapter
+    from tasks.model_card import write_card
+    from tasks.registry_model import register_output
+
+    mlflow, paths = state["client"], state["paths"]
+    parent = mlflow.create_run(state["experiment"], tags={"method": "prompt_dpsgd", "dataset": "toy"}).info.run_id
+    outputs = paths.root / "outputs" / parent
+    outputs.mkdir(parents=True)
+    backbone = load_backbone("tiny-gpt2", "cpu")
+    prompt = torch.randn(3, backbone.embed_dim, generator=torch.Generator().manual_seed(seed))
+    path = save_prompt_artifact(outputs / "prompt_dpsgd.safetensors", prompt, {"privacy.guarantee": "dp"})
+    mlflow.log_artifact(parent, str(path), "prompt")
+    ref = backbone_reference("tiny-gpt2", 0)
+    spec = {"method": "prompt_dpsgd", "backbone": ref, "model": "tiny-gpt2", "labels": LABELS,
+            "label_descriptions": {}, "template": None, "max_length": 32, "seed": 0}
+    version = register_output(mlflow, parent, name, spec, path, "dp", SPEND, "fp-toy", paths.private)
+    write_card(mlflow, version, spec)
+    child = mlflow.create_run(state["experiment"], tags={"mlflow.parentRunId": parent, "stage": "train",
+                                                         "registry.model": f"models:/{name}/{version.version}"})
+    adapter = outputs / "peft"
+    exported = prompt if peft_seed is None else torch.randn(3, backbone.embed_dim,
+                                                            generator=torch.Generator().manual_seed(peft_seed))
+    save_peft_adapter(adapter, exported, backbone.model, backbone.kind, base_model_name_or_path(ref))
+    mlflow.log_artifacts(child.info.run_id, str(adapter), "peft")
+    for key, value in metrics.items():
+        mlflow.log_metric(parent, key, value)
+    return version
+
+
+def _aliases(mlflow, name: str) -> dict[str, str]:
+    return {alias: str(v) for alias, v in mlflow.get_registered_model(name).aliases.items()}
+
+
+def test_a_good_run_is_promoted_with_every_gate_recorded(state, capsys):
+    from privprompt_cli import main
+
+    name = "privprompt.toy.prompt_dpsgd"
+    version = publish(state, name, GOOD)
+    mlflow = state["client"]
+    assert _aliases(mlflow, name) == {"candidate": "1"}
+    card = mlflow.get_model_version(name, version.version).description
+    assert "| canary | not checked |" in card and "dataset fingerprint:** `fp-toy`" in card
+    capsys.readouterr()
+    rc = main(["--state-dir", str(state["paths"].root), "promote", f"models:/{name}@candidate"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0, out
+    assert [line.split(":")[0] for line in out[:4]] == ["gate canary", "gate lira", "gate holdout", "gate adapter"]
+    assert out[-1] == f"promoted models:/{name}/1: models:/{name}@production"
+    tags = mlflow.get_model_version(name, "1").tags
+    assert {tags[f"gate.{g}"] for g in ("canary", "lira", "holdout", "adapter")} == {"pass"}
+    assert tags["gate.canary.reason"] == "canary audit ε lower bound 0.410 ≤ ε 3.500"
+    assert "≤ the AUC bound 0.971 of (ε 3.500, δ 1e-05)" in tags["gate.lira.reason"]
+    assert "PEFT adapter loads and scores the probes as PrivPrompt does" in tags["gate.adapter.reason"]
+    assert "gate.forced" not in tags
+    assert _aliases(mlflow, name) == {"candidate": "1", "production": "1"}
+    card = mlflow.get_model_version(name, "1").description
+    for text in ("**method:** prompt_dpsgd", "**ε:** 3.5 per record", "**δ:** 1e-05", "min(pld, rdp)",
+                 "**privacy unit:** record", "| canary | pass | canary audit ε lower bound 0.410",
+                 "What the guarantee does not cover", "`test.accuracy`", "`mia.lira.auc`", "`runtime.train_s`"):
+        assert text in card, text
+
+
+def test_a_run_whose_canary_audit_failed_is_refused_unless_forced(state, capsys):
+    """The test double: the DP run's canary audit logged an ε lower bound above its ε (what a broken
+    implementation gives). promote refuses with one line per gate; --force promotes, recorded."""
+    from privprompt_cli import main
+
+    name = "privprompt.toy.broken"
+    publish(state, name, {**GOOD, "audit.epsilon_lower_bound": 5.2})
+    mlflow = state["client"]
+    capsys.readouterr()
+    rc = main(["--state-dir", str(state["paths"].root), "promote", f"models:/{name}/1"])
+    captured = capsys.readouterr()
+    assert rc == 5
+    lines = captured.out.splitlines()
+    assert len(lines) == 4 and lines[0].startswith("gate canary: FAIL: canary audit ε lower bound 5.200 > ε 3.500")
+    assert all(line.split(": ")[1] == "PASS" for line in lines[1:])
+    assert captured.err.strip().splitlines() == [f"privprompt: refused: models:/{name}/1 stays out of production "
+                                                 "(1 gate(s) failed; --force promotes it with the failures recorded)"]
+    assert "production" not in _aliases(mlflow, name)
+    assert mlflow.get_model_version(name, "1").tags["gate.canary"] == "fail"
+    assert "| canary | fail |" in mlflow.get_model_version(name, "1").description
+
+    assert main(["--state-dir", str(state["paths"].root), "promote", f"models:/{name}/1", "--force"]) == 0
+    assert _aliases(mlflow, name)["production"] == "1"
+    tags = mlflow.get_model_version(name, "1").tags
+    assert tags["gate.forced"] == "promoted with --force despite: canary" and tags["gate.canary"] == "fail"
+    assert "Promoted with --force" in mlflow.get_model_version(name, "1").description
+
+
+def test_an_adapter_that_does_not_score_like_privprompt_fails_its_gate(state):
+    """A PEFT adapter that is not the published prompt (an export gone wrong) fails the adapter gate."""
+    from tasks.promotion import promote
+
+    name = "privprompt.toy.corrupt"
+    publish(state, name, GOOD, peft_seed=7)
+    out = promote(state["client"], f"models:/{name}/latest")
+    (adapter,) = [g for g in out.gates if g.name == "adapter"]
+    assert adapter.status == "fail" and "PEFT adapter's scores differ" in adapter.reason
+    assert not out.promoted and [g.name for g in out.failed] == ["adapter"]
+
+
+def _candidate(metrics: dict, **tags):
+    from tasks.release_gates import Candidate
+
+    return Candidate("privprompt.toy.m", "1", "run", {"privacy.epsilon": "1.0", "privacy.delta": "1e-05",
+                                                     "privacy.guarantee": "dp", **tags}, metrics, metrics)
+
+
+def test_gate_rules_on_their_inputs():
+    from privacy.tradeoff import dp_auc_bound
+    from tasks.release_gates import canary_gate, holdout_gate, lira_gate
+
+    bound = dp_auc_bound(1.0, 1e-5)  # ≈ 0.731
+    assert lira_gate(_candidate({"mia.lira.auc": 0.70})).status == "pass"
+    # the interval's lower end decides: an AUC above the bound within sampling error passes
+    assert lira_gate(_candidate({"mia.lira.auc": 0.76, "mia.lira.auc_low": 0.70})).status == "pass"
+    failed = lira_gate(_candidate({"mia.lira.auc": 0.9, "mia.lira.auc_low": 0.85, "mia.lira_offline.auc": 0.6}))
+    assert failed.status == "fail" and f"{bound:.3f}" in failed.reason and "mia.lira.auc 0.900" in failed.reason
+    assert lira_gate(_candidate({})).status == "skipped"
+    assert canary_gate(_candidate({})).status == "skipped"
+    assert canary_gate(_candidate({"audit.epsilon_lower_bound": 1.0})).status == "pass"
+    ldp = _candidate({"audit.epsilon_lower_bound": 9.0}, **{"privacy.epsilon": "none", "privacy.guarantee": "ldp"})
+    assert canary_gate(ldp).status == "skipped" and lira_gate(ldp).status == "skipped"
+    # released holdout scores: the selection's pair, a released comparison's pair, or X beside no_prompt.X
+    assert holdout_gate(_candidate({})).status == "skipped"
+    worse = holdout_gate(_candidate({"prompt.released_holdout_score": 0.4, "no_prompt.released_holdout_score": 0.5}))
+    assert worse.status == "fail" and "below no prompt" in worse.reason
+    generic = holdout_gate(_candidate({"holdout.balanced_accuracy": 0.6, "no_prompt.holdout.balanced_accuracy": 0.6}))
+    assert generic.status == "pass" and "holdout.balanced_accuracy 0.6000" in generic.reason
+
+
+def test_promote_names_what_it_cannot_find_in_one_line(state, capsys):
+    from privprompt_cli import main
+
+    capsys.readouterr()
+    assert main(["--state-dir", str(state["paths"].root), "promote", "models:/privprompt.toy.none/1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("privprompt: error: ") and "privprompt.toy.none" in err[0]
+    assert main(["--state-dir", str(state["paths"].root), "promote", "runs:/abc/model"]) == 2
+    assert "is not models:/NAME/VERSION" in capsys.readouterr().err
