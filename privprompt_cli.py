@@ -491,6 +491,10 @@ def cmd_report(args) -> int:
     record = RunRecord.create(mlflow, ensure_experiment(mlflow, args.experiment, paths), "report",
                               {"flow": "report", "stage": "report"})
     out = log_report(record, rows, f"{args.experiment}: privacy–utility by method")
+    from tasks.promotion import production_table, production_versions
+
+    in_production = production_table(production_versions(mlflow, {r["dataset"] for r in rows}))
+    record.log_text(in_production, "report/production.md")
     record.end()
     if args.out:  # the same files, for a folder of results (e.g. docs/results/)
         import tempfile
@@ -510,6 +514,7 @@ def cmd_report(args) -> int:
     selected = selection_table(rows)
     if selected is not None:  # the published candidates and their DP-released holdout scores
         print(selected, end="")
+    print(in_production, end="")
     print(f"{'report run:':<28}{record.run_id} ({out['n_runs']} runs; {out['table']}, {out['figure']})")
     return 0
 
@@ -555,11 +560,26 @@ def cmd_ledger(args) -> int:
         if args.json:
             return _emit_export(ledger.export(), args.out)
         print(ledger.summary_table(largest), end="")
+        print(_production_lines(paths, {d["name"] for d in ledger.datasets()}), end="")
         print(f"ledger: {paths.ledger_location}" + (" (shared; its team key: privprompt key show)"
                                                    if paths.ledger_is_shared else " (this state folder's own)"))
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     return 0
+
+
+def _production_lines(paths, datasets: set[str]) -> str:
+    """Which registered version of each of ``datasets`` is in production (the MLflow registry's
+    alias), for ``privprompt ledger``; nothing when this state folder has no MLflow store."""
+    if not paths.mlflow_db.is_file() and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return ""
+    from tasks.promotion import production_table, production_versions
+    from tasks.record import client
+
+    try:
+        return production_table(production_versions(client(paths), datasets))
+    except Exception as exc:  # noqa: BLE001 - the ledger's table stands without the registry
+        return f"in production: unknown (the MLflow registry could not be read: {type(exc).__name__})\n"
 
 
 def _emit_export(data: dict, out: str | None) -> int:

@@ -40,7 +40,8 @@ def publish(state, name: str, metrics: dict, seed: int = 1, peft_seed: int | Non
     from tasks.registry_model import register_output
 
     mlflow, paths = state["client"], state["paths"]
-    parent = mlflow.create_run(state["experiment"], tags={"method": "prompt_dpsgd", "dataset": "toy"}).info.run_id
+    tags = {"method": "prompt_dpsgd", "dataset": name.split(".")[1]}
+    parent = mlflow.create_run(state["experiment"], tags=tags).info.run_id
     outputs = paths.root / "outputs" / parent
     outputs.mkdir(parents=True)
     backbone = load_backbone("tiny-gpt2", "cpu")
@@ -176,3 +177,47 @@ def test_promote_names_what_it_cannot_find_in_one_line(state, capsys):
     assert len(err) == 1 and err[0].startswith("privprompt: error: ") and "privprompt.toy.none" in err[0]
     assert main(["--state-dir", str(state["paths"].root), "promote", "runs:/abc/model"]) == 2
     assert "is not models:/NAME/VERSION" in capsys.readouterr().err
+
+
+def test_the_ledger_says_which_version_is_in_production(state, capsys):
+    """privprompt ledger names, per dataset, the version with the alias 'production'; a dataset
+    with none says so."""
+    from privprompt_cli import main
+    from tasks.promotion import production_versions
+
+    mlflow, root = state["client"], str(state["paths"].root)
+    name = "privprompt.shop.prompt_dpsgd"
+    state["paths"].open_ledger().register_dataset("fp-shop", "shop", 10.0, 1e-5)
+    capsys.readouterr()
+    assert main(["--state-dir", root, "ledger"]) == 0
+    assert "in production: none (privprompt promote MODEL_URI" in capsys.readouterr().out
+    publish(state, name, GOOD)
+    publish(state, name, GOOD, seed=2)
+    assert main(["--state-dir", root, "promote", f"models:/{name}/1"]) == 0
+    rows = {r["model"]: r for r in production_versions(mlflow, {"shop"})}
+    assert list(rows) == [name] and rows[name]["version"] == "1" and rows[name]["epsilon"] == "3.5"
+    assert _aliases(mlflow, name) == {"candidate": "2", "production": "1"}
+    capsys.readouterr()
+    assert main(["--state-dir", root, "ledger"]) == 0
+    out = capsys.readouterr().out
+    assert "in production (MLflow registry, alias 'production'):" in out
+    assert f"  shop: models:/{name}/1 (ε = 3.5, unit record, fingerprint fp-toy)" in out
+
+
+@pytest.mark.slow  # the report's figures and Prefect's import (≈ 8 s)
+def test_the_report_says_which_version_is_in_production(state, capsys):
+    """privprompt report: the production lines of its datasets, also as report/production.md."""
+    from privprompt_cli import main
+
+    mlflow, root = state["client"], str(state["paths"].root)
+    name = "privprompt.report.prompt_dpsgd"
+    publish(state, name, GOOD)
+    assert main(["--state-dir", root, "promote", f"models:/{name}/1"]) == 0
+    for run_id in {v.run_id for v in mlflow.search_model_versions(f"name='{name}'")}:
+        mlflow.set_tag(run_id, "privacy.guarantee", "dp")
+        mlflow.set_terminated(run_id)
+    assert main(["--state-dir", root, "report", "tests"]) == 0
+    out = capsys.readouterr().out
+    assert f"  report: models:/{name}/1 (ε = 3.5" in out
+    report = mlflow.search_runs([state["experiment"]], "tags.flow = 'report'")[0]
+    assert any(a.path == "report/production.md" for a in mlflow.list_artifacts(report.info.run_id, "report"))
