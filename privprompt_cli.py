@@ -13,6 +13,7 @@
     privprompt ui
     privprompt predict MODEL_URI --input FILE [--output FILE] [--batch-size N] [--device cpu|cuda]
     privprompt promote MODEL_URI [--force]
+    privprompt retarget MODEL_URI --target MODEL [--steps N]
 """
 
 from __future__ import annotations
@@ -972,6 +973,37 @@ def cmd_promote(args) -> int:
     return 0
 
 
+def cmd_retarget(args) -> int:
+    """Move a registered version's prompt to another backbone on public data only (POST's transfer
+    for a soft prompt; a text prompt as it is) and register it as a new version: no ε, no ledger entry."""
+    from tasks.record import client
+    from tasks.retarget import retarget
+    from tasks.state import state_paths
+
+    paths = state_paths(args.state_dir)
+    if not paths.mlflow_db.is_file() and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return _fail(f"no MLflow store at {paths.mlflow_db}")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    started = time.perf_counter()
+    try:
+        out = retarget(client(paths), paths, args.model_uri, args.target, steps=args.steps)
+    except (*_user_errors(), ValueError, OSError) as err:
+        return _fail(_one_line(err))
+    v = out.version
+    print(f"{'retargeted:':<28}{args.model_uri} → {args.target} ({'POST transfer on public data' if out.kind == 'soft' else 'the instruction on the new target'})")
+    print(f"{'new version:':<28}models:/{v.name}/{v.version} (alias candidate; privprompt promote runs its gates)")
+    print(f"{'privacy:':<28}ε = {v.tags.get('privacy.epsilon')}, δ = {v.tags.get('privacy.delta')} (the parent's: "
+          "post-processing, no ε spent, no ledger entry)")
+    for key in ("retarget.public.accuracy", "retarget.public.no_prompt.accuracy"):
+        if key in out.metrics:
+            print(f"{key + ':':<28}{out.metrics[key]:.4f}")
+    if not out.overlap_checked:
+        print("note: the parent's method reads no public data, so no run checked that the public data holds no "
+              "private record (retarget does not read the private source)")
+    print(f"{'wall time:':<28}{time.perf_counter() - started:.1f} s")
+    return 0
+
+
 def _exit_now(rc: int) -> None:
     """End the process once the command is done: what a normal exit runs that matters (threads'
     exit hooks — Prefect's event and log workers drain there — and atexit handlers: MLflow's,
@@ -1094,11 +1126,21 @@ def _add_tool_commands(sub) -> None:
     serve.add_argument("model_uri", help="models:/NAME/VERSION (or /latest), as `privprompt run` printed it")
     serve.add_argument("--port", type=int, default=5001)
     serve.add_argument("--host", default="127.0.0.1", help="default: localhost only")
+
+
+def _add_registry_commands(sub) -> None:
+    """promote and retarget (the MLflow registry's versions)."""
     promote = sub.add_parser("promote", help="run the release gates on a registered version and move the alias "
                                              "'production' to it when none fails")
     promote.add_argument("model_uri", help="models:/NAME/VERSION, models:/NAME/latest or models:/NAME@candidate")
     promote.add_argument("--force", action="store_true", help="promote despite failed gates (recorded in the "
                                                               "version's tags and model card)")
+    retarget = sub.add_parser("retarget", help="move a registered version's prompt to another backbone on public "
+                                               "data only and register it (no ε, no ledger entry)")
+    retarget.add_argument("model_uri", help="models:/NAME/VERSION, models:/NAME/latest or models:/NAME@production")
+    retarget.add_argument("--target", required=True, help="the backbone to move it to (a model name, as models.target)")
+    retarget.add_argument("--steps", type=int, default=None, help="transfer steps of a soft prompt (default: the "
+                                                                  "parent config's methods.post.transfer.steps)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1112,6 +1154,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key_commands(sub)
     _add_budget_commands(sub)
     _add_tool_commands(sub)
+    _add_registry_commands(sub)
     return parser
 
 
@@ -1125,7 +1168,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
     command = {"run": cmd_run, "worker": cmd_worker, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
                "key": cmd_key, "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict,
-               "serve": cmd_serve, "promote": cmd_promote}[args.command]
+               "serve": cmd_serve, "promote": cmd_promote,
+               "retarget": cmd_retarget}[args.command]
     try:
         rc = command(args)
         sys.stdout.flush()  # inside the try: a closed pipe is met here, not in the interpreter's exit

@@ -10,8 +10,9 @@ in ``gate.<name>.reason``.
   interval (``…auc_low``) is compared when logged, so sampling error alone does not fail a sound run.
 * ``holdout``: the released (DP, noisy) holdout score of the published prompt is at least no
   prompt's released score, from the pairs :data:`HOLDOUT_PAIRS` or any logged ``X`` beside
-  ``no_prompt.X`` with ``holdout`` in its name. Exact holdout statistics are never logged, so
-  none is read; without a released pair the gate is ``skipped``.
+  ``no_prompt.X`` with ``holdout`` in its name; a retargeted version: its accuracy on the labelled
+  public rows beside no prompt's (``retarget.public.*``). Exact holdout statistics are never logged,
+  so none is read; without such a pair the gate is ``skipped``.
 * ``adapter``: the version loads with ``mlflow.pyfunc``, its predictions on :data:`PROBE_TEXTS`
   (generic public sentences, never private data) equal PrivPrompt's own forward on the run's
   published prompt, they are finite and not constant, and a soft prompt's or prefix's PEFT
@@ -43,8 +44,10 @@ PROBE_TEXTS = (
 GATES = ("canary", "lira", "holdout", "adapter")
 LIRA_METRICS = ("mia.lira.auc", "mia.lira_offline.auc")
 # (the published prompt's released score, no prompt's): the selection's, and a run's released comparison
+# and a retargeted version's accuracies on the labelled PUBLIC rows (its parent's scores are of another target)
 HOLDOUT_PAIRS = (("selection.winner.holdout_score", "selection.no_prompt.holdout_score"),
-                 ("prompt.released_holdout_score", "no_prompt.released_holdout_score"))
+                 ("prompt.released_holdout_score", "no_prompt.released_holdout_score"),
+                 ("retarget.public.accuracy", "retarget.public.no_prompt.accuracy"))
 SCORE_ATOL = 1e-4  # pyfunc vs PrivPrompt: the same forward; PEFT vs PrivPrompt: log-probs
 PEFT_ATOL = 2e-5
 
@@ -146,7 +149,8 @@ def holdout_pairs(metrics: dict) -> list[tuple[str, str]]:
 def holdout_gate(c: Candidate) -> GateResult:
     pairs = holdout_pairs(c.own_metrics)
     if not pairs:
-        why = ("a retargeted version: its parent's released scores are of another target" if "lineage.parent" in c.tags
+        why = ("a retargeted version without labelled public rows to score (its parent's released scores are of "
+               "another target)" if "lineage.parent" in c.tags
                else "the run logged no released holdout score beside no prompt's")
         return GateResult("holdout", "skipped", why)
     worse = [(a, b) for a, b in pairs if c.own_metrics[a] < c.own_metrics[b]]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 LABELS = ["negative", "positive"]
 SPEND = {"epsilon": 3.5, "delta": 1e-5, "accountant": "min(pld, rdp)"}
@@ -29,7 +30,8 @@ def state(tmp_path_factory):
     return {"paths": paths, "client": mlflow, "experiment": ensure_experiment(mlflow, "tests", paths)}
 
 
-def publish(state, name: str, metrics: dict, seed: int = 1, peft_seed: int | None = None):
+def publish(state, name: str, metrics: dict, seed: int = 1, peft_seed: int | None = None, config: dict | None = None,
+            prompt=None, method: str = "prompt_dpsgd"):
     """A parent run as a dp flow leaves it (metrics, published prompt, a training child with the
     PEFT adapter) and its registered version, as ``tasks.publish.publish_usable`` makes them."""
     from models import load_backbone
@@ -40,26 +42,31 @@ def publish(state, name: str, metrics: dict, seed: int = 1, peft_seed: int | Non
     from tasks.registry_model import register_output
 
     mlflow, paths = state["client"], state["paths"]
-    tags = {"method": "prompt_dpsgd", "dataset": name.split(".")[1]}
+    tags = {"method": method, "dataset": name.split(".")[1], "privacy.guarantee": "dp"}
     parent = mlflow.create_run(state["experiment"], tags=tags).info.run_id
     outputs = paths.root / "outputs" / parent
     outputs.mkdir(parents=True)
+    if config is not None:
+        mlflow.log_text(parent, yaml.safe_dump(config), "config.yaml")
     backbone = load_backbone("tiny-gpt2", "cpu")
-    prompt = torch.randn(3, backbone.embed_dim, generator=torch.Generator().manual_seed(seed))
-    path = save_prompt_artifact(outputs / "prompt_dpsgd.safetensors", prompt, {"privacy.guarantee": "dp"})
+    if prompt is None:
+        prompt = torch.randn(3, backbone.embed_dim, generator=torch.Generator().manual_seed(seed))
+    suffix = ".json" if getattr(prompt, "kind", None) == "text" else ".safetensors"
+    path = save_prompt_artifact(outputs / f"{method}{suffix}", prompt, {"privacy.guarantee": "dp"})
     mlflow.log_artifact(parent, str(path), "prompt")
     ref = backbone_reference("tiny-gpt2", 0)
-    spec = {"method": "prompt_dpsgd", "backbone": ref, "model": "tiny-gpt2", "labels": LABELS,
+    spec = {"method": method, "backbone": ref, "model": "tiny-gpt2", "labels": LABELS,
             "label_descriptions": {}, "template": None, "max_length": 32, "seed": 0}
     version = register_output(mlflow, parent, name, spec, path, "dp", SPEND, "fp-toy", paths.private)
     write_card(mlflow, version, spec)
     child = mlflow.create_run(state["experiment"], tags={"mlflow.parentRunId": parent, "stage": "train",
                                                          "registry.model": f"models:/{name}/{version.version}"})
-    adapter = outputs / "peft"
-    exported = prompt if peft_seed is None else torch.randn(3, backbone.embed_dim,
-                                                            generator=torch.Generator().manual_seed(peft_seed))
-    save_peft_adapter(adapter, exported, backbone.model, backbone.kind, base_model_name_or_path(ref))
-    mlflow.log_artifacts(child.info.run_id, str(adapter), "peft")
+    if suffix == ".safetensors":
+        adapter = outputs / "peft"
+        exported = prompt if peft_seed is None else torch.randn(3, backbone.embed_dim,
+                                                                generator=torch.Generator().manual_seed(peft_seed))
+        save_peft_adapter(adapter, exported, backbone.model, backbone.kind, base_model_name_or_path(ref))
+        mlflow.log_artifacts(child.info.run_id, str(adapter), "peft")
     for key, value in metrics.items():
         mlflow.log_metric(parent, key, value)
     return version
