@@ -946,6 +946,40 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def _canary_runner(paths):
+    """What ``promote`` calls when the DP run has no canary audit logged: the run's canary audit
+    now (``tasks.audit.canary_audit``: its planted canaries scored once), recorded in the ledger as a
+    non-private use and logged on the run as ``audit.epsilon_lower_bound``."""
+
+    def run(run_id: str):
+        import uuid
+        from pathlib import Path
+
+        from flows.audit import target_from_run
+        from tasks.audit import AuditError, AuditFailure, canary_audit
+        from tasks.record import client
+        from tasks.release_gates import CanaryAuditFailed
+
+        try:
+            target, acfg = target_from_run(run_id, str(paths.root))
+        except AuditError as err:
+            return None, _one_line(err)
+        except Exception as err:  # noqa: BLE001 - the gate says why no audit ran, in one line
+            return None, f"{type(err).__name__}: {_one_line(err)}"
+        if not Path(target.part.canaries_path).is_file():
+            return None, "the run planted no canaries (data.canaries)"
+        paths.open_ledger().record_nonprivate(target.part.dataset_key, f"promote-{uuid.uuid4().hex[:12]}:canary-audit",
+                                              f"canary audit of run {run_id} by privprompt promote (not DP)")
+        try:
+            result = canary_audit(target, acfg)
+        except AuditFailure as err:
+            raise CanaryAuditFailed(_one_line(err)) from None
+        client(paths).log_metric(run_id, "audit.epsilon_lower_bound", result["epsilon_lower_bound"])
+        return result["epsilon_lower_bound"], ""
+
+    return run
+
+
 def cmd_promote(args) -> int:
     """Run the release gates on a registered version and move the alias ``production`` to it when
     none failed (``--force``: despite failures, recorded). One line per gate; exit 5 when refused."""
@@ -958,7 +992,7 @@ def cmd_promote(args) -> int:
         return _fail(f"no MLflow store at {paths.mlflow_db}")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per gate, nothing else
     try:
-        out = promote(client(paths), args.model_uri, force=args.force)
+        out = promote(client(paths), args.model_uri, force=args.force, canary_runner=_canary_runner(paths))
     except ValueError as err:
         return _fail(_one_line(err))
     for gate in out.gates:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from .registry_model import PRODUCTION, resolve_version
-from .release_gates import GateResult, run_gates
+from .release_gates import CanaryRunner, GateResult, run_gates
 
 PREFIX = "privprompt."
 
@@ -32,16 +32,17 @@ class Promotion:
         return [g for g in self.gates if g.status == "fail"]
 
 
-def promote(client, model_uri: str, force: bool = False) -> Promotion:
+def promote(client, model_uri: str, force: bool = False, canary_runner: CanaryRunner | None = None) -> Promotion:
     """Gate the version ``model_uri`` names and, when every gate passed or was skipped (or with
-    ``force``), move ``production`` to it."""
+    ``force``), move ``production`` to it. ``canary_runner``: runs a canary audit the DP run lacks
+    (:func:`tasks.release_gates.canary_gate`)."""
     from .model_card import write_card
 
     version = resolve_version(client, model_uri)
     name, number = version.name, str(version.version)
     if not name.startswith(PREFIX):
         raise ValueError(f"{name!r} is not a PrivPrompt registered model (privprompt.<dataset>.<method>)")
-    gates = run_gates(client, version)
+    gates = run_gates(client, version, canary_runner)
     for gate in gates:
         client.set_model_version_tag(name, number, f"gate.{gate.name}", gate.status)
         client.set_model_version_tag(name, number, f"gate.{gate.name}.reason", gate.reason)

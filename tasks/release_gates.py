@@ -3,8 +3,10 @@ the version as a tag ``gate.<name>`` = ``pass`` | ``fail`` | ``skipped`` with a 
 in ``gate.<name>.reason``.
 
 * ``canary``: the canary audit's one-run ε lower bound (``audit.epsilon_lower_bound``, logged on the
-  DP run by an in-flow ``audit:`` or ``privprompt audit RUN_ID``) is at most the version's ε. Not run
-  here: a run without a logged canary audit is ``skipped`` and the reason says how to run one.
+  DP run by an in-flow ``audit:`` or ``privprompt audit RUN_ID``) is at most the version's ε. When
+  none is logged, a ``runner`` (``privprompt promote``'s) runs the canary audit of the run's planted
+  canaries now — one forward pass, recorded in the ledger as a non-private use; a run that planted
+  none (or whose private partition is not on this machine) is ``skipped``, saying why.
 * ``lira``: each LiRA AUC logged on the DP run (``mia.lira.auc``, ``mia.lira_offline.auc``) is at most
   what (ε, δ)-DP allows (:func:`privacy.tradeoff.dp_auc_bound`); the lower end of the AUC's bootstrap
   interval (``…auc_low``) is compared when logged, so sampling error alone does not fail a sound run.
@@ -30,6 +32,10 @@ import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+# the DP run's id → (its canary ε lower bound, or None and why no audit could run)
+CanaryRunner = Callable[[str], "tuple[float | None, str]"]
 
 PROBE_TEXTS = (
     "The weather was mild and the streets were quiet this morning.",
@@ -50,6 +56,10 @@ HOLDOUT_PAIRS = (("selection.winner.holdout_score", "selection.no_prompt.holdout
                  ("retarget.public.accuracy", "retarget.public.no_prompt.accuracy"))
 SCORE_ATOL = 1e-4  # pyfunc vs PrivPrompt: the same forward; PEFT vs PrivPrompt: log-probs
 PEFT_ATOL = 2e-5
+
+
+class CanaryAuditFailed(RuntimeError):
+    """A canary audit run by the gate measured more than the run's ε (its one-line message says so)."""
 
 
 @dataclass(frozen=True)
@@ -104,15 +114,27 @@ def candidate(client, version) -> Candidate:
     return Candidate(version.name, str(version.version), version.run_id, tags, dict(dp), dict(own))
 
 
-def canary_gate(c: Candidate) -> GateResult:
-    bound, eps = c.dp_metrics.get("audit.epsilon_lower_bound"), c.epsilon
+def canary_gate(c: Candidate, runner: CanaryRunner | None = None) -> GateResult:
+    """``runner``: runs the canary audit of the DP run when none is logged (the CLI's, which can
+    read the run's private partition); returns the bound, or None and a reason it cannot run, or
+    raises :class:`CanaryAuditFailed` when the bound exceeds the run's ε."""
+    bound, eps, ran = c.dp_metrics.get("audit.epsilon_lower_bound"), c.epsilon, ""
     if eps is None:
         return GateResult("canary", "skipped", f"no (ε, δ) claim to audit (guarantee {c.tags.get('privacy.guarantee')})")
+    if bound is None and runner is not None:
+        dp_run = c.tags.get("lineage.dp_run") or c.run_id
+        try:
+            bound, why = runner(dp_run)
+        except CanaryAuditFailed as err:
+            return GateResult("canary", "fail", f"canary audit run now: {str(err).splitlines()[0]}"[:300])
+        if bound is None:
+            return GateResult("canary", "skipped", f"no canary audit logged on the DP run, and none ran now: {why}")
+        ran = " (audit run now by promote)"
     if bound is None:
         return GateResult("canary", "skipped", "no canary audit logged on the DP run (plant canaries with "
                                                "data.canaries and run privprompt audit RUN_ID, or audit: in the flow)")
     if bound <= eps:
-        return GateResult("canary", "pass", f"canary audit ε lower bound {bound:.3f} ≤ ε {eps:.3f}")
+        return GateResult("canary", "pass", f"canary audit ε lower bound {bound:.3f} ≤ ε {eps:.3f}{ran}")
     return GateResult("canary", "fail", f"canary audit ε lower bound {bound:.3f} > ε {eps:.3f}: the DP "
                                         "implementation or its accounting is broken")
 
@@ -250,6 +272,6 @@ def _peft_check(client, c: Candidate, own, tmp: Path) -> str:
     return "the PEFT adapter loads and scores the probes as PrivPrompt does"
 
 
-def run_gates(client, version) -> list[GateResult]:
+def run_gates(client, version, canary_runner: CanaryRunner | None = None) -> list[GateResult]:
     c = candidate(client, version)
-    return [canary_gate(c), lira_gate(c), holdout_gate(c), adapter_gate(client, c)]
+    return [canary_gate(c, canary_runner), lira_gate(c), holdout_gate(c), adapter_gate(client, c)]
