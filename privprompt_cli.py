@@ -991,9 +991,11 @@ def cmd_promote(args) -> int:
     if not paths.mlflow_db.is_file() and not os.environ.get("MLFLOW_TRACKING_URI"):
         return _fail(f"no MLflow store at {paths.mlflow_db}")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per gate, nothing else
+    from mlflow.exceptions import MlflowException
+
     try:
         out = promote(client(paths), args.model_uri, force=args.force, canary_runner=_canary_runner(paths))
-    except ValueError as err:
+    except (ValueError, MlflowException) as err:
         return _fail(_one_line(err))
     for gate in out.gates:
         print(gate.line())
@@ -1019,9 +1021,11 @@ def cmd_retarget(args) -> int:
         return _fail(f"no MLflow store at {paths.mlflow_db}")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     started = time.perf_counter()
+    from mlflow.exceptions import MlflowException
+
     try:
         out = retarget(client(paths), paths, args.model_uri, args.target, steps=args.steps)
-    except (*_user_errors(), ValueError, OSError) as err:
+    except (*_user_errors(), ValueError, OSError, MlflowException) as err:
         return _fail(_one_line(err))
     v = out.version
     print(f"{'retargeted:':<28}{args.model_uri} → {args.target} ({'POST transfer on public data' if out.kind == 'soft' else 'the instruction on the new target'})")

@@ -66,7 +66,7 @@ def model_card(name: str, version: str, tags: dict, spec: dict | None, metric_na
              f"- **privacy unit:** {tags.get('privacy.unit', 'record')} (every ε holds for adding or removing one "
              "such unit of the SOURCE dataset)",
              f"- **dataset fingerprint:** `{tags.get('dataset.fingerprint', '?')}` (keyed: identifies the dataset to "
-             "the ledger, reveals nothing about a record)"]
+             "the ledger; confirms nothing about a record to anyone without the installation's key)"]
     if tags.get("lineage.parent"):
         lines.append(f"- **lineage:** retargeted from `{tags['lineage.parent']}` on public data only "
                      "(post-processing: no ε spent, no ledger entry)")

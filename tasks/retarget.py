@@ -181,6 +181,18 @@ def _publish(client, paths, parent, run_id: str, spec: dict, prompt, backbone) -
     return path
 
 
+def _register(client, paths, parent, run_id: str, spec: dict, path: Path, target: str):
+    """The new version: the parent's privacy tags kept, its lineage named, the alias ``candidate``."""
+    from .registry_model import register_output
+
+    kept = {k: v for k, v in parent.tags.items() if k.startswith("privacy.") or k == "dataset.fingerprint"}
+    lineage = {"lineage.parent": f"models:/{parent.name}/{parent.version}",
+               "lineage.dp_run": parent.tags.get("lineage.dp_run") or parent.run_id, "model.target": target}
+    return register_output(client, run_id, parent.name, spec, path, kept["privacy.guarantee"], None,
+                           kept.get("dataset.fingerprint", ""), paths.private, kept.get("privacy.unit", "record"),
+                           extra_tags={**kept, **lineage})
+
+
 def retarget(client, paths, model_uri: str, target: str, steps: int | None = None, progress=None) -> Retargeted:
     """Move the version ``model_uri`` names to backbone ``target`` on public data and register it."""
     from models.prompts import load_prompt_artifact
@@ -188,7 +200,6 @@ def retarget(client, paths, model_uri: str, target: str, steps: int | None = Non
     from .config import parse_config
     from .methods import get_method
     from .model_card import write_card
-    from .registry_model import register_output
 
     with tempfile.TemporaryDirectory(prefix="privprompt-retarget-") as tmp:
         parent, spec, prompt_path, config = _parent(client, model_uri, Path(tmp))
@@ -203,16 +214,15 @@ def retarget(client, paths, model_uri: str, target: str, steps: int | None = Non
         if kind == "soft":
             prompt, metrics = _transfer(cfg, spec, prompt_path, new_spec, backbone, texts, progress)
         run_id = _new_run(client, parent, target, kind)
-        path = _publish(client, paths, parent, run_id, new_spec, prompt, backbone)
-        metrics.update(_scores(new_spec, path, texts, label_of))
-        client.log_batch(run_id, metrics=[_metric(k, v) for k, v in metrics.items() if v is not None])
-        kept = {k: v for k, v in parent.tags.items() if k.startswith("privacy.") or k == "dataset.fingerprint"}
-        lineage = {"lineage.parent": f"models:/{parent.name}/{parent.version}",
-                   "lineage.dp_run": parent.tags.get("lineage.dp_run") or parent.run_id, "model.target": target}
-        version = register_output(client, run_id, parent.name, new_spec, path, kept["privacy.guarantee"], None,
-                                  kept.get("dataset.fingerprint", ""), paths.private, kept.get("privacy.unit", "record"),
-                                  extra_tags={**kept, **lineage})
-        write_card(client, version, new_spec)
+        try:
+            path = _publish(client, paths, parent, run_id, new_spec, prompt, backbone)
+            metrics.update(_scores(new_spec, path, texts, label_of))
+            client.log_batch(run_id, metrics=[_metric(k, v) for k, v in metrics.items() if v is not None])
+            version = _register(client, paths, parent, run_id, new_spec, path, target)
+            write_card(client, version, new_spec)
+        except BaseException:
+            client.set_terminated(run_id, "FAILED")  # no version was registered, or none with a card
+            raise
         client.set_terminated(run_id)
     try:
         checked = get_method(spec["method"]).uses_public_data(cfg)
