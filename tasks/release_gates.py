@@ -119,6 +119,8 @@ def canary_gate(c: Candidate, runner: CanaryRunner | None = None) -> GateResult:
     read the run's private partition); returns the bound, or None and a reason it cannot run, or
     raises :class:`CanaryAuditFailed` when the bound exceeds the run's ε."""
     bound, eps, ran = c.dp_metrics.get("audit.epsilon_lower_bound"), c.epsilon, ""
+    if eps is not None and c.dp_metrics.get("privacy.epsilon_per_record") is not None:
+        eps = c.dp_metrics["privacy.epsilon_per_record"]  # canaries are single records: the record-level claim
     if eps is None:
         return GateResult("canary", "skipped", f"no (ε, δ) claim to audit (guarantee {c.tags.get('privacy.guarantee')})")
     if bound is None and runner is not None:

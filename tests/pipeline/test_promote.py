@@ -284,3 +284,36 @@ def test_mlflow_models_serve_answers_for_the_production_alias(state, tmp_path):
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
         log.close()
+
+
+def test_the_canary_gate_holds_a_per_person_run_to_its_record_level_claim():
+    """A record-level run charged per person states ε per person; its single-record canaries are
+    held to the per-record ε (the audit's own claim, flows.audit.target_from_run)."""
+    from tasks.release_gates import canary_gate
+
+    per_person = _candidate({"privacy.epsilon_per_record": 0.5, "audit.epsilon_lower_bound": 0.8},
+                            **{"privacy.epsilon": "2.0"})
+    failed = canary_gate(per_person)
+    assert failed.status == "fail" and "> ε 0.500" in failed.reason
+    assert canary_gate(_candidate({"privacy.epsilon_per_record": 0.9, "audit.epsilon_lower_bound": 0.8})).status == "pass"
+
+
+def test_the_canary_gate_runs_a_missing_audit_through_its_runner():
+    from tasks.release_gates import CanaryAuditFailed, canary_gate
+
+    calls = []
+
+    def runner(run_id):
+        calls.append(run_id)
+        return 0.25, ""
+
+    ran = canary_gate(_candidate({}), runner)
+    assert calls == ["run"] and ran.status == "pass" and ran.reason.endswith("(audit run now by promote)")
+    assert canary_gate(_candidate({}), lambda run_id: (None, "the run planted no canaries")).reason.endswith(
+        "none ran now: the run planted no canaries")
+
+    def broken(run_id):
+        raise CanaryAuditFailed("empirical ε lower bound 3.100 exceeds the claimed ε = 1.000")
+
+    assert canary_gate(_candidate({}), broken).status == "fail"
+    assert canary_gate(_candidate({"audit.epsilon_lower_bound": 0.1}), broken).status == "pass"  # logged: not rerun
