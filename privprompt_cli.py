@@ -572,13 +572,18 @@ def cmd_ledger(args) -> int:
 def _production_lines(paths, datasets: set[str]) -> str:
     """Which registered version of each of ``datasets`` is in production (the MLflow registry's
     alias), for ``privprompt ledger``; nothing when this state folder has no MLflow store."""
-    if not paths.mlflow_db.is_file() and not os.environ.get("MLFLOW_TRACKING_URI"):
+    remote = os.environ.get("MLFLOW_TRACKING_URI")
+    if not paths.mlflow_db.is_file() and not remote:
         return ""
-    from tasks.promotion import production_table, production_versions
-    from tasks.record import client
+    from tasks.promotion import production_table, production_versions, production_versions_local
 
+    rows = None if remote else production_versions_local(paths.mlflow_db, datasets)  # no MLflow import
     try:
-        return production_table(production_versions(client(paths), datasets))
+        if rows is None:
+            from tasks.record import client
+
+            rows = production_versions(client(paths), datasets)
+        return production_table(rows)
     except Exception as exc:  # noqa: BLE001 - the ledger's table stands without the registry
         return f"in production: unknown (the MLflow registry could not be read: {type(exc).__name__})\n"
 

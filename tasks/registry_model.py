@@ -29,7 +29,7 @@ import pandas as pd
 SPEC_FILE = "spec.json"
 MODEL_ARTIFACT = "registered_model"  # where the pyfunc sits in its run's artifacts
 REGISTERED = ("dp", "ldp")  # the publish rule (tasks.lifecycle.PUBLISHED)
-CANDIDATE, PRODUCTION = "candidate", "production"  # the registry's aliases (privprompt promote)
+CANDIDATE = "candidate"  # every new version's alias; privprompt promote moves "production" (tasks.promotion)
 
 
 class RegistrationRefused(ValueError):

@@ -190,7 +190,7 @@ def test_the_ledger_says_which_version_is_in_production(state, capsys):
     """privprompt ledger names, per dataset, the version with the alias 'production'; a dataset
     with none says so."""
     from privprompt_cli import main
-    from tasks.promotion import production_versions
+    from tasks.promotion import production_versions, production_versions_local
 
     mlflow, root = state["client"], str(state["paths"].root)
     name = "privprompt.shop.prompt_dpsgd"
@@ -202,6 +202,9 @@ def test_the_ledger_says_which_version_is_in_production(state, capsys):
     publish(state, name, GOOD, seed=2)
     assert main(["--state-dir", root, "promote", f"models:/{name}/1"]) == 0
     rows = {r["model"]: r for r in production_versions(mlflow, {"shop"})}
+    # the ledger's fast path (the SQLite store read without MLflow) reads the same rows
+    assert production_versions_local(state["paths"].mlflow_db, {"shop"}) == list(rows.values())
+    assert production_versions_local(state["paths"].root / "no.db") is None
     assert list(rows) == [name] and rows[name]["version"] == "1" and rows[name]["epsilon"] == "3.5"
     assert _aliases(mlflow, name) == {"candidate": "2", "production": "1"}
     capsys.readouterr()
