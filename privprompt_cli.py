@@ -966,7 +966,7 @@ def _canary_runner(paths):
         from tasks.release_gates import CanaryAuditFailed
 
         try:
-            target, acfg = target_from_run(run_id, str(paths.root))
+            target, acfg = target_from_run(run_id, str(paths.root), check=False)
         except AuditError as err:
             return None, _one_line(err)
         except Exception as err:  # noqa: BLE001 - the gate says why no audit ran, in one line
@@ -1037,9 +1037,10 @@ def cmd_retarget(args) -> int:
     print(f"{'new version:':<28}models:/{v.name}/{v.version} (alias candidate; privprompt promote runs its gates)")
     print(f"{'privacy:':<28}ε = {v.tags.get('privacy.epsilon')}, δ = {v.tags.get('privacy.delta')} (the parent's: "
           "post-processing, no ε spent, no ledger entry)")
-    for key in ("retarget.public.accuracy", "retarget.public.no_prompt.accuracy"):
+    for key, label in (("retarget.public.accuracy", "public accuracy:"),
+                       ("retarget.public.no_prompt.accuracy", "  no prompt's:")):
         if key in out.metrics:
-            print(f"{key + ':':<28}{out.metrics[key]:.4f}")
+            print(f"{label:<28}{out.metrics[key]:.4f} ({key}: labelled public rows)")
     if not out.overlap_checked:
         print("note: the parent's method reads no public data, so no run checked that the public data holds no "
               "private record (retarget does not read the private source)")

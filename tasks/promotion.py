@@ -134,6 +134,10 @@ def production_table(rows: list[dict]) -> str:
     for r in rows:
         extra = " [promoted with --force]" if r["forced"] else ""
         extra += f" [retargeted from {r['parent']}]" if r["parent"] else ""
-        lines.append(f"  {r['dataset']}: {r['uri']} (ε = {r['epsilon']}, unit {r['unit']}, "
+        try:
+            eps = f"{float(r['epsilon']):.4f}"
+        except (TypeError, ValueError):  # an ldp version states none
+            eps = str(r["epsilon"])
+        lines.append(f"  {r['dataset']}: {r['uri']} (ε = {eps}, unit {r['unit']}, "
                      f"fingerprint {r['fingerprint'][:12]}){extra}")
     return "\n".join(lines) + "\n"

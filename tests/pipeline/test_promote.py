@@ -211,7 +211,7 @@ def test_the_ledger_says_which_version_is_in_production(state, capsys):
     assert main(["--state-dir", root, "ledger"]) == 0
     out = capsys.readouterr().out
     assert "in production (MLflow registry, alias 'production'):" in out
-    assert f"  shop: models:/{name}/1 (ε = 3.5, unit record, fingerprint fp-toy)" in out
+    assert f"  shop: models:/{name}/1 (ε = 3.5000, unit record, fingerprint fp-toy)" in out
 
 
 @pytest.mark.slow  # the report's figures and Prefect's import (≈ 8 s)
@@ -228,7 +228,7 @@ def test_the_report_says_which_version_is_in_production(state, capsys):
         mlflow.set_terminated(run_id)
     assert main(["--state-dir", root, "report", "tests"]) == 0
     out = capsys.readouterr().out
-    assert f"  report: models:/{name}/1 (ε = 3.5" in out
+    assert f"  report: models:/{name}/1 (ε = 3.5000" in out
     report = mlflow.search_runs([state["experiment"]], "tags.flow = 'report'")[0]
     assert any(a.path == "report/production.md" for a in mlflow.list_artifacts(report.info.run_id, "report"))
 
