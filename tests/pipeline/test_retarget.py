@@ -9,7 +9,6 @@ from __future__ import annotations
 import builtins
 import io
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -75,7 +74,7 @@ def _ledger(state) -> dict:
     return {k: v for k, v in export.items() if k in ("datasets", "entries", "cap_changes", "trail")}
 
 
-def test_retarget_refuses_in_one_line(state, capsys, tmp_path):
+def test_retarget_refuses_in_one_line(state, capsys):
     from privprompt_cli import main
 
     name = "privprompt.rt.noconfig"
@@ -85,7 +84,9 @@ def test_retarget_refuses_in_one_line(state, capsys, tmp_path):
                  "tiny-bert"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "has no config.yaml artifact" in err[0]
-    shutil.rmtree(tmp_path, ignore_errors=True)
+    assert main(["--state-dir", str(state["paths"].root), "retarget", "models:/privprompt.rt.none/1", "--target",
+                 "tiny-bert"]) == 2
+    assert "privprompt.rt.none" in capsys.readouterr().err
 
 
 def test_a_text_prompt_is_re_evaluated_and_re_registered_for_another_target(state, monkeypatch, private_source,
