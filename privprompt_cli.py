@@ -12,6 +12,8 @@
     privprompt config --schema
     privprompt ui
     privprompt predict MODEL_URI --input FILE [--output FILE] [--batch-size N] [--device cpu|cuda]
+    privprompt promote MODEL_URI [--force]
+    privprompt retarget MODEL_URI --target MODEL [--steps N]
 """
 
 from __future__ import annotations
@@ -505,6 +507,10 @@ def cmd_report(args) -> int:
     record = RunRecord.create(mlflow, ensure_experiment(mlflow, args.experiment, paths), "report",
                               {"flow": "report", "stage": "report"})
     out = log_report(record, rows, f"{args.experiment}: privacy–utility by method")
+    from tasks.promotion import production_table, production_versions
+
+    in_production = production_table(production_versions(mlflow, {r["dataset"] for r in rows}))
+    record.log_text(in_production, "report/production.md")
     record.end()
     if args.out:  # the same files, for a folder of results (e.g. docs/results/)
         import tempfile
@@ -524,6 +530,7 @@ def cmd_report(args) -> int:
     selected = selection_table(rows)
     if selected is not None:  # the published candidates and their DP-released holdout scores
         print(selected, end="")
+    print(in_production, end="")
     print(f"{'report run:':<28}{record.run_id} ({out['n_runs']} runs; {out['table']}, {out['figure']})")
     return 0
 
@@ -570,6 +577,7 @@ def cmd_ledger(args) -> int:
             return _emit_export(ledger.export(), args.out)
         print(ledger.summary_table(largest), end="")
         _print_inference_spend(ledger)
+        print(_production_lines(paths, {d["name"] for d in ledger.datasets()}), end="")
         print(f"ledger: {paths.ledger_location}" + (" (shared; its team key: privprompt key show)"
                                                    if paths.ledger_is_shared else " (this state folder's own)"))
     except (*_user_errors(), LedgerError) as err:
@@ -593,6 +601,25 @@ def _print_inference_spend(ledger) -> None:
         print(f"inference-time spend on {row['name']!r}: {queries} queries answered by dp_icl in {len(batches)} "
               f"charged batches, ε={eps:.4f} {'per record' if row['unit'] == 'record' else 'per ' + row['unit']} "
               f"at δ={row['delta']:g} on their own (included above)")
+
+
+def _production_lines(paths, datasets: set[str]) -> str:
+    """Which registered version of each of ``datasets`` is in production (the MLflow registry's
+    alias), for ``privprompt ledger``; nothing when this state folder has no MLflow store."""
+    remote = os.environ.get("MLFLOW_TRACKING_URI")
+    if not paths.mlflow_db.is_file() and not remote:
+        return ""
+    from tasks.promotion import production_table, production_versions, production_versions_local
+
+    rows = None if remote else production_versions_local(paths.mlflow_db, datasets)  # no MLflow import
+    try:
+        if rows is None:
+            from tasks.record import client
+
+            rows = production_versions(client(paths), datasets)
+        return production_table(rows)
+    except Exception as exc:  # noqa: BLE001 - the ledger's table stands without the registry
+        return f"in production: unknown (the MLflow registry could not be read: {type(exc).__name__})\n"
 
 
 def _emit_export(data: dict, out: str | None) -> int:
@@ -992,6 +1019,103 @@ def _predict_dp_icl(args, frame, texts) -> int:
     return 0
 
 
+def _canary_runner(paths):
+    """What ``promote`` calls when the DP run has no canary audit logged: the run's canary audit
+    now (``tasks.audit.canary_audit``: its planted canaries scored once), recorded in the ledger as a
+    non-private use and logged on the run as ``audit.epsilon_lower_bound``."""
+
+    def run(run_id: str):
+        import uuid
+        from pathlib import Path
+
+        from flows.audit import target_from_run
+        from tasks.audit import AuditError, AuditFailure, canary_audit
+        from tasks.record import client
+        from tasks.release_gates import CanaryAuditFailed
+
+        try:
+            target, acfg = target_from_run(run_id, str(paths.root), check=False)
+        except AuditError as err:
+            return None, _one_line(err)
+        except Exception as err:  # noqa: BLE001 - the gate says why no audit ran, in one line
+            return None, f"{type(err).__name__}: {_one_line(err)}"
+        if not Path(target.part.canaries_path).is_file():
+            return None, "the run planted no canaries (data.canaries)"
+        paths.open_ledger().record_nonprivate(target.part.dataset_key, f"promote-{uuid.uuid4().hex[:12]}:canary-audit",
+                                              f"canary audit of run {run_id} by privprompt promote (not DP)")
+        try:
+            result = canary_audit(target, acfg)
+        except AuditFailure as err:
+            raise CanaryAuditFailed(_one_line(err)) from None
+        client(paths).log_metric(run_id, "audit.epsilon_lower_bound", result["epsilon_lower_bound"])
+        return result["epsilon_lower_bound"], ""
+
+    return run
+
+
+def cmd_promote(args) -> int:
+    """Run the release gates on a registered version and move the alias ``production`` to it when
+    none failed (``--force``: despite failures, recorded). One line per gate; exit 5 when refused."""
+    from tasks.promotion import promote
+    from tasks.record import client
+    from tasks.state import state_paths
+
+    paths = state_paths(args.state_dir)
+    if not paths.mlflow_db.is_file() and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return _fail(f"no MLflow store at {paths.mlflow_db}")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per gate, nothing else
+    from mlflow.exceptions import MlflowException
+
+    try:
+        out = promote(client(paths), args.model_uri, force=args.force, canary_runner=_canary_runner(paths))
+    except (ValueError, MlflowException) as err:
+        return _fail(_one_line(err))
+    for gate in out.gates:
+        print(gate.line())
+    uri = f"models:/{out.name}/{out.version}"
+    if not out.promoted:
+        print(f"privprompt: refused: {uri} stays out of production ({len(out.failed)} gate(s) failed; "
+              "--force promotes it with the failures recorded)", file=sys.stderr)
+        return 5
+    forced = f" with --force despite failed gates: {', '.join(g.name for g in out.failed)}" if out.forced else ""
+    print(f"promoted {uri}: models:/{out.name}@production{forced}")
+    return 0
+
+
+def cmd_retarget(args) -> int:
+    """Move a registered version's prompt to another backbone on public data only (POST's transfer
+    for a soft prompt; a text prompt as it is) and register it as a new version: no ε, no ledger entry."""
+    from tasks.record import client
+    from tasks.retarget import retarget
+    from tasks.state import state_paths
+
+    paths = state_paths(args.state_dir)
+    if not paths.mlflow_db.is_file() and not os.environ.get("MLFLOW_TRACKING_URI"):
+        return _fail(f"no MLflow store at {paths.mlflow_db}")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    started = time.perf_counter()
+    from mlflow.exceptions import MlflowException
+
+    try:
+        out = retarget(client(paths), paths, args.model_uri, args.target, steps=args.steps)
+    except (*_user_errors(), ValueError, OSError, MlflowException) as err:
+        return _fail(_one_line(err))
+    v = out.version
+    print(f"{'retargeted:':<28}{args.model_uri} → {args.target} ({'POST transfer on public data' if out.kind == 'soft' else 'the instruction on the new target'})")
+    print(f"{'new version:':<28}models:/{v.name}/{v.version} (alias candidate; privprompt promote runs its gates)")
+    print(f"{'privacy:':<28}ε = {v.tags.get('privacy.epsilon')}, δ = {v.tags.get('privacy.delta')} (the parent's: "
+          "post-processing, no ε spent, no ledger entry)")
+    for key, label in (("retarget.public.accuracy", "public accuracy:"),
+                       ("retarget.public.no_prompt.accuracy", "  no prompt's:")):
+        if key in out.metrics:
+            print(f"{label:<28}{out.metrics[key]:.4f} ({key}: labelled public rows)")
+    if not out.overlap_checked:
+        print("note: the parent's method reads no public data, so no run checked that the public data holds no "
+              "private record (retarget does not read the private source)")
+    print(f"{'wall time:':<28}{time.perf_counter() - started:.1f} s")
+    return 0
+
+
 def _exit_now(rc: int) -> None:
     """End the process once the command is done: what a normal exit runs that matters (threads'
     exit hooks — Prefect's event and log workers drain there — and atexit handlers: MLflow's,
@@ -1119,6 +1243,21 @@ def _add_tool_commands(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="default: localhost only")
 
 
+def _add_registry_commands(sub) -> None:
+    """promote and retarget (the MLflow registry's versions)."""
+    promote = sub.add_parser("promote", help="run the release gates on a registered version and move the alias "
+                                             "'production' to it when none fails")
+    promote.add_argument("model_uri", help="models:/NAME/VERSION, models:/NAME/latest or models:/NAME@candidate")
+    promote.add_argument("--force", action="store_true", help="promote despite failed gates (recorded in the "
+                                                              "version's tags and model card)")
+    retarget = sub.add_parser("retarget", help="move a registered version's prompt to another backbone on public "
+                                               "data only and register it (no ε, no ledger entry)")
+    retarget.add_argument("model_uri", help="models:/NAME/VERSION, models:/NAME/latest or models:/NAME@production")
+    retarget.add_argument("--target", required=True, help="the backbone to move it to (a model name, as models.target)")
+    retarget.add_argument("--steps", type=int, default=None, help="transfer steps of a soft prompt (default: the "
+                                                                  "parent config's methods.post.transfer.steps)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser: every command, in the order ``--help`` lists them."""
     parser = argparse.ArgumentParser(prog="privprompt", description=__doc__,
@@ -1130,6 +1269,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_key_commands(sub)
     _add_budget_commands(sub)
     _add_tool_commands(sub)
+    _add_registry_commands(sub)
     return parser
 
 
@@ -1143,7 +1283,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["PRIVPROMPT_HOME"] = args.state_dir
     command = {"run": cmd_run, "worker": cmd_worker, "audit": cmd_audit, "plan": cmd_plan, "report": cmd_report, "ledger": cmd_ledger,
                "key": cmd_key, "budget": cmd_budget, "config": cmd_config, "ui": cmd_ui, "predict": cmd_predict,
-               "serve": cmd_serve}[args.command]
+               "serve": cmd_serve, "promote": cmd_promote,
+               "retarget": cmd_retarget}[args.command]
     try:
         rc = command(args)
         sys.stdout.flush()  # inside the try: a closed pipe is met here, not in the interpreter's exit

@@ -204,9 +204,11 @@ def _audited_prompt(mlflow, paths, run_id: str, tags: dict, method: str) -> Path
     return found
 
 
-def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | None = None):
+def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | None = None, check: bool = True):
     """(AuditTarget, AuditConfig) of a finished MLflow run; every problem is an ``AuditError``
-    raised before any training. The run's config is parsed once, here."""
+    raised before any training. The run's config is parsed once, here. ``check=False``: without the
+    membership audit's own checks (its pool's size, no selection), for the canary audit alone
+    (``privprompt promote``), which scores the planted canaries and trains nothing."""
     import yaml
 
     from tasks.config import parse_config
@@ -231,5 +233,6 @@ def target_from_run(run_id: str, state_dir: str | None = None, shadows: int | No
                          run_id=run_id, flow_run_id=tags.get("prefect.flow_run_id", ""), state_dir=str(paths.root),
                          prepared=prepared)
     target.__dict__["cfg"] = cfg  # the config parsed above (AuditTarget.cfg is a cached property)
-    check_audit(target, acfg)
+    if check:
+        check_audit(target, acfg)
     return target, acfg

@@ -133,3 +133,27 @@ def min_k_percent_scores(
             m = max(1, int(math.ceil(k * vals.numel())))
             scores.append(float(vals.sort().values[:m].mean()))
     return torch.tensor(scores)
+
+
+@torch.no_grad()
+def peft_label_scores(classifier: PromptClassifier, adapter_folder, encoded: dict[str, torch.Tensor],
+                      prompt: torch.Tensor) -> torch.Tensor | None:
+    """(N, n_labels) label-word log-probs of PEFT's own forward (``PeftModel.from_pretrained`` on a
+    copy of the classifier's backbone with the adapter folder), read at the classifier's label
+    position — shifted by the virtual tokens PEFT puts in front for a soft prompt (a prefix adds
+    none). None for a classifier that reads no label words (the cosine encoder)."""
+    import copy
+
+    from peft import PeftModel
+
+    if not hasattr(classifier, "label_token_ids"):
+        return None
+    model = PeftModel.from_pretrained(copy.deepcopy(classifier.backbone.model), str(adapter_folder)).eval()
+    device = classifier.device
+    T = int(encoded["attention_mask"].sum(1).max())
+    out = model(input_ids=encoded["input_ids"][:, :T].to(device),
+                attention_mask=encoded["attention_mask"][:, :T].to(device)).logits
+    shift = int(prompt.shape[0]) if torch.as_tensor(prompt).dim() == 2 else 0
+    position = encoded["label_pos"].to(device) + shift
+    rows = torch.arange(out.shape[0], device=device)
+    return F.log_softmax(out[rows, position].float(), -1)[:, classifier.label_token_ids.to(device)].cpu()

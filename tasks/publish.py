@@ -34,6 +34,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
 
     from .registry_model import check_registrable, predictor_spec, register_output, registered_model_name
     from .methodkit.classifiers import classifier_for
+    from .model_card import write_card
 
     cfg, paths = ctx.cfg, ctx.paths
     check_registrable(guarantee, prompt_path, paths.private)
@@ -68,6 +69,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
                               registered_model_name(cfg.data.name, name),
                               predictor_spec(cfg, name, model_name, ref), prompt_path, guarantee, spend,
                               ctx.part.published_key, paths.private, cfg.data.charge_unit)
+    write_card(ctx.parent.mlflow, version, predictor_spec(cfg, name, model_name, ref))
     tags["registry.model"] = f"models:/{version.name}/{version.version}"
     child.set_tags(tags)
     return tags

@@ -29,6 +29,7 @@ import pandas as pd
 SPEC_FILE = "spec.json"
 MODEL_ARTIFACT = "registered_model"  # where the pyfunc sits in its run's artifacts
 REGISTERED = ("dp", "ldp")  # the publish rule (tasks.lifecycle.PUBLISHED)
+CANDIDATE = "candidate"  # every new version's alias; privprompt promote moves "production" (tasks.promotion)
 
 
 class RegistrationRefused(ValueError):
@@ -190,23 +191,36 @@ def download_model(client, model_uri: str, dst: str | Path) -> Path:
     tracking = client.tracking_uri
     try:
         if model_uri.startswith("models:/"):
-            rest = model_uri[len("models:/"):].strip("/")
-            if "@" in rest:
-                name, alias = rest.split("@", 1)
-                version = client.get_model_version_by_alias(name, alias).version
-            else:
-                name, _, version = rest.rpartition("/")
-                if not name:
-                    raise ValueError(f"{model_uri!r} is not models:/NAME/VERSION, models:/NAME/latest or models:/NAME@ALIAS")
-                if version == "latest":
-                    versions = client.search_model_versions(f"name='{name}'")
-                    if not versions:
-                        raise ValueError(f"registered model {name!r} has no versions")
-                    version = max(int(v.version) for v in versions)
-            source = client.get_model_version_download_uri(name, str(version))
+            version = resolve_version(client, model_uri)
+            source = client.get_model_version_download_uri(version.name, str(version.version))
         else:
             source = model_uri
         return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst), tracking_uri=tracking))
+    except MlflowException as exc:
+        raise ValueError(str(exc.message).splitlines()[0]) from None
+
+
+def resolve_version(client, model_uri: str):
+    """The ModelVersion ``models:/NAME/VERSION``, ``models:/NAME/latest`` or ``models:/NAME@ALIAS``
+    names; a ValueError (one line) for anything else."""
+    from mlflow.exceptions import MlflowException
+
+    if not model_uri.startswith("models:/"):
+        raise ValueError(f"{model_uri!r} is not models:/NAME/VERSION, models:/NAME/latest or models:/NAME@ALIAS")
+    rest = model_uri[len("models:/"):].strip("/")
+    try:
+        if "@" in rest:
+            name, alias = rest.split("@", 1)
+            return client.get_model_version_by_alias(name, alias)
+        name, _, version = rest.rpartition("/")
+        if not name:
+            raise ValueError(f"{model_uri!r} is not models:/NAME/VERSION, models:/NAME/latest or models:/NAME@ALIAS")
+        if version == "latest":
+            versions = client.search_model_versions(f"name='{name}'")
+            if not versions:
+                raise ValueError(f"registered model {name!r} has no versions")
+            version = str(max(int(v.version) for v in versions))
+        return client.get_model_version(name, version)
     except MlflowException as exc:
         raise ValueError(str(exc.message).splitlines()[0]) from None
 
@@ -239,9 +253,12 @@ def check_registrable(guarantee: str, prompt_path: str | Path, private_dir: str 
 
 
 def register_output(client, run_id: str, model_name: str, spec: dict, prompt_path: str | Path, guarantee: str,
-                    spend: dict | None, dataset_key: str, private_dir: str | Path, unit: str = "record"):
+                    spend: dict | None, dataset_key: str, private_dir: str | Path, unit: str = "record",
+                    extra_tags: dict[str, str] | None = None):
     """Log the pyfunc under run ``run_id`` (``registered_model/``) and register it as a new version
-    of ``model_name`` with the privacy tags; returns the ModelVersion. A run's output is registered
+    of ``model_name`` with the privacy tags (and ``extra_tags``: a retarget's lineage), the alias
+    ``candidate`` (it moves from the version before; ``privprompt promote`` moves ``production``
+    after the gates; the caller writes the model card, :func:`tasks.model_card.write_card`); returns the ModelVersion. A run's output is registered
     once: a retry that republishes it (``tasks.lifecycle``) gets the version it already has."""
     from mlflow.exceptions import MlflowException
 
@@ -262,6 +279,8 @@ def register_output(client, run_id: str, model_name: str, spec: dict, prompt_pat
         if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
             raise
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{MODEL_ARTIFACT}"
-    return client.create_model_version(model_name, source, run_id=run_id,
-                                       tags=version_tags(guarantee, spend, dataset_key, unit),
-                                       description=f"{spec['method']} on {spec['model']}")
+    tags = {**version_tags(guarantee, spend, dataset_key, unit), **(extra_tags or {})}
+    version = client.create_model_version(model_name, source, run_id=run_id, tags=tags,
+                                          description=f"{spec['method']} on {spec['model']}")
+    client.set_registered_model_alias(model_name, CANDIDATE, str(version.version))
+    return client.get_model_version(model_name, str(version.version))

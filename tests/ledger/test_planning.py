@@ -119,7 +119,8 @@ def test_resumed_sweep_skips_finished_variants(prefect_harness, toy, tmp_path, m
 
     assert main(["--state-dir", str(tmp_path / "state"), "report", "tests", "--out", str(tmp_path / "out")]) == 0
     written = {p.name for p in (tmp_path / "out").iterdir()}
-    assert written == {"comparison.md", "privacy_utility.png", "summary.md"}  # in DIR itself, nothing else
+    # in DIR itself, nothing else; production.md: which registered version of each dataset is in production
+    assert written == {"comparison.md", "privacy_utility.png", "summary.md", "production.md"}
 
 
 @pytest.mark.parametrize("override,needle", [

@@ -217,3 +217,54 @@ def test_transfer_selection_uses_held_out_public_texts_only(post_run, monkeypatc
         **ctx.config["methods"]["post"], "transfer": {**ctx.config["methods"]["post"]["transfer"], "select_size": 500}}}}
     with pytest.raises(ConfigError, match="select_size = 500 holds out all 200 public texts"):
         parse_config(config)
+
+
+@pytest.mark.slow  # the post_run fixture (two POST flow runs)
+def test_a_released_post_prompt_is_retargeted_to_another_backbone_on_public_data_only(post_run, monkeypatch,
+                                                                                         capsys):
+    """``privprompt retarget`` of POST's registered version: POST's transfer from its target to
+    tiny-llama on the run's public texts, with the state's private/ moved away and every open
+    recorded; the ledger unchanged; the new version keeps ε and names its parent."""
+    import builtins
+    import io
+
+    from mlflow.tracking import MlflowClient
+
+    from privprompt_cli import main
+    from tasks.state import state_paths
+
+    state = post_run["state"]
+    uri = f"sqlite:///{state / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    name = "privprompt.sst2.post"
+    parent = client.get_model_version(name, "1")
+    before = state_paths(state).open_ledger().export()
+    opened, real_open = [], io.open
+
+    def spy(file, *a, **k):
+        opened.append(str(file))
+        return real_open(file, *a, **k)
+
+    private, hidden = state / "private", state / "private.hidden"
+    private.rename(hidden)
+    try:
+        monkeypatch.setattr(io, "open", spy)
+        monkeypatch.setattr(builtins, "open", spy)
+        capsys.readouterr()
+        rc = main(["--state-dir", str(state), "retarget", f"models:/{name}/1", "--target", "tiny-llama"])
+    finally:
+        monkeypatch.undo()
+        hidden.rename(private)
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert any("tweet_sentiment" in f for f in opened)
+    assert not [f for f in opened if "private" in Path(f).resolve().parts or "/sst2/" in f]
+    assert "note:" not in out  # POST's own public-data stages checked the public set against the source
+    after = state_paths(state).open_ledger().export()
+    assert after["entries"] == before["entries"] and after["datasets"] == before["datasets"]
+    versions = sorted(client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version))
+    new = versions[-1]
+    assert new.tags["privacy.epsilon"] == parent.tags["privacy.epsilon"]
+    assert new.tags["lineage.parent"] == f"models:/{name}/1" and new.tags["model.target"] == "tiny-llama"
+    metrics = client.get_run(new.run_id).data.metrics
+    assert metrics["retarget.transfer.loss_last"] >= 0 and "retarget.public.accuracy" in metrics

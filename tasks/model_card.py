@@ -1,0 +1,101 @@
+"""The model card of a registered version: its description in the MLflow registry
+(``MlflowClient.update_model_version``), written when the version is registered and again by
+``privprompt promote`` with the gates' results.
+
+Only what the run record already publishes goes in: the version's privacy tags (method, ε, δ,
+accountant, unit, dataset fingerprint), its lineage, the gates' tags, and the NAMES of the
+published statistics that the guarantee does not cover (docs/privacy-claims.md, "What is published
+beside ε, and is not covered by it"). No value computed on private data is added here.
+"""
+
+from __future__ import annotations
+
+from .statement import unit_phrase
+
+# metric-name prefixes of published statistics that ε does not cover (docs/privacy-claims.md)
+NOT_COVERED = (
+    ("test.accuracy", "accuracy on the test split: an exact statistic of that split (evaluation data, not the "
+                      "training data ε protects); the test split's size shows through it"),
+    ("mia.", "membership-inference statistics: exact functions of the audit pool's rows (audit statistics, "
+             "recorded in the ledger as a non-private use)"),
+    ("audit.", "audit statistics (canary ε lower bound, leakage reports): exact, computed without noise"),
+    ("flatness.", "flatness of the prefix: test loss on at most 256 test examples"),
+    ("runtime.", "wall-clock times: a side channel that depends weakly on the data"),
+)
+ALWAYS = (
+    "the backbone's own pre-training data and any public data the method reads (distillation, transfer, "
+    "retargeting): they are not the private source",
+    "label set and text lengths where the method does not privatize them (a local-DP method's inputs)",
+)
+
+
+def _gates(tags: dict) -> list[str]:
+    from .release_gates import GATES
+
+    rows = ["| gate | result | why |", "|---|---|---|"]
+    for name in GATES:
+        status = tags.get(f"gate.{name}")
+        if status is None:
+            rows.append(f"| {name} | not checked | `privprompt promote` runs it |")
+        else:
+            rows.append(f"| {name} | {status} | {tags.get(f'gate.{name}.reason', '').replace('|', '/')} |")
+    return rows
+
+
+def _not_covered(metric_names) -> list[str]:
+    lines = []
+    for prefix, what in NOT_COVERED:
+        names = sorted(k for k in metric_names if k.startswith(prefix))
+        if names:
+            shown = ", ".join(f"`{n}`" for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            lines.append(f"- {shown}: {what}")
+    return lines + [f"- {line}" for line in ALWAYS]
+
+
+def model_card(name: str, version: str, tags: dict, spec: dict | None, metric_names=()) -> str:
+    """Markdown: what the version is, its privacy statement, lineage, gates and what ε does not cover."""
+    spec = spec or {}
+    eps, delta = tags.get("privacy.epsilon", "none"), tags.get("privacy.delta", "none")
+    lines = [f"## {name} v{version}", "",
+             f"- **method:** {spec.get('method', tags.get('method', '?'))}",
+             f"- **model:** {spec.get('model', tags.get('model.target', '?'))}",
+             f"- **guarantee:** {tags.get('privacy.guarantee', '?')}",
+             f"- **ε:** {eps} {unit_phrase(tags.get('privacy.unit'))}",
+             f"- **δ:** {delta}",
+             f"- **accountant:** {tags.get('privacy.accountant', 'none')}",
+             f"- **privacy unit:** {tags.get('privacy.unit', 'record')} (every ε holds for adding or removing one "
+             "such unit of the SOURCE dataset)",
+             f"- **dataset fingerprint:** `{tags.get('dataset.fingerprint', '?')}` (keyed: identifies the dataset to "
+             "the ledger; confirms nothing about a record to anyone without the installation's key)"]
+    if tags.get("lineage.parent"):
+        lines.append(f"- **lineage:** retargeted from `{tags['lineage.parent']}` on public data only "
+                     "(post-processing: no ε spent, no ledger entry)")
+    lines += ["", "### Release gates", ""] + _gates(tags)
+    if tags.get("gate.forced"):
+        lines += ["", f"**Promoted with --force:** {tags['gate.forced']}"]
+    lines += ["", "### What the guarantee does not cover", ""] + _not_covered(metric_names)
+    return "\n".join(lines) + "\n"
+
+
+def write_card(client, version, spec: dict | None = None) -> str:
+    """Write the card of ``version`` (a ModelVersion, re-read for its current tags) as its description."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    current = client.get_model_version(version.name, str(version.version))
+    if spec is None:
+        from .registry_model import MODEL_ARTIFACT, SPEC_FILE
+
+        try:
+            with tempfile.TemporaryDirectory(prefix="privprompt-card-") as tmp:
+                spec = json.loads(Path(client.download_artifacts(
+                    current.run_id, f"{MODEL_ARTIFACT}/artifacts/{SPEC_FILE}", tmp)).read_text())
+        except Exception:  # noqa: BLE001 - a card without the spec's names still states the privacy
+            spec = {}
+    tags = dict(current.tags or {})
+    dp_run = tags.get("lineage.dp_run") or current.run_id
+    names = set(client.get_run(dp_run).data.metrics) if dp_run else set()
+    text = model_card(current.name, str(current.version), tags, spec, names)
+    client.update_model_version(current.name, str(current.version), description=text)
+    return text
