@@ -10,8 +10,9 @@ in ``gate.<name>.reason``.
 * ``lira``: each LiRA AUC logged on the DP run (``mia.lira.auc``, ``mia.lira_offline.auc``) is at most
   what (ε, δ)-DP allows (:func:`privacy.tradeoff.dp_auc_bound`); the lower end of the AUC's bootstrap
   interval (``…auc_low``) is compared when logged, so sampling error alone does not fail a sound run.
-* ``holdout``: the released (DP, noisy) holdout score of the published prompt is at least no
-  prompt's released score, from the pairs :data:`HOLDOUT_PAIRS` or any logged ``X`` beside
+* ``holdout``: the released (DP, noisy) comparison of the published prompt with no prompt on the
+  holdout says it is not worse: every dp run's ``no_prompt.released_difference`` D̃ ≥ 0 (issue 41's
+  accounted release), else the released scores of the pairs :data:`HOLDOUT_PAIRS` or any logged ``X`` beside
   ``no_prompt.X`` with ``holdout`` in its name; a retargeted version: its accuracy on the labelled
   public rows beside no prompt's (``retarget.public.*``). Exact holdout statistics are never logged,
   so none is read; without such a pair the gate is ``skipped``.
@@ -171,7 +172,15 @@ def holdout_pairs(metrics: dict) -> list[tuple[str, str]]:
 
 
 def holdout_gate(c: Candidate) -> GateResult:
-    pairs = holdout_pairs(c.own_metrics)
+    from .no_prompt import DIFFERENCE, SIGMA
+
+    m = c.own_metrics
+    if DIFFERENCE in m:  # every dp run's released comparison with no prompt (issue 41): D̃ = Σ (with − without) + noise
+        shown = f"released difference with no prompt D̃ = {m[DIFFERENCE]:.2f} (noise σ {m.get(SIGMA, float('nan')):.2f})"
+        if m[DIFFERENCE] < 0:
+            return GateResult("holdout", "fail", f"below no prompt: {shown}")
+        return GateResult("holdout", "pass", f"at least no prompt: {shown}")
+    pairs = holdout_pairs(m)
     if not pairs:
         why = ("a retargeted version without labelled public rows to score (its parent's released scores are of "
                "another target)" if "lineage.parent" in c.tags

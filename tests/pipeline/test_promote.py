@@ -173,6 +173,11 @@ def test_gate_rules_on_their_inputs():
     assert worse.status == "fail" and "below no prompt" in worse.reason
     generic = holdout_gate(_candidate({"holdout.balanced_accuracy": 0.6, "no_prompt.holdout.balanced_accuracy": 0.6}))
     assert generic.status == "pass" and "holdout.balanced_accuracy 0.6000" in generic.reason
+    # every dp run's released comparison with no prompt (issue 41): D̃ below zero fails, at or above passes
+    lost = holdout_gate(_candidate({"no_prompt.released_difference": -3.2, "no_prompt.noise_sigma": 5.2}))
+    assert lost.status == "fail" and "D̃ = -3.20 (noise σ 5.20)" in lost.reason
+    won = holdout_gate(_candidate({"no_prompt.released_difference": 12.0, "no_prompt.noise_sigma": 5.2}))
+    assert won.status == "pass" and "D̃ = 12.00" in won.reason
 
 
 def test_promote_names_what_it_cannot_find_in_one_line(state, capsys):
