@@ -1004,11 +1004,14 @@ def _predict_dp_icl(args, frame, texts) -> int:
         print(f"\rdp_icl: {done}/{total} queries answered ({time.perf_counter() - started:.1f} s)", end="",
               file=sys.stderr, flush=True)
 
-    answers = answer_all(served, texts, args.batch_size, progress)
+    answers, refusal = answer_all(served, texts, args.batch_size, progress)
     print(file=sys.stderr)
-    result = frame.copy()
+    result = frame.iloc[:len(answers)].copy()  # a refusal mid-way: the answers already charged, never lost
     result["prediction"] = answers
     _write_table(result, args.output)
+    if refusal is not None:
+        return _fail(f"dp_icl: {len(answers)} of {len(texts)} queries answered and charged (written), then another "
+                     f"spend on the dataset took the room left: {_one_line(refusal)}")
     spent = served.server.ledger.spent(served.server.fingerprint)
     print(f"dp_icl: {len(texts)} queries answered in {-(-len(texts) // args.batch_size)} charged batch(es); dataset "
           f"{served.dataset!r} has now spent ε={spent.epsilon:.4f} per record at δ={served.delta:g} of its cap "

@@ -344,11 +344,13 @@ def sweep_variants(cfg: PrivPromptConfig) -> list[tuple[str, PrivPromptConfig]]:
 
 def _drop_new_defaults(cfg: PrivPromptConfig, data: dict) -> None:
     """Keys added later hash as before they existed while at their defaults (placement, a Dask
-    cluster's devices, the dp_icl block): stored runs' config.hash still match."""
+    cluster's devices, the dp_icl block, the fallback block): stored runs' config.hash still match."""
     from .schema import DPICLConfig, PlacementConfig
 
     if cfg.dp_icl == DPICLConfig():
         data.pop("dp_icl", None)
+    if cfg.fallback == FallbackConfig():  # a finished run of a sweep stays finished (not re-run and re-charged)
+        data.pop("fallback", None)
     if cfg.models.placement == PlacementConfig() and not cfg.models.placement_for:
         data["models"].pop("placement", None)
         data["models"].pop("placement_for", None)

@@ -81,6 +81,25 @@ def queries_within(epsilon: float, delta: float, noise_multiplier: float, limit:
     return lo
 
 
+QUERY_TOKENS = 128  # room kept for the query (its template and text) after the demonstrations
+
+
+def _demo_token_budget(engine, settings: DPICLSettings) -> int | None:
+    """Tokens each demonstration's text may take (public: the model's context, the settings), or None
+    for a model without a bounded context."""
+    cfg = getattr(engine.model, "config", None)
+    context = next((v for v in (getattr(cfg, "max_position_embeddings", None), getattr(cfg, "n_positions", None))
+                    if isinstance(v, int) and v > 0), None)
+    if context is None:
+        return None
+    fixed = len(engine.ids(settings.instruction)) + 8 + settings.shots * (len(engine.ids(settings.template)) + 4)
+    budget = (context - QUERY_TOKENS - fixed) // settings.shots
+    if budget < 4:
+        raise ValueError(f"dp_icl: {settings.shots} shots do not fit the model's context of {context} tokens; "
+                         "lower dp_icl.shots")
+    return budget
+
+
 def _clip_words(text: str, limit: int = 48) -> str:
     return " ".join(text.split()[:limit])
 
@@ -102,6 +121,7 @@ class DPICLServer:
                              "its per-query ε holds for one record, not one person; refused")
         self.serve_id = serve_id or f"dp_icl-{uuid.uuid4().hex[:12]}"
         self.noise = randomness.numpy(2)  # the votes' secret noise
+        self._demo_tokens = _demo_token_budget(engine, settings)
         parts = keyed_subsets(rows.texts, rows.labels, None, randomness.numpy(1).bytes(32), settings.subsets,
                               settings.shots)
         self._prefixes = [engine.encode_prefix(self._demos([(rows.texts[i], rows.labels[i]) for i in part]))
@@ -110,8 +130,17 @@ class DPICLServer:
 
     def _demos(self, demos: list[tuple[str, str]]) -> str:
         head = f"Instruction: {self.settings.instruction}\n\n" if self.settings.instruction else ""
-        return head + "".join(self.settings.template.replace("{text}", _clip_words(x)) + f" {y}\n\n"
+        return head + "".join(self.settings.template.replace("{text}", self._clip(x)) + f" {y}\n\n"
                               for x, y in demos)
+
+    def _clip(self, text: str) -> str:
+        """A demonstration's text within 48 words and the public per-demonstration token budget (a
+        subset's prompt never outgrows the model's context, whatever its private rows' lengths)."""
+        text = _clip_words(text)
+        if self._demo_tokens is None:
+            return text
+        ids = self.engine.ids(text)
+        return text if len(ids) <= self._demo_tokens else self.engine.tok.decode(ids[:self._demo_tokens])
 
     def histogram(self, text: str) -> np.ndarray:
         """(|labels|,) the subsets' votes on one query (private: never released without noise)."""
@@ -167,7 +196,7 @@ def settings_of(cfg, delta: float) -> DPICLSettings:
     return DPICLSettings(block.subsets, block.shots, float(sigma), block.instruction, block.template)
 
 
-def dataset_delta(cfg, ledger, key: str) -> float:
+def dataset_delta(cfg, ledger, key: str, n_released: int) -> float:
     """δ of the spend: the registered dataset's own; for a dataset not registered yet,
     ``privacy.target_delta`` (required: the default δ depends on the dataset's size, a statistic no
     charge of this command covers)."""
@@ -181,7 +210,13 @@ def dataset_delta(cfg, ledger, key: str) -> float:
         if not cfg.privacy.target_delta:
             raise ConfigError("dp_icl on a dataset the ledger has not seen needs privacy.target_delta: the default δ "
                               "depends on the dataset's size, which nothing charged here may reveal") from None
-        return float(cfg.privacy.target_delta)
+        from privacy.validation import check_delta
+
+        try:  # the rule every run's δ meets (tasks.run_plan.resolve_delta), on the released size
+            return check_delta(cfg.privacy.target_delta, "privacy.target_delta", n=n_released,
+                               allow_at_least_one_over_n=cfg.privacy.allow_delta_at_least_one_over_n)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def open_server(cfg, paths) -> Served:
@@ -202,7 +237,7 @@ def open_server(cfg, paths) -> Served:
     records = _records_of(part)
     match = source_dataset(ledger, records, part.dataset) if records is not None else None
     key = match["fingerprint"] if match else (records.key if records is not None else part.dataset_key)
-    delta = dataset_delta(cfg, ledger, key)
+    delta = dataset_delta(cfg, ledger, key, part.sizes.n_for_delta)
     row = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)
     texts, labels = read_split(part.train_path)
     rows = PrivateRows(texts, labels)
@@ -249,17 +284,24 @@ def queries_left(served: Served, preview: dict) -> int:
     return lo
 
 
-def answer_all(served: Served, texts: list[str], batch_size: int, progress=None) -> list[str]:
+def answer_all(served: Served, texts: list[str], batch_size: int, progress=None):
     """The DP answers of ``texts`` in batches of ``batch_size``, each charged (:meth:`DPICLServer.answer`),
-    after :func:`check_fits` found room for all of them."""
+    after :func:`check_fits` found room for all of them. Returns (answers, refusal): another spend on
+    the dataset between the check and a later batch can still refuse that batch (the ledger's cap
+    holds) — the answers already charged are returned with the refusal, never thrown away."""
+    from privacy.ledger.errors import BudgetExceededError
+
     check_count(batch_size, "batch_size", minimum=1)
     check_fits(served, len(texts), batch_size)
     answers: list[str] = []
     for i in range(0, len(texts), batch_size):
-        answers += served.server.answer(texts[i:i + batch_size])
+        try:
+            answers += served.server.answer(texts[i:i + batch_size])
+        except BudgetExceededError as refusal:
+            return answers, refusal
         if progress is not None:
             progress(len(answers), len(texts))
-    return answers
+    return answers, None
 
 
 def plan_line(cfg, delta: float) -> str:

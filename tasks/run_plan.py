@@ -94,7 +94,7 @@ def plan_for(cfg, name: str, sizes, delta: float | None = None, target_epsilon: 
                               sizes_sigma=sizes.sigma, unit=cfg.data.charge_unit, group_size=cfg.data.group_size,
                               person_field=cfg.data.person_field, always_dp=getattr(method, "always_dp", False),
                               release=getattr(method, "release", "method"), statistics=release_statistics(method),
-                              no_prompt_share=no_prompt_share(cfg, method),
+                              no_prompt_share=no_prompt_share(cfg, method, name),
                               no_prompt_statistics=(NO_PROMPT_STATISTIC,))
     except pplan.PlanError as exc:
         raise ConfigError(str(exc)) from None
@@ -117,13 +117,16 @@ def shadow_plan(cfg, name: str, sizes, n_pool: int) -> RunPlan:
 NO_PROMPT_STATISTIC = "no_prompt_difference"  # tasks.neighbours: the comparison's pre-noise D
 
 
-def no_prompt_share(cfg, method) -> float:
+def no_prompt_share(cfg, method, name: str | None = None) -> float:
     """The share of the run's target its comparison with no prompt gets (``fallback.epsilon_share``;
     0: none). None for a method that already chooses against no prompt inside its own mechanism
     (``Method.compares_with_no_prompt``: DP-OPT's DP-argmax among its candidates and the empty
     instruction; a private selection, whose candidates include "no prompt"): a second comparison
-    would read the holdout again for an answer the run's mechanism already gave."""
+    would read the holdout again for an answer the run's mechanism already gave; 0 for a baseline
+    (``name`` other than ``cfg.method``): it publishes nothing for a comparison to guard."""
     if getattr(method, "compares_with_no_prompt", False):
+        return 0.0
+    if name is not None and name != cfg.method:  # a baseline beside the published method publishes nothing
         return 0.0
     return float(cfg.fallback.epsilon_share)
 

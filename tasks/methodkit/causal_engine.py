@@ -51,11 +51,12 @@ class CausalEngine:
 
     # ---- tokenisation ------------------------------------------------------------------------
     def ids(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+        # verbose=False: the tokenizer's "longer than the model's maximum" warning prints a private text's length
+        return list(self.tok(text, add_special_tokens=False, verbose=False)["input_ids"])
 
     def encode_prefix(self, text: str) -> SharedPrefix:
         """Encode the shared head once (with the tokenizer's BOS, if it adds one)."""
-        ids = list(self.tok(text, add_special_tokens=True)["input_ids"]) if text else []
+        ids = list(self.tok(text, add_special_tokens=True, verbose=False)["input_ids"]) if text else []
         if not ids:
             return SharedPrefix([], None)
         with torch.no_grad(), attention_backends(self.device):

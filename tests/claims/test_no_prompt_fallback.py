@@ -156,6 +156,9 @@ def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fa
     assert (f"of it, the comparison with no prompt on the holdout: ε = {plan.no_prompt.epsilon:.4f} "
             "(fallback.epsilon_share 0.1;") in text
     assert f"the method's own share ε = {plan.method_epsilon:.4f}" in text and "no prompt is published if it loses" in text
+    # a dp baseline beside another published method publishes nothing: no comparison for it (review)
+    beside = parse_config({**raw, "method": "prefix_dpsgd"})
+    assert plan_for(beside, "prompt_dpsgd", sizes, 1e-5).no_prompt is None
     # a share of 0: no comparison, the whole budget (less the sizes) to the method
     off = parse_config({**raw, "fallback": {"epsilon_share": 0.0}})
     alone = plan_for(off, "prompt_dpsgd", sizes, 1e-5)

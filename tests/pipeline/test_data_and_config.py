@@ -295,7 +295,7 @@ def test_old_configs_with_the_flow_key_still_validate_and_hash_the_same():
     for key in ("privacy_unit", "max_records_per_unit", "canary_records_per_unit", "person_field"):  # issue 28: absent at defaults
         before["data"].pop(key)
     before.pop("selection")  # nor did it carry the selection block, added later (its defaults hash as before)
-    before.pop("dp_icl")  # nor these, added later still (issues 38, 39)
+    before.pop("dp_icl"), before.pop("fallback")  # nor these, added later still (issues 38, 39, 41)
     before["models"].pop("placement"), before["models"].pop("placement_for"), before["audit"]["dask"].pop("devices")
     assert config_hash(new) == config_hash(old) == digest_key(before, length=20)
     with pytest.raises(ConfigError, match="flow: unknown config key"):

@@ -107,3 +107,56 @@ def test_sigma_is_calibrated_for_the_expected_queries_and_plan_prices_them(toy, 
     line = plan_line(cfg, 1e-5)
     assert "100 answered queries" in line and "per record at δ=1e-05" in line
     assert f"spend ε={acct.spend(batch_event(sigma, 100), 1e-5).epsilon:.4f}" in line
+
+
+def test_a_delta_of_at_least_one_over_n_is_refused_as_for_runs(toy, tmp_path):
+    from tasks.config import load_config
+    from tasks.dp_icl import open_server
+    from tasks.errors import ConfigError
+    from tasks.state import state_paths
+
+    path = _write_config(toy, tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    raw["privacy"]["target_delta"] = 0.05  # ≥ 1/n for the toy's ~48 training rows
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="privacy.target_delta"):
+        open_server(load_config(path), state_paths(str(tmp_path / "state")))
+    assert not (tmp_path / "state" / "ledger.sqlite").exists() or Ledger(tmp_path / "state" / "ledger.sqlite").datasets() == []
+
+
+def test_a_refusal_mid_way_keeps_the_answers_already_charged(toy, tmp_path, monkeypatch):
+    from privacy.ledger.errors import BudgetExceededError
+    from tasks.config import load_config
+    from tasks.dp_icl import DPICLServer, answer_all, open_server
+    from tasks.state import state_paths
+
+    served = open_server(load_config(_write_config(toy, tmp_path)), state_paths(str(tmp_path / "state")))
+    real, calls = DPICLServer.answer, []
+
+    def answer(self, texts):  # another run takes the room left after the first batch
+        calls.append(len(texts))
+        if len(calls) == 2:
+            raise BudgetExceededError("over the cap", fingerprint="f", name="n", needed=1.0, spent=1.0, total=2.0,
+                                      cap=1.5, delta=1e-5)
+        return real(self, texts)
+
+    monkeypatch.setattr(DPICLServer, "answer", answer)
+    answers, refusal = answer_all(served, ["good", "bad", "fine", "dull"], 2)
+    assert len(answers) == 2 and isinstance(refusal, BudgetExceededError)
+    (entry,) = [e for e in served.server.ledger.entries() if e["kind"] == "dp"]
+    assert entry["status"] == "committed"  # the answered batch stays charged, and its answers are returned
+
+
+def test_long_private_demonstrations_are_clipped_to_the_context_without_a_length_warning(toy, tmp_path, capfd):
+    from tasks.config import load_config
+    from tasks.dp_icl import open_server
+    from tasks.methods import PrivateRows
+    from tasks.state import state_paths
+
+    served = open_server(load_config(_write_config(toy, tmp_path, shots=4)), state_paths(str(tmp_path / "state")))
+    server = served.server
+    long = PrivateRows([" ".join(["unbelievably"] * 40)] * 8, ["positive"] * 8)
+    prompt = server._demos([(t, y) for t, y in zip(long.texts[:4], long.labels[:4])])
+    context = server.engine.model.config.n_positions
+    assert len(server.engine.ids(prompt)) <= context - 128
+    assert "longer than the specified maximum" not in capfd.readouterr().err
