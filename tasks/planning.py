@@ -166,7 +166,9 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
     if plan.no_prompt is not None:  # the comparison with no prompt: its share of the run's ε
         row["no_prompt"] = {"epsilon": plan.no_prompt.epsilon, "share": cfg.fallback.epsilon_share,
                             "sigma": plan.no_prompt.event.noise_multiplier, "fallback": cfg.fallback.enabled,
-                            "method_epsilon": plan.method_epsilon}
+                            "method_epsilon": plan.method_epsilon,
+                            # the released holdout against the noise (a flag, no size: the sizes' charge comes later)
+                            "small_holdout": sizes.n_holdout < SMALL_HOLDOUT_SIGMAS * plan.no_prompt.event.noise_multiplier}
     if estimate:
         from . import estimate as est
         from .methods import get_method
@@ -265,13 +267,21 @@ def short_labels(labels: list[str]) -> list[str]:
     return short if len(set(short)) == len(set(labels)) else list(labels)
 
 
+SMALL_HOLDOUT_SIGMAS = 4.0  # a released holdout under 4σ: even a large gain is mostly not told from noise
+
+
 def no_prompt_line(c: dict) -> str:
     """The plan's line for a run's comparison with no prompt (``fallback``; tasks/no_prompt.py)."""
     then = ("no prompt is published if it loses" if c["fallback"] else "a loss is warned about (fallback.enabled: "
             "false)")
-    return (f"  of it, the comparison with no prompt on the holdout: ε = {c['epsilon']:.4f} (fallback.epsilon_share "
+    line = (f"  of it, the comparison with no prompt on the holdout: ε = {c['epsilon']:.4f} (fallback.epsilon_share "
             f"{c['share']:g}; Gaussian noise σ = {c['sigma']:.3g} on the difference in holdout records right; {then}); "
             f"the method's own share ε = {c['method_epsilon']:.4f}")
+    if c.get("small_holdout"):
+        line += (f"\n  WARNING: the holdout holds fewer than {SMALL_HOLDOUT_SIGMAS:g}σ records: the comparison is "
+                 "mostly noise (a useful prompt may fall back, a harmful one pass); raise data.holdout_fraction or "
+                 "fallback.epsilon_share, or set fallback.epsilon_share: 0 to give its ε to the method")
+    return line
 
 
 def format_plan(plan: dict) -> str:

@@ -156,6 +156,10 @@ def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fa
     assert (f"of it, the comparison with no prompt on the holdout: ε = {plan.no_prompt.epsilon:.4f} "
             "(fallback.epsilon_share 0.1;") in text
     assert f"the method's own share ε = {plan.method_epsilon:.4f}" in text and "no prompt is published if it loses" in text
+    assert "WARNING: the holdout holds fewer than" not in text  # 100 released holdout records against σ ≈ 5
+    small = _plan_row("", cfg, "prompt_dpsgd", ReleasedSizes(n_train=400, n_holdout=12, n_test=100, sigma=5.0), 1e-5,
+                      "record", [])
+    assert "WARNING: the holdout holds fewer than 4σ records" in format_plan({"runs": [small], "datasets": {}})
     # a dp baseline beside another published method publishes nothing: no comparison for it (review)
     beside = parse_config({**raw, "method": "prefix_dpsgd"})
     assert plan_for(beside, "prompt_dpsgd", sizes, 1e-5).no_prompt is None
