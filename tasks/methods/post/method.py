@@ -294,10 +294,11 @@ class Post(Method):
         cfg, teacher, student = ctx.cfg, ctx.cfg.models.target_name, prepared["student_dir"]
         eps = result.epsilon
         guarantee = result.guarantee
-        out = [Variant("full_zs", None, teacher, "none", label=NAMES["full_zs"]),
-               Variant("compressed_pt", result.source_prompt_path, student, guarantee, eps, NAMES["compressed_pt"]),
-               Variant("direct_transfer", result.source_prompt_path, teacher, guarantee, eps,
-                       NAMES["direct_transfer"])]
+        out = [Variant("full_zs", None, teacher, "none", label=NAMES["full_zs"])]
+        if result.source_prompt_path is not None:  # none after a fallback to no prompt: nothing to score under ε
+            out += [Variant("compressed_pt", result.source_prompt_path, student, guarantee, eps, NAMES["compressed_pt"]),
+                    Variant("direct_transfer", result.source_prompt_path, teacher, guarantee, eps,
+                            NAMES["direct_transfer"])]
         if self.settings(cfg).full_pt:  # non-private tuning on the target: an upper bound, opt-in
             # the toolkit's non-private trainer, through the lifecycle (which records its non-private
             # use of the private rows in the ledger): the method it is registered as, by its class
