@@ -105,6 +105,8 @@ def _published_prompts(ctx):
     return sorted(p.name for p in ctx.output_dir.glob("*.safetensors")), artifacts
 
 
+@pytest.mark.slow  # suite time (20-27 s): the crash-between-store-and-commit test and
+# tests/ledger/test_preflight_budget.py keep the claim in the default suite
 def test_a_retry_after_the_commit_republishes_the_one_output_under_one_charge(tmp_path, sst2_dir, monkeypatch,
                                                                                spies):
     import torch
@@ -181,6 +183,8 @@ def test_a_crash_between_storing_and_committing_reuses_the_stored_output(tmp_pat
     assert torch.equal(load_prompt_file(again.prompt_path), spies["trained"][0].to(torch.float32))
 
 
+@pytest.mark.slow  # suite time (20-27 s): the crash-between-store-and-commit test and
+# tests/ledger/test_preflight_budget.py keep the claim in the default suite
 def test_a_retry_after_a_lost_attempt_that_read_private_rows_is_refused_and_its_reservation_stays_spent(
         tmp_path, sst2_dir, monkeypatch, spies):
     """An attempt lost after its first private read ran part of the mechanism and may have shown
