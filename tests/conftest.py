@@ -11,6 +11,10 @@ _SESSION_DIR = Path(tempfile.mkdtemp(prefix="privprompt-tests-"))
 os.environ["PRIVPROMPT_HOME"] = str(_SESSION_DIR / "state")
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 os.environ["PRIVPROMPT_HASH_CACHE"] = str(_SESSION_DIR / "folder_sha256.json")
+# noise calibrations (pure functions of public numbers: privacy/calibration_cache.py) shared by every
+# test of one run, in both workers: each toy config's σ is derived once, not in every flow test
+SHARED_ACCOUNTING_CACHE = str(Path(tempfile.gettempdir()) / (
+    f"privprompt-accounting-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}.json"))
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_DIR / "prefect" / "storage")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
@@ -26,10 +30,11 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 @pytest.fixture(autouse=True)
-def _no_accounting_cache_left_by_an_earlier_test():
-    """A flow run in this process enables its state folder's accounting cache (an environment
-    variable, privacy/calibration_cache.py); every test starts without one, as a fresh process does."""
-    os.environ.pop("PRIVPROMPT_ACCOUNTING_CACHE", None)
+def _the_runs_shared_accounting_cache():
+    """Every test starts with the test run's shared accounting cache (``SHARED_ACCOUNTING_CACHE``),
+    whatever an earlier test's flow set (a flow enables its state folder's only when none is set,
+    privacy/calibration_cache.py); tests of the cache itself set or remove it."""
+    os.environ["PRIVPROMPT_ACCOUNTING_CACHE"] = SHARED_ACCOUNTING_CACHE
     yield
 
 

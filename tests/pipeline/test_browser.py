@@ -3,7 +3,8 @@
 `privprompt ui` starts the Prefect server and the MLflow UI on localhost; the smoke config runs
 against them (PREFECT_API_URL, the same state folder); Debian's Chromium, driven by Playwright
 through `executable_path`, finds the flow run in the Prefect UI and the run with its
-`privacy.epsilon` in the MLflow UI. Screenshots go to docs/browser/."""
+`privacy.epsilon` in the MLflow UI, and the registry page with the `candidate` / `production`
+aliases and a promoted version's model card (issue 40). Screenshots go to docs/browser/."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def uis(tmp_path_factory):
                              cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         ids = dict(re.findall(r"^(prefect flow run|mlflow run):\s+(\S+)", run.stdout, re.M))
-        yield ids
+        yield {**ids, "state": state}
     finally:
         ui.terminate()
         ui.wait(timeout=60)
@@ -99,4 +100,36 @@ def test_run_with_its_epsilon_shows_in_the_mlflow_ui(uis):
         expect(page.get_by_text("privacy.epsilon").first).to_be_visible(timeout=60_000)
         expect(page.get_by_text(f"{epsilon:.4f}"[:5]).first).to_be_visible(timeout=60_000)
         page.screenshot(path=str(SHOTS / "mlflow_run.png"), full_page=True)
+        browser.close()
+
+
+def test_the_registry_page_shows_the_aliases_and_the_model_card(uis, tmp_path):
+    """Issue 40: a DP run registered as `candidate`, promoted through its gates to `production`; the
+    MLflow registry page shows both aliases and the version page the model card with the gates."""
+    from playwright.sync_api import expect, sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")},
+           "PREFECT_API_URL": f"http://127.0.0.1:{PREFECT_PORT}/api"}
+    cli = [sys.executable, str(ROOT / "privprompt_cli.py"), "--state-dir", str(uis["state"])]
+    name = "privprompt.sst2.prompt_dpsgd"
+    runs = [subprocess.run(cli + ["run", str(ROOT / "configs" / "smoke.yaml"), "--set", "fallback.enabled=false"],
+                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=900) for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-3000:]
+    versions = re.findall(rf"models:/{re.escape(name)}/(\d+)", runs[0].stdout + runs[1].stdout)
+    assert len(versions) == 2, runs[0].stdout[-2000:]
+    promote = subprocess.run(cli + ["promote", f"models:/{name}/{versions[0]}"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=900)
+    assert promote.returncode == 0, promote.stdout[-2000:] + promote.stderr[-2000:]
+    with sync_playwright() as p:
+        browser = _browser(p)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"http://127.0.0.1:{MLFLOW_PORT}/#/models/{name}")
+        expect(page.get_by_text("production").first).to_be_visible(timeout=60_000)
+        expect(page.get_by_text("candidate").first).to_be_visible(timeout=60_000)
+        page.screenshot(path=str(SHOTS / "mlflow_registry_aliases.png"), full_page=True)
+        page.goto(f"http://127.0.0.1:{MLFLOW_PORT}/#/models/{name}/versions/{versions[0]}")
+        expect(page.get_by_text("Release gates").first).to_be_visible(timeout=60_000)
+        expect(page.get_by_text("production").first).to_be_visible(timeout=60_000)
+        page.screenshot(path=str(SHOTS / "mlflow_model_card.png"), full_page=True)
         browser.close()

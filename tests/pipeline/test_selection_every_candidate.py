@@ -232,6 +232,8 @@ def every(tmp_path_factory, sst2_dir):
     return {"ctx": ctx, "out": out, "exact": exact, "tried": tried}
 
 
+@pytest.mark.slow  # suite time: the every-candidate selection run through the lifecycle (≈ 33 s);
+# its accounting and released counts are checked by the unit tests above by default
 def test_lifecycle_one_entry_whose_epsilon_is_the_larger_branch_by_dp_accounting(every):
     from dp_accounting.pld import pld_privacy_accountant as dpa_pld
 
@@ -264,6 +266,8 @@ def test_lifecycle_one_entry_whose_epsilon_is_the_larger_branch_by_dp_accounting
     assert entry["epsilon"] == pytest.approx(max(independent(b) for b in event.events), rel=5e-3)
 
 
+@pytest.mark.slow  # suite time: the every-candidate selection run through the lifecycle (≈ 33 s);
+# its accounting and released counts are checked by the unit tests above by default
 def test_lifecycle_publishes_every_candidates_released_score_and_no_exact_count(every):
     from test_flow import _mlflow
     from test_selection_lifecycle import _run_text
