@@ -134,6 +134,7 @@ def _config(state: Path) -> dict:
     }
 
 
+@pytest.mark.slow  # suite time (11-30 s): runs with -m slow
 def test_a_method_in_one_package_runs_through_plan_and_run(toy_package, tmp_path, monkeypatch, prefect_harness,
                                                            sst2_dir):
     from prefect.settings import PREFECT_API_URL

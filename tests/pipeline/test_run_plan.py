@@ -159,6 +159,7 @@ def test_a_plan_without_a_dp_claim_has_no_releases(tmp_path):
     assert plan.method_epsilon is None and plan.target_epsilon is None
 
 
+@pytest.mark.slow  # suite time (11-30 s): runs with -m slow
 def test_plan_for_gives_the_method_its_share_and_leaves_the_config_as_it_was(tmp_path, monkeypatch):
     from tasks.methods import get_method
     from tasks.run_plan import plan_for

@@ -131,6 +131,7 @@ def test_prefix_sharpness_definition_on_a_quadratic():
     assert 0 < prefix_sharpness(loss, grad, w, mask) < expected
 
 
+@pytest.mark.slow  # suite time (11-30 s): runs with -m slow
 def test_guarantee_labels_follow_the_settings(tmp_path):
     from tasks.config import parse_config
     from tasks.methods import get_method
