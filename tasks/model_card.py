@@ -56,6 +56,10 @@ def model_card(name: str, version: str, tags: dict, spec: dict | None, metric_na
     """Markdown: what the version is, its privacy statement, lineage, gates and what ε does not cover."""
     spec = spec or {}
     eps, delta = tags.get("privacy.epsilon", "none"), tags.get("privacy.delta", "none")
+    try:  # four decimals, as every other place states ε
+        eps = f"{float(eps):.4f}"
+    except ValueError:
+        pass
     lines = [f"## {name} v{version}", "",
              f"- **method:** {spec.get('method', tags.get('method', '?'))}",
              f"- **model:** {spec.get('model', tags.get('model.target', '?'))}",

@@ -99,7 +99,7 @@ def test_a_good_run_is_promoted_with_every_gate_recorded(state, capsys):
     assert "gate.forced" not in tags
     assert _aliases(mlflow, name) == {"candidate": "1", "production": "1"}
     card = mlflow.get_model_version(name, "1").description
-    for text in ("**method:** prompt_dpsgd", "**ε:** 3.5 per record", "**δ:** 1e-05", "min(pld, rdp)",
+    for text in ("**method:** prompt_dpsgd", "**ε:** 3.5000 per record", "**δ:** 1e-05", "min(pld, rdp)",
                  "**privacy unit:** record", "| canary | pass | canary audit ε lower bound 0.410",
                  "What the guarantee does not cover", "`test.accuracy`", "`mia.lira.auc`", "`runtime.train_s`"):
         assert text in card, text
