@@ -62,13 +62,9 @@ def noise_for_queries(epsilon: float, delta: float, queries: int) -> float:
     return acct.calibrate_noise_multiplier(epsilon, delta, 1.0, queries)
 
 
-def queries_within(epsilon: float, delta: float, noise_multiplier: float, limit: int = 10**7) -> int:
-    """The most queries answered at σ whose composed ε (alone) stays within ``epsilon`` (0: not one)."""
-    from privacy import accountant as acct
-
-    def fits(b: int) -> bool:
-        return acct.spend(batch_event(noise_multiplier, b), delta).epsilon <= epsilon
-
+def largest_fitting(fits, limit: int = 10**7) -> int:
+    """The largest count b in [0, ``limit``] with ``fits(b)``, for a ``fits`` that is monotone (true up to
+    some count, false after): doubling, then bisection."""
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -79,6 +75,13 @@ def queries_within(epsilon: float, delta: float, noise_multiplier: float, limit:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def queries_within(epsilon: float, delta: float, noise_multiplier: float, limit: int = 10**7) -> int:
+    """The most queries answered at σ whose composed ε (alone) stays within ``epsilon`` (0: not one)."""
+    from privacy import accountant as acct
+
+    return largest_fitting(lambda b: acct.spend(batch_event(noise_multiplier, b), delta).epsilon <= epsilon, limit)
 
 
 QUERY_TOKENS = 128  # room kept for the query (its template and text) after the demonstrations
@@ -98,6 +101,15 @@ def _demo_token_budget(engine, settings: DPICLSettings) -> int | None:
         raise ValueError(f"dp_icl: {settings.shots} shots do not fit the model's context of {context} tokens; "
                          "lower dp_icl.shots")
     return budget
+
+
+def noisy_vote(votes: np.ndarray, labels: list[str], noise_multiplier: float, rng: np.random.Generator) -> str:
+    """The label Gaussian Report-Noisy-Max picks from the subsets' vote counts ``votes`` (one one-hot
+    row per subset's vote: ``privacy.mechanisms.distribution_vote``, L2 sensitivity √2)."""
+    from privacy.mechanisms import distribution_vote
+
+    onehot = np.repeat(np.eye(len(labels)), votes.astype(int), axis=0)
+    return labels[distribution_vote(onehot.reshape(-1, len(labels)), noise_multiplier, rng)]
 
 
 def _clip_words(text: str, limit: int = 48) -> str:
@@ -152,12 +164,7 @@ class DPICLServer:
         return votes
 
     def _vote(self, text: str) -> str:
-        from privacy.mechanisms import distribution_vote
-
-        votes = self.histogram(text)
-        onehot = np.repeat(np.eye(len(self.labels)), votes.astype(int), axis=0)  # one row per subset's vote
-        return self.labels[distribution_vote(onehot.reshape(-1, len(self.labels)), self.settings.noise_multiplier,
-                                             self.noise)]
+        return noisy_vote(self.histogram(text), self.labels, self.settings.noise_multiplier, self.noise)
 
     def answer(self, texts: list[str]) -> list[str]:
         """The DP answers of one batch, charged as one ledger entry: reserved before any vote (a
@@ -271,17 +278,11 @@ def check_fits(served: Served, n_queries: int, batch_size: int) -> dict:
 
 
 def queries_left(served: Served, preview: dict) -> int:
-    """How many more queries (one batch) fit under the cap (binary search on the ledger's preview)."""
+    """How many more queries (one batch) fit under the cap, composed with the dataset's spend (the
+    ledger's preview)."""
     ledger, key, sigma = served.server.ledger, served.server.fingerprint, served.server.settings.noise_multiplier
-    lo, hi = 0, 1
-    fits = lambda b: ledger.preview(key, [batch_event(sigma, b)], served.delta, cap=served.cap)["total_epsilon"] \
-        <= preview["cap"] + 1e-12  # noqa: E731
-    while hi < 10**7 and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return largest_fitting(lambda b: ledger.preview(key, [batch_event(sigma, b)], served.delta, cap=served.cap)
+                           ["total_epsilon"] <= preview["cap"] + 1e-12)
 
 
 def answer_all(served: Served, texts: list[str], batch_size: int, progress=None):
