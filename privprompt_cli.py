@@ -596,8 +596,9 @@ def _print_inference_spend(ledger) -> None:
                    and str(e.get("description") or "").startswith("dp_icl:")]
         if not batches:
             continue
-        queries = sum(int(str(e["description"]).split()[1]) for e in batches)
-        eps = acct.spend(ComposedEvent(tuple(event_from_dict(e["event"]) for e in batches)), row["delta"]).epsilon
+        events = [event_from_dict(e["event"]) for e in batches]  # each batch: its votes, one Gaussian each
+        queries = sum(event.count for event in events)
+        eps = acct.spend(ComposedEvent(tuple(events)), row["delta"]).epsilon
         print(f"inference-time spend on {row['name']!r}: {queries} queries answered by dp_icl in {len(batches)} "
               f"charged batches, ε={eps:.4f} {'per record' if row['unit'] == 'record' else 'per ' + row['unit']} "
               f"at δ={row['delta']:g} on their own (included above)")
