@@ -243,17 +243,10 @@ def test_mlflow_models_serve_answers_for_the_production_alias(state, tmp_path):
     """The promoted version, served by its alias: ``mlflow models serve -m models:/NAME@production``
     answers with PrivPrompt's own labels."""
     import json
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-    from pathlib import Path
 
     from privprompt_cli import main
     from tasks.registry_model import Predictor, download_model
+    from test_registry_flow import served_answer
     from tasks.release_gates import PROBE_TEXTS
 
     name = "privprompt.serve.prompt_dpsgd"
@@ -262,36 +255,10 @@ def test_mlflow_models_serve_answers_for_the_production_alias(state, tmp_path):
     folder = download_model(state["client"], f"models:/{name}@production", tmp_path / "model")
     spec = json.loads((folder / "artifacts" / "spec.json").read_text())
     own = Predictor.build(spec, folder / "artifacts" / "prompt_dpsgd.safetensors").predict(list(PROBE_TEXTS))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    uri = f"sqlite:///{state['paths'].mlflow_db}"
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri,
-           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]),
-           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{name}@production",
-                             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, cwd=str(repo), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        body = json.dumps({"dataframe_records": [{"text": t} for t in PROBE_TEXTS]}).encode()
-        deadline, answer = time.time() + 240, None
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body,
-                                                 {"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=60) as response:
-                    answer = json.loads(response.read())
-                break
-            except OSError:
-                time.sleep(2)
-        assert answer is not None, (tmp_path / "serve.log").read_text()[-2000:]
-        assert [p["label"] for p in answer["predictions"]] == own["label"].tolist()
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-        log.close()
+    answer = served_answer(state["paths"].mlflow_db, f"models:/{name}@production",
+                           {"dataframe_records": [{"text": t} for t in PROBE_TEXTS]}, tmp_path / "serve.log")
+    assert answer is not None, (tmp_path / "serve.log").read_text()[-2000:]
+    assert [p["label"] for p in answer["predictions"]] == own["label"].tolist()
 
 
 def test_the_canary_gate_holds_a_per_person_run_to_its_record_level_claim():

@@ -174,40 +174,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_mlflow_models_serve_answers_with_the_same_labels(dp_run, tmp_path):
+def served_answer(mlflow_db: Path, model_uri: str, body: dict, log_path: Path, wait_s: float = 240) -> dict | None:
+    """``mlflow models serve -m MODEL_URI`` from this environment (its Python, its uvicorn) on a free
+    localhost port, asked ``body`` at /invocations until it answers; the answer (None: it never did)."""
     import urllib.request
 
-    rows = dp_run["test_rows"][:20]
     port = _free_port()
-    uri = f"sqlite:///{dp_run['state'] / 'mlflow.db'}"
+    uri = f"sqlite:///{mlflow_db}"
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri,
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            # as in an activated virtualenv: the server runs the environment's own uvicorn
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", f"models:/{MODEL}/1",
-                             "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        body = json.dumps({"dataframe_split": {"columns": ["text"], "data": [[r["text"]] for r in rows]}}).encode()
-        deadline, answer = time.time() + 240, None
-        while time.time() < deadline and proc.poll() is None:
-            try:
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", body,
-                                             {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=60) as resp:
-                    answer = json.loads(resp.read())
-                break
-            except OSError:
-                time.sleep(2)
-        assert answer is not None, (tmp_path / "serve.log").read_text()[-2000:]
-        served = [p["label"] for p in answer["predictions"]]
-        assert served == _own_labels(dp_run, [r["text"] for r in rows])
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
-        log.close()
+    data = json.dumps(body).encode()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_uri,
+                                 "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
+                                env=env, cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.time() + wait_s
+            while time.time() < deadline and proc.poll() is None:
+                try:
+                    req = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data,
+                                                 {"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=60) as resp:
+                        return json.loads(resp.read())
+                except OSError:
+                    time.sleep(2)
+            return None
+        finally:
+            os.killpg(proc.pid, 15)
+            proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_with_the_same_labels(dp_run, tmp_path):
+    rows = dp_run["test_rows"][:20]
+    answer = served_answer(dp_run["state"] / "mlflow.db", f"models:/{MODEL}/1",
+                           {"dataframe_split": {"columns": ["text"], "data": [[r["text"]] for r in rows]}},
+                           tmp_path / "serve.log")
+    assert answer is not None, (tmp_path / "serve.log").read_text()[-2000:]
+    served = [p["label"] for p in answer["predictions"]]
+    assert served == _own_labels(dp_run, [r["text"] for r in rows])
 
 
 def assert_peft_scores_like_ours(backbone_name: str, run: dict, folder: Path, prompt_positions: bool) -> None:
