@@ -483,8 +483,9 @@ def _print_dp_icl_plan(cfg, plan: dict) -> None:
     if cfg.dp_icl == DPICLConfig():
         return
     delta = cfg.privacy.target_delta or next((r["delta"] for r in plan["runs"] if r.get("delta")), None)
-    if delta:
-        print(plan_line(cfg, delta))
+    n_released = next((r["n_train_released"] for r in plan["runs"] if r.get("n_train_released")), None)
+    if delta and n_released:
+        print(plan_line(cfg, delta, n_released))
 
 
 def cmd_report(args) -> int:
@@ -907,6 +908,21 @@ def _read_table(path: str):
     return readers[suffix]()
 
 
+OUTPUT_FORMATS = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def _check_output(path: str | None) -> None:
+    """An output path predict can write, checked before any model loads or any query is charged."""
+    if path is None:
+        return
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in OUTPUT_FORMATS:
+        raise ValueError(f"--output {path}: unknown output format {suffix!r} (JSONL, CSV or Parquet)")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {path}: folder {folder} does not exist")
+
+
 def _write_table(frame, path: str | None) -> None:
     if path is None:
         sys.stdout.write(frame.to_json(orient="records", lines=True, force_ascii=False))
@@ -916,10 +932,8 @@ def _write_table(frame, path: str | None) -> None:
         frame.to_json(path, orient="records", lines=True, force_ascii=False)
     elif suffix == ".csv":
         frame.to_csv(path, index=False)
-    elif suffix == ".parquet":
-        frame.to_parquet(path, index=False)
     else:
-        raise ValueError(f"{path}: unknown output format {suffix!r} (JSONL, CSV or Parquet)")
+        frame.to_parquet(path, index=False)
 
 
 def _model_load_error(exc: BaseException):
@@ -943,6 +957,10 @@ def cmd_predict(args) -> int:
     if args.device:
         os.environ["PRIVPROMPT_DEVICE"] = args.device
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # our own progress line only
+    try:
+        _check_output(args.output)
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         frame = _read_table(args.input)
         texts = input_texts(frame, args.text_field)

@@ -18,6 +18,17 @@ one subset, so for every query one vote moves (or appears / vanishes): the histo
 batches with everything else the dataset spent; ε grows with the queries answered (one-time
 methods such as dp_opt and dp_fewshot stay flat).
 
+Subsampled (the paper's amplification, ``sample_rate`` q set): for EACH query a fresh Poisson
+sample of the private rows (each row in it with probability q, independently, secret randomness),
+each sampled row put in one of the M subsets uniformly at random and given a random priority; a
+subset's prompt takes its N rows of lowest priority (:func:`poisson_subsets`). Each row's
+inclusion, subset and priority depend on that row's own draws only, so adding one record to the
+sample changes one subset's prompt (it may displace one row of that subset, never another
+subset's): given the sample, the vote is Gaussian with L2 sensitivity √2, and over the sample an
+answered query is ``PoissonSampledEvent(q, GaussianEvent(σ))`` — DP-SGD's step, which the
+accountant composes exactly. q = M·N / ñ with ñ the dataset's RELEASED size (never the exact
+one); the prompts are fresh per query, so no demonstration prefix is reused across queries.
+
 Charging (:meth:`DPICLServer.answer`): the batch's event is reserved BEFORE the vote (the ledger
 refuses it at the cap: nothing is answered), the read is marked, the answers are computed, the
 event is committed. The private demonstrations never leave this object: only labels come out.
@@ -36,8 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privacy.events import DpEvent, GaussianEvent, SelfComposedEvent
-from privacy.validation import check_count
+from privacy.events import DpEvent, GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+from privacy.validation import check_count, check_rate
 
 
 @dataclass(frozen=True)
@@ -47,19 +58,50 @@ class DPICLSettings:
     noise_multiplier: float = 1.0  # σ relative to the histogram's L2 sensitivity √2
     instruction: str = ""
     template: str = "Input: {text}\n\nOutput:"
+    sample_rate: float | None = None  # q: a fresh Poisson sample per query; None: one fixed keyed partition
 
 
-def batch_event(noise_multiplier: float, answered: int) -> DpEvent:
-    """What ``answered`` queries spend: one Gaussian vote each."""
+def query_event(noise_multiplier: float, sample_rate: float | None = None) -> DpEvent:
+    """What one answered query spends: a Gaussian vote, on a Poisson sample at ``sample_rate`` when set."""
+    vote = GaussianEvent(noise_multiplier)
+    if sample_rate is None or sample_rate >= 1.0:
+        return vote
+    check_rate(sample_rate, "sample_rate")
+    return PoissonSampledEvent(sample_rate, vote)
+
+
+def batch_event(noise_multiplier: float, answered: int, sample_rate: float | None = None) -> DpEvent:
+    """What ``answered`` queries spend: one (subsampled) Gaussian vote each."""
     check_count(answered, "answered", minimum=1)
-    return SelfComposedEvent(GaussianEvent(noise_multiplier), answered)
+    return SelfComposedEvent(query_event(noise_multiplier, sample_rate), answered)
 
 
-def noise_for_queries(epsilon: float, delta: float, queries: int) -> float:
+def noise_for_queries(epsilon: float, delta: float, queries: int, sample_rate: float | None = None) -> float:
     """σ such that ``queries`` answered queries spend ``epsilon`` at ``delta`` (alone)."""
     from privacy import accountant as acct
 
-    return acct.calibrate_noise_multiplier(epsilon, delta, 1.0, queries)
+    return acct.calibrate_noise_multiplier(epsilon, delta, 1.0 if sample_rate is None else min(1.0, sample_rate),
+                                           queries)
+
+
+def poisson_subsets(n: int, sample_rate: float, subsets: int, shots: int, rng: np.random.Generator) -> list[list[int]]:
+    """One query's subsets: each of the ``n`` rows sampled with probability ``sample_rate``, put in a
+    uniformly random subset with a uniformly random priority, every draw the row's own (three
+    independent arrays of n draws); each subset keeps its ``shots`` rows of lowest priority. Adding a
+    row changes only its own subset's content."""
+    return subsets_of_draws(rng.random(n), rng.integers(0, subsets, n), rng.random(n), sample_rate, subsets, shots)
+
+
+def subsets_of_draws(inclusion: np.ndarray, subset: np.ndarray, priority: np.ndarray, sample_rate: float,
+                     subsets: int, shots: int) -> list[list[int]]:
+    """The subsets given each row's draws (row i: sampled iff inclusion[i] < q, in subset[i], ranked
+    by priority[i]) — a function of each row's draws alone, so the neighbour tests can couple them."""
+    picked = np.flatnonzero(inclusion < sample_rate)
+    out: list[list[int]] = [[] for _ in range(subsets)]
+    for i in picked[np.argsort(priority[picked], kind="stable")]:
+        if len(out[subset[i]]) < shots:
+            out[subset[i]].append(int(i))
+    return out
 
 
 def largest_fitting(fits, limit: int = 10**7) -> int:
@@ -77,11 +119,13 @@ def largest_fitting(fits, limit: int = 10**7) -> int:
     return lo
 
 
-def queries_within(epsilon: float, delta: float, noise_multiplier: float, limit: int = 10**7) -> int:
+def queries_within(epsilon: float, delta: float, noise_multiplier: float, limit: int = 10**7,
+                   sample_rate: float | None = None) -> int:
     """The most queries answered at σ whose composed ε (alone) stays within ``epsilon`` (0: not one)."""
     from privacy import accountant as acct
 
-    return largest_fitting(lambda b: acct.spend(batch_event(noise_multiplier, b), delta).epsilon <= epsilon, limit)
+    return largest_fitting(lambda b: acct.spend(batch_event(noise_multiplier, b, sample_rate), delta).epsilon
+                           <= epsilon, limit)
 
 
 QUERY_TOKENS = 128  # room kept for the query (its template and text) after the demonstrations
@@ -134,11 +178,27 @@ class DPICLServer:
         self.serve_id = serve_id or f"dp_icl-{uuid.uuid4().hex[:12]}"
         self.noise = randomness.numpy(2)  # the votes' secret noise
         self._demo_tokens = _demo_token_budget(engine, settings)
+        self._label_ids = [engine.ids(" " + label)[0] for label in self.labels]
+        self._rows = rows
+        if settings.sample_rate is not None:  # a fresh Poisson sample per query (its secret draws)
+            check_rate(settings.sample_rate, "dp_icl sample_rate")
+            self._sampler = randomness.numpy(3)
+            return
         parts = keyed_subsets(rows.texts, rows.labels, None, randomness.numpy(1).bytes(32), settings.subsets,
                               settings.shots)
-        self._prefixes = [engine.encode_prefix(self._demos([(rows.texts[i], rows.labels[i]) for i in part]))
-                          for part in parts if part]
-        self._label_ids = [engine.ids(" " + label)[0] for label in self.labels]
+        self._prefixes = [self._prefix(part) for part in parts if part]
+
+    def _prefix(self, part: list[int]):
+        return self.engine.encode_prefix(self._demos([(self._rows.texts[i], self._rows.labels[i]) for i in part]))
+
+    def _query_prefixes(self):
+        """The prompts' encoded demonstrations for one query: the fixed partition's, or a fresh Poisson
+        sample's (:func:`poisson_subsets`; an empty subset does not vote)."""
+        if self.settings.sample_rate is None:
+            return self._prefixes
+        s = self.settings
+        parts = poisson_subsets(len(self._rows.texts), s.sample_rate, s.subsets, s.shots, self._sampler)
+        return [self._prefix(part) for part in parts if part]
 
     def _demos(self, demos: list[tuple[str, str]]) -> str:
         head = f"Instruction: {self.settings.instruction}\n\n" if self.settings.instruction else ""
@@ -158,7 +218,7 @@ class DPICLServer:
         """(|labels|,) the subsets' votes on one query (private: never released without noise)."""
         suffix = self.engine.ids(self.settings.template.replace("{text}", _clip_words(text)))
         votes = np.zeros(len(self.labels))
-        for prefix in self._prefixes:  # one by one: see the module docstring
+        for prefix in self._query_prefixes():  # one by one: see the module docstring
             logits = self.engine.last_logits([suffix], prefix)[0]
             votes[int(np.argmax(logits[self._label_ids].numpy()))] += 1
         return votes
@@ -174,7 +234,7 @@ class DPICLServer:
         # a fresh id per batch: a counter reused across threads or restarts (a stable serve_id) met
         # the ledger's idempotent retry — the same entry returned, nothing charged, yet answered
         run_id = f"{self.serve_id}:batch-{uuid.uuid4().hex}"
-        event = batch_event(self.settings.noise_multiplier, len(texts))
+        event = batch_event(self.settings.noise_multiplier, len(texts), self.settings.sample_rate)
         reservation = self.ledger.reserve(self.fingerprint, run_id, event,
                                           description=f"dp_icl: {len(texts)} answered queries (inference-time spend)")
         if not reservation.new:
@@ -195,12 +255,21 @@ class Served:
     cap: float
 
 
-def settings_of(cfg, delta: float) -> DPICLSettings:
+def sample_rate_of(block, n_released: int) -> float | None:
+    """q of ``sampling: poisson``: M·N rows expected per query out of the RELEASED training size (an
+    exact size would carry one record's presence into the published rate); None for a partition."""
+    if block.sampling != "poisson":
+        return None
+    return min(1.0, block.subsets * block.shots / max(1, int(n_released)))
+
+
+def settings_of(cfg, delta: float, n_released: int) -> DPICLSettings:
     """The config's ``dp_icl`` block; σ calibrated so that ``expected_queries`` answered queries
     spend ``privacy.target_epsilon`` when not given."""
     block = cfg.dp_icl
-    sigma = block.noise_multiplier or noise_for_queries(cfg.privacy.target_epsilon, delta, block.expected_queries)
-    return DPICLSettings(block.subsets, block.shots, float(sigma), block.instruction, block.template)
+    q = sample_rate_of(block, n_released)
+    sigma = block.noise_multiplier or noise_for_queries(cfg.privacy.target_epsilon, delta, block.expected_queries, q)
+    return DPICLSettings(block.subsets, block.shots, float(sigma), block.instruction, block.template, q)
 
 
 def dataset_delta(cfg, ledger, key: str, n_released: int) -> float:
@@ -249,8 +318,8 @@ def open_server(cfg, paths) -> Served:
     texts, labels = read_split(part.train_path)
     rows = PrivateRows(texts, labels)
     engine = causal_engine_for(cfg)
-    server = DPICLServer(engine, list(cfg.data.labels), rows, settings_of(cfg, delta), ledger, row["fingerprint"],
-                         DpRandomness())
+    server = DPICLServer(engine, list(cfg.data.labels), rows, settings_of(cfg, delta, part.sizes.n_train), ledger,
+                         row["fingerprint"], DpRandomness())
     return Served(server, delta, row["name"], float(row["epsilon_cap"]))
 
 
@@ -260,7 +329,8 @@ def check_fits(served: Served, n_queries: int, batch_size: int) -> dict:
     from privacy.ledger.errors import BudgetExceededError
 
     sizes = [min(batch_size, n_queries - i) for i in range(0, n_queries, batch_size)]
-    events = [batch_event(served.server.settings.noise_multiplier, b) for b in sizes]
+    settings = served.server.settings
+    events = [batch_event(settings.noise_multiplier, b, settings.sample_rate) for b in sizes]
     ledger, key = served.server.ledger, served.server.fingerprint
     preview = ledger.preview(key, events, served.delta, cap=served.cap, name=served.dataset)
     if preview["total_epsilon"] > preview["cap"] + 1e-12:
@@ -280,9 +350,9 @@ def check_fits(served: Served, n_queries: int, batch_size: int) -> dict:
 def queries_left(served: Served, preview: dict) -> int:
     """How many more queries (one batch) fit under the cap, composed with the dataset's spend (the
     ledger's preview)."""
-    ledger, key, sigma = served.server.ledger, served.server.fingerprint, served.server.settings.noise_multiplier
-    return largest_fitting(lambda b: ledger.preview(key, [batch_event(sigma, b)], served.delta, cap=served.cap)
-                           ["total_epsilon"] <= preview["cap"] + 1e-12)
+    ledger, key, s = served.server.ledger, served.server.fingerprint, served.server.settings
+    return largest_fitting(lambda b: ledger.preview(key, [batch_event(s.noise_multiplier, b, s.sample_rate)],
+                                                    served.delta, cap=served.cap)["total_epsilon"] <= preview["cap"] + 1e-12)
 
 
 def answer_all(served: Served, texts: list[str], batch_size: int, progress=None):
@@ -305,13 +375,15 @@ def answer_all(served: Served, texts: list[str], batch_size: int, progress=None)
     return answers, None
 
 
-def plan_line(cfg, delta: float) -> str:
+def plan_line(cfg, delta: float, n_released: int) -> str:
     """What ``dp_icl.expected_queries`` answered queries would spend on their own (``privprompt plan``)."""
-    settings = settings_of(cfg, delta)
+    settings = settings_of(cfg, delta, n_released)
     from privacy import accountant as acct
 
     n = cfg.dp_icl.expected_queries
-    eps = acct.spend(batch_event(settings.noise_multiplier, n), delta).epsilon
-    return (f"dp_icl (served, per query): {n} answered queries at σ={settings.noise_multiplier:.3g} spend ε={eps:.4f} "
+    eps = acct.spend(batch_event(settings.noise_multiplier, n, settings.sample_rate), delta).epsilon
+    sampled = "" if settings.sample_rate is None else f", each on a Poisson sample at q={settings.sample_rate:.3g},"
+    return (f"dp_icl (served, per query): {n} answered queries at σ={settings.noise_multiplier:.3g}{sampled} spend "
+            f"ε={eps:.4f} "
             f"per record at δ={delta:g} on their own — an inference-time spend that grows with every answer "
             "(one-time methods such as dp_opt and dp_fewshot stay flat)")

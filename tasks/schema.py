@@ -305,6 +305,10 @@ class DPICLConfig(Block):
                                   "and what σ is calibrated for when noise_multiplier is null")
     instruction: str = Field("", description="a public instruction above the demonstrations")
     template: str = Field("Input: {text}\n\nOutput:", description="each demonstration and the query ({text} once)")
+    sampling: Literal["partition", "poisson"] = Field(
+        "partition", description="partition: one fixed secret keyed partition into the M subsets, every query; "
+        "poisson: the paper's amplification — a fresh Poisson sample per query at rate q = subsets·shots / the "
+        "released training size, each sampled row in a random subset (a query spends PoissonSampled(q, Gaussian))")
 
     @field_validator("template")
     @classmethod

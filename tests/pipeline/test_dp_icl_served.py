@@ -102,9 +102,9 @@ def test_sigma_is_calibrated_for_the_expected_queries_and_plan_prices_them(toy, 
     from tasks.dp_icl import plan_line, settings_of
 
     cfg = load_config(_write_config(toy, tmp_path, noise_multiplier=None, expected_queries=100))
-    sigma = settings_of(cfg, 1e-5).noise_multiplier
+    sigma = settings_of(cfg, 1e-5, 48).noise_multiplier
     assert acct.spend(batch_event(sigma, 100), 1e-5).epsilon == pytest.approx(cfg.privacy.target_epsilon, rel=1e-2)
-    line = plan_line(cfg, 1e-5)
+    line = plan_line(cfg, 1e-5, 48)
     assert "100 answered queries" in line and "per record at δ=1e-05" in line
     assert f"spend ε={acct.spend(batch_event(sigma, 100), 1e-5).epsilon:.4f}" in line
 
@@ -160,3 +160,32 @@ def test_long_private_demonstrations_are_clipped_to_the_context_without_a_length
     context = server.engine.model.config.n_positions
     assert len(server.engine.ids(prompt)) <= context - 128
     assert "longer than the specified maximum" not in capfd.readouterr().err
+
+
+def test_a_poisson_sampled_config_charges_each_batch_its_subsampled_event(toy, tmp_path, capsys):
+    """sampling: poisson — q from the RELEASED training size, each answered query charged as
+    PoissonSampled(q, Gaussian(σ)); plan prices the same event."""
+    from privacy.events import GaussianEvent, PoissonSampledEvent, event_from_dict
+    from privprompt_cli import main
+    from tasks.config import load_config
+    from tasks.dp_icl import plan_line, settings_of
+
+    config, queries, out = _write_config(toy, tmp_path, sampling="poisson"), _queries(tmp_path, 3), tmp_path / "o.jsonl"
+    rc = main(["predict", "--dp-icl", str(config), "--input", str(queries), "--text-field", "review",
+               "--batch-size", "3", "--output", str(out)])
+    first = capsys.readouterr().err
+    assert rc == 0, first
+    # an output predict cannot write is refused in one line before anything is charged
+    rc = main(["predict", "--dp-icl", str(config), "--input", str(queries), "--output", str(tmp_path / "o.txt")])
+    err = capsys.readouterr().err
+    assert rc != 0 and "unknown output format '.txt'" in err and err.count("\n") == 1
+    ledger, entries = _dp_entries(tmp_path)
+    released = json.loads(next((tmp_path / "state").rglob("released-sizes/*.json")).read_text())["n_train"]
+    q = min(1.0, 4 * 2 / released)
+    (entry,) = [e for e in entries if e["description"].startswith("dp_icl:")]
+    event = event_from_dict(entry["event"])
+    assert event.count == 3 and event.event == PoissonSampledEvent(q, GaussianEvent(3.0))
+    cfg = load_config(config)
+    assert settings_of(cfg, 1e-5, released).sample_rate == q
+    assert f"q={q:.3g}" in plan_line(cfg, 1e-5, released)
+
