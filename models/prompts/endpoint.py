@@ -25,21 +25,18 @@ class CompletionsClient:
     batch_size: int = 16
 
     def complete(self, prompts: list[str]) -> list[dict]:
-        """One choice per prompt: {"text", "top_logprobs": {token: logprob} or None}."""
+        """One choice per prompt: {"text", "top_logprobs": {token: logprob} or None}. A server that
+        takes one prompt string per request (``transformers serve``, some llama.cpp builds) answers a
+        list with HTTP 400: the client then sends one prompt per request from there on."""
         out: list[dict] = []
-        for i in range(0, len(prompts), self.batch_size):
+        i = 0
+        while i < len(prompts):
             chunk = prompts[i:i + self.batch_size]
-            body = json.dumps({"model": self.model, "prompt": chunk, "max_tokens": 3, "temperature": 0,
-                               "logprobs": 5}).encode()
-            headers = {"Content-Type": "application/json"}
-            if self.api_key:
-                headers["Authorization"] = f"Bearer {self.api_key}"
-            request = urllib.request.Request(self.base_url.rstrip("/") + "/completions", data=body, headers=headers)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    data = json.loads(response.read())
-            except (urllib.error.URLError, TimeoutError, json.JSONDecodeError) as err:
-                raise EndpointError(f"completions endpoint {self.base_url}: {type(err).__name__}: {err}") from None
+                data = self._post(chunk[0] if len(chunk) == 1 else chunk)
+            except _ListRefused:
+                self.batch_size = 1
+                continue
             choices = sorted(data.get("choices", []), key=lambda c: c.get("index", 0))
             if len(choices) != len(chunk):
                 raise EndpointError(f"completions endpoint {self.base_url} returned {len(choices)} choices "
@@ -47,7 +44,29 @@ class CompletionsClient:
             for c in choices:
                 lp = (c.get("logprobs") or {}).get("top_logprobs") or None
                 out.append({"text": c.get("text", ""), "top_logprobs": lp[0] if lp else None})
+            i += len(chunk)
         return out
+
+    def _post(self, prompt: str | list[str]) -> dict:
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                           "logprobs": 5}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.base_url.rstrip("/") + "/completions", data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            if err.code in (400, 422) and isinstance(prompt, list):
+                raise _ListRefused from None
+            raise EndpointError(f"completions endpoint {self.base_url}: HTTP {err.code}: {err.reason}") from None
+        except (urllib.error.URLError, TimeoutError, json.JSONDecodeError) as err:
+            raise EndpointError(f"completions endpoint {self.base_url}: {type(err).__name__}: {err}") from None
+
+
+class _ListRefused(Exception):
+    """The server answered a list of prompts with a client error: it takes one string per request."""
 
 
 def predict_labels(choices: list[dict], label_words: list[str]) -> list[int | None]:

@@ -1,0 +1,105 @@
+"""The OpenAI-compatible completions client (models/prompts/endpoint.py) against servers that take a
+list of prompts and servers that take one prompt string per request (``transformers serve``: HTTP
+400 on a list): every prompt gets its one answer, in order. ``-m servers``: a real ``transformers
+serve`` process on localhost."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from models.prompts.endpoint import CompletionsClient, EndpointError, predict_labels
+
+
+class _OneString(BaseHTTPRequestHandler):
+    """Answers a string prompt with its last word; a list with 400, as ``transformers serve`` does."""
+    seen: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).seen.append(body["prompt"])
+        if self.path != "/v1/completions":
+            data, code = b'{"detail": "Not Found"}', 404
+        elif not isinstance(body["prompt"], str):
+            data, code = b'{"detail": "prompt must be a string."}', 400
+        else:
+            data, code = json.dumps({"choices": [{"index": 0, "text": " " + body["prompt"].split()[-1]}]}).encode(), 200
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture()
+def one_string_server():
+    _OneString.seen = []
+    server = HTTPServer(("127.0.0.1", 0), _OneString)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/v1"
+    server.shutdown()
+
+
+def test_a_server_taking_one_prompt_string_answers_every_prompt_in_order(one_string_server):
+    client = CompletionsClient(one_string_server, "any", batch_size=4)
+    prompts = ["x positive", "y negative", "z positive", "w negative", "v positive"]
+    choices = client.complete(prompts)
+    assert [c["text"].strip() for c in choices] == ["positive", "negative", "positive", "negative", "positive"]
+    assert predict_labels(choices, ["negative", "positive"]) == [1, 0, 1, 0, 1]
+    # one list refused, then one string per request
+    assert isinstance(_OneString.seen[0], list) and _OneString.seen[1:] == prompts and client.batch_size == 1
+
+
+def test_another_client_error_is_one_endpoint_error(one_string_server):
+    client = CompletionsClient(one_string_server.replace("/v1", "/nowhere"), "any", batch_size=1)
+    with pytest.raises(EndpointError, match="HTTP 404"):
+        client.complete(["x positive"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.servers
+def test_a_real_transformers_serve_answers_through_the_client(tmp_path):
+    """``transformers serve`` (Transformers' OpenAI-compatible server) on a local model folder: the
+    client's list is refused, it falls back to strings, and every prompt gets a completion."""
+    pytest.importorskip("openai", reason="transformers serve needs the openai package: pip install -e '.[serve]'")
+    from models.backbones import load_backbone
+
+    bb = load_backbone("tiny-gpt2", "cpu", seed=0)
+    folder = tmp_path / "model"
+    bb.model.save_pretrained(folder)
+    bb.tokenizer.save_pretrained(folder)
+    port = _free_port()
+    exe = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder), "--port", str(port)]
+    proc = subprocess.Popen(exe, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, "transformers serve exited"
+                time.sleep(0.5)
+        client = CompletionsClient(f"http://127.0.0.1:{port}/v1", str(folder), batch_size=8, timeout_s=120)
+        choices = client.complete(["Review: a fine film\nSentiment:", "Review: dull\nSentiment:", "Hello"])
+        assert len(choices) == 3 and all(isinstance(c["text"], str) and c["text"] for c in choices)
+        assert client.batch_size == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
