@@ -1,0 +1,156 @@
+"""One-time methods' published prompts at two targets on the same queries as the dp_icl comparison (issue 38).
+
+    python bench/endpoint_target.py --out docs/results/dp_icl/two_targets --queries 100 \
+        --prompt dp_opt_seed0=RUN_ARTIFACTS/prompt/dp_opt.json --prompt dp_fewshot=…/prompt/dp_fewshot.json \
+        --serve-model /tmp/smollm2_hf
+
+Each published text prompt (a DP-OPT instruction, dp_fewshot's generated demonstrations: public outputs of
+runs, read from their MLflow artifacts) and zero-shot (no prompt) answer the first ``--queries`` SST-2 test
+sentences on
+* the local target: SmolLM2-135M-Instruct in this process, the label whose first token has the larger
+  next-token logit (the flows' scoring);
+* the endpoint target: an OpenAI-compatible ``/v1/completions`` server reached over HTTP through the flows'
+  client (models/prompts/endpoint.py) — here ``transformers serve`` on a local folder of the same weights
+  (``--serve-model``, started and stopped by this script) or any running server (``--base-url``); the label is
+  read from the generated text (that server returns no log-probabilities).
+Only the published prompt and public test sentences are sent; dp_icl cannot be a remote target (its every
+prompt holds private rows). Every (prompt, target) is one MLflow run; the table and figure are built from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+TEMPLATE = "Review: {text}\nSentiment:"
+LABELS = ["negative", "positive"]
+EXPERIMENT = "one_time_two_targets"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(folder: str):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", folder, "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            if proc.poll() is not None:
+                raise SystemExit("transformers serve exited (pip install -e '.[serve]')")
+            time.sleep(0.5)
+    raise SystemExit("transformers serve did not come up")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="docs/results/dp_icl/two_targets")
+    ap.add_argument("--queries", type=int, default=100)
+    ap.add_argument("--prompt", action="append", default=[], metavar="NAME=PATH", help="a published prompt artifact")
+    ap.add_argument("--serve-model", default=None, help="a local model folder to serve with transformers serve")
+    ap.add_argument("--base-url", default=None, help="an OpenAI-compatible server already running")
+    ap.add_argument("--model-name", default=None, help="the model name sent (default: --serve-model)")
+    ap.add_argument("--tracking-uri", default="sqlite:////tmp/one_time_two_targets.db")
+    ap.add_argument("--data-root", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    a = ap.parse_args()
+    import mlflow
+    import numpy as np
+
+    from models.backbones import load_backbone
+    from models.prompts.endpoint import CompletionsClient, predict_labels
+    from tasks.methodkit.causal_engine import CausalEngine
+    from tasks.prompts import load_prompt_file
+
+    test = [json.loads(line) for line in (Path(a.data_root) / "sst2" / "test.jsonl").read_text().splitlines()[:a.queries]]
+    texts, truth = [r["text"] for r in test], [r["label"] for r in test]
+    prompts = {"zero_shot": (None, {})}
+    for name, path in (p.split("=", 1) for p in a.prompt):
+        prompts[name] = (load_prompt_file(path), json.loads(Path(path).read_text()).get("metadata", {}))
+    mlflow.set_tracking_uri(a.tracking_uri)
+    mlflow.set_experiment(EXPERIMENT)
+    bb = load_backbone("smollm2", device="cpu")
+    engine = CausalEngine(bb.model, bb.tokenizer, max_batch=16)
+    label_ids = [engine.ids(" " + label)[0] for label in LABELS]
+    proc, url = start_server(a.serve_model) if a.serve_model else (None, a.base_url)
+    client = CompletionsClient(url, a.model_name or a.serve_model or "any", batch_size=16, timeout_s=300)
+    results = []
+    try:
+        for name, (prompt, meta) in prompts.items():
+            template = prompt.template(TEMPLATE) if prompt is not None else TEMPLATE
+            filled = [template.replace("{text}", t) for t in texts]
+            t0 = time.perf_counter()
+            local = [LABELS[int(engine.last_logits([engine.ids(f)])[0][label_ids].argmax())] for f in filled]
+            t1 = time.perf_counter()
+            picks = predict_labels(client.complete(filled), [" " + label for label in LABELS])
+            t2 = time.perf_counter()
+            remote = [LABELS[p] if p is not None else None for p in picks]
+            for target, answers, wall in (("local SmolLM2", local, t1 - t0), ("endpoint (transformers serve)", remote, t2 - t1)):
+                acc = float(np.mean([x == y for x, y in zip(answers, truth)]))
+                row = {"prompt": name, "target": target, "accuracy": acc, "unparsed": answers.count(None), "wall_s": wall}
+                results.append(row)
+                with mlflow.start_run(run_name=f"{name}@{target}"):
+                    mlflow.log_params({"prompt": name, "target": target, "queries": len(texts), **{
+                        k: v for k, v in meta.items() if k.startswith("privacy.")}})
+                    mlflow.log_metrics({"accuracy": acc, "unparsed": float(row["unparsed"]), "wall_s": wall})
+                print(f"{name} @ {target}: {acc:.3f} ({row['unparsed']} unparsed, {wall:.0f} s)", file=sys.stderr)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    write(Path(a.out), mlflow, len(texts))
+
+
+def write(out: Path, mlflow, n: int) -> None:
+    """The table and figure from MLflow's runs of this experiment."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    frame = mlflow.search_runs(experiment_names=[EXPERIMENT], order_by=["attributes.start_time ASC"])
+    rows = {}
+    for _, r in frame.iterrows():
+        rows[(r["params.prompt"], r["params.target"])] = (r["metrics.accuracy"], r["metrics.unparsed"],
+                                                          r.get("params.privacy.epsilon"))
+    names = list(dict.fromkeys(k[0] for k in rows))
+    targets = list(dict.fromkeys(k[1] for k in rows))
+    lines = ["| published prompt | ε | " + " | ".join(f"accuracy @ {t}" for t in targets) + " |",
+             "|---|---:|" + "---:|" * len(targets)]
+    for name in names:
+        eps = next((rows[(name, t)][2] for t in targets if (name, t) in rows and rows[(name, t)][2] == rows[(name, t)][2]
+                    and rows[(name, t)][2] is not None), None)
+        cells = [f"{rows[(name, t)][0]:.3f}" + (f" ({int(rows[(name, t)][1])} unparsed)" if rows[(name, t)][1] else "")
+                 if (name, t) in rows else "–" for t in targets]
+        lines.append(f"| {name} | {float(eps):.3f} | " if eps else f"| {name} | 0 | ")
+        lines[-1] += " | ".join(cells) + " |"
+    out.mkdir(parents=True, exist_ok=True)
+    table = "\n".join(lines)
+    print(table)
+    (out / "table.md").write_text(f"{n} SST-2 test sentences (the dp_icl comparison's first queries)\n\n" + table + "\n")
+    fig, ax = plt.subplots(figsize=(1.2 + 1.3 * len(names), 3.6))
+    width = 0.8 / max(1, len(targets))
+    for j, t in enumerate(targets):
+        ax.bar([i + j * width for i in range(len(names))], [rows.get((nm, t), (0,))[0] for nm in names], width, label=t)
+    ax.set_xticks([i + width * (len(targets) - 1) / 2 for i in range(len(names))], names, rotation=20, fontsize=7)
+    ax.set_ylabel(f"accuracy ({n} SST-2 test sentences)"), ax.set_ylim(0, 1), ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "two_targets.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()
