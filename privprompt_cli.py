@@ -470,12 +470,12 @@ def cmd_plan(args) -> int:
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     print(format_plan(plan))
-    _print_dp_icl_plan(cfg, plan)
+    _print_dp_icl_plan(cfg, plan, paths)
     print(f"ledger: {paths.ledger_location}" + ("" if paths.ledger_exists() else " (none yet: nothing spent)"))
     return 0 if plan["fits"] else 4
 
 
-def _print_dp_icl_plan(cfg, plan: dict) -> None:
+def _print_dp_icl_plan(cfg, plan: dict, paths) -> None:
     """A config with a ``dp_icl`` block: what its expected queries spend, served per query."""
     from tasks.config import DPICLConfig
     from tasks.dp_icl import plan_line
@@ -483,9 +483,10 @@ def _print_dp_icl_plan(cfg, plan: dict) -> None:
     if cfg.dp_icl == DPICLConfig():
         return
     delta = cfg.privacy.target_delta or next((r["delta"] for r in plan["runs"] if r.get("delta")), None)
-    n_released = next((r["n_train_released"] for r in plan["runs"] if r.get("n_train_released")), None)
-    if delta and n_released:
-        print(plan_line(cfg, delta, n_released))
+    if delta:  # q of sampling: poisson from the released training size the run would publish (never the exact one)
+        from tasks.planning import released_sizes
+
+        print(plan_line(cfg, delta, released_sizes(cfg, paths.private).n_train))
 
 
 def cmd_report(args) -> int:

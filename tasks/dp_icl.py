@@ -376,14 +376,18 @@ def answer_all(served: Served, texts: list[str], batch_size: int, progress=None)
 
 
 def plan_line(cfg, delta: float, n_released: int) -> str:
-    """What ``dp_icl.expected_queries`` answered queries would spend on their own (``privprompt plan``)."""
+    """What ``dp_icl.expected_queries`` answered queries would spend on their own (``privprompt plan``),
+    and how many answered queries the dataset's cap affords on their own: a team expecting N queries
+    sees whether per-query DP-ICL fits, where a one-time method's ε stays flat."""
     settings = settings_of(cfg, delta, n_released)
     from privacy import accountant as acct
 
-    n = cfg.dp_icl.expected_queries
-    eps = acct.spend(batch_event(settings.noise_multiplier, n, settings.sample_rate), delta).epsilon
-    sampled = "" if settings.sample_rate is None else f", each on a Poisson sample at q={settings.sample_rate:.3g},"
+    n, cap, q = cfg.dp_icl.expected_queries, cfg.privacy.dataset_epsilon_cap, settings.sample_rate
+    eps = acct.spend(batch_event(settings.noise_multiplier, n, q), delta).epsilon
+    most = queries_within(cap, delta, settings.noise_multiplier, limit=10**6, sample_rate=q)
+    sampled = "" if q is None else f", each on a Poisson sample at q={q:.3g},"
+    fits = "fit" if eps <= cap else "do NOT fit"
     return (f"dp_icl (served, per query): {n} answered queries at σ={settings.noise_multiplier:.3g}{sampled} spend "
-            f"ε={eps:.4f} "
-            f"per record at δ={delta:g} on their own — an inference-time spend that grows with every answer "
-            "(one-time methods such as dp_opt and dp_fewshot stay flat)")
+            f"ε={eps:.4f} per record at δ={delta:g} on their own and {fits} the dataset's cap ε={cap:g}, which affords "
+            f"{'at least ' if most >= 10**6 else ''}{most:,} of them alone — an inference-time spend that grows with "
+            "every answer (one-time methods such as dp_opt and dp_fewshot stay flat)")

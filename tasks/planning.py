@@ -155,8 +155,7 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
     ``estimate``, its steps and a wall-time estimate from a measured probe (``tasks/estimate.py``)."""
     plan = plan_for(cfg, name, sizes, delta)
     row = {"variant": label, "method": name, "dataset": cfg.data.name,
-           "guarantee": plan.guarantee, "delta": delta, "epsilon": None, "unit": unit,
-           "n_train_released": getattr(sizes, "n_train", None)}
+           "guarantee": plan.guarantee, "delta": delta, "epsilon": None, "unit": unit}
     if plan.event is not None:
         row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
         if plan.record_event is not None:  # charged per person: the ledger composes the group event

@@ -107,6 +107,26 @@ def test_sigma_is_calibrated_for_the_expected_queries_and_plan_prices_them(toy, 
     line = plan_line(cfg, 1e-5, 48)
     assert "100 answered queries" in line and "per record at δ=1e-05" in line
     assert f"spend ε={acct.spend(batch_event(sigma, 100), 1e-5).epsilon:.4f}" in line
+    most = int(line.split("which affords ")[1].split(" of them")[0].replace(",", ""))
+    cap = cfg.privacy.dataset_epsilon_cap
+    assert acct.spend(batch_event(sigma, most), 1e-5).epsilon <= cap < acct.spend(batch_event(sigma, most + 1), 1e-5).epsilon
+    assert "and fit the dataset's cap" in line
+
+
+def test_plan_prints_the_dp_icl_line_with_q_from_the_released_size(toy, tmp_path, capsys):
+    from privprompt_cli import _print_dp_icl_plan
+    from tasks.config import load_config
+    from tasks.dp_icl import plan_line
+    from tasks.planning import released_sizes
+    from tasks.state import config_state_paths
+
+    config = _write_config(toy, tmp_path, sampling="poisson")
+    cfg = load_config(config)
+    # what `privprompt plan` prints after its table (the whole command also times a probe run: slow)
+    _print_dp_icl_plan(cfg, {"runs": [{"delta": 1e-5}]}, config_state_paths(cfg))
+    out = capsys.readouterr().out
+    released = released_sizes(cfg, config_state_paths(cfg).private).n_train
+    assert plan_line(cfg, 1e-5, released) in out and f"q={min(1.0, 8 / released):.3g}" in out
 
 
 def test_a_delta_of_at_least_one_over_n_is_refused_as_for_runs(toy, tmp_path):
