@@ -120,7 +120,7 @@ def test_plan_prints_the_dp_icl_line_with_q_from_the_released_size(toy, tmp_path
     from tasks.planning import released_sizes
     from tasks.state import config_state_paths
 
-    config = _write_config(toy, tmp_path, sampling="poisson")
+    config = _write_config(toy, tmp_path, cap=2.0, sampling="poisson")  # a small cap: a short search for the most queries
     cfg = load_config(config)
     # what `privprompt plan` prints after its table (the whole command also times a probe run: slow)
     _print_dp_icl_plan(cfg, {"runs": [{"delta": 1e-5}]}, config_state_paths(cfg))
