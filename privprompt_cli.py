@@ -592,6 +592,7 @@ def _print_inference_spend(ledger) -> None:
     their ε alone — a spend that grows with every answer, unlike a run's."""
     from privacy import accountant as acct
     from privacy.events import ComposedEvent, event_from_dict
+    from tasks.dp_icl import answered_queries
 
     for row in ledger.datasets():
         batches = [e for e in ledger.entries(row["fingerprint"]) if e["kind"] == "dp" and e["status"] == "committed"
@@ -599,7 +600,7 @@ def _print_inference_spend(ledger) -> None:
         if not batches:
             continue
         events = [event_from_dict(e["event"]) for e in batches]  # each batch: its votes, one Gaussian each
-        queries = sum(event.count for event in events)
+        queries = sum(answered_queries(event) for event in events)
         eps = acct.spend(ComposedEvent(tuple(events)), row["delta"]).epsilon
         print(f"inference-time spend on {row['name']!r}: {queries} queries answered by dp_icl in {len(batches)} "
               f"charged batches, ε={eps:.4f} {'per record' if row['unit'] == 'record' else 'per ' + row['unit']} "

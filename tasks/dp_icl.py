@@ -27,7 +27,10 @@ sample changes one subset's prompt (it may displace one row of that subset, neve
 subset's): given the sample, the vote is Gaussian with L2 sensitivity √2, and over the sample an
 answered query is ``PoissonSampledEvent(q, GaussianEvent(σ))`` — DP-SGD's step, which the
 accountant composes exactly. q = M·N / ñ with ñ the dataset's RELEASED size (never the exact
-one); the prompts are fresh per query, so no demonstration prefix is reused across queries.
+one); the answers depend on ñ through q, so the first batch a server answers also charges the
+sizes' release (``ReleasedSizes.event``, composed as every run composes it: a dataset no run has
+charged yet still pays for it). The prompts are fresh per query, so no demonstration prefix is
+reused across queries.
 
 Charging (:meth:`DPICLServer.answer`): the batch's event is reserved BEFORE the vote (the ledger
 refuses it at the cap: nothing is answered), the read is marked, the answers are computed, the
@@ -47,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from privacy.events import DpEvent, GaussianEvent, PoissonSampledEvent, SelfComposedEvent
+from privacy.events import DpEvent, GaussianEvent, PoissonSampledEvent, SelfComposedEvent, all_events
 from privacy.validation import check_count, check_rate
 
 
@@ -160,13 +163,23 @@ def _clip_words(text: str, limit: int = 48) -> str:
     return " ".join(text.split()[:limit])
 
 
+def answered_queries(event: DpEvent) -> int:
+    """The queries a dp_icl ledger entry answered: its batch's vote count (a first batch also holds
+    the sizes' release)."""
+    return sum(e.count for e in all_events(event) if isinstance(e, SelfComposedEvent))
+
+
 class DPICLServer:
-    """Answers queries by the DP vote; charges ``ledger`` (dataset ``fingerprint``) per batch."""
+    """Answers queries by the DP vote; charges ``ledger`` (dataset ``fingerprint``) per batch, the
+    first one with ``size_event`` (the released sizes q was computed from) when given."""
 
     def __init__(self, engine, labels: list[str], rows, settings: DPICLSettings, ledger, fingerprint: str,
-                 randomness, serve_id: str | None = None):
+                 randomness, serve_id: str | None = None, size_event: DpEvent | None = None):
+        import threading
+
         from tasks.methodkit.keyed_partition import keyed_subsets
 
+        self._size_event, self._size_lock = size_event, threading.Lock()
         self.engine, self.labels, self.settings = engine, list(labels), settings
         self.ledger, self.fingerprint = ledger, fingerprint
         unit = ledger.dataset(fingerprint)["unit"]
@@ -234,15 +247,28 @@ class DPICLServer:
         # a fresh id per batch: a counter reused across threads or restarts (a stable serve_id) met
         # the ledger's idempotent retry — the same entry returned, nothing charged, yet answered
         run_id = f"{self.serve_id}:batch-{uuid.uuid4().hex}"
-        event = batch_event(self.settings.noise_multiplier, len(texts), self.settings.sample_rate)
-        reservation = self.ledger.reserve(self.fingerprint, run_id, event,
-                                          description=f"dp_icl: {len(texts)} answered queries (inference-time spend)")
-        if not reservation.new:
-            raise RuntimeError(f"dp_icl: batch {run_id} was already charged: not answered again")
+        with self._size_lock:  # the sizes' release rides on the first batch reserved, once per server
+            (event,) = self.events([len(texts)])
+            reservation = self.ledger.reserve(self.fingerprint, run_id, event,
+                                              description=f"dp_icl: {len(texts)} answered queries (inference-time spend)")
+            if not reservation.new:
+                raise RuntimeError(f"dp_icl: batch {run_id} was already charged: not answered again")
+            self._size_event = None
         self.ledger.mark_read(run_id)
         answers = [self._vote(t) for t in texts]
         self.ledger.commit(run_id, event)
         return answers
+
+    def events(self, batch_sizes: list[int]) -> list[DpEvent]:
+        """The ledger events of the next batches of these sizes: the first also charges the sizes'
+        release while this server has not charged it."""
+        from privacy.plan import with_size_release
+
+        s = self.settings
+        events = [batch_event(s.noise_multiplier, b, s.sample_rate) for b in batch_sizes]
+        if events and self._size_event is not None:
+            events[0] = with_size_release(events[0], self._size_event)
+        return events
 
 
 # ---- served from a config (privprompt predict --dp-icl) ------------------------------------------
@@ -318,8 +344,11 @@ def open_server(cfg, paths) -> Served:
     texts, labels = read_split(part.train_path)
     rows = PrivateRows(texts, labels)
     engine = causal_engine_for(cfg)
-    server = DPICLServer(engine, list(cfg.data.labels), rows, settings_of(cfg, delta, part.sizes.n_train), ledger,
-                         row["fingerprint"], DpRandomness())
+    settings = settings_of(cfg, delta, part.sizes.n_train)
+    # q is computed from the released sizes: their release is charged with the first batch
+    size_event = part.sizes.event if settings.sample_rate is not None else None
+    server = DPICLServer(engine, list(cfg.data.labels), rows, settings, ledger, row["fingerprint"], DpRandomness(),
+                         size_event=size_event)
     return Served(server, delta, row["name"], float(row["epsilon_cap"]))
 
 
@@ -329,8 +358,7 @@ def check_fits(served: Served, n_queries: int, batch_size: int) -> dict:
     from privacy.ledger.errors import BudgetExceededError
 
     sizes = [min(batch_size, n_queries - i) for i in range(0, n_queries, batch_size)]
-    settings = served.server.settings
-    events = [batch_event(settings.noise_multiplier, b, settings.sample_rate) for b in sizes]
+    events = served.server.events(sizes)
     ledger, key = served.server.ledger, served.server.fingerprint
     preview = ledger.preview(key, events, served.delta, cap=served.cap, name=served.dataset)
     if preview["total_epsilon"] > preview["cap"] + 1e-12:
@@ -350,9 +378,9 @@ def check_fits(served: Served, n_queries: int, batch_size: int) -> dict:
 def queries_left(served: Served, preview: dict) -> int:
     """How many more queries (one batch) fit under the cap, composed with the dataset's spend (the
     ledger's preview)."""
-    ledger, key, s = served.server.ledger, served.server.fingerprint, served.server.settings
-    return largest_fitting(lambda b: ledger.preview(key, [batch_event(s.noise_multiplier, b, s.sample_rate)],
-                                                    served.delta, cap=served.cap)["total_epsilon"] <= preview["cap"] + 1e-12)
+    ledger, key, server = served.server.ledger, served.server.fingerprint, served.server
+    return largest_fitting(lambda b: ledger.preview(key, server.events([b]), served.delta, cap=served.cap)
+                           ["total_epsilon"] <= preview["cap"] + 1e-12)
 
 
 def answer_all(served: Served, texts: list[str], batch_size: int, progress=None):

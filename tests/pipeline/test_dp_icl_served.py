@@ -188,7 +188,7 @@ def test_a_poisson_sampled_config_charges_each_batch_its_subsampled_event(toy, t
     from privacy.events import GaussianEvent, PoissonSampledEvent, event_from_dict
     from privprompt_cli import main
     from tasks.config import load_config
-    from tasks.dp_icl import plan_line, settings_of
+    from tasks.dp_icl import answered_queries, plan_line, settings_of
 
     config, queries, out = _write_config(toy, tmp_path, sampling="poisson"), _queries(tmp_path, 3), tmp_path / "o.jsonl"
     rc = main(["predict", "--dp-icl", str(config), "--input", str(queries), "--text-field", "review",
@@ -200,11 +200,17 @@ def test_a_poisson_sampled_config_charges_each_batch_its_subsampled_event(toy, t
     err = capsys.readouterr().err
     assert rc != 0 and "unknown output format '.txt'" in err and err.count("\n") == 1
     ledger, entries = _dp_entries(tmp_path)
-    released = json.loads(next((tmp_path / "state").rglob("released-sizes/*.json")).read_text())["n_train"]
+    sizes = json.loads(next((tmp_path / "state").rglob("released-sizes/*.json")).read_text())
+    released = sizes["n_train"]
     q = min(1.0, 4 * 2 / released)
     (entry,) = [e for e in entries if e["description"].startswith("dp_icl:")]
-    event = event_from_dict(entry["event"])
-    assert event.count == 3 and event.event == PoissonSampledEvent(q, GaussianEvent(3.0))
+    # q carries the released size into the answers: the first batch also charges the sizes' release
+    size_release, votes = event_from_dict(entry["event"]).events
+    assert size_release == GaussianEvent(sizes["sigma"]) and answered_queries(event_from_dict(entry["event"])) == 3
+    assert votes.count == 3 and votes.event == PoissonSampledEvent(q, GaussianEvent(3.0))
+    capsys.readouterr()
+    assert main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0
+    assert "3 queries answered by dp_icl in 1 charged batches" in capsys.readouterr().out
     cfg = load_config(config)
     assert settings_of(cfg, 1e-5, released).sample_rate == q
     assert f"q={q:.3g}" in plan_line(cfg, 1e-5, released)
