@@ -191,6 +191,9 @@ def test_a_poisson_sampled_config_charges_each_batch_its_subsampled_event(toy, t
     from tasks.dp_icl import answered_queries, plan_line, settings_of
 
     config, queries, out = _write_config(toy, tmp_path, sampling="poisson"), _queries(tmp_path, 3), tmp_path / "o.jsonl"
+    raw = yaml.safe_load(config.read_text())
+    raw["data"]["size_noise_sigma"] = 2.0  # ñ ≈ 48 ± 6: q = 8 / ñ stays under 1 (σ = 50 could make it 1: no sampling)
+    config.write_text(yaml.safe_dump(raw))
     rc = main(["predict", "--dp-icl", str(config), "--input", str(queries), "--text-field", "review",
                "--batch-size", "3", "--output", str(out)])
     first = capsys.readouterr().err
