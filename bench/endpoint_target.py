@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,27 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 TEMPLATE = "Review: {text}\nSentiment:"
 LABELS = ["negative", "positive"]
 EXPERIMENT = "one_time_two_targets"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(folder: str):
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", folder, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-            return proc, f"http://127.0.0.1:{port}/v1"
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit("transformers serve exited (pip install -e '.[serve]')")
-            time.sleep(0.5)
-    raise SystemExit("transformers serve did not come up")
 
 
 def main() -> None:
@@ -72,7 +47,7 @@ def main() -> None:
     import numpy as np
 
     from models.backbones import load_backbone
-    from models.prompts.endpoint import CompletionsClient, predict_labels
+    from models.prompts.endpoint import CompletionsClient, predict_labels, serve_folder
     from tasks.methodkit.causal_engine import CausalEngine
     from tasks.prompts import load_prompt_file
 
@@ -86,7 +61,7 @@ def main() -> None:
     bb = load_backbone("smollm2", device="cpu")
     engine = CausalEngine(bb.model, bb.tokenizer, max_batch=16)
     label_ids = [engine.ids(" " + label)[0] for label in LABELS]
-    proc, url = start_server(a.serve_model) if a.serve_model else (None, a.base_url)
+    proc, url = serve_folder(a.serve_model) if a.serve_model else (None, a.base_url)
     client = CompletionsClient(url, a.model_name or a.serve_model or "any", batch_size=16, timeout_s=300)
     results = []
     try:

@@ -90,3 +90,32 @@ def predict_labels(choices: list[dict], label_words: list[str]) -> list[int | No
             pick = next((i for i, w in enumerate(words) if text.startswith(w)), None)
         out.append(pick)
     return out
+
+
+def serve_folder(folder: str, timeout_s: float = 300.0):
+    """Start ``transformers serve`` (Transformers' OpenAI-compatible server; needs the ``serve`` extra)
+    on a local model folder, on a free localhost port, offline. Returns (process, base_url) once its
+    /health answers; the caller terminates the process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder),
+                             "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            return proc, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            if proc.poll() is not None:
+                raise EndpointError("transformers serve exited (pip install -e '.[serve]')") from None
+            time.sleep(0.5)
+    proc.terminate()
+    raise EndpointError(f"transformers serve on {folder} did not answer within {timeout_s:.0f} s")

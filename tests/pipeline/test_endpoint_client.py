@@ -6,17 +6,12 @@ serve`` process on localhost."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from models.prompts.endpoint import CompletionsClient, EndpointError, predict_labels
+from models.prompts.endpoint import CompletionsClient, EndpointError, predict_labels, serve_folder
 
 
 class _OneString(BaseHTTPRequestHandler):
@@ -67,12 +62,6 @@ def test_another_client_error_is_one_endpoint_error(one_string_server):
         client.complete(["x positive"])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.servers
 def test_a_real_transformers_serve_answers_through_the_client(tmp_path):
     """``transformers serve`` (Transformers' OpenAI-compatible server) on a local model folder: the
@@ -84,19 +73,9 @@ def test_a_real_transformers_serve_answers_through_the_client(tmp_path):
     folder = tmp_path / "model"
     bb.model.save_pretrained(folder)
     bb.tokenizer.save_pretrained(folder)
-    port = _free_port()
-    exe = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(folder), "--port", str(port)]
-    proc = subprocess.Popen(exe, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    proc, url = serve_folder(str(folder), timeout_s=180)
     try:
-        for _ in range(240):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert proc.poll() is None, "transformers serve exited"
-                time.sleep(0.5)
-        client = CompletionsClient(f"http://127.0.0.1:{port}/v1", str(folder), batch_size=8, timeout_s=120)
+        client = CompletionsClient(url, str(folder), batch_size=8, timeout_s=120)
         choices = client.complete(["Review: a fine film\nSentiment:", "Review: dull\nSentiment:", "Hello"])
         assert len(choices) == 3 and all(isinstance(c["text"], str) and c["text"] for c in choices)
         assert client.batch_size == 1
