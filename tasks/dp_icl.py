@@ -229,12 +229,26 @@ class DPICLServer:
 
     def histogram(self, text: str) -> np.ndarray:
         """(|labels|,) the subsets' votes on one query (private: never released without noise)."""
-        suffix = self.engine.ids(self.settings.template.replace("{text}", _clip_words(text)))
+        suffix = self._query_ids(text)
         votes = np.zeros(len(self.labels))
         for prefix in self._query_prefixes():  # one by one: see the module docstring
             logits = self.engine.last_logits([suffix], prefix)[0]
             votes[int(np.argmax(logits[self._label_ids].numpy()))] += 1
         return votes
+
+    def _query_ids(self, text: str) -> list[int]:
+        """The query in its template within ``QUERY_TOKENS`` — the room the demonstrations' budget left
+        it, so that no prefix plus query outgrows the model's context: a query that overflowed it on
+        one dataset and not on its neighbour (a longer private demonstration) would crash for one and
+        answer for the other, a noiseless test of a record. Clipped by public things only (the query,
+        the template), the template's tail kept."""
+        ids = self.engine.ids(self.settings.template.replace("{text}", _clip_words(text)))
+        if self._demo_tokens is None or len(ids) <= QUERY_TOKENS:
+            return ids
+        head, tail = self.settings.template.split("{text}")
+        room = max(1, QUERY_TOKENS - len(self.engine.ids(head)) - len(self.engine.ids(tail)) - 4)
+        clipped = self.engine.tok.decode(self.engine.ids(_clip_words(text))[:room])
+        return self.engine.ids(head + clipped + tail)[-QUERY_TOKENS:]
 
     def _vote(self, text: str) -> str:
         return noisy_vote(self.histogram(text), self.labels, self.settings.noise_multiplier, self.noise)

@@ -216,3 +216,23 @@ def test_a_sampled_server_charges_the_subsampled_event_and_its_votes_stay_within
             srv = DPICLServer(engine, ["negative", "positive"], rows, settings, ledger, "fp-icl", DpRandomness())
             hists.append(srv.histogram("a movie"))
         assert np.linalg.norm(hists[0] - hists[1]) <= math.sqrt(2) + 1e-12
+
+
+@pytest.mark.parametrize("sample_rate", [None, 1.0])
+def test_a_long_query_is_answered_whatever_the_private_demonstrations_lengths(engine, tmp_path, sample_rate):
+    """Privacy review F1: a query longer than the room the demonstrations' budget leaves it overflowed
+    a learned-position model's context when a neighbour held one long record (IndexError: the batch
+    charged, no answer) and was answered without it — a noiseless test of that record. The query is
+    clipped to QUERY_TOKENS (public), so both neighbours answer every query length."""
+    from tasks.dp_icl import QUERY_TOKENS
+
+    settings = DPICLSettings(subsets=2, shots=2, noise_multiplier=2.0, sample_rate=sample_rate)
+    short = PrivateRows(["good"], ["positive"])
+    long_row = PrivateRows(["good", " ".join(["unbelievably"] * 48)], ["positive", "negative"])
+    for rows in (short, long_row):
+        server = DPICLServer(engine, ["negative", "positive"], rows, settings, _ledger(tmp_path / str(id(rows)), 1e3),
+                             "fp-icl", DpRandomness())
+        for words in (35, 48):
+            query = " ".join(["xq9zv7"] * words)
+            assert len(server._query_ids(query)) <= QUERY_TOKENS
+            assert server.histogram(query).sum() >= 1
