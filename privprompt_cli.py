@@ -482,11 +482,12 @@ def _print_dp_icl_plan(cfg, plan: dict, paths) -> None:
 
     if cfg.dp_icl == DPICLConfig():
         return
-    delta = cfg.privacy.target_delta or next((r["delta"] for r in plan["runs"] if r.get("delta")), None)
+    # the dataset's δ as its runs register it, else the config's (what a server on a new dataset uses)
+    delta = next((r["delta"] for r in plan["runs"] if r.get("delta")), None) or cfg.privacy.target_delta
     if delta:  # q of sampling: poisson from the released training size the run would publish (never the exact one)
         from tasks.planning import released_sizes
 
-        print(plan_line(cfg, delta, released_sizes(cfg, paths.private).n_train))
+        print(plan_line(cfg, delta, released_sizes(cfg, paths.private)))
 
 
 def cmd_report(args) -> int:
@@ -595,8 +596,9 @@ def _print_inference_spend(ledger) -> None:
     from tasks.dp_icl import answered_queries
 
     for row in ledger.datasets():
-        batches = [e for e in ledger.entries(row["fingerprint"]) if e["kind"] == "dp" and e["status"] == "committed"
-                   and str(e.get("description") or "").startswith("dp_icl:")]
+        # a batch that failed after its read stays reserved, and spent: counted with the committed ones
+        batches = [e for e in ledger.entries(row["fingerprint"]) if e["kind"] == "dp"
+                   and e["status"] in ("committed", "reserved") and str(e.get("description") or "").startswith("dp_icl:")]
         if not batches:
             continue
         events = [event_from_dict(e["event"]) for e in batches]  # each batch: its votes, one Gaussian each
@@ -923,6 +925,8 @@ def _check_output(path: str | None) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ValueError(f"--output {path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--output {path}: not writable")
 
 
 def _write_table(frame, path: str | None) -> None:
@@ -1031,8 +1035,12 @@ def _predict_dp_icl(args, frame, texts) -> int:
     result["prediction"] = answers
     _write_table(result, args.output)
     if refusal is not None:
-        return _fail(f"dp_icl: {len(answers)} of {len(texts)} queries answered and charged (written), then another "
-                     f"spend on the dataset took the room left: {_one_line(refusal)}")
+        from privacy.ledger.errors import BudgetExceededError
+
+        why = ("another spend on the dataset took the room left" if isinstance(refusal, BudgetExceededError)
+               else "the next batch failed")
+        return _fail(f"dp_icl: {len(answers)} of {len(texts)} queries answered and charged (written), then {why}: "
+                     f"{_one_line(refusal)}")
     spent = served.server.ledger.spent(served.server.fingerprint)
     print(f"dp_icl: {len(texts)} queries answered in {-(-len(texts) // args.batch_size)} charged batch(es); dataset "
           f"{served.dataset!r} has now spent ε={spent.epsilon:.4f} per record at δ={served.delta:g} of its cap "

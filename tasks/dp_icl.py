@@ -123,12 +123,44 @@ def largest_fitting(fits, limit: int = 10**7) -> int:
 
 
 def queries_within(epsilon: float, delta: float, noise_multiplier: float, limit: int = 10**7,
-                   sample_rate: float | None = None) -> int:
-    """The most queries answered at σ whose composed ε (alone) stays within ``epsilon`` (0: not one)."""
+                   sample_rate: float | None = None, size_event: DpEvent | None = None) -> int:
+    """The most queries answered at σ whose composed ε (alone, with ``size_event`` when the first batch
+    charges one) stays within ``epsilon`` (0: not one)."""
     from privacy import accountant as acct
 
-    return largest_fitting(lambda b: acct.spend(batch_event(noise_multiplier, b, sample_rate), delta).epsilon
-                           <= epsilon, limit)
+    return largest_fitting(lambda b: acct.spend(first_batch_event(noise_multiplier, b, sample_rate, size_event),
+                                                delta).epsilon <= epsilon, limit)
+
+
+def first_batch_event(noise_multiplier: float, answered: int, sample_rate: float | None,
+                      size_event: DpEvent | None) -> DpEvent:
+    """A server's first batch: its votes, with the sizes' release when q was computed from them."""
+    from privacy.plan import with_size_release
+
+    event = batch_event(noise_multiplier, answered, sample_rate)
+    return event if size_event is None else with_size_release(event, size_event)
+
+
+def noise_with_release(epsilon: float, delta: float, queries: int, sample_rate: float | None,
+                       size_event: DpEvent | None) -> float:
+    """σ such that ``queries`` answered queries AND the sizes' release their first batch charges spend
+    at most ``epsilon`` at ``delta``: the queries' own σ, raised by 2 % steps until the composition fits."""
+    from privacy import accountant as acct
+
+    sigma = noise_for_queries(epsilon, delta, queries, sample_rate)
+    if size_event is None:
+        return sigma
+    from .errors import ConfigError
+
+    if acct.spend(size_event, delta).epsilon >= epsilon:
+        raise ConfigError(f"dp_icl: privacy.target_epsilon={epsilon:g} does not cover the release of the training "
+                         "size q is computed from; raise it, or give dp_icl.noise_multiplier")
+    for _ in range(400):
+        if acct.spend(first_batch_event(sigma, queries, sample_rate, size_event), delta).epsilon <= epsilon:
+            return sigma
+        sigma *= 1.02
+    raise ConfigError(f"dp_icl: no noise multiplier below {sigma:.3g} lets {queries} queries and the size release "
+                     f"fit privacy.target_epsilon={epsilon:g}")
 
 
 QUERY_TOKENS = 128  # room kept for the query (its template and text) after the demonstrations
@@ -174,12 +206,14 @@ class DPICLServer:
     first one with ``size_event`` (the released sizes q was computed from) when given."""
 
     def __init__(self, engine, labels: list[str], rows, settings: DPICLSettings, ledger, fingerprint: str,
-                 randomness, serve_id: str | None = None, size_event: DpEvent | None = None):
+                 randomness, serve_id: str | None = None, size_event: DpEvent | None = None,
+                 allow_delta_at_least_one_over_n: bool = False):
         import threading
 
         from tasks.methodkit.keyed_partition import keyed_subsets
 
         self._size_event, self._size_lock = size_event, threading.Lock()
+        self._allow_delta = allow_delta_at_least_one_over_n  # the config's opt-in, passed to every reservation
         self.engine, self.labels, self.settings = engine, list(labels), settings
         self.ledger, self.fingerprint = ledger, fingerprint
         unit = ledger.dataset(fingerprint)["unit"]
@@ -264,7 +298,8 @@ class DPICLServer:
         with self._size_lock:  # the sizes' release rides on the first batch reserved, once per server
             (event,) = self.events([len(texts)])
             reservation = self.ledger.reserve(self.fingerprint, run_id, event,
-                                              description=f"dp_icl: {len(texts)} answered queries (inference-time spend)")
+                                              description=f"dp_icl: {len(texts)} answered queries (inference-time spend)",
+                                              allow_delta_at_least_one_over_n=self._allow_delta)
             if not reservation.new:
                 raise RuntimeError(f"dp_icl: batch {run_id} was already charged: not answered again")
             self._size_event = None
@@ -303,13 +338,21 @@ def sample_rate_of(block, n_released: int) -> float | None:
     return min(1.0, block.subsets * block.shots / max(1, int(n_released)))
 
 
-def settings_of(cfg, delta: float, n_released: int) -> DPICLSettings:
-    """The config's ``dp_icl`` block; σ calibrated so that ``expected_queries`` answered queries
-    spend ``privacy.target_epsilon`` when not given."""
+def settings_of(cfg, delta: float, sizes) -> DPICLSettings:
+    """The config's ``dp_icl`` block on a dataset with released ``sizes`` (``tasks.data.ReleasedSizes``);
+    σ calibrated, when not given, so that ``expected_queries`` answered queries — with the sizes'
+    release their first batch charges under ``sampling: poisson`` — spend ``privacy.target_epsilon``."""
     block = cfg.dp_icl
-    q = sample_rate_of(block, n_released)
-    sigma = block.noise_multiplier or noise_for_queries(cfg.privacy.target_epsilon, delta, block.expected_queries, q)
+    q = sample_rate_of(block, sizes.n_train)
+    sigma = block.noise_multiplier or noise_with_release(cfg.privacy.target_epsilon, delta, block.expected_queries, q,
+                                                         size_event_of(block, sizes))
     return DPICLSettings(block.subsets, block.shots, float(sigma), block.instruction, block.template, q)
+
+
+def size_event_of(block, sizes) -> DpEvent | None:
+    """The sizes' release a server's first batch charges: under ``sampling: poisson`` (q is computed from
+    them), none for a partition (nothing it answers depends on the sizes)."""
+    return sizes.event if block.sampling == "poisson" else None
 
 
 def dataset_delta(cfg, ledger, key: str, n_released: int) -> float:
@@ -358,11 +401,12 @@ def open_server(cfg, paths) -> Served:
     texts, labels = read_split(part.train_path)
     rows = PrivateRows(texts, labels)
     engine = causal_engine_for(cfg)
-    settings = settings_of(cfg, delta, part.sizes.n_train)
+    settings = settings_of(cfg, delta, part.sizes)
     # q is computed from the released sizes: their release is charged with the first batch
-    size_event = part.sizes.event if settings.sample_rate is not None else None
+    size_event = size_event_of(cfg.dp_icl, part.sizes)
     server = DPICLServer(engine, list(cfg.data.labels), rows, settings, ledger, row["fingerprint"], DpRandomness(),
-                         size_event=size_event)
+                         size_event=size_event,
+                         allow_delta_at_least_one_over_n=cfg.privacy.allow_delta_at_least_one_over_n)
     return Served(server, delta, row["name"], float(row["epsilon_cap"]))
 
 
@@ -412,22 +456,28 @@ def answer_all(served: Served, texts: list[str], batch_size: int, progress=None)
             answers += served.server.answer(texts[i:i + batch_size])
         except BudgetExceededError as refusal:
             return answers, refusal
+        except Exception as failure:  # noqa: BLE001 - the answers already charged are kept, whatever stopped the rest
+            return answers, failure
         if progress is not None:
             progress(len(answers), len(texts))
     return answers, None
 
 
-def plan_line(cfg, delta: float, n_released: int) -> str:
-    """What ``dp_icl.expected_queries`` answered queries would spend on their own (``privprompt plan``),
-    and how many answered queries the dataset's cap affords on their own: a team expecting N queries
-    sees whether per-query DP-ICL fits, where a one-time method's ε stays flat."""
-    settings = settings_of(cfg, delta, n_released)
+def plan_line(cfg, delta: float, sizes) -> str:
+    """What ``dp_icl.expected_queries`` answered queries would spend on their own (with the sizes'
+    release a poisson server's first batch charges), and how many answered queries the dataset's cap
+    affords alone (``privprompt plan``): a team expecting N queries sees whether per-query DP-ICL
+    fits, where a one-time method's ε stays flat."""
     from privacy import accountant as acct
 
+    if cfg.data.privacy_unit != "record" or cfg.data.person_field:
+        return ("dp_icl (served, per query): refused on this dataset — its unit is a person, and dp_icl's subsets are "
+                "keyed by record (its per-query ε holds for one record only)")
+    settings, size_event = settings_of(cfg, delta, sizes), size_event_of(cfg.dp_icl, sizes)
     n, cap, q = cfg.dp_icl.expected_queries, cfg.privacy.dataset_epsilon_cap, settings.sample_rate
-    eps = acct.spend(batch_event(settings.noise_multiplier, n, q), delta).epsilon
-    most = queries_within(cap, delta, settings.noise_multiplier, limit=10**6, sample_rate=q)
-    sampled = "" if q is None else f", each on a Poisson sample at q={q:.3g},"
+    eps = acct.spend(first_batch_event(settings.noise_multiplier, n, q, size_event), delta).epsilon
+    most = queries_within(cap, delta, settings.noise_multiplier, limit=10**6, sample_rate=q, size_event=size_event)
+    sampled = "" if q is None else f", each on a Poisson sample at q={q:.3g} (with the training size's release),"
     fits = "fit" if eps <= cap else "do NOT fit"
     return (f"dp_icl (served, per query): {n} answered queries at σ={settings.noise_multiplier:.3g}{sampled} spend "
             f"ε={eps:.4f} per record at δ={delta:g} on their own and {fits} the dataset's cap ε={cap:g}, which affords "

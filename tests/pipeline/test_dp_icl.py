@@ -236,3 +236,56 @@ def test_a_long_query_is_answered_whatever_the_private_demonstrations_lengths(en
             query = " ".join(["xq9zv7"] * words)
             assert len(server._query_ids(query)) <= QUERY_TOKENS
             assert server.histogram(query).sum() >= 1
+
+
+def test_the_size_release_rides_on_the_first_charged_batch_only(engine, tmp_path):
+    """A poisson server's q comes from the released sizes: their release is charged once, with the
+    first batch the ledger accepts — a refused first batch leaves it pending; later batches carry votes only."""
+    from privacy.events import ComposedEvent, GaussianEvent
+
+    from tasks.dp_icl import first_batch_event
+
+    size = GaussianEvent(50.0)
+    settings = DPICLSettings(subsets=2, shots=2, noise_multiplier=2.0, sample_rate=0.5)
+    tiny = _ledger(tmp_path / "tiny", 1e-3)
+    server = DPICLServer(engine, ["negative", "positive"], ROWS, settings, tiny, "fp-icl", DpRandomness(), size_event=size)
+    with pytest.raises(BudgetExceededError):
+        server.answer(["great"])
+    assert server.events([1])[0] == first_batch_event(2.0, 1, 0.5, size)  # still pending
+    ledger = _ledger(tmp_path / "big", 1e3)
+    server = DPICLServer(engine, ["negative", "positive"], ROWS, settings, ledger, "fp-icl", DpRandomness(), size_event=size)
+    server.answer(["great", "awful"])
+    server.answer(["fine"])
+    first, second = [e["event"] for e in ledger.entries() if e["kind"] == "dp"]
+    assert first == event_to_dict(ComposedEvent((size, batch_event(2.0, 2, 0.5))))
+    assert second == event_to_dict(batch_event(2.0, 1, 0.5))
+
+
+@pytest.mark.slow  # ~6 s of PLD accounting
+def test_sigma_with_the_size_release_keeps_the_composition_within_the_target():
+    from privacy.events import GaussianEvent
+
+    from tasks.dp_icl import first_batch_event, noise_for_queries, noise_with_release
+
+    size = GaussianEvent(5.0)  # a large size release: ε ≈ 1 at δ = 1e-5
+    sigma = noise_with_release(3.0, 1e-5, 200, 0.05, size)
+    assert sigma > noise_for_queries(3.0, 1e-5, 200, 0.05)
+    composed = acct.spend(first_batch_event(sigma, 200, 0.05, size), 1e-5).epsilon
+    assert 0.95 * 3.0 < composed <= 3.0
+
+
+def test_answers_already_charged_are_kept_whatever_stops_the_next_batch(engine, tmp_path, monkeypatch):
+    from tasks.dp_icl import Served, answer_all
+
+    server = _server(engine, _ledger(tmp_path, 1e3))
+    real, calls = server.answer, []
+
+    def flaky(texts):
+        calls.append(texts)
+        if len(calls) == 2:
+            raise MemoryError("out of memory")
+        return real(texts)
+
+    monkeypatch.setattr(server, "answer", flaky)
+    answers, failure = answer_all(Served(server, 1e-5, "toy", 1e3), ["a", "b", "c", "d"], 2)
+    assert len(answers) == 2 and isinstance(failure, MemoryError)

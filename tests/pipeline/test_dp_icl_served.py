@@ -14,6 +14,7 @@ import yaml
 from privacy import accountant as acct
 from privacy.events import ComposedEvent
 from privacy.ledger import Ledger
+from tasks.data import ReleasedSizes
 from tasks.dp_icl import batch_event
 from test_flow import _config, _toy_dataset
 
@@ -102,9 +103,10 @@ def test_sigma_is_calibrated_for_the_expected_queries_and_plan_prices_them(toy, 
     from tasks.dp_icl import plan_line, settings_of
 
     cfg = load_config(_write_config(toy, tmp_path, noise_multiplier=None, expected_queries=100))
-    sigma = settings_of(cfg, 1e-5, 48).noise_multiplier
+    sizes = ReleasedSizes(48, 10, 10, 50.0)
+    sigma = settings_of(cfg, 1e-5, sizes).noise_multiplier
     assert acct.spend(batch_event(sigma, 100), 1e-5).epsilon == pytest.approx(cfg.privacy.target_epsilon, rel=1e-2)
-    line = plan_line(cfg, 1e-5, 48)
+    line = plan_line(cfg, 1e-5, sizes)
     assert "100 answered queries" in line and "per record at δ=1e-05" in line
     assert f"spend ε={acct.spend(batch_event(sigma, 100), 1e-5).epsilon:.4f}" in line
     most = int(line.split("which affords ")[1].split(" of them")[0].replace(",", ""))
@@ -125,8 +127,8 @@ def test_plan_prints_the_dp_icl_line_with_q_from_the_released_size(toy, tmp_path
     # what `privprompt plan` prints after its table (the whole command also times a probe run: slow)
     _print_dp_icl_plan(cfg, {"runs": [{"delta": 1e-5}]}, config_state_paths(cfg))
     out = capsys.readouterr().out
-    released = released_sizes(cfg, config_state_paths(cfg).private).n_train
-    assert plan_line(cfg, 1e-5, released) in out and f"q={min(1.0, 8 / released):.3g}" in out
+    sizes = released_sizes(cfg, config_state_paths(cfg).private)
+    assert plan_line(cfg, 1e-5, sizes) in out and f"q={min(1.0, 8 / sizes.n_train):.3g}" in out
 
 
 def test_a_delta_of_at_least_one_over_n_is_refused_as_for_runs(toy, tmp_path):
@@ -215,6 +217,11 @@ def test_a_poisson_sampled_config_charges_each_batch_its_subsampled_event(toy, t
     assert main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0
     assert "3 queries answered by dp_icl in 1 charged batches" in capsys.readouterr().out
     cfg = load_config(config)
-    assert settings_of(cfg, 1e-5, released).sample_rate == q
-    assert f"q={q:.3g}" in plan_line(cfg, 1e-5, released)
+    rs = ReleasedSizes(released, sizes["n_holdout"], sizes["n_test"], sizes["sigma"])
+    assert settings_of(cfg, 1e-5, rs).sample_rate == q
+    # plan prices the same first batch: the votes and the sizes' release
+    line = plan_line(cfg, 1e-5, rs)
+    assert f"q={q:.3g}" in line
+    assert f"spend ε={acct.spend(event_from_dict(entry['event']), 1e-5).epsilon:.4f}" in plan_line(
+        load_config(config, ["dp_icl.expected_queries=3"]), 1e-5, rs)
 
