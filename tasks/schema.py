@@ -173,6 +173,19 @@ class EndpointConfig(Block):
     model: str = Field(description="the model name the endpoint serves (its `model` request field)")
     api_key_env: str | None = Field(None, description="environment variable holding the API key (never logged)")
 
+    @field_validator("base_url")
+    @classmethod
+    def _no_credentials(cls, v):
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http(s) URL, got {v!r}")
+        if parts.username or parts.password:  # the URL is logged (MLflow param, error lines): keys go in api_key_env
+            raise ValueError("holds credentials (user:password@): put the key in an environment variable named by "
+                             "api_key_env; the URL is logged")
+        return v
+
 
 class PlacementConfig(Block):
     """How a frozen backbone is loaded (``models.placement``): through Transformers / Accelerate /

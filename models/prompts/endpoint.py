@@ -55,7 +55,7 @@ class CompletionsClient:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.base_url.rstrip("/") + "/completions", data=body, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            with _NO_REDIRECTS.open(request, timeout=self.timeout_s) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as err:
             if err.code in (400, 422) and isinstance(prompt, list):
@@ -63,6 +63,16 @@ class CompletionsClient:
             raise EndpointError(f"completions endpoint {self.base_url}: HTTP {err.code}: {err.reason}") from None
         except (urllib.error.URLError, TimeoutError, json.JSONDecodeError) as err:
             raise EndpointError(f"completions endpoint {self.base_url}: {type(err).__name__}: {err}") from None
+
+
+class _Refuse(urllib.request.HTTPRedirectHandler):
+    """No redirect is followed: urllib would re-send the Authorization header to wherever it points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_Refuse)
 
 
 class _ListRefused(Exception):

@@ -21,6 +21,12 @@ class _OneString(BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append(body["prompt"])
+        if self.path == "/moved/v1/completions":  # a redirect elsewhere: the key would follow it
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.1:1/steal")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if self.path != "/v1/completions":
             data, code = b'{"detail": "Not Found"}', 404
         elif not isinstance(body["prompt"], str):
@@ -60,6 +66,22 @@ def test_another_client_error_is_one_endpoint_error(one_string_server):
     client = CompletionsClient(one_string_server.replace("/v1", "/nowhere"), "any", batch_size=1)
     with pytest.raises(EndpointError, match="HTTP 404"):
         client.complete(["x positive"])
+
+
+def test_a_redirect_is_not_followed_with_the_key(one_string_server):
+    client = CompletionsClient(one_string_server.replace("/v1", "/moved/v1"), "any", api_key="k", batch_size=1)
+    with pytest.raises(EndpointError, match="HTTP 302"):
+        client.complete(["x positive"])
+
+
+def test_an_endpoint_url_holding_credentials_is_refused():
+    from pydantic import ValidationError
+
+    from tasks.schema import EndpointConfig
+
+    with pytest.raises(ValidationError, match="api_key_env"):
+        EndpointConfig(alias="r", base_url="https://user:secret@api.example.com/v1", model="m")
+    assert EndpointConfig(alias="r", base_url="http://127.0.0.1:8000/v1", model="m").base_url.endswith("/v1")
 
 
 @pytest.mark.servers
