@@ -15,6 +15,10 @@ os.environ["PRIVPROMPT_HASH_CACHE"] = str(_SESSION_DIR / "folder_sha256.json")
 # test of one run, in both workers: each toy config's σ is derived once, not in every flow test
 SHARED_ACCOUNTING_CACHE = str(Path(tempfile.gettempdir()) / (
     f"privprompt-accounting-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}.json"))
+# every state folder's new MLflow store starts from one migrated empty database, made once per test
+# run (both workers) instead of MLflow's schema migrations per state folder (tasks/record.py)
+os.environ["PRIVPROMPT_MLFLOW_TEMPLATE"] = str(Path(tempfile.gettempdir()) / (
+    f"privprompt-mlflow-template-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_DIR / "prefect" / "storage")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
