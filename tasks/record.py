@@ -13,7 +13,7 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from .state import StatePaths, tracking_uri
+from .state import StatePaths, seed_copy, tracking_uri
 
 TEMPLATE_ENV = "PRIVPROMPT_MLFLOW_TEMPLATE"
 
@@ -39,15 +39,8 @@ def seed_store(db: Path) -> None:
     if not folder or db.exists() or not db.parent.is_dir():
         return
     try:
-        template = _template(Path(folder))
-        fd, tmp = tempfile.mkstemp(dir=db.parent, prefix=".mlflow-", suffix=".db")  # 0600
-        try:
-            with os.fdopen(fd, "wb") as out, template.open("rb") as src:
-                out.write(src.read())
-            os.link(tmp, db)
-        finally:
-            os.unlink(tmp)
-    except Exception:  # noqa: BLE001 - the template only saves time (a store made meanwhile: FileExistsError)
+        seed_copy(_template(Path(folder)), db)
+    except Exception:  # noqa: BLE001 - making the template failed: MLflow makes the store as before
         return
 
 
