@@ -13,14 +13,59 @@ from pathlib import Path
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 
-from .state import StatePaths, tracking_uri
+from .state import StatePaths, seed_copy, tracking_uri
+
+TEMPLATE_ENV = "PRIVPROMPT_MLFLOW_TEMPLATE"
 
 
 def client(paths: StatePaths) -> MlflowClient:
     """Tracking and Model Registry both at the state's store (a client given only a tracking URI
     takes the process-wide registry URI, which ``mlflow.set_registry_uri`` may point elsewhere)."""
     uri = tracking_uri(paths)
+    if uri == f"sqlite:///{paths.mlflow_db}":
+        seed_store(paths.mlflow_db)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def seed_store(db: Path) -> None:
+    """Where ``$PRIVPROMPT_MLFLOW_TEMPLATE`` names a folder, a state's new local MLflow store starts
+    as a copy of an empty, migrated one kept there (``mlflow-<version>-empty.db``, made once):
+    MLflow otherwise runs its ~60 schema migrations on every new file, 5-9 s on 2 cores, which the
+    test suite paid once per state folder. The template holds the schema only (no experiment:
+    MLflow adds its default one, with this store's artifact root, when it opens the copy). The copy
+    is 0600 and put in place only if no store is there (a hard link: never over one made
+    meanwhile). Any failure leaves the store to MLflow, which makes it as it always has."""
+    folder = os.environ.get(TEMPLATE_ENV)
+    if not folder or db.exists() or not db.parent.is_dir():
+        return
+    try:
+        seed_copy(_template(Path(folder)), db)
+    except Exception:  # noqa: BLE001 - making the template failed: MLflow makes the store as before
+        return
+
+
+def _template(folder: Path) -> Path:
+    import mlflow
+    from mlflow.store.db.utils import _initialize_tables  # what SqlAlchemyStore runs on an empty database
+    from sqlalchemy import create_engine
+
+    path = folder / f"mlflow-{mlflow.__version__}-empty.db"
+    if path.is_file():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".mlflow-", suffix=".db")
+    os.close(fd)
+    try:
+        engine = create_engine(f"sqlite:///{tmp}")
+        try:
+            _initialize_tables(engine)
+        finally:
+            engine.dispose()
+        os.replace(tmp, path)  # atomic: a concurrent maker's copy is as good
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def ensure_experiment(mlflow: MlflowClient, name: str, paths: StatePaths) -> str:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -560,3 +562,35 @@ def configure_environment(paths: StatePaths) -> None:
     if paths.ledger_setting:  # the config's ledger: this process's and its workers' (Dask) from now on
         os.environ[LEDGER_URL_ENV] = paths.ledger_setting
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(paths.prefect_home / "storage")
+    template = os.environ.get(PREFECT_TEMPLATE_ENV)
+    if template and not any(os.environ.get(k) for k in _PREFECT_DB_SETTINGS):
+        # the ephemeral server's database is this home's prefect.db: start it as a copy of a
+        # migrated one, not from the ~20 s of migrations and block registrations of a first start
+        seed_copy(Path(template), paths.prefect_home / "prefect.db")
+
+
+# A migrated Prefect database to copy into a new PREFECT_HOME (the test suite keeps one per run:
+# tests/conftest.py); a setting naming the server or its database elsewhere makes it irrelevant.
+PREFECT_TEMPLATE_ENV = "PRIVPROMPT_PREFECT_TEMPLATE"
+_PREFECT_DB_SETTINGS = ("PREFECT_API_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL",
+                        "PREFECT_API_DATABASE_CONNECTION_URL")
+
+
+def seed_copy(template: Path, target: Path) -> bool:
+    """Put a 0600 copy of ``template`` at ``target`` when nothing is there (a hard link from a
+    temporary copy beside it: a file made there meanwhile is never replaced). For the empty,
+    migrated databases a new state folder can start from (they only save time): False, and
+    nothing written, where the template or the folder is missing or the copy fails."""
+    if target.exists() or not target.parent.is_dir() or not template.is_file():
+        return False
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-", suffix=".tmp")  # 0600
+        try:
+            with os.fdopen(fd, "wb") as out, template.open("rb") as src:
+                shutil.copyfileobj(src, out)
+            os.link(tmp, target)
+        finally:
+            os.unlink(tmp)
+    except OSError:  # FileExistsError included: made meanwhile
+        return False
+    return True

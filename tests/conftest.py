@@ -15,6 +15,15 @@ os.environ["PRIVPROMPT_HASH_CACHE"] = str(_SESSION_DIR / "folder_sha256.json")
 # test of one run, in both workers: each toy config's σ is derived once, not in every flow test
 SHARED_ACCOUNTING_CACHE = str(Path(tempfile.gettempdir()) / (
     f"privprompt-accounting-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}.json"))
+# every state folder's new MLflow store starts from one migrated empty database, made once per test
+# run (both workers) instead of MLflow's schema migrations per state folder (tasks/record.py)
+os.environ["PRIVPROMPT_MLFLOW_TEMPLATE"] = str(Path(tempfile.gettempdir()) / (
+    f"privprompt-mlflow-template-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
+# and every new PREFECT_HOME of a CLI run (tasks/state.configure_environment) from a copy of the test
+# Prefect server's database as it was right after its first start (migrated, blocks registered, no
+# flow run yet: prefect_harness keeps it), instead of a first start's ~15 s more
+os.environ["PRIVPROMPT_PREFECT_TEMPLATE"] = str(Path(tempfile.gettempdir()) / (
+    f"privprompt-prefect-template-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}.db"))
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_DIR / "prefect" / "storage")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
@@ -44,7 +53,29 @@ def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=180):
+        _keep_prefect_template()
         yield
+
+
+def _keep_prefect_template() -> None:
+    """A consistent copy (sqlite's backup) of the test server's database, before any flow ran in it,
+    as the run's ``PRIVPROMPT_PREFECT_TEMPLATE`` (the first worker to get here makes it)."""
+    import sqlite3
+
+    from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
+
+    target = Path(os.environ["PRIVPROMPT_PREFECT_TEMPLATE"])
+    url = PREFECT_SERVER_DATABASE_CONNECTION_URL.value()
+    if target.exists() or not url.startswith("sqlite+aiosqlite:///"):
+        return
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    src, dst = sqlite3.connect(url.removeprefix("sqlite+aiosqlite:///")), sqlite3.connect(tmp)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    os.replace(tmp, target)
 
 
 @pytest.fixture(scope="session")
