@@ -225,3 +225,14 @@ def test_a_poisson_sampled_config_charges_each_batch_its_subsampled_event(toy, t
     assert f"spend ε={acct.spend(event_from_dict(entry['event']), 1e-5).epsilon:.4f}" in plan_line(
         load_config(config, ["dp_icl.expected_queries=3"]), 1e-5, rs)
 
+
+
+def test_the_shipped_dp_icl_config_samples_per_query_and_fits_its_cap():
+    from pathlib import Path
+
+    from tasks.config import load_config
+    from tasks.dp_icl import sample_rate_of
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "dp_icl.yaml")
+    assert cfg.dp_icl.sampling == "poisson" and cfg.privacy.target_epsilon <= cfg.privacy.dataset_epsilon_cap
+    assert sample_rate_of(cfg.dp_icl, 60_000) == pytest.approx(40 / 60_000)
