@@ -15,9 +15,9 @@ Every setting is one MLflow run (params: task, method, sampling, volume, ε, σ,
 ε after 1 / 100 / 10,000 answered queries); the table and figures are built from MLflow's runs and logged
 to a summary run as artifacts.
 
-The private rows stand in for a team's data (public benchmarks): SST-2's first ``--rows`` training
-sentences (the DP-OPT config's scale), TREC's 5,452 training questions, AG News's test articles after the
-queries (its train split is not in ../shared/data). The votes are computed here without the ledger (the
+The private rows stand in for a team's data (public benchmarks): SST-2's and TREC's first ``--rows``
+training rows (2,000: the DP-OPT config's scale), AG News's test articles after the queries (its train
+split is not in ../shared/data; all 7,600 − queries of them). The votes are computed here without the ledger (the
 served path's charging is tested in tests/pipeline/test_dp_icl_served.py) by the server's own histogram
 and noisy vote; q here uses the exact row count (the served path uses the released one).
 """
