@@ -189,6 +189,7 @@ def report(out: Path, mlflow, delta: float) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     runs = _runs(mlflow)
     out.mkdir(parents=True, exist_ok=True)
@@ -225,6 +226,7 @@ def report(out: Path, mlflow, delta: float) -> None:
                     ax.errorbar(x, y, yerr=e, color=color, ls=ls, marker="o", ms=3, capsize=2,
                                 label=f"dp_icl {sampling}, σ for {volume:,} queries")
         ax.set_xscale("log"), ax.set_xticks(EPSILONS, [f"{e:g}" for e in EPSILONS])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_xlabel(f"ε over the query volume (δ = {delta:g})"), ax.set_ylabel("accuracy")
         ax.set_title(task, fontsize=10)
     axes[0][0].legend(fontsize=6)
