@@ -27,8 +27,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TEMPLATE = "Review: {text}\nSentiment:"
-LABELS = ["negative", "positive"]
 EXPERIMENT = "one_time_two_targets"
 
 
@@ -36,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="docs/results/dp_icl/two_targets")
     ap.add_argument("--queries", type=int, default=100)
+    ap.add_argument("--task", default="sst2", help="sst2, trec or agnews (templates and labels of compare_dp_icl)")
     ap.add_argument("--prompt", action="append", default=[], metavar="NAME=PATH", help="a published prompt artifact")
     ap.add_argument("--serve-model", default=None, help="a local model folder to serve with transformers serve")
     ap.add_argument("--base-url", default=None, help="an OpenAI-compatible server already running")
@@ -51,7 +50,10 @@ def main() -> None:
     from tasks.methodkit.causal_engine import CausalEngine
     from tasks.prompts import load_prompt_file
 
-    test = [json.loads(line) for line in (Path(a.data_root) / "sst2" / "test.jsonl").read_text().splitlines()[:a.queries]]
+    from compare_dp_icl import TASKS
+
+    TEMPLATE, LABELS = TASKS[a.task]["template"], TASKS[a.task]["labels"]
+    test = [json.loads(line) for line in (Path(a.data_root) / a.task / "test.jsonl").read_text().splitlines()[:a.queries]]
     texts, truth = [r["text"] for r in test], [r["label"] for r in test]
     prompts = {"zero_shot": (None, {})}
     for name, path in (p.split("=", 1) for p in a.prompt):
@@ -78,8 +80,8 @@ def main() -> None:
                 acc = float(np.mean([x == y for x, y in zip(answers, truth)]))
                 row = {"prompt": name, "target": target, "accuracy": acc, "unparsed": answers.count(None), "wall_s": wall}
                 results.append(row)
-                with mlflow.start_run(run_name=f"{name}@{target}"):
-                    mlflow.log_params({"prompt": name, "target": target, "queries": len(texts), **{
+                with mlflow.start_run(run_name=f"{a.task}:{name}@{target}"):
+                    mlflow.log_params({"task": a.task, "prompt": name, "target": target, "queries": len(texts), **{
                         k: v for k, v in meta.items() if k.startswith("privacy.")}})
                     mlflow.log_metrics({"accuracy": acc, "unparsed": float(row["unparsed"]), "wall_s": wall})
                 print(f"{name} @ {target}: {acc:.3f} ({row['unparsed']} unparsed, {wall:.0f} s)", file=sys.stderr)
@@ -87,11 +89,11 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(timeout=60)
-    write(Path(a.out), mlflow, len(texts))
+    write(Path(a.out), mlflow, len(texts), a.task)
 
 
-def write(out: Path, mlflow, n: int) -> None:
-    """The table and figure from MLflow's runs of this experiment."""
+def write(out: Path, mlflow, n: int, task: str) -> None:
+    """The table and figure of ``task`` from MLflow's runs of this experiment."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,6 +102,9 @@ def write(out: Path, mlflow, n: int) -> None:
     frame = mlflow.search_runs(experiment_names=[EXPERIMENT], order_by=["attributes.start_time ASC"])
     rows = {}
     for _, r in frame.iterrows():
+        run_task = r.get("params.task")
+        if (run_task if isinstance(run_task, str) else "sst2") != task:  # runs before --task were SST-2's
+            continue
         rows[(r["params.prompt"], r["params.target"])] = (r["metrics.accuracy"], r["metrics.unparsed"],
                                                           r.get("params.privacy.epsilon"))
     names = list(dict.fromkeys(k[0] for k in rows))
@@ -116,15 +121,15 @@ def write(out: Path, mlflow, n: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     table = "\n".join(lines)
     print(table)
-    (out / "table.md").write_text(f"{n} SST-2 test sentences (the dp_icl comparison's first queries)\n\n" + table + "\n")
+    (out / f"table_{task}.md").write_text(f"{n} {task} test inputs (the dp_icl comparison's first queries)\n\n" + table + "\n")
     fig, ax = plt.subplots(figsize=(1.2 + 1.3 * len(names), 3.6))
     width = 0.8 / max(1, len(targets))
     for j, t in enumerate(targets):
         ax.bar([i + j * width for i in range(len(names))], [rows.get((nm, t), (0,))[0] for nm in names], width, label=t)
     ax.set_xticks([i + width * (len(targets) - 1) / 2 for i in range(len(names))], names, rotation=20, fontsize=7)
-    ax.set_ylabel(f"accuracy ({n} SST-2 test sentences)"), ax.set_ylim(0, 1), ax.legend(fontsize=7)
+    ax.set_ylabel(f"accuracy ({n} {task} test inputs)"), ax.set_ylim(0, 1), ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "two_targets.png", dpi=120)
+    fig.savefig(out / f"two_targets_{task}.png", dpi=120)
 
 
 if __name__ == "__main__":
