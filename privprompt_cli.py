@@ -1014,6 +1014,11 @@ def cmd_predict(args) -> int:
     return 0
 
 
+NOT_COMPARED = ("dp_icl: WARNING these answers were not compared with zero-shot (no demonstration) on your data: "
+                "unlike a run's published prompt, nothing checks they are better; demonstrations can hurt (AG News "
+                "in docs/results/dp_icl/): compare on public labelled queries (--label-field) first")
+
+
 def _predict_dp_icl(args, frame, texts) -> int:
     """``predict --dp-icl CONFIG``: DP-ICL's answers, every batch charged to the config's ledger."""
     from tasks.config import load_config
@@ -1045,6 +1050,7 @@ def _predict_dp_icl(args, frame, texts) -> int:
     print(f"dp_icl: {len(texts)} queries answered in {-(-len(texts) // args.batch_size)} charged batch(es); dataset "
           f"{served.dataset!r} has now spent ε={spent.epsilon:.4f} per record at δ={served.delta:g} of its cap "
           f"ε={served.cap:.4f} (privprompt ledger)", file=sys.stderr)
+    print(NOT_COMPARED, file=sys.stderr)
     if args.label_field in frame.columns and len(frame):
         acc = float((frame[args.label_field].astype(str).to_numpy() == result["prediction"].to_numpy()).mean())
         print(f"accuracy on the {len(frame)} rows' {args.label_field} column: {acc:.4f}", file=sys.stderr)

@@ -63,6 +63,7 @@ def test_answers_are_charged_per_batch_exactly_as_planned(toy, tmp_path, capsys)
     expected = acct.spend(ComposedEvent((batch_event(3.0, 2), batch_event(3.0, 2), batch_event(3.0, 1))), 1e-5)
     assert ledger.spent(dataset["fingerprint"]).epsilon == pytest.approx(expected.epsilon, rel=1e-3)
     assert "3 charged batch(es)" in err and "per record at δ=1e-05" in err
+    assert "not compared with zero-shot" in err  # never worse than no prompt in silence
     private = [json.loads(line)["text"] for line in (toy / "train.jsonl").read_text().splitlines()]
     assert not any(t in out.read_text() or t in err for t in private)  # answers only: no demonstration leaves
     assert main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0  # the ledger says it as such
