@@ -178,6 +178,7 @@ def test_a_subsampled_query_is_dpsgds_step_and_matches_dp_accountings_rdp():
     from dp_accounting import rdp
 
     from privacy.events import PoissonSampledEvent, dpsgd_event
+    from tasks.dp_icl import noise_for_queries
 
     assert batch_event(2.0, 50, 0.01) == dpsgd_event(0.01, 2.0, 50)
     assert batch_event(2.0, 50, 0.01).event == PoissonSampledEvent(0.01, batch_event(2.0, 1).event)
@@ -188,13 +189,13 @@ def test_a_subsampled_query_is_dpsgds_step_and_matches_dp_accountings_rdp():
     assert ours <= independent + 1e-9 and ours >= 0.8 * independent  # RDP is an upper bound, and not loose by 20 %
     # amplification: the same σ on q = 1 % spends far less than on every row
     assert ours < 0.2 * acct.spend(batch_event(1.2, 1000), 1e-5).epsilon
-    sigma = __import__("tasks.dp_icl", fromlist=["noise_for_queries"]).noise_for_queries(3.0, 1e-5, 1000, 0.01)
+    sigma = noise_for_queries(3.0, 1e-5, 1000, 0.01)
     assert acct.spend(batch_event(sigma, 1000, 0.01), 1e-5).epsilon <= 3.0 + 1e-9
 
 
 def test_a_sampled_server_charges_the_subsampled_event_and_its_votes_stay_within_sqrt2(engine, tmp_path, monkeypatch):
-    from privacy.events import PoissonSampledEvent
     import tasks.dp_icl as dp_icl
+    from privacy.events import PoissonSampledEvent
 
     settings = DPICLSettings(subsets=3, shots=2, noise_multiplier=2.0, sample_rate=0.3)
     ledger = _ledger(tmp_path, 100.0)
