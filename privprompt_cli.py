@@ -912,7 +912,11 @@ def _read_table(path: str):
     return readers[suffix]()
 
 
-OUTPUT_FORMATS = (".jsonl", ".json", ".csv", ".parquet")
+# predict's output writers by extension: what _check_output accepts is what _write_table writes
+_WRITERS = {".jsonl": lambda frame, path: frame.to_json(path, orient="records", lines=True, force_ascii=False),
+            ".json": lambda frame, path: frame.to_json(path, orient="records", lines=True, force_ascii=False),
+            ".csv": lambda frame, path: frame.to_csv(path, index=False),
+            ".parquet": lambda frame, path: frame.to_parquet(path, index=False)}
 
 
 def _check_output(path: str | None) -> None:
@@ -920,7 +924,7 @@ def _check_output(path: str | None) -> None:
     if path is None:
         return
     suffix = os.path.splitext(path)[1].lower()
-    if suffix not in OUTPUT_FORMATS:
+    if suffix not in _WRITERS:
         raise ValueError(f"--output {path}: unknown output format {suffix!r} (JSONL, CSV or Parquet)")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
@@ -933,13 +937,7 @@ def _write_table(frame, path: str | None) -> None:
     if path is None:
         sys.stdout.write(frame.to_json(orient="records", lines=True, force_ascii=False))
         return
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix in (".jsonl", ".json"):
-        frame.to_json(path, orient="records", lines=True, force_ascii=False)
-    elif suffix == ".csv":
-        frame.to_csv(path, index=False)
-    else:
-        frame.to_parquet(path, index=False)
+    _WRITERS[os.path.splitext(path)[1].lower()](frame, path)  # the suffix checked by _check_output
 
 
 def _model_load_error(exc: BaseException):

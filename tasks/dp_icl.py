@@ -256,10 +256,12 @@ class DPICLServer:
         """A demonstration's text within 48 words and the public per-demonstration token budget (a
         subset's prompt never outgrows the model's context, whatever its private rows' lengths)."""
         text = _clip_words(text)
-        if self._demo_tokens is None:
-            return text
+        return text if self._demo_tokens is None else self._clip_tokens(text, self._demo_tokens)
+
+    def _clip_tokens(self, text: str, limit: int) -> str:
+        """``text`` cut to its first ``limit`` tokens (unchanged when it fits)."""
         ids = self.engine.ids(text)
-        return text if len(ids) <= self._demo_tokens else self.engine.tok.decode(ids[:self._demo_tokens])
+        return text if len(ids) <= limit else self.engine.tok.decode(ids[:limit])
 
     def histogram(self, text: str) -> np.ndarray:
         """(|labels|,) the subsets' votes on one query (private: never released without noise)."""
@@ -281,7 +283,7 @@ class DPICLServer:
             return ids
         head, tail = self.settings.template.split("{text}")
         room = max(1, QUERY_TOKENS - len(self.engine.ids(head)) - len(self.engine.ids(tail)) - 4)
-        clipped = self.engine.tok.decode(self.engine.ids(_clip_words(text))[:room])
+        clipped = self._clip_tokens(_clip_words(text), room)
         return self.engine.ids(head + clipped + tail)[-QUERY_TOKENS:]
 
     def _vote(self, text: str) -> str:
