@@ -13,17 +13,15 @@ os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 os.environ["PRIVPROMPT_HASH_CACHE"] = str(_SESSION_DIR / "folder_sha256.json")
 # noise calibrations (pure functions of public numbers: privacy/calibration_cache.py) shared by every
 # test of one run, in both workers: each toy config's σ is derived once, not in every flow test
-SHARED_ACCOUNTING_CACHE = str(Path(tempfile.gettempdir()) / (
-    f"privprompt-accounting-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}.json"))
+_TEST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())  # one id for both workers of a run
+SHARED_ACCOUNTING_CACHE = str(Path(tempfile.gettempdir()) / f"privprompt-accounting-{_TEST_RUN}.json")
 # every state folder's new MLflow store starts from one migrated empty database, made once per test
 # run (both workers) instead of MLflow's schema migrations per state folder (tasks/record.py)
-os.environ["PRIVPROMPT_MLFLOW_TEMPLATE"] = str(Path(tempfile.gettempdir()) / (
-    f"privprompt-mlflow-template-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
+os.environ["PRIVPROMPT_MLFLOW_TEMPLATE"] = str(Path(tempfile.gettempdir()) / f"privprompt-mlflow-template-{_TEST_RUN}")
 # and every new PREFECT_HOME of a CLI run (tasks/state.configure_environment) from a copy of the test
 # Prefect server's database as it was right after its first start (migrated, blocks registered, no
 # flow run yet: prefect_harness keeps it), instead of a first start's ~15 s more
-os.environ["PRIVPROMPT_PREFECT_TEMPLATE"] = str(Path(tempfile.gettempdir()) / (
-    f"privprompt-prefect-template-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}.db"))
+os.environ["PRIVPROMPT_PREFECT_TEMPLATE"] = str(Path(tempfile.gettempdir()) / f"privprompt-prefect-template-{_TEST_RUN}.db")
 os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(_SESSION_DIR / "prefect" / "storage")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
