@@ -100,23 +100,22 @@ def write(out: Path, mlflow, n: int, task: str) -> None:
     import matplotlib.pyplot as plt
 
     frame = mlflow.search_runs(experiment_names=[EXPERIMENT], order_by=["attributes.start_time ASC"])
-    rows = {}
+    rows, epsilon = {}, {}
     for _, r in frame.iterrows():
         run_task = r.get("params.task")
         if (run_task if isinstance(run_task, str) else "sst2") != task:  # runs before --task were SST-2's
             continue
-        rows[(r["params.prompt"], r["params.target"])] = (r["metrics.accuracy"], r["metrics.unparsed"],
-                                                          r.get("params.privacy.epsilon"))
+        rows[(r["params.prompt"], r["params.target"])] = (r["metrics.accuracy"], r["metrics.unparsed"])
+        if isinstance(r.get("params.privacy.epsilon"), str):  # the prompt's own ε (zero-shot has none)
+            epsilon[r["params.prompt"]] = float(r["params.privacy.epsilon"])
     names = list(dict.fromkeys(k[0] for k in rows))
     targets = list(dict.fromkeys(k[1] for k in rows))
     lines = ["| published prompt | ε | " + " | ".join(f"accuracy @ {t}" for t in targets) + " |",
              "|---|---:|" + "---:|" * len(targets)]
     for name in names:
-        eps = next((rows[(name, t)][2] for t in targets if (name, t) in rows and rows[(name, t)][2] == rows[(name, t)][2]
-                    and rows[(name, t)][2] is not None), None)
         cells = [f"{rows[(name, t)][0]:.3f}" + (f" ({int(rows[(name, t)][1])} unparsed)" if rows[(name, t)][1] else "")
                  if (name, t) in rows else "–" for t in targets]
-        lines.append(f"| {name} | {float(eps):.3f} | " if eps else f"| {name} | 0 | ")
+        lines.append(f"| {name} | {epsilon[name]:.3f} | " if name in epsilon else f"| {name} | 0 | ")
         lines[-1] += " | ".join(cells) + " |"
     out.mkdir(parents=True, exist_ok=True)
     table = "\n".join(lines)
