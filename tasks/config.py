@@ -186,6 +186,12 @@ class PrivPromptConfig(Block):
             if get_method(self.method).prompt_kind != "text":
                 raise ValueError(f"models.endpoints: method {self.method} publishes a "
                                  f"{get_method(self.method).prompt_kind} prompt; only text prompts go to an endpoint")
+            published = get_method(self.method)
+            if published.reads_private_data(self) and published.guarantee(self) == "none":
+                raise ValueError(f"models.endpoints: method {self.method} has no formal guarantee (privacy.guarantee="
+                                 "none) and its prompt is built from private training rows (e.g. demonstrations "
+                                 "verbatim): it never leaves this machine; only a published dp or ldp prompt (or one "
+                                 "that reads no private data) goes to an endpoint")
         # the published method always runs, whatever its `enabled` says; baselines are the enabled others
         for name in self.run_methods:
             method = get_method(name)

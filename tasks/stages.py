@@ -160,6 +160,10 @@ def endpoint_evaluate_stage(ctx: StageContext, prompt_path: str, name: str, endp
     cfg = ctx.cfg
     if not cfg.data.test_shareable:  # also refused at config time; checked again where it is sent
         raise ConfigError("data.test_shareable is false: the test split may not be sent to an endpoint")
+    private = ctx.paths.private.resolve()
+    if Path(prompt_path).resolve().is_relative_to(private):  # also refused at config time (guarantee none)
+        raise ConfigError(f"{name}: its prompt is kept on the private side (no formal guarantee): it is never sent "
+                          "to an endpoint")
     prompt = load_prompt_file(prompt_path)
     if getattr(prompt, "kind", None) != "text":
         raise ConfigError(f"{name}: only a text prompt can be sent to an endpoint")

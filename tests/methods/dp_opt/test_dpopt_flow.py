@@ -162,6 +162,32 @@ def test_remote_endpoint_refused_unless_the_test_split_is_shareable(tmp_path, en
         parse_config(cfg)
 
 
+@pytest.mark.parametrize("method", ["icl", "opt", "dln1"])
+def test_a_prompt_without_a_guarantee_built_from_private_rows_never_goes_to_an_endpoint(tmp_path, endpoint, method):
+    """Review 6, F3: ICL's prompt holds private training rows verbatim; published with
+    allow_nonprivate_baselines it stays on the private side — refused at config time, and the stage
+    that sends refuses a prompt under private/ (defence in depth)."""
+    from types import SimpleNamespace
+
+    from tasks.config import parse_config
+    from tasks.errors import ConfigError
+    from tasks.stages import endpoint_evaluate_stage
+    from tasks.state import state_paths
+
+    with pytest.raises(ConfigError, match="never leaves this machine"):
+        parse_config(_config(tmp_path, tmp_path / "s", endpoint, method=method))
+    cfg = parse_config(_config(tmp_path, tmp_path / "s", endpoint))  # dp_opt: accepted
+    paths = state_paths(str(tmp_path / "s")).create()
+    kept = paths.private / "runs" / "x" / "icl.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text(json.dumps({"kind": "text", "instruction": "Input: " + CANARY}))
+    _Endpoint.received.clear()
+    with pytest.raises(ConfigError, match="kept on the private side"):
+        endpoint_evaluate_stage(SimpleNamespace(cfg=cfg, paths=paths), str(kept), method,
+                                {"alias": "remote", "base_url": endpoint, "model": "any"})
+    assert not _Endpoint.received
+
+
 def test_text_prompt_is_a_template_and_a_registered_version(dpopt_run):
     """A text prompt is no PEFT adapter: the run record says so and carries the template; the
     registry holds it as a predictor whose template holds the instruction (issue 27)."""
