@@ -110,11 +110,17 @@ class CausalEngine:
     @staticmethod
     def propose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
         """One next token per row: greedy when ``temperature`` is 0, else a sample at that
-        temperature from ``generator``."""
+        temperature from ``generator``. A row whose logits are not a distribution (a NaN, a +inf,
+        or all -inf: one member's demos overflowing in reduced precision) proposes -1, no token —
+        it casts no vote instead of failing the whole query (review 6, F2: a crash decided by one
+        record). The sampled rows' draws do not depend on which rows were left out."""
+        bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+        safe = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
         if temperature <= 0:
-            return logits.argmax(dim=-1)
-        probs = F.softmax(logits / temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            picked = safe.argmax(dim=-1)
+        else:
+            picked = torch.multinomial(F.softmax(safe / temperature, dim=-1), 1, generator=generator).squeeze(1)
+        return torch.where(bad, torch.full_like(picked, -1), picked)
 
     # ---- incremental decoding with a KV cache (OPT's ensemble) ---------------------------------
     @torch.no_grad()

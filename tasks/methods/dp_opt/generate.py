@@ -56,7 +56,7 @@ def dp_generate(engine: CausalEngine, prefix: SharedPrefix, draw_bodies: Callabl
             vocab = logits.shape[1]
             generator = new_generator() if temperature > 0 and new_generator is not None else None
             proposals = engine.propose(logits, temperature, generator).numpy()
-            counts = np.bincount(proposals, minlength=vocab).astype(float)
+            counts = np.bincount(proposals[proposals >= 0], minlength=vocab).astype(float)  # -1: no vote
         else:  # an empty subsample still makes the query (skipping it would reveal the emptiness)
             counts = np.zeros(vocab or len(engine.tok), dtype=float)
         result.queries += 1
@@ -88,7 +88,7 @@ def ensemble_generate(engine: CausalEngine, prefix_ids: list[int], bodies: list[
     result = GenerationResult()
     for _ in range(max_tokens):
         proposals = engine.propose(state["logits"], temperature, generator).numpy()
-        token = int(np.bincount(proposals).argmax())
+        token = int(np.bincount(proposals[proposals >= 0], minlength=state["logits"].shape[1]).argmax())
         result.queries += 1
         if token in eos_ids:
             result.stop_reason = "eos"

@@ -87,8 +87,11 @@ def two_point_differences(loss_fn: Callable[[torch.Tensor], torch.Tensor], promp
 
 def noisy_clipped_sum(differences: torch.Tensor, clip: float, noise_multiplier: float,
                       noise_generator: torch.Generator) -> torch.Tensor:
-    """Σ clip(d_i, C) + N(0, (σC)²): the step's only private release (a scalar)."""
-    clipped = differences.clamp(-clip, clip)
+    """Σ clip(d_i, C) + N(0, (σC)²): the step's only private release (a scalar). A non-finite d_i
+    (one example's loss overflowing in reduced precision; a unit's mean over it) contributes 0, as
+    DP-SGD's overflowing example does: clamp keeps NaN, and one record would otherwise decide
+    whether the run fails, and at which step (review 6, F2)."""
+    clipped = torch.where(torch.isfinite(differences), differences, torch.zeros_like(differences)).clamp(-clip, clip)
     noise = torch.normal(0.0, noise_multiplier * clip, size=(), generator=noise_generator)
     return clipped.sum() + noise
 

@@ -56,6 +56,23 @@ def test_same_generator_same_output(engine):
     assert torch.equal(a, b)
 
 
+def test_a_member_with_non_finite_logits_casts_no_vote(engine):
+    """Review 6, F2: one member's logits NaN (+inf, or all -inf) propose -1 (no vote) at every
+    temperature instead of failing the query; the other members' proposals are those they make
+    beside a finite row (the same draws)."""
+    logits = engine.last_logits(_rows(engine, TEXTS[:3]))
+    for temperature in (0.0, 1.1):
+        base = engine.propose(logits, temperature, torch.Generator().manual_seed(7))
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            broken = logits.clone()
+            broken[1] = bad if bad != float("inf") else broken[1]
+            if bad == float("inf"):
+                broken[1, 0] = bad
+            got = engine.propose(broken, temperature, torch.Generator().manual_seed(7))
+            assert got[1].item() == -1
+            assert got[0] == base[0] and got[2] == base[2]
+
+
 def _dp_loop(engine, answers, budget=100, max_tokens=8):
     """dp_generate with a scripted `select` (returns the next answer) and counting callbacks."""
     calls = {"draw": 0, "select": 0}

@@ -22,6 +22,17 @@ def test_differences_are_clipped_to_c_and_noise_has_std_sigma_c():
     assert no_noise.item() == pytest.approx(0.25 - 0.25 + 0.25 - 0.2)
 
 
+def test_a_non_finite_difference_contributes_nothing():
+    """Review 6, F2: one example whose loss overflowed (NaN, ±inf) adds 0 — the release stays finite
+    and within C of its neighbour's — instead of failing the run at the step that sampled it."""
+    g = torch.Generator()
+    finite = torch.tensor([0.3, -0.2])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with_bad = noisy_clipped_sum(torch.tensor([0.3, bad, -0.2]), 1.0, 0.0, g)
+        assert torch.isfinite(with_bad) and with_bad.item() == pytest.approx(noisy_clipped_sum(finite, 1.0, 0.0, g).item())
+    assert torch.isfinite(noisy_clipped_sum(torch.tensor([float("nan")] * 3), 1.0, 2.0, g))
+
+
 def test_two_point_difference_of_a_quadratic_is_its_directional_derivative():
     w = torch.tensor([[1.0, -2.0]])
     z = torch.tensor([[0.5, 1.0]])
