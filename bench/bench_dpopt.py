@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-DATA = REPO.parent / "shared" / "data"
+DATA = Path(os.environ.get("PRIVPROMPT_DATA_ROOT") or REPO.parent / "shared" / "data")
 
 
 def _demos(n: int) -> list[tuple[str, str, str]]:
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--js", default="64,205", help="DP-OPT query sizes J")
     ap.add_argument("--repeats", type=int, default=1, help="timed DP-OPT queries per J (median)")
     ap.add_argument("--skip-opt", action="store_true")
+    ap.add_argument("--label-rows", type=int, default=64, help="rows labelled one by one (ŷ alone), timed")
     args = ap.parse_args()
     import statistics
 
@@ -126,6 +128,26 @@ def main() -> None:
               f"({tokens / t_query:,.0f} tokens/s; median of {len(t_queries)}); one plain batched forward "
               f"{plain[0]:.3f} s (all logits), {plain[1]:.3f} s (last logits only); query / plain = "
               f"{t_query / plain[0]:.2f} / {t_query / plain[1]:.2f} (goal ≤ 1.2)")
+        # what the method runs since review 6 (F1): every member alone, and each drawn row's ŷ alone
+        engine.last_logits_alone(suffixes[:4], prefix)  # warm-up
+        sync()
+        t = time.perf_counter()
+        engine.last_logits_alone(suffixes, prefix)
+        sync()
+        t_alone = time.perf_counter() - t
+        texts = [d[0] for d in demos[:args.label_rows]]
+        words = [" negative", " positive"]
+        engine.label_logprobs("Classify the input text as positive or negative.", texts[:2], words,
+                              lambda x: f"Input: {x}\nOutput:")  # warm-up (and the head encoded)
+        sync()
+        t = time.perf_counter()
+        for x in texts:
+            engine.label_logprobs("Classify the input text as positive or negative.", [x], words,
+                                  lambda x: f"Input: {x}\nOutput:")
+        sync()
+        t_label = (time.perf_counter() - t) / len(texts)
+        print(f"  members alone (the method's query since review 6): {t_alone:.3f} s = {t_alone / t_query:.2f}× the "
+              f"batched query; one row's ŷ alone: {1000 * t_label:.1f} ms (mean of {len(texts)})")
         if torch.cuda.is_available() and dev.type == "cuda":
             print(f"  peak GPU memory so far {torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB")
 

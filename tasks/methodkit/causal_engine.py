@@ -48,6 +48,7 @@ class CausalEngine:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.eos_id = tokenizer.eos_token_id
+        self._heads: dict[str, SharedPrefix] = {}  # label_logprobs' encoded heads, the last few (public text)
 
     # ---- tokenisation ------------------------------------------------------------------------
     def ids(self, text: str) -> list[int]:
@@ -166,12 +167,31 @@ class CausalEngine:
             label_ids.append(toks[0])
         if len(set(label_ids)) != len(label_ids):
             raise ValueError(f"label words {label_words!r} share a first token")
-        prefix = self.encode_prefix(prefix_text)
+        prefix = self._head(prefix_text)
         suffixes = [self.ids(template(t)) for t in texts]
         if prefix.length == 0:  # no shared head: the first row tokens carry BOS if the tokenizer adds one
             suffixes = [list(self.tok(template(t), add_special_tokens=True)["input_ids"]) for t in texts]
         logits = self.last_logits(suffixes, prefix)
         return F.log_softmax(logits, dim=-1)[:, label_ids]
+
+    def _head(self, text: str, keep: int = 4) -> SharedPrefix:
+        """The encoded head of ``text`` (an instruction: public), kept for the next calls: scoring
+        rows one by one (each alone, for privacy) encodes the head once, not once per row."""
+        if text not in self._heads:
+            if len(self._heads) >= keep:
+                self._heads.pop(next(iter(self._heads)))
+            self._heads[text] = self.encode_prefix(text)
+        return self._heads[text]
+
+    @torch.no_grad()
+    def last_logits_alone(self, suffixes: list[list[int]], prefix: SharedPrefix | None = None) -> torch.Tensor:
+        """:meth:`last_logits` with every sequence in its own forward pass: each row's logits are a
+        function of that row alone. Batched, a row's logits move by float rounding with its
+        companions' lengths and padding (1e-7–1e-6 on tiny-gpt2), so at a near-tie one record
+        could flip another member's vote — two votes moved where LimitedDomain is calibrated for one
+        (review 6, F1). The DP mechanisms' votes use this; non-private ensembles may batch."""
+        rows = [self.last_logits([s], prefix) for s in suffixes]
+        return torch.cat(rows) if rows else torch.zeros(0)
 
 
 def causal_engine_for(cfg, max_batch: int = 32) -> CausalEngine:

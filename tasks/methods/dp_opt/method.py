@@ -297,11 +297,15 @@ class _Proposer:
         self.yhat: dict[int, str] = {}
 
     def demos_of(self, idx) -> list[tuple[str, str, str]]:
+        """The member's demos with each row's ŷ, computed the first time the row is drawn — each row
+        ALONE (its own forward pass): batched with the other rows new to the member, a row's ŷ could
+        flip at a near-tie with its companions (float rounding with padding) and, cached, move a
+        vote of a later query that one of them is not in (review 6, F1)."""
         from .text_prompts import predictions
 
         gen = self.gen
-        new = [int(i) for i in idx if int(i) not in self.yhat]
-        self.yhat.update(zip(new, predictions(self.engine, self.cfg, self.instruction, [gen.texts[i] for i in new])))
+        for i in (int(i) for i in idx if int(i) not in self.yhat):
+            self.yhat[i] = predictions(self.engine, self.cfg, self.instruction, [gen.texts[i]])[0]
         return [(gen.texts[i], gen.labels[i], self.yhat[int(i)]) for i in idx]
 
     def draw_bodies(self) -> list[list[int]]:

@@ -30,6 +30,32 @@ def test_left_padded_buckets_equal_one_by_one(engine):
     assert torch.allclose(batched, alone, atol=1e-4)
 
 
+def test_a_members_vote_and_a_rows_label_are_its_own(engine, monkeypatch):
+    """Review 6, F1: batched, a row's logits move with its companions' lengths (float rounding), so
+    at a near-tie one record could flip another member's vote or another row's cached ŷ. The DP
+    votes use ``last_logits_alone`` — bitwise the same whatever the other members are — and the
+    proposer labels each new row in its own forward pass."""
+    from types import SimpleNamespace
+
+    from tasks.methods.dp_opt import method as dpm
+
+    prefix = engine.encode_prefix("instruction : classify the review")
+    rows = _rows(engine, TEXTS)
+    alone = engine.last_logits_alone(rows, prefix)
+    for j, r in enumerate(rows):
+        others = [engine.ids("x " * (3 + 4 * j))] + rows[:j] + rows[j + 1:]
+        assert torch.equal(engine.last_logits_alone(others + [r], prefix)[-1], alone[j])
+    seen = []
+    monkeypatch.setattr("tasks.methods.dp_opt.text_prompts.predictions",
+                        lambda engine, cfg, instruction, texts: seen.append(len(texts)) or ["positive"] * len(texts))
+    gen = SimpleNamespace(texts=TEXTS, labels=["positive"] * 4)
+    proposer = dpm._Proposer.__new__(dpm._Proposer)
+    proposer.engine, proposer.cfg, proposer.instruction, proposer.gen, proposer.yhat = engine, None, "i", gen, {}
+    proposer.demos_of(np.array([0, 1, 2]))
+    proposer.demos_of(np.array([2, 3]))
+    assert seen == [1, 1, 1, 1]  # each new row alone, none twice
+
+
 def test_shared_prefix_kv_equals_full_reencode(engine):
     prefix = engine.encode_prefix("instruction : classify the review")
     rows = _rows(engine, TEXTS)
