@@ -135,6 +135,12 @@ def main() -> None:
         engine.last_logits_alone(suffixes, prefix)
         sync()
         t_alone = time.perf_counter() - t
+        engine.last_logits_rowwise(suffixes, prefix)  # warm-up, and every shape's row check
+        sync()
+        t = time.perf_counter()
+        engine.last_logits_rowwise(suffixes, prefix)
+        sync()
+        t_rowwise = time.perf_counter() - t
         texts = [d[0] for d in demos[:args.label_rows]]
         words = [" negative", " positive"]
         engine.label_logprobs("Classify the input text as positive or negative.", texts[:2], words,
@@ -146,8 +152,10 @@ def main() -> None:
                                   lambda x: f"Input: {x}\nOutput:")
         sync()
         t_label = (time.perf_counter() - t) / len(texts)
-        print(f"  members alone (the method's query since review 6): {t_alone:.3f} s = {t_alone / t_query:.2f}× the "
-              f"batched query; one row's ŷ alone: {1000 * t_label:.1f} ms (mean of {len(texts)})")
+        print(f"  members alone: {t_alone:.3f} s = {t_alone / t_query:.2f}× the batched query; rowwise (the method's "
+              f"query since review 6: public shapes, batches of {engine.row_batch}): {t_rowwise:.3f} s = "
+              f"{t_rowwise / t_query:.2f}×, shapes failing the row check: {len(engine._shapes_unsafe)} of "
+              f"{len(engine._shapes_checked)}; one row's ŷ alone: {1000 * t_label:.1f} ms (mean of {len(texts)})")
         if torch.cuda.is_available() and dev.type == "cuda":
             print(f"  peak GPU memory so far {torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB")
 

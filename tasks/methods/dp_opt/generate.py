@@ -2,7 +2,7 @@
 
 ``dp_generate`` is Algorithm 2 with its DP randomness injected: per token a FRESH subsample of
 meta-prompts (``draw_bodies``: the caller Poisson-samples private demos with a secret generator),
-each meta-prompt proposes its next token (in its own forward pass: a vote is a function of its
+each meta-prompt proposes its next token (``last_logits_rowwise``: a vote is a function of its
 member's demos alone), and the vote histogram goes through ``select`` (the
 caller's LimitedDomain from ``privacy/``). ⊥ retries with a fresh subsample; two ⊥ in a row end
 the prompt; EOS ends it; a query the budget cannot afford is never made (``can_query``).
@@ -53,7 +53,7 @@ def dp_generate(engine: CausalEngine, prefix: SharedPrefix, draw_bodies: Callabl
             return result
         bodies = draw_bodies()  # a fresh subsample for every query (retries included)
         if bodies:
-            logits = engine.last_logits_alone([b + result.tokens for b in bodies], prefix)  # each member alone
+            logits = engine.last_logits_rowwise([b + result.tokens for b in bodies], prefix)  # each member's own
             vocab = logits.shape[1]
             generator = new_generator() if temperature > 0 and new_generator is not None else None
             proposals = engine.propose(logits, temperature, generator).numpy()

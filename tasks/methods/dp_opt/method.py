@@ -296,25 +296,30 @@ class _Proposer:
         # same mechanism as labelling every row up front, without the rows that are never drawn
         self.yhat: dict[int, str] = {}
 
-    def demos_of(self, idx) -> list[tuple[str, str, str]]:
-        """The member's demos with each row's ŷ, computed the first time the row is drawn — each row
-        ALONE (its own forward pass): batched with the other rows new to the member, a row's ŷ could
-        flip at a near-tie with its companions (float rounding with padding) and, cached, move a
-        vote of a later query that one of them is not in (review 6, F1)."""
+    def label_new(self, idx) -> None:
+        """ŷ of the rows of ``idx`` not labelled yet, each a function of that row alone
+        (``rowwise``): batched as :meth:`CausalEngine.last_logits` batches, a row's ŷ could flip at a
+        near-tie with its companions (float rounding with padding) and, cached, move a vote of a later
+        query that one of them is not in (review 6, F1)."""
         from .text_prompts import predictions
 
+        new = sorted({int(i) for i in idx} - self.yhat.keys())
+        self.yhat.update(zip(new, predictions(self.engine, self.cfg, self.instruction,
+                                              [self.gen.texts[i] for i in new], rowwise=True)))
+
+    def demos_of(self, idx) -> list[tuple[str, str, str]]:
         gen = self.gen
-        for i in (int(i) for i in idx if int(i) not in self.yhat):
-            self.yhat[i] = predictions(self.engine, self.cfg, self.instruction, [gen.texts[i]])[0]
+        self.label_new(idx)
         return [(gen.texts[i], gen.labels[i], self.yhat[int(i)]) for i in idx]
 
     def draw_bodies(self) -> list[list[int]]:
         from .text_prompts import body_ids
 
         block = self.block
-        members = member_demos(self.sampling, len(self.gen), self.q, block.meta_prompts, 2 * block.demos,
-                               self.gen_units)
-        return [body_ids(self.engine, self.demos_of(idx)) for idx in members if idx.size]
+        members = [idx for idx in member_demos(self.sampling, len(self.gen), self.q, block.meta_prompts,
+                                               2 * block.demos, self.gen_units) if idx.size]
+        self.label_new(np.concatenate(members) if members else [])  # the query's new rows in one pass
+        return [body_ids(self.engine, self.demos_of(idx)) for idx in members]
 
     def select(self, counts: np.ndarray):
         from privacy.mechanisms import limited_domain_top1

@@ -26,20 +26,21 @@ def clip_words(text: str, limit: int = 48) -> str:
     return " ".join(words[:limit])
 
 
-def label_logprobs(engine, cfg, instruction: str | None, texts: list[str]):
-    """(N, n_labels) log-probabilities of the labels under the forward template with ``instruction``."""
+def label_logprobs(engine, cfg, instruction: str | None, texts: list[str], rowwise: bool = False):
+    """(N, n_labels) log-probabilities of the labels under the forward template with ``instruction``
+    (``rowwise``: each row's from that row alone, CausalEngine.last_logits_rowwise)."""
     from .templates import eval_prefix
 
     template = input_template(cfg)
     return engine.label_logprobs(eval_prefix(instruction), [clip_words(t) for t in texts], label_words(cfg),
-                                 lambda t: template.replace("{text}", t))
+                                 lambda t: template.replace("{text}", t), rowwise=rowwise)
 
 
-def predictions(engine, cfg, instruction: str | None, texts: list[str]) -> list[str]:
+def predictions(engine, cfg, instruction: str | None, texts: list[str], rowwise: bool = False) -> list[str]:
     """DP-OPT's forward pass: the label each text gets under ``instruction`` (one per example)."""
     if not texts:
         return []
-    best = label_logprobs(engine, cfg, instruction, texts).argmax(dim=1).tolist()
+    best = label_logprobs(engine, cfg, instruction, texts, rowwise).argmax(dim=1).tolist()
     return [cfg.data.labels[i] for i in best]
 
 

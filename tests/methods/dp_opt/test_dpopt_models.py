@@ -31,29 +31,49 @@ def test_left_padded_buckets_equal_one_by_one(engine):
 
 
 def test_a_members_vote_and_a_rows_label_are_its_own(engine, monkeypatch):
-    """Review 6, F1: batched, a row's logits move with its companions' lengths (float rounding), so
-    at a near-tie one record could flip another member's vote or another row's cached ŷ. The DP
-    votes use ``last_logits_alone`` — bitwise the same whatever the other members are — and the
-    proposer labels each new row in its own forward pass."""
+    """Review 6, F1: with ``last_logits``, a row's logits move with its companions' lengths (float
+    rounding), so at a near-tie one record could flip another member's vote or another row's cached
+    ŷ. ``last_logits_rowwise`` (the votes, and ŷ) gives each row bit for bit the logits it gets
+    whatever its companions and its place among them, batched; the proposer labels through it."""
     from types import SimpleNamespace
 
     from tasks.methods.dp_opt import method as dpm
 
     prefix = engine.encode_prefix("instruction : classify the review")
-    rows = _rows(engine, TEXTS)
-    alone = engine.last_logits_alone(rows, prefix)
+    rows = _rows(engine, TEXTS) + [engine.ids("x " * k) for k in (2, 5, 9, 11, 13)]
+    own = engine.last_logits_rowwise(rows, prefix)
     for j, r in enumerate(rows):
-        others = [engine.ids("x " * (3 + 4 * j))] + rows[:j] + rows[j + 1:]
-        assert torch.equal(engine.last_logits_alone(others + [r], prefix)[-1], alone[j])
-    seen = []
+        others = [engine.ids("y " * (3 + 4 * j))] + rows[:j] + rows[j + 1:]
+        assert torch.equal(engine.last_logits_rowwise(others + [r], prefix)[-1], own[j])
+        assert torch.equal(engine.last_logits_rowwise([r], prefix)[0], own[j])
+    assert torch.allclose(own, engine.last_logits(rows, prefix), atol=1e-4)  # the same numbers, up to rounding
+    calls = []
     monkeypatch.setattr("tasks.methods.dp_opt.text_prompts.predictions",
-                        lambda engine, cfg, instruction, texts: seen.append(len(texts)) or ["positive"] * len(texts))
+                        lambda engine, cfg, instruction, texts, rowwise=False: calls.append((len(texts), rowwise))
+                        or ["positive"] * len(texts))
     gen = SimpleNamespace(texts=TEXTS, labels=["positive"] * 4)
     proposer = dpm._Proposer.__new__(dpm._Proposer)
     proposer.engine, proposer.cfg, proposer.instruction, proposer.gen, proposer.yhat = engine, None, "i", gen, {}
     proposer.demos_of(np.array([0, 1, 2]))
     proposer.demos_of(np.array([2, 3]))
-    assert seen == [1, 1, 1, 1]  # each new row alone, none twice
+    assert calls == [(3, True), (1, True)]  # each new row once, row by row's own
+
+
+def test_a_shape_that_fails_the_row_check_runs_its_rows_alone(engine, monkeypatch):
+    """If a device's kernels made a row depend on its companions for some batch shape, the first
+    batch of that shape is caught (reverse order / beside pad rows) and its rows run alone."""
+    rows = _rows(engine, ["the movie was fine", "awful movie", "ok then", "a joy"])
+    real = engine._forward_left_padded
+
+    def coupled(batch, prefix, length=None):  # a row's logits move with the first row's last token
+        out = real(batch, prefix, length)
+        return out + 1e-3 * batch[0][-1] if len(batch) > 1 else out
+
+    fresh = CausalEngine(engine.model, engine.tok, max_batch=4, bucket_width=64)
+    monkeypatch.setattr(fresh, "_forward_left_padded", coupled)
+    got = fresh.last_logits_rowwise(rows)
+    alone = torch.cat([real([r], SharedPrefix([], None), 64) for r in rows])
+    assert torch.equal(got, alone) and fresh._shapes_unsafe
 
 
 def test_shared_prefix_kv_equals_full_reencode(engine):

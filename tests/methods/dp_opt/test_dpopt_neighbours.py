@@ -71,7 +71,7 @@ def test_sampled_proposals_need_a_fresh_secret_generator_per_query():
         eos_id = None
         tok = [0, 1, 2]
 
-        def last_logits_alone(self, rows, prefix):
+        def last_logits_rowwise(self, rows, prefix):
             return torch.zeros(len(rows), 3)
 
         propose = staticmethod(lambda logits, t, g: torch.multinomial(torch.softmax(logits / t, -1), 1,
