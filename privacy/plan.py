@@ -341,8 +341,16 @@ def calibrate_trial_target(epsilon_at: Callable[[float], float], target: float, 
     ``target`` (``epsilon_at(t)``: its ε when every trial is calibrated to t), within
     ``tolerance`` (relative) of it: secant steps from ``first`` (ε(t) is smooth and increasing
     with slope ≈ 1). Raises :class:`PlanError` when no t above target/1000 fits."""
+    def at(t: float) -> float:  # a per-trial target too small for any σ does not fit (not an internal error)
+        try:
+            return epsilon_at(t)
+        except ValueError as exc:
+            if "unreachable" not in str(exc):
+                raise
+            return float("inf")
+
     try:
-        best = calibrate.largest_within(epsilon_at, target, first, tolerance=tolerance, floor=target * 1e-3)
+        best = calibrate.largest_within(at, target, first, tolerance=tolerance, floor=target * 1e-3)
     except calibrate.BelowFloor:
         raise PlanError(f"selection: privacy.target_epsilon leaves too little for the trials (the selection "
                         f"overhead alone comes near ε = {target:.4g}): raise the target, lower "

@@ -294,3 +294,26 @@ def test_largest_within_stops_in_the_window_or_on_a_narrow_bracket():
     assert 3.0 * 0.99 <= at(best) <= 3.0 and len(seen) <= 12
     with pytest.raises(calibrate.BelowFloor):  # the overhead alone is above the target
         calibrate.largest_within(lambda t: 5.0 + t, 3.0, 1.0, tolerance=0.01, floor=3e-3)
+
+
+def test_a_per_trial_target_no_sigma_reaches_reads_as_too_little_for_the_trials():
+    """Review 6: random stopping at ε = 1 was refused with the σ calibration's internal
+    "target_epsilon=0.0018 is unreachable"; a trial target that no σ reaches does not fit, and the
+    search ends in the designed line. Other errors still surface."""
+    import pytest
+
+    from privacy.plan import PlanError, calibrate_trial_target
+
+    def at(t):  # the selection's overhead alone ≈ 0.95 of the target; below t = 0.05 no σ fits
+        if t < 0.05:
+            raise ValueError(f"target_epsilon={t:g} is unreachable for these settings")
+        return 0.95 + t
+
+    with pytest.raises(PlanError, match="leaves too little for the trials"):
+        calibrate_trial_target(at, 1.0, 0.5)
+
+    def broken(t):
+        raise ValueError("sample_rate must be in (0, 1]")
+
+    with pytest.raises(ValueError, match="sample_rate"):
+        calibrate_trial_target(broken, 1.0, 0.5)
