@@ -169,9 +169,9 @@ QUERY_TOKENS = 128  # room kept for the query (its template and text) after the 
 def _demo_token_budget(engine, settings: DPICLSettings) -> int | None:
     """Tokens each demonstration's text may take (public: the model's context, the settings), or None
     for a model without a bounded context."""
-    cfg = getattr(engine.model, "config", None)
-    context = next((v for v in (getattr(cfg, "max_position_embeddings", None), getattr(cfg, "n_positions", None))
-                    if isinstance(v, int) and v > 0), None)
+    from tasks.methodkit.token_budget import model_context
+
+    context = model_context(engine.model, unbounded_above=None)
     if context is None:
         return None
     fixed = len(engine.ids(settings.instruction)) + 8 + settings.shots * (len(engine.ids(settings.template)) + 4)
@@ -189,10 +189,6 @@ def noisy_vote(votes: np.ndarray, labels: list[str], noise_multiplier: float, rn
 
     onehot = np.repeat(np.eye(len(labels)), votes.astype(int), axis=0)
     return labels[distribution_vote(onehot.reshape(-1, len(labels)), noise_multiplier, rng)]
-
-
-def _clip_words(text: str, limit: int = 48) -> str:
-    return " ".join(text.split()[:limit])
 
 
 def answered_queries(event: DpEvent) -> int:
@@ -255,13 +251,9 @@ class DPICLServer:
     def _clip(self, text: str) -> str:
         """A demonstration's text within 48 words and the public per-demonstration token budget (a
         subset's prompt never outgrows the model's context, whatever its private rows' lengths)."""
-        text = _clip_words(text)
-        return text if self._demo_tokens is None else self._clip_tokens(text, self._demo_tokens)
+        from tasks.methodkit.token_budget import clip_text
 
-    def _clip_tokens(self, text: str, limit: int) -> str:
-        """``text`` cut to its first ``limit`` tokens (unchanged when it fits)."""
-        ids = self.engine.ids(text)
-        return text if len(ids) <= limit else self.engine.tok.decode(ids[:limit])
+        return clip_text(self.engine, text, self._demo_tokens)
 
     def histogram(self, text: str) -> np.ndarray:
         """(|labels|,) the subsets' votes on one query (private: never released without noise)."""
@@ -278,12 +270,14 @@ class DPICLServer:
         one dataset and not on its neighbour (a longer private demonstration) would crash for one and
         answer for the other, a noiseless test of a record. Clipped by public things only (the query,
         the template), the template's tail kept."""
-        ids = self.engine.ids(self.settings.template.replace("{text}", _clip_words(text)))
+        from tasks.methodkit.token_budget import clip_tokens, clip_words
+
+        ids = self.engine.ids(self.settings.template.replace("{text}", clip_words(text)))
         if self._demo_tokens is None or len(ids) <= QUERY_TOKENS:
             return ids
         head, tail = self.settings.template.split("{text}")
         room = max(1, QUERY_TOKENS - len(self.engine.ids(head)) - len(self.engine.ids(tail)) - 4)
-        clipped = self._clip_tokens(_clip_words(text), room)
+        clipped = clip_tokens(self.engine, clip_words(text), room)
         return self.engine.ids(head + clipped + tail)[-QUERY_TOKENS:]
 
     def _vote(self, text: str) -> str:

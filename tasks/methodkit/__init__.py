@@ -10,7 +10,10 @@
   non-private copy w_nor and the cross-model pull λ(w − w_nor)/‖w − w_nor‖;
 * ``prompt_methods``: the method skeletons several packages extend — DP-SGD on a soft prompt
   (``SoftPromptDPSGD``) and on a prefix (``PrefixDPSGDMethod``, with its flatness diagnostics and
-  the report sections they feed), and non-private soft-prompt tuning (``NonPrivateSoftPrompt``).
+  the report sections they feed), and non-private soft-prompt tuning (``NonPrivateSoftPrompt``);
+* ``token_budget``: the public per-text token budget of a causal LM's prompts from the model's
+  context and the settings (``text_budget``, ``model_context``) and the cut of one private text to it
+  (``clip_tokens``, ``clip_text``) — dp_icl, dp_fewshot and DP-OPT use it.
 
 A method package imports this toolkit, the interface (``tasks.methods`` / ``tasks.methods.base``)
 and the data-level modules (``tasks.schema``, ``tasks.errors``, ``tasks.data``, ``tasks.state``,

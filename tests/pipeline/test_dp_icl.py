@@ -290,3 +290,25 @@ def test_answers_already_charged_are_kept_whatever_stops_the_next_batch(engine, 
     monkeypatch.setattr(server, "answer", flaky)
     answers, failure = answer_all(Served(server, 1e-5, "toy", 1e3), ["a", "b", "c", "d"], 2)
     assert len(answers) == 2 and isinstance(failure, MemoryError)
+
+
+def test_the_shared_token_clip_cuts_demonstrations_as_the_server_did(engine):
+    """Review 6 F4: dp_icl's clip moved to ``tasks/methodkit/token_budget`` (shared with dp_fewshot and
+    DP-OPT). On this tokenizer its cuts are the server's old ones, bit for bit (the first ``limit``
+    tokens decoded), for long words, a CJK run without spaces and what already fits; every cut
+    re-encodes within its limit and depends on the text alone."""
+    import random
+    import string
+
+    from tasks.methodkit.token_budget import clip_text, clip_tokens, clip_words
+
+    rnd = random.Random(5)
+    texts = [" ".join("".join(rnd.choice(string.ascii_letters + string.digits) for _ in range(60)) for _ in range(48)),
+             "".join(chr(rnd.randint(0x4E00, 0x9FFF)) for _ in range(2000)), "a short review", ""]
+    for text in texts:
+        ids = engine.ids(text)
+        for limit in (1, 4, 17, 60, 200):
+            old = text if len(ids) <= limit else engine.tok.decode(ids[:limit])
+            assert clip_tokens(engine, text, limit) == old
+            assert len(engine.ids(old)) <= limit
+        assert clip_text(engine, text, None) == clip_words(text)

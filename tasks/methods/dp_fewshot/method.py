@@ -39,13 +39,33 @@ def generation_head(instruction: str) -> str:
     return f"{instruction}\nExamples, each a label and a text with that label:\n\n"
 
 
-def subset_body(texts: list[str], label: str) -> str:
-    return "".join(f"Label: {label}\nText: {_clip_words(t)}\n\n" for t in texts)
+def subset_body(texts: list[str], label: str, clip=_clip_words) -> str:
+    """A subset's demonstrations, each text cut by ``clip`` (default: 48 words; a run also cuts each
+    to the public token budget of :func:`demo_token_budget`)."""
+    return "".join(f"Label: {label}\nText: {clip(t)}\n\n" for t in texts)
 
 
 def label_header(label: str) -> str:
     """The open slot where a demonstration of ``label`` is generated."""
     return f"Label: {label}\nText:"
+
+
+def demo_token_budget(engine, cfg, block, instruction: str) -> int | None:
+    """Tokens each private text of a subset's prompt may take (None: the model states no bounded
+    context): the shared head, ``shots`` demonstrations in their template, the label's open slot and
+    ``max_new_tokens`` generated tokens always fit the model's context, whatever a record's length.
+    Public (the model, the labels, the settings); settings that leave no room are refused."""
+    from ...methodkit.token_budget import JUNCTION, model_context, text_budget
+
+    context = model_context(engine.model)
+    if context is None:
+        return None
+    labels = list(cfg.data.labels)
+    head = len(engine.tok(generation_head(instruction), add_special_tokens=True, verbose=False)["input_ids"])
+    tail = max(len(engine.ids(label_header(label))) for label in labels) + block.max_new_tokens
+    overhead = max(len(engine.ids(subset_body([""], label))) for label in labels)
+    return text_budget(context, head + tail + JUNCTION, block.shots, overhead,
+                       f"dp_fewshot: shots={block.shots}, max_new_tokens={block.max_new_tokens} and the instruction")
 
 
 def icl_prompt(instruction: str, demos: list[tuple[str, str]]) -> str:
@@ -72,7 +92,9 @@ class DPFewShot(Method):
     def preflight(self, cfg, prepared) -> None:
         from ...methodkit.causal_engine import causal_engine_for
 
-        causal_engine_for(cfg)  # a causal local LM (one-line ConfigError otherwise)
+        engine = causal_engine_for(cfg)  # a causal local LM (one-line ConfigError otherwise)
+        block = self.settings(cfg)
+        demo_token_budget(engine, cfg, block, block.instruction or default_instruction(cfg))  # room for a demo
         check_classifier(cfg, cfg.models.target_name, "models.target")
 
     def published_model(self, cfg, prepared):
@@ -130,6 +152,13 @@ class _Generator:
         self.noise = mctx.randomness.numpy(2)           # the aggregate's secret noise
         self.sigma = sigma
         self.prefix = self.engine.encode_prefix(generation_head(instruction))
+        self.text_tokens = demo_token_budget(self.engine, mctx.cfg, block, instruction)  # public, per text
+
+    def clip(self, text: str) -> str:
+        """A private text within 48 words and the public token budget: a function of the text alone."""
+        from ...methodkit.token_budget import clip_text
+
+        return clip_text(self.engine, text, self.text_tokens)
 
     def vote(self, distributions) -> int:
         from privacy.mechanisms import distribution_vote
@@ -147,7 +176,7 @@ class _Generator:
         for li, label in enumerate(labels):
             parts = keyed_subsets(rows.texts, rows.labels, label, self.key, D * M, block.shots)
             for d in range(D):
-                bodies = [engine.ids(subset_body([rows.texts[i] for i in part], label))
+                bodies = [engine.ids(subset_body([rows.texts[i] for i in part], label, self.clip))
                           for part in parts[d * M:(d + 1) * M] if part]
                 out = generate_demo(engine, self.prefix, bodies, engine.ids(label_header(label)),
                                     block.max_new_tokens, block.public_top_k, self.vote)

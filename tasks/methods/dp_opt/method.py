@@ -163,12 +163,37 @@ def check_text_method(cfg, generates: bool) -> None:
     check_classifier(cfg, cfg.models.target_name, "models.target")
 
 
+def check_token_room(cfg, name: str, block, rows: int) -> None:
+    """Before any private read: on a model with a bounded context, a meta-prompt of ``rows`` demos
+    and the forward pass (under the initial instruction, and under a candidate of ``max_new_tokens``
+    tokens) leave room for a private text; one line naming the settings otherwise."""
+    from ...errors import ConfigError
+    from ...methodkit.token_budget import MIN_TEXT_TOKENS
+    from .templates import eval_prefix
+    from .text_prompts import engine_for, forward_text_budget, meta_text_budget
+
+    engine = engine_for(cfg)
+    instruction = _instruction(cfg, block)
+    meta_text_budget(engine, cfg, instruction, rows, block.max_new_tokens, name)
+    bare = forward_text_budget(engine, cfg, None)
+    if bare is None:
+        return
+    room = min(forward_text_budget(engine, cfg, instruction),
+               bare - len(engine.ids(eval_prefix("x"))) - block.max_new_tokens)
+    if room < MIN_TEXT_TOKENS:
+        raise ConfigError(f"{name}: the instruction or max_new_tokens={block.max_new_tokens} leave no room for a text "
+                          f"in the forward template within models.local's context ({room} tokens); shorten them")
+
+
 class _TextMethod(Method):
     prompt_kind = "text"
     uses_validation = True
+    rows_per_demo = 1  # a meta-prompt holds up to rows_per_demo × demos private rows
 
     def preflight(self, cfg, prepared) -> None:
         check_text_method(cfg, generates=True)
+        block = self.settings(cfg)
+        check_token_room(cfg, self.name, block, self.rows_per_demo * block.demos)
 
     def published_model(self, cfg, prepared):
         return cfg.models.target_name
@@ -207,6 +232,7 @@ class DPOpt(_TextMethod):
     # its DP-argmax already chooses among the generated instructions, the initial one and none (the
     # empty instruction) on the holdout: a second comparison would spend ε for what it decided
     compares_with_no_prompt = True
+    rows_per_demo = 2  # each member shows at most 2k of its Poisson-sampled rows
 
     @classmethod
     def contract_test_config(cls):
@@ -288,6 +314,8 @@ class _Proposer:
     members' proposals."""
 
     def __init__(self, engine, cfg, block, instruction: str, gen, sampling, mechanism, q: float):
+        from .text_prompts import meta_text_budget
+
         self.engine, self.cfg, self.block, self.instruction, self.gen = engine, cfg, block, instruction, gen
         self.sampling, self.mechanism, self.q = sampling, mechanism, q
         self.gen_units = _unit_array(cfg, gen)
@@ -295,6 +323,8 @@ class _Proposer:
         # time a row is drawn into a meta-prompt: ŷ of a row depends on that row alone, so this is the
         # same mechanism as labelling every row up front, without the rows that are never drawn
         self.yhat: dict[int, str] = {}
+        # each private text of a meta-prompt (at most 2k rows) within a public token budget
+        self.text_tokens = meta_text_budget(engine, cfg, instruction, 2 * block.demos, block.max_new_tokens)
 
     def label_new(self, idx) -> None:
         """ŷ of the rows of ``idx`` not labelled yet, each a function of that row alone
@@ -319,7 +349,7 @@ class _Proposer:
         members = [idx for idx in member_demos(self.sampling, len(self.gen), self.q, block.meta_prompts,
                                                2 * block.demos, self.gen_units) if idx.size]
         self.label_new(np.concatenate(members) if members else [])  # the query's new rows in one pass
-        return [body_ids(self.engine, self.demos_of(idx)) for idx in members]
+        return [body_ids(self.engine, self.demos_of(idx), self.text_tokens) for idx in members]
 
     def select(self, counts: np.ndarray):
         from privacy.mechanisms import limited_domain_top1
@@ -390,14 +420,15 @@ def _leakage(cfg, candidates: list[str], private_texts: list[str]) -> dict[str, 
 
 def _fixed_bodies(engine, cfg, block, rows, instruction, seed, how_many):
     """Non-private baselines: demos drawn once per prompt (seeded), bodies for ``how_many`` members."""
-    from .text_prompts import body_ids, predictions
+    from .text_prompts import body_ids, meta_text_budget, predictions
 
     rng = np.random.default_rng(seed)
     idx = rng.choice(len(rows), size=min(len(rows), how_many * block.demos), replace=False)
     texts, labels = [rows.texts[i] for i in idx], [rows.labels[i] for i in idx]
     yhat = predictions(engine, cfg, instruction, texts)
     demos = list(zip(texts, labels, yhat))
-    return [body_ids(engine, demos[g * block.demos:(g + 1) * block.demos])
+    tokens = meta_text_budget(engine, cfg, instruction, block.demos, block.max_new_tokens, "opt")
+    return [body_ids(engine, demos[g * block.demos:(g + 1) * block.demos], tokens)
             for g in range(len(demos) // block.demos)]
 
 

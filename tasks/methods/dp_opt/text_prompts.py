@@ -26,14 +26,55 @@ def clip_words(text: str, limit: int = 48) -> str:
     return " ".join(words[:limit])
 
 
+def forward_text_budget(engine, cfg, instruction: str | None) -> int | None:
+    """Tokens a text may take in the forward template with ``instruction`` (None: the model states no
+    bounded context): the room the instruction and the template leave in the model's context, so a
+    long record scored alone (ŷ, the DP-argmax's holdout rows) never outgrows it. Public (the model,
+    the instruction — the initial one or a released candidate —, the template); at least one token."""
+    from ...methodkit.token_budget import JUNCTION, model_context
+    from .templates import eval_prefix
+
+    context = model_context(engine.model)
+    if context is None:
+        return None
+    head = len(engine.tok(eval_prefix(instruction), add_special_tokens=True, verbose=False)["input_ids"])
+    template = len(engine.ids(input_template(cfg).replace("{text}", "")))
+    return max(1, context - head - template - JUNCTION)
+
+
+def meta_text_budget(engine, cfg, instruction: str, rows: int, max_new_tokens: int,
+                     method: str = "dp_opt") -> int | None:
+    """Tokens each private text of a backward meta-prompt may take (None: no bounded context): the
+    shared head, ``rows`` demos in their template (an error's, the longer one, for every label pair),
+    the slot and ``max_new_tokens`` generated tokens always fit. Public; settings without room are
+    refused with one line."""
+    from ...methodkit.token_budget import JUNCTION, model_context, text_budget
+    from .templates import backward_body, backward_head
+
+    context = model_context(engine.model)
+    if context is None:
+        return None
+    labels = list(cfg.data.labels)
+    head = len(engine.tok(backward_head(instruction), add_special_tokens=True, verbose=False)["input_ids"])
+    fixed = len(engine.ids(backward_body([])))
+    overhead = max(len(engine.ids(f"Input: \nStudent Output: {a}\nCorrect Output: {b}\n\n")) for a in labels
+                   for b in labels)
+    return text_budget(context, head + fixed + max_new_tokens + JUNCTION, rows, overhead,
+                       f"{method}: up to {rows} demos per meta-prompt, max_new_tokens={max_new_tokens} and the "
+                       "instruction")
+
+
 def label_logprobs(engine, cfg, instruction: str | None, texts: list[str], rowwise: bool = False):
-    """(N, n_labels) log-probabilities of the labels under the forward template with ``instruction``
-    (``rowwise``: each row's from that row alone, CausalEngine.last_logits_rowwise)."""
+    """(N, n_labels) log-probabilities of the labels under the forward template with ``instruction``;
+    each text within 48 words and the room the instruction leaves (:func:`forward_text_budget`): a
+    cut of the text alone. ``rowwise``: each row's from that row alone (CausalEngine.last_logits_rowwise)."""
+    from ...methodkit.token_budget import clip_text
     from .templates import eval_prefix
 
     template = input_template(cfg)
-    return engine.label_logprobs(eval_prefix(instruction), [clip_words(t) for t in texts], label_words(cfg),
-                                 lambda t: template.replace("{text}", t), rowwise=rowwise)
+    room = forward_text_budget(engine, cfg, instruction)
+    return engine.label_logprobs(eval_prefix(instruction), [clip_text(engine, t, room) for t in texts],
+                                 label_words(cfg), lambda t: template.replace("{text}", t), rowwise=rowwise)
 
 
 def predictions(engine, cfg, instruction: str | None, texts: list[str], rowwise: bool = False) -> list[str]:
@@ -80,10 +121,13 @@ def label_loglik(engine, cfg, candidates: list[str], texts: list[str], labels: l
                      for c in candidates])
 
 
-def body_ids(engine, demos: list[tuple[str, str, str]]) -> list[int]:
+def body_ids(engine, demos: list[tuple[str, str, str]], tokens: int | None = None) -> list[int]:
+    """A meta-prompt's body: each private text within 48 words and ``tokens`` (the public budget of
+    :func:`meta_text_budget`; None: the word clip only) — each a cut of the text alone."""
+    from ...methodkit.token_budget import clip_text
     from .templates import backward_body
 
-    return engine.ids(backward_body([(clip_words(x), y, yhat) for x, y, yhat in demos]))
+    return engine.ids(backward_body([(clip_text(engine, x, tokens), y, yhat) for x, y, yhat in demos]))
 
 
 def decode(engine, tokens: list[int]) -> str:
