@@ -153,7 +153,7 @@ def main() -> None:
         sync()
         t_label = (time.perf_counter() - t) / len(texts)
         print(f"  members alone: {t_alone:.3f} s = {t_alone / t_query:.2f}× the batched query; rowwise (the method's "
-              f"query since review 6: public shapes, batches of {engine.row_batch}): {t_rowwise:.3f} s = "
+              f"query since review 6: public shapes, batches of {engine.row_batch(256)} at 256 tokens): {t_rowwise:.3f} s = "
               f"{t_rowwise / t_query:.2f}×, shapes failing the row check: {len(engine._shapes_unsafe)} of "
               f"{len(engine._shapes_checked)}; one row's ŷ alone: {1000 * t_label:.1f} ms (mean of {len(texts)})")
         if torch.cuda.is_available() and dev.type == "cuda":

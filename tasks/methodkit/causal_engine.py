@@ -44,7 +44,6 @@ class CausalEngine:
     def __init__(self, model, tokenizer, max_batch: int = 32, bucket_width: int = 16):
         self.model, self.tok = model, tokenizer
         self.max_batch, self.bucket_width = max_batch, bucket_width
-        self.row_batch = min(8, max_batch)  # last_logits_rowwise's one batch size (public, fixed)
         self.device = next(model.parameters()).device
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
@@ -203,7 +202,8 @@ class CausalEngine:
         vote — two votes moved where LimitedDomain is calibrated for one — or another row's ŷ
         (review 6, F1). Here the SHAPE of every forward pass is public and the row's own: a row is
         left-padded to its length rounded up to ``bucket_width``, and the rows of one padded length go
-        in batches of exactly ``row_batch`` rows (the last one filled with pad-only rows), so no row is
+        in batches of exactly :meth:`row_batch` rows — a function of that length alone — the last one
+        filled with pad-only rows, so no row is
         padded for another and no batch size depends on other rows (a row's logits do move with the
         batch size: matrix products pick their kernels by shape). For a fixed shape, a forward pass
         computes each row from that row alone (products reduce along the row, attention and norms are
@@ -220,8 +220,8 @@ class CausalEngine:
         for j, s in enumerate(suffixes):
             groups.setdefault(-(-len(s) // w) * w, []).append(j)
         out: list[torch.Tensor | None] = [None] * len(suffixes)
-        size = self.row_batch
         for length, idx in groups.items():
+            size = self.row_batch(length)
             for start in range(0, len(idx), size):
                 batch = idx[start:start + size]
                 rows = [suffixes[j] for j in batch] + [[self.pad_id]] * (size - len(batch))  # pad-only fill
@@ -229,6 +229,11 @@ class CausalEngine:
                 for row, j in enumerate(batch):
                     out[j] = logits[row]
         return torch.stack(out) if out else torch.zeros(0)
+
+    def row_batch(self, length: int) -> int:
+        """:meth:`last_logits_rowwise`'s batch size for rows padded to ``length``: a function of the
+        length alone (about 2,048 tokens a pass, at least 8 rows, at most ``max_batch``)."""
+        return min(self.max_batch, max(8, 2048 // length))
 
     def _checked_forward(self, rows: list[list[int]], prefix: SharedPrefix, length: int) -> torch.Tensor:
         shape = (len(rows), length, prefix.length)
