@@ -117,12 +117,13 @@ class CausalEngine:
         or all -inf: one member's demos overflowing in reduced precision) proposes -1, no token —
         it casts no vote instead of failing the whole query (review 6, F2: a crash decided by one
         record). The sampled rows' draws do not depend on which rows were left out."""
-        bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
-        safe = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
+        scaled = logits / temperature if temperature > 0 else logits  # screened after the division (review 7, G2:
+        bad = torch.isnan(scaled).any(-1) | torch.isposinf(scaled).any(-1) | torch.isneginf(scaled).all(-1)  # T→0)
+        safe = torch.where(bad.unsqueeze(-1), torch.zeros_like(scaled), scaled)
         if temperature <= 0:
             picked = safe.argmax(dim=-1)
         else:
-            picked = torch.multinomial(F.softmax(safe / temperature, dim=-1), 1, generator=generator).squeeze(1)
+            picked = torch.multinomial(F.softmax(safe, dim=-1), 1, generator=generator).squeeze(1)
         return torch.where(bad, torch.full_like(picked, -1), picked)
 
     # ---- incremental decoding with a KV cache (OPT's ensemble) ---------------------------------

@@ -16,6 +16,7 @@ WORDS = 48               # the word clip every private text gets first
 HUGE_CONTEXT = 1 << 20   # a context above this many positions counts as unbounded (no token clip)
 MIN_TEXT_TOKENS = 4      # a budget below this leaves no useful room for a text: the settings are refused
 JUNCTION = 4             # tokens kept free where a text meets its template (tokenisation across the seam)
+SEAM = 2                 # tokens kept free where one templated demo meets the next, and in a forward prompt
 
 
 def model_context(model, unbounded_above: int | None = HUGE_CONTEXT) -> int | None:

@@ -55,7 +55,7 @@ def demo_token_budget(engine, cfg, block, instruction: str) -> int | None:
     context): the shared head, ``shots`` demonstrations in their template, the label's open slot and
     ``max_new_tokens`` generated tokens always fit the model's context, whatever a record's length.
     Public (the model, the labels, the settings); settings that leave no room are refused."""
-    from ...methodkit.token_budget import JUNCTION, model_context, text_budget
+    from ...methodkit.token_budget import JUNCTION, SEAM, model_context, text_budget
 
     context = model_context(engine.model)
     if context is None:
@@ -63,7 +63,9 @@ def demo_token_budget(engine, cfg, block, instruction: str) -> int | None:
     labels = list(cfg.data.labels)
     head = len(engine.tok(generation_head(instruction), add_special_tokens=True, verbose=False)["input_ids"])
     tail = max(len(engine.ids(label_header(label))) for label in labels) + block.max_new_tokens
-    overhead = max(len(engine.ids(subset_body([""], label))) for label in labels)
+    # a demo's template tokenized alone, + SEAM: inside a body the next demo's "Label" splits the closing
+    # "\n\n" into two tokens on byte-level BPEs (review 7, G3: one token per inner junction), + one spare
+    overhead = max(len(engine.ids(subset_body([""], label))) for label in labels) + SEAM
     return text_budget(context, head + tail + JUNCTION, block.shots, overhead,
                        f"dp_fewshot: shots={block.shots}, max_new_tokens={block.max_new_tokens} and the instruction")
 

