@@ -128,11 +128,14 @@ def main() -> None:
               f"({tokens / t_query:,.0f} tokens/s; median of {len(t_queries)}); one plain batched forward "
               f"{plain[0]:.3f} s (all logits), {plain[1]:.3f} s (last logits only); query / plain = "
               f"{t_query / plain[0]:.2f} / {t_query / plain[1]:.2f} (goal ≤ 1.2)")
-        # what the method runs since review 6 (F1): every member alone, and each drawn row's ŷ alone
-        engine.last_logits_alone(suffixes[:4], prefix)  # warm-up
+        # the row-own alternatives of review 6 (F1): every member alone, rowwise (what the method runs), ŷ alone
+        def alone(rows):  # every member in its own forward pass
+            return [engine.last_logits([s], prefix) for s in rows]
+
+        alone(suffixes[:4])  # warm-up
         sync()
         t = time.perf_counter()
-        engine.last_logits_alone(suffixes, prefix)
+        alone(suffixes)
         sync()
         t_alone = time.perf_counter() - t
         engine.last_logits_rowwise(suffixes, prefix)  # warm-up, and every shape's row check

@@ -188,13 +188,6 @@ class CausalEngine:
         return self._heads[text]
 
     @torch.no_grad()
-    def last_logits_alone(self, suffixes: list[list[int]], prefix: SharedPrefix | None = None) -> torch.Tensor:
-        """:meth:`last_logits` with every sequence in its own forward pass: each row's logits are a
-        function of that row alone (what :meth:`last_logits_rowwise` falls back to)."""
-        rows = [self.last_logits([s], prefix) for s in suffixes]
-        return torch.cat(rows) if rows else torch.zeros(0)
-
-    @torch.no_grad()
     def last_logits_rowwise(self, suffixes: list[list[int]], prefix: SharedPrefix | None = None) -> torch.Tensor:
         """:meth:`last_logits` where every row's logits are a function of that row alone, batched.
 
@@ -210,9 +203,8 @@ class CausalEngine:
         computes each row from that row alone (products reduce along the row, attention and norms are
         per sequence) — checked on the device, bit for bit, the first time each (batch, length, head)
         shape runs, on public probe rows: the batch in reverse order, and its first row beside pad-only
-        rows. A shape that fails runs its rows alone (in a batch of one: :meth:`last_logits_alone`'s
-        guarantee). On an H100 a 7B model's query of J = 205 took 1.06 s with :meth:`last_logits` and
-        12.0 s alone (bench/RESULTS.md)."""
+        rows. A shape that fails runs its rows alone (in a batch of one, at the same padded length). On an H100 a 7B model's query of J = 205 took 1.06 s with :meth:`last_logits` and
+        12.0 s with every row in its own pass (bench/RESULTS.md)."""
         prefix = prefix or SharedPrefix([], None)
         if any(len(s) == 0 for s in suffixes):
             raise ValueError("every sequence needs at least one token after the shared prefix")

@@ -35,6 +35,20 @@ def _config(state: Path, method: str) -> dict:
     }
 
 
+def parsed_config(tmp_path_factory, method: str, settings: dict, name: str):
+    """A parsed small config of ``method`` with its own settings replaced by ``settings``, and its
+    state folder (created); skipped without ../shared/data."""
+    from tasks.config import parse_config
+    from tasks.state import state_paths
+
+    if not (SHARED / "sst2").is_dir():
+        pytest.skip("../shared/data is not available")
+    state = tmp_path_factory.mktemp(name)
+    config = _config(state, method)
+    config["methods"][method] = dict(settings)
+    return parse_config(config), state_paths(str(state)).create()
+
+
 ROWS = PrivateRows(["a fine , moving film", "dull and tedious", "a joy to watch", "painfully bad"] * 5,
                    ["positive", "negative", "positive", "negative"] * 5)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from ...methodkit.token_budget import clip_words
 from ...schema import Block
 from .. import register_method
 from ..base import Method, MethodPlan, Trained, budget, check_classifier, dp_unless_debug
@@ -30,16 +31,12 @@ def default_instruction(cfg) -> str:
     return f"Classify the input text as {names}."
 
 
-def _clip_words(text: str, limit: int = 48) -> str:
-    return " ".join(text.split()[:limit])
-
-
 def generation_head(instruction: str) -> str:
     """The shared head of every generation prompt (encoded once, its KV reused)."""
     return f"{instruction}\nExamples, each a label and a text with that label:\n\n"
 
 
-def subset_body(texts: list[str], label: str, clip=_clip_words) -> str:
+def subset_body(texts: list[str], label: str, clip=clip_words) -> str:
     """A subset's demonstrations, each text cut by ``clip`` (default: 48 words; a run also cuts each
     to the public token budget of :func:`demo_token_budget`)."""
     return "".join(f"Label: {label}\nText: {clip(t)}\n\n" for t in texts)

@@ -37,7 +37,6 @@ def exact_copies(prompts: list[str], private_texts: list[str], n: int = 6) -> in
     return count
 
 
-@torch.no_grad()
 @torch.inference_mode()  # an audit's forward: no graph (66,000 private texts at the paper's scale)
 def sentence_embeddings(texts: list[str], backbone, batch_size: int = 64, max_length: int = 128) -> torch.Tensor:
     """Mean-pooled, L2-normalised token embeddings of an encoder (all-MiniLM-L6-v2's recipe)."""

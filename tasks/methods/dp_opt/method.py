@@ -538,7 +538,7 @@ class ICL(Method):
     def train(self, mctx, plan, rows, progress=None):
         from models.prompts import TextPrompt
 
-        from .text_prompts import clip_words
+        from ...methodkit.token_budget import clip_words
 
         cfg, block = mctx.cfg, self.settings(mctx.cfg)
         rng = np.random.default_rng(mctx.seed)

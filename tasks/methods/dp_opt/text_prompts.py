@@ -21,11 +21,6 @@ def input_template(cfg) -> str:
     return cfg.models.template or "Input: {text}\n\nOutput:"
 
 
-def clip_words(text: str, limit: int = 48) -> str:
-    words = text.split()
-    return " ".join(words[:limit])
-
-
 def forward_text_budget(engine, cfg, instruction: str | None) -> int | None:
     """Tokens a text may take in the forward template with ``instruction`` (None: the model states no
     bounded context): the room the instruction and the template leave in the model's context, so a

@@ -17,7 +17,7 @@ from tasks.methods import PrivateRows, get_method
 from tasks.methods.dp_fewshot.events import generation_event
 from tasks.methodkit.keyed_partition import keyed_subsets
 
-from test_method_contract import ROWS, SHARED, _config
+from test_method_contract import ROWS, parsed_config
 
 
 # ---- the mechanism ------------------------------------------------------------------------------
@@ -105,16 +105,8 @@ def test_adding_or_removing_one_record_changes_exactly_one_subset():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tasks.config import parse_config
-    from tasks.state import state_paths
-
-    if not (SHARED / "sst2").is_dir():
-        pytest.skip("../shared/data is not available")
-    state = tmp_path_factory.mktemp("fewshot")
-    config = _config(state, "dp_fewshot")
-    config["methods"]["dp_fewshot"] = {"demos_per_label": 1, "subsets": 3, "shots": 2, "max_new_tokens": 4,
-                                       "public_top_k": 12}
-    return parse_config(config), state_paths(str(state)).create()
+    return parsed_config(tmp_path_factory, "dp_fewshot", {"demos_per_label": 1, "subsets": 3, "shots": 2,
+                                                           "max_new_tokens": 4, "public_top_k": 12}, "fewshot")
 
 
 def _train(tiny, rows, sigma=None, randomness=None):

@@ -12,7 +12,7 @@ import pytest
 from tasks.methods import PrivateRows, get_method
 from tasks.methods.dp_fewshot.generate import generate_demo as REAL_GENERATE_DEMO
 
-from test_method_contract import SHARED, _config
+from test_method_contract import _config, parsed_config
 
 random.seed(7)
 LONG_WORDS = " ".join("".join(random.choice(string.ascii_letters + string.digits) for _ in range(90))
@@ -25,15 +25,7 @@ SETTINGS = {"demos_per_label": 1, "subsets": 2, "shots": 4, "max_new_tokens": 3,
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tasks.config import parse_config
-    from tasks.state import state_paths
-
-    if not (SHARED / "sst2").is_dir():
-        pytest.skip("../shared/data is not available")
-    state = tmp_path_factory.mktemp("fewshot_budget")
-    config = _config(state, "dp_fewshot")
-    config["methods"]["dp_fewshot"] = dict(SETTINGS)
-    return parse_config(config), state_paths(str(state)).create()
+    return parsed_config(tmp_path_factory, "dp_fewshot", SETTINGS, "fewshot_budget")
 
 
 def _bodies(tiny, rows, monkeypatch):
