@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO))
 DATA = Path(os.environ.get("PRIVPROMPT_DATA_ROOT") or REPO.parent / "shared" / "data")
 
 
-def _demos(n: int) -> list[tuple[str, str, str]]:
+def _demos(n: int, whole: bool = False) -> list[tuple[str, str, str]]:
     rows = [json.loads(l) for l in (DATA / "sst2" / "train.jsonl").open().readlines()[:n]]
-    return [(" ".join(r["text"].split()[:40]), r["label"], r["label"] if i % 3 else "negative")
+    return [(" ".join(r["text"].split()[:48 if whole else 40]), r["label"], r["label"] if i % 3 else "negative")
             for i, r in enumerate(rows)]
 
 
@@ -48,6 +48,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="timed DP-OPT queries per J (median)")
     ap.add_argument("--skip-opt", action="store_true")
     ap.add_argument("--label-rows", type=int, default=64, help="rows labelled one by one (ŷ alone), timed")
+    ap.add_argument("--mixed", action="store_true",
+                    help="meta-prompts of 1-4 demos of whole texts (lengths as the method's Poisson-sampled members "
+                         "vary), not 5 demos of 40 words each")
     args = ap.parse_args()
     import statistics
 
@@ -78,8 +81,14 @@ def main() -> None:
     engine = CausalEngine(bb.model, bb.tokenizer, max_batch=args.max_batch)
     head_text = backward_head("Classify the input text as positive or negative.")
     head = list(bb.tokenizer(head_text, add_special_tokens=True)["input_ids"])
-    demos = _demos(205 * 5)
-    bodies = [engine.ids(backward_body(demos[5 * j:5 * j + 5])) for j in range(205)]
+    demos = _demos(205 * 5, whole=args.mixed)
+    if args.mixed:  # as dp_opt's members: a Poisson-sampled number of demos (here 1-4, cap 2k = 4)
+        import numpy as np
+
+        counts = np.random.default_rng(0).integers(1, 5, size=205)
+        bodies = [engine.ids(backward_body(demos[5 * j:5 * j + c])) for j, c in enumerate(counts)]
+    else:
+        bodies = [engine.ids(backward_body(demos[5 * j:5 * j + 5])) for j in range(205)]
     never = {-1}  # no EOS: every run generates exactly --tokens tokens
 
     # 1. OPT: KV-cached ensemble vs plain generate vs re-encoding, same J meta-prompts
@@ -138,12 +147,18 @@ def main() -> None:
         alone(suffixes)
         sync()
         t_alone = time.perf_counter() - t
-        engine.last_logits_rowwise(suffixes, prefix)  # warm-up, and every shape's row check
-        sync()
-        t = time.perf_counter()
-        engine.last_logits_rowwise(suffixes, prefix)
-        sync()
-        t_rowwise = time.perf_counter() - t
+        t_rowwise = {}
+        default = engine.batch_rows
+        for batch_rows in (True, False):  # public row-own shapes, batched / every row alone at its length
+            engine.batch_rows = batch_rows
+            engine.last_logits_rowwise(suffixes, prefix)  # warm-up, and every shape's row check
+            sync()
+            t = time.perf_counter()
+            engine.last_logits_rowwise(suffixes, prefix)
+            sync()
+            t_rowwise[batch_rows] = time.perf_counter() - t
+        engine.batch_rows = default
+        padded = sum(engine.row_batch(n) * -(-k // engine.row_batch(n)) * n for n, k in _buckets(suffixes, engine).items())
         texts = [d[0] for d in demos[:args.label_rows]]
         words = [" negative", " positive"]
         engine.label_logprobs("Classify the input text as positive or negative.", texts[:2], words,
@@ -155,12 +170,22 @@ def main() -> None:
                                   lambda x: f"Input: {x}\nOutput:")
         sync()
         t_label = (time.perf_counter() - t) / len(texts)
-        print(f"  members alone: {t_alone:.3f} s = {t_alone / t_query:.2f}× the batched query; rowwise (the method's "
-              f"query since review 6: public shapes, batches of {engine.row_batch(256)} at 256 tokens): {t_rowwise:.3f} s = "
-              f"{t_rowwise / t_query:.2f}×, shapes failing the row check: {len(engine._shapes_unsafe)} of "
-              f"{len(engine._shapes_checked)}; one row's ŷ alone: {1000 * t_label:.1f} ms (mean of {len(texts)})")
+        print(f"  members alone: {t_alone:.3f} s = {t_alone / t_query:.2f}× the batched query; rowwise batched (public "
+              f"shapes, batches of {engine.row_batch(256)} at 256 tokens; {padded:,} padded tokens for {tokens - J * len(prefix.ids):,}): "
+              f"{t_rowwise[True]:.3f} s = {t_rowwise[True] / t_query:.2f}×, shapes failing the row check: "
+              f"{len(engine._shapes_unsafe)} of {len(engine._shapes_checked)}; rowwise alone (each row at its length): "
+              f"{t_rowwise[False]:.3f} s = {t_rowwise[False] / t_query:.2f}×; the engine's default here: "
+              f"{'batched' if default else 'alone'}; one row's ŷ alone: {1000 * t_label:.1f} ms (mean of {len(texts)})")
         if torch.cuda.is_available() and dev.type == "cuda":
             print(f"  peak GPU memory so far {torch.cuda.max_memory_allocated(dev) / 2**30:.1f} GiB")
+
+
+def _buckets(suffixes, engine) -> dict[int, int]:
+    """Rows per padded length of :meth:`CausalEngine.last_logits_rowwise`'s batched path."""
+    w, out = engine.bucket_width, {}
+    for s in suffixes:
+        out[-(-len(s) // w) * w] = out.get(-(-len(s) // w) * w, 0) + 1
+    return out
 
 
 def opt_comparison(args, bb, engine, head, bodies, never, sync) -> None:

@@ -41,10 +41,14 @@ class SharedPrefix:
 class CausalEngine:
     """``model``: a frozen causal LM (eval mode); ``tokenizer``: its tokenizer."""
 
-    def __init__(self, model, tokenizer, max_batch: int = 32, bucket_width: int = 16):
+    def __init__(self, model, tokenizer, max_batch: int = 32, bucket_width: int = 16, batch_rows: bool | None = None):
         self.model, self.tok = model, tokenizer
         self.max_batch, self.bucket_width = max_batch, bucket_width
         self.device = next(model.parameters()).device
+        # last_logits_rowwise batches rows in public shapes on an accelerator; on a CPU every row runs
+        # alone at its own length (a batch buys little there, and its bucket padding, pad-only fill rows
+        # and per-shape checks cost 3-5× — measured in bench/bench_dpopt.py --mixed)
+        self.batch_rows = self.device.type != "cpu" if batch_rows is None else bool(batch_rows)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.eos_id = tokenizer.eos_token_id
@@ -204,10 +208,15 @@ class CausalEngine:
         per sequence) — checked on the device, bit for bit, the first time each (batch, length, head)
         shape runs, on public probe rows: the batch in reverse order, and its first row beside pad-only
         rows. A shape that fails runs its rows alone (in a batch of one, at the same padded length). On an H100 a 7B model's query of J = 205 took 1.06 s with :meth:`last_logits` and
-        12.0 s with every row in its own pass (bench/RESULTS.md)."""
+        12.0 s with every row in its own pass (bench/RESULTS.md).
+
+        Without ``batch_rows`` (the default on a CPU) every row runs alone at its own length: no
+        companions, no padding, nothing to check."""
         prefix = prefix or SharedPrefix([], None)
         if any(len(s) == 0 for s in suffixes):
             raise ValueError("every sequence needs at least one token after the shared prefix")
+        if not self.batch_rows:
+            return torch.cat([self._forward_left_padded([s], prefix) for s in suffixes]) if suffixes else torch.zeros(0)
         w = self.bucket_width
         groups: dict[int, list[int]] = {}
         for j, s in enumerate(suffixes):

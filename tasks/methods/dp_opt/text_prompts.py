@@ -59,15 +59,18 @@ def meta_text_budget(engine, cfg, instruction: str, rows: int, max_new_tokens: i
                        "instruction")
 
 
-def label_logprobs(engine, cfg, instruction: str | None, texts: list[str], rowwise: bool = False):
+def label_logprobs(engine, cfg, instruction: str | None, texts: list[str], rowwise: bool = False,
+                   room: int | None | object = ...):
     """(N, n_labels) log-probabilities of the labels under the forward template with ``instruction``;
-    each text within 48 words and the room the instruction leaves (:func:`forward_text_budget`): a
-    cut of the text alone. ``rowwise``: each row's from that row alone (CausalEngine.last_logits_rowwise)."""
+    each text within 48 words and the room the instruction leaves (:func:`forward_text_budget`; pass
+    its answer as ``room``, an int or None, when scoring the same instruction row by row): a cut of the text alone.
+    ``rowwise``: each row's from that row alone (CausalEngine.last_logits_rowwise)."""
     from ...methodkit.token_budget import clip_text
     from .templates import eval_prefix
 
     template = input_template(cfg)
-    room = forward_text_budget(engine, cfg, instruction)
+    if room is ...:
+        room = forward_text_budget(engine, cfg, instruction)
     return engine.label_logprobs(eval_prefix(instruction), [clip_text(engine, t, room) for t in texts],
                                  label_words(cfg), lambda t: template.replace("{text}", t), rowwise=rowwise)
 
@@ -91,8 +94,12 @@ def correct_counts(engine, cfg, candidates: list[str], texts: list[str], labels:
     row's prediction — a count moving by more than one, or down, which the DP-argmax's monotone,
     sensitivity-1 calibration does not cover (the same fix as the selection's holdout scoring)."""
     y = np.array([cfg.data.labels.index(l) for l in labels])
-    correct = np.stack([np.array([int(label_logprobs(engine, cfg, c, [t]).argmax(dim=1)[0]) for t in texts]) == y
-                        for c in candidates]) if len(texts) else np.zeros((len(candidates), 0), dtype=bool)
+
+    def scored(c):  # the candidate's room computed once (public), every row alone
+        room = forward_text_budget(engine, cfg, c)
+        return np.array([int(label_logprobs(engine, cfg, c, [t], room=room).argmax(dim=1)[0]) for t in texts])
+    correct = (np.stack([scored(c) == y for c in candidates]) if len(texts)
+               else np.zeros((len(candidates), 0), dtype=bool))
     return per_unit_counts(correct, units)
 
 

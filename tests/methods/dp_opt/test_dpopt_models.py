@@ -13,7 +13,7 @@ from models.backbones import load_backbone
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
 def engine(request):
     bb = load_backbone(request.param, "cpu", seed=3)
-    return CausalEngine(bb.model, bb.tokenizer, max_batch=4, bucket_width=3)
+    return CausalEngine(bb.model, bb.tokenizer, max_batch=4, bucket_width=3, batch_rows=True)  # the GPU's path, on CPU
 
 
 def _rows(engine, texts):
@@ -41,12 +41,17 @@ def test_a_members_vote_and_a_rows_label_are_its_own(engine, monkeypatch):
 
     prefix = engine.encode_prefix("instruction : classify the review")
     rows = _rows(engine, TEXTS) + [engine.ids("x " * k) for k in (2, 5, 9, 11, 13)]
-    own = engine.last_logits_rowwise(rows, prefix)
-    for j, r in enumerate(rows):
-        others = [engine.ids("y " * (3 + 4 * j))] + rows[:j] + rows[j + 1:]
-        assert torch.equal(engine.last_logits_rowwise(others + [r], prefix)[-1], own[j])
-        assert torch.equal(engine.last_logits_rowwise([r], prefix)[0], own[j])
-    assert torch.allclose(own, engine.last_logits(rows, prefix), atol=1e-4)  # the same numbers, up to rounding
+    for batch_rows in (True, False):  # public batched shapes (an accelerator's default) / alone (a CPU's)
+        engine.batch_rows = batch_rows
+        try:
+            own = engine.last_logits_rowwise(rows, prefix)
+            for j, r in enumerate(rows):
+                others = [engine.ids("y " * (3 + 4 * j))] + rows[:j] + rows[j + 1:]
+                assert torch.equal(engine.last_logits_rowwise(others + [r], prefix)[-1], own[j])
+                assert torch.equal(engine.last_logits_rowwise([r], prefix)[0], own[j])
+            assert torch.allclose(own, engine.last_logits(rows, prefix), atol=1e-4)  # the same numbers, up to rounding
+        finally:
+            engine.batch_rows = True
     calls = []
     monkeypatch.setattr("tasks.methods.dp_opt.text_prompts.predictions",
                         lambda engine, cfg, instruction, texts, rowwise=False: calls.append((len(texts), rowwise))
@@ -57,6 +62,18 @@ def test_a_members_vote_and_a_rows_label_are_its_own(engine, monkeypatch):
     proposer.demos_of(np.array([0, 1, 2]))
     proposer.demos_of(np.array([2, 3]))
     assert calls == [(3, True), (1, True)]  # each new row once, row by row's own
+
+
+def test_on_a_cpu_rows_run_alone_at_their_own_length_and_nothing_is_checked(engine):
+    """The CPU default (bench_dpopt --mixed: batching bought nothing there and its padding, fill
+    rows and checks cost several times the query): each row is exactly its own pass."""
+    cpu = CausalEngine(engine.model, engine.tok, max_batch=4, bucket_width=3)
+    assert cpu.batch_rows is False
+    prefix = cpu.encode_prefix("instruction : classify the review")
+    rows = _rows(cpu, TEXTS)
+    got = cpu.last_logits_rowwise(rows, prefix)
+    assert torch.equal(got, torch.cat([cpu._forward_left_padded([r], prefix) for r in rows]))
+    assert not cpu._shapes_checked and got.shape == (len(rows), engine.last_logits(rows[:1], prefix).shape[1])
 
 
 def test_a_shape_that_fails_the_row_check_runs_its_rows_alone(engine, monkeypatch):
@@ -70,7 +87,7 @@ def test_a_shape_that_fails_the_row_check_runs_its_rows_alone(engine, monkeypatc
         return out + 1e-3 * batch[0][-1] if len(batch) > 1 else out
     # (the check runs on public probe rows, so which path a shape takes never depends on the data)
 
-    fresh = CausalEngine(engine.model, engine.tok, max_batch=4, bucket_width=64)
+    fresh = CausalEngine(engine.model, engine.tok, max_batch=4, bucket_width=64, batch_rows=True)
     monkeypatch.setattr(fresh, "_forward_left_padded", coupled)
     got = fresh.last_logits_rowwise(rows)
     alone = torch.cat([real([r], SharedPrefix([], None), 64) for r in rows])
