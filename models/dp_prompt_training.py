@@ -340,18 +340,21 @@ def train_prompt(
     N = num_examples(encoded_train)
     if labels.shape != (N,):
         raise ValueError(f"labels must have shape ({N},), got {tuple(labels.shape)}")
-    if N == 0:
+    if N == 0 and dp is None:
         raise ValueError("empty training set")
-    if labels.min() < 0 or labels.max() >= classifier.n_labels:
+    # DP-SGD on an EXACTLY empty training set still runs its planned steps (every batch empty: noise
+    # alone): refusing it would be a 0-vs-1 test of one record outside ε (review 6, F5)
+    if N and (labels.min() < 0 or labels.max() >= classifier.n_labels):
         raise ValueError(f"labels must be in [0, {classifier.n_labels})")
     classifier.eval()
     prompt = _initial_prompt(classifier, config, init_prompt, seed)
     opt = _optimizer([prompt.weight], config)
     if config.physical_batch_size is None:  # memory only: the logical step is the same at any size
-        config = replace(config, physical_batch_size=_physical_batch(classifier, encoded_train, labels, prompt))
+        config = replace(config, physical_batch_size=_physical_batch(classifier, encoded_train, labels, prompt)
+                         if N else 1)  # (no example: no gradient to fit in memory)
     if dp is None:
         return _train_nonprivate(classifier, encoded_train, labels, config, prompt, opt, progress, seed)
-    if units is not None:
+    if units is not None and N:
         units = torch.as_tensor(units, dtype=torch.long).cpu()
         if units.shape != (N,) or units.min() < 0:
             raise ValueError(f"units must be ({N},) non-negative unit indices, got shape {tuple(units.shape)}")
@@ -515,6 +518,8 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
               g_sample: torch.Generator, g_noise: torch.Generator,
               hooks: tuple[DPStepHook, ...] = (), units: torch.Tensor | None = None) -> TrainResult:
     N = num_examples(enc)
+    if N == 0:
+        units = None  # no example, no unit: every Poisson batch is empty
     U = N if units is None else int(units.max()) + 1  # privacy units: examples, or the given units
     q = dp.sample_rate
     total = config.steps if config.steps is not None else max(1, round(config.epochs / q))

@@ -34,7 +34,7 @@ def mean_loss(classifier: PromptClassifier, enc, labels, weight: torch.Tensor, b
         rows = torch.arange(start, min(n, start + batch_size))
         total += float(F.cross_entropy(classifier(select_rows(enc, rows), weight).float(),
                                        labels[rows].to(classifier.device), reduction="sum"))
-    return total / n
+    return total / n if n else 0.0  # no row: no loss (an empty batch or split)
 
 
 STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the segment from w to the box's ascent corner is sampled

@@ -588,10 +588,12 @@ def holdout_counts(method, mctx, prompt, holdout, weights=None):
     cfg = mctx.cfg
     metric = cfg.selection.metric
     if weights is None and metric == "accuracy":
-        correct = int(method.holdout_correct(mctx, prompt, holdout))
+        correct = int(method.holdout_correct(mctx, prompt, holdout)) if len(holdout) else 0
         return correct, len(holdout) - correct
-    y = label_indices(holdout.labels, cfg.data.labels).cpu().numpy()
-    predicted = np.asarray(method.holdout_predictions(mctx, prompt, holdout))
+    y = label_indices(holdout.labels, cfg.data.labels).cpu().numpy().astype(int)
+    # an exactly empty holdout (review 6, F5): no row predicted, every count 0
+    predicted = (np.asarray(method.holdout_predictions(mctx, prompt, holdout)) if len(holdout)
+                 else np.zeros(0, dtype=int))
     if metric == "accuracy":  # weighted: (Σ weights of the rows right, Σ of those wrong)
         w, right = _row_weights(weights, y), predicted == y
         return _math.fsum(w[right].tolist()), _math.fsum(w[~right].tolist())
@@ -633,8 +635,10 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     sel = cfg.selection
     candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
     holdout = rows.validation
-    if holdout is None or len(holdout) == 0:
-        raise RuntimeError("selection: no holdout rows to score the candidates on (data.holdout_fraction)")
+    if holdout is None:
+        raise RuntimeError("selection: the method passed no holdout rows to score the candidates on")
+    # an EXACTLY empty holdout is scored like any other (every count 0, then the noise): refusing it
+    # here would be a 0-vs-1 test of one record outside ε (review 6, F5)
     weights = holdout_weights(cfg, holdout)  # one vote per person with a person unit (None: one per row)
     # the candidates' training rows, without the holdout (only the scores read it), with their units
     train_rows = PrivateRows(rows.texts, rows.labels, units=rows.units)

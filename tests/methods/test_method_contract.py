@@ -270,3 +270,27 @@ def test_a_dp_plan_meets_every_target_it_accepts(name, contexts):
             if plan.guarantee == "dp":
                 assert acct.spend(plan.event, 1e-5).epsilon <= target * (1 + 1e-6), (target, n_train)
     assert planned  # the settings plan at some budget
+
+
+@pytest.mark.parametrize("name", registered_methods())
+def test_a_private_method_trains_on_an_exactly_empty_split(name, contexts):
+    """Review 6, F5: a method with a guarantee (dp, ldp) trains on an EXACTLY empty set of private
+    rows — its plan's steps or queries on noise alone — and spends no more than the plan: a refusal
+    or a crash there (one record away from a run) would be a 0-vs-1 test of that record outside ε.
+    (Methods without a guarantee may refuse: they state no ε.)"""
+    from privacy import accountant as acct
+    from privacy.ledger import Ledger
+    from tasks.methods import MethodContext
+    from tasks.randomness import DpRandomness
+
+    ctx, prepared = contexts[name]
+    cfg, method = ctx.cfg, get_method(name)
+    if method.guarantee(cfg) == "none" or not method.reads_private_data(cfg):
+        pytest.skip(f"{name} states no ε under its contract settings, or reads no private row")
+    plan = method.plan(cfg, len(ROWS), 1e-5)  # planned on the released size, whatever the exact one is
+    Ledger(ctx.paths.ledger).register_dataset(f"contract-empty-{name}", "contract", 10.0, 1e-5)
+    mctx = MethodContext(cfg, ctx.paths, prepared, DpRandomness(), 0, dataset_key=f"contract-empty-{name}")
+    trained = method.train(mctx, plan, PrivateRows([], []))
+    if plan.guarantee == "dp":
+        assert acct.spend(trained.event, 1e-5).epsilon <= acct.spend(plan.event, 1e-5).epsilon * (1 + 1e-9)
+    assert method.post_process(mctx, plan, trained.prompt).prompt is not None

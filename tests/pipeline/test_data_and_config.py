@@ -115,15 +115,20 @@ def test_missing_folder_and_file(tmp_path, toy):
         partition_dataset(_cfg(toy), 0, tmp_path / "p", None)
 
 
-def test_empty_splits_are_errors(toy, tmp_path):
-    # 200 records at rate 1e-6: the holdout (or training, or test) split is empty
-    with pytest.raises(DataError, match="holdout split is empty; raise holdout_fraction"):
-        partition_dataset(_cfg(toy, holdout_fraction=1e-6), 0, tmp_path / "p", None)
-    with pytest.raises(DataError, match="training split is empty after partitioning; raise data.train_fraction"):
-        partition_dataset(_cfg(toy, train_fraction=1e-6), 0, tmp_path / "p", None)
+def test_exactly_empty_training_or_holdout_splits_are_partitioned_test_split_refused(toy, tmp_path):
+    """200 records at rate 1e-6: an EXACTLY empty training or holdout split is partitioned like any
+    other (its released size is noise, floored at 1): refusing it on the exact count, before any
+    release, was a 0-vs-1 test of one record outside ε (review 6, F5). The test split is evaluation
+    data outside ε: an empty one is still refused, and nothing is half-written."""
+    hold = partition_dataset(_cfg(toy, holdout_fraction=1e-6), 0, tmp_path / "p", None)
+    assert hold.n_holdout == 0 and read_partition_split(hold.holdout_path) == ([], [])
+    assert hold.sizes.n_holdout >= 1 and hold.n_train == 200
+    train = partition_dataset(_cfg(toy, train_fraction=1e-6), 0, tmp_path / "p", None)
+    assert train.n_train == 0 and read_partition_split(train.train_path) == ([], []) and train.sizes.n_train >= 1
+    before = set((tmp_path / "p" / "partitions").iterdir())
     with pytest.raises(DataError, match="test split is empty; raise data.test_fraction"):
         partition_dataset(_cfg(toy, test_fraction=1e-6), 0, tmp_path / "p", None)
-    assert not any(p for p in (tmp_path / "p" / "partitions").iterdir())  # nothing half-written
+    assert set((tmp_path / "p" / "partitions").iterdir()) == before  # nothing half-written
 
 
 @pytest.mark.parametrize("kw,needle", [

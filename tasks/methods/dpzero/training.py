@@ -115,8 +115,12 @@ def train_dpzero(classifier: PromptClassifier, encoded: dict, labels: torch.Tens
     index 0..U-1 per example for user-level DPZero (module docstring)."""
     labels = torch.as_tensor(labels, dtype=torch.long).cpu()
     N = num_examples(encoded)
-    if N == 0 or labels.shape != (N,):
-        raise ValueError(f"need a non-empty training set with one label per example (N={N}, labels {tuple(labels.shape)})")
+    if labels.shape != (N,):
+        raise ValueError(f"need one label per example (N={N}, labels {tuple(labels.shape)})")
+    # an EXACTLY empty training set still takes the planned steps (every batch empty: noise alone):
+    # refusing it would be a 0-vs-1 test of one record outside ε (review 6, F5)
+    if N == 0:
+        units = None
     if units is not None:
         units = torch.as_tensor(units, dtype=torch.long).cpu()
         if units.shape != (N,) or units.min() < 0 or torch.unique(units).numel() != int(units.max()) + 1:

@@ -268,9 +268,9 @@ class Rapt(Method):
         bb = load_backbone(cfg.models.local, seed=cfg.seed, placement=cfg.models.placement_of(cfg.models.local))
         plain = self._plain(cfg, bb.tokenizer)
         encoding = encode_rapt(bb.tokenizer, texts, plain, cfg.models.max_length)
-        if not bool(encoding["text_mask"].any()):  # before any release is recorded or drawn
-            raise ValueError(f"RAPT: the {split} split has no text tokens ({len(texts)} texts, all empty "
-                             "after tokenization): nothing to privatize or to tune on")
+        # a split with no text token at all (exactly empty, or every text empty after tokenization) is
+        # privatized and tuned on like any other (nothing to draw: the tuning sees no row): refusing it
+        # on the exact rows would be a 0-vs-1 test of one record outside ε (review 6, F5)
         shared = draw_path(mctx, split, {
             "data": cfg.data.model_dump(mode="json"), "data_root": cfg.data_root, "seed": cfg.seed,
             "model": cfg.models.local, "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain,
@@ -321,8 +321,10 @@ class Rapt(Method):
         head_vocab = mctx.prepared.get("head_vocab") if block.reconstruction else None  # (the attacks use it too)
         model, _ = self.tune(cfg, path, rows.labels, mctx.seed, head_vocab, progress)
         # audit statistics (they read the unprivatized text; the ledger lists them as non-private uses)
-        audit = {"audit.rapt.replace_prob": replaced_share(encoding, data)}  # local: reads the original ids
-        if block.attacks:
+        audit = {}
+        if bool(encoding["text_mask"].any()):  # (no text token: an exactly empty split has no statistic to audit)
+            audit["audit.rapt.replace_prob"] = replaced_share(encoding, data)  # local: reads the original ids
+        if block.attacks and audit:
             audit.update(self._attacks(mctx, model, data, encoding))
         return Trained(model.prompt.weight.detach().cpu().clone(), None, block.steps, {"train.steps": block.steps},
                        audit_metrics=audit)

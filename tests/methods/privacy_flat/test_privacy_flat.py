@@ -80,6 +80,22 @@ def test_awp_only_in_first_steps_from_the_unnoised_batch_gradient(toy, monkeypat
     assert [h["batch_size"] for h in res.history] == [h["batch_size"] for h in plain.history]
 
 
+def test_dp_flat_prefix_training_on_an_exactly_empty_set_takes_its_planned_steps(toy):
+    """Review 6, F5: AWP and the sparse layers on an EXACTLY empty training set — every Poisson batch
+    empty, each step noise alone on the kept layers — rather than a crash one record away from a run."""
+    clf, enc, y, init = toy
+    none = torch.zeros(0, dtype=torch.long)
+    sample, noise = seeded_dp_generators(3)
+    tc = PromptTrainingConfig(n_tokens=2, lr=0.05, steps=4, batch_size=8, kind="prefix")
+    L = init.shape[0]
+    res = train_prompt(clf, select_rows(enc, none), y[none], tc,
+                       dp=DPConfig(noise_multiplier=0.5, max_grad_norm=1.0, sample_rate=0.5, expected_batch=8.0),
+                       seed=0, init_prompt=init, sample_generator=sample, noise_generator=noise,
+                       hooks=[FlatStepHook(awp_steps=2, awp_gamma=0.05, layers=[L - 1])])
+    assert res.steps == 4 and res.empty_batches == 4 and [h["batch_size"] for h in res.history] == [0] * 4
+    assert torch.equal(res.prompt[: L - 1], init[: L - 1]) and not torch.equal(res.prompt[L - 1], init[L - 1])
+
+
 def test_sparse_layers_freeze_removed_layers_and_get_no_noise(toy):
     clf, enc, y, init = toy
     L = init.shape[0]

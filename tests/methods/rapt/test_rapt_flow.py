@@ -209,24 +209,29 @@ def test_draw_paths_key_the_texts_and_keep_seeded_draws_private(tmp_path):
     assert public.parent == paths.root / "outputs" / "rapt-draws"
 
 
-def test_a_split_without_text_tokens_is_refused_before_any_release(tmp_path):
-    """Texts that are all empty after tokenization: a clear error before the ledger records a
-    release or anything is drawn (it used to fail only at the audit step, after tuning)."""
+def test_a_split_without_text_tokens_is_drawn_like_any_other(tmp_path):
+    """Texts that are all empty after tokenization (or none: an exactly empty split) are privatized
+    and recorded as any draw — nothing to replace, no refusal: refusing on the exact rows was a
+    0-vs-1 test of one record outside ε (review 6, F5; it used to be refused before the release)."""
     from types import SimpleNamespace
 
     from tasks.config import parse_config
     from tasks.methods.rapt.method import Rapt
     from tasks.randomness import DpRandomness
-    from tasks.state import state_paths
+    from privacy.ledger import Ledger
+    from tasks.state import installation_secret, state_paths
 
     cfg = parse_config(_config(tmp_path / "data", tmp_path / "state"))
-    paths = state_paths(str(tmp_path / "state"))
-    mctx = SimpleNamespace(cfg=cfg, paths=paths, randomness=DpRandomness(seeded=False), dataset_key="toy",
+    paths = state_paths(str(tmp_path / "state")).create()
+    installation_secret(paths.private)
+    ledger = Ledger(paths.ledger)
+    ledger.register_dataset("toy-key", "toy", 10.0, 1e-5)
+    mctx = SimpleNamespace(cfg=cfg, paths=paths, randomness=DpRandomness(seeded=False), dataset_key="toy-key",
                            output_dir=tmp_path / "out")
-    with pytest.raises(ValueError, match="train split has no text tokens"):
-        Rapt().shared_draw(mctx, ["", "   "], "train", 3, tmp_path / "out" / "train.pt")
-    assert not (paths.root / "outputs" / "rapt-draws").exists()
-    assert not paths.ledger.exists() or "rapt-draw" not in paths.ledger.read_bytes().decode("latin-1")
+    for texts in (["", "   "], []):
+        data, encoding = Rapt().shared_draw(mctx, texts, "train", 3, tmp_path / "out" / f"{len(texts)}.pt")
+        assert len(data) == len(texts) and not bool(encoding["text_mask"].any())
+    assert ledger.dataset("toy-key")["ldp_releases"] == 2  # each draw its own release, as any other
 
 
 def test_every_draw_made_is_its_own_release(tmp_path):
