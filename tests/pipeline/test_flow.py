@@ -306,7 +306,11 @@ def test_cli_summary_separates_model_work_audit_and_orchestration(capsys):
     assert "1600.0 s (150.0 s model work, 1300.0 s audit, 150.0 s orchestration" in out
     summary["compute_seconds"].pop("audit")
     privprompt_cli._print_summary(summary, 200.0)
-    assert "200.0 s (150.0 s model work, 50.0 s orchestration" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "200.0 s (150.0 s model work, 50.0 s orchestration" in out and "comparison" not in out
+    summary["metrics"]["no_prompt.released_difference"] = 3.2  # its time is outside the published model work
+    privprompt_cli._print_summary(summary, 200.0)
+    assert "50.0 s orchestration, tracking and start-up, with the comparison with no prompt)" in capsys.readouterr().out
 
 
 def test_sweep_table_shows_private_baselines_only_labelled():
