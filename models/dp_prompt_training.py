@@ -351,7 +351,7 @@ def train_prompt(
     opt = _optimizer([prompt.weight], config)
     if config.physical_batch_size is None:  # memory only: the logical step is the same at any size
         config = replace(config, physical_batch_size=_physical_batch(classifier, encoded_train, labels, prompt)
-                         if N else 1)  # (no example: no gradient to fit in memory)
+                         if N else choose_physical_batch(None, classifier.device))  # (no example to probe with)
     if dp is None:
         return _train_nonprivate(classifier, encoded_train, labels, config, prompt, opt, progress, seed)
     if units is not None and N:
