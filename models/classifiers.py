@@ -102,7 +102,8 @@ class _TemplateTokenizer:
         if budget < 1:
             raise ValueError(f"max_length={max_length} leaves no room for text (template takes {self.fixed})")
         texts = [str(t) for t in texts]
-        text_ids = self.tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        # verbose=False: the tokenizer's "longer than the model's maximum" warning prints a private text's length
+        text_ids = self.tok(texts, add_special_tokens=False, verbose=False)["input_ids"] if texts else []
         rows, label_pos = [], []
         for ids in text_ids:
             ids = list(ids)[:budget]

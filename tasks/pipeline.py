@@ -168,7 +168,8 @@ class RunReport:
         self.points.append(point(name, acc["target"], outcome))
         if mia is not None:
             self.compute[f"mia:{name}"] = mia["compute_s"]
-            self.metrics[baseline_name(name, "mia.loss.auc", True)] = mia["metrics"]["mia.loss.auc"]
+            if "mia.loss.auc" in mia["metrics"]:  # (absent when the attack did not run: an exactly empty split)
+                self.metrics[baseline_name(name, "mia.loss.auc", True)] = mia["metrics"]["mia.loss.auc"]
 
     def prepared(self, prepared: dict) -> None:
         """The published method's public-data preparation, on the parent."""
@@ -235,7 +236,8 @@ class RunReport:
         """The published prompt's loss-threshold MIA (audit statistics)."""
         self.compute[f"mia:{self.cfg.method}"] = mia["compute_s"]
         self.metrics.update(mia["metrics"])
-        self.parent.log_file(mia["roc_plot"], "plots")
+        if mia["roc_plot"]:  # (none when the attack did not run: an exactly empty split)
+            self.parent.log_file(mia["roc_plot"], "plots")
 
     def released(self, published: RunOutcome, run_plan: FlowPlan) -> None:
         """The published method's spend on the parent, the plan's parameters (the released sizes

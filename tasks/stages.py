@@ -206,6 +206,13 @@ def supported_fprs(n_nonmembers: int, fprs=(0.01, 0.001)) -> tuple[float, ...]:
     return tuple(f for f in fprs if n_nonmembers * f >= 1)
 
 
+def _holds_no_row(path: str) -> bool:
+    """Whether a partition split file is EXACTLY empty (private side: decides only an audit's "not run")."""
+    import pyarrow.parquet as pq
+
+    return pq.read_metadata(path).num_rows == 0
+
+
 def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guarantee: str,
                    model: str | None = None) -> dict:
     """Loss-threshold membership inference (Privacy-Flat §4.2): members = training partition,
@@ -220,6 +227,14 @@ def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
         part.dataset_key, f"{ctx.flow_run_id}:mia:{name}",
         f"loss-threshold membership inference on {name}'s prompt: audit statistics (not DP)")
     model = model or cfg.models.local
+    if _holds_no_row(part.train_path) or _holds_no_row(part.holdout_path):
+        # an EXACTLY empty member or non-member side (review 8, H1): no attack, an audit statistic that
+        # says so — never a failed flow, which would withhold the run's DP output on one record's bit
+        child = ctx.parent.child(f"mia:{name}", {"method": name, "stage": "audit", "attack": "loss",
+                                                 "privacy.guarantee": guarantee, "audit.not_run": "a split holds no row",
+                                                 "statistic": "audit (not DP): computed on training records"})
+        child.end()
+        return {"metrics": {}, "roc_plot": None, "compute_s": time.perf_counter() - started}
     clf, prompt = prompted(cfg, model, load_prompt_file(prompt_path))
     rng = np.random.default_rng(cfg.seed + 17)
     n_in, n_out = mia_pool_sizes(part, cfg.mia.max_examples)  # released, never exact

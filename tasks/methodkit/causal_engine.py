@@ -178,7 +178,7 @@ class CausalEngine:
         prefix = self._head(prefix_text)
         suffixes = [self.ids(template(t)) for t in texts]
         if prefix.length == 0:  # no shared head: the first row tokens carry BOS if the tokenizer adds one
-            suffixes = [list(self.tok(template(t), add_special_tokens=True)["input_ids"]) for t in texts]
+            suffixes = [list(self.tok(template(t), add_special_tokens=True, verbose=False)["input_ids"]) for t in texts]
         logits = (self.last_logits_rowwise if rowwise else self.last_logits)(suffixes, prefix)
         return F.log_softmax(logits, dim=-1)[:, label_ids]
 

@@ -30,7 +30,8 @@ def test_a_dp_run_on_an_exactly_empty_split_finishes_and_publishes_its_epsilon(s
     cfg = _config(toy, state, **{f"data.{split}_fraction": 1e-6, "fallback": {"enabled": True}})
     cfg["methods"]["zero_shot"]["enabled"] = False
     cfg["methods"]["prompt_sgd"]["enabled"] = False
-    cfg["mia"]["enabled"] = False
+    cfg["mia"]["max_examples"] = 20  # the default loss MIA stays on: with a split of no row it does not run
+    # (an audit statistic), never failing the flow that publishes the run's DP output (review 8, H1)
     summary = method_flow(cfg)
     run = _mlflow(state).get_run(summary["mlflow_run_id"])
     assert 0 < run.data.metrics["privacy.epsilon"] <= 4.0 + 1e-6 and run.data.tags["privacy.guarantee"] == "dp"
@@ -38,6 +39,14 @@ def test_a_dp_run_on_an_exactly_empty_split_finishes_and_publishes_its_epsilon(s
     part = Partition(**json.loads(manifest.read_text()))
     assert getattr(part, f"n_{split}") == 0 and getattr(part.sizes, f"n_{split}") >= 1  # exact 0, released noise
     assert run.data.params[f"data.n_{split}"] == str(getattr(part.sizes, f"n_{split}"))  # what is published
+    assert not [k for k in run.data.metrics if k.startswith("mia.")]
+    mias = _mlflow(state).search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}' "
+                                      "and tags.attack = 'loss'")
+    if run.data.metrics.get("no_prompt.fallback"):  # (an empty holdout's comparison is noise alone: no prompt half
+        assert not mias                               # the time, and then nothing to attack)
+    else:
+        (mia,) = mias
+        assert mia.data.tags["audit.not_run"] == "a split holds no row"
 
 
 @pytest.mark.parametrize("metric,weights", [("accuracy", None), ("balanced_accuracy", None),
@@ -60,3 +69,18 @@ def test_the_selection_scores_an_exactly_empty_holdout_as_zero_counts(metric, we
     counts = holdout_counts(NeverCalled(), SimpleNamespace(cfg=cfg), None, PrivateRows([], [], units=None),
                             None if weights is None else np.array(weights, dtype=float))
     assert list(np.asarray(counts, dtype=float)) == [0.0] * (2 if metric == "accuracy" else 4)
+
+
+def test_the_audit_sees_an_empty_side_and_does_not_run(toy, tmp_path):
+    """``audit.enabled``: the shadow audit's pool has no member (training rows that are no canary) or
+    no non-member (holdout rows) on an exactly empty split — the flow then logs that it did not run
+    (an audit statistic) instead of failing at the pool draw (review 8, H1)."""
+    from tasks.audit import has_empty_side
+    from tasks.config import DataConfig
+    from tasks.data import partition_dataset
+
+    def part(**kw):
+        return partition_dataset(DataConfig(name="toy", path=str(toy), labels=["negative", "positive"], **kw), 0,
+                                 tmp_path / "p", None)
+    assert has_empty_side(part(holdout_fraction=1e-6)) and has_empty_side(part(train_fraction=1e-6))
+    assert not has_empty_side(part(holdout_fraction=0.3))

@@ -269,3 +269,18 @@ def test_a_dp_run_publishes_no_exact_split_size(private_run):
     assert m["mia.loss.precision_base_rate"] == pytest.approx(
         released.n_train / (released.n_train + released.n_holdout))
     assert [int(parent.data.params[f"data.n_{k}"]) for k in exact] == list(published.values())
+
+
+def test_encoding_a_long_private_text_logs_no_length(capfd, caplog):
+    """Review 8, H5: the tokenizer's "sequence length is longer than the specified maximum (N > M)"
+    warning printed one private record's exact token length; every tokenizer call that sees private
+    text passes verbose=False (the classifiers' encoding; the causal engine's and RAPT's likewise)."""
+    import logging
+
+    from models import build_classifier, load_backbone
+
+    clf = build_classifier(load_backbone("tiny-bert", "cpu"), ["negative", "positive"])
+    with caplog.at_level(logging.WARNING):
+        clf.encode(["word " * 3000], max_length=24)
+    out, err = capfd.readouterr()
+    assert "3000" not in out + err + caplog.text and "longer than" not in out + err + caplog.text

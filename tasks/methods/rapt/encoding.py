@@ -39,7 +39,8 @@ def encode_rapt(tokenizer, texts: list[str], plain_ids: list[int], max_length: i
     budget = max_length - len(plain) - 2
     if budget < 1:
         raise ValueError(f"max_length={max_length} must hold {len(plain)} plain tokens, [CLS], [SEP] and at least one text token")
-    text_ids = tokenizer([str(t) for t in texts], add_special_tokens=False)["input_ids"] if texts else []
+    # verbose=False: the tokenizer's "longer than the model's maximum" warning prints a private text's length
+    text_ids = tokenizer([str(t) for t in texts], add_special_tokens=False, verbose=False)["input_ids"] if texts else []
     rows = [[cls_id] + plain + list(ids)[:budget] + [sep_id] for ids in text_ids]
     L = max((len(r) for r in rows), default=len(plain) + 2)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
