@@ -45,7 +45,11 @@ def input_length(cfg: "PrivPromptConfig", model_name: str, classifier) -> int:
     the input under the model's own template, and a text prompt's instruction comes on top, so a
     long prompt (ICL's demos) never eats the text's budget or leaves it none."""
     base = classifier_for(cfg, model_name)
-    return cfg.models.max_length + max(0, classifier.template_tokens - base.template_tokens)
+    length = cfg.models.max_length + max(0, classifier.template_tokens - base.template_tokens)
+    # within the model's positions: a long text prompt (dp_fewshot's demonstrations) then cuts every
+    # text to the room it leaves, instead of one long private record overflowing them (review 8, H4)
+    limit = classifier.backbone.max_positions
+    return length if limit is None else min(length, limit)
 
 
 def label_indices(names: list[str], labels: list[str]):

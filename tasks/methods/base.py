@@ -319,7 +319,7 @@ class Method:
         default, for methods that train a soft prompt or prefix on ``models.local``: its
         classifier (model, tokenizer, label words or descriptions, template) is built."""
         if self.prompt_kind in ("soft", "prefix") and self.reads_private_data(cfg):
-            check_classifier(cfg, cfg.models.local, "models.local")
+            check_classifier(cfg, cfg.models.local, "models.local", getattr(self.settings(cfg), "n_tokens", 0))
 
     def prepare(self, ctx, progress: Progress | None = None) -> dict[str, Any]:
         """Public data only. The returned dict is JSON-able; its ``tags`` go on the parent run."""
@@ -429,22 +429,37 @@ class Method:
         return {}
 
 
-def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str) -> None:
+def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str, prompt_tokens: int = 0) -> None:
     """Build the frozen classifier of ``model_name`` for the config's labels (cached, so a run pays
     for it once): the model and tokenizer load, the label words (masked / causal LMs: the first
     token of each ``models.label_descriptions`` entry, default " <label>") are told apart, the
-    template fits the model. Raises ``ModelLoadError`` or a one-line ``ConfigError``."""
+    template fits the model, and ``models.max_length`` plus ``prompt_tokens`` soft-prompt or prefix
+    positions fit the model's positions — else one long private record, cut to max_length, would
+    crash the DP step that samples it or the holdout scoring (review 8, H4: a crash decided by one
+    record). Raises ``ModelLoadError`` or a one-line ``ConfigError``."""
     from models.backbones import ModelLoadError
 
     from ..errors import ConfigError
     from ..methodkit.classifiers import classifier_for
 
     try:
-        classifier_for(cfg, model_name)
+        clf = classifier_for(cfg, model_name)
     except ModelLoadError:
         raise
     except (ValueError, KeyError, IndexError) as exc:
         raise ConfigError(explain_classifier_error(exc, model_name, role)) from None
+    check_positions(cfg, clf.backbone.max_positions, prompt_tokens, model_name, role)
+
+
+def check_positions(cfg: "PrivPromptConfig", limit: int | None, prompt_tokens: int, model_name: str, role: str) -> None:
+    """``models.max_length`` plus ``prompt_tokens`` within a model's ``limit`` positions (None: no
+    limit), else one line (review 8, H4)."""
+    from ..errors import ConfigError
+
+    if limit is not None and cfg.models.max_length + prompt_tokens > limit:
+        raise ConfigError(f"models.max_length={cfg.models.max_length}" + (f" + {prompt_tokens} prompt positions"
+                          if prompt_tokens else "") + f" exceed the {limit} positions of {role}={model_name!r}: "
+                          f"lower models.max_length to at most {limit - prompt_tokens}")
 
 
 def explain_classifier_error(exc: BaseException, model_name: str, role: str) -> str:

@@ -254,9 +254,10 @@ class Post(Method):
         tokenizer is the teacher's, so ``privprompt plan`` checks the label words on the teacher)."""
         from ..base import check_classifier
 
-        check_classifier(cfg, cfg.models.target_name, "models.target")
+        n_tokens = self.settings(cfg).tuning.n_tokens  # the soft prompt's positions, on the student and the target
+        check_classifier(cfg, cfg.models.target_name, "models.target", n_tokens)
         if prepared and prepared.get("student_dir"):
-            check_classifier(cfg, prepared["student_dir"], "the POST student")
+            check_classifier(cfg, prepared["student_dir"], "the POST student", n_tokens)
 
     def prepare(self, ctx, progress=None):
         student = distill_student(ctx, progress=progress)

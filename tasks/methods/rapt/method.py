@@ -167,7 +167,7 @@ class Rapt(Method):
         from models.backbones import ModelLoadError, load_backbone
 
         from ...errors import ConfigError
-        from ..base import explain_classifier_error
+        from ..base import check_positions, explain_classifier_error
 
         bb = load_backbone(cfg.models.local, seed=cfg.seed, placement=cfg.models.placement_of(cfg.models.local))
         try:
@@ -176,6 +176,7 @@ class Rapt(Method):
             raise
         except (ValueError, KeyError, IndexError) as exc:
             raise ConfigError(explain_classifier_error(exc, cfg.models.local, "models.local")) from None
+        check_positions(cfg, bb.max_positions, self.settings(cfg).n_tokens, cfg.models.local, "models.local")
 
     def prepare(self, ctx, progress=None):
         """The reconstruction head's vocabulary: the most frequent token ids of PUBLIC text."""

@@ -1,0 +1,48 @@
+"""Review 8, H4: nothing compared ``models.max_length`` plus a soft prompt's or prefix's positions
+with the model's, so with max_length at the model's limit one long private record (cut to
+max_length) crashed the DP step that sampled it — a crash decided by one record — and a long text
+prompt (dp_fewshot's demonstrations) made one long holdout row overflow the comparison's scoring.
+Now such settings are refused before any budget, and a text prompt cuts every text to the room it
+leaves."""
+
+import pytest
+
+from tasks.methods import get_method, registered_methods
+from tests.methods.test_method_contract import parsed_config
+
+
+@pytest.mark.parametrize("name", [m for m in registered_methods() if get_method(m).prompt_kind in ("soft", "prefix")])
+def test_max_length_and_prompt_positions_beyond_the_model_are_refused_in_preflight(name, tmp_path_factory):
+    from models.backbones import load_backbone
+    from tasks.errors import ConfigError
+
+    method = get_method(name)
+    settings = method.contract_test_config()
+    limit = load_backbone("tiny-gpt2", "cpu").max_positions
+    cfg, _ = parsed_config(tmp_path_factory, name, settings, f"long-{name}")
+    if not method.reads_private_data(cfg) or name == "post":  # POST checks its own (distilled) models below
+        pytest.skip(f"{name}: no private row trains on models.local here")
+    over = cfg.model_copy(update={"models": cfg.models.model_copy(update={"max_length": limit})})
+    with pytest.raises(ConfigError, match=rf"models.max_length={limit} \+ \d+ prompt positions exceed the {limit} "
+                                          r"positions of models.local='tiny-gpt2': lower models.max_length"):
+        method.preflight(over, None)
+    method.preflight(cfg, None)  # the contract's max_length fits
+
+
+def test_a_long_text_prompt_cuts_texts_to_the_models_positions(tmp_path_factory):
+    """The holdout scoring's input length under a long text prompt stays within the model's
+    positions, so a long row is cut instead of crashing (it crashed at 276 of 256 positions)."""
+    from models.prompts import TextPrompt
+    from tasks.methodkit.classifiers import classifier_for, input_length, prompted
+
+    cfg, _ = parsed_config(tmp_path_factory, "dp_fewshot", get_method("dp_fewshot").contract_test_config(),
+                           "long-text")
+    cfg = cfg.model_copy(update={"models": cfg.models.model_copy(update={"max_length": 96})})
+    demos = "".join(f"Input: {'a fine film ' * 8}\nOutput: positive\n\n" for _ in range(6))
+    clf, prompt = prompted(cfg, "tiny-gpt2", TextPrompt(demos))
+    limit = clf.backbone.max_positions
+    uncapped = 96 + clf.template_tokens - classifier_for(cfg, "tiny-gpt2").template_tokens
+    assert uncapped > limit >= input_length(cfg, "tiny-gpt2", clf)
+    batch = clf.encode(["word " * 2000], max_length=input_length(cfg, "tiny-gpt2", clf))
+    assert batch["input_ids"].shape[1] <= limit
+    assert clf(batch, prompt).shape[0] == 1  # scored, not "prompt + text is N positions"
