@@ -84,3 +84,22 @@ def test_the_audit_sees_an_empty_side_and_does_not_run(toy, tmp_path):
                                  tmp_path / "p", None)
     assert has_empty_side(part(holdout_fraction=1e-6)) and has_empty_side(part(train_fraction=1e-6))
     assert not has_empty_side(part(holdout_fraction=0.3))
+
+
+def test_exactly_empty_training_splits_of_two_sources_publish_different_fingerprints(toy, tmp_path):
+    """Review 8, H6: the partition's fingerprint (``data.partition``, in Prefect's log and the budget
+    record) was an HMAC of the training rows alone — for an empty training split one constant of
+    the installation, which, seen once, read the 0-vs-1 bit off any run. It is salted with the
+    source's records key."""
+    import shutil
+
+    from tasks.config import DataConfig
+    from tasks.data import partition_dataset
+
+    other = tmp_path / "other"
+    shutil.copytree(toy, other)
+    (other / "train.jsonl").write_text((toy / "train.jsonl").read_text().split("\n", 1)[1])  # one record fewer
+    a, b = (partition_dataset(DataConfig(name=f"d{i}", path=str(folder), labels=["negative", "positive"],
+                                         train_fraction=1e-6), 0, tmp_path / "p", None)
+            for i, folder in enumerate((toy, other)))
+    assert a.n_train == b.n_train == 0 and a.fingerprint != b.fingerprint
