@@ -299,13 +299,15 @@ class StepProgress:
             self._sum, self._n = 0.0, 0
 
 
-def _physical_batch(classifier, enc, labels, prompt) -> int:
+def _physical_batch(classifier, max_length: int, prompt) -> int:
     """The physical batch size chosen for this device (:func:`models.memory.choose`), its probe
-    one pass of per-sample gradients on the first rows (nothing of it is kept or released)."""
+    one pass of per-sample gradients on PUBLIC rows of ``max_length`` tokens — the longest a private
+    row can be — never on private rows: sized on them, a device's out-of-memory could be decided by
+    one long record (review 8, N5). Nothing of the probe is kept or released."""
 
     def probe(n: int) -> None:
-        rows = torch.arange(min(n, num_examples(enc)))
-        per_sample_prompt_gradients(classifier, select_rows(enc, rows), labels[rows], prompt.weight)
+        public = classifier.encode(["the " * max_length] * n, max_length=max_length)
+        per_sample_prompt_gradients(classifier, public, torch.zeros(n, dtype=torch.long), prompt.weight)
 
     return choose_physical_batch(None, classifier.device, probe)
 
@@ -350,8 +352,7 @@ def train_prompt(
     prompt = _initial_prompt(classifier, config, init_prompt, seed)
     opt = _optimizer([prompt.weight], config)
     if config.physical_batch_size is None:  # memory only: the logical step is the same at any size
-        config = replace(config, physical_batch_size=_physical_batch(classifier, encoded_train, labels, prompt)
-                         if N else choose_physical_batch(None, classifier.device))  # (no example to probe with)
+        config = replace(config, physical_batch_size=_physical_batch(classifier, config.max_length, prompt))
     if dp is None:
         return _train_nonprivate(classifier, encoded_train, labels, config, prompt, opt, progress, seed)
     if units is not None and N:

@@ -554,3 +554,14 @@ def test_physical_batch_size_is_chosen_from_memory_when_not_set():
     finally:
         monkey.undo()
     assert asked == [None] and seen and max(seen) == 3
+    # the probe runs on PUBLIC rows of max_length tokens, never on private ones (review 8, N5)
+    probed_rows = []
+    monkey.setattr(dpt, "choose_physical_batch", lambda requested, device, probe: (probe(2), 3)[1])
+    monkey.setattr(dpt, "per_sample_prompt_gradients",
+                   lambda c, e, l, *a, **k: (probed_rows.append(e["input_ids"]), real(c, e, l, *a, **k))[1])
+    try:
+        dpt._physical_batch(clf, 20, torch.nn.Embedding.from_pretrained(_prompt(clf, n=2), freeze=False))
+    finally:
+        monkey.undo()
+    (probe_ids,) = probed_rows
+    assert probe_ids.shape == (2, 20) and not any(torch.equal(probe_ids[0, :len(r)], r) for r in enc["input_ids"])
