@@ -18,7 +18,8 @@ def toy(sst2_dir, tmp_path_factory):
     return _toy_dataset(tmp_path_factory.mktemp("empty") / "data", sst2_dir, n_train=120, n_test=40)
 
 
-@pytest.mark.parametrize("split", ["holdout", "train"])
+@pytest.mark.parametrize("split", ["holdout", pytest.param("train", marks=pytest.mark.slow)])  # suite time: the
+# contract's test_a_private_method_trains_on_an_exactly_empty_split trains every method on an empty set
 def test_a_dp_run_on_an_exactly_empty_split_finishes_and_publishes_its_epsilon(split, toy, prefect_harness,
                                                                                tmp_path):
     from flows.method_flow import method_flow
