@@ -54,12 +54,15 @@ class Backbone:
 
     @property
     def max_positions(self) -> int | None:
-        """Longest input (prompt + text) the model's position embeddings allow, if bounded."""
+        """Longest input (prompt + text) the model's position embeddings allow, if bounded: less the
+        positions a RoBERTa-style model skips before its first (514 embeddings, 512 inputs; review 8b)."""
+        from models.prompts.prefix import first_position
+
         cfg = self.model.config
         for attr in ("n_positions", "max_position_embeddings"):
             v = getattr(cfg, attr, None)
             if isinstance(v, int) and v > 0:
-                return v
+                return v - first_position(cfg)
         return None
 
     def input_embeddings(self) -> torch.nn.Embedding:

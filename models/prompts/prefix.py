@@ -98,14 +98,19 @@ def prefix_shape(model: nn.Module, n_tokens: int) -> tuple[int, int, int, int]:
 _PADDING_OFFSET_MODELS = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "longformer")
 
 
+def first_position(config) -> int:
+    """The first position id a model numbers its inputs from: ``pad_token_id + 1`` for
+    RoBERTa-style models (their positions start after the padding index), else 0."""
+    if getattr(config, "model_type", "") in _PADDING_OFFSET_MODELS and getattr(config, "pad_token_id", None) is not None:
+        return int(config.pad_token_id) + 1
+    return 0
+
+
 def prefix_position_ids(model: nn.Module, batch_size: int, T: int, n: int, device) -> torch.Tensor:
     """Position ids for n placeholders then T − n text positions: consecutive from the model's
     first position (after RoBERTa-style padding offsets), the placeholders first, as for a prefix
     held in a key/value cache (PEFT's prefix tuning)."""
-    cfg = getattr(model, "config", None)
-    start = 0
-    if getattr(cfg, "model_type", "") in _PADDING_OFFSET_MODELS and getattr(cfg, "pad_token_id", None) is not None:
-        start = int(cfg.pad_token_id) + 1
+    start = first_position(getattr(model, "config", None))
     return (start + torch.arange(T, device=device)).unsqueeze(0).expand(batch_size, T)
 
 

@@ -46,3 +46,26 @@ def test_a_long_text_prompt_cuts_texts_to_the_models_positions(tmp_path_factory)
     batch = clf.encode(["word " * 2000], max_length=input_length(cfg, "tiny-gpt2", clf))
     assert batch["input_ids"].shape[1] <= limit
     assert clf(batch, prompt).shape[0] == 1  # scored, not "prompt + text is N positions"
+
+
+def test_a_roberta_style_models_limit_leaves_out_the_positions_it_skips():
+    """Review 8b, R2: RoBERTa numbers positions from pad_token_id + 1, so 66 position embeddings hold
+    64 inputs; ``max_positions`` (the preflight's and the forward's limit) said 66, and a long record
+    of 65 positions crashed in the embeddings."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    from models.backbones import Backbone
+
+    torch.manual_seed(0)
+    model = RobertaForMaskedLM(RobertaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=37, max_position_embeddings=66, pad_token_id=1,
+                                             type_vocab_size=1)).eval()
+    limit = Backbone.max_positions.fget(SimpleNamespace(model=model))
+    assert limit == 64
+    with torch.no_grad():
+        model(inputs_embeds=torch.randn(1, limit, 32), attention_mask=torch.ones(1, limit, dtype=torch.long))
+        with pytest.raises((IndexError, RuntimeError)):
+            model(inputs_embeds=torch.randn(1, limit + 1, 32), attention_mask=torch.ones(1, limit + 1, dtype=torch.long))

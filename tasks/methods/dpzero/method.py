@@ -104,7 +104,7 @@ class DPZero(Method):
         result = train_dpzero(clf, enc, y, init, ModelConfig(
             steps=s["steps"], sample_rate=s["sample_rate"], noise_multiplier=s["noise_multiplier"],
             clip=block.clip, mu=block.mu, lr=block.lr, expected_batch=s.get("expected_batch"),
-            physical_batch_size=physical_batch(cfg, clf, enc, y, init)), sample_generator=sample, noise_generator=noise,
+            physical_batch_size=physical_batch(cfg, clf, init)), sample_generator=sample, noise_generator=noise,
             direction_generator=torch.Generator().manual_seed(mctx.seed), progress=progress,
             regularizer=regularizer, **unit_tensor(cfg, rows))
         if result.steps != s["steps"]:

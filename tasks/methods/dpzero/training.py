@@ -54,14 +54,18 @@ class DPZeroResult:
     history: list[dict] = field(default_factory=list)  # exact private statistics: local only
 
 
-def physical_batch(cfg, classifier: PromptClassifier, batch: dict, labels: torch.Tensor, prompt: torch.Tensor) -> int:
+def physical_batch(cfg, classifier: PromptClassifier, prompt: torch.Tensor) -> int:
     """``models.physical_batch_size``, or (null) the size chosen for the device from a probe of two
-    forward passes (:func:`models.memory.choose`; DPZero takes no gradient)."""
+    forward passes (:func:`models.memory.choose`; DPZero takes no gradient) on PUBLIC rows of
+    ``models.max_length`` tokens, never on private ones (review 8b, R3: an out-of-memory decided by
+    one long record)."""
     from models.memory import choose
 
+    length = cfg.models.max_length
+
     def probe(n: int) -> None:
-        rows = torch.arange(min(n, num_examples(batch)))
-        per_example_losses(classifier, select_rows(batch, rows), labels[rows], prompt, n)
+        public = classifier.encode(["the " * length] * n, max_length=length)
+        per_example_losses(classifier, public, torch.zeros(n, dtype=torch.long), prompt, n)
 
     return choose(cfg.models.physical_batch_size, classifier.device, probe)
 

@@ -73,3 +73,28 @@ def test_train_dpzero_steps_and_moves_along_public_directions():
     zs = torch.stack([torch.randn(init.shape, generator=g).flatten() for _ in range(6)])
     coef = torch.linalg.lstsq(zs.T, (a.prompt - init).flatten()).solution
     assert torch.allclose(zs.T @ coef, (a.prompt - init).flatten(), atol=1e-4)
+
+
+def test_the_memory_probe_runs_on_public_rows_of_max_length(monkeypatch):
+    """Review 8b, R3: DPZero sized its physical batch by forward passes on the first PRIVATE rows (on
+    CUDA an out-of-memory decided by one long record); the probe now runs on public rows of
+    ``models.max_length`` tokens."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import models.memory as mem
+    import tasks.methods.dpzero.training as dz
+    from models.backbones import load_backbone
+    from models.classifiers import build_classifier
+
+    seen = []
+    real = dz.per_example_losses
+    monkeypatch.setattr(dz, "per_example_losses", lambda c, batch, labels, prompt, n=64:
+                        (seen.append(batch["input_ids"]), real(c, batch, labels, prompt, n))[1])
+    monkeypatch.setattr(mem, "choose", lambda requested, device, probe=None: (probe(mem.PROBE_EXAMPLES), 7)[1])
+    clf = build_classifier(load_backbone("tiny-bert", "cpu"), ["negative", "positive"])
+    cfg = SimpleNamespace(models=SimpleNamespace(physical_batch_size=None, max_length=30))
+    assert dz.physical_batch(cfg, clf, torch.zeros(3, clf.embed_dim)) == 7
+    (ids,) = seen
+    assert ids.shape == (mem.PROBE_EXAMPLES, 30)  # public rows, as long as any private row may be
