@@ -227,6 +227,18 @@ def preflight(cfg, prepared: dict[str, dict] | None = None) -> None:
     methods = [get_method(name) for name in cfg.run_methods]
     for name, method in zip(cfg.run_methods, methods):
         method.preflight(cfg, None if prepared is None else prepared.get(name))
+    if cfg.selection.enabled:  # every candidate's settings too (one with more prompt positions could overflow
+        from .errors import ConfigError      # the model on one long record: a failed trial, review 8b R1)
+        from .selection import apply_settings, candidates_of
+
+        for c in candidates_of(cfg):
+            if c.zero_shot:
+                continue
+            try:
+                get_method(cfg.method).preflight(apply_settings(cfg, cfg.method, c.config),
+                                                 None if prepared is None else prepared.get(cfg.method))
+            except ConfigError as exc:
+                raise ConfigError(f"selection candidate {c.name!r}: {exc}") from None
     if any(type(m).evaluate_published is Method.evaluate_published for m in methods):
         for role, model_name in evaluation_models(cfg).items():
             check_classifier(cfg, model_name, f"models.{role}" if role == "local" else "models.target")

@@ -69,3 +69,26 @@ def test_a_roberta_style_models_limit_leaves_out_the_positions_it_skips():
         model(inputs_embeds=torch.randn(1, limit, 32), attention_mask=torch.ones(1, limit, dtype=torch.long))
         with pytest.raises((IndexError, RuntimeError)):
             model(inputs_embeds=torch.randn(1, limit + 1, 32), attention_mask=torch.ones(1, limit + 1, dtype=torch.long))
+
+
+def test_a_selection_candidate_beyond_the_models_positions_is_refused_in_preflight(tmp_path):
+    """Review 8b, R1: only the base settings were preflighted; a selection candidate with more
+    prompt positions (n_tokens 80 with max_length 200 on 256 positions) trained, and one long
+    training record failed its trial — a published failed-candidate count decided by one record."""
+    from tasks.config import parse_config
+    from tasks.errors import ConfigError
+    from tasks.lifecycle import preflight
+    from tests.methods.test_method_contract import SHARED
+
+    if not (SHARED / "sst2").is_dir():
+        pytest.skip("../shared/data is not available")
+    cfg = {"method": "prompt_dpsgd", "experiment": "x", "seed": 0, "state_dir": str(tmp_path),
+           "data": {"name": "sst2", "path": str(SHARED / "sst2"), "labels": ["negative", "positive"],
+                    "train_fraction": 0.000594, "holdout_fraction": 0.0001485, "test_fraction": 0.011},
+           "models": {"local": "tiny-gpt2", "max_length": 200}, "methods": {"prompt_dpsgd": {"n_tokens": 10}},
+           "selection": {"enabled": True, "candidates": [{"n_tokens": 10}, {"n_tokens": 80}]},
+           "mia": {"enabled": False}}
+    with pytest.raises(ConfigError, match=r"selection candidate '.*80.*': models.max_length=200 \+ 80 prompt positions"):
+        preflight(parse_config(cfg), None)
+    cfg["selection"]["candidates"] = [{"n_tokens": 10}, {"n_tokens": 40}]
+    preflight(parse_config(cfg), None)
