@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 
 from tasks.attacks import needs_shadows
 from tasks.audit import (AuditFailure, AuditTarget, attack_metrics, audit_dir, build_pool, canary_audit,
-                         check_audit, train_shadow, write_results)
+                         check_audit, has_empty_side, train_shadow, write_results)
 from tasks.config import AuditConfig, ParsedAuditConfig, ParsedConfig, PrivPromptConfig
 from tasks.prefect_tasks import GPU_TAG, dask_task_runner, transient_only
 from tasks.record import RunRecord, client
@@ -67,6 +67,11 @@ def audit_flow(target_file: str, audit_config: dict | ParsedAuditConfig, config:
     mlflow = client(paths)  # the tracking DB exists (the audited run is in it) before fan-out
     audit_run = RunRecord(mlflow, t.run_id).child("audit", {
         "method": t.method, "stage": "audit", "privacy.guarantee": "none", "prefect.flow_run_id": audit_id})
+    if has_empty_side(t.part):  # no member or no non-member to pool: not run, and said (review 8b, R4)
+        audit_run.set_tags({"audit.not_run": "a split holds no row"})
+        audit_run.end(ok=True)
+        logger.warning("audit not run (audit statistic, not DP): a split holds no row")
+        return {"metrics": {}, "canary": None, "audit_run_id": audit_run.run_id}
     try:
         paths.open_ledger().record_nonprivate(
             t.part.dataset_key, f"{audit_id}:audit",

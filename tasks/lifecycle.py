@@ -49,7 +49,7 @@ from .recording import log_post_child  # noqa: F401 - where callers found it
 from .run_plan import (SIZES_DELTA_SHARE, fitting_hint, largest_fitting_target_epsilon,  # noqa: F401
                        plan_for, planned_epsilon, planned_events, resolve_delta, runner, shadow_plan,
                        with_size_release)
-from .selected import Choice
+from .selected import Choice, method_for
 from .state import make_private_dir, open_private, private_file
 
 
@@ -225,25 +225,15 @@ def preflight(cfg, prepared: dict[str, dict] | None = None) -> None:
 
     check_placements(cfg)
     methods = [get_method(name) for name in cfg.run_methods]
-    for name, method in zip(cfg.run_methods, methods):
-        method.preflight(cfg, None if prepared is None else prepared.get(name))
-    if cfg.selection.enabled:  # every candidate's settings too (one with more prompt positions could overflow
-        from .errors import ConfigError      # the model on one long record: a failed trial, review 8b R1)
-        from .selection import apply_settings, candidates_of
-
-        for c in candidates_of(cfg):
-            if c.zero_shot:
-                continue
-            try:
-                get_method(cfg.method).preflight(apply_settings(cfg, cfg.method, c.config),
-                                                 None if prepared is None else prepared.get(cfg.method))
-            except ConfigError as exc:
-                raise ConfigError(f"selection candidate {c.name!r}: {exc}") from None
+    for name in cfg.run_methods:  # a selected method checks every candidate's settings too
+        method_for(cfg, name).preflight(cfg, None if prepared is None else prepared.get(name))
+    published = get_method(cfg.method)  # its soft prompt's or prefix's positions, on every model that scores it
+    positions = (getattr(published.settings(cfg), "n_tokens", 0) or 0) if published.prompt_kind in ("soft", "prefix") else 0
     if any(type(m).evaluate_published is Method.evaluate_published for m in methods):
         for role, model_name in evaluation_models(cfg).items():
-            check_classifier(cfg, model_name, f"models.{role}" if role == "local" else "models.target")
+            check_classifier(cfg, model_name, f"models.{role}" if role == "local" else "models.target", positions)
     for model_name in cfg.models.evaluate_on:
-        check_classifier(cfg, model_name, "models.evaluate_on")
+        check_classifier(cfg, model_name, "models.evaluate_on", positions)
     for endpoint in cfg.models.endpoints:
         check_endpoint(endpoint)
 

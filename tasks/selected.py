@@ -47,6 +47,19 @@ class Selected:
     def __repr__(self) -> str:
         return f"Selected({self.method.name})"
 
+    def preflight(self, cfg, prepared) -> None:
+        """The method's checks under its base settings and under every candidate's: one with more
+        prompt positions than the model holds would train, and one long record would fail its trial —
+        a published failed-candidate count decided by one record (review 8b, R1)."""
+        self.method.preflight(cfg, prepared)
+        for c in selection.candidates_of(cfg):
+            if c.zero_shot:
+                continue
+            try:
+                self.method.preflight(selection.apply_settings(cfg, self.name, c.config), prepared)
+            except ConfigError as exc:
+                raise ConfigError(f"selection candidate {c.name!r}: {exc}") from None
+
     def plan(self, cfg, n_train: int, delta: float, epsilon: float | None = None):
         try:
             return selection.plan_selection(self.method, cfg, n_train, delta, budget(cfg, epsilon))

@@ -262,3 +262,19 @@ def test_an_attack_registered_by_a_test_is_run_by_the_audit(audited, tmp_path):
     # the same pool and prompt: the built-in loss attack scores as it did inside the flow
     assert metrics["mia.loss_pool.auc"] == pytest.approx(
         client.get_run(audited["summary"]["mlflow_run_id"]).data.metrics["mia.loss_pool.auc"])
+
+
+@pytest.mark.slow  # suite time: runs with -m slow
+def test_the_standalone_audit_of_a_split_with_no_row_does_not_run_and_says_so(audited, monkeypatch):
+    """Review 8b, R4: ``privprompt audit`` / the audit-finished-run deployment failed at the pool draw
+    on an exactly empty split (the flow's own audit already skipped): it now ends with no attack, its
+    audit run tagged ``audit.not_run``."""
+    import flows.audit as fa
+    from flows.audit import run_audit, target_from_run
+
+    target, acfg = target_from_run(audited["summary"]["mlflow_run_id"], str(audited["state"]), shadows=2)
+    monkeypatch.setattr(fa, "has_empty_side", lambda part: True)  # as for a partition whose holdout has no row
+    out = run_audit(target, acfg)
+    assert out["metrics"] == {} and out["canary"] is None
+    tags = _client(audited["state"]).get_run(out["audit_run_id"]).data.tags
+    assert tags["audit.not_run"] == "a split holds no row"
