@@ -39,6 +39,18 @@ class ModelLoadError(ValueError):
     """A backbone could not be loaded; the message is one line naming the model and the cause."""
 
 
+# models whose default position ids start after the padding index (create_position_ids_from_input_ids)
+_PADDING_OFFSET_MODELS = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "longformer")
+
+
+def first_position(config) -> int:
+    """The first position id a model numbers its inputs from: ``pad_token_id + 1`` for
+    RoBERTa-style models (their positions start after the padding index), else 0."""
+    if getattr(config, "model_type", "") in _PADDING_OFFSET_MODELS and getattr(config, "pad_token_id", None) is not None:
+        return int(config.pad_token_id) + 1
+    return 0
+
+
 @dataclass
 class Backbone:
     name: str
@@ -56,8 +68,6 @@ class Backbone:
     def max_positions(self) -> int | None:
         """Longest input (prompt + text) the model's position embeddings allow, if bounded: less the
         positions a RoBERTa-style model skips before its first (514 embeddings, 512 inputs; review 8b)."""
-        from models.prompts.prefix import first_position
-
         cfg = self.model.config
         for attr in ("n_positions", "max_position_embeddings"):
             v = getattr(cfg, attr, None)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.backbones import first_position
+
 # (key module, value module) name pairs of separate projections, by architecture family
 _SEPARATE = (("key", "value"), ("k_proj", "v_proj"), ("k_lin", "v_lin"))
 _FUSED = ("c_attn",)  # GPT-2: one Conv1D giving [q; k; v]
@@ -92,18 +94,6 @@ def prefix_shape(model: nn.Module, n_tokens: int) -> tuple[int, int, int, int]:
     if len(widths) != 1:
         raise ValueError(f"layers have different key/value widths {sorted(widths)}")
     return (len(sites), 2, int(n_tokens), widths.pop())
-
-
-# models whose default position ids start after the padding index (create_position_ids_from_input_ids)
-_PADDING_OFFSET_MODELS = ("roberta", "xlm-roberta", "camembert", "data2vec-text", "longformer")
-
-
-def first_position(config) -> int:
-    """The first position id a model numbers its inputs from: ``pad_token_id + 1`` for
-    RoBERTa-style models (their positions start after the padding index), else 0."""
-    if getattr(config, "model_type", "") in _PADDING_OFFSET_MODELS and getattr(config, "pad_token_id", None) is not None:
-        return int(config.pad_token_id) + 1
-    return 0
 
 
 def prefix_position_ids(model: nn.Module, batch_size: int, T: int, n: int, device) -> torch.Tensor:
