@@ -130,9 +130,13 @@ def has_empty_side(part: Partition) -> bool:
     """Whether the audit pool's member side (training rows that are no canary) or its non-member side
     (holdout rows) is EXACTLY empty: the audit then does not run (review 8, H1) — its absence is an
     audit statistic, like its numbers; a failed flow would withhold the run's DP output on that bit."""
+    from .stages import holds_no_row
+
+    if holds_no_row(part.holdout_path):
+        return True
     texts, _ = read_partition_split(part.train_path)
     canaries = set(pq.read_table(part.canaries_path).column("text").to_pylist()) if part.n_canaries_planted else set()
-    return not any(t not in canaries for t in texts) or not read_partition_split(part.holdout_path)[0]
+    return not any(t not in canaries for t in texts)
 
 
 def build_pool(target: AuditTarget, acfg: AuditConfig, directory: Path, seed: int) -> dict:

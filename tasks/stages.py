@@ -206,7 +206,7 @@ def supported_fprs(n_nonmembers: int, fprs=(0.01, 0.001)) -> tuple[float, ...]:
     return tuple(f for f in fprs if n_nonmembers * f >= 1)
 
 
-def _holds_no_row(path: str) -> bool:
+def holds_no_row(path: str) -> bool:
     """Whether a partition split file is EXACTLY empty (private side: decides only an audit's "not run")."""
     import pyarrow.parquet as pq
 
@@ -227,7 +227,7 @@ def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
         part.dataset_key, f"{ctx.flow_run_id}:mia:{name}",
         f"loss-threshold membership inference on {name}'s prompt: audit statistics (not DP)")
     model = model or cfg.models.local
-    if _holds_no_row(part.train_path) or _holds_no_row(part.holdout_path):
+    if holds_no_row(part.train_path) or holds_no_row(part.holdout_path):
         # an EXACTLY empty member or non-member side (review 8, H1): no attack, an audit statistic that
         # says so — never a failed flow, which would withhold the run's DP output on one record's bit
         child = ctx.parent.child(f"mia:{name}", {"method": name, "stage": "audit", "attack": "loss",
