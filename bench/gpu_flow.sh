@@ -7,6 +7,9 @@
 #   bash bench/gpu_flow.sh dpopt     # DP-OPT at dp_opt_gpu.yaml's scale (J = 205 meta-prompts of 5 demos, full
 #                                    # SST-2, 50 tokens) on a random 7B-shaped model made to agree with itself,
 #                                    # ${CANDIDATES:-5} candidates: the generation's queries timed end to end
+#                                    # (HOLDOUT: the held-out fraction the candidates are chosen on, default
+#                                    # 0.01; FLOW_TIMEOUT: seconds before the flow is stopped, its record kept;
+#                                    # DPOPT_SETS: more --set options)
 # Packages: ${GPU_DIR:-.gpu}/site.tar.xz (the wheels installed for Python 3.12 here, xz-packed: 38 MB instead of 60)
 # or ${GPU_DIR:-.gpu}/whl/*.whl.
 # Carry .gpu (wheels of Prefect, MLflow and their needs for the machine's Python 3.12, SST-2 as
@@ -32,7 +35,8 @@ fi
 mkdir -p /tmp/data && tar xzf ${GPU_DIR:-.gpu}/data.tgz -C /tmp
 export PRIVPROMPT_DATA_ROOT=/tmp/data PRIVPROMPT_NO_WORKER=1 PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120
-pp() { $PY -c 'import sys, privprompt_cli; sys.exit(privprompt_cli.main())' "$@"; }
+PPC=($PY -c 'import sys, privprompt_cli; sys.exit(privprompt_cli.main())')  # the CLI (a command `timeout` can run)
+pp() { "${PPC[@]}" "$@"; }
 timed() {  # name, then the command: wall seconds to $OUT/times.txt
   local name=$1; shift; local t0=$EPOCHREALTIME
   "$@" > "$OUT/$name.log" 2>&1; local rc=$?
@@ -82,9 +86,10 @@ pair)  # one more non-private/DP pair on the 7B shape, numbered ${PAIR:-3}
 dpopt)  # the queries of J = 205 through the flow; the 13B target left out (no weights reach the machine)
   [ -d /tmp/llama7b_agree ] || timed make_llama7b_agree $PY bench/gpu_flow.py llama7b /tmp/llama7b_agree \
       --layers "$LAYERS" --hidden "${HIDDEN:-4096}" --logit-scale 30 --embed-scale 1000
-  PRIVPROMPT_HOME=/tmp/pp-dpopt timed dpopt_7b pp run configs/dp_opt_gpu.yaml --set models.local=/tmp/llama7b_agree \
-      --set experiment=gpu_dpopt_7b --set 'models.evaluate_on=[]' --set methods.opt.enabled=false \
-      --set methods.dln1.enabled=false --set methods.dp_opt.candidates="${CANDIDATES:-5}" --set mia.enabled=false
+  PRIVPROMPT_HOME=/tmp/pp-dpopt timed dpopt_7b timeout -k 15 "${FLOW_TIMEOUT:-100000}" "${PPC[@]}" run configs/dp_opt_gpu.yaml \
+      --set models.local=/tmp/llama7b_agree --set experiment=gpu_dpopt_7b --set 'models.evaluate_on=[]' \
+      --set methods.opt.enabled=false --set methods.dln1.enabled=false --set methods.dp_opt.candidates="${CANDIDATES:-5}" \
+      --set data.holdout_fraction="${HOLDOUT:-0.01}" --set mia.enabled=false ${DPOPT_SETS:-}
   $PY bench/gpu_flow.py record /tmp/pp-dpopt "$OUT/dpopt_record.json"
   ;;
 quickstart)
