@@ -173,7 +173,7 @@ def main() -> None:
         print(f"  members alone: {t_alone:.3f} s = {t_alone / t_query:.2f}× the batched query; rowwise batched (public "
               f"shapes, batches of {engine.row_batch(256)} at 256 tokens; {padded:,} padded tokens for {tokens - J * len(prefix.ids):,}): "
               f"{t_rowwise[True]:.3f} s = {t_rowwise[True] / t_query:.2f}×, shapes failing the row check: "
-              f"{len(engine._shapes_unsafe)} of {len(engine._shapes_checked)}; rowwise alone (each row at its length): "
+              f"{sum(not ok for ok in engine.row_checks.values())} of {len(engine.row_checks)}; rowwise alone (each row at its length): "
               f"{t_rowwise[False]:.3f} s = {t_rowwise[False] / t_query:.2f}×; the engine's default here: "
               f"{'batched' if default else 'alone'}; one row's ŷ alone: {1000 * t_label:.1f} ms (mean of {len(texts)})")
         if torch.cuda.is_available() and dev.type == "cuda":

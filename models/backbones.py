@@ -51,6 +51,16 @@ def first_position(config) -> int:
     return 0
 
 
+def config_positions(config) -> int | None:
+    """The longest input a model of ``config`` takes, if its positions are bounded (less the
+    positions a RoBERTa-style model skips before its first)."""
+    for attr in ("n_positions", "max_position_embeddings"):
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v - first_position(config)
+    return None
+
+
 @dataclass
 class Backbone:
     name: str
@@ -68,12 +78,7 @@ class Backbone:
     def max_positions(self) -> int | None:
         """Longest input (prompt + text) the model's position embeddings allow, if bounded: less the
         positions a RoBERTa-style model skips before its first (514 embeddings, 512 inputs; review 8b)."""
-        cfg = self.model.config
-        for attr in ("n_positions", "max_position_embeddings"):
-            v = getattr(cfg, attr, None)
-            if isinstance(v, int) and v > 0:
-                return v - first_position(cfg)
-        return None
+        return config_positions(self.model.config)
 
     def input_embeddings(self) -> torch.nn.Embedding:
         return self.model.get_input_embeddings()

@@ -139,6 +139,7 @@ class PromptClassifier(nn.Module):
         self.labels = [str(l) for l in labels]
         self.template = template or self.default_template
         self._tokenize = _TemplateTokenizer(backbone.tokenizer, self.template, self._template_kind())
+        self.row_checks: dict[tuple, bool] = {}  # row_wise_logits' checked batch shapes → row-own (else rows alone)
 
     def _template_kind(self) -> str:
         return "encoder"
@@ -173,6 +174,13 @@ class PromptClassifier(nn.Module):
         if B == 0:
             return torch.zeros((0, self.n_labels), device=self.device)
         return self._by_length(batch, prompt, self._logits)
+
+    def forward_shaped(self, batch: Batch, prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` in ONE pass of exactly the batch's shape (no length groups, no padding
+        columns dropped): the caller chose the shape (:func:`models.scoring.row_wise_logits`)."""
+        embeds, attn, pos = self._embed_inputs(batch, prompt, trim=False)
+        with self.prompting(prompt, embeds.shape[0]), attention_backends(self.device):
+            return self._logits(embeds, attn, pos).to(embeds.device)
 
     def _by_length(self, batch: Batch, prompt: torch.Tensor | None, head) -> torch.Tensor:
         """``head(embeds, attn, pos)`` of the prompted rows, run on groups of rows of similar
@@ -227,11 +235,12 @@ class PromptClassifier(nn.Module):
     def _logits(self, embeds: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _embed_inputs(self, batch: Batch, prompt: torch.Tensor | None):
-        """[prompt; token embeddings], attention mask with ones for the prompt, shifted label_pos."""
+    def _embed_inputs(self, batch: Batch, prompt: torch.Tensor | None, trim: bool = True):
+        """[prompt; token embeddings], attention mask with ones for the prompt, shifted label_pos
+        (``trim``: without the columns that are padding for every row)."""
         dev = self.device
         attn = batch["attention_mask"]
-        L = int(attn.sum(1).max())  # drop columns that are padding for every row of this batch
+        L = int(attn.sum(1).max()) if trim else attn.shape[1]  # drop columns that are padding for every row
         ids = batch["input_ids"][:, :L].to(dev)
         attn = attn[:, :L].to(dev)
         pos = batch["label_pos"].to(dev)

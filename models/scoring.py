@@ -31,15 +31,57 @@ def predict_logits(
 
 @torch.no_grad()
 def row_wise_logits(classifier: PromptClassifier, texts: list[str], max_length: int,
-                    prompt: torch.Tensor | None = None) -> torch.Tensor:
-    """(N, n_labels) logits, each row encoded and run ALONE: a row's logits are a function of that
-    row (and the model and prompt) only — not of the other rows' lengths, padding or batch — so
-    adding or removing one text changes no other row's output, bit for bit. (Batched, a row's
-    logits move by float rounding with its neighbours.) For counts whose sensitivity must be one
-    per row (a private selection's holdout scores); slower than :func:`predict_logits`."""
+                    prompt: torch.Tensor | None = None, batch_rows: bool | None = None) -> torch.Tensor:
+    """(N, n_labels) logits, each row's a function of that row (and the model and prompt) only —
+    not of the other rows' lengths, padding or batch — so adding or removing one text changes no
+    other row's output, bit for bit. (Batched as :func:`predict_logits` batches, a row's logits move
+    by float rounding with its neighbours: 2e-6 on MiniLM.) For counts whose sensitivity must be
+    one per row (a private selection's holdout scores, the comparison with no prompt).
+
+    ``batch_rows`` (default: on an accelerator, not on a CPU) runs the rows in batches of public,
+    row-own shapes, each shape checked bit for bit on the device the first time it runs
+    (:func:`models.row_own.run_row_own`): on a GPU one pass of one row costs tens of milliseconds
+    whatever its length. Without it every row is encoded and run alone."""
+    from models.row_own import batch_rows_default, probe_tokens, run_row_own
+
     classifier.eval()
-    out = [classifier(classifier.encode([text], max_length=max_length), prompt).float().cpu() for text in texts]
-    return torch.cat(out) if out else torch.zeros((0, classifier.n_labels))
+    if not texts:
+        return torch.zeros((0, classifier.n_labels))
+    if not (batch_rows_default(classifier.device) if batch_rows is None else batch_rows):
+        return torch.cat([classifier(classifier.encode([text], max_length=max_length), prompt).float().cpu()
+                          for text in texts])
+    enc = classifier.encode(texts, max_length=max_length)
+    lengths = enc["attention_mask"].sum(1).tolist()
+    rows = [(enc["input_ids"][i, :n].tolist(), int(enc["label_pos"][i])) for i, n in enumerate(lengths)]
+    pad = classifier._tokenize.pad_id
+    vocab = len(classifier.backbone.tokenizer)
+
+    def forward(batch, length):
+        ids = torch.full((len(batch), length), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), length), dtype=torch.long)
+        for i, (r, _) in enumerate(batch):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r, dtype=torch.long), 1
+        shaped = {"input_ids": ids, "attention_mask": mask, "label_pos": torch.tensor([p for _, p in batch])}
+        return classifier.forward_shaped(shaped, prompt).float().cpu()
+
+    def probes(size, length):
+        return [(t, len(t) - 1) for t in probe_tokens(size, length, vocab, 16)]
+
+    key = ("prompt", None if prompt is None else tuple(prompt.shape))  # with (batch, length): the pass's shape
+    # padded lengths within max_length and the positions the prompt leaves (preflight checks both agree)
+    positions = classifier.backbone.max_positions
+    cap = max_length if positions is None else max(1, min(max_length, positions - prompt_positions(prompt)))
+    return torch.stack(run_row_own(rows, lengths, forward, ([pad], 0), probes, classifier.row_checks, key=key,
+                                   cap=cap))
+
+
+def prompt_positions(prompt: torch.Tensor | None) -> int:
+    """Positions a prompt takes before the text: a soft prompt's tokens, a prefix's placeholders."""
+    from models.prompts.prefix import is_prefix, prefix_tokens
+
+    if prompt is None:
+        return 0
+    return prefix_tokens(prompt) if is_prefix(prompt) else int(prompt.shape[-2])
 
 
 def accuracy(

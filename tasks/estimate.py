@@ -106,8 +106,9 @@ def run_estimate(plan, sizes, measured: Probe | None, records_per_unit: int | No
 
 def selection_estimate(work: dict, sizes, measured: Probe | None, records_per_unit: int | None = None) -> dict:
     """A selection's estimate from :func:`tasks.selection.trial_work`: its trainings (steps × expected
-    batch each, weighted by the expected number of times each is trained), its holdout scores (one
-    row per forward pass, counted at the probe's evaluation rate: a lower bound there) and the test
+    batch each, weighted by the expected number of times each is trained), its holdout scores (each
+    row its own: one per pass on a CPU, row-own batches on an accelerator; counted at the probe's
+    evaluation rate: a lower bound there) and the test
     split. ``steps``: the expected training steps in all."""
     weight = float(work.get("weight", 1.0))
     trained = [(s, b) for s, b in work["trainings"] if s is not None and b is not None]

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from models.device import attention_backends  # noqa: F401  (re-exported: the engine's forwards use it)
+from models.row_own import batch_rows_default, probe_tokens, row_batch, run_row_own
 
 
 @dataclass
@@ -48,13 +49,19 @@ class CausalEngine:
         # last_logits_rowwise batches rows in public shapes on an accelerator; on a CPU every row runs
         # alone at its own length (a batch buys little there, and its bucket padding, pad-only fill rows
         # and per-shape checks cost 3-5× — measured in bench/bench_dpopt.py --mixed)
-        self.batch_rows = self.device.type != "cpu" if batch_rows is None else bool(batch_rows)
+        self.batch_rows = batch_rows_default(self.device) if batch_rows is None else bool(batch_rows)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.eos_id = tokenizer.eos_token_id
         self._heads: dict[str, SharedPrefix] = {}  # label_logprobs' encoded heads, the last few (public text)
-        self._shapes_checked: set[tuple[int, int, int]] = set()  # last_logits_rowwise's verified batch shapes
-        self._shapes_unsafe: set[tuple[int, int, int]] = set()   # ... and those that failed: rows run alone
+        self.row_checks: dict[tuple, bool] = {}  # last_logits_rowwise's checked batch shapes → row-own (else rows alone)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's positions, if bounded (:meth:`models.backbones.Backbone.max_positions`)."""
+        from models.backbones import config_positions
+
+        return config_positions(self.model.config)
 
     # ---- tokenisation ------------------------------------------------------------------------
     def ids(self, text: str) -> list[int]:
@@ -198,17 +205,14 @@ class CausalEngine:
         With :meth:`last_logits`, a row's logits move by float rounding with its companions' lengths
         and padding (1e-7–1e-6 on tiny-gpt2): at a near-tie one record could flip another member's
         vote — two votes moved where LimitedDomain is calibrated for one — or another row's ŷ
-        (review 6, F1). Here the SHAPE of every forward pass is public and the row's own: a row is
-        left-padded to its length rounded up to ``bucket_width``, and the rows of one padded length go
-        in batches of exactly :meth:`row_batch` rows — a function of that length alone — the last one
-        filled with pad-only rows, so no row is
-        padded for another and no batch size depends on other rows (a row's logits do move with the
-        batch size: matrix products pick their kernels by shape). For a fixed shape, a forward pass
-        computes each row from that row alone (products reduce along the row, attention and norms are
-        per sequence) — checked on the device, bit for bit, the first time each (batch, length, head)
-        shape runs, on public probe rows: the batch in reverse order, and its first row beside pad-only
-        rows. A shape that fails runs its rows alone (in a batch of one, at the same padded length). On an H100 a 7B model's query of J = 205 took 1.06 s with :meth:`last_logits` and
-        12.0 s with every row in its own pass (bench/RESULTS.md).
+        (review 6, F1). Here the SHAPE of every forward pass is public and the row's own
+        (:func:`models.row_own.run_row_own`): a row is left-padded to its length rounded up to
+        ``bucket_width``, the rows of one padded length go in batches of exactly :meth:`row_batch`
+        rows (a function of that length alone), the last filled with pad-only rows, and each
+        (batch, length, head) shape is checked on the device, bit for bit, the first time it runs, on
+        public probe rows (``row_checks``); a shape that fails runs its rows alone. On an H100 a 7B
+        model's query of J = 205 mixed members took 0.89 s with :meth:`last_logits`, 1.21 s here and
+        7.27 s with every row in its own pass (bench/RESULTS.md).
 
         Without ``batch_rows`` (the default on a CPU) every row runs alone at its own length: no
         companions, no padding, nothing to check."""
@@ -217,47 +221,20 @@ class CausalEngine:
             raise ValueError("every sequence needs at least one token after the shared prefix")
         if not self.batch_rows:
             return torch.cat([self._forward_left_padded([s], prefix) for s in suffixes]) if suffixes else torch.zeros(0)
-        w = self.bucket_width
-        groups: dict[int, list[int]] = {}
-        for j, s in enumerate(suffixes):
-            groups.setdefault(-(-len(s) // w) * w, []).append(j)
-        out: list[torch.Tensor | None] = [None] * len(suffixes)
-        for length, idx in groups.items():
-            size = self.row_batch(length)
-            for start in range(0, len(idx), size):
-                batch = idx[start:start + size]
-                rows = [suffixes[j] for j in batch] + [[self.pad_id]] * (size - len(batch))  # pad-only fill
-                logits = self._checked_forward(rows, prefix, length)
-                for row, j in enumerate(batch):
-                    out[j] = logits[row]
+        vocab = int(getattr(self.model.config, "vocab_size", None) or len(self.tok))
+        limit = self.max_positions
+        # padded lengths (and the probes of the row checks) within the positions the head leaves: a row
+        # that fits is never padded past the model (a crash decided by one record)
+        cap = None if limit is None else max(1, limit - prefix.length)
+        out = run_row_own(suffixes, [len(s) for s in suffixes],
+                          lambda rows, length: self._forward_left_padded(rows, prefix, length), [self.pad_id],
+                          lambda size, length: probe_tokens(size, length, vocab, self.bucket_width),
+                          self.row_checks, key=prefix.length, width=self.bucket_width, cap=cap, max_batch=self.max_batch)
         return torch.stack(out) if out else torch.zeros(0)
 
     def row_batch(self, length: int) -> int:
-        """:meth:`last_logits_rowwise`'s batch size for rows padded to ``length``: a function of the
-        length alone (about 2,048 tokens a pass, at least 8 rows, at most ``max_batch``)."""
-        return min(self.max_batch, max(8, 2048 // length))
-
-    def _checked_forward(self, rows: list[list[int]], prefix: SharedPrefix, length: int) -> torch.Tensor:
-        shape = (len(rows), length, prefix.length)
-        if len(rows) > 1 and shape not in self._shapes_checked:
-            self._shapes_checked.add(shape)
-            if not self._rows_independent(len(rows), prefix, length):
-                self._shapes_unsafe.add(shape)
-        if shape in self._shapes_unsafe:
-            return torch.cat([self._forward_left_padded([r], prefix, length) for r in rows])
-        return self._forward_left_padded(rows, prefix, length)
-
-    def _rows_independent(self, size: int, prefix: SharedPrefix, length: int) -> bool:
-        """Whether a forward pass of this shape gives each row the same bits whatever its companions
-        and its place: checked on PUBLIC probe rows (fixed token patterns of lengths within the
-        bucket), so which path a shape takes depends on the device and the shape, never on data."""
-        vocab = int(getattr(self.model.config, "vocab_size", None) or len(self.tok))
-        probes = [[(101 + 31 * k + 7 * i) % vocab for i in range(max(1, length - k % self.bucket_width))]
-                  for k in range(size)]
-        batch = self._forward_left_padded(probes, prefix, length)
-        reverse = self._forward_left_padded(probes[::-1], prefix, length).flip(0)
-        beside_pads = self._forward_left_padded([probes[0]] + [[self.pad_id]] * (size - 1), prefix, length)
-        return bool(torch.equal(reverse, batch) and torch.equal(beside_pads[0], batch[0]))
+        """:meth:`last_logits_rowwise`'s batch size for rows padded to ``length`` (:func:`models.row_own.row_batch`)."""
+        return row_batch(length, self.max_batch)
 
 
 def causal_engine_for(cfg, max_batch: int = 32) -> CausalEngine:

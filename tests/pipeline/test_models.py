@@ -409,6 +409,82 @@ def test_row_wise_logits_of_a_row_do_not_depend_on_the_other_rows(clf):
     torch.testing.assert_close(rows, predict_logits(clf, clf.encode(TEXTS), p), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("prompt_kind", ["none", "soft", "prefix"])
+def test_row_wise_logits_batched_in_row_own_shapes(clf, prompt_kind):
+    """The accelerator's path, forced on the CPU: rows in batches of public shapes (their own
+    length rounded up to 16, a batch size of that length, fill rows), each shape checked. A row's
+    logits are the same bits whoever its companions (an added long record, other rows, the order),
+    and match the rows run alone up to rounding (the padded length is the row's own)."""
+    from models.prompts.prefix import prefix_shape
+    from models.scoring import row_wise_logits
+
+    clf.row_checks.clear()
+    p = {"none": None, "soft": _prompt(clf), "prefix": None}[prompt_kind]
+    if prompt_kind == "prefix":
+        p = torch.randn(*prefix_shape(clf.backbone.model, 3), generator=torch.Generator().manual_seed(0)) * 0.5
+    texts = TEXTS + ["one more short text", "and " * 20 + "a long one"]
+    got = row_wise_logits(clf, texts, 64, p, batch_rows=True)
+    with_added = row_wise_logits(clf, ["an added record, much longer than the others, " * 6] + texts, 64, p,
+                                 batch_rows=True)
+    reordered = row_wise_logits(clf, texts[::-1], 64, p, batch_rows=True)
+    assert torch.equal(with_added[1:], got) and torch.equal(reordered.flip(0), got)
+    alone = row_wise_logits(clf, texts, 64, p, batch_rows=False)
+    torch.testing.assert_close(got, alone, atol=1e-5, rtol=0)
+    from models.row_own import row_batch
+
+    assert clf.row_checks and all(k[0] == row_batch(k[1]) for k in clf.row_checks)  # a batch size per length
+
+
+def test_every_row_own_pass_holds_padding_even_when_every_row_fills_its_length(monkeypatch):
+    """Review 9, F1: Transformers drops the attention mask of a batch with no padding, and on CUDA a
+    half-precision model then runs another attention kernel (flash) — so rows cut to max_length
+    would compute other bits beside each other than beside one shorter record. Every multi-row pass
+    therefore holds a one-token fill row: its mask always has padding, whatever the rows."""
+    from models.row_own import run_row_own
+    from models.scoring import row_wise_logits
+
+    seen = []
+
+    def forward(batch, length):
+        seen.append(list(batch))
+        return torch.tensor([[float(len(r))] for r in batch])
+
+    rows = [[1] * 16 for _ in range(40)]  # every row exactly its padded length
+    out = run_row_own(rows, [16] * 40, forward, [0], lambda size, L: [[5] * (L - k) for k in range(size)], {},
+                      max_batch=8)
+    assert [float(o) for o in out] == [16.0] * 40
+    passes = [b for b in seen if len(b) > 1 and [1] * 16 in b]  # the data's passes (the others: the check's probes)
+    assert len(passes) == 6 and all(len(b) == 8 and [0] in b for b in passes)  # 7 rows + a fill row each
+
+    clf = VerbalizerCausalLM(load_backbone("tiny-gpt2", DEV), LABELS)
+    masks = []
+    real = clf.forward_shaped
+    monkeypatch.setattr(clf, "forward_shaped", lambda batch, prompt=None: masks.append(batch["attention_mask"])
+                        or real(batch, prompt))
+    long_texts = ["word " * 80 + str(i) for i in range(40)]  # every one cut to max_length = 32
+    row_wise_logits(clf, long_texts, 32, batch_rows=True)
+    assert masks and all(bool((m == 0).any()) for m in masks if m.shape[0] > 1)
+
+
+def test_row_wise_logits_a_shape_failing_its_check_runs_its_rows_alone(monkeypatch):
+    """If the device made a row depend on its companions for some shape, the check (on public
+    probe rows) catches it and that shape's rows run one by one at the same padded length."""
+    from models.scoring import row_wise_logits
+
+    clf = VerbalizerCausalLM(load_backbone("tiny-gpt2", DEV), LABELS)
+    real = clf.forward_shaped
+
+    def coupled(batch, prompt=None):  # a row's logits move with the first row's first token
+        out = real(batch, prompt)
+        return out + 1e-3 * float(batch["input_ids"][0, 0]) if out.shape[0] > 1 else out
+
+    monkeypatch.setattr(clf, "forward_shaped", coupled)
+    got = row_wise_logits(clf, TEXTS, 64, batch_rows=True)
+    assert clf.row_checks and not any(clf.row_checks.values())
+    torch.testing.assert_close(got, row_wise_logits(clf, TEXTS, 64, batch_rows=False), atol=1e-5, rtol=0)
+    assert torch.equal(row_wise_logits(clf, TEXTS[:2], 64, batch_rows=True), got[:2])
+
+
 def test_soft_prompt_init_expand_and_safetensors_roundtrip(tmp_path):
     bb = load_backbone("tiny-gpt2", DEV)
     sp = SoftPrompt.init_from_vocab(bb, "positive negative", n_tokens=5)

@@ -89,15 +89,17 @@ def correct_counts(engine, cfg, candidates: list[str], texts: list[str], labels:
     ``units`` (unit index per row, a user privacy unit): the sum over units of the fraction of the
     unit's rows labelled correctly — each unit adds at most one to each count (:func:`per_unit_counts`).
 
-    Each row is scored ALONE (one engine call per row): batched, a row's log-probabilities move by
-    float rounding with its neighbours' lengths and padding, so adding one record could flip another
-    row's prediction — a count moving by more than one, or down, which the DP-argmax's monotone,
-    sensitivity-1 calibration does not cover (the same fix as the selection's holdout scoring)."""
+    Each row is scored as a function of itself alone (``rowwise``: alone on a CPU, row-own public
+    shapes on an accelerator, :meth:`CausalEngine.last_logits_rowwise`): batched as evaluation
+    batches, a row's log-probabilities move by float rounding with its neighbours' lengths and
+    padding, so adding one record could flip another row's prediction — a count moving by more than
+    one, or down, which the DP-argmax's monotone, sensitivity-1 calibration does not cover (the same
+    fix as the selection's holdout scoring)."""
     y = np.array([cfg.data.labels.index(l) for l in labels])
 
-    def scored(c):  # the candidate's room computed once (public), every row alone
+    def scored(c):  # the candidate's room computed once (public), every row its own
         room = forward_text_budget(engine, cfg, c)
-        return np.array([int(label_logprobs(engine, cfg, c, [t], room=room).argmax(dim=1)[0]) for t in texts])
+        return label_logprobs(engine, cfg, c, texts, rowwise=True, room=room).argmax(dim=1).numpy()
     correct = (np.stack([scored(c) == y for c in candidates]) if len(texts)
                else np.zeros((len(candidates), 0), dtype=bool))
     return per_unit_counts(correct, units)

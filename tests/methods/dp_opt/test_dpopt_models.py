@@ -73,7 +73,7 @@ def test_on_a_cpu_rows_run_alone_at_their_own_length_and_nothing_is_checked(engi
     rows = _rows(cpu, TEXTS)
     got = cpu.last_logits_rowwise(rows, prefix)
     assert torch.equal(got, torch.cat([cpu._forward_left_padded([r], prefix) for r in rows]))
-    assert not cpu._shapes_checked and got.shape == (len(rows), engine.last_logits(rows[:1], prefix).shape[1])
+    assert not cpu.row_checks and got.shape == (len(rows), engine.last_logits(rows[:1], prefix).shape[1])
 
 
 def test_a_shape_that_fails_the_row_check_runs_its_rows_alone(engine, monkeypatch):
@@ -91,7 +91,7 @@ def test_a_shape_that_fails_the_row_check_runs_its_rows_alone(engine, monkeypatc
     monkeypatch.setattr(fresh, "_forward_left_padded", coupled)
     got = fresh.last_logits_rowwise(rows)
     alone = torch.cat([real([r], SharedPrefix([], None), 64) for r in rows])
-    assert torch.equal(got, alone) and fresh._shapes_unsafe
+    assert torch.equal(got, alone) and not all(fresh.row_checks.values())
 
 
 def test_shared_prefix_kv_equals_full_reencode(engine):

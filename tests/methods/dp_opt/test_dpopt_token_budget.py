@@ -11,6 +11,7 @@ import string
 
 import numpy as np
 import pytest
+import torch
 
 from tasks.methods import PrivateRows, get_method
 from tasks.methods.dp_opt import text_prompts
@@ -64,13 +65,21 @@ def test_a_record_that_tokenizes_long_changes_its_member_only_and_every_query_ru
     assert logits.shape[0] == len(more) and bool(logits.isfinite().all())
 
 
+@pytest.mark.parametrize("batch_rows", [False, True], ids=["alone", "row-own-batches"])
 @pytest.mark.parametrize("record", [LONG_WORDS, CJK], ids=["48-long-words", "cjk-5000"])
-def test_the_dp_argmax_scores_a_long_holdout_row_and_moves_each_count_by_at_most_one(tiny, record):
+def test_the_dp_argmax_scores_a_long_holdout_row_and_moves_each_count_by_at_most_one(tiny, record, batch_rows,
+                                                                                     monkeypatch):
+    """Each row's prediction is its own on either path (batch_rows: the accelerator's, forced here):
+    the added record moves each count by 0 or +1, and the other rows' predictions not at all."""
     cfg, engine = tiny
+    monkeypatch.setattr(engine, "batch_rows", batch_rows)
     candidates = [INSTRUCTION, "rate the review", ""]
     counts = text_prompts.correct_counts(engine, cfg, candidates, BASE.texts, BASE.labels)
     more = text_prompts.correct_counts(engine, cfg, candidates, BASE.texts + [record], BASE.labels + ["positive"])
     assert set((more - counts).tolist()) <= {0.0, 1.0}
+    first = text_prompts.label_logprobs(engine, cfg, INSTRUCTION, BASE.texts, rowwise=True)
+    assert torch.equal(text_prompts.label_logprobs(engine, cfg, INSTRUCTION, [record] + BASE.texts, rowwise=True)[1:],
+                       first)
     assert text_prompts.predictions(engine, cfg, INSTRUCTION, [record])[0] in cfg.data.labels  # ŷ of it
 
 
