@@ -158,7 +158,8 @@ def main() -> None:
             sync()
             t_rowwise[batch_rows] = time.perf_counter() - t
         engine.batch_rows = default
-        padded = sum(engine.row_batch(n) * -(-k // engine.row_batch(n)) * n for n, k in _buckets(suffixes, engine).items())
+        padded = sum(engine.row_batch(n) * -(-k // (engine.row_batch(n) - 1)) * n  # each pass: a pad-only row at least
+                     for n, k in _buckets(suffixes, engine).items())
         texts = [d[0] for d in demos[:args.label_rows]]
         words = [" negative", " positive"]
         engine.label_logprobs("Classify the input text as positive or negative.", texts[:2], words,

@@ -10,12 +10,12 @@ the batched one, bench/RESULTS.md).
 :func:`run_row_own` batches rows so that the SHAPE of every pass is a function of each row alone:
 a row is padded to its length rounded up to ``width`` (capped), the rows of one padded length go in
 batches of exactly :func:`row_batch` rows (a function of that length alone), each holding at least
-one fill row (one public token), the last filled with them. The fill row keeps padding in EVERY pass:
-Transformers drops the attention mask of a batch with no padding at all, and without a mask a
-half-precision model on CUDA runs flash attention, with one another kernel — so rows that all fill
-their padded length would otherwise compute other bits than the same rows beside a shorter
-companion (review 9, F1); the probe batches of the check always hold padding too. For a fixed shape a forward pass computes each row from that row
-alone (products reduce along the row; attention and norms are per sequence) — CHECKED on the
+one fill row (one public token), the last filled with them. The fill row keeps padding in EVERY
+pass: Transformers drops the attention mask of a batch with no padding at all, and without a mask a
+half-precision model on CUDA may run flash attention instead of the masked kernel — so rows that all
+fill their padded length could compute other bits than the same rows beside a shorter companion
+(review 9, F1); the probe batches of the check always hold padding too. For a fixed shape a forward
+pass computes each row from that row alone (products reduce along the row; attention and norms are per sequence) — CHECKED on the
 device, bit for bit, the first time each shape runs, on public probe rows: the batch in reverse
 order, and its first row beside fill rows. A shape that fails runs its rows alone (a batch of one,
 at the same padded length). Which path a shape takes depends on the device, the model and the

@@ -64,15 +64,17 @@ def row_wise_logits(classifier: PromptClassifier, texts: list[str], max_length: 
         shaped = {"input_ids": ids, "attention_mask": mask, "label_pos": torch.tensor([p for _, p in batch])}
         return classifier.forward_shaped(shaped, prompt).float().cpu()
 
+    width = 16  # rows padded to their length rounded up to 16 positions
+
     def probes(size, length):
-        return [(t, len(t) - 1) for t in probe_tokens(size, length, vocab, 16)]
+        return [(t, len(t) - 1) for t in probe_tokens(size, length, vocab, width)]
 
     key = ("prompt", None if prompt is None else tuple(prompt.shape))  # with (batch, length): the pass's shape
     # padded lengths within max_length and the positions the prompt leaves (preflight checks both agree)
     positions = classifier.backbone.max_positions
     cap = max_length if positions is None else max(1, min(max_length, positions - prompt_positions(prompt)))
     return torch.stack(run_row_own(rows, lengths, forward, ([pad], 0), probes, classifier.row_checks, key=key,
-                                   cap=cap))
+                                   width=width, cap=cap))
 
 
 def prompt_positions(prompt: torch.Tensor | None) -> int:

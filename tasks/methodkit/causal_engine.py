@@ -208,7 +208,7 @@ class CausalEngine:
         (review 6, F1). Here the SHAPE of every forward pass is public and the row's own
         (:func:`models.row_own.run_row_own`): a row is left-padded to its length rounded up to
         ``bucket_width``, the rows of one padded length go in batches of exactly :meth:`row_batch`
-        rows (a function of that length alone), the last filled with pad-only rows, and each
+        rows (a function of that length alone), each holding at least one pad-only row, and each
         (batch, length, head) shape is checked on the device, bit for bit, the first time it runs, on
         public probe rows (``row_checks``); a shape that fails runs its rows alone. On an H100 a 7B
         model's query of J = 205 mixed members took 0.89 s with :meth:`last_logits`, 1.21 s here and
