@@ -1,6 +1,6 @@
 """DP prompt-tuning steps on a big backbone, on a GPU (issue 39): what the whole-run ratio is made of.
 
-    python bench/gpu_steps.py MODEL_DIR DATA.jsonl OUT.json [--sections attention,physical,4bit] [--steps 15]
+    python bench/gpu_steps.py MODEL_DIR DATA.jsonl OUT.json [--sections attention,physical,4bit,holdout] [--steps 15]
 
 * ``attention``: the DP step (Poisson batches of expected size 32, per-sample gradients, clipping, one
   noise draw) against the non-private step (fixed batches of 32) through ``models.dp_prompt_training
@@ -10,6 +10,9 @@
   (``physical_batch_size``): seconds per step and peak GPU memory.
 * ``4bit``: the same DP and non-private steps on the backbone loaded in 4-bit (NF4, bitsandbytes,
   ``models.placement``) against bf16: load time, weights' memory, seconds per step, peak memory.
+* ``holdout``: the private holdout scoring (``models.scoring.row_wise_logits``: a selection's counts, the
+  released comparison with no prompt) in row-own batches vs one row per pass, on 672 rows (a 1 % holdout
+  of SST-2), with and without a soft prompt: seconds, and whether both paths predict the same.
 
 Random weights are fine (timings only). Prints one JSON line per measurement and writes them all
 to OUT.json as they come (a timed-out run keeps what it measured).
@@ -131,6 +134,35 @@ def four_bit(out, model_dir, enc_texts, y, steps, bf16_weights_gib):
          nonprivate=np_r, dp=dp_r, dp_over_nonprivate=dp_r["s_per_step"] / np_r["s_per_step"])
 
 
+def holdout(out, clf, texts, rows: int = 672):
+    """The holdout scoring of a selection or of the comparison with no prompt (``row_wise_logits``):
+    each row its own, in row-own batches (an accelerator's default) vs one row per pass, with a
+    4-token soft prompt and without; the predictions of the two paths compared, and one row's
+    logits with an added long record (must be the same bits)."""
+    import torch
+
+    from models.scoring import row_wise_logits
+
+    part = texts[:rows]
+    prompt = torch.randn(4, clf.embed_dim, generator=torch.Generator().manual_seed(0)) * 0.02
+    for p in (None, prompt):
+        for batch_rows in (True, False):
+            row_wise_logits(clf, part[:40], 64, p, batch_rows=batch_rows)  # warm-up (and the shapes' checks)
+        timed = {}
+        for batch_rows in (True, False):
+            sync()
+            t0 = time.perf_counter()
+            logits = row_wise_logits(clf, part, 64, p, batch_rows=batch_rows)
+            sync()
+            timed[batch_rows] = (time.perf_counter() - t0, logits)
+        added = row_wise_logits(clf, ["an added record, longer than the rest " * 10] + part[:64], 64, p, batch_rows=True)
+        (t_b, l_b), (t_a, l_a) = timed[True], timed[False]
+        emit(out, section="holdout", prompt=p is not None, rows=len(part), row_own_batches_s=t_b, one_row_per_pass_s=t_a,
+             speedup=t_a / t_b, same_predictions=float((l_b.argmax(1) == l_a.argmax(1)).float().mean()),
+             max_abs_logit_diff=float((l_b - l_a).abs().max()), added_record_moves_none=bool(torch.equal(added[1:], l_b[:64])),
+             shapes_checked=len(clf.row_checks), shapes_failing=sum(not ok for ok in clf.row_checks.values()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir")
@@ -155,6 +187,7 @@ def main() -> None:
          dtype=str(clf.backbone.model.dtype))
     parts = {"attention": lambda: attention(a.out, clf, enc, y, a.steps),
              "physical": lambda: physical(a.out, clf, enc, y, max(5, a.steps // 2)),
+             "holdout": lambda: holdout(a.out, clf, texts),
              "4bit": lambda: four_bit(a.out, a.model_dir, texts, y, max(5, a.steps // 2), weights)}
     for name in sections:
         try:
