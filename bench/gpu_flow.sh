@@ -3,6 +3,7 @@
 #   bash bench/gpu_flow.sh smoke     # install the carried wheels, smoke flow on CUDA, then the whole DP vs
 #                                    # non-private run on a random Llama-2-7B-shaped bf16 backbone
 #   bash bench/gpu_flow.sh quickstart  # the quickstart flow (MiniLM, carried as fp16, run in fp32)
+#   bash bench/gpu_flow.sh holdout   # the private holdout scoring on the 7B shape: row-own batches vs one row per pass
 #   bash bench/gpu_flow.sh all       # smoke, a 7B DP/non-private pair, bench/gpu_steps.py, a second pair
 #   bash bench/gpu_flow.sh dpopt     # DP-OPT at dp_opt_gpu.yaml's scale (J = 205 meta-prompts of 5 demos, full
 #                                    # SST-2, 50 tokens) on a random 7B-shaped model made to agree with itself,
@@ -77,6 +78,11 @@ all)  # smoke, a 7B pair, the step benches (attention, physical batch, 4-bit), a
   timed steps timeout "${STEPS_TIMEOUT:-200}" $PY bench/gpu_steps.py /tmp/llama7b /tmp/data/sst2/train.jsonl "$OUT/steps.json"
   dp_run 2; np_run 2
   $PY bench/gpu_flow.py record /tmp/pp-7b "$OUT/7b_record.json"
+  ;;
+holdout)  # the private holdout scoring (a selection's counts, the comparison with no prompt): row-own batches vs one row per pass
+  make_7b
+  timed holdout timeout "${STEPS_TIMEOUT:-200}" $PY bench/gpu_steps.py /tmp/llama7b /tmp/data/sst2/train.jsonl "$OUT/holdout.json" \
+      --sections holdout
   ;;
 pair)  # one more non-private/DP pair on the 7B shape, numbered ${PAIR:-3}
   make_7b
