@@ -35,9 +35,35 @@ import torch
 Row = TypeVar("Row")
 
 
-def batch_rows_default(device: torch.device | str) -> bool:
-    """Whether rows are batched in row-own shapes by default: on an accelerator (not on a CPU)."""
-    return torch.device(device).type != "cpu"
+_EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def batch_rows_default(device: torch.device | str, model: torch.nn.Module | None = None) -> bool:
+    """Whether rows are batched in row-own shapes: on an accelerator (not on a CPU), for a model whose
+    forward computes each row from that row alone at a fixed shape (:func:`rows_mix`: never)."""
+    return torch.device(device).type != "cpu" and not (model is not None and rows_mix(model))
+
+
+def rows_mix(model: torch.nn.Module) -> str | None:
+    """Why a forward pass of ``model`` can make one row's outputs depend on its companions' VALUES at a
+    fixed shape — which no check on public probe rows can rule out — or None (review 9b):
+
+    * LLM.int8 (bitsandbytes 8-bit with an outlier threshold): the outlier columns are the columns
+      above the threshold in ANY row of the pass, and run in fp16 for every row (G2);
+    * a mixture of experts: each expert's product covers the tokens routed to it from the whole batch,
+      a shape set by the data (G3)."""
+    q = getattr(model, "quantization_config", None) or getattr(getattr(model, "config", None), "quantization_config", None)
+    get = (lambda k: q.get(k)) if isinstance(q, dict) else (lambda k: getattr(q, k, None))
+    if getattr(model, "is_loaded_in_8bit", False) or (q is not None and get("load_in_8bit")):
+        if float(get("llm_int8_threshold") if get("llm_int8_threshold") is not None else 6.0) > 0:
+            return "8-bit (LLM.int8) weights pick outlier columns over the whole batch"
+    cfg = getattr(model, "config", None)
+    configs = [cfg, getattr(cfg, "text_config", None)] if cfg is not None else []
+    for c in configs:
+        for k in _EXPERT_COUNTS:
+            if isinstance(getattr(c, k, None), int) and getattr(c, k) > 1:
+                return f"a mixture of experts ({k} = {getattr(c, k)}) routes tokens over the whole batch"
+    return None
 
 
 def padded_length(n: int, width: int, cap: int | None = None) -> int:

@@ -42,19 +42,20 @@ def row_wise_logits(classifier: PromptClassifier, texts: list[str], max_length: 
     row-own shapes, each shape checked bit for bit on the device the first time it runs
     (:func:`models.row_own.run_row_own`): on a GPU one pass of one row costs tens of milliseconds
     whatever its length. Without it every row is encoded and run alone."""
-    from models.row_own import batch_rows_default, probe_tokens, run_row_own
+    from models.row_own import batch_rows_default, probe_tokens, rows_mix, run_row_own
 
     classifier.eval()
     if not texts:
         return torch.zeros((0, classifier.n_labels))
-    if not (batch_rows_default(classifier.device) if batch_rows is None else batch_rows):
+    model = classifier.backbone.model
+    if not (batch_rows_default(classifier.device, model) if batch_rows is None else batch_rows and not rows_mix(model)):
         return torch.cat([classifier(classifier.encode([text], max_length=max_length), prompt).float().cpu()
                           for text in texts])
     enc = classifier.encode(texts, max_length=max_length)
     lengths = enc["attention_mask"].sum(1).tolist()
     rows = [(enc["input_ids"][i, :n].tolist(), int(enc["label_pos"][i])) for i, n in enumerate(lengths)]
     pad = classifier._tokenize.pad_id
-    vocab = len(classifier.backbone.tokenizer)
+    vocab = int(model.get_input_embeddings().num_embeddings)  # probe ids the model can embed (review 9b, G4)
 
     def forward(batch, length):
         ids = torch.full((len(batch), length), pad, dtype=torch.long)

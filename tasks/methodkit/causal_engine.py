@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from models.device import attention_backends  # noqa: F401  (re-exported: the engine's forwards use it)
-from models.row_own import batch_rows_default, probe_tokens, row_batch, run_row_own
+from models.row_own import batch_rows_default, probe_tokens, row_batch, rows_mix, run_row_own
 
 
 @dataclass
@@ -49,7 +49,11 @@ class CausalEngine:
         # last_logits_rowwise batches rows in public shapes on an accelerator; on a CPU every row runs
         # alone at its own length (a batch buys little there, and its bucket padding, pad-only fill rows
         # and per-shape checks cost 3-5× — measured in bench/bench_dpopt.py --mixed)
-        self.batch_rows = batch_rows_default(self.device) if batch_rows is None else bool(batch_rows)
+        # (never for a model whose rows mix at a fixed shape: models.row_own.rows_mix)
+        if batch_rows is None:
+            self.batch_rows = batch_rows_default(self.device, model)
+        else:
+            self.batch_rows = bool(batch_rows) and not rows_mix(model)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.eos_id = tokenizer.eos_token_id
@@ -109,6 +113,10 @@ class CausalEngine:
             ids[i, L - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[i, L - len(r):] = 1
         positions = (P + mask.cumsum(1) - 1).clamp(min=0)
+        if length is not None:  # a public shape (last_logits_rowwise): padding sits at the shape's last position,
+            # so the batch's largest position id is P + L - 1 whatever the rows — RoPE variants that pick their
+            # factors from it (longrope) then treat every row alike (review 9b, G1); masked, it moves no real token
+            positions = torch.where(mask.bool(), positions, torch.full_like(positions, P + L - 1))
         full_mask = torch.cat([torch.ones((B, P), dtype=torch.long), mask], dim=1)
         cache = None
         if prefix.cache is not None:
@@ -221,7 +229,7 @@ class CausalEngine:
             raise ValueError("every sequence needs at least one token after the shared prefix")
         if not self.batch_rows:
             return torch.cat([self._forward_left_padded([s], prefix) for s in suffixes]) if suffixes else torch.zeros(0)
-        vocab = int(getattr(self.model.config, "vocab_size", None) or len(self.tok))
+        vocab = int(self.model.get_input_embeddings().num_embeddings)  # probe ids the model can embed (review 9b, G4)
         limit = self.max_positions
         # padded lengths (and the probes of the row checks) within the positions the head leaves: a row
         # that fits is never padded past the model (a crash decided by one record)

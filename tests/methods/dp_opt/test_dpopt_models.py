@@ -276,3 +276,55 @@ def test_a_row_scored_alone_does_not_depend_on_the_other_rows(engine):
     engine.label_logprobs("Instruction: classify\n\n", ["an added, much longer record " * 8] + TEXTS, words, template)
     again = [engine.label_logprobs("Instruction: classify\n\n", [t], words, template) for t in TEXTS]
     assert all(torch.equal(a, b) for a, b in zip(alone, again))
+
+
+def test_a_longrope_model_gives_a_row_the_same_bits_beside_a_longer_record():
+    """Review 9b, G1: longrope RoPE picks its long or short factors from the batch's LARGEST position
+    id; numbered from each row's mask, that was the longest record's length, so one record switched
+    the other rows' factors (and the probe check, its first probe always full length, passed). Padding
+    now sits at the shape's last position: the largest position id is public."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = load_backbone("tiny-llama", "cpu").tokenizer
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                      rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                                       "long_factor": [4.0] * 4, "original_max_position_embeddings": 32})
+    eng = CausalEngine(LlamaForCausalLM(cfg).eval(), tok, batch_rows=True)
+    prefix = eng.encode_prefix("one two three four five six seven eight nine ten")
+    a, b = [200 + i for i in range(18)], [300 + i for i in range(31)]  # one bucket; head + b passes 32, head + a not
+    assert prefix.length + len(a) < 32 < prefix.length + len(b)
+    assert torch.equal(eng.last_logits_rowwise([a], prefix)[0], eng.last_logits_rowwise([a, b], prefix)[0])
+
+
+def test_rows_that_mix_at_a_fixed_shape_are_never_batched():
+    """Review 9b, G2/G3: LLM.int8 picks outlier columns over the whole batch, and a mixture of experts
+    routes tokens over it — a row's bits depend on its companions' values, which no probe check can
+    rule out: such models score every row alone, on every device."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from models.row_own import batch_rows_default, rows_mix
+    from models.scoring import row_wise_logits
+
+    tok = load_backbone("tiny-llama", "cpu").tokenizer
+    moe = MixtralForCausalLM(MixtralConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2)).eval()
+    assert "experts" in rows_mix(moe) and not batch_rows_default("cuda", moe)
+    assert CausalEngine(moe, tok, batch_rows=True).batch_rows is False
+    dense = load_backbone("tiny-llama", "cpu").model
+    assert rows_mix(dense) is None and batch_rows_default("cuda", dense)
+    int8 = torch.nn.Linear(2, 2)
+    int8.quantization_config = {"load_in_8bit": True}  # bitsandbytes' default threshold, 6.0
+    assert "8-bit" in rows_mix(int8)
+    int8.quantization_config = {"load_in_8bit": True, "llm_int8_threshold": 0.0}  # no outlier columns
+    assert rows_mix(int8) is None
+    int8.quantization_config = {"load_in_4bit": True}  # NF4: per-weight blocks, rows stay their own
+    assert rows_mix(int8) is None
+    from models.classifiers import VerbalizerCausalLM
+    from models.backbones import Backbone
+
+    clf = VerbalizerCausalLM(Backbone("moe", "causal", moe, tok, 16), ["negative", "positive"])
+    row_wise_logits(clf, ["a fine film", "dull"], 32, batch_rows=True)
+    assert not clf.row_checks  # forced batching refused: every row ran alone
