@@ -12,7 +12,9 @@ noise are float32 (``models.dp_prompt_training``).
   ``balanced`` / ``balanced_low_0`` / ``sequential``: layers spread over the visible GPUs, then CPU
   memory (offload) when they do not fit.
 * ``quantization``: ``null``, ``8bit`` or ``4bit`` (NF4, double quantisation, compute in bfloat16
-  unless ``dtype`` says float16): bitsandbytes on CUDA only. The backbone is frozen, so quantised
+  unless ``dtype`` says float16): bitsandbytes on CUDA only. 8-bit runs without LLM.int8's outlier
+  decomposition (``llm_int8_threshold=0``): its outlier columns span the batch, which would couple the
+  rows of a DP batch; 4-bit keeps large models' accuracy better. The backbone is frozen, so quantised
   weights are never trained; the prompt's gradient flows through them.
 
 :func:`check_placement` refuses, in one line, what cannot apply on this machine (4-bit without CUDA
@@ -101,7 +103,10 @@ def from_pretrained_kwargs(placement: Placement, device: torch.device) -> dict:
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                 bnb_4bit_compute_dtype=compute)
         else:
-            kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
+            # no outlier decomposition (threshold 0): LLM.int8's outlier columns are those above the
+            # threshold in ANY row of a batch, so one record would move its companions' bits — in a DP-SGD
+            # batch and in every row-own score (review 9b, G2); without them each token row is its own
+            kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
         if placement.dtype == "auto":
             kw["dtype"] = compute
     if placement.device_map:

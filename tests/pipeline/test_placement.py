@@ -42,6 +42,8 @@ def test_from_pretrained_kwargs_go_through_transformers():
     assert kw["device_map"] == {"": 0}  # quantised weights load onto the device, never moved after
     kw = from_pretrained_kwargs(Placement(quantization="8bit", device_map="balanced"), cuda0)
     assert kw["quantization_config"].load_in_8bit and kw["device_map"] == "balanced"
+    # no outlier columns: they are chosen over the whole batch, coupling a DP batch's rows (review 9b, G2)
+    assert kw["quantization_config"].llm_int8_threshold == 0.0
 
 
 @pytest.mark.parametrize("placement, says", [
