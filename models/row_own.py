@@ -52,17 +52,39 @@ def rows_mix(model: torch.nn.Module) -> str | None:
       above the threshold in ANY row of the pass, and run in fp16 for every row (G2);
     * a mixture of experts: each expert's product covers the tokens routed to it from the whole batch,
       a shape set by the data (G3)."""
+    if int8_outliers(model):
+        return "8-bit (LLM.int8) weights pick outlier columns over the whole batch"
+    experts = expert_count(getattr(model, "config", None))
+    if experts:
+        return f"a mixture of {experts} experts routes tokens over the whole batch"
+    return None
+
+
+def int8_outliers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs 8-bit weights with LLM.int8's outlier decomposition (threshold > 0, the
+    default of bitsandbytes and of checkpoints saved in 8-bit): a coupling of a batch's rows far above
+    float rounding — in a DP training batch too, where one record would move the others' gradients."""
     q = getattr(model, "quantization_config", None) or getattr(getattr(model, "config", None), "quantization_config", None)
     get = (lambda k: q.get(k)) if isinstance(q, dict) else (lambda k: getattr(q, k, None))
     if getattr(model, "is_loaded_in_8bit", False) or (q is not None and get("load_in_8bit")):
-        if float(get("llm_int8_threshold") if get("llm_int8_threshold") is not None else 6.0) > 0:
-            return "8-bit (LLM.int8) weights pick outlier columns over the whole batch"
-    cfg = getattr(model, "config", None)
-    configs = [cfg, getattr(cfg, "text_config", None)] if cfg is not None else []
-    for c in configs:
-        for k in _EXPERT_COUNTS:
-            if isinstance(getattr(c, k, None), int) and getattr(c, k) > 1:
-                return f"a mixture of experts ({k} = {getattr(c, k)}) routes tokens over the whole batch"
+        return float(get("llm_int8_threshold") if get("llm_int8_threshold") is not None else 6.0) > 0
+    return False
+
+
+def expert_count(config, depth: int = 3) -> int | None:
+    """The number of experts of a mixture-of-experts config (searched in its sub-configs too: a
+    multimodal model's text config, DBRX's ``ffn_config``), or None."""
+    if config is None or depth < 0:
+        return None
+    items = config.items() if isinstance(config, dict) else vars(config).items() if hasattr(config, "__dict__") else []
+    for k, v in items:
+        if k in _EXPERT_COUNTS and isinstance(v, int) and v > 1:
+            return v
+    for k, v in items:
+        if isinstance(v, dict) or (hasattr(v, "to_dict") and hasattr(v, "__dict__")):
+            found = expert_count(v, depth - 1)
+            if found:
+                return found
     return None
 
 

@@ -450,6 +450,13 @@ def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str, prompt
     except (ValueError, KeyError, IndexError) as exc:
         raise ConfigError(explain_classifier_error(exc, model_name, role)) from None
     check_positions(cfg, clf.backbone.max_positions, prompt_tokens, model_name, role)
+    from models.row_own import int8_outliers
+
+    if int8_outliers(clf.backbone.model):  # review 9c: a checkpoint saved in 8-bit keeps its own threshold
+        raise ConfigError(f"{role}={model_name!r} runs 8-bit weights with LLM.int8's outlier columns (llm_int8_threshold "
+                          "> 0, as a checkpoint saved in 8-bit keeps): they are chosen over a whole batch, so one record "
+                          "would move the other records' gradients and scores; load it with models.placement.quantization: "
+                          "4bit or unquantised")
 
 
 def check_positions(cfg: "PrivPromptConfig", limit: int | None, prompt_tokens: int, model_name: str, role: str) -> None:

@@ -92,3 +92,29 @@ def test_a_selection_candidate_beyond_the_models_positions_is_refused_in_preflig
         preflight(parse_config(cfg), None)
     cfg["selection"]["candidates"] = [{"n_tokens": 10}, {"n_tokens": 40}]
     preflight(parse_config(cfg), None)
+
+
+def test_a_backbone_with_int8_outlier_columns_is_refused_in_preflight(tmp_path_factory, monkeypatch):
+    """Review 9c: a checkpoint saved in 8-bit keeps LLM.int8's outlier threshold whatever placement
+    asks; its outlier columns are chosen over a whole batch, so in a DP-SGD batch one record would
+    move the other records' gradients (far above float rounding). Such a backbone is refused before
+    any budget, in one line; 4-bit or unquantised weights run."""
+    import models.row_own
+    from tasks.errors import ConfigError
+
+    method = get_method("prompt_dpsgd")
+    cfg, _ = parsed_config(tmp_path_factory, "prompt_dpsgd", method.contract_test_config(), "int8")
+    method.preflight(cfg, None)
+    monkeypatch.setattr(models.row_own, "int8_outliers", lambda model: True)
+    with pytest.raises(ConfigError, match=r"models.local='tiny-gpt2' runs 8-bit weights with LLM.int8's outlier "
+                                          r"columns .* models.placement.quantization: 4bit"):
+        method.preflight(cfg, None)
+
+
+def test_nested_expert_counts_are_found():
+    """Review 9c, F2: DBRX keeps its expert count in ``ffn_config``: found, so it never batches rows."""
+    from transformers import DbrxConfig, LlamaConfig
+
+    from models.row_own import expert_count
+
+    assert expert_count(DbrxConfig()) == 4 and expert_count(LlamaConfig()) is None
