@@ -15,15 +15,17 @@ pass: Transformers drops the attention mask of a batch with no padding at all, a
 half-precision model on CUDA may run flash attention instead of the masked kernel — so rows that all
 fill their padded length could compute other bits than the same rows beside a shorter companion
 (review 9, F1); the probe batches of the check always hold padding too. For a fixed shape a forward
-pass computes each row from that row alone (products reduce along the row; attention and norms are per sequence) — CHECKED on the
-device, bit for bit, the first time each shape runs, on public probe rows: the batch in reverse
-order, and its first row beside fill rows. A shape that fails runs its rows alone (a batch of one,
+pass computes each row from that row alone (products reduce along the row; attention and norms are
+per sequence) — CHECKED on the device, bit for bit, the first time each shape runs, on public probe
+rows: the batch in reverse order, and its first row beside fill rows. A shape that fails runs its rows alone (a batch of one,
 at the same padded length). Which path a shape takes depends on the device, the model and the
 shape, never on the data.
 
 Used by DP-OPT's engine (``tasks.methodkit.causal_engine``) and the classifiers' holdout scoring
 (:func:`models.scoring.row_wise_logits`). On a CPU both run every row alone at its own length
-instead (no padding, no fill rows, no checks: 3-5× cheaper there, bench/bench_dpopt.py --mixed).
+instead (no padding, no fill rows, no checks: DP-OPT's queries are 3-5× cheaper so there,
+bench/bench_dpopt.py --mixed). A model whose rows mix by their values at a fixed shape
+(:func:`rows_mix`) runs every row alone on every device.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from typing import Callable, Hashable, Sequence, TypeVar
 import torch
 
 Row = TypeVar("Row")
-
 
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
