@@ -39,10 +39,12 @@ Row = TypeVar("Row")
 _EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
-def batch_rows_default(device: torch.device | str, model: torch.nn.Module | None = None) -> bool:
-    """Whether rows are batched in row-own shapes: on an accelerator (not on a CPU), for a model whose
-    forward computes each row from that row alone at a fixed shape (:func:`rows_mix`: never)."""
-    return torch.device(device).type != "cpu" and not (model is not None and rows_mix(model))
+def batch_rows_default(device: torch.device | str, model: torch.nn.Module | None = None,
+                       requested: bool | None = None) -> bool:
+    """Whether rows are batched in row-own shapes: as ``requested`` (None: on an accelerator, not on
+    a CPU), and never for a model whose rows mix at a fixed shape (:func:`rows_mix`)."""
+    wanted = torch.device(device).type != "cpu" if requested is None else bool(requested)
+    return wanted and not (model is not None and rows_mix(model))
 
 
 def rows_mix(model: torch.nn.Module) -> str | None:

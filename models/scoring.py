@@ -42,13 +42,13 @@ def row_wise_logits(classifier: PromptClassifier, texts: list[str], max_length: 
     row-own shapes, each shape checked bit for bit on the device the first time it runs
     (:func:`models.row_own.run_row_own`): on a GPU one pass of one row costs tens of milliseconds
     whatever its length. Without it every row is encoded and run alone."""
-    from models.row_own import batch_rows_default, probe_tokens, rows_mix, run_row_own
+    from models.row_own import batch_rows_default, probe_tokens, run_row_own
 
     classifier.eval()
     if not texts:
         return torch.zeros((0, classifier.n_labels))
     model = classifier.backbone.model
-    if not (batch_rows_default(classifier.device, model) if batch_rows is None else batch_rows and not rows_mix(model)):
+    if not batch_rows_default(classifier.device, model, batch_rows):
         return torch.cat([classifier(classifier.encode([text], max_length=max_length), prompt).float().cpu()
                           for text in texts])
     enc = classifier.encode(texts, max_length=max_length)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from models.device import attention_backends  # noqa: F401  (re-exported: the engine's forwards use it)
-from models.row_own import batch_rows_default, probe_tokens, row_batch, rows_mix, run_row_own
+from models.row_own import batch_rows_default, probe_tokens, row_batch, run_row_own
 
 
 @dataclass
@@ -50,10 +50,7 @@ class CausalEngine:
         # alone at its own length (a batch buys little there, and its bucket padding, pad-only fill rows
         # and per-shape checks cost 3-5× — measured in bench/bench_dpopt.py --mixed)
         # (never for a model whose rows mix at a fixed shape: models.row_own.rows_mix)
-        if batch_rows is None:
-            self.batch_rows = batch_rows_default(self.device, model)
-        else:
-            self.batch_rows = bool(batch_rows) and not rows_mix(model)
+        self.batch_rows = batch_rows_default(self.device, model, batch_rows)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
         self.eos_id = tokenizer.eos_token_id
