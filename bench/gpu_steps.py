@@ -161,6 +161,21 @@ def holdout(out, clf, texts, rows: int = 672):
              speedup=t_a / t_b, same_predictions=float((l_b.argmax(1) == l_a.argmax(1)).float().mean()),
              max_abs_logit_diff=float((l_b - l_a).abs().max()), added_record_moves_none=bool(torch.equal(added[1:], l_b[:64])),
              shapes_checked=len(clf.row_checks), shapes_failing=sum(not ok for ok in clf.row_checks.values()))
+    # privacy review 9's case on the device's own kernels: rows all cut to max_length (a pass of them alone would carry
+    # no padding, and Transformers would drop its mask) must give the same bits beside a shorter added record
+    n_tokens = lambda t: len(clf.backbone.tokenizer(t, verbose=False)["input_ids"])  # noqa: E731
+    long_rows = []
+    for i, t in enumerate(part[:48]):
+        j = i + 1
+        while n_tokens(t) <= 64:
+            t, j = t + " " + part[j % len(part)], j + 1
+        long_rows.append(t)
+    cut = row_wise_logits(clf, long_rows, 64, None, batch_rows=True)
+    beside = row_wise_logits(clf, ["a short added record"] + long_rows, 64, None, batch_rows=True)
+    alone = row_wise_logits(clf, long_rows, 64, None, batch_rows=False)
+    emit(out, section="holdout_cut_rows", rows=len(long_rows), all_cut=all(n_tokens(t) > 64 for t in long_rows),
+         added_record_moves_none=bool(torch.equal(beside[1:], cut)), max_abs_diff_vs_alone=float((cut - alone).abs().max()),
+         attention=str(getattr(clf.backbone.model.config, "_attn_implementation", "?")))
 
 
 def main() -> None:
@@ -171,6 +186,7 @@ def main() -> None:
     ap.add_argument("--sections", default="attention,physical,4bit")
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--holdout-rows", type=int, default=672)
     a = ap.parse_args()
     import torch
 
@@ -187,7 +203,7 @@ def main() -> None:
          dtype=str(clf.backbone.model.dtype))
     parts = {"attention": lambda: attention(a.out, clf, enc, y, a.steps),
              "physical": lambda: physical(a.out, clf, enc, y, max(5, a.steps // 2)),
-             "holdout": lambda: holdout(a.out, clf, texts),
+             "holdout": lambda: holdout(a.out, clf, texts, a.holdout_rows),
              "4bit": lambda: four_bit(a.out, a.model_dir, texts, y, max(5, a.steps // 2), weights)}
     for name in sections:
         try:

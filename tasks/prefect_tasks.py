@@ -79,14 +79,16 @@ def progress_reporter(name: str):
     """Progress of a stage in Prefect (a progress artifact and a log line every report): steps
     only. Training losses are exact statistics of private data and never reach Prefect."""
     logger = get_run_logger()
-    artifact = {"id": None}
+    artifacts: dict = {}
 
-    def report(step: int, total: int, *_ignored) -> None:
+    def report(step: int, total: int, *_ignored, stage: str | None = None) -> None:
+        """``stage``: a public name of a later part of the same task (DP-OPT's leakage audit), its own bar."""
+        label = f"{name} {stage}" if stage else name
         frac = step / max(total, 1)
-        if artifact["id"] is None:
-            artifact["id"] = create_progress_artifact(0.0, description=f"{name} progress")
-        update_progress_artifact(artifact["id"], progress=100.0 * frac)
-        logger.info("%s: step %d/%d (%.0f%%)", name, step, total, 100 * frac)
+        if label not in artifacts:
+            artifacts[label] = create_progress_artifact(0.0, description=f"{label} progress")
+        update_progress_artifact(artifacts[label], progress=100.0 * frac)
+        logger.info("%s: step %d/%d (%.0f%%)", label, step, total, 100 * frac)
 
     return report
 

@@ -305,7 +305,7 @@ class DPOpt(_TextMethod):
         # in the private history (a review found it published beside ε)
         return Trained(TextPrompt(chosen), event, queries, {**_train_metrics(out), **source_metric(chosen, instruction)},
                        [{"forward_rows": len(proposer.yhat)}],
-                       audit_metrics=_leakage(cfg, out["candidates"], gen.texts))
+                       audit_metrics=_leakage(cfg, out["candidates"], gen.texts, progress))
 
 
 class _Proposer:
@@ -408,14 +408,14 @@ def _unit_array(cfg, rows) -> np.ndarray | None:
     return np.asarray(index[0], dtype=np.int64)
 
 
-def _leakage(cfg, candidates: list[str], private_texts: list[str]) -> dict[str, float]:
+def _leakage(cfg, candidates: list[str], private_texts: list[str], progress=None) -> dict[str, float]:
     """Exact and near copies of private training texts in the generated candidates (local)."""
     from .leakage import leakage_report
     from models.backbones import load_backbone
 
     if not candidates:
         return {"audit.leakage.exact_copies": 0.0, "audit.leakage.prompts": 0.0}
-    return leakage_report(candidates, private_texts, load_backbone("minilm"))
+    return leakage_report(candidates, private_texts, load_backbone("minilm"), progress=progress)
 
 
 def _fixed_bodies(engine, cfg, block, rows, instruction, seed, how_many):
@@ -483,7 +483,7 @@ class Opt(_TextMethod):
         best = candidates[int(np.argmax(correct_counts(engine, mctx.cfg, candidates, val.texts, val.labels)))]
         return Trained(TextPrompt(best), None, len(candidates),
                        {"opt.candidates": len(candidates), **source_metric(best, instruction)},
-                       audit_metrics=_leakage(mctx.cfg, generated, gen.texts))
+                       audit_metrics=_leakage(mctx.cfg, generated, gen.texts, progress))
 
 
 @register_method
@@ -508,7 +508,7 @@ class DLN1(Opt):
         best = candidates[int(np.argmax(label_loglik(engine, mctx.cfg, candidates, val.texts, val.labels)))]
         return Trained(TextPrompt(best), None, len(candidates),
                        {"dln1.candidates": len(candidates), **source_metric(best, instruction)},
-                       audit_metrics=_leakage(mctx.cfg, generated, gen.texts))
+                       audit_metrics=_leakage(mctx.cfg, generated, gen.texts, progress))
 
 
 @register_method

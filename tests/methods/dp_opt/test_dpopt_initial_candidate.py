@@ -87,7 +87,7 @@ def test_counts_include_the_initial_instruction_monotone_sensitivity_one(tiny):
 def _fake_generation(monkeypatch, generated):
     out = {"candidates": list(generated), "queries": 3, "bottoms": 0, "tokens": 4, "stops": {"eos": 2}}
     monkeypatch.setattr(dpopt_method._Proposer, "candidates", lambda self, *a, **k: dict(out))
-    monkeypatch.setattr(dpopt_method, "_leakage", lambda cfg, cands, texts: {})
+    monkeypatch.setattr(dpopt_method, "_leakage", lambda cfg, cands, texts, progress=None: {})
 
 
 def _scripted_counts(monkeypatch, counts_of, seen):
@@ -136,7 +136,7 @@ def test_opt_and_dln1_select_the_initial_instruction_too(tiny, monkeypatch, name
     method = get_method(name)
     plan = method.plan(mctx.cfg, len(ROWS), 1e-5)
     monkeypatch.setattr(type(method), "_generate", lambda self, m, rows, members, t: (None, ["g1", "g2"], INITIAL))
-    monkeypatch.setattr(dpopt_method, "_leakage", lambda cfg, cands, texts: {})
+    monkeypatch.setattr(dpopt_method, "_leakage", lambda cfg, cands, texts, progress=None: {})
     seen = []
     monkeypatch.setattr(text_prompts, scorer, lambda engine, cfg, cands, texts, labels, *a: (
         seen.append(list(cands)) or np.array([5.0 if c == INITIAL else 1.0 for c in cands])))

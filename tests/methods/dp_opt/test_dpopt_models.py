@@ -1,6 +1,8 @@
 """DP-OPT's engine and loops on tiny random causal LMs: padding, KV reuse and caching change
 nothing; the generation loop obeys ⊥ / retry / stop / budget and counts its queries."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -222,6 +224,23 @@ def test_leakage_report_names_are_audit_statistics():
     private = ["the quick brown fox jumps over the lazy dog", "a b"]
     report = leakage_report(["say: the quick brown fox jumps over the lazy dog!", "classify it"], private)
     assert report == {"audit.leakage.exact_copies": 1.0, "audit.leakage.prompts": 2.0}
+
+
+def test_leakage_audit_shows_tenths_never_the_private_count():
+    """The near-copy pass over every private text (minutes on a CPU at the paper's scale) reports its
+    progress in tenths under its own stage name: never a count that would give the training set's size."""
+    from models.backbones import load_backbone
+    from tasks.methods.dp_opt.leakage import leakage_report
+
+    private = [f"private review number {i}" for i in range(5000)]  # 3 chunks of 2,048
+    calls = []
+    bb = load_backbone("tiny-bert")  # its BERT encoder stands in for MiniLM (same mean-pooled recipe)
+    encoder = SimpleNamespace(tokenizer=bb.tokenizer, model=bb.model.bert, device=bb.device)
+    report = leakage_report(["classify the review"], private, encoder,
+                            progress=lambda step, total, **kw: calls.append((step, total, kw)))
+    assert [c[0] for c in calls] == [3, 6, 10] and {c[1] for c in calls} == {10}
+    assert {c[2]["stage"] for c in calls} == {"leakage audit"}
+    assert report["audit.leakage.prompts"] == 1.0 and -1.0 <= report["audit.leakage.max_similarity"] <= 1.0
 
 
 def test_attention_backends_leave_out_cudnn_on_cuda_only():
