@@ -58,7 +58,8 @@ def leakage_report(prompts: list[str], private_texts: list[str], encoder=None, n
     nearest private text by sentence embedding has cosine ≥ ``near_threshold``) and
     ``audit.leakage.max_similarity`` (the largest such cosine): audit statistics, not DP.
     ``progress(step, 10, stage=...)``: tenths of the embedding pass over the private texts (minutes
-    on a CPU at the paper's scale), never a count of them (the training set's exact size)."""
+    on a CPU at the paper's scale), 1, 2, …, 10 for any number of texts — never a count of them or of
+    their chunks (the training set's exact size, or its bucket)."""
     report = {"audit.leakage.exact_copies": float(exact_copies(prompts, private_texts, n)),
               "audit.leakage.prompts": float(len(prompts))}
     if encoder is not None and prompts and private_texts:
@@ -71,10 +72,10 @@ def leakage_report(prompts: list[str], private_texts: list[str], encoder=None, n
         for k, i in enumerate(range(0, len(ordered), 2048)):
             q = sentence_embeddings(ordered[i:i + 2048], encoder)
             best = torch.maximum(best, (p @ q.T).max(dim=1).values)
-            tenth = (k + 1) * 10 // chunks
-            if progress is not None and tenth > shown:
-                shown = tenth
-                progress(tenth, 10, stage="leakage audit")
+            # every tenth in turn, however many chunks: the lines shown are the same for any number of texts
+            while progress is not None and shown < (k + 1) * 10 // chunks:
+                shown += 1
+                progress(shown, 10, stage="leakage audit")
         report["audit.leakage.near_copies"] = float((best >= near_threshold).sum())
         report["audit.leakage.max_similarity"] = float(best.max())
     return report

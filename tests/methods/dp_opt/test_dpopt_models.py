@@ -228,7 +228,8 @@ def test_leakage_report_names_are_audit_statistics():
 
 def test_leakage_audit_shows_tenths_never_the_private_count():
     """The near-copy pass over every private text (minutes on a CPU at the paper's scale) reports its
-    progress in tenths under its own stage name: never a count that would give the training set's size."""
+    progress in tenths under its own stage name: the same ten steps for any number of texts, never a count
+    (nor a number of chunks) that would give the training set's size."""
     from models.backbones import load_backbone
     from tasks.methods.dp_opt.leakage import leakage_report
 
@@ -238,9 +239,12 @@ def test_leakage_audit_shows_tenths_never_the_private_count():
     encoder = SimpleNamespace(tokenizer=bb.tokenizer, model=bb.model.bert, device=bb.device)
     report = leakage_report(["classify the review"], private, encoder,
                             progress=lambda step, total, **kw: calls.append((step, total, kw)))
-    assert [c[0] for c in calls] == [3, 6, 10] and {c[1] for c in calls} == {10}
+    assert [c[0] for c in calls] == list(range(1, 11)) and {c[1] for c in calls} == {10}
     assert {c[2]["stage"] for c in calls} == {"leakage audit"}
     assert report["audit.leakage.prompts"] == 1.0 and -1.0 <= report["audit.leakage.max_similarity"] <= 1.0
+    few = []  # one chunk: the same ten lines (the number of chunks would give the training set's size bucket)
+    leakage_report(["classify the review"], private[:7], encoder, progress=lambda step, total, **kw: few.append(step))
+    assert few == list(range(1, 11))
 
 
 def test_attention_backends_leave_out_cudnn_on_cuda_only():
