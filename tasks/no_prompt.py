@@ -9,8 +9,8 @@ person's n holdout rows weighs 1/n (``privacy.selection.one_vote_weights``), so 
 ≤ 1; a record-level run charged per person (≤ k rows each) is charged the group event (σ/k). The
 holdout is the partition's: each record (or person) is assigned by a keyed hash of itself alone,
 disjoint from training (``tasks.data``). The prompt is scored as trained, on the model it was trained
-on (``Method.holdout_predictions``: a row's prediction is a function of that row alone — one row per
-pass on a CPU, row-own public shapes on an accelerator, ``models.scoring.row_wise_logits``), as a
+on (``Method.holdout_predictions``: a row's prediction is a function of that row alone — row-own public
+shapes on an accelerator and for an encoder on a CPU, else one row per pass, ``models.scoring.row_wise_logits``), as a
 selection scores its candidates.
 
 What follows is post-processing of the released D̃ (no further ε): the prompt loses when D̃ < 0; the

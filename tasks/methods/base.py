@@ -399,8 +399,8 @@ class Method:
         ``rows`` on the model it was trained on (a numpy array; private: the selection only
         releases counts of it with noise). The default scores any prompt kind (soft, prefix,
         text) on ``source_model``'s frozen classifier with :func:`models.scoring.row_wise_logits`: a
-        row's prediction is a function of that row alone (one row per pass on a CPU; on an
-        accelerator, batches of public row-own shapes, each checked bit for bit). Batched as
+        row's prediction is a function of that row alone (batches of public row-own shapes, each
+        checked bit for bit, on an accelerator and for an encoder on a CPU; else one row per pass). Batched as
         evaluation batches, it would depend on its neighbours by float rounding (padding, length groups, BLAS blocking: logits moved by up to
         2e-6 on MiniLM when one record was added before them), and a row near a tie could flip — one
         added record moving a second count, a sensitivity above the 1 the selection's noise is

@@ -399,11 +399,14 @@ def test_scoring_batched_matches_forward(clf):
 def test_row_wise_logits_of_a_row_do_not_depend_on_the_other_rows(clf):
     """A private selection's holdout counts move by one per record only if a row's prediction
     depends on that row alone: adding a long text changes no other row's logits, bit for bit
-    (batched, they move by float rounding), and they match the batched ones up to rounding."""
+    (batched, they move by float rounding), and they match the batched ones up to rounding. The CPU's
+    default: an encoder's rows in row-own batches (faster), a causal model's one per pass (no gain)."""
     from models.scoring import row_wise_logits
 
     p = _prompt(clf)
+    clf.row_checks.clear()
     rows = row_wise_logits(clf, TEXTS, 64, p)
+    assert bool(clf.row_checks) == (clf.backbone.kind != "causal")
     longer = row_wise_logits(clf, ["an added record, much longer than the others, " * 6] + TEXTS, 64, p)
     assert torch.equal(longer[1:], rows)
     torch.testing.assert_close(rows, predict_logits(clf, clf.encode(TEXTS), p), atol=1e-5, rtol=0)
