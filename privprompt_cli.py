@@ -606,9 +606,11 @@ def _print_inference_spend(ledger) -> None:
             continue
         events = [event_from_dict(e["event"]) for e in batches]  # each batch: its votes, one Gaussian each
         queries = sum(answered_queries(event) for event in events)
+        stopped = sum(answered_queries(event_from_dict(e["event"])) for e in batches if e["status"] == "reserved")
         eps = acct.spend(ComposedEvent(tuple(events)), row["delta"]).epsilon
-        print(f"inference-time spend on {row['name']!r}: {queries} queries answered by dp_icl in {len(batches)} "
-              f"charged batches, ε={eps:.4f} {'per record' if row['unit'] == 'record' else 'per ' + row['unit']} "
+        unanswered = f" ({stopped} of them in batches not committed: stopped, or under way)" if stopped else ""
+        print(f"inference-time spend on {row['name']!r}: {queries} queries charged to dp_icl{unanswered} in "
+              f"{len(batches)} batch{'' if len(batches) == 1 else 'es'}, ε={eps:.4f} {'per record' if row['unit'] == 'record' else 'per ' + row['unit']} "
               f"at δ={row['delta']:g} on their own (included above)")
 
 
@@ -936,11 +938,26 @@ def _check_output(path: str | None) -> None:
         raise ValueError(f"--output {path}: not writable")
 
 
+def _positive_int(value: str) -> int:
+    """An argparse type: an integer of at least 1 (a refusal is argparse's one line)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def _write_table(frame, path: str | None) -> None:
     if path is None:
         sys.stdout.write(frame.to_json(orient="records", lines=True, force_ascii=False))
         return
-    _WRITERS[os.path.splitext(path)[1].lower()](frame, path)  # the suffix checked by _check_output
+    previous = os.umask(0o077)  # the file holds the input texts (a team's private queries): its owner's alone
+    try:
+        _WRITERS[os.path.splitext(path)[1].lower()](frame, path)  # the suffix checked by _check_output
+    finally:
+        os.umask(previous)
 
 
 def _model_load_error(exc: BaseException):
@@ -1035,7 +1052,14 @@ def _predict_dp_icl(args, frame, texts) -> int:
         print(f"\rdp_icl: {done}/{total} queries answered ({time.perf_counter() - started:.1f} s)", end="",
               file=sys.stderr, flush=True)
 
-    answers, refusal = answer_all(served, texts, args.batch_size, progress)
+    def interrupt(signum, frame):  # SIGTERM as Ctrl-C: the answers already charged are written, not lost
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        answers, refusal = answer_all(served, texts, args.batch_size, progress)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(file=sys.stderr)
     result = frame.iloc[:len(answers)].copy()  # a refusal mid-way: the answers already charged, never lost
     result["prediction"] = answers
@@ -1043,6 +1067,10 @@ def _predict_dp_icl(args, frame, texts) -> int:
     if refusal is not None:
         from privacy.ledger.errors import BudgetExceededError
 
+        if isinstance(refusal, KeyboardInterrupt):
+            _fail(f"dp_icl: interrupted: {len(answers)} of {len(texts)} queries answered and charged (written); the "
+                  "batch under way when it stopped stays charged, unanswered (privprompt ledger)")
+            return 130
         why = ("another spend on the dataset took the room left" if isinstance(refusal, BudgetExceededError)
                else "the next batch failed")
         return _fail(f"dp_icl: {len(answers)} of {len(texts)} queries answered and charged (written), then {why}: "
@@ -1273,7 +1301,7 @@ def _add_tool_commands(sub) -> None:
     predict.add_argument("--label-field", default="label", metavar="NAME", help="a column of true labels: the accuracy "
                          "is printed when present (default: label)")
     predict.add_argument("--output", default=None, help="JSONL, CSV or Parquet (default: JSONL on stdout)")
-    predict.add_argument("--batch-size", type=int, default=64)
+    predict.add_argument("--batch-size", type=_positive_int, default=64)
     predict.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: CUDA when available)")
     serve = sub.add_parser("serve", help="serve a registered model over HTTP on localhost (mlflow models serve from "
                                          "this environment)")

@@ -166,20 +166,53 @@ def noise_with_release(epsilon: float, delta: float, queries: int, sample_rate: 
 QUERY_TOKENS = 128  # room kept for the query (its template and text) after the demonstrations
 
 
-def _demo_token_budget(engine, settings: DPICLSettings) -> int | None:
-    """Tokens each demonstration's text may take (public: the model's context, the settings), or None
-    for a model without a bounded context."""
-    from tasks.methodkit.token_budget import model_context
+def _demo_head(instruction: str) -> str:
+    return f"Instruction: {instruction}\n\n" if instruction else ""
+
+
+def _demo_tail(label: str) -> str:
+    return f" {label}\n\n"
+
+
+def _demo_token_budget(engine, settings, labels: list[str]) -> int | None:
+    """Tokens each demonstration's text may take (public: the model's context, the settings, the
+    labels), or None for a model without a bounded context: the head (with the tokenizer's BOS),
+    ``shots`` demonstrations in their template with their label and its seam, and ``QUERY_TOKENS``
+    for the query always fit — whatever a record's length (review 10, F1: the labels' tokens were
+    left out, and a 10-token label let one long record crash a query its neighbour answered).
+    Settings that leave no room are refused with one line (:func:`text_budget`)."""
+    from tasks.methodkit.token_budget import JUNCTION, SEAM, model_context, text_budget
 
     context = model_context(engine.model, unbounded_above=None)
     if context is None:
         return None
-    fixed = len(engine.ids(settings.instruction)) + 8 + settings.shots * (len(engine.ids(settings.template)) + 4)
-    budget = (context - QUERY_TOKENS - fixed) // settings.shots
-    if budget < 4:
-        raise ValueError(f"dp_icl: {settings.shots} shots do not fit the model's context of {context} tokens; "
-                         "lower dp_icl.shots")
-    return budget
+    head = len(engine.tok(_demo_head(settings.instruction) or " ", add_special_tokens=True, verbose=False)["input_ids"])
+    overhead = max(len(engine.ids(settings.template.replace("{text}", "") + _demo_tail(y))) for y in labels) + SEAM
+    return text_budget(context, head + QUERY_TOKENS + JUNCTION, settings.shots, overhead,
+                       f"dp_icl: shots={settings.shots}, the labels, the template and the instruction")
+
+
+def label_token_ids(engine, labels: list[str]) -> list[int]:
+    """The token each label is voted by (its first, after a space); labels that share it are refused
+    with one line: the later one could never win a vote (review 10, F6)."""
+    from .errors import ConfigError
+
+    ids = [engine.ids(" " + label)[0] for label in labels]
+    for j, i in enumerate(ids):
+        if ids.index(i) != j:
+            raise ConfigError(f"dp_icl: labels {labels[ids.index(i)]!r} and {labels[j]!r} begin with the same token, "
+                              "and dp_icl votes on each label's first token: rename one (data.labels)")
+    return ids
+
+
+def check_unit(cfg) -> None:
+    """dp_icl's subsets are keyed by record: a person unit is refused with one line, before anything is read."""
+    from .errors import ConfigError
+
+    if cfg.data.privacy_unit != "record" or cfg.data.person_field:
+        raise ConfigError(f"dp_icl: the dataset's privacy unit is a person (data.privacy_unit="
+                          f"{cfg.data.privacy_unit!r}, data.person_field={cfg.data.person_field!r}): its subsets are "
+                          "keyed by record, so its per-query ε holds for one record, not one person; refused")
 
 
 def noisy_vote(votes: np.ndarray, labels: list[str], noise_multiplier: float, rng: np.random.Generator) -> str:
@@ -216,12 +249,15 @@ class DPICLServer:
         if unit != "record" or getattr(rows, "units", None) is not None:
             # the partition is keyed by record: one person's records land in many subsets, moving
             # many votes — the √2 charged per query holds for one record only
-            raise ValueError(f"dp_icl: the dataset's privacy unit is {unit!r}: its subsets are keyed by record, so "
-                             "its per-query ε holds for one record, not one person; refused")
+            from .errors import ConfigError
+
+            raise ConfigError(f"dp_icl: the dataset's privacy unit is {unit!r}: its subsets are keyed by record, so "
+                              "its per-query ε holds for one record, not one person; refused")
         self.serve_id = serve_id or f"dp_icl-{uuid.uuid4().hex[:12]}"
         self.noise = randomness.numpy(2)  # the votes' secret noise
-        self._demo_tokens = _demo_token_budget(engine, settings)
-        self._label_ids = [engine.ids(" " + label)[0] for label in self.labels]
+        self._demo_tokens = _demo_token_budget(engine, settings, self.labels)
+        self._label_ids = label_token_ids(engine, self.labels)
+        self._context = engine.max_positions
         self._rows = rows
         if settings.sample_rate is not None:  # a fresh Poisson sample per query (its secret draws)
             check_rate(settings.sample_rate, "dp_icl sample_rate")
@@ -244,9 +280,8 @@ class DPICLServer:
         return [self._prefix(part) for part in parts if part]
 
     def _demos(self, demos: list[tuple[str, str]]) -> str:
-        head = f"Instruction: {self.settings.instruction}\n\n" if self.settings.instruction else ""
-        return head + "".join(self.settings.template.replace("{text}", self._clip(x)) + f" {y}\n\n"
-                              for x, y in demos)
+        return _demo_head(self.settings.instruction) + "".join(
+            self.settings.template.replace("{text}", self._clip(x)) + _demo_tail(y) for x, y in demos)
 
     def _clip(self, text: str) -> str:
         """A demonstration's text within 48 words and the public per-demonstration token budget (a
@@ -260,6 +295,11 @@ class DPICLServer:
         suffix = self._query_ids(text)
         votes = np.zeros(len(self.labels))
         for prefix in self._query_prefixes():  # one by one: see the module docstring
+            if self._context is not None and len(prefix.ids) + len(suffix) > self._context:
+                # never with the budget above; should a tokenizer still outgrow it, this subset (the only
+                # one a record's length can change) casts no vote — within the √2 charged — and no query
+                # crashes on one dataset while its neighbour answers it
+                continue
             logits = self.engine.last_logits([suffix], prefix)[0]
             votes[int(np.argmax(logits[self._label_ids].numpy()))] += 1
         return votes
@@ -387,6 +427,12 @@ def open_server(cfg, paths) -> Served:
     from .data import partition_dataset
     from .lifecycle import ensure_dataset, source_dataset, _records_of
 
+    # public checks first, before any private read or ledger write (review 10, F4): the unit, the model,
+    # the labels' tokens and the demonstrations' token budget
+    check_unit(cfg)
+    engine = causal_engine_for(cfg)
+    label_token_ids(engine, list(cfg.data.labels))
+    _demo_token_budget(engine, cfg.dp_icl, list(cfg.data.labels))
     part = partition_dataset(cfg.data, cfg.seed, paths.private, cfg.data_root)
     ledger = paths.open_ledger()
     records = _records_of(part)
@@ -396,7 +442,6 @@ def open_server(cfg, paths) -> Served:
     row = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, delta)
     texts, labels = read_split(part.train_path)
     rows = PrivateRows(texts, labels)
-    engine = causal_engine_for(cfg)
     settings = settings_of(cfg, delta, part.sizes)
     # q is computed from the released sizes: their release is charged with the first batch
     size_event = size_event_of(cfg.dp_icl, part.sizes)
@@ -452,8 +497,8 @@ def answer_all(served: Served, texts: list[str], batch_size: int, progress=None)
             answers += served.server.answer(texts[i:i + batch_size])
         except BudgetExceededError as refusal:
             return answers, refusal
-        except Exception as failure:  # noqa: BLE001 - the answers already charged are kept, whatever stopped the rest
-            return answers, failure
+        except (Exception, KeyboardInterrupt) as failure:  # noqa: BLE001 - the answers already charged are kept,
+            return answers, failure                          # whatever stopped the rest (Ctrl-C too: review 10, F3)
         if progress is not None:
             progress(len(answers), len(texts))
     return answers, None

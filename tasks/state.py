@@ -287,7 +287,8 @@ def installation_secret(private_dir: str | Path, ledger_url: str | None = None) 
             raise LedgerKeyError(
                 f"{path} is missing but ledger {paths.ledger} has datasets keyed with it (their fingerprints and record "
                 "digests): restore the key file from a backup, or import it: privprompt key import KEYFILE")
-    return store_key_file(path, secrets.token_bytes(KEY_BYTES))
+    # a key just minted loses quietly to one another process wrote first (two first runs at once: review 10, F5)
+    return store_key_file(path, secrets.token_bytes(KEY_BYTES), must_match=False)
 
 
 def key_file_exposure(path: str | Path, mode: int | None = None) -> str | None:

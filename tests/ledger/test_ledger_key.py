@@ -461,3 +461,21 @@ def test_postgres_ledger_of_schema6_moves_its_key_out(postgres, tmp_path, monkey
     assert after["trail"][:-1] == before["trail"] and after["trail"][-1]["action"] == "team_key_moved"
     assert_url_alone_computes_no_digest(url, old_key, [r["text"] for r in TRAIN])
     assert installation_secret(paths.private) == old_key
+
+
+def test_two_first_runs_at_once_share_the_key_the_first_one_wrote(tmp_path, monkeypatch):
+    """Two processes starting on a fresh state folder both mint a key: the one that loses the atomic
+    link gets the key the other wrote, not an error (review 10, F5) — and never a second key."""
+    import tasks.state as state
+
+    real, other = state.store_key_file, b"\x07" * 32
+
+    def racing(path, key, must_match=True):
+        real(path, other)  # the other process links its key first
+        return real(path, key, must_match=must_match)
+
+    monkeypatch.setattr(state, "store_key_file", racing)
+    private = tmp_path / "state" / "private"
+    assert installation_secret(private) == other
+    monkeypatch.setattr(state, "store_key_file", real)
+    assert installation_secret(private) == other  # the file kept: the first writer's

@@ -239,6 +239,46 @@ def test_a_long_query_is_answered_whatever_the_private_demonstrations_lengths(en
             assert server.histogram(query).sum() >= 1
 
 
+@pytest.mark.parametrize("sample_rate", [None, 0.9])
+def test_long_labels_and_full_budget_rows_fit_the_context_for_every_neighbour(engine, tmp_path, sample_rate):
+    """Privacy review 10, F1: the demonstrations' token budget left out the labels' tokens; with
+    10-token labels one more long record made a subset's prompt outgrow tiny-gpt2's 256 positions
+    (IndexError: the batch charged, nothing answered) where its neighbour answered. The budget now
+    counts each demonstration's label and seam: every subset's prompt plus the longest query fits,
+    and every subset votes on both neighbours, partition and Poisson alike."""
+    import random
+
+    from tasks.dp_icl import QUERY_TOKENS
+
+    labels = ["negative " + " ".join(["very"] * 9), "positive " + " ".join(["very"] * 9)]  # 10 tokens each
+    rng = random.Random(0)
+    blob = lambda: " ".join("".join(rng.choice("QZXJKqzxjk0123456789") for _ in range(40))  # noqa: E731
+                            for _ in range(48))  # 48 "words" of many tokens each: cut to the token budget
+    texts = [blob() for _ in range(7)]
+    settings = DPICLSettings(subsets=2, shots=4, noise_multiplier=2.0, sample_rate=sample_rate)
+    query = blob()
+    context = engine.max_positions
+    for n in (6, 7):  # D and D + one long record
+        rows = PrivateRows(texts[:n], [labels[i % 2] for i in range(n)])
+        server = DPICLServer(engine, labels, rows, settings, _ledger(tmp_path / f"{n}-{sample_rate}", 1e3), "fp-icl",
+                             DpRandomness())
+        for _ in range(3):
+            prefixes = server._query_prefixes()
+            assert all(len(p.ids) + QUERY_TOKENS <= context for p in prefixes)  # the budget, not the guard
+            if sample_rate is None:
+                assert server.histogram(query).sum() == len(prefixes) == 2
+
+
+def test_labels_sharing_their_first_token_are_refused(engine, tmp_path):
+    """dp_icl votes on each label's first token: 'very negative' and 'very positive' would tie on
+    'very' and the second could never win (review 10, F6) — refused with one line."""
+    from tasks.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="begin with the same token"):
+        DPICLServer(engine, ["very negative", "very positive"], ROWS, SETTINGS, _ledger(tmp_path, 1e3), "fp-icl",
+                    DpRandomness())
+
+
 def test_the_size_release_rides_on_the_first_charged_batch_only(engine, tmp_path):
     """A poisson server's q comes from the released sizes: their release is charged once, with the
     first batch the ledger accepts — a refused first batch leaves it pending; later batches carry votes only."""

@@ -68,7 +68,7 @@ def test_answers_are_charged_per_batch_exactly_as_planned(toy, tmp_path, capsys)
     assert not any(t in out.read_text() or t in err for t in private)  # answers only: no demonstration leaves
     assert main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0  # the ledger says it as such
     table = capsys.readouterr().out
-    assert f"5 queries answered by dp_icl in 3 charged batches, ε={expected.epsilon:.4f} per record" in table
+    assert f"5 queries charged to dp_icl in 3 batches, ε={expected.epsilon:.4f} per record" in table
 
 
 def test_queries_past_the_cap_are_refused_before_any_is_answered(toy, tmp_path, capsys):
@@ -170,6 +170,55 @@ def test_a_refusal_mid_way_keeps_the_answers_already_charged(toy, tmp_path, monk
     assert entry["status"] == "committed"  # the answered batch stays charged, and its answers are returned
 
 
+def test_an_interrupt_writes_the_answers_already_charged_and_the_ledger_says_so(toy, tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) mid-way: the batches already answered and charged are written, not thrown
+    away (a retry would pay for them again); the stopped batch stays charged, and `privprompt ledger`
+    counts it as charged, not answered (review 10, F3)."""
+    import privprompt_cli
+    from tasks.dp_icl import DPICLServer
+
+    real, calls = DPICLServer.histogram, []
+
+    def histogram(self, text):
+        calls.append(text)
+        if len(calls) == 3:  # inside the second batch of two
+            raise KeyboardInterrupt
+        return real(self, text)
+
+    monkeypatch.setattr(DPICLServer, "histogram", histogram)
+    out = tmp_path / "answers.jsonl"
+    rc = privprompt_cli.main(["predict", "--dp-icl", str(_write_config(toy, tmp_path)), "--input",
+                              str(_queries(tmp_path, 5)), "--text-field", "review", "--batch-size", "2",
+                              "--output", str(out)])
+    assert rc == 130
+    assert "interrupted: 2 of 5 queries answered and charged (written)" in capsys.readouterr().err
+    assert len(out.read_text().splitlines()) == 2
+    ledger, entries = _dp_entries(tmp_path)
+    assert sorted(e["status"] for e in entries) == ["committed", "reserved"]
+    assert privprompt_cli.main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0
+    assert "4 queries charged to dp_icl (2 of them in batches not committed: stopped, or under way) in 2 batches" \
+        in capsys.readouterr().out
+
+
+def test_public_refusals_come_before_any_private_read(toy, tmp_path, capsys):
+    """A person unit in the config, and a batch size below one, are refused with one line before the
+    training split is read or the dataset registered in the ledger (review 10, F4)."""
+    import privprompt_cli
+
+    cfg = yaml.safe_load(_write_config(toy, tmp_path).read_text())
+    cfg["data"].update(person_field="author", max_records_per_unit=2)  # checked before any row is read
+    path = tmp_path / "people.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    query = ["predict", "--dp-icl", str(path), "--input", str(_queries(tmp_path, 2)), "--text-field", "review"]
+    assert privprompt_cli.main(query) == 2
+    err = capsys.readouterr().err
+    assert "its per-query ε holds for one record, not one person; refused" in err and "Traceback" not in err
+    assert not (tmp_path / "state" / "ledger.sqlite").exists() and not (tmp_path / "state" / "private").exists()
+    with pytest.raises(SystemExit) as stop:
+        privprompt_cli.main(query + ["--batch-size", "0"])
+    assert stop.value.code == 2 and "must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_long_private_demonstrations_are_clipped_to_the_context_without_a_length_warning(toy, tmp_path, capfd):
     from tasks.config import load_config
     from tasks.dp_icl import open_server
@@ -216,7 +265,7 @@ def test_a_poisson_sampled_config_charges_each_batch_its_subsampled_event(toy, t
     assert votes.count == 3 and votes.event == PoissonSampledEvent(q, GaussianEvent(3.0))
     capsys.readouterr()
     assert main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0
-    assert "3 queries answered by dp_icl in 1 charged batches" in capsys.readouterr().out
+    assert "3 queries charged to dp_icl in 1 batch," in capsys.readouterr().out
     cfg = load_config(config)
     rs = ReleasedSizes(released, sizes["n_holdout"], sizes["n_test"], sizes["sigma"])
     assert settings_of(cfg, 1e-5, rs).sample_rate == q
