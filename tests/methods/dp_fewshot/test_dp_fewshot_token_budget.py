@@ -130,3 +130,18 @@ def test_a_subset_of_worst_seam_records_fits_between_demonstrations(shots):
         body = engine.ids(subset_body([record] * shots, "negative", lambda t: clip_text(engine, t, budget)))
         assert prefix.length + len(body) + len(tail) <= 256, first
         subset_distributions(engine, prefix, [body], tail, domain)  # runs (an IndexError before the fix)
+
+
+def test_every_subset_is_run_whether_its_rows_fill_it_or_not(tiny, monkeypatch):
+    """The forward passes a run makes (its published runtime) do not count how many subsets a label's
+    rows fill: an empty subset is run on the public empty body and casts no vote (review 10, N1)."""
+    from tasks.methods.dp_fewshot.method import subset_body
+
+    few = PrivateRows(["a fine film", "dull"], ["positive", "negative"])  # one row a label: a subset of 2 empty
+    for rows in (few, BASE):
+        seen, _ = _bodies(tiny, rows, monkeypatch)
+        assert seen and all(len(bodies) == SETTINGS["subsets"] for bodies, *_ in seen)
+    seen, _ = _bodies(tiny, few, monkeypatch)
+    engine = seen[0][4]
+    assert all(engine.ids(subset_body([], "positive")) in bodies or engine.ids(subset_body([], "negative")) in bodies
+               for bodies, *_ in seen)  # the empty subset's public body
