@@ -609,9 +609,10 @@ def _print_inference_spend(ledger) -> None:
         stopped = sum(answered_queries(event_from_dict(e["event"])) for e in batches if e["status"] == "reserved")
         eps = acct.spend(ComposedEvent(tuple(events)), row["delta"]).epsilon
         unanswered = f" ({stopped} of them in batches not committed: stopped, or under way)" if stopped else ""
+        unit = "per record" if row["unit"] == "record" else "per " + row["unit"]
         print(f"inference-time spend on {row['name']!r}: {queries} queries charged to dp_icl{unanswered} in "
-              f"{len(batches)} batch{'' if len(batches) == 1 else 'es'}, ε={eps:.4f} {'per record' if row['unit'] == 'record' else 'per ' + row['unit']} "
-              f"at δ={row['delta']:g} on their own (included above)")
+              f"{len(batches)} batch{'' if len(batches) == 1 else 'es'}, ε={eps:.4f} {unit} at δ={row['delta']:g} on "
+              "their own (included above)")
 
 
 def _production_lines(paths, datasets: set[str]) -> str:
