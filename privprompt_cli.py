@@ -959,6 +959,7 @@ def _write_table(frame, path: str | None) -> None:
         _WRITERS[os.path.splitext(path)[1].lower()](frame, path)  # the suffix checked by _check_output
     finally:
         os.umask(previous)
+    os.chmod(path, 0o600)  # a file that was there before keeps its old mode otherwise (review 10b, G5)
 
 
 def _model_load_error(exc: BaseException):

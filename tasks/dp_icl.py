@@ -187,7 +187,10 @@ def _demo_token_budget(engine, settings, labels: list[str]) -> int | None:
     if context is None:
         return None
     head = len(engine.tok(_demo_head(settings.instruction) or " ", add_special_tokens=True, verbose=False)["input_ids"])
-    overhead = max(len(engine.ids(settings.template.replace("{text}", "") + _demo_tail(y))) for y in labels) + SEAM
+    before, after = settings.template.split("{text}", 1)
+    # the template's two sides counted apart: joined without the text they can tokenize as one word (a
+    # WordPiece word of over 100 characters is one [UNK]) where around a text they are many (review 10b, G1)
+    overhead = len(engine.ids(before)) + max(len(engine.ids(after + _demo_tail(y))) for y in labels) + SEAM
     return text_budget(context, head + QUERY_TOKENS + JUNCTION, settings.shots, overhead,
                        f"dp_icl: shots={settings.shots}, the labels, the template and the instruction")
 
@@ -265,10 +268,20 @@ class DPICLServer:
             return
         parts = keyed_subsets(rows.texts, rows.labels, None, randomness.numpy(1).bytes(32), settings.subsets,
                               settings.shots)
-        self._prefixes = [self._prefix(part) for part in parts if part]
+        self._prefixes = [p for p in (self._prefix(part) for part in parts if part) if p is not None]
 
     def _prefix(self, part: list[int]):
-        return self.engine.encode_prefix(self._demos([(self._rows.texts[i], self._rows.labels[i]) for i in part]))
+        """The subset's encoded demonstrations, or None — the subset casts no vote — when they with the
+        longest query would outgrow the model's context: measured on the tokens BEFORE the model runs
+        (review 10b, G1: checked after ``encode_prefix``, a prefix over the context had already crashed).
+        Never with the budget above on the tokenizers tested; the subset is the only one a record's
+        length changes, so abstaining stays within the √2 charged."""
+        text = self._demos([(self._rows.texts[i], self._rows.labels[i]) for i in part])
+        if self._context is not None:
+            ids = self.engine.tok(text, add_special_tokens=True, verbose=False)["input_ids"]
+            if len(ids) + QUERY_TOKENS > self._context:
+                return None
+        return self.engine.encode_prefix(text)
 
     def _query_prefixes(self):
         """The prompts' encoded demonstrations for one query: the fixed partition's, or a fresh Poisson
@@ -277,7 +290,7 @@ class DPICLServer:
             return self._prefixes
         s = self.settings
         parts = poisson_subsets(len(self._rows.texts), s.sample_rate, s.subsets, s.shots, self._sampler)
-        return [self._prefix(part) for part in parts if part]
+        return [p for p in (self._prefix(part) for part in parts if part) if p is not None]
 
     def _demos(self, demos: list[tuple[str, str]]) -> str:
         return _demo_head(self.settings.instruction) + "".join(
@@ -495,12 +508,12 @@ def answer_all(served: Served, texts: list[str], batch_size: int, progress=None)
     for i in range(0, len(texts), batch_size):
         try:
             answers += served.server.answer(texts[i:i + batch_size])
+            if progress is not None:  # inside: a Ctrl-C / SIGTERM while it prints keeps the answers too (review 10b)
+                progress(len(answers), len(texts))
         except BudgetExceededError as refusal:
             return answers, refusal
         except (Exception, KeyboardInterrupt) as failure:  # noqa: BLE001 - the answers already charged are kept,
             return answers, failure                          # whatever stopped the rest (Ctrl-C too: review 10, F3)
-        if progress is not None:
-            progress(len(answers), len(texts))
     return answers, None
 
 

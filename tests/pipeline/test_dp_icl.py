@@ -273,6 +273,35 @@ def test_long_labels_and_full_budget_rows_fit_the_context_for_every_neighbour(en
         assert np.linalg.norm(histograms[1] - histograms[0]) <= math.sqrt(2) + 1e-12
 
 
+@pytest.mark.parametrize("sample_rate", [None, 0.9])
+def test_a_template_whose_sides_merge_without_the_text_still_fits_every_neighbour(engine, tmp_path, sample_rate):
+    """Review 10b, G1: tiny-gpt2's WordPiece makes a word of over 100 characters one [UNK], so the template
+    without its text (52 letters a side, joined: 1 token) counted far fewer tokens than its sides around a
+    text: one long record then crashed its subset's prefix forward (before the guard) where the neighbour
+    without it answered. The sides are now counted apart, and a subset that would still outgrow the context
+    abstains BEFORE its prefix runs. Sides too long for any text are refused in one line on every neighbour."""
+    import random
+
+    from tasks.dp_icl import QUERY_TOKENS
+    from tasks.errors import ConfigError
+
+    rng = random.Random(1)
+    long_row = ". " + " ".join("".join(rng.choice("qzxjk0123456789") for _ in range(12)) for _ in range(46)) + " ."
+    template = "xq" * 26 + "{text}" + "zk" * 26
+    for n, rows in (("D", PrivateRows([], [])), ("D+1", PrivateRows([long_row], ["positive"]))):
+        settings = DPICLSettings(subsets=2, shots=1, noise_multiplier=2.0, template=template, sample_rate=sample_rate)
+        server = DPICLServer(engine, ["negative", "positive"], rows, settings, _ledger(tmp_path / f"{n}-{sample_rate}", 1e3),
+                             "fp-icl", DpRandomness(seeded=True, seed=0))
+        prefixes = [p for _ in range(3) for p in server._query_prefixes()]
+        assert all(len(p.ids) + QUERY_TOKENS <= engine.max_positions for p in prefixes), n
+        assert (len(prefixes) > 0) == (n == "D+1")  # the long record's subset runs (it fits): not an abstention
+        server.histogram("a fine film")
+        too_long = DPICLSettings(subsets=2, shots=2, noise_multiplier=2.0, template="xq" * 38 + "{text}" + "zk" * 38)
+        with pytest.raises(ConfigError, match="leave no room for a private text"):
+            DPICLServer(engine, ["negative", "positive"], rows, too_long, _ledger(tmp_path / f"{n}-{sample_rate}-long", 1e3),
+                        "fp-icl", DpRandomness(seeded=True, seed=0))
+
+
 def test_labels_sharing_their_first_token_are_refused(engine, tmp_path):
     """dp_icl votes on each label's first token: 'very negative' and 'very positive' would tie on
     'very' and the second could never win (review 10, F6) — refused with one line."""

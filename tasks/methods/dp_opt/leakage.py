@@ -62,20 +62,23 @@ def leakage_report(prompts: list[str], private_texts: list[str], encoder=None, n
     their chunks (the training set's exact size, or its bucket)."""
     report = {"audit.leakage.exact_copies": float(exact_copies(prompts, private_texts, n)),
               "audit.leakage.prompts": float(len(prompts))}
-    if encoder is not None and prompts and private_texts:
+    if encoder is not None and prompts:
         p = sentence_embeddings(prompts, encoder)
         best = torch.full((len(prompts),), -1.0)
         # by length, so that each batch pads to about its own texts' length (only the best cosine is kept:
-        # the order changes nothing else): 2.4× faster on SST-2 (8,192 texts, MiniLM, 2 CPU threads: 54 → 22 s)
+        # the order changes nothing else, up to float rounding): 2.4× faster on SST-2 (8,192 texts, MiniLM,
+        # 2 CPU threads: 54 → 22 s). In ten parts of near-equal size, a progress line after each: ten lines
+        # at even intervals for any number of texts, none at all included (review 10b, G3: lines in bursts
+        # per fixed-size chunk timed the chunks' count)
         ordered = sorted(private_texts, key=len)
-        chunks, shown = -(-len(ordered) // 2048), 0
-        for k, i in enumerate(range(0, len(ordered), 2048)):
-            q = sentence_embeddings(ordered[i:i + 2048], encoder)
-            best = torch.maximum(best, (p @ q.T).max(dim=1).values)
-            # every tenth in turn, however many chunks: the lines shown are the same for any number of texts
-            while progress is not None and shown < (k + 1) * 10 // chunks:
-                shown += 1
-                progress(shown, 10, stage="leakage audit")
-        report["audit.leakage.near_copies"] = float((best >= near_threshold).sum())
-        report["audit.leakage.max_similarity"] = float(best.max())
+        for k in range(10):
+            part = ordered[k * len(ordered) // 10:(k + 1) * len(ordered) // 10]
+            if part:
+                q = sentence_embeddings(part, encoder)
+                best = torch.maximum(best, (p @ q.T).max(dim=1).values)
+            if progress is not None:
+                progress(k + 1, 10, stage="leakage audit")
+        if private_texts:
+            report["audit.leakage.near_copies"] = float((best >= near_threshold).sum())
+            report["audit.leakage.max_similarity"] = float(best.max())
     return report

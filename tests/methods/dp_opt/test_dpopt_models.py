@@ -226,6 +226,29 @@ def test_leakage_report_names_are_audit_statistics():
     assert report == {"audit.leakage.exact_copies": 1.0, "audit.leakage.prompts": 2.0}
 
 
+def test_a_template_whose_sides_merge_without_the_text_leaves_room_for_them():
+    """Review 10b, G2: on tiny-gpt2's WordPiece the input template without its text ('xq'×30 + 'zk'×30 joined:
+    one word of over 100 characters) counted one [UNK] where around a text its sides are 60 tokens, so a long
+    private row scored alone (ŷ, the DP-argmax's holdout) outgrew the 256 positions. Counted apart, the
+    sides leave the row room: a long record is scored on both paths and changes no other row."""
+    from tasks.methods.dp_opt.text_prompts import forward_text_budget, label_logprobs
+
+    bb = load_backbone("tiny-gpt2", "cpu", seed=3)
+    engine = CausalEngine(bb.model, bb.tokenizer, max_batch=4)
+    cfg = SimpleNamespace(models=SimpleNamespace(template="xq" * 30 + "{text}" + "zk" * 30),
+                          data=SimpleNamespace(labels=["negative", "positive"]))
+    room = forward_text_budget(engine, cfg, "Classify the review.")
+    assert room <= 256 - 60  # the sides' 60 tokens are counted
+    rows = ["a fine film", "boring", "i liked it a lot"]
+    long_row = " ".join("qzx%dkjw%dvvb" % (i, i * 7) for i in range(48))
+    for rowwise in (False, True):
+        base = label_logprobs(engine, cfg, "Classify the review.", rows, rowwise=rowwise)
+        more = label_logprobs(engine, cfg, "Classify the review.", rows + [long_row], rowwise=rowwise)
+        assert more.shape == (4, 2)
+        if rowwise:
+            assert torch.equal(more[:3], base)
+
+
 def test_leakage_audit_shows_tenths_never_the_private_count():
     """The near-copy pass over every private text (minutes on a CPU at the paper's scale) reports its
     progress in tenths under its own stage name: the same ten steps for any number of texts, never a count
@@ -242,9 +265,10 @@ def test_leakage_audit_shows_tenths_never_the_private_count():
     assert [c[0] for c in calls] == list(range(1, 11)) and {c[1] for c in calls} == {10}
     assert {c[2]["stage"] for c in calls} == {"leakage audit"}
     assert report["audit.leakage.prompts"] == 1.0 and -1.0 <= report["audit.leakage.max_similarity"] <= 1.0
-    few = []  # one chunk: the same ten lines (the number of chunks would give the training set's size bucket)
-    leakage_report(["classify the review"], private[:7], encoder, progress=lambda step, total, **kw: few.append(step))
-    assert few == list(range(1, 11))
+    for n in (7, 0):  # a few texts, or none: the same ten lines (a count of chunks would give the size's bucket)
+        few = []
+        leakage_report(["classify the review"], private[:n], encoder, progress=lambda step, total, **kw: few.append(step))
+        assert few == list(range(1, 11))
 
 
 def test_attention_backends_leave_out_cudnn_on_cuda_only():
