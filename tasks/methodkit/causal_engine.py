@@ -191,8 +191,24 @@ class CausalEngine:
         suffixes = [self.ids(template(t)) for t in texts]
         if prefix.length == 0:  # no shared head: the first row tokens carry BOS if the tokenizer adds one
             suffixes = [list(self.tok(template(t), add_special_tokens=True, verbose=False)["input_ids"]) for t in texts]
+        suffixes = [self.fit_row(s, prefix.length) for s in suffixes]
         logits = (self.last_logits_rowwise if rowwise else self.last_logits)(suffixes, prefix)
         return F.log_softmax(logits, dim=-1)[:, label_ids]
+
+    def fit_row(self, ids: list[int], head: int) -> list[int]:
+        """A scored row's tokens as the model can take them after a head of ``head`` tokens — a function
+        of that row alone and public numbers, so one record never makes a forward raise where its
+        neighbour's runs (privacy review 10c): past the context, its last tokens (the template's tail,
+        where the label is read); no token at all (a record of only zero-width characters in a template
+        with nothing around its text), one public stand-in. The token budgets keep rows within the
+        context on the tokenizers tested; this is the guard where a seam still tokenizes longer."""
+        limit = self.max_positions
+        if limit is not None and len(ids) > limit - head:
+            ids = ids[-max(1, limit - head):]
+        if not ids:
+            stand_in = next((t for t in (self.tok.unk_token_id, self.eos_id, self.tok.pad_token_id) if t is not None), 0)
+            ids = [int(stand_in)]
+        return ids
 
     def _head(self, text: str, keep: int = 4) -> SharedPrefix:
         """The encoded head of ``text`` (an instruction: public), kept for the next calls: scoring

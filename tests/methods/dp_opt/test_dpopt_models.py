@@ -249,6 +249,30 @@ def test_a_template_whose_sides_merge_without_the_text_leaves_room_for_them():
             assert torch.equal(more[:3], base)
 
 
+@pytest.mark.parametrize("template, record", [
+    ("Input: x{text}\n\nOutput:", " ".join(["physics" * 13] + ["qzx%dkjw%dvvb" % (i, i * 7) for i in range(47)])),
+    ("{text}", "\u200b"),
+], ids=["a-letter-glued-to-the-text", "a-record-of-no-token"])
+def test_one_record_never_makes_a_scored_forward_raise(template, record):
+    """Privacy review 10c: a letter glued before {text} merges with a record's first word (13 tokens alone, 40
+    glued) past the budget's seam slack, and a record of only zero-width characters in a template with nothing
+    around it tokenizes to nothing — either raised in the forward (ŷ, the DP-argmax holdout) on D′ where D
+    ran. The engine fits every scored row (its last tokens; a public stand-in for none): both paths score the
+    added record and move no other row."""
+    from tasks.methods.dp_opt.text_prompts import label_logprobs
+
+    bb = load_backbone("tiny-gpt2", "cpu", seed=3)
+    engine = CausalEngine(bb.model, bb.tokenizer, max_batch=4)
+    cfg = SimpleNamespace(models=SimpleNamespace(template=template), data=SimpleNamespace(labels=["negative", "positive"]))
+    rows = ["a fine film", "boring"]
+    for rowwise in (False, True):
+        base = label_logprobs(engine, cfg, "Classify the review.", rows, rowwise=rowwise)
+        more = label_logprobs(engine, cfg, "Classify the review.", rows + [record], rowwise=rowwise)
+        assert more.shape == (3, 2) and torch.isfinite(more).all()
+        if rowwise:
+            assert torch.equal(more[:2], base)
+
+
 def test_leakage_audit_shows_tenths_never_the_private_count():
     """The near-copy pass over every private text (minutes on a CPU at the paper's scale) reports its
     progress in tenths under its own stage name: the same ten steps for any number of texts, never a count
