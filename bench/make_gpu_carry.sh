@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build ${GPU_DIR:-.gpux}/ for bench/gpu_flow.sh on a lent GPU machine (no package registry there), on a machine with one:
+# Build ${GPU_DIR:-.gpu}/ for bench/gpu_flow.sh on a lent GPU machine (no package registry there), on a machine with one:
 #   DEVICE_PACKAGES=FILE bash bench/make_gpu_carry.sh
 # FILE: the device image's Python packages (names separated by commas or newlines; a "Packages: …" line is read).
 #   site.tar.xz  Prefect, MLflow and the rest of PrivPrompt's runtime needs, installed for the device's Python 3.12
@@ -8,10 +8,10 @@
 #   pkgs/        the MiniLM package without its weights (its tokenizer: the 7B-shaped test models use it)
 #   minilm16/    MiniLM's weights in float16 (gpu_flow.sh casts them back): carried in a call of their own when the
 #                rest leaves no room in the 64 MiB a call carries (bench/RESULTS.md, ninth session)
-# Ignored by git (add "/.gpux/" to .git/info/exclude).
+# Ignored by git (.gitignore: /.gpu/, /.gpux/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR=${GPU_DIR:-.gpux}
+OUTDIR=${GPU_DIR:-.gpu}
 PY=${PY:-.venv/bin/python}
 : "${DEVICE_PACKAGES:?set DEVICE_PACKAGES to a file listing the Python packages of the device image}"
 mkdir -p "$OUTDIR/pkgs" "$OUTDIR/minilm16"
