@@ -46,6 +46,7 @@ plan`` prices ``dp_icl.expected_queries`` (:func:`plan_line`).
 from __future__ import annotations
 
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -218,6 +219,23 @@ def check_unit(cfg) -> None:
                           "keyed by record, so its per-query ε holds for one record, not one person; refused")
 
 
+@contextmanager
+def _interrupts_held():
+    """SIGINT and SIGTERM held (delivered when the block ends) in the main thread; elsewhere nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def noisy_vote(votes: np.ndarray, labels: list[str], noise_multiplier: float, rng: np.random.Generator) -> str:
     """The label Gaussian Report-Noisy-Max picks from the subsets' vote counts ``votes`` (one one-hot
     row per subset's vote: ``privacy.mechanisms.distribution_vote``, L2 sensitivity √2)."""
@@ -336,9 +354,11 @@ class DPICLServer:
     def _vote(self, text: str) -> str:
         return noisy_vote(self.histogram(text), self.labels, self.settings.noise_multiplier, self.noise)
 
-    def answer(self, texts: list[str]) -> list[str]:
+    def answer(self, texts: list[str], keep=None) -> list[str]:
         """The DP answers of one batch, charged as one ledger entry: reserved before any vote (a
-        ``BudgetExceededError`` at the cap: nothing answered), committed after."""
+        ``BudgetExceededError`` at the cap: nothing answered), committed after. ``keep(answers)``: called
+        with the commit, Ctrl-C and SIGTERM held until both are done — a committed batch's answers are
+        kept, never lost to an interrupt between the two (review 10b, G4)."""
         if not texts:
             return []
         # a fresh id per batch: a counter reused across threads or restarts (a stable serve_id) met
@@ -354,7 +374,10 @@ class DPICLServer:
             self._size_event = None
         self.ledger.mark_read(run_id)
         answers = [self._vote(t) for t in texts]
-        self.ledger.commit(run_id, event)
+        with _interrupts_held():
+            self.ledger.commit(run_id, event)
+            if keep is not None:
+                keep(answers)
         return answers
 
     def events(self, batch_sizes: list[int]) -> list[DpEvent]:
@@ -507,7 +530,7 @@ def answer_all(served: Served, texts: list[str], batch_size: int, progress=None)
     answers: list[str] = []
     for i in range(0, len(texts), batch_size):
         try:
-            answers += served.server.answer(texts[i:i + batch_size])
+            served.server.answer(texts[i:i + batch_size], keep=answers.extend)
             if progress is not None:  # inside: a Ctrl-C / SIGTERM while it prints keeps the answers too (review 10b)
                 progress(len(answers), len(texts))
         except BudgetExceededError as refusal:

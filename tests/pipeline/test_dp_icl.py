@@ -354,11 +354,11 @@ def test_answers_already_charged_are_kept_whatever_stops_the_next_batch(engine, 
     server = _server(engine, _ledger(tmp_path, 1e3))
     real, calls = server.answer, []
 
-    def flaky(texts):
+    def flaky(texts, keep=None):
         calls.append(texts)
         if len(calls) == 2:
             raise MemoryError("out of memory")
-        return real(texts)
+        return real(texts, keep)
 
     monkeypatch.setattr(server, "answer", flaky)
     answers, failure = answer_all(Served(server, 1e-5, "toy", 1e3), ["a", "b", "c", "d"], 2)

@@ -156,12 +156,12 @@ def test_a_refusal_mid_way_keeps_the_answers_already_charged(toy, tmp_path, monk
     served = open_server(load_config(_write_config(toy, tmp_path)), state_paths(str(tmp_path / "state")))
     real, calls = DPICLServer.answer, []
 
-    def answer(self, texts):  # another run takes the room left after the first batch
+    def answer(self, texts, keep=None):  # another run takes the room left after the first batch
         calls.append(len(texts))
         if len(calls) == 2:
             raise BudgetExceededError("over the cap", fingerprint="f", name="n", needed=1.0, spent=1.0, total=2.0,
                                       cap=1.5, delta=1e-5)
-        return real(self, texts)
+        return real(self, texts, keep)
 
     monkeypatch.setattr(DPICLServer, "answer", answer)
     answers, refusal = answer_all(served, ["good", "bad", "fine", "dull"], 2)
@@ -198,6 +198,31 @@ def test_an_interrupt_writes_the_answers_already_charged_and_the_ledger_says_so(
     assert privprompt_cli.main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0
     assert "4 queries charged to dp_icl (2 of them in batches not committed: stopped, or under way) in 2 batches" \
         in capsys.readouterr().out
+
+
+def test_an_interrupt_at_the_commit_keeps_the_committed_batchs_answers(toy, tmp_path, monkeypatch):
+    """Ctrl-C landing as a batch's charge is committed: the answers of that committed batch are kept
+    (held until they are), the interrupt then stops the rest (review 10b, G4)."""
+    import os
+    import signal
+
+    from privacy.ledger import Ledger as LedgerClass
+    from tasks.config import load_config
+    from tasks.dp_icl import answer_all, open_server
+    from tasks.state import state_paths
+
+    served = open_server(load_config(_write_config(toy, tmp_path)), state_paths(str(tmp_path / "state")))
+    real = LedgerClass.commit
+
+    def commit(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # delivered once the answers are kept
+        return out
+
+    monkeypatch.setattr(LedgerClass, "commit", commit)
+    answers, stop = answer_all(served, ["good", "bad", "fine", "dull"], 2)
+    assert isinstance(stop, KeyboardInterrupt) and len(answers) == 2
+    assert [e["status"] for e in served.server.ledger.entries() if e["kind"] == "dp"] == ["committed"]
 
 
 def test_public_refusals_come_before_any_private_read(toy, tmp_path, capsys):
