@@ -39,6 +39,9 @@ class SharedPrefix:
         return len(self.ids)
 
 
+HEAD_ROOM = 32  # positions a scored row always has after a shared instruction head (a longer head is cut)
+
+
 class CausalEngine:
     """``model``: a frozen causal LM (eval mode); ``tokenizer``: its tokenizer."""
 
@@ -69,9 +72,14 @@ class CausalEngine:
         # verbose=False: the tokenizer's "longer than the model's maximum" warning prints a private text's length
         return list(self.tok(text, add_special_tokens=False, verbose=False)["input_ids"])
 
-    def encode_prefix(self, text: str) -> SharedPrefix:
-        """Encode the shared head once (with the tokenizer's BOS, if it adds one)."""
+    def encode_prefix(self, text: str, room: int = 0) -> SharedPrefix:
+        """Encode the shared head once (with the tokenizer's BOS, if it adds one); ``room``: positions
+        kept free after it — a head longer than the model's context less ``room`` keeps its first tokens
+        (public: a head is an instruction, never a private text)."""
         ids = list(self.tok(text, add_special_tokens=True, verbose=False)["input_ids"]) if text else []
+        limit = self.max_positions
+        if room and limit is not None and len(ids) > limit - room:
+            ids = ids[:max(0, limit - room)]
         if not ids:
             return SharedPrefix([], None)
         with torch.no_grad(), attention_backends(self.device):
@@ -216,7 +224,9 @@ class CausalEngine:
         if text not in self._heads:
             if len(self._heads) >= keep:
                 self._heads.pop(next(iter(self._heads)))
-            self._heads[text] = self.encode_prefix(text)
+            # a scored row always has room after it (review 10d, L1: a released candidate that re-encodes longer
+            # than its tokens filled the context, and a holdout of one row raised where an empty one did not)
+            self._heads[text] = self.encode_prefix(text, room=HEAD_ROOM)
         return self._heads[text]
 
     @torch.no_grad()

@@ -273,6 +273,25 @@ def test_one_record_never_makes_a_scored_forward_raise(template, record):
             assert torch.equal(more[:2], base)
 
 
+def test_a_head_longer_than_the_context_leaves_a_row_room():
+    """Review 10d, L1: a released candidate that re-encodes longer than its generated tokens can fill the
+    context on its own; scoring a holdout of one row then raised where an empty holdout did not (a 0-vs-1
+    test). The shared head keeps its first tokens up to the context less HEAD_ROOM: a row always fits."""
+    from tasks.methodkit.causal_engine import HEAD_ROOM
+    from tasks.methods.dp_opt.templates import eval_prefix
+    from tasks.methods.dp_opt.text_prompts import label_logprobs
+
+    bb = load_backbone("tiny-gpt2", "cpu", seed=3)
+    engine = CausalEngine(bb.model, bb.tokenizer, max_batch=4)
+    cfg = SimpleNamespace(models=SimpleNamespace(template="Input: {text}\n\nOutput:"),
+                          data=SimpleNamespace(labels=["negative", "positive"]))
+    instruction = " ".join(["physics"] * 300)  # a public candidate of ≈ 300 tokens, over the 256 positions
+    for rowwise in (False, True):
+        scores = label_logprobs(engine, cfg, instruction, ["a fine film"], rowwise=rowwise)
+        assert scores.shape == (1, 2) and torch.isfinite(scores).all()
+    assert engine._head(eval_prefix(instruction)).length == engine.max_positions - HEAD_ROOM
+
+
 def test_leakage_audit_shows_tenths_never_the_private_count():
     """The near-copy pass over every private text (minutes on a CPU at the paper's scale) reports its
     progress in tenths under its own stage name: the same ten steps for any number of texts, never a count
