@@ -221,19 +221,29 @@ def check_unit(cfg) -> None:
 
 @contextmanager
 def _interrupts_held():
-    """SIGINT and SIGTERM held (delivered when the block ends) in the main thread; elsewhere nothing."""
+    """SIGINT and SIGTERM held until the block ends, then handled as they would have been (in the main
+    thread: Python runs its handlers there; elsewhere nothing is held). Recorded by a handler of its own,
+    not masked: a process's signal reaches any thread that does not mask it (torch's, MLflow's)."""
+    import os
     import signal
     import threading
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    caught: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)  # Python's SIGINT handler raises KeyboardInterrupt here
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), caught[0])
 
 
 def noisy_vote(votes: np.ndarray, labels: list[str], noise_multiplier: float, rng: np.random.Generator) -> str:
