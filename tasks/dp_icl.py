@@ -182,16 +182,13 @@ def _demo_token_budget(engine, settings, labels: list[str]) -> int | None:
     for the query always fit — whatever a record's length (review 10, F1: the labels' tokens were
     left out, and a 10-token label let one long record crash a query its neighbour answered).
     Settings that leave no room are refused with one line (:func:`text_budget`)."""
-    from tasks.methodkit.token_budget import JUNCTION, SEAM, model_context, text_budget
+    from tasks.methodkit.token_budget import JUNCTION, SEAM, model_context, template_tokens, text_budget
 
     context = model_context(engine.model, unbounded_above=None)
     if context is None:
         return None
     head = len(engine.tok(_demo_head(settings.instruction) or " ", add_special_tokens=True, verbose=False)["input_ids"])
-    before, after = settings.template.split("{text}", 1)
-    # the template's two sides counted apart: joined without the text they can tokenize as one word (a
-    # WordPiece word of over 100 characters is one [UNK]) where around a text they are many (review 10b, G1)
-    overhead = len(engine.ids(before)) + max(len(engine.ids(after + _demo_tail(y))) for y in labels) + SEAM
+    overhead = template_tokens(engine, settings.template, [_demo_tail(y) for y in labels]) + SEAM
     return text_budget(context, head + QUERY_TOKENS + JUNCTION, settings.shots, overhead,
                        f"dp_icl: shots={settings.shots}, the labels, the template and the instruction")
 
@@ -209,11 +206,15 @@ def label_token_ids(engine, labels: list[str]) -> list[int]:
     return ids
 
 
+def _person_unit(cfg) -> bool:
+    return cfg.data.privacy_unit != "record" or bool(cfg.data.person_field)
+
+
 def check_unit(cfg) -> None:
     """dp_icl's subsets are keyed by record: a person unit is refused with one line, before anything is read."""
     from .errors import ConfigError
 
-    if cfg.data.privacy_unit != "record" or cfg.data.person_field:
+    if _person_unit(cfg):
         raise ConfigError(f"dp_icl: the dataset's privacy unit is a person (data.privacy_unit="
                           f"{cfg.data.privacy_unit!r}, data.person_field={cfg.data.person_field!r}): its subsets are "
                           "keyed by record, so its per-query ε holds for one record, not one person; refused")
@@ -336,11 +337,6 @@ class DPICLServer:
         suffix = self._query_ids(text)
         votes = np.zeros(len(self.labels))
         for prefix in self._query_prefixes():  # one by one: see the module docstring
-            if self._context is not None and len(prefix.ids) + len(suffix) > self._context:
-                # never with the budget above; should a tokenizer still outgrow it, this subset (the only
-                # one a record's length can change) casts no vote — within the √2 charged — and no query
-                # crashes on one dataset while its neighbour answers it
-                continue
             logits = self.engine.last_logits([suffix], prefix)[0]
             votes[int(np.argmax(logits[self._label_ids].numpy()))] += 1
         return votes
@@ -557,7 +553,7 @@ def plan_line(cfg, delta: float, sizes) -> str:
     fits, where a one-time method's ε stays flat."""
     from privacy import accountant as acct
 
-    if cfg.data.privacy_unit != "record" or cfg.data.person_field:
+    if _person_unit(cfg):
         return ("dp_icl (served, per query): refused on this dataset — its unit is a person, and dp_icl's subsets are "
                 "keyed by record (its per-query ε holds for one record only)")
     settings, size_event = settings_of(cfg, delta, sizes), size_event_of(cfg.dp_icl, sizes)

@@ -54,6 +54,14 @@ def clip_text(engine, text: str, tokens: int | None, words: int = WORDS) -> str:
     return text if tokens is None else clip_tokens(engine, text, tokens)
 
 
+def template_tokens(engine, template: str, tails=("",)) -> int:
+    """Tokens ``template`` takes around its ``{text}`` (with the longest of ``tails`` after it): its two sides
+    counted apart — joined without the text they can tokenize as one word (a WordPiece word of over 100
+    characters is one [UNK]) where around a text they are many (review 10b)."""
+    before, after = template.split("{text}", 1)
+    return len(engine.ids(before)) + max(len(engine.ids(after + tail)) for tail in tails)
+
+
 def text_budget(context: int | None, fixed: int, texts: int, overhead: int, what: str) -> int | None:
     """Tokens each of ``texts`` private texts may take so that ``fixed`` tokens (shared head, tail,
     generated tokens) and ``texts`` × (the text's template, ``overhead`` tokens, + the text) fit

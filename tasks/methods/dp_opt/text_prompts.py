@@ -26,17 +26,14 @@ def forward_text_budget(engine, cfg, instruction: str | None) -> int | None:
     bounded context): the room the instruction and the template leave in the model's context, so a
     long record scored alone (ŷ, the DP-argmax's holdout rows) never outgrows it. Public (the model,
     the instruction — the initial one or a released candidate —, the template); at least one token."""
-    from ...methodkit.token_budget import JUNCTION, SEAM, model_context
+    from ...methodkit.token_budget import JUNCTION, SEAM, model_context, template_tokens
     from .templates import eval_prefix
 
     context = model_context(engine.model)
     if context is None:
         return None
     head = len(engine.tok(eval_prefix(instruction), add_special_tokens=True, verbose=False)["input_ids"])
-    # the template's two sides counted apart: joined without the text they can tokenize as one word (a
-    # WordPiece word of over 100 characters is one [UNK]) where around a text they are many (review 10b, G2)
-    before, after = input_template(cfg).split("{text}", 1)
-    template = len(engine.ids(before)) + len(engine.ids(after))
+    template = template_tokens(engine, input_template(cfg))  # its two sides apart (review 10b, G2)
     return max(1, context - head - template - 2 * JUNCTION - SEAM)  # SEAM: margin (review 7 met 256 of 256 at the worst seam)
 
 
