@@ -1034,15 +1034,15 @@ def cmd_predict(args) -> int:
     return 0
 
 
-NOT_COMPARED = ("dp_icl: WARNING these answers were not compared with zero-shot (no demonstration) on your data: "
-                "unlike a run's published prompt, nothing checks they are better; demonstrations can hurt (AG News "
-                "in docs/results/dp_icl/): compare on public labelled queries (--label-field) first")
+NOT_COMPARED = ("dp_icl: WARNING these answers were not compared with zero-shot (no demonstration) on your data "
+                "(dp_icl.compare_queries or fallback.epsilon_share is 0): nothing checks they are better; "
+                "demonstrations can hurt (AG News in docs/results/dp_icl/)")
 
 
 def _predict_dp_icl(args, frame, texts) -> int:
     """``predict --dp-icl CONFIG``: DP-ICL's answers, every batch charged to the config's ledger."""
     from tasks.config import load_config
-    from tasks.dp_icl import answer_all, open_server
+    from tasks.dp_icl import answer_all, comparison_line, open_server
     from tasks.state import state_paths
 
     cfg = load_config(args.dp_icl)
@@ -1050,9 +1050,12 @@ def _predict_dp_icl(args, frame, texts) -> int:
     served = open_server(cfg, paths)
     started = time.perf_counter()
 
-    def progress(done: int, total: int) -> None:
-        print(f"\rdp_icl: {done}/{total} queries answered ({time.perf_counter() - started:.1f} s)", end="",
+    def progress(done: int, total: int, stage: str = "answers") -> None:
+        what = "held-out queries compared with zero-shot" if stage == "comparison" else "queries answered"
+        print(f"\rdp_icl: {done}/{total} {what} ({time.perf_counter() - started:.1f} s)", end="",
               file=sys.stderr, flush=True)
+        if stage == "comparison" and done == total:
+            print(file=sys.stderr)
 
     def interrupt(signum, frame):  # SIGTERM as Ctrl-C: the answers already charged are written, not lost
         raise KeyboardInterrupt
@@ -1078,10 +1081,13 @@ def _predict_dp_icl(args, frame, texts) -> int:
         return _fail(f"dp_icl: {len(answers)} of {len(texts)} queries answered and charged (written), then {why}: "
                      f"{_one_line(refusal)}")
     spent = served.server.ledger.spent(served.server.fingerprint)
-    print(f"dp_icl: {len(texts)} queries answered in {-(-len(texts) // args.batch_size)} charged batch(es); dataset "
-          f"{served.dataset!r} has now spent ε={spent.epsilon:.4f} per record at δ={served.delta:g} of its cap "
-          f"ε={served.cap:.4f} (privprompt ledger)", file=sys.stderr)
-    print(NOT_COMPARED, file=sys.stderr)
+    fell_back = served.comparison is not None and served.comparison["difference"] < 0 and served.fallback
+    how = ("zero-shot (no demonstration), nothing charged for them" if fell_back
+           else f"in {-(-len(texts) // args.batch_size)} charged batch(es)")
+    print(f"dp_icl: {len(texts)} queries answered {how}; dataset {served.dataset!r} has now spent "
+          f"ε={spent.epsilon:.4f} per record at δ={served.delta:g} of its cap ε={served.cap:.4f} (privprompt ledger)",
+          file=sys.stderr)
+    print(NOT_COMPARED if served.comparison is None else comparison_line(served.comparison), file=sys.stderr)
     if args.label_field in frame.columns and len(frame):
         acc = float((frame[args.label_field].astype(str).to_numpy() == result["prediction"].to_numpy()).mean())
         print(f"accuracy on the {len(frame)} rows' {args.label_field} column: {acc:.4f}", file=sys.stderr)

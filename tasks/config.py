@@ -355,6 +355,8 @@ def _drop_new_defaults(cfg: PrivPromptConfig, data: dict) -> None:
 
     if cfg.dp_icl == DPICLConfig():
         data.pop("dp_icl", None)
+    elif cfg.dp_icl.compare_queries == DPICLConfig().compare_queries:
+        data["dp_icl"].pop("compare_queries", None)
     if cfg.fallback == FallbackConfig():  # a finished run of a sweep stays finished (not re-run and re-charged)
         data.pop("fallback", None)
     if cfg.models.placement == PlacementConfig() and not cfg.models.placement_for:

@@ -36,6 +36,15 @@ Charging (:meth:`DPICLServer.answer`): the batch's event is reserved BEFORE the 
 refuses it at the cap: nothing is answered), the read is marked, the answers are computed, the
 event is committed. The private demonstrations never leave this object: only labels come out.
 
+Compared with zero-shot before its first answer (``dp_icl.compare_queries`` H > 0 and
+``fallback.epsilon_share`` > 0, the default): H private HOLDOUT rows — the partition's, never
+demonstrations; the H of lowest keyed hash under a fresh secret key, public empty queries filling the
+rest — are answered by the vote (charged as H answered queries) and zero-shot (no demonstration), and
+D = Σ (vote right − zero-shot right) is released once with Gaussian noise (one record moves D by ≤ 2:
+its own term and the row it displaces; :meth:`DPICLServer.compare`). Kept per dataset and settings in
+the state folder (public numbers only). When D̃ < 0 and ``fallback.enabled``, queries are answered
+zero-shot, nothing charged: never an answer worse than no demonstration in silence.
+
 Served by ``privprompt predict --dp-icl CONFIG`` (:func:`open_server`, :func:`answer_all`): the
 config's ``dp_icl`` block, its dataset's training split (the flows' keyed partition), the ledger
 of its state folder. There is no MLflow pyfunc of it on purpose: a registered model is an artifact
@@ -144,8 +153,9 @@ def first_batch_event(noise_multiplier: float, answered: int, sample_rate: float
 
 def noise_with_release(epsilon: float, delta: float, queries: int, sample_rate: float | None,
                        size_event: DpEvent | None) -> float:
-    """σ such that ``queries`` answered queries AND the sizes' release their first batch charges spend
-    at most ``epsilon`` at ``delta``: the queries' own σ, raised by 2 % steps until the composition fits."""
+    """σ such that ``queries`` answered queries AND the releases their first batch charges
+    (``size_event``: the sizes' release and/or the comparison with zero-shot's count) spend at most
+    ``epsilon`` at ``delta``: the queries' own σ, raised by 2 % steps until the composition fits."""
     from privacy import accountant as acct
 
     sigma = noise_for_queries(epsilon, delta, queries, sample_rate)
@@ -155,13 +165,118 @@ def noise_with_release(epsilon: float, delta: float, queries: int, sample_rate: 
 
     if acct.spend(size_event, delta).epsilon >= epsilon:
         raise ConfigError(f"dp_icl: privacy.target_epsilon={epsilon:g} does not cover the release of the training "
-                         "size q is computed from; raise it, or give dp_icl.noise_multiplier")
+                         "size q is computed from and the comparison with zero-shot; raise it, lower "
+                         "fallback.epsilon_share, or give dp_icl.noise_multiplier")
     for _ in range(400):
         if acct.spend(first_batch_event(sigma, queries, sample_rate, size_event), delta).epsilon <= epsilon:
             return sigma
         sigma *= 1.02
-    raise ConfigError(f"dp_icl: no noise multiplier below {sigma:.3g} lets {queries} queries and the size release "
-                     f"fit privacy.target_epsilon={epsilon:g}")
+    raise ConfigError(f"dp_icl: no noise multiplier below {sigma:.3g} lets {queries} queries and the releases "
+                     f"they charge fit privacy.target_epsilon={epsilon:g}")
+
+
+# ---- the comparison with zero-shot (never worse than no demonstration in silence) -------------
+
+CONCLUSIVE_Z = 1.96  # |D̃| above it·σ: the noise alone exceeds it with probability 5 % (as tasks/no_prompt.py)
+COMPARE_SENSITIVITY = 2.0  # a record moves D by ≤ 2: its own term, and the row it displaces from the H lowest hashes
+
+
+def comparison_noise(cfg, delta: float) -> float | None:
+    """σ of the noise on D (records), or None when the config runs no comparison
+    (``dp_icl.compare_queries`` 0 or ``fallback.epsilon_share`` 0): the analytic Gaussian's σ at
+    ``fallback.epsilon_share`` of the target and a tenth of δ (what every run's comparison with no
+    prompt takes, ``privacy.plan.no_prompt_comparison``), times the sensitivity 2."""
+    from privacy.mechanisms import analytic_gaussian_sigma
+    from privacy.plan import NO_PROMPT_DELTA_SHARE
+
+    share = cfg.fallback.epsilon_share
+    if not cfg.dp_icl.compare_queries or share <= 0:
+        return None
+    return COMPARE_SENSITIVITY * analytic_gaussian_sigma(cfg.privacy.target_epsilon * share,
+                                                         delta * NO_PROMPT_DELTA_SHARE)
+
+
+def comparison_event(noise: float) -> DpEvent:
+    """The released count D̃ = D + N(0, noise²), D of L2 sensitivity 2."""
+    return GaussianEvent(noise / COMPARE_SENSITIVITY)
+
+
+def comparison_queries(cfg, delta: float) -> int:
+    """H: the held-out queries the comparison answers (0 without one)."""
+    return cfg.dp_icl.compare_queries if comparison_noise(cfg, delta) is not None else 0
+
+
+def lowest_keyed(texts: list[str], labels: list[str], key: bytes, count: int) -> list[int]:
+    """The ``count`` rows of lowest keyed hash (HMAC-SHA256 of label and text under a secret key): which
+    rows are compared is secret, and adding one record changes the set by at most one swap."""
+    from tasks.methodkit.keyed_partition import _digest
+
+    if len(key) < 16:
+        raise ValueError("lowest_keyed: the key must have at least 128 secret bits")
+    return sorted(sorted(range(len(texts)), key=lambda i: _digest(key, labels[i], texts[i]))[:count])
+
+
+def compared_difference(votes: list[str], zero_shot: list[str], labels: list[str]) -> int:
+    """D = Σ (vote right − zero-shot right): each row's term in {−1, 0, 1}."""
+    return int(sum((v == y) - (z == y) for v, z, y in zip(votes, zero_shot, labels)))
+
+
+def comparison_line(result: dict) -> str:
+    """What a user reads of a comparison (public numbers only: D̃, σ, H)."""
+    d, sigma, h = result["difference"], result["sigma"], result["queries"]
+    head = (f"dp_icl: its released comparison with zero-shot (no demonstration) on {h} held-out private queries: "
+            f"D̃={d:+.1f} right answers (σ={sigma:.1f}; gain {d / h:+.3f})")
+    if d < 0:
+        if result.get("fallback", True):
+            return (head + ": WORSE than zero-shot — these queries were answered zero-shot (no demonstration, "
+                    "nothing charged for them; fallback.enabled: false answers by the vote anyway)")
+        return head + ": WARNING worse than zero-shot, answered by the vote anyway (fallback.enabled: false)"
+    if d > CONCLUSIVE_Z * sigma:
+        return head + ": better than zero-shot beyond its noise (a 95 % band)"
+    return (head + f": WARNING within its noise (|D̃| ≤ {CONCLUSIVE_Z} σ): not shown better than zero-shot; a larger "
+            "dp_icl.compare_queries or fallback.epsilon_share narrows it")
+
+
+def settings_digest(settings: "DPICLSettings", fingerprint: str, model: str, labels: list[str], noise: float,
+                    queries: int) -> str:
+    """What a stored comparison holds for: the dataset, the model, the labels and every setting of the
+    vote and the comparison (a changed σ or template is compared anew)."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    blob = json.dumps({"settings": asdict(settings), "dataset": fingerprint, "model": model, "labels": labels,
+                       "noise": noise, "queries": queries}, sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+COMPARISONS_FILE = "dp_icl_comparisons.json"
+
+
+def stored_comparison(root, digest: str) -> dict | None:
+    import json
+    from pathlib import Path
+
+    path = Path(root) / COMPARISONS_FILE
+    if not path.exists():
+        return None
+    return json.loads(path.read_text()).get(digest)
+
+
+def store_comparison(root, digest: str, result: dict) -> None:
+    """Kept in the state folder (0600, written whole or not at all): public numbers only."""
+    import json
+    import os
+    from pathlib import Path
+
+    path = Path(root) / COMPARISONS_FILE
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[digest] = result
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
 
 
 QUERY_TOKENS = 128  # room kept for the query (its template and text) after the demonstrations
@@ -291,6 +406,7 @@ class DPICLServer:
         self._label_ids = label_token_ids(engine, self.labels)
         self._context = engine.max_positions
         self._rows = rows
+        self._zero_prefix = None
         if settings.sample_rate is not None:  # a fresh Poisson sample per query (its secret draws)
             check_rate(settings.sample_rate, "dp_icl sample_rate")
             self._sampler = randomness.numpy(3)
@@ -386,6 +502,70 @@ class DPICLServer:
                 keep(answers)
         return answers
 
+    def zero_shot(self, texts: list[str]) -> list[str]:
+        """The label each query gets with no demonstration (the instruction, if any, and the query in
+        its template): a function of the query alone and the public model, scored alone; no private
+        row is read, nothing is charged."""
+        if self._zero_prefix is None:
+            self._zero_prefix = self.engine.encode_prefix(_demo_head(self.settings.instruction))
+        out = []
+        for text in texts:
+            logits = self.engine.last_logits([self._query_ids(text)], self._zero_prefix)[0]
+            out.append(self.labels[int(np.argmax(logits[self._label_ids].numpy()))])
+        return out
+
+    def comparison_events(self, queries: int, noise: float) -> DpEvent:
+        """What the comparison charges: ``queries`` answered queries (with the sizes' release while this
+        server has not charged it) and the released count."""
+        from privacy.plan import with_release
+
+        (event,) = self.events([queries])
+        return with_release(event, comparison_event(noise))
+
+    def compare(self, texts: list[str], labels: list[str], queries: int, noise: float, key: bytes,
+                keep=None, progress=None) -> dict:
+        """The comparison with zero-shot: the ``queries`` held-out rows of lowest keyed hash (``key``
+        secret; empty public queries fill the rest, answered and counted 0, so the work and the charge
+        never tell how many there were) answered by the vote and zero-shot, D = Σ (vote right −
+        zero-shot right) released with N(0, ``noise``²) from the secret stream. Charged as one ledger
+        entry — reserved before any vote, committed after — ``keep(result)`` called with the commit,
+        interrupts held (as :meth:`answer`). Returns the public numbers only.
+
+        Privacy (add/remove one source record, which lies in the training split or in the holdout,
+        by the partition's keyed hash): in the training split, each answer is one vote of sensitivity
+        √2 charged as an answered query, and D is post-processing of the answers given the holdout; in
+        the holdout, the H rows of lowest hash change by at most one swap — D moves by ≤ 2 (a padding
+        row counts 0) — and the count is charged as a Gaussian of sensitivity 2. Zero-shot answers are
+        functions of their own row."""
+        check_count(queries, "compare_queries", minimum=1)
+        chosen = lowest_keyed(texts, labels, key, queries)
+        rows = [(texts[i], labels[i]) for i in chosen] + [("", None)] * (queries - len(chosen))
+        run_id = f"{self.serve_id}:compare-{uuid.uuid4().hex}"
+        with self._size_lock:
+            event = self.comparison_events(queries, noise)
+            reservation = self.ledger.reserve(
+                self.fingerprint, run_id, event, allow_delta_at_least_one_over_n=self._allow_delta,
+                description=f"dp_icl: comparison with zero-shot, {queries} answered held-out queries and one released "
+                            "count (inference-time spend)")
+            if not reservation.new:
+                raise RuntimeError(f"dp_icl: comparison {run_id} was already charged: not run again")
+            self._size_event = None
+        self.ledger.mark_read(run_id)
+        votes, zero, truth = [], [], []
+        for j, (text, label) in enumerate(rows):
+            votes.append(self._vote(text))
+            zero.append(self.zero_shot([text])[0])
+            truth.append(label)
+            if progress is not None:
+                progress(j + 1, queries)
+        released = compared_difference(votes, zero, truth) + noise * float(self.noise.standard_normal())
+        result = {"difference": float(released), "sigma": float(noise), "queries": int(queries)}
+        with _interrupts_held():
+            self.ledger.commit(run_id, event)
+            if keep is not None:
+                keep(result)
+        return result
+
     def events(self, batch_sizes: list[int]) -> list[DpEvent]:
         """The ledger events of the next batches of these sizes: the first also charges the sizes'
         release while this server has not charged it."""
@@ -406,6 +586,13 @@ class Served:
     delta: float
     dataset: str
     cap: float
+    comparison: dict | None = None  # the stored comparison with zero-shot of these settings (public numbers)
+    compare_queries: int = 0        # H, when a comparison is due before the first answer (0: none due)
+    compare_noise: float | None = None
+    compare_digest: str | None = None
+    state_root: object = None
+    fallback: bool = True
+    holdout: object = None          # the holdout's (texts, labels) while a comparison is due (private)
 
 
 def sample_rate_of(block, n_released: int) -> float | None:
@@ -422,9 +609,20 @@ def settings_of(cfg, delta: float, sizes) -> DPICLSettings:
     release their first batch charges under ``sampling: poisson`` — spend ``privacy.target_epsilon``."""
     block = cfg.dp_icl
     q = sample_rate_of(block, sizes.n_train)
-    sigma = block.noise_multiplier or noise_with_release(cfg.privacy.target_epsilon, delta, block.expected_queries, q,
-                                                         size_event_of(block, sizes))
+    sigma = block.noise_multiplier or noise_with_release(
+        cfg.privacy.target_epsilon, delta, block.expected_queries + comparison_queries(cfg, delta), q,
+        extra_event_of(cfg, delta, sizes))
     return DPICLSettings(block.subsets, block.shots, float(sigma), block.instruction, block.template, q)
+
+
+def extra_event_of(cfg, delta: float, sizes) -> DpEvent | None:
+    """What rides on the first charge besides its queries: the sizes' release (poisson) and the
+    comparison with zero-shot's count (when the config runs one)."""
+    from privacy.events import ComposedEvent
+
+    noise = comparison_noise(cfg, delta)
+    parts = [e for e in (size_event_of(cfg.dp_icl, sizes), None if noise is None else comparison_event(noise)) if e]
+    return None if not parts else parts[0] if len(parts) == 1 else ComposedEvent(tuple(parts))
 
 
 def size_event_of(block, sizes) -> DpEvent | None:
@@ -490,7 +688,18 @@ def open_server(cfg, paths) -> Served:
     server = DPICLServer(engine, list(cfg.data.labels), rows, settings, ledger, row["fingerprint"], DpRandomness(),
                          size_event=size_event,
                          allow_delta_at_least_one_over_n=cfg.privacy.allow_delta_at_least_one_over_n)
-    return Served(server, delta, row["name"], float(row["epsilon_cap"]))
+    served = Served(server, delta, row["name"], float(row["epsilon_cap"]), state_root=paths.root,
+                    fallback=cfg.fallback.enabled)
+    noise = comparison_noise(cfg, delta)
+    if noise is not None:
+        served.compare_noise = noise
+        served.compare_digest = settings_digest(settings, row["fingerprint"], str(cfg.models.local),
+                                                list(cfg.data.labels), noise, cfg.dp_icl.compare_queries)
+        served.comparison = stored_comparison(paths.root, served.compare_digest)
+        if served.comparison is None:  # due: the holdout (never demonstrations) is read for it
+            served.compare_queries = cfg.dp_icl.compare_queries
+            served.holdout = read_split(part.holdout_path)
+    return served
 
 
 def check_fits(served: Served, n_queries: int, batch_size: int) -> dict:
@@ -499,7 +708,12 @@ def check_fits(served: Served, n_queries: int, batch_size: int) -> dict:
     from privacy.ledger.errors import BudgetExceededError
 
     sizes = [min(batch_size, n_queries - i) for i in range(0, n_queries, batch_size)]
-    events = served.server.events(sizes)
+    if served.compare_queries:  # the comparison due before the first answer is charged first
+        events = [served.server.comparison_events(served.compare_queries, served.compare_noise)]
+        events += [batch_event(served.server.settings.noise_multiplier, b, served.server.settings.sample_rate)
+                   for b in sizes]
+    else:
+        events = served.server.events(sizes)
     ledger, key = served.server.ledger, served.server.fingerprint
     preview = ledger.preview(key, events, served.delta, cap=served.cap, name=served.dataset)
     if preview["total_epsilon"] > preview["cap"] + 1e-12:
@@ -532,7 +746,15 @@ def answer_all(served: Served, texts: list[str], batch_size: int, progress=None)
     from privacy.ledger.errors import BudgetExceededError
 
     check_count(batch_size, "batch_size", minimum=1)
-    check_fits(served, len(texts), batch_size)
+    if served.comparison is None or served.comparison["difference"] >= 0 or not served.fallback:
+        check_fits(served, len(texts), batch_size)
+    if served.compare_queries:
+        try:
+            compare(served, progress)
+        except (Exception, KeyboardInterrupt) as failure:  # noqa: BLE001 - nothing answered yet
+            return [], failure
+    if served.comparison is not None and served.comparison["difference"] < 0 and served.fallback:
+        return zero_shot_all(served, texts, batch_size, progress)
     answers: list[str] = []
     for i in range(0, len(texts), batch_size):
         try:
@@ -546,6 +768,37 @@ def answer_all(served: Served, texts: list[str], batch_size: int, progress=None)
     return answers, None
 
 
+def compare(served: Served, progress=None) -> dict:
+    """The comparison with zero-shot due before the first answer (:meth:`DPICLServer.compare`), charged,
+    kept in the state folder with the commit; the holdout's rows dropped after."""
+    import secrets
+
+    texts, labels = served.holdout
+
+    def keep(result: dict) -> None:
+        result["fallback"] = served.fallback
+        store_comparison(served.state_root, served.compare_digest, result)
+        served.comparison, served.compare_queries, served.holdout = result, 0, None
+
+    report = None if progress is None else (lambda done, total: progress(done, total, stage="comparison"))
+    served.server.compare(texts, labels, served.compare_queries, served.compare_noise, secrets.token_bytes(32),
+                          keep=keep, progress=report)
+    return served.comparison
+
+
+def zero_shot_all(served: Served, texts: list[str], batch_size: int, progress=None):
+    """The fallback: every query answered zero-shot (no demonstration, no private read, nothing charged)."""
+    answers: list[str] = []
+    for i in range(0, len(texts), batch_size):
+        try:
+            answers.extend(served.server.zero_shot(texts[i:i + batch_size]))
+            if progress is not None:
+                progress(len(answers), len(texts))
+        except (Exception, KeyboardInterrupt) as failure:  # noqa: BLE001 - the answers so far are kept
+            return answers, failure
+    return answers, None
+
+
 def plan_line(cfg, delta: float, sizes) -> str:
     """What ``dp_icl.expected_queries`` answered queries would spend on their own (with the sizes'
     release a poisson server's first batch charges), and how many answered queries the dataset's cap
@@ -556,13 +809,18 @@ def plan_line(cfg, delta: float, sizes) -> str:
     if _person_unit(cfg):
         return ("dp_icl (served, per query): refused on this dataset — its unit is a person, and dp_icl's subsets are "
                 "keyed by record (its per-query ε holds for one record only)")
-    settings, size_event = settings_of(cfg, delta, sizes), size_event_of(cfg.dp_icl, sizes)
+    settings, extra = settings_of(cfg, delta, sizes), extra_event_of(cfg, delta, sizes)
     n, cap, q = cfg.dp_icl.expected_queries, cfg.privacy.dataset_epsilon_cap, settings.sample_rate
-    eps = acct.spend(first_batch_event(settings.noise_multiplier, n, q, size_event), delta).epsilon
-    most = queries_within(cap, delta, settings.noise_multiplier, limit=10**6, sample_rate=q, size_event=size_event)
+    h = comparison_queries(cfg, delta)
+    eps = acct.spend(first_batch_event(settings.noise_multiplier, n + h, q, extra), delta).epsilon
+    most = queries_within(cap, delta, settings.noise_multiplier, limit=10**6, sample_rate=q, size_event=extra)
+    most = max(0, most - h)
     sampled = "" if q is None else f", each on a Poisson sample at q={q:.3g} (with the training size's release),"
+    compared = ("" if not h else f" with the comparison with zero-shot first ({h} held-out queries and its released "
+                "count, once per settings),")
     fits = "fit" if eps <= cap else "do NOT fit"
-    return (f"dp_icl (served, per query): {n} answered queries at σ={settings.noise_multiplier:.3g}{sampled} spend "
-            f"ε={eps:.4f} per record at δ={delta:g} on their own and {fits} the dataset's cap ε={cap:g}, which affords "
-            f"{'at least ' if most >= 10**6 else ''}{most:,} of them alone — an inference-time spend that grows with "
-            "every answer (one-time methods such as dp_opt and dp_fewshot stay flat)")
+    return (f"dp_icl (served, per query): {n} answered queries at σ={settings.noise_multiplier:.3g}{sampled}{compared} "
+            f"spend ε={eps:.4f} per record at δ={delta:g} on their own and {fits} the dataset's cap ε={cap:g}, which "
+            f"affords {'at least ' if most >= 10**6 - h else ''}{most:,} of them alone — an inference-time spend that "
+            "grows with every answer (one-time methods such as dp_opt and dp_fewshot stay flat)"
+            + ("" if h else "; no comparison with zero-shot (dp_icl.compare_queries or fallback.epsilon_share is 0)"))

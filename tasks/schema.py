@@ -322,6 +322,13 @@ class DPICLConfig(Block):
         "partition", description="partition: one fixed secret keyed partition into the M subsets, every query; "
         "poisson: the paper's amplification — a fresh Poisson sample per query at rate q = subsets·shots / the "
         "released training size, each sampled row in a random subset (a query spends PoissonSampled(q, Gaussian))")
+    compare_queries: int = Field(
+        100, ge=0, description="before the first query is served, H private HOLDOUT rows (never demonstrations) are "
+        "answered by the vote — charged as H answered queries — and compared with zero-shot (no demonstration): "
+        "D = Σ (vote right − zero-shot right), released once with Gaussian noise at fallback.epsilon_share of "
+        "privacy.target_epsilon (a record moves D by ≤ 2). When D̃ < 0 and fallback.enabled, queries are answered "
+        "zero-shot, nothing charged. Kept per dataset and settings in the state folder; σ is calibrated for "
+        "expected_queries plus these. 0 (or fallback.epsilon_share 0): no comparison, a warning with every answer")
 
     @field_validator("template")
     @classmethod

@@ -8,6 +8,7 @@ of the harness is refused in one line before anything is read."""
 
 import math
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -67,3 +68,45 @@ def test_every_person_unit_is_refused_before_any_read(unit, tmp_path):
     cfg = parse_config(_config(tmp_path, "prompt_dpsgd", unit, "off"))
     with pytest.raises(ConfigError, match="holds for one record, not one person"):
         check_unit(cfg)
+
+
+@pytest.mark.parametrize("queries", [2, 13, 50])  # fewer than the holdout's 26 rows (a swap), and more (padding)
+def test_the_comparison_with_zero_shot_moves_by_at_most_two(engine, tmp_path, queries):
+    """The released count of the comparison with zero-shot (tasks/dp_icl.py, DPICLServer.compare, run
+    with its noise drawn as 0 on the partition's real holdout of D and of every record neighbour D′, the same secret
+    key): each row scores +1 or −1 (adversarially: every row counts), and one record changes the H rows
+    of lowest keyed hash by at most one swap — D moves by ≤ 2, the sensitivity its Gaussian is charged
+    for. The votes here are a function of the query alone: what one training record does to them is the
+    histogram test above (each answer is a charged query)."""
+    from privacy.ledger import Ledger
+    from tasks.config import parse_config
+    from tasks.dp_icl import DPICLServer, DPICLSettings
+    from tasks.randomness import DpRandomness
+
+    cfg = parse_config(_config(tmp_path, "prompt_dpsgd", "record", "off"))
+
+    def released(source):
+        _, rows = neighbours.split_rows(source, cfg, KEY)
+        texts, labels, _ = rows.holdout
+        ledger = Ledger(tmp_path / f"ledger-{len(list(tmp_path.iterdir()))}.sqlite")
+        ledger.register_dataset("fp", "records", 1e4, 1e-4)
+        server = DPICLServer(engine, list(cfg.data.labels), neighbours.training_rows(source, cfg, KEY),
+                             DPICLSettings(subsets=4, shots=2, noise_multiplier=2.0), ledger, "fp",
+                             DpRandomness(seeded=True, seed=7))
+        truth = dict(zip(texts, labels))
+        right = lambda t: len(t) % 2 == 1  # noqa: E731 - the vote right on odd-length texts, zero-shot on even
+        other = lambda y: next(x for x in cfg.data.labels if x != y)  # noqa: E731
+        server._vote = lambda t: truth[t] if t in truth and right(t) else other(truth.get(t, cfg.data.labels[0]))
+        server.zero_shot = lambda ts: [truth[t] if t in truth and not right(t) else other(truth.get(t, cfg.data.labels[0]))
+                                       for t in ts]
+        server.noise = SimpleNamespace(standard_normal=lambda: 0.0)  # D̃ = D: the count before its noise
+        return server.compare(texts, labels, queries, 1.0, KEY)["difference"], len(texts)
+
+    here, n_holdout = released(_source(BASE_TRAIN, BASE_TEST))
+    moves = []
+    for how, other_source in neighbours_of("record").items():
+        there, _ = released(other_source)
+        assert abs(here - there) <= 2, how
+        moves.append(abs(here - there))
+    if queries >= n_holdout // 2:
+        assert max(moves) > 0  # the neighbours do move D: the check is not vacuous

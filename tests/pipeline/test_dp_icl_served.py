@@ -29,7 +29,7 @@ def toy(sst2_dir, tmp_path_factory):
 def _write_config(toy, tmp_path, cap=50.0, **dp_icl):
     cfg = _config(toy, tmp_path / "state", **{"models.local": "tiny-gpt2", "privacy.target_delta": 1e-5,
                                               "privacy.dataset_epsilon_cap": cap})
-    cfg["dp_icl"] = {"subsets": 4, "shots": 2, "noise_multiplier": 3.0, **dp_icl}
+    cfg["dp_icl"] = {"subsets": 4, "shots": 2, "noise_multiplier": 3.0, "compare_queries": 0, **dp_icl}
     path = tmp_path / "dp_icl.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

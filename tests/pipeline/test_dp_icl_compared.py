@@ -1,0 +1,189 @@
+"""Served dp_icl compared with zero-shot before its first answer (`privprompt predict --dp-icl`): the
+comparison is charged once as planned (H answered held-out queries and one released count), kept per
+settings in the state folder (public numbers only, 0600), printed with its decision; when it loses,
+queries are answered zero-shot and nothing more is charged; `plan` prices it and σ is calibrated for
+it; a holdout smaller than H is padded, never revealed by the charge."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from privacy import accountant as acct
+from privacy.events import ComposedEvent
+from privacy.ledger import Ledger
+from tasks.dp_icl import COMPARISONS_FILE, batch_event, comparison_event
+from test_dp_icl_served import _queries, _write_config
+from test_flow import _toy_dataset
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def toy(sst2_dir, tmp_path_factory):
+    return _toy_dataset(tmp_path_factory.mktemp("dpicl-compared") / "data", sst2_dir, n_train=60, n_test=10)
+
+
+def _compared_config(toy, tmp_path, **dp_icl):
+    import yaml
+
+    path = _write_config(toy, tmp_path, **{"compare_queries": 6, **dp_icl})
+    cfg = yaml.safe_load(path.read_text())
+    cfg["fallback"] = {"enabled": True}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _predict(config, queries, out, *extra):
+    from privprompt_cli import main
+
+    return main(["predict", "--dp-icl", str(config), "--input", str(queries), "--text-field", "review",
+                 "--batch-size", "3", "--output", str(out), *extra])
+
+
+def _entries(tmp_path):
+    ledger = Ledger(tmp_path / "state" / "ledger.sqlite")
+    return ledger, [e for e in ledger.entries() if e["kind"] == "dp"]
+
+
+def _noise(config):
+    from tasks.config import load_config
+    from tasks.dp_icl import comparison_noise
+
+    return comparison_noise(load_config(config), 1e-5)
+
+
+def test_the_comparison_runs_once_charged_as_planned_and_is_kept(toy, tmp_path, capsys, monkeypatch):
+    import tasks.dp_icl as dp_icl
+
+    monkeypatch.setattr(dp_icl, "compared_difference", lambda *a: 1000)  # the vote wins: queries answered by it
+    config, queries, out = _compared_config(toy, tmp_path), _queries(tmp_path, 3), tmp_path / "out.jsonl"
+    assert _predict(config, queries, out) == 0
+    err = capsys.readouterr().err
+    ledger, entries = _entries(tmp_path)
+    assert [e["status"] for e in entries] == ["committed", "committed"]  # the comparison, then one batch of 3
+    assert "comparison with zero-shot, 6 answered held-out queries" in entries[0]["description"]
+    noise = _noise(config)
+    (dataset,) = ledger.datasets()
+    planned = ComposedEvent((batch_event(3.0, 6), comparison_event(noise), batch_event(3.0, 3)))
+    assert ledger.spent(dataset["fingerprint"]).epsilon == pytest.approx(acct.spend(planned, 1e-5).epsilon, rel=1e-3)
+    assert "released comparison with zero-shot (no demonstration) on 6 held-out private queries" in err
+    assert "better than zero-shot beyond its noise" in err and "not compared" not in err
+    assert "1 charged batch(es)" in err
+    kept = tmp_path / "state" / COMPARISONS_FILE
+    assert oct(os.stat(kept).st_mode & 0o777) == "0o600"
+    (result,) = json.loads(kept.read_text()).values()
+    assert set(result) == {"difference", "sigma", "queries", "fallback"} and result["queries"] == 6
+    assert result["sigma"] == pytest.approx(noise)
+    private = [json.loads(line)["text"] for line in (toy / "train.jsonl").read_text().splitlines()]
+    assert not any(t in err or t in kept.read_text() or t in out.read_text() for t in private)
+    # a second call reuses it: one more batch, no second comparison
+    assert _predict(config, queries, out) == 0
+    _, entries = _entries(tmp_path)
+    assert len(entries) == 3 and "comparison" not in entries[2]["description"]
+    # another setting is compared anew
+    other = _compared_config(toy, tmp_path, noise_multiplier=4.0)
+    assert _predict(other, queries, out) == 0
+    _, entries = _entries(tmp_path)
+    assert sum("comparison" in e["description"] for e in entries) == 2
+    assert len(json.loads(kept.read_text())) == 2
+
+
+def test_a_lost_comparison_answers_zero_shot_and_charges_nothing_more(toy, tmp_path, capsys, monkeypatch):
+    import tasks.dp_icl as dp_icl
+
+    monkeypatch.setattr(dp_icl, "compared_difference", lambda *a: -1000)  # the vote loses beyond any noise
+    config, queries, out = _compared_config(toy, tmp_path), _queries(tmp_path, 5), tmp_path / "out.jsonl"
+    assert _predict(config, queries, out) == 0
+    err = capsys.readouterr().err
+    _, entries = _entries(tmp_path)
+    assert len(entries) == 1 and "comparison" in entries[0]["description"]  # the answers charged nothing
+    assert "WORSE than zero-shot" in err and "answered zero-shot" in err and "nothing charged for them" in err
+    answers = [json.loads(line)["prediction"] for line in out.read_text().splitlines()]
+    # they are the zero-shot answers of the same model
+    from tasks.config import load_config
+    from tasks.dp_icl import open_server
+    from tasks.state import state_paths
+
+    served = open_server(load_config(config), state_paths(str(tmp_path / "state")))
+    texts = [json.loads(line)["review"] for line in queries.read_text().splitlines()]
+    assert answers == served.server.zero_shot(texts)
+    assert served.holdout is None and served.compare_queries == 0  # kept: no holdout read again
+    # the next call charges nothing at all
+    assert _predict(config, queries, out) == 0
+    _, entries = _entries(tmp_path)
+    assert len(entries) == 1
+
+
+def test_with_fallback_off_a_lost_comparison_warns_and_answers_by_the_vote(toy, tmp_path, capsys, monkeypatch):
+    import yaml
+
+    import tasks.dp_icl as dp_icl
+
+    monkeypatch.setattr(dp_icl, "compared_difference", lambda *a: -1000)
+    config, queries, out = _compared_config(toy, tmp_path), _queries(tmp_path, 3), tmp_path / "out.jsonl"
+    cfg = yaml.safe_load(config.read_text())
+    cfg["fallback"] = {"enabled": False}
+    config.write_text(yaml.safe_dump(cfg))
+    assert _predict(config, queries, out) == 0
+    err = capsys.readouterr().err
+    _, entries = _entries(tmp_path)
+    assert len(entries) == 2  # the comparison and the answers' batch
+    assert "WARNING worse than zero-shot, answered by the vote anyway" in err
+
+
+def test_a_holdout_smaller_than_h_is_padded_and_the_charge_is_h(toy, tmp_path, monkeypatch):
+    import tasks.dp_icl as dp_icl
+
+    seen = {}
+
+    def count(votes, zero, labels):
+        seen["real"] = sum(y is not None for y in labels)
+        seen["all"] = len(labels)
+        return 0
+
+    monkeypatch.setattr(dp_icl, "compared_difference", count)
+    config, queries, out = _compared_config(toy, tmp_path, compare_queries=40), _queries(tmp_path, 1), tmp_path / "o.jsonl"
+    assert _predict(config, queries, out) == 0
+    assert seen["all"] == 40 and 0 < seen["real"] < 40  # the toy holdout holds ≈ 14 rows: padded with public queries
+    ledger, entries = _entries(tmp_path)
+    (dataset,) = ledger.datasets()
+    planned = ComposedEvent((batch_event(3.0, 40), comparison_event(_noise(config)), batch_event(3.0, 1)))
+    assert ledger.spent(dataset["fingerprint"]).epsilon == pytest.approx(acct.spend(planned, 1e-5).epsilon, rel=1e-3)
+
+
+def test_the_comparison_and_the_queries_past_the_cap_are_refused_before_anything(toy, tmp_path, capsys):
+    config = _compared_config(toy, tmp_path, compare_queries=60)
+    import yaml
+
+    cfg = yaml.safe_load(config.read_text())
+    cfg["privacy"]["dataset_epsilon_cap"] = 1.0
+    config.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out.jsonl"
+    assert _predict(config, _queries(tmp_path, 1), out) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "over its cap" in err[0] and "nothing answered" in err[0]
+    _, entries = _entries(tmp_path)
+    assert entries == [] and not (tmp_path / "state" / COMPARISONS_FILE).exists()
+
+
+def test_sigma_is_calibrated_for_the_queries_and_the_comparison_and_plan_prices_both(toy, tmp_path):
+    from tasks.config import load_config
+    from tasks.data import ReleasedSizes
+    from tasks.dp_icl import comparison_noise, first_batch_event, plan_line, settings_of
+
+    cfg = load_config(_compared_config(toy, tmp_path, noise_multiplier=None, expected_queries=100, compare_queries=20))
+    sizes = ReleasedSizes(48, 10, 10, 50.0)
+    sigma, noise = settings_of(cfg, 1e-5, sizes).noise_multiplier, comparison_noise(cfg, 1e-5)
+    total = acct.spend(first_batch_event(sigma, 120, None, comparison_event(noise)), 1e-5).epsilon
+    assert total <= cfg.privacy.target_epsilon + 1e-9 and total == pytest.approx(cfg.privacy.target_epsilon, rel=3e-2)
+    # the count alone at its share (fallback.epsilon_share of the target, a tenth of δ): its ε at that δ
+    assert acct.spend(comparison_event(noise), 1e-6).epsilon == pytest.approx(
+        cfg.privacy.target_epsilon * cfg.fallback.epsilon_share, rel=1e-2)
+    line = plan_line(cfg, 1e-5, sizes)
+    assert "with the comparison with zero-shot first (20 held-out queries" in line
+    assert f"spend ε={total:.4f}" in line
+    off = load_config(_compared_config(toy, tmp_path, compare_queries=0))
+    assert "no comparison with zero-shot" in plan_line(off, 1e-5, sizes)
