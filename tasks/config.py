@@ -186,6 +186,14 @@ class PrivPromptConfig(Block):
             if get_method(self.method).prompt_kind != "text":
                 raise ValueError(f"models.endpoints: method {self.method} publishes a "
                                  f"{get_method(self.method).prompt_kind} prompt; only text prompts go to an endpoint")
+            for endpoint in self.models.endpoints:
+                ids = endpoint.label_token_ids
+                if ids is not None and len(ids) != len(self.data.labels):
+                    raise ValueError(f"models.endpoints ({endpoint.alias}): label_token_ids has {len(ids)} ids for "
+                                     f"{len(self.data.labels)} labels (data.labels order)")
+                if ids is not None and len(set(ids)) != len(ids):
+                    raise ValueError(f"models.endpoints ({endpoint.alias}): label_token_ids repeats an id: two labels "
+                                     "would be one answer")
             published = get_method(self.method)
             if published.reads_private_data(self) and published.guarantee(self) == "none":
                 raise ValueError(f"models.endpoints: method {self.method} has no formal guarantee (privacy.guarantee="

@@ -172,6 +172,13 @@ class EndpointConfig(Block):
     base_url: str = Field(description="e.g. http://127.0.0.1:8000/v1")
     model: str = Field(description="the model name the endpoint serves (its `model` request field)")
     api_key_env: str | None = Field(None, description="environment variable holding the API key (never logged)")
+    top_logprobs: int = Field(5, ge=1, le=20, description="top log-probabilities asked per answer (OpenAI's "
+                              "completions take at most 5; llama.cpp's server more)")
+    label_token_ids: list[int] | None = Field(None, description="each label's first token id under the endpoint's "
+                                              "tokenizer, in data.labels order: sent as logit_bias +100 (one token "
+                                              "generated at temperature 0 is then the label with the largest "
+                                              "log-probability, as the local target reads it); null: the label is "
+                                              "read from the top log-probabilities or the generated text")
 
     @field_validator("base_url")
     @classmethod

@@ -170,10 +170,12 @@ def endpoint_evaluate_stage(ctx: StageContext, prompt_path: str, name: str, endp
     texts, names = read_partition_split(ctx.part.test_path)
     template = prompt.template(cfg.models.template or "Input: {text}\n\nOutput:")
     key = os.environ.get(endpoint["api_key_env"]) if endpoint.get("api_key_env") else None
-    client = CompletionsClient(endpoint["base_url"], endpoint["model"], api_key=key)
+    client = CompletionsClient(endpoint["base_url"], endpoint["model"], api_key=key,
+                               top_logprobs=endpoint.get("top_logprobs", 5),
+                               label_token_ids=endpoint.get("label_token_ids"))
     started = time.perf_counter()
     picks = predict_labels(client.complete([template.replace("{text}", t) for t in texts]),
-                           [" " + label for label in cfg.data.labels])
+                           [" " + label for label in cfg.data.labels], text_first=client.biased)
     correct = sum(p is not None and cfg.data.labels[p] == y for p, y in zip(picks, names))
     acc = correct / len(texts)
     child = ctx.parent.child(f"evaluate:{name}@{endpoint['alias']}", {"method": name, "stage": "evaluate",
