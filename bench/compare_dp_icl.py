@@ -106,7 +106,8 @@ def run_task(task: str, a, engine, mlflow) -> None:
     def log(method: str, sampling: str, accs: list[float], volume=None, eps=None, sigma=None, rate=None, wall=0.0):
         with mlflow.start_run(run_name=f"{task}-{method}-{sampling}-{volume}-{eps}"):
             mlflow.log_params({**base, "method": method, "sampling": sampling, "volume": volume, "epsilon": eps,
-                               "sigma": sigma, "sample_rate": rate, "noise_seeds": len(accs)})
+                               "sigma": sigma, "sample_rate": rate, "noise_seeds": a.noise_seeds,
+                               "sample_sets": a.sample_sets if rate is not None else 1, "draws": len(accs)})
             metrics = {"accuracy_mean": float(np.mean(accs)), "accuracy_sd": float(np.std(accs)), "wall_s": wall}
             if sigma:
                 metrics.update({f"epsilon_after_{n}": epsilon_after(sigma, n, a.delta, rate) for n in (1, 100, 10_000)})
@@ -118,17 +119,21 @@ def run_task(task: str, a, engine, mlflow) -> None:
             for x in queries]
     log("zero_shot", "-", [accuracy(zero, truth)], wall=time.perf_counter() - t0)
     for sampling, rate in (("partition", None), ("poisson", q)):
-        t0 = time.perf_counter()
-        server = DPICLServer(engine, labels, rows, DPICLSettings(a.subsets, a.shots, 1e-9, "", template, rate),
-                             _Ledger(), "bench", DpRandomness())
-        hists = histograms(server, queries, task, sampling)
-        wall = time.perf_counter() - t0
-        log("icl_ensemble", sampling, [accuracy([labels[int(h.argmax())] for h in hists], truth)], wall=wall)
+        if sampling not in a.samplings.split(","):
+            continue
+        t0, sets = time.perf_counter(), []
+        for k in range(a.sample_sets if rate is not None else 1):  # a partition's votes are the same every pass
+            server = DPICLServer(engine, labels, rows, DPICLSettings(a.subsets, a.shots, 1e-9, "", template, rate),
+                                 _Ledger(), "bench", DpRandomness())
+            sets.append(histograms(server, queries, task, f"{sampling} {k + 1}/{a.sample_sets}"))
+        wall = (time.perf_counter() - t0) / len(sets)  # one pass over the queries
+        log("icl_ensemble", sampling, [accuracy([labels[int(h.argmax())] for h in hists], truth) for hists in sets],
+            wall=wall)
         for volume in VOLUMES:
             for eps in EPSILONS:
                 sigma = noise_for_queries(eps, a.delta, volume, rate)
                 accs = [accuracy([noisy_vote(h, labels, sigma, noise) for h in hists], truth)
-                        for noise in (DpRandomness().numpy(2) for _ in range(a.noise_seeds))]
+                        for hists in sets for noise in (DpRandomness().numpy(2) for _ in range(a.noise_seeds))]
                 log("dp_icl", sampling, accs, volume, eps, sigma, rate, wall)
                 print(f"{task} dp_icl {sampling} σ for {volume} queries at ε={eps:g}: σ={sigma:.3g} "
                       f"accuracy {np.mean(accs):.3f} ± {np.std(accs):.3f}", file=sys.stderr)
@@ -144,6 +149,9 @@ def main() -> None:
     ap.add_argument("--subsets", type=int, default=10)
     ap.add_argument("--shots", type=int, default=4)
     ap.add_argument("--noise-seeds", type=int, default=3)
+    ap.add_argument("--sample-sets", type=int, default=1, help="poisson: fresh sets of per-query Poisson samples "
+                    "(each a pass over the queries); accuracy over sample sets × noise draws")
+    ap.add_argument("--samplings", default="partition,poisson")
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--tracking-uri", default=None, help="default: sqlite in OUT/../ (not committed)")
     ap.add_argument("--data-root", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))

@@ -696,7 +696,9 @@ def open_server(cfg, paths) -> Served:
         served.compare_digest = settings_digest(settings, row["fingerprint"], str(cfg.models.local),
                                                 list(cfg.data.labels), noise, cfg.dp_icl.compare_queries)
         served.comparison = stored_comparison(paths.root, served.compare_digest)
-        if served.comparison is None:  # due: the holdout (never demonstrations) is read for it
+        if served.comparison is not None:  # what is done with it follows today's fallback.enabled
+            served.comparison["fallback"] = cfg.fallback.enabled
+        else:  # due: the holdout (never demonstrations) is read for it
             served.compare_queries = cfg.dp_icl.compare_queries
             served.holdout = read_split(part.holdout_path)
     return served
