@@ -142,7 +142,7 @@ def test_a_holdout_smaller_than_h_is_padded_and_the_charge_is_h(toy, tmp_path, m
     def count(votes, zero, labels):
         seen["real"] = sum(y is not None for y in labels)
         seen["all"] = len(labels)
-        return 0
+        return 1000  # a win: the query is then answered by the vote and charged
 
     monkeypatch.setattr(dp_icl, "compared_difference", count)
     config, queries, out = _compared_config(toy, tmp_path, compare_queries=40), _queries(tmp_path, 1), tmp_path / "o.jsonl"
