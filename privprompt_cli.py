@@ -605,14 +605,19 @@ def _print_inference_spend(ledger) -> None:
         if not batches:
             continue
         events = [event_from_dict(e["event"]) for e in batches]  # each batch: its votes, one Gaussian each
-        queries = sum(answered_queries(event) for event in events)
-        stopped = sum(answered_queries(event_from_dict(e["event"])) for e in batches if e["status"] == "reserved")
+        compares = [e for e in batches if str(e.get("description")).startswith("dp_icl: comparison")]
+        answered = [e for e in batches if e not in compares]
+        queries = sum(answered_queries(event_from_dict(e["event"])) for e in answered)
+        stopped = sum(answered_queries(event_from_dict(e["event"])) for e in answered if e["status"] == "reserved")
         eps = acct.spend(ComposedEvent(tuple(events)), row["delta"]).epsilon
         unanswered = f" ({stopped} of them in batches not committed: stopped, or under way)" if stopped else ""
         unit = "per record" if row["unit"] == "record" else "per " + row["unit"]
+        held = sum(answered_queries(event_from_dict(e["event"])) for e in compares)
+        compared = (f" and {len(compares)} comparison{'' if len(compares) == 1 else 's'} with zero-shot ({held} held-out "
+                    "queries and a released count each)" if compares else "")
         print(f"inference-time spend on {row['name']!r}: {queries} queries charged to dp_icl{unanswered} in "
-              f"{len(batches)} batch{'' if len(batches) == 1 else 'es'}, ε={eps:.4f} {unit} at δ={row['delta']:g} on "
-              "their own (included above)")
+              f"{len(answered)} batch{'' if len(answered) == 1 else 'es'}{compared}, ε={eps:.4f} {unit} at "
+              f"δ={row['delta']:g} on their own (included above)")
 
 
 def _production_lines(paths, datasets: set[str]) -> str:
@@ -1051,9 +1056,12 @@ def _predict_dp_icl(args, frame, texts) -> int:
     started = time.perf_counter()
 
     def progress(done: int, total: int, stage: str = "answers") -> None:
-        what = "held-out queries compared with zero-shot" if stage == "comparison" else "queries answered"
-        print(f"\rdp_icl: {done}/{total} {what} ({time.perf_counter() - started:.1f} s)", end="",
-              file=sys.stderr, flush=True)
+        if stage == "comparison":  # no time per row: a held-out row's time follows its private length
+            print(f"\rdp_icl: {done}/{total} held-out queries compared with zero-shot", end="", file=sys.stderr,
+                  flush=True)
+        else:
+            print(f"\rdp_icl: {done}/{total} queries answered ({time.perf_counter() - started:.1f} s)", end="",
+                  file=sys.stderr, flush=True)
         if stage == "comparison" and done == total:
             print(file=sys.stderr)
 
@@ -1061,6 +1069,7 @@ def _predict_dp_icl(args, frame, texts) -> int:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
+    compared_now = bool(served.compare_queries)
     try:
         answers, refusal = answer_all(served, texts, args.batch_size, progress)
     finally:
@@ -1073,13 +1082,19 @@ def _predict_dp_icl(args, frame, texts) -> int:
         from privacy.ledger.errors import BudgetExceededError
 
         if isinstance(refusal, KeyboardInterrupt):
-            _fail(f"dp_icl: interrupted: {len(answers)} of {len(texts)} queries answered and charged (written); the "
-                  "batch under way when it stopped stays charged, unanswered (privprompt ledger)")
+            under_way = ("the comparison with zero-shot under way" if served.compare_queries
+                         else "the batch under way")
+            _fail(f"dp_icl: interrupted: {len(answers)} of {len(texts)} queries answered and charged (written); "
+                  f"{under_way} when it stopped stays charged, unanswered (privprompt ledger)")
             return 130
         why = ("another spend on the dataset took the room left" if isinstance(refusal, BudgetExceededError)
                else "the next batch failed")
-        return _fail(f"dp_icl: {len(answers)} of {len(texts)} queries answered and charged (written), then {why}: "
-                     f"{_one_line(refusal)}")
+        compared = ("" if served.comparison is None or not compared_now else
+                    "; the comparison with zero-shot before them was charged and kept")
+        if served.compare_queries:  # it did not finish: charged all the same (its reservation stays spent)
+            why = "the comparison with zero-shot before them failed (charged: its reservation stays spent)"
+        return _fail(f"dp_icl: {len(answers)} of {len(texts)} queries answered and charged (written){compared}, then "
+                     f"{why}: {_one_line(refusal)}")
     spent = served.server.ledger.spent(served.server.fingerprint)
     fell_back = served.comparison is not None and served.comparison["difference"] < 0 and served.fallback
     how = ("zero-shot (no demonstration), nothing charged for them" if fell_back
@@ -1087,7 +1102,8 @@ def _predict_dp_icl(args, frame, texts) -> int:
     print(f"dp_icl: {len(texts)} queries answered {how}; dataset {served.dataset!r} has now spent "
           f"ε={spent.epsilon:.4f} per record at δ={served.delta:g} of its cap ε={served.cap:.4f} (privprompt ledger)",
           file=sys.stderr)
-    print(NOT_COMPARED if served.comparison is None else comparison_line(served.comparison), file=sys.stderr)
+    print(NOT_COMPARED if served.comparison is None else comparison_line(served.comparison, served.fallback),
+          file=sys.stderr)
     if args.label_field in frame.columns and len(frame):
         acc = float((frame[args.label_field].astype(str).to_numpy() == result["prediction"].to_numpy()).mean())
         print(f"accuracy on the {len(frame)} rows' {args.label_field} column: {acc:.4f}", file=sys.stderr)

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -221,13 +221,14 @@ def compared_difference(votes: list[str], zero_shot: list[str], labels: list[str
     return int(sum((v == y) - (z == y) for v, z, y in zip(votes, zero_shot, labels)))
 
 
-def comparison_line(result: dict) -> str:
-    """What a user reads of a comparison (public numbers only: D̃, σ, H)."""
+def comparison_line(result: dict, fallback: bool) -> str:
+    """What a user reads of a comparison (public numbers only: D̃, σ, H) and of what today's
+    ``fallback.enabled`` made of it."""
     d, sigma, h = result["difference"], result["sigma"], result["queries"]
     head = (f"dp_icl: its released comparison with zero-shot (no demonstration) on {h} held-out private queries: "
             f"D̃={d:+.1f} right answers (σ={sigma:.1f}; gain {d / h:+.3f})")
     if d < 0:
-        if result.get("fallback", True):
+        if fallback:
             return (head + ": WORSE than zero-shot — these queries were answered zero-shot (no demonstration, "
                     "nothing charged for them; fallback.enabled: false answers by the vote anyway)")
         return head + ": WARNING worse than zero-shot, answered by the vote anyway (fallback.enabled: false)"
@@ -237,10 +238,12 @@ def comparison_line(result: dict) -> str:
             "dp_icl.compare_queries or fallback.epsilon_share narrows it")
 
 
-def settings_digest(settings: "DPICLSettings", fingerprint: str, model: str, labels: list[str], noise: float,
+def settings_digest(settings: "DPICLSettings", fingerprint: str, model: dict, labels: list[str], noise: float,
                     queries: int) -> str:
-    """What a stored comparison holds for: the dataset, the model, the labels and every setting of the
-    vote and the comparison (a changed σ or template is compared anew)."""
+    """What a stored comparison holds for: ``fingerprint`` (the ledger dataset's and the partition's
+    keyed training fingerprint: another split or source is compared anew — review 11, F2), the model
+    and its placement, the labels and every setting of the vote and the comparison (a changed σ or
+    template is compared anew)."""
     import hashlib
     import json
     from dataclasses import asdict
@@ -248,6 +251,21 @@ def settings_digest(settings: "DPICLSettings", fingerprint: str, model: str, lab
     blob = json.dumps({"settings": asdict(settings), "dataset": fingerprint, "model": model, "labels": labels,
                        "noise": noise, "queries": queries}, sort_keys=True, default=repr)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def kept_comparison(root, digest: str, ledger, fingerprint: str) -> dict | None:
+    """The stored comparison of ``digest``, when its ledger entry is committed under this dataset in THIS
+    ledger (a comparison whose charge the ledger does not hold — a replaced ledger — is run anew)."""
+    result = stored_comparison(root, digest)
+    if result is None or not result.get("run_id"):
+        return None
+    try:
+        entry = ledger.entry(result["run_id"])
+    except Exception:  # noqa: BLE001 - an unknown entry: not this ledger's
+        return None
+    if not entry or entry.get("status") != "committed" or entry.get("fingerprint") != fingerprint:
+        return None
+    return result
 
 
 COMPARISONS_FILE = "dp_icl_comparisons.json"
@@ -536,10 +554,12 @@ class DPICLServer:
         √2 charged as an answered query, and D is post-processing of the answers given the holdout; in
         the holdout, the H rows of lowest hash change by at most one swap — D moves by ≤ 2 (a padding
         row counts 0) — and the count is charged as a Gaussian of sensitivity 2. Zero-shot answers are
-        functions of their own row."""
+        functions of their own row. The rows run in a secret order; their wall time follows their
+        lengths (as every query's does), which only the operator sees."""
         check_count(queries, "compare_queries", minimum=1)
         chosen = lowest_keyed(texts, labels, key, queries)
         rows = [(texts[i], labels[i]) for i in chosen] + [("", None)] * (queries - len(chosen))
+        rows = [rows[i] for i in self.noise.permutation(len(rows))]  # padding at secret places (review 11, F3)
         run_id = f"{self.serve_id}:compare-{uuid.uuid4().hex}"
         with self._size_lock:
             event = self.comparison_events(queries, noise)
@@ -559,7 +579,7 @@ class DPICLServer:
             if progress is not None:
                 progress(j + 1, queries)
         released = compared_difference(votes, zero, truth) + noise * float(self.noise.standard_normal())
-        result = {"difference": float(released), "sigma": float(noise), "queries": int(queries)}
+        result = {"difference": float(released), "sigma": float(noise), "queries": int(queries), "run_id": run_id}
         with _interrupts_held():
             self.ledger.commit(run_id, event)
             if keep is not None:
@@ -592,7 +612,7 @@ class Served:
     compare_digest: str | None = None
     state_root: object = None
     fallback: bool = True
-    holdout: object = None          # the holdout's (texts, labels) while a comparison is due (private)
+    holdout: object = field(default=None, repr=False)  # the holdout's (texts, labels) while a comparison is due (private)
 
 
 def sample_rate_of(block, n_released: int) -> float | None:
@@ -693,12 +713,12 @@ def open_server(cfg, paths) -> Served:
     noise = comparison_noise(cfg, delta)
     if noise is not None:
         served.compare_noise = noise
-        served.compare_digest = settings_digest(settings, row["fingerprint"], str(cfg.models.local),
+        model = {"local": str(cfg.models.local),
+                 "placement": cfg.models.placement_for.get("local", cfg.models.placement).model_dump()}
+        served.compare_digest = settings_digest(settings, f"{row['fingerprint']}:{part.fingerprint}", model,
                                                 list(cfg.data.labels), noise, cfg.dp_icl.compare_queries)
-        served.comparison = stored_comparison(paths.root, served.compare_digest)
-        if served.comparison is not None:  # what is done with it follows today's fallback.enabled
-            served.comparison["fallback"] = cfg.fallback.enabled
-        else:  # due: the holdout (never demonstrations) is read for it
+        served.comparison = kept_comparison(paths.root, served.compare_digest, ledger, row["fingerprint"])
+        if served.comparison is None:  # due: the holdout (never demonstrations) is read for it
             served.compare_queries = cfg.dp_icl.compare_queries
             served.holdout = read_split(part.holdout_path)
     return served
@@ -736,6 +756,12 @@ def queries_left(served: Served, preview: dict) -> int:
     """How many more queries (one batch) fit under the cap, composed with the dataset's spend (the
     ledger's preview)."""
     ledger, key, server = served.server.ledger, served.server.fingerprint, served.server
+    if served.compare_queries:  # the comparison still due comes first (review 11, F5)
+        first = [server.comparison_events(served.compare_queries, served.compare_noise)]
+        s = server.settings
+        return largest_fitting(lambda b: ledger.preview(key, first + [batch_event(s.noise_multiplier, b, s.sample_rate)],
+                                                        served.delta, cap=served.cap)["total_epsilon"]
+                               <= preview["cap"] + 1e-12)
     return largest_fitting(lambda b: ledger.preview(key, server.events([b]), served.delta, cap=served.cap)
                            ["total_epsilon"] <= preview["cap"] + 1e-12)
 
@@ -778,7 +804,6 @@ def compare(served: Served, progress=None) -> dict:
     texts, labels = served.holdout
 
     def keep(result: dict) -> None:
-        result["fallback"] = served.fallback
         store_comparison(served.state_root, served.compare_digest, result)
         served.comparison, served.compare_queries, served.holdout = result, 0, None
 

@@ -75,7 +75,8 @@ def test_the_comparison_runs_once_charged_as_planned_and_is_kept(toy, tmp_path, 
     kept = tmp_path / "state" / COMPARISONS_FILE
     assert oct(os.stat(kept).st_mode & 0o777) == "0o600"
     (result,) = json.loads(kept.read_text()).values()
-    assert set(result) == {"difference", "sigma", "queries", "fallback"} and result["queries"] == 6
+    assert set(result) == {"difference", "sigma", "queries", "run_id"} and result["queries"] == 6
+    assert result["run_id"] == entries[0]["run_id"]
     assert result["sigma"] == pytest.approx(noise)
     private = [json.loads(line)["text"] for line in (toy / "train.jsonl").read_text().splitlines()]
     assert not any(t in err or t in kept.read_text() or t in out.read_text() for t in private)
@@ -141,6 +142,7 @@ def test_a_holdout_smaller_than_h_is_padded_and_the_charge_is_h(toy, tmp_path, m
 
     def count(votes, zero, labels):
         seen["real"] = sum(y is not None for y in labels)
+        seen["order"] = [y is not None for y in labels]
         seen["all"] = len(labels)
         return 1000  # a win: the query is then answered by the vote and charged
 
@@ -148,6 +150,7 @@ def test_a_holdout_smaller_than_h_is_padded_and_the_charge_is_h(toy, tmp_path, m
     config, queries, out = _compared_config(toy, tmp_path, compare_queries=40), _queries(tmp_path, 1), tmp_path / "o.jsonl"
     assert _predict(config, queries, out) == 0
     assert seen["all"] == 40 and 0 < seen["real"] < 40  # the toy holdout holds ≈ 14 rows: padded with public queries
+    assert seen["order"][-seen["real"]:] != [True] * seen["real"]  # the padding sits at secret places, not last
     ledger, entries = _entries(tmp_path)
     (dataset,) = ledger.datasets()
     planned = ComposedEvent((batch_event(3.0, 40), comparison_event(_noise(config)), batch_event(3.0, 1)))
@@ -187,3 +190,87 @@ def test_sigma_is_calibrated_for_the_queries_and_the_comparison_and_plan_prices_
     assert f"spend ε={total:.4f}" in line
     off = load_config(_compared_config(toy, tmp_path, compare_queries=0))
     assert "no comparison with zero-shot" in plan_line(off, 1e-5, sizes)
+
+
+def test_a_kept_comparison_is_done_as_todays_fallback_says(toy, tmp_path, capsys, monkeypatch):
+    """Review 11, F1: a comparison lost under fallback.enabled, then the setting turned off — the line says
+    what was done (answered by the vote, charged), not what the first call did."""
+    import yaml
+
+    import tasks.dp_icl as dp_icl
+
+    monkeypatch.setattr(dp_icl, "compared_difference", lambda *a: -1000)
+    config, queries, out = _compared_config(toy, tmp_path), _queries(tmp_path, 3), tmp_path / "out.jsonl"
+    assert _predict(config, queries, out) == 0
+    assert "answered zero-shot" in capsys.readouterr().err
+    cfg = yaml.safe_load(config.read_text())
+    cfg["fallback"] = {"enabled": False}
+    config.write_text(yaml.safe_dump(cfg))
+    assert _predict(config, queries, out) == 0
+    err = capsys.readouterr().err
+    assert "answered by the vote anyway" in err and "answered zero-shot" not in err and "1 charged batch(es)" in err
+    _, entries = _entries(tmp_path)
+    assert len(entries) == 2  # the first comparison, kept; then one charged batch
+
+
+def test_another_split_or_a_replaced_ledger_is_compared_anew(toy, tmp_path, monkeypatch):
+    """Review 11, F2: the kept comparison holds for its partition (another holdout_fraction: another
+    training split) and for the ledger that holds its charge."""
+    import yaml
+
+    import tasks.dp_icl as dp_icl
+
+    monkeypatch.setattr(dp_icl, "compared_difference", lambda *a: 1000)
+    config, queries, out = _compared_config(toy, tmp_path), _queries(tmp_path, 1), tmp_path / "out.jsonl"
+    assert _predict(config, queries, out) == 0
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"]["holdout_fraction"] = 0.5
+    config.write_text(yaml.safe_dump(cfg))
+    assert _predict(config, queries, out) == 0
+    _, entries = _entries(tmp_path)
+    assert sum("comparison" in e["description"] for e in entries) == 2
+    (tmp_path / "state" / "ledger.sqlite").unlink()  # a fresh ledger: the kept result's charge is not in it
+    assert _predict(config, queries, out) == 0
+    _, entries = _entries(tmp_path)
+    assert [("comparison" in e["description"]) for e in entries] == [True, False]
+
+
+def test_the_refusal_counts_the_comparison_due_and_the_ledger_lists_it_apart(toy, tmp_path, capsys, monkeypatch):
+    """Review 11, F5: 'N more fit' leaves room for the comparison still due; `privprompt ledger` counts
+    its held-out queries apart from the answered ones."""
+    import yaml
+
+    import tasks.dp_icl as dp_icl
+    from privprompt_cli import main
+    from tasks.config import load_config
+    from tasks.dp_icl import check_fits, open_server
+    from tasks.state import state_paths
+
+    config = _compared_config(toy, tmp_path)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["privacy"]["dataset_epsilon_cap"] = 12.0
+    config.write_text(yaml.safe_dump(cfg))
+    assert _predict(config, _queries(tmp_path, 200), tmp_path / "o.jsonl") != 0
+    line = capsys.readouterr().err.strip().splitlines()[0]
+    fit = int(line.split("; ")[-2].split(" more fit")[0])
+    served = open_server(load_config(config), state_paths(str(tmp_path / "state")))
+    check_fits(served, fit, fit)  # the comparison and that many fit …
+    with pytest.raises(Exception, match="over its cap"):
+        check_fits(served, fit + 1, fit + 1)  # … one more does not
+    monkeypatch.setattr(dp_icl, "compared_difference", lambda *a: 1000)
+    assert _predict(config, _queries(tmp_path, 2), tmp_path / "o.jsonl") == 0
+    capsys.readouterr()
+    assert main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0
+    out = capsys.readouterr().out
+    assert "2 queries charged to dp_icl in 1 batch and 1 comparison with zero-shot (6 held-out queries" in out
+
+
+def test_the_served_objects_repr_holds_no_holdout_text(toy, tmp_path):
+    """Review 11, F6: a traceback or a debugger printing the served object shows no private row."""
+    from tasks.config import load_config
+    from tasks.dp_icl import open_server
+    from tasks.state import state_paths
+
+    served = open_server(load_config(_compared_config(toy, tmp_path)), state_paths(str(tmp_path / "state")))
+    texts, _ = served.holdout
+    assert texts and not any(t in repr(served) for t in texts)
