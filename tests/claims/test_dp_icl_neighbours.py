@@ -99,7 +99,7 @@ def test_the_comparison_with_zero_shot_moves_by_at_most_two(engine, tmp_path, qu
         server._vote = lambda t: truth[t] if t in truth and right(t) else other(truth.get(t, cfg.data.labels[0]))
         server.zero_shot = lambda ts: [truth[t] if t in truth and not right(t) else other(truth.get(t, cfg.data.labels[0]))
                                        for t in ts]
-        server.noise = SimpleNamespace(standard_normal=lambda: 0.0)  # D̃ = D: the count before its noise
+        server.noise = SimpleNamespace(standard_normal=lambda: 0.0, permutation=lambda n: list(range(n)))  # D̃ = D
         return server.compare(texts, labels, queries, 1.0, KEY)["difference"], len(texts)
 
     here, n_holdout = released(_source(BASE_TRAIN, BASE_TEST))
