@@ -844,7 +844,8 @@ def plan_line(cfg, delta: float, sizes) -> str:
     most = max(0, most - h)
     sampled = "" if q is None else f", each on a Poisson sample at q={q:.3g} (with the training size's release),"
     compared = ("" if not h else f" with the comparison with zero-shot first ({h} held-out queries and its released "
-                "count, once per settings),")
+                f"count of noise σ={comparison_noise(cfg, delta):.1f} rows, once per settings: an accuracy gain below "
+                f"{CONCLUSIVE_Z * comparison_noise(cfg, delta) / h:.2f} is not shown),")
     fits = "fit" if eps <= cap else "do NOT fit"
     return (f"dp_icl (served, per query): {n} answered queries at σ={settings.noise_multiplier:.3g}{sampled}{compared} "
             f"spend ε={eps:.4f} per record at δ={delta:g} on their own and {fits} the dataset's cap ε={cap:g}, which "
