@@ -46,6 +46,9 @@ def main() -> None:
     ap.add_argument("--prompt", action="append", default=[], metavar="NAME=PATH", help="a published prompt artifact")
     ap.add_argument("--instruction", action="append", default=[], metavar="NAME=TEXT",
                     help="a published DP-OPT instruction, by its text")
+    ap.add_argument("--epsilon", action="append", default=[], metavar="NAME=EPS",
+                    help="the ε its run published, for a prompt given by --instruction")
+    ap.add_argument("--report-only", action="store_true", help="the table and figure again from MLflow")
     ap.add_argument("--serve-model", default=None, help="a local model folder to serve with transformers serve")
     ap.add_argument("--serve-gguf", action="store_true", help="serve SmolLM2's GGUF with llama.cpp's server")
     ap.add_argument("--llama-python", default=None, help="the interpreter holding llama-cpp-python[server]")
@@ -73,10 +76,13 @@ def main() -> None:
     prompts = {"zero_shot": (None, {})}
     for name, path in (p.split("=", 1) for p in a.prompt):
         prompts[name] = (load_prompt_file(path), json.loads(Path(path).read_text()).get("metadata", {}))
+    epsilons = dict(p.split("=", 1) for p in a.epsilon)
     for name, text in (p.split("=", 1) for p in a.instruction):
-        prompts[name] = (TextPrompt(text), {})
+        prompts[name] = (TextPrompt(text), {"privacy.epsilon": epsilons[name]} if name in epsilons else {})
     mlflow.set_tracking_uri(a.tracking_uri)
     mlflow.set_experiment(EXPERIMENT)
+    if a.report_only:
+        return write(Path(a.out), mlflow, len(texts), a.task)
     bb = load_backbone("smollm2", device="cpu")
     engine = CausalEngine(bb.model, bb.tokenizer, max_batch=16)
     label_ids = [engine.ids(" " + label)[0] for label in LABELS]
