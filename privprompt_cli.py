@@ -1053,17 +1053,6 @@ def _predict_dp_icl(args, frame, texts) -> int:
     cfg = load_config(args.dp_icl)
     paths = state_paths(args.state_dir or cfg.state_dir, cfg.ledger.url)
     served = open_server(cfg, paths)
-    started = time.perf_counter()
-
-    def progress(done: int, total: int, stage: str = "answers") -> None:
-        if stage == "comparison":  # no time per row: a held-out row's time follows its private length
-            print(f"\rdp_icl: {done}/{total} held-out queries compared with zero-shot", end="", file=sys.stderr,
-                  flush=True)
-        else:
-            print(f"\rdp_icl: {done}/{total} queries answered ({time.perf_counter() - started:.1f} s)", end="",
-                  file=sys.stderr, flush=True)
-        if stage == "comparison" and done == total:
-            print(file=sys.stderr)
 
     def interrupt(signum, frame):  # SIGTERM as Ctrl-C: the answers already charged are written, not lost
         raise KeyboardInterrupt
@@ -1071,7 +1060,7 @@ def _predict_dp_icl(args, frame, texts) -> int:
     previous = signal.signal(signal.SIGTERM, interrupt)
     compared_now = bool(served.compare_queries)
     try:
-        answers, refusal = answer_all(served, texts, args.batch_size, progress)
+        answers, refusal = answer_all(served, texts, args.batch_size, _dp_icl_progress(time.perf_counter()))
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(file=sys.stderr)
@@ -1079,25 +1068,9 @@ def _predict_dp_icl(args, frame, texts) -> int:
     result["prediction"] = answers
     _write_table(result, args.output)
     if refusal is not None:
-        from privacy.ledger.errors import BudgetExceededError
-
-        if isinstance(refusal, KeyboardInterrupt):
-            under_way = ("the comparison with zero-shot under way" if served.compare_queries
-                         else "the batch under way")
-            _fail(f"dp_icl: interrupted: {len(answers)} of {len(texts)} queries answered and charged (written); "
-                  f"{under_way} when it stopped stays charged, unanswered (privprompt ledger)")
-            return 130
-        why = ("another spend on the dataset took the room left" if isinstance(refusal, BudgetExceededError)
-               else "the next batch failed")
-        compared = ("" if served.comparison is None or not compared_now else
-                    "; the comparison with zero-shot before them was charged and kept")
-        if served.compare_queries:  # it did not finish: charged all the same (its reservation stays spent)
-            why = "the comparison with zero-shot before them failed (charged: its reservation stays spent)"
-        return _fail(f"dp_icl: {len(answers)} of {len(texts)} queries answered and charged (written){compared}, then "
-                     f"{why}: {_one_line(refusal)}")
+        return _dp_icl_stopped(served, refusal, len(answers), len(texts), compared_now)
     spent = served.server.ledger.spent(served.server.fingerprint)
-    fell_back = served.comparison is not None and served.comparison["difference"] < 0 and served.fallback
-    how = ("zero-shot (no demonstration), nothing charged for them" if fell_back
+    how = ("zero-shot (no demonstration), nothing charged for them" if _dp_icl_fell_back(served)
            else f"in {-(-len(texts) // args.batch_size)} charged batch(es)")
     print(f"dp_icl: {len(texts)} queries answered {how}; dataset {served.dataset!r} has now spent "
           f"ε={spent.epsilon:.4f} per record at δ={served.delta:g} of its cap ε={served.cap:.4f} (privprompt ledger)",
@@ -1108,6 +1081,48 @@ def _predict_dp_icl(args, frame, texts) -> int:
         acc = float((frame[args.label_field].astype(str).to_numpy() == result["prediction"].to_numpy()).mean())
         print(f"accuracy on the {len(frame)} rows' {args.label_field} column: {acc:.4f}", file=sys.stderr)
     return 0
+
+
+def _dp_icl_fell_back(served) -> bool:
+    return served.comparison is not None and served.comparison["difference"] < 0 and served.fallback
+
+
+def _dp_icl_progress(started: float):
+    """dp_icl's progress line: the answers with their seconds; the held-out comparison's rows without
+    (a held-out row's time follows its private length)."""
+
+    def progress(done: int, total: int, stage: str = "answers") -> None:
+        if stage == "comparison":
+            print(f"\rdp_icl: {done}/{total} held-out queries compared with zero-shot", end="", file=sys.stderr,
+                  flush=True)
+            if done == total:
+                print(file=sys.stderr)
+        else:
+            print(f"\rdp_icl: {done}/{total} queries answered ({time.perf_counter() - started:.1f} s)", end="",
+                  file=sys.stderr, flush=True)
+
+    return progress
+
+
+def _dp_icl_stopped(served, refusal, answered: int, total: int, compared_now: bool) -> int:
+    """The one line of a dp_icl predict that stopped: what was answered and charged, and why."""
+    from privacy.ledger.errors import BudgetExceededError
+
+    charged = "answered zero-shot (not charged)" if _dp_icl_fell_back(served) else "answered and charged"
+    if isinstance(refusal, KeyboardInterrupt):
+        under_way = ("the comparison with zero-shot under way" if served.compare_queries else "the batch under way")
+        tail = ("" if _dp_icl_fell_back(served) else
+                f"; {under_way} when it stopped stays charged, unanswered (privprompt ledger)")
+        _fail(f"dp_icl: interrupted: {answered} of {total} queries {charged} (written){tail}")
+        return 130
+    why = ("another spend on the dataset took the room left" if isinstance(refusal, BudgetExceededError)
+           else "the next batch failed")
+    compared = ("" if served.comparison is None or not compared_now else
+                "; the comparison with zero-shot before them was charged and kept")
+    if served.compare_queries:  # it did not finish: charged all the same (its reservation stays spent)
+        why = "the comparison with zero-shot before them failed (charged: its reservation stays spent)"
+    return _fail(f"dp_icl: {answered} of {total} queries {charged} (written){compared}, then {why}: "
+                 f"{_one_line(refusal)}")
 
 
 def _canary_runner(paths):
