@@ -613,8 +613,10 @@ def _print_inference_spend(ledger) -> None:
         unanswered = f" ({stopped} of them in batches not committed: stopped, or under way)" if stopped else ""
         unit = "per record" if row["unit"] == "record" else "per " + row["unit"]
         held = sum(answered_queries(event_from_dict(e["event"])) for e in compares)
+        open_ = sum(e["status"] == "reserved" for e in compares)
         compared = (f" and {len(compares)} comparison{'' if len(compares) == 1 else 's'} with zero-shot ({held} held-out "
-                    "queries and a released count each)" if compares else "")
+                    f"queries in all and a released count each{f'; {open_} not committed' if open_ else ''})"
+                    if compares else "")
         print(f"inference-time spend on {row['name']!r}: {queries} queries charged to dp_icl{unanswered} in "
               f"{len(answered)} batch{'' if len(answered) == 1 else 'es'}{compared}, ε={eps:.4f} {unit} at "
               f"δ={row['delta']:g} on their own (included above)")
@@ -1050,6 +1052,8 @@ def _predict_dp_icl(args, frame, texts) -> int:
     from tasks.dp_icl import answer_all, comparison_line, open_server
     from tasks.state import state_paths
 
+    if not texts:  # before anything is read or charged: the comparison with zero-shot would spend for nothing
+        return _fail(f"predict --dp-icl: {args.input} holds no rows: nothing to answer, nothing charged")
     cfg = load_config(args.dp_icl)
     paths = state_paths(args.state_dir or cfg.state_dir, cfg.ledger.url)
     served = open_server(cfg, paths)
@@ -1088,17 +1092,20 @@ def _dp_icl_fell_back(served) -> bool:
 
 
 def _dp_icl_progress(started: float):
-    """dp_icl's progress line: the answers with their seconds; the held-out comparison's rows without
-    (a held-out row's time follows its private length)."""
+    """dp_icl's progress line: the answers with their seconds, counted from the first answer; the
+    held-out comparison only at its start and end, with no time (its rows' times follow their private
+    lengths, and its total the number of real rows among the padding: review 11b, G4)."""
+    clock = {"start": started}
 
     def progress(done: int, total: int, stage: str = "answers") -> None:
         if stage == "comparison":
-            print(f"\rdp_icl: {done}/{total} held-out queries compared with zero-shot", end="", file=sys.stderr,
-                  flush=True)
+            if done == 1:
+                print(f"dp_icl: comparing with zero-shot on {total} held-out queries …", file=sys.stderr, flush=True)
             if done == total:
-                print(file=sys.stderr)
+                print(f"dp_icl: {total}/{total} held-out queries compared with zero-shot", file=sys.stderr, flush=True)
+                clock["start"] = time.perf_counter()
         else:
-            print(f"\rdp_icl: {done}/{total} queries answered ({time.perf_counter() - started:.1f} s)", end="",
+            print(f"\rdp_icl: {done}/{total} queries answered ({time.perf_counter() - clock['start']:.1f} s)", end="",
                   file=sys.stderr, flush=True)
 
     return progress
@@ -1109,18 +1116,24 @@ def _dp_icl_stopped(served, refusal, answered: int, total: int, compared_now: bo
     from privacy.ledger.errors import BudgetExceededError
 
     charged = "answered zero-shot (not charged)" if _dp_icl_fell_back(served) else "answered and charged"
+    comparing = bool(served.compare_queries)  # the comparison was due and did not finish
     if isinstance(refusal, KeyboardInterrupt):
-        under_way = ("the comparison with zero-shot under way" if served.compare_queries else "the batch under way")
-        tail = ("" if _dp_icl_fell_back(served) else
-                f"; {under_way} when it stopped stays charged, unanswered (privprompt ledger)")
+        if comparing and not served.server.comparison_charged:
+            tail = "; the comparison with zero-shot had not been charged yet: nothing charged"
+        elif comparing:
+            tail = "; the comparison with zero-shot under way stays charged (privprompt ledger)"
+        else:
+            tail = "" if _dp_icl_fell_back(served) else "; the batch under way stays charged, unanswered (privprompt ledger)"
         _fail(f"dp_icl: interrupted: {answered} of {total} queries {charged} (written){tail}")
         return 130
     why = ("another spend on the dataset took the room left" if isinstance(refusal, BudgetExceededError)
            else "the next batch failed")
     compared = ("" if served.comparison is None or not compared_now else
                 "; the comparison with zero-shot before them was charged and kept")
-    if served.compare_queries:  # it did not finish: charged all the same (its reservation stays spent)
-        why = "the comparison with zero-shot before them failed (charged: its reservation stays spent)"
+    if comparing:  # it did not finish: charged all the same once reserved (its reservation stays spent)
+        why = ("the comparison with zero-shot before them failed (charged: its reservation stays spent)"
+               if served.server.comparison_charged else
+               "the comparison with zero-shot before them was refused before its charge (nothing charged)")
     return _fail(f"dp_icl: {answered} of {total} queries {charged} (written){compared}, then {why}: "
                  f"{_one_line(refusal)}")
 

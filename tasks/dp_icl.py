@@ -253,6 +253,21 @@ def settings_digest(settings: "DPICLSettings", fingerprint: str, model: dict, la
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
+def model_identity(cfg) -> dict:
+    """The local model as loaded: its name, its own placement (``models.placement_of``, keyed by the
+    model's name — review 11b, G1), and for a local folder its files' sizes and times (changed weights
+    are compared anew)."""
+    from dataclasses import asdict
+    from pathlib import Path
+
+    name = str(cfg.models.local)
+    out = {"local": name, "placement": asdict(cfg.models.placement_of(name))}
+    folder = Path(name).expanduser()
+    if folder.is_dir():
+        out["files"] = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file())
+    return out
+
+
 def kept_comparison(root, digest: str, ledger, fingerprint: str) -> dict | None:
     """The stored comparison of ``digest``, when its ledger entry is committed under this dataset in THIS
     ledger (a comparison whose charge the ledger does not hold — a replaced ledger — is run anew)."""
@@ -278,7 +293,22 @@ def stored_comparison(root, digest: str) -> dict | None:
     path = Path(root) / COMPARISONS_FILE
     if not path.exists():
         return None
-    return json.loads(path.read_text()).get(digest)
+    return _read_comparisons(path).get(digest)
+
+
+def _read_comparisons(path) -> dict:
+    import json
+
+    from .errors import ConfigError
+
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return data
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"dp_icl: the kept comparisons {path} cannot be read ({e}): move it away and the comparison "
+                          "with zero-shot runs again (charged)") from None
 
 
 def store_comparison(root, digest: str, result: dict) -> None:
@@ -288,7 +318,7 @@ def store_comparison(root, digest: str, result: dict) -> None:
     from pathlib import Path
 
     path = Path(root) / COMPARISONS_FILE
-    data = json.loads(path.read_text()) if path.exists() else {}
+    data = _read_comparisons(path) if path.exists() else {}
     data[digest] = result
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -425,6 +455,7 @@ class DPICLServer:
         self._context = engine.max_positions
         self._rows = rows
         self._zero_prefix = None
+        self.comparison_charged = False
         if settings.sample_rate is not None:  # a fresh Poisson sample per query (its secret draws)
             check_rate(settings.sample_rate, "dp_icl sample_rate")
             self._sampler = randomness.numpy(3)
@@ -570,6 +601,7 @@ class DPICLServer:
             if not reservation.new:
                 raise RuntimeError(f"dp_icl: comparison {run_id} was already charged: not run again")
             self._size_event = None
+            self.comparison_charged = True  # from here on it stays spent, whatever stops it (review 11b, G2)
         self.ledger.mark_read(run_id)
         votes, zero, truth = [], [], []
         for j, (text, label) in enumerate(rows):
@@ -686,6 +718,7 @@ def open_server(cfg, paths) -> Served:
 
     from .data import partition_dataset
     from .lifecycle import ensure_dataset, source_dataset, _records_of
+    from .state import default_data_root
 
     # public checks first, before any private read or ledger write (review 10, F4): the unit, the model,
     # the labels' tokens and the demonstrations' token budget
@@ -693,7 +726,7 @@ def open_server(cfg, paths) -> Served:
     engine = causal_engine_for(cfg)
     label_token_ids(engine, list(cfg.data.labels))
     _demo_token_budget(engine, cfg.dp_icl, list(cfg.data.labels))
-    part = partition_dataset(cfg.data, cfg.seed, paths.private, cfg.data_root)
+    part = partition_dataset(cfg.data, cfg.seed, paths.private, default_data_root(cfg.data_root))
     ledger = paths.open_ledger()
     records = _records_of(part)
     match = source_dataset(ledger, records, part.dataset) if records is not None else None
@@ -713,8 +746,7 @@ def open_server(cfg, paths) -> Served:
     noise = comparison_noise(cfg, delta)
     if noise is not None:
         served.compare_noise = noise
-        model = {"local": str(cfg.models.local),
-                 "placement": cfg.models.placement_for.get("local", cfg.models.placement).model_dump()}
+        model = model_identity(cfg)
         served.compare_digest = settings_digest(settings, f"{row['fingerprint']}:{part.fingerprint}", model,
                                                 list(cfg.data.labels), noise, cfg.dp_icl.compare_queries)
         served.comparison = kept_comparison(paths.root, served.compare_digest, ledger, row["fingerprint"])

@@ -262,7 +262,7 @@ def test_the_refusal_counts_the_comparison_due_and_the_ledger_lists_it_apart(toy
     capsys.readouterr()
     assert main(["--state-dir", str(tmp_path / "state"), "ledger"]) == 0
     out = capsys.readouterr().out
-    assert "2 queries charged to dp_icl in 1 batch and 1 comparison with zero-shot (6 held-out queries" in out
+    assert "2 queries charged to dp_icl in 1 batch and 1 comparison with zero-shot (6 held-out queries in all" in out
 
 
 def test_the_served_objects_repr_holds_no_holdout_text(toy, tmp_path):
@@ -274,3 +274,78 @@ def test_the_served_objects_repr_holds_no_holdout_text(toy, tmp_path):
     served = open_server(load_config(_compared_config(toy, tmp_path)), state_paths(str(tmp_path / "state")))
     texts, _ = served.holdout
     assert texts and not any(t in repr(served) for t in texts)
+
+
+def test_the_models_own_placement_is_in_the_digest(toy, tmp_path):
+    """Review 11b, G1: `models.placement_for` is keyed by the model's name; another dtype there loads
+    another model, and is compared anew."""
+    import yaml
+
+    from tasks.config import load_config
+    from tasks.dp_icl import open_server
+    from tasks.state import state_paths
+
+    config = _compared_config(toy, tmp_path)
+    first = open_server(load_config(config), state_paths(str(tmp_path / "state"))).compare_digest
+    cfg = yaml.safe_load(config.read_text())
+    cfg["models"]["placement_for"] = {"tiny-gpt2": {"dtype": "bfloat16"}}
+    config.write_text(yaml.safe_dump(cfg))
+    assert open_server(load_config(config), state_paths(str(tmp_path / "state"))).compare_digest != first
+
+
+def test_a_comparison_refused_at_its_reservation_says_nothing_was_charged(toy, tmp_path, capsys, monkeypatch):
+    """Review 11b, G2: another spend taking the room between the check and the comparison's reservation:
+    the line says nothing was charged, as the ledger shows."""
+    import tasks.dp_icl as dp_icl
+    from privacy.ledger.errors import BudgetExceededError
+
+    def refused(self, *a, **k):
+        raise BudgetExceededError("privacy budget exhausted (test)", fingerprint="f", name="n", needed=1.0,
+                                  spent=0.0, total=1.0, cap=1.0, delta=1e-5)
+
+    monkeypatch.setattr(dp_icl.DPICLServer, "compare", refused)
+    config, out = _compared_config(toy, tmp_path), tmp_path / "out.jsonl"
+    assert _predict(config, _queries(tmp_path, 2), out) != 0
+    err = capsys.readouterr().err
+    assert "refused before its charge (nothing charged)" in err and "stays spent" not in err
+    _, entries = _entries(tmp_path)
+    assert entries == []
+
+
+def test_an_empty_input_is_refused_before_anything(toy, tmp_path, capsys):
+    """Review 11b, G3: no query, no comparison: nothing read, nothing charged."""
+    config, queries, out = _compared_config(toy, tmp_path), tmp_path / "empty.csv", tmp_path / "out.jsonl"
+    queries.write_text("review\n")
+    assert _predict(config, queries, out) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no rows" in err[0] and "nothing charged" in err[0]
+    assert not (tmp_path / "state" / "ledger.sqlite").exists() and not out.exists()
+
+
+def test_a_damaged_comparisons_file_is_one_line(toy, tmp_path, capsys):
+    """Review 11b, G6: a damaged kept-comparisons file is named in one line, nothing charged."""
+    config, out = _compared_config(toy, tmp_path), tmp_path / "out.jsonl"
+    (tmp_path / "state").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "state" / COMPARISONS_FILE).write_text("{trunc")
+    assert _predict(config, _queries(tmp_path, 2), out) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and COMPARISONS_FILE in err[0] and "cannot be read" in err[0]
+    _, entries = _entries(tmp_path)
+    assert entries == []
+
+
+def test_the_data_root_is_found_as_the_flows_find_it(toy, tmp_path, capsys, monkeypatch):
+    """`predict --dp-icl` on a config that names its dataset only (no data.path): the data root is
+    $PRIVPROMPT_DATA_ROOT or ../shared/data, as for `privprompt run` (it failed with 'no data root')."""
+    import yaml
+
+    import tasks.dp_icl as dp_icl
+
+    monkeypatch.setattr(dp_icl, "compared_difference", lambda *a: 1000)
+    monkeypatch.setenv("PRIVPROMPT_DATA_ROOT", str(toy.parent))
+    config = _compared_config(toy, tmp_path)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["data"].pop("path")
+    cfg["data"]["name"] = toy.name
+    config.write_text(yaml.safe_dump(cfg))
+    assert _predict(config, _queries(tmp_path, 2), tmp_path / "out.jsonl") == 0, capsys.readouterr().err
