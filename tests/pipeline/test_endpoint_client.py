@@ -33,23 +33,31 @@ class _OneString(BaseHTTPRequestHandler):
             data, code = b'{"detail": "prompt must be a string."}', 400
         else:
             data, code = json.dumps({"choices": [{"index": 0, "text": " " + body["prompt"].split()[-1]}]}).encode(), 200
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        _reply(self, code, data)
 
     def log_message(self, *args):
         pass
 
 
-@pytest.fixture()
-def one_string_server():
-    _OneString.seen = []
-    server = HTTPServer(("127.0.0.1", 0), _OneString)
+def _reply(handler, code: int, data: bytes) -> None:
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    handler.wfile.write(data)
+
+
+def _serving(handler):
+    server = HTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}/v1"
     server.shutdown()
+
+
+@pytest.fixture()
+def one_string_server():
+    _OneString.seen = []
+    yield from _serving(_OneString)
 
 
 def test_a_server_taking_one_prompt_string_answers_every_prompt_in_order(one_string_server):
@@ -126,11 +134,7 @@ class _LlamaLike(BaseHTTPRequestHandler):
             chosen = max(biased, key=biased.get)
             data = json.dumps({"choices": [{"index": 0, "text": chosen, "logprobs": {"top_logprobs": [top]}}]}).encode()
             code = 200
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        _reply(self, code, data)
 
     def log_message(self, *args):
         pass
@@ -139,10 +143,7 @@ class _LlamaLike(BaseHTTPRequestHandler):
 @pytest.fixture()
 def llama_like():
     _LlamaLike.seen = []
-    server = HTTPServer(("127.0.0.1", 0), _LlamaLike)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/v1"
-    server.shutdown()
+    yield from _serving(_LlamaLike)
 
 
 def test_labels_biased_by_their_token_ids_are_read_from_the_one_generated_token(llama_like):
