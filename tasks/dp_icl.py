@@ -574,8 +574,8 @@ class DPICLServer:
     def compare(self, texts: list[str], labels: list[str], queries: int, noise: float, key: bytes,
                 keep=None, progress=None) -> dict:
         """The comparison with zero-shot: the ``queries`` held-out rows of lowest keyed hash (``key``
-        secret; empty public queries fill the rest, answered and counted 0, so the work and the charge
-        never tell how many there were) answered by the vote and zero-shot, D = Σ (vote right −
+        secret; empty public queries fill the rest, answered and counted 0, so the charge and the number
+        of passes never tell how many there were) answered by the vote and zero-shot, D = Σ (vote right −
         zero-shot right) released with N(0, ``noise``²) from the secret stream. Charged as one ledger
         entry — reserved before any vote, committed after — ``keep(result)`` called with the commit,
         interrupts held (as :meth:`answer`). Returns the public numbers only.
@@ -846,7 +846,7 @@ def compare(served: Served, progress=None) -> dict:
 
 
 def zero_shot_all(served: Served, texts: list[str], batch_size: int, progress=None):
-    """The fallback: every query answered zero-shot (no demonstration, no private read, nothing charged)."""
+    """The fallback: every query answered zero-shot (no demonstration, no private row used, nothing charged)."""
     answers: list[str] = []
     for i in range(0, len(texts), batch_size):
         try:
