@@ -90,7 +90,7 @@ _NO_REDIRECTS = urllib.request.build_opener(_Refuse)
 
 
 class _ListRefused(Exception):
-    """The server answered a list of prompts with a client error: it takes one string per request."""
+    """The server answered a list of prompts with an HTTP error (400, 422 or 500): it takes one string per request."""
 
 
 def predict_labels(choices: list[dict], label_words: list[str], text_first: bool = False) -> list[int | None]:
