@@ -1054,9 +1054,17 @@ def _predict_dp_icl(args, frame, texts) -> int:
 
     if not texts:  # before anything is read or charged: the comparison with zero-shot would spend for nothing
         return _fail(f"predict --dp-icl: {args.input} holds no rows: nothing to answer, nothing charged")
+    missing = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if missing is not None:  # a missing value (NaN) would crash a charged batch (review 11c, C1)
+        return _fail(f"predict --dp-icl: row {missing + 1} of {args.input} has no text in {args.text_field!r}: "
+                     "nothing answered, nothing charged")
     cfg = load_config(args.dp_icl)
     paths = state_paths(args.state_dir or cfg.state_dir, cfg.ledger.url)
-    served = open_server(cfg, paths)
+    try:
+        served = open_server(cfg, paths)
+    except KeyboardInterrupt:
+        _fail("dp_icl: interrupted before any charge: nothing answered, nothing charged")
+        return 130
 
     def interrupt(signum, frame):  # SIGTERM as Ctrl-C: the answers already charged are written, not lost
         raise KeyboardInterrupt
@@ -1065,6 +1073,8 @@ def _predict_dp_icl(args, frame, texts) -> int:
     compared_now = bool(served.compare_queries)
     try:
         answers, refusal = answer_all(served, texts, args.batch_size, _dp_icl_progress(time.perf_counter()))
+    except KeyboardInterrupt as stop:  # in the check before any charge
+        answers, refusal = [], stop
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(file=sys.stderr)
@@ -1118,12 +1128,13 @@ def _dp_icl_stopped(served, refusal, answered: int, total: int, compared_now: bo
     charged = "answered zero-shot (not charged)" if _dp_icl_fell_back(served) else "answered and charged"
     comparing = bool(served.compare_queries)  # the comparison was due and did not finish
     if isinstance(refusal, KeyboardInterrupt):
-        if comparing and not served.server.comparison_charged:
-            tail = "; the comparison with zero-shot had not been charged yet: nothing charged"
-        elif comparing:
-            tail = "; the comparison with zero-shot under way stays charged (privprompt ledger)"
+        open_ = served.server.open_charge  # a reservation not committed: spent, unanswered (review 11c, C2/C3)
+        if comparing:
+            tail = ("; the comparison with zero-shot under way stays charged (privprompt ledger)" if open_ else
+                    "; the comparison with zero-shot had not been charged yet: nothing charged")
         else:
-            tail = "" if _dp_icl_fell_back(served) else "; the batch under way stays charged, unanswered (privprompt ledger)"
+            tail = ("; the comparison with zero-shot before them was charged and kept" if compared_now else "")
+            tail += ("; the batch under way stays charged, unanswered (privprompt ledger)" if open_ else "")
         _fail(f"dp_icl: interrupted: {answered} of {total} queries {charged} (written){tail}")
         return 130
     why = ("another spend on the dataset took the room left" if isinstance(refusal, BudgetExceededError)
@@ -1132,7 +1143,7 @@ def _dp_icl_stopped(served, refusal, answered: int, total: int, compared_now: bo
                 "; the comparison with zero-shot before them was charged and kept")
     if comparing:  # it did not finish: charged all the same once reserved (its reservation stays spent)
         why = ("the comparison with zero-shot before them failed (charged: its reservation stays spent)"
-               if served.server.comparison_charged else
+               if served.server.open_charge else
                "the comparison with zero-shot before them was refused before its charge (nothing charged)")
     return _fail(f"dp_icl: {answered} of {total} queries {charged} (written){compared}, then {why}: "
                  f"{_one_line(refusal)}")

@@ -261,10 +261,15 @@ def model_identity(cfg) -> dict:
     from pathlib import Path
 
     name = str(cfg.models.local)
-    out = {"local": name, "placement": asdict(cfg.models.placement_of(name))}
+    # the seed: a tiny test model is built from it (review 11c, C4)
+    out = {"local": name, "placement": asdict(cfg.models.placement_of(name)), "seed": cfg.seed}
     folder = Path(name).expanduser()
-    if folder.is_dir():
-        out["files"] = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir() if f.is_file())
+    try:
+        if folder.is_dir():
+            out["files"] = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
+                                  if f.is_file())
+    except OSError:  # an unreadable listing: the name and placement alone
+        pass
     return out
 
 
@@ -455,7 +460,7 @@ class DPICLServer:
         self._context = engine.max_positions
         self._rows = rows
         self._zero_prefix = None
-        self.comparison_charged = False
+        self.open_charge: str | None = None  # the entry reserved and not yet committed (spent, unanswered)
         if settings.sample_rate is not None:  # a fresh Poisson sample per query (its secret draws)
             check_rate(settings.sample_rate, "dp_icl sample_rate")
             self._sampler = randomness.numpy(3)
@@ -537,9 +542,12 @@ class DPICLServer:
         run_id = f"{self.serve_id}:batch-{uuid.uuid4().hex}"
         with self._size_lock:  # the sizes' release rides on the first batch reserved, once per server
             (event,) = self.events([len(texts)])
-            reservation = self.ledger.reserve(self.fingerprint, run_id, event,
-                                              description=f"dp_icl: {len(texts)} answered queries (inference-time spend)",
-                                              allow_delta_at_least_one_over_n=self._allow_delta)
+            with _interrupts_held():  # the reservation and its record together (review 11c, C2)
+                reservation = self.ledger.reserve(
+                    self.fingerprint, run_id, event, allow_delta_at_least_one_over_n=self._allow_delta,
+                    description=f"dp_icl: {len(texts)} answered queries (inference-time spend)")
+                if reservation.new:
+                    self.open_charge = run_id
             if not reservation.new:
                 raise RuntimeError(f"dp_icl: batch {run_id} was already charged: not answered again")
             self._size_event = None
@@ -547,6 +555,7 @@ class DPICLServer:
         answers = [self._vote(t) for t in texts]
         with _interrupts_held():
             self.ledger.commit(run_id, event)
+            self.open_charge = None
             if keep is not None:
                 keep(answers)
         return answers
@@ -594,14 +603,16 @@ class DPICLServer:
         run_id = f"{self.serve_id}:compare-{uuid.uuid4().hex}"
         with self._size_lock:
             event = self.comparison_events(queries, noise)
-            reservation = self.ledger.reserve(
-                self.fingerprint, run_id, event, allow_delta_at_least_one_over_n=self._allow_delta,
-                description=f"dp_icl: comparison with zero-shot, {queries} answered held-out queries and one released "
-                            "count (inference-time spend)")
+            with _interrupts_held():  # the reservation and its record together (review 11c, C2)
+                reservation = self.ledger.reserve(
+                    self.fingerprint, run_id, event, allow_delta_at_least_one_over_n=self._allow_delta,
+                    description=f"dp_icl: comparison with zero-shot, {queries} answered held-out queries and one "
+                                "released count (inference-time spend)")
+                if reservation.new:  # from here on it stays spent, whatever stops it (review 11b, G2)
+                    self.open_charge = run_id
             if not reservation.new:
                 raise RuntimeError(f"dp_icl: comparison {run_id} was already charged: not run again")
             self._size_event = None
-            self.comparison_charged = True  # from here on it stays spent, whatever stops it (review 11b, G2)
         self.ledger.mark_read(run_id)
         votes, zero, truth = [], [], []
         for j, (text, label) in enumerate(rows):
@@ -614,6 +625,7 @@ class DPICLServer:
         result = {"difference": float(released), "sigma": float(noise), "queries": int(queries), "run_id": run_id}
         with _interrupts_held():
             self.ledger.commit(run_id, event)
+            self.open_charge = None
             if keep is not None:
                 keep(result)
         return result

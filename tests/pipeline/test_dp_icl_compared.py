@@ -349,3 +349,39 @@ def test_the_data_root_is_found_as_the_flows_find_it(toy, tmp_path, capsys, monk
     cfg["data"]["name"] = toy.name
     config.write_text(yaml.safe_dump(cfg))
     assert _predict(config, _queries(tmp_path, 2), tmp_path / "out.jsonl") == 0, capsys.readouterr().err
+
+
+def test_a_row_without_text_is_refused_before_anything(toy, tmp_path, capsys):
+    """Review 11c, C1: a missing value (null in JSONL, an empty CSV cell) crashed a charged batch after
+    the comparison was charged; it is refused in one line before anything is read."""
+    config, out = _compared_config(toy, tmp_path), tmp_path / "out.jsonl"
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"review": "a fine film"}\n{"review": null}\n')
+    assert _predict(config, queries, out) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "row 2" in err[0] and "nothing charged" in err[0]
+    assert not (tmp_path / "state" / "ledger.sqlite").exists() and not out.exists()
+
+
+def test_an_interrupt_before_a_batchs_reservation_says_nothing_under_way_was_charged(toy, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """Review 11c, C3: after a kept comparison, Ctrl-C before the next batch's reservation: the line says
+    the comparison was charged and kept, and claims no batch under way."""
+    import tasks.dp_icl as dp_icl
+    from privacy.ledger import Ledger as LedgerClass
+
+    monkeypatch.setattr(dp_icl, "compared_difference", lambda *a: 1000)
+    real = LedgerClass.reserve
+
+    def reserve(self, fingerprint, run_id, event, **kw):
+        if ":batch-" in run_id:
+            raise KeyboardInterrupt
+        return real(self, fingerprint, run_id, event, **kw)
+
+    monkeypatch.setattr(LedgerClass, "reserve", reserve)
+    config = _compared_config(toy, tmp_path)
+    assert _predict(config, _queries(tmp_path, 2), tmp_path / "out.jsonl") == 130
+    err = capsys.readouterr().err
+    assert "comparison with zero-shot before them was charged and kept" in err and "batch under way" not in err
+    _, entries = _entries(tmp_path)
+    assert [e["status"] for e in entries] == ["committed"]
