@@ -542,23 +542,33 @@ class DPICLServer:
         run_id = f"{self.serve_id}:batch-{uuid.uuid4().hex}"
         with self._size_lock:  # the sizes' release rides on the first batch reserved, once per server
             (event,) = self.events([len(texts)])
-            with _interrupts_held():  # the reservation and its record together (review 11c, C2)
-                reservation = self.ledger.reserve(
-                    self.fingerprint, run_id, event, allow_delta_at_least_one_over_n=self._allow_delta,
-                    description=f"dp_icl: {len(texts)} answered queries (inference-time spend)")
-                if reservation.new:
-                    self.open_charge = run_id
-            if not reservation.new:
-                raise RuntimeError(f"dp_icl: batch {run_id} was already charged: not answered again")
-            self._size_event = None
-        self.ledger.mark_read(run_id)
+            self._reserve(run_id, event, f"dp_icl: {len(texts)} answered queries (inference-time spend)")
         answers = [self._vote(t) for t in texts]
+        self._commit(run_id, event, keep, answers)
+        return answers
+
+    def _reserve(self, run_id: str, event: DpEvent, description: str) -> None:
+        """Reserve ``event`` as ``run_id`` (refused at the cap: ``BudgetExceededError``), recorded as the
+        open charge under held interrupts (review 11c, C2), the sizes' release then counted as charged,
+        and the read marked. Called under ``_size_lock``."""
+        with _interrupts_held():  # the reservation and its record together
+            reservation = self.ledger.reserve(self.fingerprint, run_id, event, description=description,
+                                              allow_delta_at_least_one_over_n=self._allow_delta)
+            if reservation.new:  # from here on it stays spent, whatever stops it (review 11b, G2)
+                self.open_charge = run_id
+        if not reservation.new:
+            raise RuntimeError(f"dp_icl: {run_id} was already charged: not run again")
+        self._size_event = None
+        self.ledger.mark_read(run_id)
+
+    def _commit(self, run_id: str, event: DpEvent, keep, result) -> None:
+        """Commit ``run_id`` and hand ``result`` to ``keep`` with it, Ctrl-C and SIGTERM held until both
+        are done (review 10b, G4)."""
         with _interrupts_held():
             self.ledger.commit(run_id, event)
             self.open_charge = None
             if keep is not None:
-                keep(answers)
-        return answers
+                keep(result)
 
     def zero_shot(self, texts: list[str]) -> list[str]:
         """The label each query gets with no demonstration (the instruction, if any, and the query in
@@ -603,17 +613,8 @@ class DPICLServer:
         run_id = f"{self.serve_id}:compare-{uuid.uuid4().hex}"
         with self._size_lock:
             event = self.comparison_events(queries, noise)
-            with _interrupts_held():  # the reservation and its record together (review 11c, C2)
-                reservation = self.ledger.reserve(
-                    self.fingerprint, run_id, event, allow_delta_at_least_one_over_n=self._allow_delta,
-                    description=f"dp_icl: comparison with zero-shot, {queries} answered held-out queries and one "
-                                "released count (inference-time spend)")
-                if reservation.new:  # from here on it stays spent, whatever stops it (review 11b, G2)
-                    self.open_charge = run_id
-            if not reservation.new:
-                raise RuntimeError(f"dp_icl: comparison {run_id} was already charged: not run again")
-            self._size_event = None
-        self.ledger.mark_read(run_id)
+            self._reserve(run_id, event, f"dp_icl: comparison with zero-shot, {queries} answered held-out queries "
+                                         "and one released count (inference-time spend)")
         votes, zero, truth = [], [], []
         for j, (text, label) in enumerate(rows):
             votes.append(self._vote(text))
@@ -623,11 +624,7 @@ class DPICLServer:
                 progress(j + 1, queries)
         released = compared_difference(votes, zero, truth) + noise * float(self.noise.standard_normal())
         result = {"difference": float(released), "sigma": float(noise), "queries": int(queries), "run_id": run_id}
-        with _interrupts_held():
-            self.ledger.commit(run_id, event)
-            self.open_charge = None
-            if keep is not None:
-                keep(result)
+        self._commit(run_id, event, keep, result)
         return result
 
     def events(self, batch_sizes: list[int]) -> list[DpEvent]:
