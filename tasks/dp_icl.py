@@ -63,6 +63,8 @@ import numpy as np
 from privacy.events import DpEvent, GaussianEvent, PoissonSampledEvent, SelfComposedEvent, all_events
 from privacy.validation import check_count, check_rate
 
+from .no_prompt import CONCLUSIVE_Z  # the same 95 % band as every run's comparison with no prompt
+
 
 @dataclass(frozen=True)
 class DPICLSettings:
@@ -177,7 +179,6 @@ def noise_with_release(epsilon: float, delta: float, queries: int, sample_rate: 
 
 # ---- the comparison with zero-shot (never worse than no demonstration in silence) -------------
 
-CONCLUSIVE_Z = 1.96  # |D̃| above it·σ: the noise alone exceeds it with probability 5 % (as tasks/no_prompt.py)
 COMPARE_SENSITIVITY = 2.0  # a record moves D by ≤ 2: its own term, and the row it displaces from the H lowest hashes
 
 
