@@ -36,7 +36,7 @@ from typing import Any
 
 from privacy import accountant as acct
 from privacy import events as ev
-from privacy.ledger import BudgetExceededError, DeltaMismatchError, Ledger, UnknownRunError
+from privacy.ledger import BudgetExceededError, DeltaMismatchError, Ledger, ReadClaimedError, UnknownRunError
 from privacy.plan import RunPlan, thawed
 
 from . import plots, randomness, recording
@@ -604,16 +604,14 @@ def train(door: Door, progress=None) -> tuple[Trained, float]:
         return door.stored, 0.0
     if door.reservation is not None:
         _test_pause("reserved")
-        if door.ledger.entry(door.run_key).get("read_started_at") is not None:
-            # an earlier attempt of this run read private rows and was lost before it stored its
-            # output; it may have shown some of its mechanism's outputs on the way (progress of
-            # DP-OPT's queries), which the reservation covers. A second run of the mechanism would
-            # need a second charge: refused, the reservation stays spent
-            raise ReleaseError(
-                f"run {door.run_key}: an earlier attempt began reading private data and was lost before it "
-                "stored its DP output; its reservation stays spent and this attempt does not run the "
-                "mechanism again under it (a new `privprompt run` is a new charge)")
-        door.ledger.mark_read(door.run_key)  # from here on the reservation stays spent, whatever happens
+        # one attempt of a run reads, ever: the check and the mark are one transaction. An earlier
+        # or concurrent attempt that claimed the read may have shown some of its mechanism's outputs
+        # (progress of DP-OPT's queries), which the reservation covers; a second run of the
+        # mechanism would need a second charge: refused, the reservation stays spent
+        try:
+            door.ledger.claim_read(door.run_key)  # from here on the reservation stays spent, whatever happens
+        except ReadClaimedError as exc:
+            raise ReleaseError(str(exc)) from None
     door.read_begun = plan.reads_private
     rows = (read_private_rows(ctx.part, door.method.uses_validation) if plan.reads_private
             else PrivateRows([], []))

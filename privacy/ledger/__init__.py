@@ -10,7 +10,7 @@ and migrations, schemas 1-8), :mod:`.errors`, :mod:`.common` (shared helpers), a
 
 from .common import EXPORT_FORMAT
 from .errors import (BudgetExceededError, DeltaMismatchError, LedgerError, LedgerKeyError, LedgerUnavailableError,
-                     LedgerURLError, RecordOverlapError, UnitMismatchError, UnknownDatasetError, UnknownRunError,
+                     LedgerURLError, ReadClaimedError, RecordOverlapError, UnitMismatchError, UnknownDatasetError, UnknownRunError,
                      unit_mismatch_message)
 from .keys import key_id_of
 from .ledger import Ledger
@@ -30,6 +30,7 @@ __all__ = [
     "LedgerKeyError",
     "LedgerURLError",
     "LedgerUnavailableError",
+    "ReadClaimedError",
     "RecordOverlapError",
     "Reservation",
     "UnitMismatchError",

@@ -69,6 +69,11 @@ class RecordOverlapError(LedgerError):
     a run on it. Nothing was recorded."""
 
 
+class ReadClaimedError(ValueError):
+    """A run's first private read was already claimed (``Ledger.claim_read``) by another attempt of
+    the same run: this attempt must not read or run the mechanism again under the one reservation."""
+
+
 class DeltaMismatchError(ValueError):
     """A run's δ differs from the δ its dataset is composed at."""
 

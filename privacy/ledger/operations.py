@@ -17,7 +17,7 @@ from ..accountant import spend
 from ..validation import check_delta, check_epsilon
 from .base import LedgerBase
 from .common import _EPS_RTOL, _check_text, _compose, _event_json, _fmt, _now, _preview, _q, _short
-from .errors import BudgetExceededError
+from .errors import BudgetExceededError, ReadClaimedError
 
 
 @dataclass(frozen=True)
@@ -238,6 +238,16 @@ class OperationsMixin(LedgerBase):
         """Record that run ``run_id`` is about to read private records (call it BEFORE the first
         read). From then on its reservation can never be released: it stays spent. Marking again
         keeps the first time. Returns its ``entries()`` row."""
+        return self._mark_read(run_id, exclusive=False)
+
+    def claim_read(self, run_id: str) -> dict[str, Any]:
+        """:meth:`mark_read` for the one attempt of a run that may read: the check and the mark are
+        one write transaction (SQLite's ``BEGIN IMMEDIATE``, PostgreSQL's advisory lock), so of two
+        attempts of one run racing here exactly one gets the claim; the other (and any attempt after
+        a read was marked) gets :class:`ReadClaimedError` and must not read. Returns the entry."""
+        return self._mark_read(run_id, exclusive=True)
+
+    def _mark_read(self, run_id: str, exclusive: bool) -> dict[str, Any]:
         with self._write() as conn:
             row = self._entry_row(conn, run_id)
             if row["kind"] != "dp" or row["status"] not in ("reserved", "committed"):
@@ -246,6 +256,11 @@ class OperationsMixin(LedgerBase):
             if row["read_started_at"] is None:
                 _q(conn, "UPDATE entries SET read_started_at = ? WHERE run_id = ?", (_now(), run_id))
                 self._trail(conn, "mark_read", row["fingerprint"], run_id, epsilon_reserved=row["epsilon_reserved"])
+            elif exclusive:
+                raise ReadClaimedError(
+                    f"run {run_id}: an attempt of this run began reading private data at {row['read_started_at']} "
+                    "(lost, or still running); its reservation stays spent and this attempt does not run the "
+                    "mechanism again under it (a new `privprompt run` is a new charge)")
         return self._entry_dict_for(run_id)
 
     def release(self, run_id: str, reason: str) -> dict[str, Any]:

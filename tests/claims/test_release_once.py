@@ -211,7 +211,7 @@ def test_a_retry_after_a_lost_attempt_that_read_private_rows_is_refused_and_its_
     (reserved,) = _dp_entries(ctx)
     assert reserved["status"] == "reserved" and reserved["read_started_at"] is not None
     reads = spies["reads"]
-    with pytest.raises(ReleaseError, match="began reading private data and was lost"):
+    with pytest.raises(ReleaseError, match="began reading private data at .* [(]lost, or still running[)]"):
         run_method(ctx, "prompt_dpsgd", {})
     assert spies["reads"] == reads and len(spies["trained"]) == 1  # nothing read or trained again
     (entry,) = _dp_entries(ctx)
@@ -255,6 +255,54 @@ def test_two_attempts_alive_at_once_release_one_output(tmp_path, sst2_dir, monke
     assert not list(release_dir(ctx.private_run_dir).glob("*.tmp"))
     files, _ = _published_prompts(ctx)
     assert files == ["prompt_dpsgd.safetensors"]
+
+
+def test_two_attempts_that_reach_the_first_read_together_read_once(tmp_path, sst2_dir, monkeypatch, spies):
+    """Two attempts of one run pass the reservation together and both reach the first private read:
+    the read is claimed in one ledger transaction, so exactly one reads and trains; the other is
+    refused before it reads (a check, then a mark in a second transaction, let both read and train
+    under one reservation)."""
+    import threading
+    import time
+
+    from privacy.ledger import Ledger
+    from tasks import lifecycle
+    from tasks.lifecycle import ReleaseError, run_method
+
+    ctx = _context(tmp_path, sst2_dir)
+    together = threading.Barrier(2, timeout=120)
+    real_reserve, real_entry = lifecycle.reserve, Ledger.entry
+
+    def reserve(door):
+        real_reserve(door)
+        together.wait()  # both attempts reserved (one entry: reserve is idempotent per run)
+
+    def slow_entry(self, run_id):  # widens any window between a check of the entry and a later mark
+        row = real_entry(self, run_id)
+        time.sleep(0.3)
+        return row
+
+    monkeypatch.setattr(lifecycle, "reserve", reserve)
+    monkeypatch.setattr(Ledger, "entry", slow_entry)
+    results = []
+
+    def attempt():
+        try:
+            results.append(run_method(ctx, "prompt_dpsgd", {}))
+        except ReleaseError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=attempt) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert spies["reads"] == 1 and len(spies["trained"]) == 1
+    refused = [r for r in results if isinstance(r, ReleaseError)]
+    assert len(results) == 2 and len(refused) == 1 and "began reading private data" in str(refused[0])
+    (entry,) = _dp_entries(ctx)
+    assert entry["status"] == "committed"
+    assert [r["action"] for r in Ledger(ctx.paths.ledger).trail()].count("mark_read") == 1
 
 
 # ---- δ ----------------------------------------------------------------------------------------

@@ -567,3 +567,63 @@ def test_a_configured_ledger_url_names_the_key_of_its_state_folder(tmp_path, mon
     key = installation_secret(paths.private)
     assert key_id_of(key) == Ledger(url).team_key_id()
     assert paths.team_key_file(key_id_of(key)).read_bytes() == key and not paths.installation_key.exists()
+
+
+# ---- one attempt reads: the read claim is atomic ---------------------------------------------------
+
+def _claim_worker(url: str, run_id: str, barrier, results) -> None:
+    from privacy.ledger import Ledger as L
+    from privacy.ledger import ReadClaimedError as Claimed
+
+    led = L(url)
+    barrier.wait(timeout=120)
+    try:
+        led.claim_read(run_id)
+        results.put("claimed")
+    except Claimed:
+        results.put("refused")
+    except Exception as exc:  # reported to the parent
+        results.put(repr(exc))
+
+
+def run_read_claims(url: str, procs: int = 6) -> list[str]:
+    """``procs`` attempts of one run, released together, claim its first private read: exactly one
+    gets it, every other is refused, one mark_read in the trail."""
+    led = Ledger(url)
+    led.register_dataset(FP, "claims", 5.0, DELTA)
+    led.reserve(FP, "run-1", EXP, "one run, several attempts")
+    ctx = mp.get_context("fork")
+    barrier, results = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_claim_worker, args=(url, "run-1", barrier, results)) for _ in range(procs)]
+    for p in workers:
+        p.start()
+    outcomes = sorted(results.get(timeout=120) for _ in workers)
+    for p in workers:
+        p.join(timeout=60)
+    assert outcomes == ["claimed"] + ["refused"] * (procs - 1)
+    assert [r["action"] for r in led.trail()].count("mark_read") == 1
+    assert led.entry("run-1")["read_started_at"] is not None
+    with pytest.raises(ValueError, match="stays spent"):  # claimed: never released
+        led.release("run-1", "test")
+    return outcomes
+
+
+def test_one_attempt_of_a_run_claims_its_read_on_sqlite(tmp_path):
+    run_read_claims(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+
+
+def test_mark_read_stays_idempotent_while_claim_read_refuses_a_second_claim(tmp_path):
+    from privacy.ledger import ReadClaimedError
+
+    led = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+    led.register_dataset(FP, "claims", 5.0, DELTA)
+    led.reserve(FP, "r", EXP, "x")
+    first = led.claim_read("r")["read_started_at"]
+    assert led.mark_read("r")["read_started_at"] == first  # marking again keeps the first time
+    with pytest.raises(ReadClaimedError, match="began reading private data at"):
+        led.claim_read("r")
+
+
+@pytest.mark.servers
+def test_one_attempt_of_a_run_claims_its_read_on_postgres(postgres):
+    run_read_claims(postgres.database())
