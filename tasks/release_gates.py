@@ -90,6 +90,14 @@ class Candidate:
         return _number(self.tags.get("privacy.epsilon"))
 
     @property
+    def record_epsilon(self) -> float | None:
+        """The ε a single-record audit (canaries, LiRA) is held to: the per-record ε of a record-level
+        run charged per person (``privacy.epsilon_per_record``), else the version's ε."""
+        if self.epsilon is not None and self.dp_metrics.get("privacy.epsilon_per_record") is not None:
+            return _number(self.dp_metrics["privacy.epsilon_per_record"])
+        return self.epsilon
+
+    @property
     def delta(self) -> float | None:
         return _number(self.tags.get("privacy.delta"))
 
@@ -119,9 +127,7 @@ def canary_gate(c: Candidate, runner: CanaryRunner | None = None) -> GateResult:
     """``runner``: runs the canary audit of the DP run when none is logged (the CLI's, which can
     read the run's private partition); returns the bound, or None and a reason it cannot run, or
     raises :class:`CanaryAuditFailed` when the bound exceeds the run's ε."""
-    bound, eps, ran = c.dp_metrics.get("audit.epsilon_lower_bound"), c.epsilon, ""
-    if eps is not None and c.dp_metrics.get("privacy.epsilon_per_record") is not None:
-        eps = c.dp_metrics["privacy.epsilon_per_record"]  # canaries are single records: the record-level claim
+    bound, eps, ran = c.dp_metrics.get("audit.epsilon_lower_bound"), c.record_epsilon, ""
     if eps is None:
         return GateResult("canary", "skipped", f"no (ε, δ) claim to audit (guarantee {c.tags.get('privacy.guarantee')})")
     if bound is None and runner is not None:
@@ -145,21 +151,22 @@ def canary_gate(c: Candidate, runner: CanaryRunner | None = None) -> GateResult:
 def lira_gate(c: Candidate) -> GateResult:
     from privacy.tradeoff import dp_auc_bound
 
-    logged = [k for k in LIRA_METRICS if k in c.dp_metrics]
-    if c.epsilon is None or c.delta is None:
+    logged, eps = [k for k in LIRA_METRICS if k in c.dp_metrics], c.record_epsilon
+    if eps is None or c.delta is None:
         return GateResult("lira", "skipped", "no (ε, δ) claim to hold a LiRA AUC to")
     if not logged:
         return GateResult("lira", "skipped", "no LiRA audit logged on the DP run")
-    bound = dp_auc_bound(c.epsilon, c.delta)
+    bound = dp_auc_bound(eps, c.delta)  # the attack targets single records
     over = []
     for key in logged:
         low = c.dp_metrics.get(key + "_low", c.dp_metrics[key])  # the interval's lower end, when logged
         if low > bound:
             over.append(f"{key} {c.dp_metrics[key]:.3f} (interval low {low:.3f})")
     shown = ", ".join(f"{k} {c.dp_metrics[k]:.3f}" for k in logged)
+    per = " per record" if eps != c.epsilon else ""
     if over:
         return GateResult("lira", "fail", f"{', '.join(over)} above the AUC bound {bound:.3f} of (ε, δ)")
-    return GateResult("lira", "pass", f"{shown} ≤ the AUC bound {bound:.3f} of (ε {c.epsilon:.3f}, δ {c.delta:.3g})")
+    return GateResult("lira", "pass", f"{shown} ≤ the AUC bound {bound:.3f} of (ε {eps:.3f}{per}, δ {c.delta:.3g})")
 
 
 def holdout_pairs(metrics: dict) -> list[tuple[str, str]]:

@@ -273,6 +273,22 @@ def test_the_canary_gate_holds_a_per_person_run_to_its_record_level_claim():
     assert canary_gate(_candidate({"privacy.epsilon_per_record": 0.9, "audit.epsilon_lower_bound": 0.8})).status == "pass"
 
 
+def test_the_lira_gate_holds_a_per_person_run_to_its_record_level_claim():
+    """LiRA attacks single records: a record-level run charged per person (ε 18.6 per person, 1 per
+    record) is held to the per-record bound (AUC 0.731 at ε 1), not the per-person one (1.000)."""
+    from privacy.tradeoff import dp_auc_bound
+    from tasks.release_gates import lira_gate
+
+    per_person = _candidate({"privacy.epsilon_per_record": 1.0, "mia.lira.auc": 0.9, "mia.lira.auc_low": 0.85},
+                            **{"privacy.epsilon": "18.6", "privacy.delta": "1e-5"})
+    failed = lira_gate(per_person)
+    assert failed.status == "fail" and f"{dp_auc_bound(1.0, 1e-5):.3f}" in failed.reason
+    assert dp_auc_bound(18.6, 1e-5) > 0.99  # the per-person bound would have passed it
+    passed = lira_gate(_candidate({"privacy.epsilon_per_record": 1.0, "mia.lira.auc": 0.6},
+                                  **{"privacy.epsilon": "18.6", "privacy.delta": "1e-5"}))
+    assert passed.status == "pass" and "per record" in passed.reason
+
+
 def test_the_canary_gate_runs_a_missing_audit_through_its_runner():
     from tasks.release_gates import CanaryAuditFailed, canary_gate
 
