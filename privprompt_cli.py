@@ -474,8 +474,28 @@ def cmd_plan(args) -> int:
         return _fail(_one_line(err))
     print(format_plan(plan))
     _print_dp_icl_plan(cfg, plan, paths)
+    _print_public_overlap(cfg)
     print(f"ledger: {paths.ledger_location}" + ("" if paths.ledger_exists() else " (none yet: nothing spent)"))
     return 0 if plan["fits"] else 4
+
+
+def _print_public_overlap(cfg) -> None:
+    """A config with ``public:`` data: how many of its texts are also private records, on this
+    terminal only (runs never look: their outcome must not depend on it)."""
+    from tasks.data import DataError, public_overlap
+
+    if cfg.public is None:
+        return
+    try:
+        n, shared = public_overlap(cfg)
+    except DataError as err:  # the run refuses it in one line; the plan says why here
+        print(f"public data: {_one_line(err)}")
+        return
+    note = ("none is a private record" if not shared else
+            f"{shared} of them are also private records; ε holds for public data chosen without looking at the "
+            "private data, so if these came from the private side (a copy, an export), they are not public: "
+            "remove them")
+    print(f"public data: {n} texts, {note} (this line is for this terminal only: runs never compare them)")
 
 
 def _print_dp_icl_plan(cfg, plan: dict, paths) -> None:
@@ -1239,9 +1259,6 @@ def cmd_retarget(args) -> int:
                        ("retarget.public.no_prompt.accuracy", "  no prompt's:")):
         if key in out.metrics:
             print(f"{label:<28}{out.metrics[key]:.4f} ({key}: labelled public rows)")
-    if not out.overlap_checked:
-        print("note: the parent's method reads no public data, so no run checked that the public data holds no "
-              "private record (retarget does not read the private source)")
     print(f"{'wall time:':<28}{time.perf_counter() - started:.1f} s")
     return 0
 

@@ -21,13 +21,13 @@ from prefect import flow, get_run_logger
 from flows.parent_run import parent_run
 from tasks import pipeline, statement
 from tasks.config import ParsedConfig, PrivPromptConfig, load_config, parse_config
-from tasks.lifecycle import RunOutcome, check_budget, preflight, resolve_partition
+from tasks.lifecycle import RunOutcome, check_budget, preflight, refusals_to_operator, resolve_partition
 from tasks.methods import get_method
 from tasks.run_plan import plan_for
 from tasks.prefect_tasks import (endpoint_task, evaluate_task, loss_mia_task, partition_task, prepare_task,
                                  train_task)
 from tasks.stages import StageContext, model_alias
-from tasks.state import default_data_root
+from tasks.state import default_data_root, operator_note
 
 
 def partition(cfg, paths, data_root) -> dict:
@@ -97,13 +97,16 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
                     params={"privacy.dataset_epsilon_cap": cfg.privacy.dataset_epsilon_cap}) as run:
         part = partition(cfg, run.paths, default_data_root(cfg.data_root))
         # the ledger dataset its source is charged to (by its records; refused when they lie in several
-        # registered datasets), before anything is tagged, registered or reserved
-        part, charged = resolve_partition(run.paths.open_ledger(), part)
+        # registered datasets), before anything is tagged, registered or reserved. Which one it is depends
+        # on the records: said on the operator's terminal only, never into Prefect or MLflow
+        with refusals_to_operator(run.paths, charged_elsewhere=False):
+            part, charged = resolve_partition(run.paths.open_ledger(), part)
         if charged:
-            get_run_logger().info(charged)
+            operator_note(run.paths, charged)
         ctx = StageContext.for_run(cfg, run.paths, part, run.parent.run_id, run.flow_run_id)
         plan = pipeline.plan_run(ctx, run.parent)  # δ and every run's plan, once: validated before any work
-        check_budget(ctx, plan.plans, plan.delta)  # the ledger's answer before any baseline or evaluation
+        with refusals_to_operator(run.paths, charged_elsewhere=charged is not None):
+            check_budget(ctx, plan.plans, plan.delta)  # the ledger's answer before any baseline or evaluation
         # every method's public-data preparation, then every check that needs no private data, BEFORE
         # any method reserves budget or reads a private row: a config mistake spends nothing
         prepared_by = {name: prepare_task(ctx, name) for name in cfg.run_methods}

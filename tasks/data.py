@@ -841,20 +841,22 @@ def read_public_texts(name: str, path: str | None, split: str, text_field: str, 
                       private_source: tuple[DataConfig, str | None] | None = None) -> list[str]:
     """Texts of a *public* dataset (distillation, prompt transfer). Refuses anything under the
     private folder, so a public-data stage can never read a private partition, and — given
-    ``private_source`` (the private DataConfig and its data root) — public data that is, or
-    overlaps, the private source under any name (same file, same bytes, or shared texts)."""
+    ``private_source`` (the private DataConfig and its data root) — a file that the config itself
+    declares private (:func:`assert_not_the_private_source`: by path, never by content). Whether a
+    public text also occurs in the private source is not looked at here: any answer a run gave would
+    be a membership oracle (:func:`public_overlap` answers it on the operator's terminal)."""
     folder = Path(path).expanduser() if path else (Path(data_root) / name if data_root else None)
     if folder is None or not folder.is_dir():
         raise DataError(f"public data folder not found: {folder}")
     file = find_split_file(folder, split)
     assert_public(file, private_dir)
+    if private_source is not None:
+        assert_not_the_private_source(file, private_source[0], private_source[1])
     rows = sources.read_file(file)
     texts = [r.get(text_field) for r in rows]
     texts = [t for t in texts if isinstance(t, str) and t.strip()]
     if not texts:
         raise DataError(f"public dataset {file} has no '{text_field}' texts")
-    if private_source is not None:
-        assert_disjoint_from_private(file, texts, private_source[0], private_source[1], private_dir)
     if size is not None and size < len(texts):
         idx = np.random.default_rng(seed).choice(len(texts), size=size, replace=False)
         texts = [texts[i] for i in sorted(idx)]
@@ -863,7 +865,7 @@ def read_public_texts(name: str, path: str | None, split: str, text_field: str, 
 
 def public_texts(cfg, private_dir) -> list[str]:
     """The config's public texts (``public:``; POST's distillation and transfer, RAPT's vocabulary,
-    Privacy-Flat's public sharpness data); refused when they are, or overlap, the private source."""
+    Privacy-Flat's public sharpness data); refused when the config declares them private."""
     from .state import default_data_root
 
     p, root = cfg.public, default_data_root(cfg.data_root)
@@ -882,50 +884,53 @@ def cached_public_texts(cfg, paths) -> list[str]:
     return _PUBLIC[key]
 
 
-def _text_digest(key: bytes, text: str) -> bytes:
-    return hmac.new(key, " ".join(text.split()).encode("utf-8"), hashlib.sha256).digest()
+def _normalised(text: str) -> str:
+    return " ".join(text.split())
 
 
-def _file_digest(path: Path) -> bytes:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.digest()
+def _private_files(private: DataConfig, data_root: str | None) -> list[Path]:
+    """The private source's split files as the config names them (none for hub data)."""
+    if private.hub:
+        return []
+    folder = resolve_data_folder(private, data_root)
+    return [find_split_file(folder, s) for s in (private.train_split, private.test_split)
+            if any(folder.glob(f"{s}.*"))]
 
 
-def assert_disjoint_from_private(public_file: Path, public_texts: list[str], private: DataConfig,
-                                 data_root: str | None, private_dir: str | Path) -> None:
-    """Refuse public data that is the private source (same resolved file or the same bytes) or
-    shares any text with its train or test split (keyed hashes of whitespace-normalised texts).
-    The error names the files; it never quotes a text nor says how many texts are shared."""
-    from .state import installation_secret
-
-    if private.hub:  # hub data: compare the texts (below) of what the hub gives
-        files: list[Path] = []
-    else:
-        folder = resolve_data_folder(private, data_root)
-        files = [find_split_file(folder, s) for s in (private.train_split, private.test_split)
-                 if any(folder.glob(f"{s}.*"))]
+def assert_not_the_private_source(public_file: Path, private: DataConfig, data_root: str | None) -> None:
+    """Refuse public data that the config itself names as the private source: the same resolved file
+    as one of its splits, or a file in its data folder. A function of the config's paths alone, never
+    of what the files hold, so its answer is the same for neighbouring private datasets."""
     public_file = Path(public_file).resolve()
-    public_bytes = _file_digest(public_file)
-    for f in files:
-        if f.resolve() == public_file or _file_digest(f) == public_bytes:
-            raise DataError(f"public data {public_file} is the private dataset {private.name!r} ({f}): "
-                            "public-data stages may not read private records")
-    key = installation_secret(private_dir)
-    private_digests = set()
-    for split in (private.train_split, private.test_split):
+    if private.hub:
+        return
+    folder = resolve_data_folder(private, data_root).resolve()
+    if public_file.parent == folder or any(f.resolve() == public_file for f in _private_files(private, data_root)):
+        raise DataError(f"public data {public_file} is in the private dataset {private.name!r}'s folder "
+                        f"({folder}): public-data stages may not read private records")
+
+
+def public_overlap(cfg) -> tuple[int, int]:
+    """(public texts, of them also a train or test text of the private source, whitespace-normalised):
+    a fact about private data, for the operator's terminal only (``privprompt check-public``). Runs
+    never compute it: a DP guarantee holds for public data chosen without looking at the private
+    source, whatever the two share (docs/privacy-claims.md)."""
+    from .state import default_data_root
+
+    p, root = cfg.public, default_data_root(cfg.data_root)
+    folder = Path(p.path).expanduser() if p.path else (Path(root) / p.name if root else None)
+    if folder is None or not folder.is_dir():
+        raise DataError(f"public data folder not found: {folder}")
+    rows = sources.read_file(find_split_file(folder, p.split))
+    texts = [r.get(p.text_field) for r in rows]
+    public = [_normalised(t) for t in texts if isinstance(t, str) and t.strip()]
+    private: set[str] = set()
+    for split in (cfg.data.train_split, cfg.data.test_split):
         try:
-            texts, _ = read_split(private, data_root, split)
+            private.update(_normalised(t) for t in read_split(cfg.data, root, split)[0])
         except DataError:
             continue
-        private_digests.update(_text_digest(key, t) for t in texts)
-    # no count in the error: whoever writes the public file would learn how many of its texts are
-    # private records (a membership oracle, one guess per file)
-    if any(_text_digest(key, t) in private_digests for t in public_texts):
-        raise DataError(f"public data {public_file} overlaps the private dataset {private.name!r}: some of its "
-                        "texts are private records; public-data stages may not read them")
+    return len(public), sum(t in private for t in public)
 
 
 def assert_public(path: str | Path, private_dir: str | Path) -> None:

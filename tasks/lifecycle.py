@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,33 @@ def resolve_partition(ledger: Ledger | None, part: dict) -> tuple[dict, str | No
         return part, None
     match = source_dataset(ledger, records, part["dataset"])
     return {**part, "dataset_key": match["fingerprint"] if match else records.key}, charged_note(match, part["dataset"])
+
+
+class ChargedRefusal(PrivPromptError):
+    """A ledger refusal whose reason names the registered dataset a source is charged to, or says
+    that its records lie in several: said on the operator's terminal, while what Prefect and MLflow
+    record of it names neither."""
+
+
+@contextmanager
+def refusals_to_operator(paths, charged_elsewhere: bool):
+    """Ledger refusals raised inside pass with their full line to :func:`tasks.state.operator_note`
+    and come out as one :class:`ChargedRefusal` line that names no dataset, when the reason depends
+    on which dataset the source's records lie in (``charged_elsewhere``, or records in several
+    datasets: ``RecordOverlapError``)."""
+    from privacy.ledger import RecordOverlapError, UnitMismatchError
+
+    from .state import operator_note
+
+    try:
+        yield
+    except (RecordOverlapError, DeltaMismatchError, UnitMismatchError, BudgetExceededError, ConfigError) as exc:
+        if not (charged_elsewhere or isinstance(exc, RecordOverlapError)):
+            raise
+        operator_note(paths, str(exc))
+        raise ChargedRefusal("the ledger refused this run for the dataset its source is charged to (its δ, unit, "
+                             "cap or records): the reason is on the operator's terminal and in the state folder's "
+                             "private/operator.log; nothing reserved, no ε used") from None
 
 
 def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) -> dict:

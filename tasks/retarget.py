@@ -15,9 +15,8 @@ parent version's URI) and ``lineage.dp_run`` (the run whose DP release it is), t
 ``candidate`` and a model card. ``privprompt promote`` gates it like any other.
 
 What is read: the registered model (spec and prompt: public outputs), the DP run's ``config.yaml``
-artifact, the public data's file. Not read: the private source (its overlap with the public data
-was checked by the parent run's public-data stage, when its method has one — POST; for a method
-without one the CLI says that nothing checked it), the state folder's ``private/``, the ledger.
+artifact, the public data's file (refused, as a run refuses it, when the config names it private: by
+its path, never its content). Not read: the private source, the state folder's ``private/``, the ledger.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ class Retargeted:
     version: object  # the new ModelVersion
     kind: str        # soft | text
     metrics: dict
-    overlap_checked: bool
 
 
 def _parent(client, model_uri: str, tmp: Path):
@@ -72,7 +70,7 @@ def _public_rows(cfg, private_dir) -> tuple[list[str], list[str | None]]:
     """The parent config's public texts (``public:``, as its runs read them) and each row's label when
     it is one of the label set (None otherwise). The private source is not read (module docstring)."""
     from . import sources
-    from .data import DataError, assert_public, find_split_file
+    from .data import DataError, assert_not_the_private_source, assert_public, find_split_file
     from .state import default_data_root
 
     if cfg.public is None:
@@ -83,6 +81,7 @@ def _public_rows(cfg, private_dir) -> tuple[list[str], list[str | None]]:
         raise RetargetError(f"public data folder not found: {folder}")
     file = find_split_file(folder, p.split)
     assert_public(file, private_dir)
+    assert_not_the_private_source(file, cfg.data, root)
     rows = [r for r in sources.read_file(file) if isinstance(r.get(p.text_field), str) and r[p.text_field].strip()]
     if not rows:
         raise DataError(f"public dataset {file} has no '{p.text_field}' texts")
@@ -198,7 +197,6 @@ def retarget(client, paths, model_uri: str, target: str, steps: int | None = Non
     from models.prompts import load_prompt_artifact
 
     from .config import parse_config
-    from .methods import get_method
     from .model_card import write_card
 
     with tempfile.TemporaryDirectory(prefix="privprompt-retarget-") as tmp:
@@ -224,11 +222,7 @@ def retarget(client, paths, model_uri: str, target: str, steps: int | None = Non
             client.set_terminated(run_id, "FAILED")  # no version was registered, or none with a card
             raise
         client.set_terminated(run_id)
-    try:
-        checked = get_method(spec["method"]).uses_public_data(cfg)
-    except KeyError:
-        checked = False
-    return Retargeted(version, kind, metrics, checked)
+    return Retargeted(version, kind, metrics)
 
 
 def _metric(key: str, value: float):

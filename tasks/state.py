@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -237,6 +238,23 @@ def open_private(path: str | Path, mode: str = "a"):
     except BaseException:
         os.close(fd)
         raise
+
+OPERATOR_LOG = "operator.log"
+
+
+def operator_note(paths: "StatePaths", line: str) -> None:
+    """A line for the operator alone, about private data (which registered dataset a source is
+    charged to): written to this process's terminal (stderr, past Python's logging and any
+    ``print`` capture, so never into Prefect's or MLflow's stores) and appended to
+    ``private/operator.log`` (0600)."""
+    import datetime
+
+    sys.stderr.write(f"note (private, this terminal only): {line}\n")
+    sys.stderr.flush()
+    make_private_dir(paths.private)
+    with open_private(paths.private / OPERATOR_LOG, "a") as handle:
+        handle.write(f"{datetime.datetime.now(datetime.timezone.utc).isoformat()} {line}\n")
+
 
 _TEAM_KEYS: dict[tuple, bytes] = {}
 _KEY_OUT_OF_DB: set[str] = set()  # ledger URLs whose database this process found without a team key

@@ -1,5 +1,5 @@
-"""Attacks on the data layer (issue 14): keyed fingerprints, a public-data guard that the private
-source cannot pass under any name, and errors that never echo a record."""
+"""Attacks on the data layer: keyed fingerprints, a public-data guard that answers from declared
+paths alone (never a membership oracle), and errors that never echo a record."""
 
 import json
 import shutil
@@ -49,31 +49,42 @@ def test_two_installations_give_different_fingerprints(tmp_path):
     assert key.stat().st_mode & 0o077 == 0 and len(key.read_bytes()) == 32
 
 
-def test_public_guard_refuses_the_private_source_under_any_name(tmp_path):
+def test_public_guard_refuses_by_declared_path_never_by_content(tmp_path):
+    """The run's guard refuses public data the config itself names as private (the file, or its
+    folder): a function of paths. What a public file holds never changes a run's outcome: a public
+    file with one private record, or a copy of the private file elsewhere, is read like any other
+    (a refusal there answered "is this sentence in the private source?" with certainty)."""
+    from tasks.config import parse_config
+    from tasks.data import public_overlap
+
     private_dir = tmp_path / "state" / "private"
     data = _write(tmp_path / "sst2", _rows())
     cfg = DataConfig(name="sst2", path=str(data), labels=["neg", "pos"])
-    # the same file under another folder name
+    with pytest.raises(DataError, match="private dataset 'sst2'"):  # the file itself, named as public
+        read_public_texts("sst2", None, "train", "text", str(tmp_path), private_dir, private_source=(cfg, None))
+    (data / "validation.jsonl").write_text(json.dumps({"text": "in the private folder"}) + "\n")
+    with pytest.raises(DataError, match="in the private dataset 'sst2'.s folder"):
+        read_public_texts("sst2", None, "validation", "text", str(tmp_path), private_dir, private_source=(cfg, None))
     copy = tmp_path / "definitely_public"
     copy.mkdir()
     shutil.copy(data / "train.jsonl", copy / "validation.jsonl")
-    with pytest.raises(DataError, match="is the private dataset 'sst2'"):
-        read_public_texts("definitely_public", None, "validation", "text", str(tmp_path), private_dir,
-                          private_source=(cfg, None))
-    # the file itself, named as public
-    with pytest.raises(DataError, match="private dataset 'sst2'"):
-        read_public_texts("sst2", None, "train", "text", str(tmp_path), private_dir, private_source=(cfg, None))
-    # a public set sharing a single private record (reformatted whitespace) is refused, with no text and
-    # no count (a count would tell whoever writes the public file how many of its guesses are members)
-    mixed = _write(tmp_path / "mixed", [{"text": "an unrelated public tweet"}, {"text": "  review number 3 was   great"}])
-    with pytest.raises(DataError, match="some of its texts are private records") as err:
-        read_public_texts("mixed", str(mixed), "train", "text", None, private_dir, private_source=(cfg, None))
-    message = str(err.value).replace(str(tmp_path), "").replace("'sst2'", "")
-    assert "review number" not in message and not any(ch.isdigit() for ch in message), message
-    # disjoint public data passes
-    clean = _write(tmp_path / "clean", [{"text": "an unrelated public tweet"}, {"text": "another one"}])
-    assert read_public_texts("clean", str(clean), "train", "text", None, private_dir,
-                             private_source=(cfg, None)) == ["an unrelated public tweet", "another one"]
+    member, outsider = "  review number 3 was   great", "review number 3 was greet"
+    outcomes = []
+    for name, rows in (("member", [{"text": "an unrelated public tweet"}, {"text": member}]),
+                       ("outsider", [{"text": "an unrelated public tweet"}, {"text": outsider}])):
+        folder = _write(tmp_path / name, rows)
+        outcomes.append(read_public_texts(name, str(folder), "train", "text", None, private_dir,
+                                          private_source=(cfg, None)))
+    assert outcomes == [["an unrelated public tweet", member], ["an unrelated public tweet", outsider]]
+    assert len(read_public_texts("definitely_public", None, "validation", "text", str(tmp_path), private_dir,
+                                 private_source=(cfg, None))) == 40
+    # the operator's own check (privprompt check-public) counts what the run does not look at
+    raw = {"method": "prompt_dpsgd", "data": {"name": "sst2", "path": str(data), "labels": ["neg", "pos"]},
+           "models": {"local": "tiny-bert"}}
+    assert public_overlap(parse_config({**raw, "public": {"name": "member", "path": str(tmp_path / "member"),
+                                                          "split": "train"}})) == (2, 1)
+    assert public_overlap(parse_config({**raw, "public": {"name": "outsider", "path": str(tmp_path / "outsider"),
+                                                          "split": "train"}})) == (2, 0)
 
 
 @pytest.mark.skipif(not (SHARED / "sst2").is_dir(), reason="../shared/data is not available")

@@ -1,0 +1,131 @@
+"""Nothing outside the private side depends on whether a chosen text is in the private source.
+
+* Which registered dataset a source is charged to depends on its records: the line saying so goes
+  to the operator's terminal and ``private/operator.log``, never into Prefect's logs or MLflow.
+* Public data is never compared with the private source by a run: two POST runs whose public files
+  differ only in whether one line is a private training sentence end the same way, with the same
+  messages (``-m slow``); ``privprompt plan`` counts the shared texts on the operator's terminal.
+"""
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_flow import _config, _toy_dataset
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared" / "data"
+
+
+def _flow_logs(flow_run_id: str) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async def logs():
+        async with get_client() as client:
+            return await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+
+    return [log.message for log in asyncio.run(logs())]
+
+
+def test_the_dataset_a_source_is_charged_to_reaches_the_operator_only(prefect_harness, sst2_dir, tmp_path, capfd):
+    """A source holding a registered dataset's records plus one more is charged to it; the run's
+    Prefect logs and its MLflow run say nothing of it; the operator's terminal and log do."""
+    from flows.method_flow import method_flow
+    from tasks.config import parse_config
+    from tasks.data import partition_dataset
+    from tasks.lifecycle import ensure_dataset
+    from tasks.record import client
+    from tasks.state import OPERATOR_LOG, state_paths
+
+    rows = [json.loads(line) for line in (sst2_dir / "train.jsonl").open().readlines()[:121]]
+    registered = _toy_dataset(tmp_path / "registered", sst2_dir, n_train=120, n_test=20)
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    (grown / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (grown / "test.jsonl").write_text((registered / "test.jsonl").read_text())
+    state = tmp_path / "state"
+    first = parse_config(_config(registered, state))
+    paths = state_paths(str(state)).create()
+    part = partition_dataset(first.data, first.seed, paths.private, None)
+    ensure_dataset(paths.open_ledger(), part, first.privacy.dataset_epsilon_cap, 1e-4)  # 'toy-sst2' registered
+    cfg = _config(grown, state, method="zero_shot", **{"data.name": "probe", "privacy.target_delta": 1e-5})
+    cfg["mia"]["enabled"] = False
+    capfd.readouterr()
+    refused = method_flow(cfg, return_state=True)  # δ 1e-5 against the registered dataset's 1e-4
+    terminal = capfd.readouterr().err
+    assert refused.is_failed() and "differs from δ=0.0001 at which dataset 'toy-sst2'" in terminal
+    assert "toy-sst2" not in str(refused.message) and "operator's terminal" in str(refused.message)
+    logs = _flow_logs(str(refused.state_details.flow_run_id))
+    assert logs and not [line for line in logs if "toy-sst2" in line or "shares records" in line]
+    summary = method_flow({**cfg, "privacy": {**cfg["privacy"], "target_delta": 1e-4}})
+    terminal = capfd.readouterr().err
+    assert "'probe' shares records with registered dataset 'toy-sst2'" in terminal
+    assert "shares records" in (paths.private / OPERATOR_LOG).read_text()
+    assert oct((paths.private / OPERATOR_LOG).stat().st_mode & 0o777) == "0o600"
+    logs = _flow_logs(summary["flow_run_id"])
+    assert logs and not [line for line in logs if "shares records" in line or "toy-sst2" in line]
+    run = client(paths).get_run(summary["mlflow_run_id"])
+    published = json.dumps([run.data.tags, run.data.params, run.data.metrics])
+    assert "toy-sst2" not in published and "shares records" not in published
+
+
+# ---- public data against the private source ------------------------------------------------------
+
+def _cli(args, state: Path, cwd: Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"PRIVPROMPT_HOME": str(state), "PYTHONPATH": str(REPO)})
+    return subprocess.run([sys.executable, "-m", "privprompt_cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def _shape(text: str) -> list[str]:
+    """A run's output with what differs between any two runs taken out (ids, numbers, times, paths)."""
+    text = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f-]{27}|\b[0-9a-f]{12,}\b", "<id>", text)
+    text = re.sub(r"'[a-z]+-[a-z]+'", "<name>", text)  # Prefect's random flow run names
+    text = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "<n>", text)
+    text = re.sub(r"/tmp/\S+", "<path>", text)
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.mark.slow  # two POST runs on tiny-bert through the CLI (≈ 1-2 min each on two cores)
+def test_two_post_runs_whose_public_files_differ_in_one_private_sentence_end_the_same_way(sst2_dir, tmp_path):
+    if not (SHARED / "tweet_sentiment" / "validation.jsonl").is_file():
+        pytest.skip("../shared/data/tweet_sentiment is not available")
+    data = _toy_dataset(tmp_path / "data", sst2_dir, n_train=160, n_test=40)
+    member = json.loads((data / "train.jsonl").open().readline())["text"]
+    outsider = member.replace("e", "a", 1) if "e" in member else member + " x"
+    tweets = [json.loads(line) for line in (SHARED / "tweet_sentiment" / "validation.jsonl").open().readlines()[:199]]
+    results = []
+    for name, line in (("member", member), ("outsider", outsider)):
+        public = tmp_path / f"public-{name}"
+        public.mkdir()
+        (public / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in tweets + [{"text": line}]))
+        cfg = _config(data, tmp_path / "unused", method="post", **{"data.name": f"toy-{name}"})
+        del cfg["state_dir"]
+        cfg["methods"] = {"zero_shot": {"enabled": False},
+                          "post": {"tuning": {"n_tokens": 3, "epochs": 1, "batch_size": 32},
+                                   "distill": {"student_layers": 1, "steps": 5, "batch_size": 16},
+                                   "transfer": {"steps": 5, "batch_size": 16}}}
+        cfg["models"].update({"local": "tiny-bert", "target": "tiny-bert"})
+        cfg["public"] = {"name": f"public-{name}", "path": str(public), "split": "validation"}
+        cfg["mia"]["enabled"] = False
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        state = tmp_path / f"state-{name}"
+        results.append(_cli(["run", str(tmp_path / f"{name}.yaml")], state, tmp_path))
+        plan = _cli(["plan", str(tmp_path / f"{name}.yaml")], state, tmp_path)
+        results.append(plan)
+    run_m, plan_m, run_o, plan_o = results
+    assert run_m.returncode == run_o.returncode == 0, (run_m.stderr[-2000:], run_o.stderr[-2000:])
+    assert _shape(run_m.stdout) == _shape(run_o.stdout)
+    assert _shape(run_m.stderr) == _shape(run_o.stderr)
+    # the operator's plan, on this terminal only, says what the runs never looked at
+    assert "1 of them are also private records" in plan_m.stdout
+    assert "none is a private record" in plan_o.stdout
