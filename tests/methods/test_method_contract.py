@@ -59,12 +59,13 @@ def contexts(tmp_path_factory):
     from tasks.config import parse_config
     from tasks.record import RunRecord, client, ensure_experiment
     from tasks.stages import StageContext
-    from tasks.state import state_paths
+    from tasks.state import installation_secret, state_paths
 
     if not (SHARED / "sst2").is_dir():
         pytest.skip("../shared/data is not available")
     state = tmp_path_factory.mktemp("contract")
     paths = state_paths(str(state)).create()
+    installation_secret(paths.private)  # minted as a run's partition mints it, before any dataset is registered
     mlflow = client(paths)
     exp = ensure_experiment(mlflow, "contract", paths)
     out = {}
