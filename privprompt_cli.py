@@ -72,7 +72,7 @@ def _ledger_snapshot(paths) -> dict[str, str]:
 
 def _budget_used(paths, before: dict[str, str]) -> str:
     """What the ledger's DP entries made or changed since ``before`` say this command used."""
-    from tasks.lifecycle import budget_statement
+    from tasks.charge import budget_statement
 
     try:
         if not paths.ledger_exists():
@@ -383,7 +383,7 @@ def _run_with_server(cfg, paths, server) -> int:
 
     errors = _user_errors()
     if not (cfg.sweep or cfg.seeds or cfg.grid):  # a sweep checks every variant in its plan
-        from tasks.lifecycle import preflight
+        from tasks.preflight import preflight
 
         try:  # what `privprompt plan` checks, before the flow starts (models stay cached in-process)
             preflight(cfg)

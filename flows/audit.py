@@ -176,7 +176,7 @@ def _private_partition(paths, run_id: str, tags: dict) -> dict:
     source is charged to (perhaps another registered dataset holding its records: the run's tag
     names the source only), found in the local ledger by its records."""
     from tasks.audit import AuditError
-    from tasks.lifecycle import resolve_partition
+    from tasks.charge import resolve_partition
 
     wanted = tags.get("data.partition", tags["dataset.fingerprint"])
     partition = None

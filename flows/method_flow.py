@@ -21,8 +21,10 @@ from prefect import flow, get_run_logger
 from flows.parent_run import parent_run
 from tasks import pipeline, statement
 from tasks.config import ParsedConfig, PrivPromptConfig, load_config, parse_config
-from tasks.lifecycle import RunOutcome, check_budget, preflight, refusals_to_operator, resolve_partition
+from tasks.charge import check_budget, refusals_to_operator, resolve_partition
 from tasks.methods import get_method
+from tasks.outcome import RunOutcome
+from tasks.preflight import preflight
 from tasks.run_plan import plan_for
 from tasks.prefect_tasks import (endpoint_task, evaluate_task, loss_mia_task, partition_task, prepare_task,
                                  train_task)

@@ -727,7 +727,7 @@ def open_server(cfg, paths) -> Served:
     from tasks.randomness import DpRandomness
 
     from .data import partition_dataset
-    from .lifecycle import ensure_dataset, source_dataset, _records_of
+    from .charge import ensure_dataset, source_dataset, _records_of
     from .state import default_data_root
 
     # public checks first, before any private read or ledger write (review 10, F4): the unit, the model,

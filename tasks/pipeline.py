@@ -20,7 +20,7 @@ from .stages import model_alias
 
 if TYPE_CHECKING:
     from .config import PrivPromptConfig
-    from .lifecycle import RunOutcome
+    from .outcome import RunOutcome
     from privacy.plan import RunPlan
 
     from .methods.base import Method, Variant

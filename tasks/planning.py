@@ -14,7 +14,8 @@ from privacy.ledger import Ledger
 
 from .data import partition_key
 from .errors import ConfigError
-from .lifecycle import charged_note, check_dataset_terms, preflight, source_dataset
+from .charge import charged_note, check_dataset_terms, source_dataset
+from .preflight import preflight
 from .run_plan import (fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, planned_events,
                        resolve_delta)
 from .state import default_data_root

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from . import plots
 
 if TYPE_CHECKING:
-    from .lifecycle import RunOutcome
+    from .outcome import RunOutcome
 
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from privacy.events import DpEvent
-    from tasks.lifecycle import RunOutcome
+    from tasks.outcome import RunOutcome
 
     from ..config import PrivPromptConfig
     from ..randomness import DpRandomness

@@ -2,9 +2,9 @@
 lifecycle (after the reservation, during training, after the commit, during publishing).
 
 Each run is a real `python -m privprompt_cli run CONFIG` subprocess (its own session, so the kill
-takes its embedded Prefect server too) on a tiny model. The test-only hook of tasks/lifecycle.py
-(``PRIVPROMPT_TEST_PAUSE_AT=<stage>:<marker>``) makes it write a marker and wait at the stage
-point; the test then kills the whole process group with SIGKILL and checks what the kill left:
+takes its embedded Prefect server too) on a tiny model. A stage hook of the door
+(tests/claims/pause_at_stage.py, ``PRIVPROMPT_TEST_PAUSE_AT=<stage>:<marker>``) makes it write a
+marker and wait at the stage point; the test then kills the whole process group with SIGKILL and checks what the kill left:
 
 * the ledger entry of the killed run still counts in the dataset's budget: ``reserved`` (killed
   before the commit; a kill cannot release, so a reservation killed before the first private read
@@ -68,13 +68,14 @@ def _cli(setup: dict, *args, timeout=600) -> subprocess.CompletedProcess:
 def _run_and_kill(setup: dict, stage: str, timeout_s: float = 400) -> int:
     """Start `privprompt run`, wait until it pauses at ``stage``, SIGKILL its process group.
     Returns the killed process's pid."""
-    from tasks.lifecycle import TEST_PAUSE_ENV
+    from pause_at_stage import PAUSE_ENV
 
     marker = setup["root"] / f"paused-{stage}"
     marker.unlink(missing_ok=True)
     log = open(setup["root"] / f"killed-{stage}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "privprompt_cli", "run", str(setup["config"])],
-                            cwd=setup["root"], env=_env(**setup["env"], **{TEST_PAUSE_ENV: f"{stage}:{marker}"}),
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("pause_at_stage.py")), "run",
+                             str(setup["config"])],
+                            cwd=setup["root"], env=_env(**setup["env"], **{PAUSE_ENV: f"{stage}:{marker}"}),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         limit = time.monotonic() + timeout_s

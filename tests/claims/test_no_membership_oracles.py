@@ -41,7 +41,7 @@ def test_the_dataset_a_source_is_charged_to_reaches_the_operator_only(prefect_ha
     from flows.method_flow import method_flow
     from tasks.config import parse_config
     from tasks.data import partition_dataset
-    from tasks.lifecycle import ensure_dataset
+    from tasks.charge import ensure_dataset
     from tasks.record import client
     from tasks.state import OPERATOR_LOG, state_paths
 

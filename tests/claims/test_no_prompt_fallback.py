@@ -292,7 +292,7 @@ def test_the_summary_mlflow_and_the_report_say_it_fell_back():
     from test_run_statement import _Parent, _summary
 
     from tasks.comparison import comparison_table
-    from tasks.lifecycle import RunOutcome
+    from tasks.outcome import RunOutcome
     from tasks.methods import get_method
     from tasks.pipeline import RunReport
     from tasks.statement import run_markdown

@@ -77,7 +77,7 @@ def test_a_selection_candidate_beyond_the_models_positions_is_refused_in_preflig
     training record failed its trial — a published failed-candidate count decided by one record."""
     from tasks.config import parse_config
     from tasks.errors import ConfigError
-    from tasks.lifecycle import preflight
+    from tasks.preflight import preflight
     from tests.methods.test_method_contract import SHARED
 
     if not (SHARED / "sst2").is_dir():

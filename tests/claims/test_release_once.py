@@ -112,7 +112,8 @@ def test_a_retry_after_the_commit_republishes_the_one_output_under_one_charge(tm
     import torch
 
     from privacy.ledger import Ledger
-    from tasks.lifecycle import release_dir, run_method
+    from tasks.release_store import release_dir
+    from tasks.lifecycle import run_method
     from tasks.prompts import load_prompt_file
 
     ctx = _context(tmp_path, sst2_dir)
@@ -146,7 +147,8 @@ def test_a_retry_after_the_commit_republishes_the_one_output_under_one_charge(tm
 
 @pytest.mark.slow  # suite time: runs with -m slow
 def test_a_committed_run_without_its_stored_output_is_refused_not_retrained(tmp_path, sst2_dir, monkeypatch, spies):
-    from tasks.lifecycle import ReleaseError, release_dir, run_method
+    from tasks.release_store import ReleaseError, release_dir
+    from tasks.lifecycle import run_method
 
     ctx = _context(tmp_path, sst2_dir)
     _crash_commit(monkeypatch, after=True)
@@ -193,7 +195,8 @@ def test_a_retry_after_a_lost_attempt_that_read_private_rows_is_refused_and_its_
     lost queries + 400 retried ones, ε 2.19, committed as 1.74), so it is refused, reads nothing,
     trains nothing, publishes nothing, and the reservation stays counted."""
     from tasks import lifecycle
-    from tasks.lifecycle import ReleaseError, run_method
+    from tasks.release_store import ReleaseError
+    from tasks.lifecycle import run_method
 
     ctx = _context(tmp_path, sst2_dir)
     real_store = lifecycle.store_release
@@ -230,7 +233,8 @@ def test_two_attempts_alive_at_once_release_one_output(tmp_path, sst2_dir, monke
     import torch
 
     from tasks import lifecycle
-    from tasks.lifecycle import ReleaseError, release_dir, run_method
+    from tasks.release_store import ReleaseError, release_dir
+    from tasks.lifecycle import run_method
     from tasks.prompts import load_prompt_file
 
     ctx = _context(tmp_path, sst2_dir)
@@ -267,7 +271,8 @@ def test_two_attempts_that_reach_the_first_read_together_read_once(tmp_path, sst
 
     from privacy.ledger import Ledger
     from tasks import lifecycle
-    from tasks.lifecycle import ReleaseError, run_method
+    from tasks.release_store import ReleaseError
+    from tasks.lifecycle import run_method
 
     ctx = _context(tmp_path, sst2_dir)
     together = threading.Barrier(2, timeout=120)
@@ -316,7 +321,7 @@ def _cfg(tmp_path, **privacy):
 
 
 def test_default_delta_is_capped_at_a_tenth_of_one_over_n_for_every_method(tmp_path, monkeypatch):
-    from tasks.lifecycle import resolve_delta
+    from tasks.run_plan import resolve_delta
     from tasks.methods import get_method
 
     cfg = _cfg(tmp_path)
@@ -333,7 +338,8 @@ def test_default_delta_is_capped_at_a_tenth_of_one_over_n_for_every_method(tmp_p
 
 def test_a_delta_of_one_over_n_is_refused_unless_the_config_opts_in(tmp_path):
     from tasks.errors import ConfigError
-    from tasks.lifecycle import delta_opt_in, resolve_delta
+    from tasks.lifecycle import delta_opt_in
+    from tasks.run_plan import resolve_delta
 
     cfg = _cfg(tmp_path, target_delta=5e-4)
     with pytest.raises(ConfigError, match=r"privacy\.target_delta=0\.0005 is >= 1/n .*"

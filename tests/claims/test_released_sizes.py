@@ -154,7 +154,7 @@ def test_dp_opt_composes_the_release_into_each_parallel_branch():
     from privacy import accountant as acct
     from privacy import events as ev
     from tasks.data import ReleasedSizes
-    from tasks.lifecycle import with_size_release
+    from tasks.run_plan import with_size_release
 
     sizes = ReleasedSizes(1000, 100, 100, sigma=10.0)
     gen = ev.SelfComposedEvent(ev.PoissonSampledEvent(0.01, ev.GaussianEvent(1.0)), 100)

@@ -107,7 +107,7 @@ def test_plan_charges_the_record_level_variant_per_person_and_refuses_a_plain_on
     from privacy.ledger import UnitMismatchError
     from tasks.config import parse_config, sweep_variants
     from tasks.data import partition_dataset
-    from tasks.lifecycle import ensure_dataset
+    from tasks.charge import ensure_dataset
     from tasks.planning import format_plan, plan_runs
     from tasks.state import state_paths
 
@@ -241,7 +241,7 @@ def test_a_private_selection_is_charged_per_person_or_refused_by_its_mode(people
     from tasks.config import parse_config
     from tasks.data import ReleasedSizes
     from tasks.errors import ConfigError
-    from tasks.lifecycle import planned_epsilon
+    from tasks.run_plan import planned_epsilon
     from tasks.run_plan import plan_for
 
     cfg = _cfg(people, tmp_path / "state")

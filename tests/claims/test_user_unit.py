@@ -276,7 +276,7 @@ def test_a_version_5_ledger_gets_record_units(tmp_path):
 
 def test_lifecycle_charges_a_partition_to_its_units_dataset(tmp_path):
     from privacy.ledger import Ledger, UnitMismatchError
-    from tasks.lifecycle import ensure_dataset
+    from tasks.charge import ensure_dataset
 
     folder = _write(tmp_path / "d", _users("a"), _users("t"))
     private = _private(tmp_path)

@@ -92,7 +92,8 @@ def _charge(cfg_dict: dict):
     (the flow), register it (the lifecycle). Returns (the partition with its ledger key, row)."""
     from tasks.config import parse_config
     from tasks.data import Partition, partition_dataset
-    from tasks.lifecycle import ensure_dataset, resolve_delta, resolve_partition
+    from tasks.charge import ensure_dataset, resolve_partition
+    from tasks.run_plan import resolve_delta
     from tasks.state import state_paths
 
     cfg = parse_config(cfg_dict)
@@ -413,7 +414,8 @@ def test_a_run_whose_source_was_charged_elsewhere_meanwhile_stops_before_its_res
     from privacy.ledger import LedgerError
     from tasks.config import parse_config
     from tasks.data import partition_dataset
-    from tasks.lifecycle import resolve_partition, run_method
+    from tasks.charge import resolve_partition
+    from tasks.lifecycle import run_method
     from tasks.record import RunRecord, client, ensure_experiment
     from tasks.stages import StageContext
     from tasks.state import state_paths

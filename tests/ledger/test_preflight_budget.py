@@ -47,7 +47,7 @@ def _spent_ledger(cfg_dict, epsilon=2.0):
     from privacy.ledger import Ledger
     from tasks.config import parse_config
     from tasks.data import dataset_key
-    from tasks.lifecycle import planned_events, resolve_delta
+    from tasks.run_plan import planned_events, resolve_delta
     from tasks.planning import released_sizes
     from tasks.state import default_data_root, state_paths
 
@@ -126,7 +126,7 @@ def test_an_unloadable_local_model_fails_before_the_reservation(prefect_harness,
 def test_plan_and_run_refuse_a_higher_cap_and_another_delta_alike(toy, tmp_path):
     from privacy.ledger import DeltaMismatchError, Ledger
     from tasks.errors import ConfigError
-    from tasks.lifecycle import ensure_dataset
+    from tasks.charge import ensure_dataset
 
     state = tmp_path / "state"
     cfg = _cfg(toy, state)
@@ -239,7 +239,7 @@ def test_the_largest_fitting_epsilon_is_the_accountants(toy, tmp_path):
     from privacy import accountant as acct
     from privacy import events as ev
     from tasks.config import parse_config
-    from tasks.lifecycle import planned_events
+    from tasks.run_plan import planned_events
 
     state = tmp_path / "state"
     cfg_dict = _cfg(toy, state, **{"privacy.dataset_epsilon_cap": 3.0})

@@ -347,7 +347,7 @@ def test_stage_context_holds_the_parsed_frozen_config_and_pickles_whole(tmp_path
     from prefect.utilities.hashing import hash_objects
 
     from tasks.config import parse_config
-    from tasks.lifecycle import RunOutcome
+    from tasks.outcome import RunOutcome
     from tasks.stages import StageContext
     from tasks.state import state_paths
 

@@ -141,7 +141,7 @@ def test_a_tampered_calibration_is_refused_before_any_reservation(cache_file):
 
     from tasks.config import parse_config
     from tasks.errors import ConfigError
-    from tasks.lifecycle import planned_epsilon
+    from tasks.run_plan import planned_epsilon
     from tasks.methods import get_method
 
     cfg = parse_config(yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text()))

@@ -17,7 +17,7 @@ from models.classifiers import build_classifier
 from models.dp_prompt_training import per_sample_prompt_gradients
 from models.placement import Placement, PlacementError, check_placement, from_pretrained_kwargs
 from tasks.config import load_config
-from tasks.lifecycle import check_placements
+from tasks.preflight import check_placements
 
 REPO = Path(__file__).resolve().parents[2]
 

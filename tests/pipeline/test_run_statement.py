@@ -186,7 +186,7 @@ class _Parent:
 
 def test_a_dp_prompt_below_no_prompt_on_the_test_split_is_warned_about_and_tagged():
     from tasks.config import parse_config
-    from tasks.lifecycle import RunOutcome
+    from tasks.outcome import RunOutcome
     from tasks.methods import get_method
     from tasks.pipeline import RunReport
 

@@ -97,7 +97,7 @@ def _public_transfer(post_run, monkeypatch, flow_run_id: str, **transfer):
     import builtins
     import io
 
-    from tasks.lifecycle import log_post_child
+    from tasks.recording import log_post_child
     from tasks.methods import MethodContext
     from tasks.config import parse_config
     from tasks.data import public_texts
