@@ -176,7 +176,7 @@ def _private_partition(paths, run_id: str, tags: dict) -> dict:
     source is charged to (perhaps another registered dataset holding its records: the run's tag
     names the source only), found in the local ledger by its records."""
     from tasks.audit import AuditError
-    from tasks.charge import resolve_partition
+    from tasks.charge import refusals_to_operator, resolve_partition
 
     wanted = tags.get("data.partition", tags["dataset.fingerprint"])
     partition = None
@@ -188,7 +188,8 @@ def _private_partition(paths, run_id: str, tags: dict) -> dict:
     if partition is None:
         raise AuditError(f"run {run_id}: its private partition (data.partition {wanted[:12]}) is not under "
                          f"{paths.private}; audits run where the private data is")
-    partition, _ = resolve_partition(paths.open_ledger(), partition)
+    with refusals_to_operator(paths, charged_elsewhere=False):  # records in several datasets: said to the operator
+        partition, _ = resolve_partition(paths.open_ledger(), partition)
     return partition
 
 

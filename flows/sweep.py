@@ -14,7 +14,8 @@ from tasks.config import ParsedConfig, PrivPromptConfig, sweep_variants, variant
 from tasks.errors import ConfigError
 from tasks.planning import format_plan, plan_runs
 from tasks.prefect_tasks import dask_task_runner
-from tasks.state import config_state_paths
+from tasks.charge import refusals_to_operator
+from tasks.state import config_state_paths, operator_note
 
 COLUMNS = ("privacy.epsilon", "privacy.epsilon_per_record", "test.accuracy", "mia.loss.auc", "mia.lira.auc",
            "mia.lira.tpr_at_1pct_fpr", "audit.epsilon_lower_bound")
@@ -147,14 +148,17 @@ def pending_variants(variants: list[tuple[str, PrivPromptConfig]], paths) -> tup
     mlflow = client(paths) if paths.mlflow_db.is_file() else None
     done = {label: finished_run(mlflow, v.experiment_name, config_hash(v)) if mlflow else None for label, v in variants}
     todo = [(label, v) for label, v in variants if done[label] is None]
-    budget = plan_runs(todo, paths) if todo else {"runs": [], "datasets": {}, "fits": True}
+    # which dataset a variant's source is charged to depends on its records: the plan's dataset rows
+    # and notes, and every refusal naming one, reach the operator's terminal only
+    with refusals_to_operator(paths, charged_elsewhere=True):
+        budget = plan_runs(todo, paths) if todo else {"runs": [], "datasets": {}, "fits": True}
+    if budget["datasets"]:
+        operator_note(paths, "the sweep's budget plan:\n" + format_plan(budget))
     if not budget["fits"]:
-        # no plan number here: they derive from the released sizes, and Prefect keeps this message
-        # (the flow run's state) while no run is charged for the release; `privprompt plan` shows them
-        over = sorted({d.get("name", "?") for d in budget["datasets"].values() if not d["fits"]})
-        raise ConfigError(f"the sweep's planned runs exceed a dataset's privacy budget (dataset "
-                          f"{', '.join(map(repr, over))}): nothing ran and nothing was reserved; "
-                          "`privprompt plan CONFIG` shows the plan")
+        # no plan number or dataset here: the numbers derive from the released sizes, and Prefect keeps
+        # this message (the flow run's state) while no run is charged for the release
+        raise ConfigError("the sweep's planned runs exceed a dataset's privacy budget: nothing ran and nothing was "
+                          "reserved; the operator's terminal and `privprompt plan CONFIG` show the plan")
     return done, todo, budget
 
 
@@ -204,7 +208,7 @@ def log_summary(record, cfg: PrivPromptConfig, variants, rows: list[dict], budge
     record.log_json(rows, "sweep/results.json")
     record.log_json(groups, "sweep/groups.json")
     record.log_text(summary_table(rows, groups), "tables/sweep.md")
-    record.log_text(format_plan(budget) + "\n", "sweep/budget_plan.txt")
+    record.log_text(format_plan(budget, datasets=False) + "\n", "sweep/budget_plan.txt")
     if cfg.seeds:
         record.log_params({"sweep.seeds": ",".join(map(str, cfg.seeds))})
     points = [{"method": r["variant"], "accuracy": r["test.accuracy"], "epsilon": r["privacy.epsilon"],
@@ -233,7 +237,7 @@ def sweep_flow(config: dict | str | ParsedConfig, overrides: list[str] | None = 
     done, todo, budget = pending_variants(variants, config_state_paths(cfg))
     # the plan once it fits: its runs are charged (each run's ε composes the sizes' release)
     get_run_logger().info("budget plan (%d to run, %d finished before):\n%s", len(todo), len(variants) - len(todo),
-                          format_plan(budget))
+                          format_plan(budget, datasets=False))
     with parent_run(cfg, "sweep", "sweep", "none", tags={"sweep.variants": len(variants)}, params={
             "privacy.target_delta": cfg.privacy.target_delta or "default: the method's"}) as run:
         rows = run_variants(cfg, variants, done, todo, run)

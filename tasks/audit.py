@@ -288,7 +288,9 @@ def train_shadow(target: AuditTarget, acfg: AuditConfig, pool: dict, index: int,
     run = RunRecord(client(state_paths(target.state_dir)), audit_run_id).child(
         f"shadow-{index}", {"method": target.method, "stage": "audit-shadow", "shadow": index,
                             "privacy.guarantee": "none"})
-    run.log_metrics({"train.steps": steps, "shadow.n_train": len(idx), "shadow.compute_s": compute_s})
+    # not len(idx): with copies drawn for a split smaller than its released half, or a person's records
+    # under a user unit, the rows a shadow trains on count the exact private sizes; the pool's half is public
+    run.log_metrics({"train.steps": steps, "shadow.pool_half": pool["n_members"], "shadow.compute_s": compute_s})
     run.end()
     import os
 

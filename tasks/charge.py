@@ -188,10 +188,12 @@ def check_budget(ctx, plans: dict, delta: float) -> None:
         cap=cap, delta=delta).with_hint(fitting_hint(largest), largest)
 
 
-def budget_statement(entry: dict) -> str:
-    """One clause saying what a dp ledger entry of a run used."""
+def budget_statement(entry: dict, named: bool = True) -> str:
+    """One clause saying what a dp ledger entry of a run used. ``named=False``: the dataset is not
+    named (what Prefect records of a failed run: which dataset a source is charged to depends on its
+    records; the operator's terminal gets the named one)."""
     eps = entry["epsilon_reserved"]
-    dataset = f"dataset {entry['dataset']!r}"
+    dataset = f"dataset {entry['dataset']!r}" if named else "the dataset this run is charged to"
     if entry["status"] == "released":
         return f"no ε used on {dataset}: its reservation of ε={eps:.4f} was released (no private record was read)"
     if entry["status"] == "aborted":

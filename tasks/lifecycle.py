@@ -39,7 +39,7 @@ from privacy.ledger import BudgetExceededError, Ledger, ReadClaimedError
 from privacy.plan import RunPlan, thawed
 
 from . import plots, randomness, recording
-from .charge import budget_statement, ensure_dataset
+from .charge import budget_statement, ensure_dataset, refusals_to_operator
 from .data import Partition, read_partition_split, read_partition_units
 from .methods import MethodContext, PrivateRows, get_method
 from .methods.base import Trained
@@ -48,7 +48,7 @@ from .prompts import save_prompt_file
 from .release_store import ReleaseError, store_release, stored_release
 from .run_plan import fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, runner, shadow_plan
 from .selected import Choice
-from .state import open_private
+from .state import open_private, operator_note
 
 
 # The publish rule: outputs of a formal guarantee — central DP, or local d_X privacy (the model
@@ -150,7 +150,9 @@ def run_method(ctx, name: str, prepared: dict, progress=None, plan: RunPlan | No
     """
     door = open_door(ctx, name, prepared, plan)
     try:
-        reserve(door)
+        # a refusal at the reservation names the dataset the source is charged to, and its spend
+        with refusals_to_operator(ctx.paths, charged_elsewhere=ctx.part.dataset_key != ctx.part.published_key):
+            reserve(door)
         trained, train_s = train(door, progress)
         info, metrics = commit(door, trained, train_s)
         return publish(door, trained, info, metrics, progress)
@@ -175,9 +177,11 @@ def open_door(ctx, name: str, prepared: dict, plan: RunPlan | None = None) -> Do
     if charged != part.dataset_key:  # the flow tagged and planned the run against another dataset
         from privacy.ledger import LedgerError
 
-        raise LedgerError(f"data source {part.dataset!r} is now charged to dataset fingerprint {charged[:12]}, not "
-                          f"{part.dataset_key[:12]} that this run started with (another run registered a source "
-                          "sharing its records meanwhile); nothing was reserved: run it again")
+        operator_note(ctx.paths, f"data source {part.dataset!r} is now charged to dataset fingerprint {charged[:12]}, "
+                                 f"not {part.dataset_key[:12]} that run {ctx.flow_run_id} started with")
+        raise LedgerError(f"data source {part.dataset!r} is now charged to another dataset than the one this run "
+                          "started with (another run registered a source sharing its records meanwhile; the "
+                          "operator's terminal says which); nothing was reserved: run it again")
     method.preflight(cfg, prepared)  # before the reservation (the flow ran all of them already: cached)
     child = recording.open_training(ctx, name, plan.guarantee, opt_in)
     return Door(ctx, name, method, plan, prepared, f"{ctx.flow_run_id}:{name}", ledger, child, opt_in)
@@ -377,7 +381,9 @@ def _release_unread(door: Door, exc: BaseException) -> None:
         except ValueError:
             pass  # an earlier attempt of this run began reading: it stays spent
     try:
-        exc.add_note(f"budget: {budget_statement(door.ledger.entry(door.run_key))}")
+        entry = door.ledger.entry(door.run_key)
+        exc.add_note(f"budget: {budget_statement(entry, named=False)}")  # the note reaches Prefect's log
+        operator_note(door.ctx.paths, f"run {door.run_key}: {budget_statement(entry)}")
     except Exception:  # noqa: BLE001 - the statement must never hide the error itself
         pass
 

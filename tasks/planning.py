@@ -283,7 +283,10 @@ def no_prompt_line(c: dict) -> str:
     return line
 
 
-def format_plan(plan: dict) -> str:
+def format_plan(plan: dict, datasets: bool = True) -> str:
+    """The plan as ``privprompt plan`` prints it. ``datasets=False``: without the per-dataset rows and
+    notes (which registered dataset a source is charged to depends on its records): what the sweep
+    logs to Prefect and MLflow."""
     labels = short_labels([r["variant"] or "(config)" for r in plan["runs"]])
     width = max([len("variant"), *map(len, labels)]) + 2
     # no n_train column: the sweep logs this table to Prefect (its server) before any run's charge
@@ -334,7 +337,7 @@ def format_plan(plan: dict) -> str:
         lines.append(f"est. time: {format_seconds(total)} of model work in all (training steps × expected batch and "
                      "the test split, from a probe of the model on this machine; start-up, tracking and any audit "
                      "come on top; a selection's at its expected number of trials)")
-    for key, d in plan["datasets"].items():
+    for key, d in (plan["datasets"] if datasets else {}).items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "
                      f"with this plan ε={d['total_epsilon']:.4f} of cap ε={d['cap']:.4f}; "
                      f"remaining after ε={max(0.0, d['cap'] - d['total_epsilon']):.4f} "

@@ -56,9 +56,18 @@ def _data_config(data_config: DataConfig | dict) -> DataConfig:
 
 
 def _partition_cache_key(context, parameters) -> str:
-    cfg = _data_config(parameters["data_config"])
-    key = partition_key(cfg, parameters["seed"], parameters["data_root"], parameters["private_dir"])
-    return f"partition-{key}-{abs(hash(str(Path(parameters['private_dir']).resolve()))) % 10**8}"
+    """Prefect keeps this key in its database: an HMAC under the installation secret of the partition's
+    key (which hashes the source files' sizes and times), so that it confirms nothing about them."""
+    import hashlib
+    import hmac
+
+    from .state import installation_secret
+
+    cfg, private_dir = _data_config(parameters["data_config"]), parameters["private_dir"]
+    key = partition_key(cfg, parameters["seed"], parameters["data_root"], private_dir)
+    folder = str(Path(private_dir).resolve())
+    return "partition-" + hmac.new(installation_secret(private_dir), f"{key}\0{folder}".encode(),
+                                   hashlib.sha256).hexdigest()[:32]
 
 
 @task(name="partition-data", cache_key_fn=_partition_cache_key, persist_result=True,

@@ -27,6 +27,9 @@ SHARED = REPO.parent / "shared" / "data"
 def _flow_logs(flow_run_id: str) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=30)  # the log worker sends in batches: every line of the flow run, sent
 
     async def logs():
         async with get_client() as client:
@@ -35,7 +38,33 @@ def _flow_logs(flow_run_id: str) -> list[str]:
     return [log.message for log in asyncio.run(logs())]
 
 
-def test_the_dataset_a_source_is_charged_to_reaches_the_operator_only(prefect_harness, sst2_dir, tmp_path, capfd):
+def test_an_operator_note_goes_to_the_terminal_and_the_private_log_only(tmp_path, capsys):
+    import logging
+
+    from tasks.state import OPERATOR_LOG, operator_note, state_paths
+
+    paths = state_paths(str(tmp_path / "state")).create()
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logging.getLogger().addHandler(handler)
+    try:
+        operator_note(paths, "data source 'x' shares records with registered dataset 'y'")
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert "shares records with registered dataset 'y'" in capsys.readouterr().err and not seen
+    log = paths.private / OPERATOR_LOG
+    assert "'y'" in log.read_text() and log.stat().st_mode & 0o077 == 0
+
+
+def _operator_log(paths) -> str:
+    from tasks.state import OPERATOR_LOG
+
+    log = paths.private / OPERATOR_LOG
+    return log.read_text() if log.is_file() else ""
+
+
+def test_the_dataset_a_source_is_charged_to_reaches_the_operator_only(prefect_harness, sst2_dir, tmp_path):
     """A source holding a registered dataset's records plus one more is charged to it; the run's
     Prefect logs and its MLflow run say nothing of it; the operator's terminal and log do."""
     from flows.method_flow import method_flow
@@ -43,7 +72,7 @@ def test_the_dataset_a_source_is_charged_to_reaches_the_operator_only(prefect_ha
     from tasks.data import partition_dataset
     from tasks.charge import ensure_dataset
     from tasks.record import client
-    from tasks.state import OPERATOR_LOG, state_paths
+    from tasks.state import state_paths
 
     rows = [json.loads(line) for line in (sst2_dir / "train.jsonl").open().readlines()[:121]]
     registered = _toy_dataset(tmp_path / "registered", sst2_dir, n_train=120, n_test=20)
@@ -58,23 +87,52 @@ def test_the_dataset_a_source_is_charged_to_reaches_the_operator_only(prefect_ha
     ensure_dataset(paths.open_ledger(), part, first.privacy.dataset_epsilon_cap, 1e-4)  # 'toy-sst2' registered
     cfg = _config(grown, state, method="zero_shot", **{"data.name": "probe", "privacy.target_delta": 1e-5})
     cfg["mia"]["enabled"] = False
-    capfd.readouterr()
     refused = method_flow(cfg, return_state=True)  # δ 1e-5 against the registered dataset's 1e-4
-    terminal = capfd.readouterr().err
-    assert refused.is_failed() and "differs from δ=0.0001 at which dataset 'toy-sst2'" in terminal
+    assert refused.is_failed() and "differs from δ=0.0001 at which dataset 'toy-sst2'" in _operator_log(paths)
     assert "toy-sst2" not in str(refused.message) and "operator's terminal" in str(refused.message)
     logs = _flow_logs(str(refused.state_details.flow_run_id))
     assert logs and not [line for line in logs if "toy-sst2" in line or "shares records" in line]
     summary = method_flow({**cfg, "privacy": {**cfg["privacy"], "target_delta": 1e-4}})
-    terminal = capfd.readouterr().err
-    assert "'probe' shares records with registered dataset 'toy-sst2'" in terminal
-    assert "shares records" in (paths.private / OPERATOR_LOG).read_text()
-    assert oct((paths.private / OPERATOR_LOG).stat().st_mode & 0o777) == "0o600"
+    assert "'probe' shares records with registered dataset 'toy-sst2'" in _operator_log(paths)
     logs = _flow_logs(summary["flow_run_id"])
     assert logs and not [line for line in logs if "shares records" in line or "toy-sst2" in line]
     run = client(paths).get_run(summary["mlflow_run_id"])
     published = json.dumps([run.data.tags, run.data.params, run.data.metrics])
     assert "toy-sst2" not in published and "shares records" not in published
+
+
+def test_the_sweep_logs_no_dataset_its_variants_are_charged_to(sst2_dir, tmp_path):
+    """The sweep's plan in Prefect and MLflow has no dataset rows and no notes; the operator's
+    terminal gets them; a refusal of the plan names no dataset."""
+    from flows.sweep import pending_variants
+    from tasks.charge import ChargedRefusal
+    from tasks.config import parse_config, sweep_variants
+    from tasks.data import partition_dataset
+    from tasks.charge import ensure_dataset
+    from tasks.planning import format_plan
+    from tasks.state import state_paths
+
+    rows = [json.loads(line) for line in (sst2_dir / "train.jsonl").open().readlines()[:121]]
+    registered = _toy_dataset(tmp_path / "registered", sst2_dir, n_train=120, n_test=20)
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    (grown / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (grown / "test.jsonl").write_text((registered / "test.jsonl").read_text())
+    state = tmp_path / "state"
+    first = parse_config(_config(registered, state))
+    paths = state_paths(str(state)).create()
+    part = partition_dataset(first.data, first.seed, paths.private, None)
+    ensure_dataset(paths.open_ledger(), part, first.privacy.dataset_epsilon_cap, 1e-4)
+    cfg = _config(grown, state, **{"data.name": "probe", "privacy.target_delta": 1e-4})
+    cfg["seeds"] = [0, 1]
+    _, _, budget = pending_variants(sweep_variants(parse_config(cfg)), paths)
+    assert "'probe' shares records with registered dataset 'toy-sst2'" in _operator_log(paths)
+    public = format_plan(budget, datasets=False)
+    assert "toy-sst2" not in public and "shares records" not in public and "prompt_dpsgd" in public
+    with pytest.raises(ChargedRefusal) as refused:  # δ against the registered dataset's
+        pending_variants(sweep_variants(parse_config({**cfg, "privacy": {**cfg["privacy"], "target_delta": 1e-5}})),
+                         paths)
+    assert "toy-sst2" not in str(refused.value) and "differs from δ=0.0001" in _operator_log(paths)
 
 
 # ---- public data against the private source ------------------------------------------------------

@@ -433,7 +433,7 @@ def test_a_run_whose_source_was_charged_elsewhere_meanwhile_stops_before_its_res
                        parent_run_id=parent.run_id, flow_run_id="flow-run-1")
     with pytest.raises(LedgerError, match="nothing was reserved: run it again") as info:
         run_method(ctx, "prompt_dpsgd", {})
-    assert other.dataset_key[:12] in str(info.value) and "\n" not in str(info.value)
+    assert other.dataset_key[:12] not in str(info.value) and "\n" not in str(info.value)
     assert ledger.entries() == [] and [d["fingerprint"] for d in ledger.datasets()] == [other.dataset_key]
 
 
