@@ -986,7 +986,7 @@ def _write_table(frame, path: str | None) -> None:
         _WRITERS[os.path.splitext(path)[1].lower()](frame, path)  # the suffix checked by _check_output
     finally:
         os.umask(previous)
-    os.chmod(path, 0o600)  # a file that was there before keeps its old mode otherwise (review 10b, G5)
+    os.chmod(path, 0o600)  # a file that was there before keeps its old mode otherwise
 
 
 def _model_load_error(exc: BaseException):
@@ -1075,7 +1075,7 @@ def _predict_dp_icl(args, frame, texts) -> int:
     if not texts:  # before anything is read or charged: the comparison with zero-shot would spend for nothing
         return _fail(f"predict --dp-icl: {args.input} holds no rows: nothing to answer, nothing charged")
     missing = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-    if missing is not None:  # a missing value (NaN) would crash a charged batch (review 11c, C1)
+    if missing is not None:  # a missing value (NaN) would crash a charged batch
         return _fail(f"predict --dp-icl: row {missing + 1} of {args.input} has no text in {args.text_field!r}: "
                      "nothing answered, nothing charged")
     cfg = load_config(args.dp_icl)
@@ -1124,7 +1124,7 @@ def _dp_icl_fell_back(served) -> bool:
 def _dp_icl_progress(started: float):
     """dp_icl's progress line: the answers with their seconds, counted from the first answer; the
     held-out comparison only at its start and end, with no time (its rows' times follow their private
-    lengths, and its total the number of real rows among the padding: review 11b, G4)."""
+    lengths, and its total the number of real rows among the padding)."""
     clock = {"start": started}
 
     def progress(done: int, total: int, stage: str = "answers") -> None:
@@ -1148,7 +1148,7 @@ def _dp_icl_stopped(served, refusal, answered: int, total: int, compared_now: bo
     charged = "answered zero-shot (not charged)" if _dp_icl_fell_back(served) else "answered and charged"
     comparing = bool(served.compare_queries)  # the comparison was due and did not finish
     if isinstance(refusal, KeyboardInterrupt):
-        open_ = served.server.open_charge  # a reservation not committed: spent, unanswered (review 11c, C2/C3)
+        open_ = served.server.open_charge  # a reservation not committed: spent, unanswered
         if comparing:
             tail = ("; the comparison with zero-shot under way stays charged (privprompt ledger)" if open_ else
                     "; the comparison with zero-shot had not been charged yet: nothing charged")

@@ -67,7 +67,7 @@ def audit_flow(target_file: str, audit_config: dict | ParsedAuditConfig, config:
     mlflow = client(paths)  # the tracking DB exists (the audited run is in it) before fan-out
     audit_run = RunRecord(mlflow, t.run_id).child("audit", {
         "method": t.method, "stage": "audit", "privacy.guarantee": "none", "prefect.flow_run_id": audit_id})
-    if has_empty_side(t.part):  # no member or no non-member to pool: not run, and said (review 8b, R4)
+    if has_empty_side(t.part):  # no member or no non-member to pool: not run, and said
         audit_run.set_tags({"audit.not_run": "a split holds no row"})
         audit_run.end(ok=True)
         logger.warning("audit not run (audit statistic, not DP): a split holds no row")

@@ -77,7 +77,7 @@ class Backbone:
     @property
     def max_positions(self) -> int | None:
         """Longest input (prompt + text) the model's position embeddings allow, if bounded: less the
-        positions a RoBERTa-style model skips before its first (514 embeddings, 512 inputs; review 8b)."""
+        positions a RoBERTa-style model skips before its first (514 embeddings, 512 inputs)."""
         return config_positions(self.model.config)
 
     def input_embeddings(self) -> torch.nn.Embedding:

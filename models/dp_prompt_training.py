@@ -303,7 +303,7 @@ def _physical_batch(classifier, max_length: int, prompt) -> int:
     """The physical batch size chosen for this device (:func:`models.memory.choose`), its probe
     one pass of per-sample gradients on PUBLIC rows of ``max_length`` tokens — the longest a private
     row can be — never on private rows: sized on them, a device's out-of-memory could be decided by
-    one long record (review 8, N5). Nothing of the probe is kept or released."""
+    one long record. Nothing of the probe is kept or released."""
 
     def probe(n: int) -> None:
         public = classifier.encode(["the " * max_length] * n, max_length=max_length)
@@ -345,7 +345,7 @@ def train_prompt(
     if N == 0 and dp is None:
         raise ValueError("empty training set")
     # DP-SGD on an EXACTLY empty training set still runs its planned steps (every batch empty: noise
-    # alone): refusing it would be a 0-vs-1 test of one record outside ε (review 6, F5)
+    # alone): refusing it would be a 0-vs-1 test of one record outside ε
     if N and (labels.min() < 0 or labels.max() >= classifier.n_labels):
         raise ValueError(f"labels must be in [0, {classifier.n_labels})")
     classifier.eval()

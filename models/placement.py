@@ -105,7 +105,7 @@ def from_pretrained_kwargs(placement: Placement, device: torch.device) -> dict:
         else:
             # no outlier decomposition (threshold 0): LLM.int8's outlier columns are those above the
             # threshold in ANY row of a batch, so one record would move its companions' bits — in a DP-SGD
-            # batch and in every row-own score (review 9b, G2); without them each token row is its own
+            # batch and in every row-own score; without them each token row is its own
             kw["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
         if placement.dtype == "auto":
             kw["dtype"] = compute

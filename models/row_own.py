@@ -1,4 +1,4 @@
-"""Forward passes batched in shapes that are public and each row's own (review 6, F1).
+"""Forward passes batched in shapes that are public and each row's own.
 
 Batched, a row's outputs move by float rounding with its companions' lengths, padding and the
 batch size (matrix products pick their kernels by shape): at a near-tie, adding one record could
@@ -13,8 +13,8 @@ batches of exactly :func:`row_batch` rows (a function of that length alone), eac
 one fill row (one public token), the last filled with them. The fill row keeps padding in EVERY
 pass: Transformers drops the attention mask of a batch with no padding at all, and without a mask a
 half-precision model on CUDA may run flash attention instead of the masked kernel — so rows that all
-fill their padded length could compute other bits than the same rows beside a shorter companion
-(review 9, F1); the probe batches of the check always hold padding too. For a fixed shape a forward
+fill their padded length could compute other bits than the same rows beside a shorter companion;
+the probe batches of the check always hold padding too. For a fixed shape a forward
 pass computes each row from that row alone (products reduce along the row; attention and norms are
 per sequence) — CHECKED on the device, bit for bit, the first time each shape runs, on public probe
 rows: the batch in reverse order, and its first row beside fill rows. A shape that fails runs its rows alone (a batch of one,
@@ -49,7 +49,7 @@ def batch_rows_default(device: torch.device | str, model: torch.nn.Module | None
 
 def rows_mix(model: torch.nn.Module) -> str | None:
     """Why a forward pass of ``model`` can make one row's outputs depend on its companions' VALUES at a
-    fixed shape — which no check on public probe rows can rule out — or None (review 9b):
+    fixed shape — which no check on public probe rows can rule out — or None:
 
     * LLM.int8 (bitsandbytes 8-bit with an outlier threshold): the outlier columns are the columns
       above the threshold in ANY row of the pass, and run in fp16 for every row (G2);

@@ -60,7 +60,7 @@ def row_wise_logits(classifier: PromptClassifier, texts: list[str], max_length: 
     lengths = enc["attention_mask"].sum(1).tolist()
     rows = [(enc["input_ids"][i, :n].tolist(), int(enc["label_pos"][i])) for i, n in enumerate(lengths)]
     pad = classifier._tokenize.pad_id
-    vocab = int(model.get_input_embeddings().num_embeddings)  # probe ids the model can embed (review 9b, G4)
+    vocab = int(model.get_input_embeddings().num_embeddings)  # probe ids the model can embed
 
     def forward(batch, length):
         ids = torch.full((len(batch), length), pad, dtype=torch.long)

@@ -128,7 +128,7 @@ def check_pool_size(part: Partition, acfg: AuditConfig) -> dict:
 
 def has_empty_side(part: Partition) -> bool:
     """Whether the audit pool's member side (training rows that are no canary) or its non-member side
-    (holdout rows) is EXACTLY empty: the audit then does not run (review 8, H1) — its absence is an
+    (holdout rows) is EXACTLY empty: the audit then does not run — its absence is an
     audit statistic, like its numbers; a failed flow would withhold the run's DP output on that bit."""
     from .stages import holds_no_row
 

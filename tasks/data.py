@@ -298,7 +298,7 @@ def fingerprint(texts: list[str], labels: list[str], key: bytes, salt: str = "")
     """HMAC-SHA256 (``key``: the installation secret) of ``salt`` and the ordered texts and labels:
     without the key, a published fingerprint confirms no guess about a record. A partition's is
     salted with its source's records key, so an exactly empty training split does not publish one
-    constant of the installation (review 8, H6: seen once, it read the 0-vs-1 bit off any run)."""
+    constant of the installation (seen once, it read the 0-vs-1 bit off any run)."""
     h = hmac.new(key, digestmod=hashlib.sha256)
     if salt:
         h.update(salt.encode("utf-8") + b"\x1d")
@@ -680,7 +680,7 @@ def partition_key(cfg: DataConfig, seed: int, data_root: str | None, private_dir
     a team ledger (another key) partitions anew instead of charging under its old key's name."""
     from .state import key_id
 
-    # a user unit's cap applies to the test split too (review2): such partitions made before are not reused
+    # a user unit's cap applies to the test split too: such partitions made before are not reused
     split = "keyed-hash-v1" + ("+test-cap" if cfg.unit_field is not None and cfg.max_records_per_unit is not None
                                else "")
     return digest_key({"data": data_dump(cfg), "split": split,
@@ -703,7 +703,7 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
     test = read_split_units(cfg, data_root, cfg.test_split)
     split = split_source(cfg, secret, train, test)
     # an EXACTLY empty training or holdout split is partitioned like any other: refusing it here, on
-    # exact counts, before any release, would be a 0-vs-1 test of one record outside ε (review 6, F5);
+    # exact counts, before any release, would be a 0-vs-1 test of one record outside ε;
     # the mechanisms run on empty splits (noise alone) and every decision after this reads released sizes
     rows = _partition_rows(cfg, seed, secret, split, train, test)
     make_private_dir(out_dir.parent)

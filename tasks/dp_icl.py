@@ -242,7 +242,7 @@ def comparison_line(result: dict, fallback: bool) -> str:
 def settings_digest(settings: "DPICLSettings", fingerprint: str, model: dict, labels: list[str], noise: float,
                     queries: int) -> str:
     """What a stored comparison holds for: ``fingerprint`` (the ledger dataset's and the partition's
-    keyed training fingerprint: another split or source is compared anew — review 11, F2), the model
+    keyed training fingerprint: another split or source is compared anew), the model
     and its placement, the labels and every setting of the vote and the comparison (a changed σ or
     template is compared anew)."""
     import hashlib
@@ -256,13 +256,13 @@ def settings_digest(settings: "DPICLSettings", fingerprint: str, model: dict, la
 
 def model_identity(cfg) -> dict:
     """The local model as loaded: its name, its own placement (``models.placement_of``, keyed by the
-    model's name — review 11b, G1), and for a local folder its files' sizes and times (changed weights
+    model's name), and for a local folder its files' sizes and times (changed weights
     are compared anew)."""
     from dataclasses import asdict
     from pathlib import Path
 
     name = str(cfg.models.local)
-    # the seed: a tiny test model is built from it (review 11c, C4)
+    # the seed: a tiny test model is built from it
     out = {"local": name, "placement": asdict(cfg.models.placement_of(name)), "seed": cfg.seed}
     folder = Path(name).expanduser()
     try:
@@ -348,7 +348,7 @@ def _demo_token_budget(engine, settings, labels: list[str]) -> int | None:
     """Tokens each demonstration's text may take (public: the model's context, the settings, the
     labels), or None for a model without a bounded context: the head (with the tokenizer's BOS),
     ``shots`` demonstrations in their template with their label and its seam, and ``QUERY_TOKENS``
-    for the query always fit — whatever a record's length (review 10, F1: the labels' tokens were
+    for the query always fit — whatever a record's length (the labels' tokens were
     left out, and a 10-token label let one long record crash a query its neighbour answered).
     Settings that leave no room are refused with one line (:func:`text_budget`)."""
     from tasks.methodkit.token_budget import JUNCTION, SEAM, model_context, template_tokens, text_budget
@@ -364,7 +364,7 @@ def _demo_token_budget(engine, settings, labels: list[str]) -> int | None:
 
 def label_token_ids(engine, labels: list[str]) -> list[int]:
     """The token each label is voted by (its first, after a space); labels that share it are refused
-    with one line: the later one could never win a vote (review 10, F6)."""
+    with one line: the later one could never win a vote."""
     from .errors import ConfigError
 
     ids = [engine.ids(" " + label)[0] for label in labels]
@@ -473,7 +473,7 @@ class DPICLServer:
     def _prefix(self, part: list[int]):
         """The subset's encoded demonstrations, or None — the subset casts no vote — when they with the
         longest query would outgrow the model's context: measured on the tokens BEFORE the model runs
-        (review 10b, G1: checked after ``encode_prefix``, a prefix over the context had already crashed).
+        (checked after ``encode_prefix``, a prefix over the context had already crashed).
         Never with the budget above on the tokenizers tested; the subset is the only one a record's
         length changes, so abstaining stays within the √2 charged."""
         text = self._demos([(self._rows.texts[i], self._rows.labels[i]) for i in part])
@@ -535,7 +535,7 @@ class DPICLServer:
         """The DP answers of one batch, charged as one ledger entry: reserved before any vote (a
         ``BudgetExceededError`` at the cap: nothing answered), committed after. ``keep(answers)``: called
         with the commit, Ctrl-C and SIGTERM held until both are done — a committed batch's answers are
-        kept, never lost to an interrupt between the two (review 10b, G4)."""
+        kept, never lost to an interrupt between the two."""
         if not texts:
             return []
         # a fresh id per batch: a counter reused across threads or restarts (a stable serve_id) met
@@ -550,12 +550,12 @@ class DPICLServer:
 
     def _reserve(self, run_id: str, event: DpEvent, description: str) -> None:
         """Reserve ``event`` as ``run_id`` (refused at the cap: ``BudgetExceededError``), recorded as the
-        open charge under held interrupts (review 11c, C2), the sizes' release then counted as charged,
+        open charge under held interrupts, the sizes' release then counted as charged,
         and the read marked. Called under ``_size_lock``."""
         with _interrupts_held():  # the reservation and its record together
             reservation = self.ledger.reserve(self.fingerprint, run_id, event, description=description,
                                               allow_delta_at_least_one_over_n=self._allow_delta)
-            if reservation.new:  # from here on it stays spent, whatever stops it (review 11b, G2)
+            if reservation.new:  # from here on it stays spent, whatever stops it
                 self.open_charge = run_id
         if not reservation.new:
             raise RuntimeError(f"dp_icl: {run_id} was already charged: not run again")
@@ -564,7 +564,7 @@ class DPICLServer:
 
     def _commit(self, run_id: str, event: DpEvent, keep, result) -> None:
         """Commit ``run_id`` and hand ``result`` to ``keep`` with it, Ctrl-C and SIGTERM held until both
-        are done (review 10b, G4)."""
+        are done."""
         with _interrupts_held():
             self.ledger.commit(run_id, event)
             self.open_charge = None
@@ -610,7 +610,7 @@ class DPICLServer:
         check_count(queries, "compare_queries", minimum=1)
         chosen = lowest_keyed(texts, labels, key, queries)
         rows = [(texts[i], labels[i]) for i in chosen] + [("", None)] * (queries - len(chosen))
-        rows = [rows[i] for i in self.noise.permutation(len(rows))]  # padding at secret places (review 11, F3)
+        rows = [rows[i] for i in self.noise.permutation(len(rows))]  # padding at secret places
         run_id = f"{self.serve_id}:compare-{uuid.uuid4().hex}"
         with self._size_lock:
             event = self.comparison_events(queries, noise)
@@ -730,7 +730,7 @@ def open_server(cfg, paths) -> Served:
     from .charge import ensure_dataset, source_dataset, _records_of
     from .state import default_data_root
 
-    # public checks first, before any private read or ledger write (review 10, F4): the unit, the model,
+    # public checks first, before any private read or ledger write: the unit, the model,
     # the labels' tokens and the demonstrations' token budget
     check_unit(cfg)
     engine = causal_engine_for(cfg)
@@ -798,7 +798,7 @@ def queries_left(served: Served, preview: dict) -> int:
     """How many more queries (one batch) fit under the cap, composed with the dataset's spend (the
     ledger's preview)."""
     ledger, key, server = served.server.ledger, served.server.fingerprint, served.server
-    if served.compare_queries:  # the comparison still due comes first (review 11, F5)
+    if served.compare_queries:  # the comparison still due comes first
         first = [server.comparison_events(served.compare_queries, served.compare_noise)]
         s = server.settings
         return largest_fitting(lambda b: ledger.preview(key, first + [batch_event(s.noise_multiplier, b, s.sample_rate)],
@@ -829,12 +829,12 @@ def answer_all(served: Served, texts: list[str], batch_size: int, progress=None)
     for i in range(0, len(texts), batch_size):
         try:
             served.server.answer(texts[i:i + batch_size], keep=answers.extend)
-            if progress is not None:  # inside: a Ctrl-C / SIGTERM while it prints keeps the answers too (review 10b)
+            if progress is not None:  # inside: a Ctrl-C / SIGTERM while it prints keeps the answers too
                 progress(len(answers), len(texts))
         except BudgetExceededError as refusal:
             return answers, refusal
         except (Exception, KeyboardInterrupt) as failure:  # noqa: BLE001 - the answers already charged are kept,
-            return answers, failure                          # whatever stopped the rest (Ctrl-C too: review 10, F3)
+            return answers, failure                          # whatever stopped the rest (Ctrl-C too)
     return answers, None
 
 

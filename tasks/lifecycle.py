@@ -168,7 +168,7 @@ def open_door(ctx, name: str, prepared: dict, plan: RunPlan | None = None) -> Do
     cfg, part = ctx.cfg, ctx.part
     if plan is None:  # released sizes: what the run publishes and plans with (never the exact sizes)
         plan = plan_for(cfg, name, part.sizes)
-    elif plan.method != name:  # a plan handed in is this method's, or nothing runs (review F2)
+    elif plan.method != name:  # a plan handed in is this method's, or nothing runs
         raise ValueError(f"run of method {name!r} was handed the plan of {plan.method!r}; nothing was reserved")
     method = runner(cfg, name)
     opt_in = delta_opt_in(cfg, part.sizes.n_for_delta, plan.delta)

@@ -44,7 +44,7 @@ def released_sizes(cfg, private_dir: Path, draw: bool = True):
     memo = (str(Path(private_dir).resolve()), key)  # the variants of a sweep share their partition
     if memo not in _EXACT:
         _EXACT[memo] = split_release_inputs(cfg.data, cfg.seed, private_dir, data_root)
-    membership, exact, planted = _EXACT[memo]  # an exactly empty split is planned like any other (review 6, F5)
+    membership, exact, planted = _EXACT[memo]  # an exactly empty split is planned like any other
     return release_sizes(cfg.data, membership, private_dir, exact, planted, draw=draw)
 
 
@@ -208,7 +208,7 @@ def _user_level_beside(cfg, name: str, delta: float, private_dir) -> dict:
     """What a user-level run of the same method at the same target would charge one person
     (``epsilon``), or why it cannot be planned (``refused``, one line): shown beside a record-level
     run's exact per-person charge so a team can choose. It reads only released sizes, like the plan,
-    and never draws them: a draw here would be a release no run charges (review F6); until a
+    and never draws them: a draw here would be a release no run charges; until a
     user-level variant is planned or run, it says how to see the number."""
     try:
         user_cfg = user_level_config(cfg)

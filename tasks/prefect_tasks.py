@@ -147,7 +147,7 @@ def loss_mia_task(ctx: stages.StageContext, prompt_path: str | None, name: str, 
                   model: str | None = None) -> dict:
     out = stages.loss_mia_stage(ctx, prompt_path, name, guarantee, model)
     m = out["metrics"]
-    if not m:  # an exactly empty split: no attack (review 8, H1)
+    if not m:  # an exactly empty split: no attack
         get_run_logger().info("%s: loss MIA not run (audit statistic, not DP: a split holds no row)", name)
         return out
     get_run_logger().info("%s: loss MIA AUC %.3f [%.3f, %.3f] (audit statistic, not DP)", name, m["mia.loss.auc"],

@@ -50,7 +50,7 @@ class Selected:
     def preflight(self, cfg, prepared) -> None:
         """The method's checks under its base settings and under every candidate's: one with more
         prompt positions than the model holds would train, and one long record would fail its trial —
-        a published failed-candidate count decided by one record (review 8b, R1)."""
+        a published failed-candidate count decided by one record."""
         self.method.preflight(cfg, prepared)
         for c in selection.candidates_of(cfg):
             if c.zero_shot:

@@ -591,7 +591,7 @@ def holdout_counts(method, mctx, prompt, holdout, weights=None):
         correct = int(method.holdout_correct(mctx, prompt, holdout)) if len(holdout) else 0
         return correct, len(holdout) - correct
     y = label_indices(holdout.labels, cfg.data.labels).cpu().numpy().astype(int)
-    # an exactly empty holdout (review 6, F5): no row predicted, every count 0
+    # an exactly empty holdout: no row predicted, every count 0
     predicted = (np.asarray(method.holdout_predictions(mctx, prompt, holdout)) if len(holdout)
                  else np.zeros(0, dtype=int))
     if metric == "accuracy":  # weighted: (Σ weights of the rows right, Σ of those wrong)
@@ -638,7 +638,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
     if holdout is None:
         raise RuntimeError("selection: the method passed no holdout rows to score the candidates on")
     # an EXACTLY empty holdout is scored like any other (every count 0, then the noise): refusing it
-    # here would be a 0-vs-1 test of one record outside ε (review 6, F5)
+    # here would be a 0-vs-1 test of one record outside ε
     weights = holdout_weights(cfg, holdout)  # one vote per person with a person unit (None: one per row)
     # the candidates' training rows, without the holdout (only the scores read it), with their units
     train_rows = PrivateRows(rows.texts, rows.labels, units=rows.units)

@@ -230,7 +230,7 @@ def loss_mia_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
         f"loss-threshold membership inference on {name}'s prompt: audit statistics (not DP)")
     model = model or cfg.models.local
     if holds_no_row(part.train_path) or holds_no_row(part.holdout_path):
-        # an EXACTLY empty member or non-member side (review 8, H1): no attack, an audit statistic that
+        # an EXACTLY empty member or non-member side: no attack, an audit statistic that
         # says so — never a failed flow, which would withhold the run's DP output on one record's bit
         child = ctx.parent.child(f"mia:{name}", {"method": name, "stage": "audit", "attack": "loss",
                                                  "privacy.guarantee": guarantee, "audit.not_run": "a split holds no row",

@@ -305,7 +305,7 @@ def installation_secret(private_dir: str | Path, ledger_url: str | None = None) 
             raise LedgerKeyError(
                 f"{path} is missing but ledger {paths.ledger} has datasets keyed with it (their fingerprints and record "
                 "digests): restore the key file from a backup, or import it: privprompt key import KEYFILE")
-    # a key just minted loses quietly to one another process wrote first (two first runs at once: review 10, F5)
+    # a key just minted loses quietly to one another process wrote first (two first runs at once)
     return store_key_file(path, secrets.token_bytes(KEY_BYTES), must_match=False)
 
 

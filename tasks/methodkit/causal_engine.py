@@ -120,7 +120,7 @@ class CausalEngine:
         positions = (P + mask.cumsum(1) - 1).clamp(min=0)
         if length is not None:  # a public shape (last_logits_rowwise): padding sits at the shape's last position,
             # so the batch's largest position id is P + L - 1 whatever the rows — RoPE variants that pick their
-            # factors from it (longrope) then treat every row alike (review 9b, G1); masked, it moves no real token
+            # factors from it (longrope) then treat every row alike; masked, it moves no real token
             positions = torch.where(mask.bool(), positions, torch.full_like(positions, P + L - 1))
         full_mask = torch.cat([torch.ones((B, P), dtype=torch.long), mask], dim=1)
         cache = None
@@ -139,9 +139,9 @@ class CausalEngine:
         """One next token per row: greedy when ``temperature`` is 0, else a sample at that
         temperature from ``generator``. A row whose logits are not a distribution (a NaN, a +inf,
         or all -inf: one member's demos overflowing in reduced precision) proposes -1, no token —
-        it casts no vote instead of failing the whole query (review 6, F2: a crash decided by one
+        it casts no vote instead of failing the whole query (a crash decided by one
         record). The sampled rows' draws do not depend on which rows were left out."""
-        scaled = logits / temperature if temperature > 0 else logits  # screened after the division (review 7, G2:
+        scaled = logits / temperature if temperature > 0 else logits  # screened after the division (NaN at
         bad = torch.isnan(scaled).any(-1) | torch.isposinf(scaled).any(-1) | torch.isneginf(scaled).all(-1)  # T→0)
         safe = torch.where(bad.unsqueeze(-1), torch.zeros_like(scaled), scaled)
         if temperature <= 0:
@@ -206,7 +206,7 @@ class CausalEngine:
     def fit_row(self, ids: list[int], head: int) -> list[int]:
         """A scored row's tokens as the model can take them after a head of ``head`` tokens — a function
         of that row alone and public numbers, so one record never makes a forward raise where its
-        neighbour's runs (privacy review 10c): past the context, its last tokens (the template's tail,
+        neighbour's runs: past the context, its last tokens (the template's tail,
         where the label is read); no token at all (a record of only zero-width characters in a template
         with nothing around its text), one public stand-in. The token budgets keep rows within the
         context on the tokenizers tested; this is the guard where a seam still tokenizes longer."""
@@ -224,7 +224,7 @@ class CausalEngine:
         if text not in self._heads:
             if len(self._heads) >= keep:
                 self._heads.pop(next(iter(self._heads)))
-            # a scored row always has room after it (review 10d, L1: a released candidate that re-encodes longer
+            # a scored row always has room after it (a released candidate that re-encodes longer
             # than its tokens filled the context, and a holdout of one row raised where an empty one did not)
             self._heads[text] = self.encode_prefix(text, room=HEAD_ROOM)
         return self._heads[text]
@@ -235,8 +235,8 @@ class CausalEngine:
 
         With :meth:`last_logits`, a row's logits move by float rounding with its companions' lengths
         and padding (1e-7–1e-6 on tiny-gpt2): at a near-tie one record could flip another member's
-        vote — two votes moved where LimitedDomain is calibrated for one — or another row's ŷ
-        (review 6, F1). Here the SHAPE of every forward pass is public and the row's own
+        vote — two votes moved where LimitedDomain is calibrated for one — or another row's ŷ.
+        Here the SHAPE of every forward pass is public and the row's own
         (:func:`models.row_own.run_row_own`): a row is left-padded to its length rounded up to
         ``bucket_width``, the rows of one padded length go in batches of exactly :meth:`row_batch`
         rows (a function of that length alone), each holding at least one pad-only row, and each
@@ -252,7 +252,7 @@ class CausalEngine:
             raise ValueError("every sequence needs at least one token after the shared prefix")
         if not self.batch_rows:
             return torch.cat([self._forward_left_padded([s], prefix) for s in suffixes]) if suffixes else torch.zeros(0)
-        vocab = int(self.model.get_input_embeddings().num_embeddings)  # probe ids the model can embed (review 9b, G4)
+        vocab = int(self.model.get_input_embeddings().num_embeddings)  # probe ids the model can embed
         limit = self.max_positions
         # padded lengths (and the probes of the row checks) within the positions the head leaves: a row
         # that fits is never padded past the model (a crash decided by one record)

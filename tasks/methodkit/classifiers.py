@@ -47,7 +47,7 @@ def input_length(cfg: "PrivPromptConfig", model_name: str, classifier) -> int:
     base = classifier_for(cfg, model_name)
     length = cfg.models.max_length + max(0, classifier.template_tokens - base.template_tokens)
     # within the model's positions: a long text prompt (dp_fewshot's demonstrations) then cuts every
-    # text to the room it leaves, instead of one long private record overflowing them (review 8, H4)
+    # text to the room it leaves, instead of one long private record overflowing them
     limit = classifier.backbone.max_positions
     return length if limit is None else min(length, limit)
 

@@ -57,7 +57,7 @@ def clip_text(engine, text: str, tokens: int | None, words: int = WORDS) -> str:
 def template_tokens(engine, template: str, tails=("",)) -> int:
     """Tokens ``template`` takes around its ``{text}`` (with the longest of ``tails`` after it): its two sides
     counted apart — joined without the text they can tokenize as one word (a WordPiece word of over 100
-    characters is one [UNK]) where around a text they are many (review 10b)."""
+    characters is one [UNK]) where around a text they are many."""
     before, after = template.split("{text}", 1)
     return len(engine.ids(before)) + max(len(engine.ids(after + tail)) for tail in tails)
 

@@ -436,7 +436,7 @@ def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str, prompt
     token of each ``models.label_descriptions`` entry, default " <label>") are told apart, the
     template fits the model, and ``models.max_length`` plus ``prompt_tokens`` soft-prompt or prefix
     positions fit the model's positions — else one long private record, cut to max_length, would
-    crash the DP step that samples it or the holdout scoring (review 8, H4: a crash decided by one
+    crash the DP step that samples it or the holdout scoring (a crash decided by one
     record). Raises ``ModelLoadError`` or a one-line ``ConfigError``."""
     from models.backbones import ModelLoadError
 
@@ -452,7 +452,7 @@ def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str, prompt
     check_positions(cfg, clf.backbone.max_positions, prompt_tokens, model_name, role)
     from models.row_own import int8_outliers
 
-    if int8_outliers(clf.backbone.model):  # review 9c: a checkpoint saved in 8-bit keeps its own threshold
+    if int8_outliers(clf.backbone.model):  # a checkpoint saved in 8-bit keeps its own threshold
         raise ConfigError(f"{role}={model_name!r} runs 8-bit weights with LLM.int8's outlier columns (llm_int8_threshold "
                           "> 0, as a checkpoint saved in 8-bit keeps): they are chosen over a whole batch, so one record "
                           "would move the other records' gradients and scores; load it with models.placement.quantization: "
@@ -461,7 +461,7 @@ def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str, prompt
 
 def check_positions(cfg: "PrivPromptConfig", limit: int | None, prompt_tokens: int, model_name: str, role: str) -> None:
     """``models.max_length`` plus ``prompt_tokens`` within a model's ``limit`` positions (None: no
-    limit), else one line (review 8, H4)."""
+    limit), else one line."""
     from ..errors import ConfigError
 
     if limit is not None and cfg.models.max_length + prompt_tokens > limit:

@@ -62,7 +62,7 @@ def demo_token_budget(engine, cfg, block, instruction: str) -> int | None:
     head = len(engine.tok(generation_head(instruction), add_special_tokens=True, verbose=False)["input_ids"])
     tail = max(len(engine.ids(label_header(label))) for label in labels) + block.max_new_tokens
     # a demo's template tokenized alone, + SEAM: inside a body the next demo's "Label" splits the closing
-    # "\n\n" into two tokens on byte-level BPEs (review 7, G3: one token per inner junction), + one spare
+    # "\n\n" into two tokens on byte-level BPEs (one token per inner junction), + one spare
     overhead = max(len(engine.ids(subset_body([""], label))) for label in labels) + SEAM
     return text_budget(context, head + tail + JUNCTION, block.shots, overhead,
                        f"dp_fewshot: shots={block.shots}, max_new_tokens={block.max_new_tokens} and the instruction")
@@ -179,7 +179,7 @@ class _Generator:
                 group = parts[d * M:(d + 1) * M]
                 # every subset is run, an empty one on the public empty body, and only the non-empty ones
                 # vote: the forward passes (the published runtime) no longer count how many subsets a
-                # label's rows fill (review 10, N1: 24 → 96 passes for 1 → 16 rows of a label)
+                # label's rows fill (24 → 96 passes for 1 → 16 rows of a label)
                 bodies = [engine.ids(subset_body([rows.texts[i] for i in part], label, self.clip)) for part in group]
                 voting = np.array([bool(part) for part in group], dtype=bool)
                 out = generate_demo(engine, self.prefix, bodies, engine.ids(label_header(label)),

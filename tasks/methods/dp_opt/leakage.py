@@ -68,7 +68,7 @@ def leakage_report(prompts: list[str], private_texts: list[str], encoder=None, n
         # by length, so that each batch pads to about its own texts' length (only the best cosine is kept:
         # the order changes nothing else, up to float rounding): 2.4× faster on SST-2 (8,192 texts, MiniLM,
         # 2 CPU threads: 54 → 22 s). In ten parts of near-equal size, a progress line after each: ten lines
-        # at even intervals for any number of texts, none at all included (review 10b, G3: lines in bursts
+        # at even intervals for any number of texts, none at all included (lines in bursts
         # per fixed-size chunk timed the chunks' count)
         ordered = sorted(private_texts, key=len)
         for k in range(10):

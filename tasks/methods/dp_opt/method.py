@@ -330,7 +330,7 @@ class _Proposer:
         """ŷ of the rows of ``idx`` not labelled yet, each a function of that row alone
         (``rowwise``): batched as :meth:`CausalEngine.last_logits` batches, a row's ŷ could flip at a
         near-tie with its companions (float rounding with padding) and, cached, move a vote of a later
-        query that one of them is not in (review 6, F1)."""
+        query that one of them is not in."""
         from .text_prompts import predictions
 
         new = sorted({int(i) for i in idx} - self.yhat.keys())

@@ -57,7 +57,7 @@ class DPZeroResult:
 def physical_batch(cfg, classifier: PromptClassifier, prompt: torch.Tensor) -> int:
     """``models.physical_batch_size``, or (null) the size chosen for the device from a probe of two
     forward passes (:func:`models.memory.choose`; DPZero takes no gradient) on PUBLIC rows of
-    ``models.max_length`` tokens, never on private ones (review 8b, R3: an out-of-memory decided by
+    ``models.max_length`` tokens, never on private ones (an out-of-memory decided by
     one long record)."""
     from models.memory import choose
 
@@ -94,7 +94,7 @@ def noisy_clipped_sum(differences: torch.Tensor, clip: float, noise_multiplier: 
     """Σ clip(d_i, C) + N(0, (σC)²): the step's only private release (a scalar). A non-finite d_i
     (one example's loss overflowing in reduced precision; a unit's mean over it) contributes 0, as
     DP-SGD's overflowing example does: clamp keeps NaN, and one record would otherwise decide
-    whether the run fails, and at which step (review 6, F2)."""
+    whether the run fails, and at which step."""
     clipped = torch.where(torch.isfinite(differences), differences, torch.zeros_like(differences)).clamp(-clip, clip)
     noise = torch.normal(0.0, noise_multiplier * clip, size=(), generator=noise_generator)
     return clipped.sum() + noise
@@ -122,7 +122,7 @@ def train_dpzero(classifier: PromptClassifier, encoded: dict, labels: torch.Tens
     if labels.shape != (N,):
         raise ValueError(f"need one label per example (N={N}, labels {tuple(labels.shape)})")
     # an EXACTLY empty training set still takes the planned steps (every batch empty: noise alone):
-    # refusing it would be a 0-vs-1 test of one record outside ε (review 6, F5)
+    # refusing it would be a 0-vs-1 test of one record outside ε
     if N == 0:
         units = None
     if units is not None:

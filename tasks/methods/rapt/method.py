@@ -271,7 +271,7 @@ class Rapt(Method):
         encoding = encode_rapt(bb.tokenizer, texts, plain, cfg.models.max_length)
         # a split with no text token at all (exactly empty, or every text empty after tokenization) is
         # privatized and tuned on like any other (nothing to draw: the tuning sees no row): refusing it
-        # on the exact rows would be a 0-vs-1 test of one record outside ε (review 6, F5)
+        # on the exact rows would be a 0-vs-1 test of one record outside ε
         shared = draw_path(mctx, split, {
             "data": cfg.data.model_dump(mode="json"), "data_root": cfg.data_root, "seed": cfg.seed,
             "model": cfg.models.local, "max_length": cfg.models.max_length, "eta": block.eta, "plain": plain,

@@ -202,7 +202,7 @@ def train_rapt(model: RaptModel, data: PrivatizedEncoding, labels: torch.Tensor,
         raise ValueError(f"labels must have shape ({len(data)},), got {tuple(labels.shape)}")
     if steps < 1 or batch_size < 1:
         raise ValueError(f"need steps >= 1 and batch_size >= 1, got {steps}, {batch_size}")
-    if len(data) == 0:  # no privatized row (an exactly empty split, review 6 F5): nothing to tune on
+    if len(data) == 0:  # no privatized row (an exactly empty split): nothing to tune on
         return model
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
