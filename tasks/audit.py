@@ -37,9 +37,10 @@ from .config import AuditConfig, PrivPromptConfig, parse_config
 from .data import Partition, read_partition_split
 from .errors import PrivPromptError
 from .record import RunRecord, client
-from .lifecycle import shadow_prompt as method_shadow
-from .methods import PrivateRows, get_method
+from . import randomness
+from .methods import MethodContext, PrivateRows, get_method
 from .methodkit.classifiers import classifier_for, input_length, label_indices, prompted
+from .run_plan import shadow_plan
 from .state import make_private_dir, private_file, state_paths
 
 
@@ -255,6 +256,24 @@ def pool_scores(cfg: PrivPromptConfig, pool_path: str, model: str, prompt, acfg:
     for attack in chosen_attacks(acfg.attacks):
         out.update(attack.statistics(scoring))
     return out
+
+
+def method_shadow(config: dict, method_name: str, prepared: dict, state_dir: str, rows: PrivateRows,
+                  shadow_seed: int, sizes=None):
+    """An audit shadow: the audited method's own ``train`` + ``post_process`` on ``rows`` (pool
+    rows), no ledger, no tracking (shadows are private working data). Returns (prompt, steps).
+
+    Calibrated as the audited run was (:func:`tasks.run_plan.shadow_plan` on its released
+    ``sizes``, the partition's): the run's noise and sampling rate, not a fresh calibration to
+    the whole target on the pool."""
+    cfg = parse_config(config)  # its seed stays: models and splits are the audited run's
+    method = get_method(method_name)
+    index = rows.unit_index()
+    plan = shadow_plan(cfg, method_name, sizes, len(rows) if index is None else index[1])
+    mctx = MethodContext(cfg, state_paths(state_dir), prepared, randomness.for_shadow(cfg, shadow_seed), shadow_seed)
+    trained = method.train(mctx, plan, rows)
+    post = method.post_process(mctx, plan, trained.prompt)
+    return post.prompt, trained.steps + post.steps
 
 
 def shadow_prompt(target: AuditTarget, pool_path: str, idx: np.ndarray, seed: int):

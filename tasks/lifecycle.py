@@ -27,10 +27,8 @@ are written under ``private/`` only. A crash after the reservation keeps it spen
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from privacy import accountant as acct
@@ -38,17 +36,17 @@ from privacy import events as ev
 from privacy.ledger import BudgetExceededError, Ledger, ReadClaimedError
 from privacy.plan import RunPlan, thawed
 
-from . import plots, randomness, recording
+from . import randomness, recording
 from .charge import budget_statement, ensure_dataset, refusals_to_operator
 from .data import Partition, read_partition_split, read_partition_units
-from .methods import MethodContext, PrivateRows, get_method
+from .methods import MethodContext, PrivateRows
 from .methods.base import Trained
 from .outcome import RunOutcome
 from .prompts import save_prompt_file
-from .release_store import ReleaseError, store_release, stored_release
-from .run_plan import fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, runner, shadow_plan
+from .release_store import ReleaseError, store_release, stored_release, write_private_history
+from .run_plan import fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, runner
 from .selected import Choice
-from .state import open_private, operator_note
+from .state import operator_note
 
 
 # The publish rule: outputs of a formal guarantee — central DP, or local d_X privacy (the model
@@ -69,21 +67,6 @@ def read_private_rows(part: Partition, validation: bool = False) -> PrivateRows:
         rows.validation = PrivateRows(*read_partition_split(part.holdout_path),
                                       units=read_partition_units(part.holdout_path))
     return rows
-
-
-def _write_private_history(directory: Path, name: str, history: list[dict]) -> str | None:
-    """Exact private statistics (per-step losses) stay local: a JSON file and a curve under private/."""
-    if not history:
-        return None
-    path = directory / f"{name}_history.json"
-    with open_private(path, "w") as handle:  # 0600: per-step losses, batch sizes, clip rates
-        handle.write(json.dumps(history))
-    fig = plots.training_curve(history, f"{name}: batch loss (PRIVATE: exact statistic of private data)")
-    curve = directory / f"{name}_training_curve.png"
-    with open_private(curve, "wb") as handle:
-        fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
-    plots.close(fig)
-    return str(path)
 
 
 # The door's stage points, in order: reserved (after the reservation, before the first private
@@ -300,7 +283,7 @@ def commit(door: Door, trained: Trained, train_s: float) -> tuple[dict, dict]:
             per_record = acct.spend(trained.record_event, delta).epsilon
             info["spend"]["epsilon_per_record"] = per_record
             metrics["privacy.epsilon_per_record"] = per_record
-    _write_private_history(door.ctx.private_run_dir, name, trained.history)
+    write_private_history(door.ctx.private_run_dir, name, trained.history)
     if trained.audit_metrics:
         ledger.record_nonprivate(door.ctx.part.dataset_key, f"{door.run_key}:audit-statistics",
                                  f"{name}: audit statistics computed on private data (not DP): "
@@ -386,24 +369,3 @@ def _release_unread(door: Door, exc: BaseException) -> None:
         operator_note(door.ctx.paths, f"run {door.run_key}: {budget_statement(entry)}")
     except Exception:  # noqa: BLE001 - the statement must never hide the error itself
         pass
-
-
-def shadow_prompt(config: dict, method_name: str, prepared: dict, state_dir: str, rows: PrivateRows,
-                  shadow_seed: int, sizes=None):
-    """An audit shadow: the audited method's own ``train`` + ``post_process`` on ``rows`` (pool
-    rows), no ledger, no tracking (shadows are private working data). Returns (prompt, steps).
-
-    Calibrated as the audited run was (:func:`tasks.run_plan.shadow_plan` on its released
-    ``sizes``, the partition's): the run's noise and sampling rate, not a fresh calibration to
-    the whole target on the pool."""
-    from .config import parse_config
-    from .state import state_paths
-
-    cfg = parse_config(config)  # its seed stays: models and splits are the audited run's
-    method = get_method(method_name)
-    index = rows.unit_index()
-    plan = shadow_plan(cfg, method_name, sizes, len(rows) if index is None else index[1])
-    mctx = MethodContext(cfg, state_paths(state_dir), prepared, randomness.for_shadow(cfg, shadow_seed), shadow_seed)
-    trained = method.train(mctx, plan, rows)
-    post = method.post_process(mctx, plan, trained.prompt)
-    return post.prompt, trained.steps + post.steps

@@ -29,7 +29,7 @@ Statistic = Callable[["SourceData", object, bytes], np.ndarray]
 _STATISTICS: dict[str, Statistic] = {}
 
 # a row's contribution before clipping, in units of the clip bound: far above it, so clipping binds
-_OVER_CLIP = 50.0
+OVER_CLIP = 50.0
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def clipped_gradient_sum(source: SourceData, cfg, key: bytes) -> np.ndarray:
 
     rows = training_rows(source, cfg, key)
     grads = torch.zeros((len(rows), 3), dtype=torch.float64)
-    grads[:, 0] = _OVER_CLIP
+    grads[:, 0] = OVER_CLIP
     out = _ClippedSum(torch.zeros(3, dtype=torch.float64))
     units = unit_tensor(cfg, rows).get("units")
     if units is None:
@@ -122,24 +122,6 @@ def clipped_gradient_sum(source: SourceData, cfg, key: bytes) -> np.ndarray:
         summed, counts = combine_per_unit(grads, units, n_units)
         out.add_clipped(finish_per_unit(summed, counts, "mean"), 1.0)
     return out.summed.numpy()
-
-
-@register_statistic("clipped_difference_sum")
-def clipped_difference_sum(source: SourceData, cfg, key: bytes) -> np.ndarray:
-    """DPZero's pre-noise scalar: per row, or per unit (``unit_means``), two-point differences
-    clipped to 1 and summed (``noisy_clipped_sum`` at noise 0)."""
-    import torch
-
-    from .methodkit.training import unit_tensor
-    from .methods.dpzero.training import noisy_clipped_sum, unit_means
-
-    rows = training_rows(source, cfg, key)
-    diffs = torch.full((len(rows),), _OVER_CLIP, dtype=torch.float64)
-    units = unit_tensor(cfg, rows).get("units")
-    if units is not None and len(rows):
-        diffs = unit_means(diffs, units)
-    zero = torch.Generator().manual_seed(0)
-    return np.array([float(noisy_clipped_sum(diffs, 1.0, 0.0, zero))])
 
 
 @register_statistic("selection_counts")

@@ -10,6 +10,7 @@ from pathlib import Path
 from privacy import events as ev
 from privacy.ledger import Ledger, UnknownRunError
 
+from . import plots
 from .errors import PrivPromptError
 from .methods.base import Trained
 from .prompts import load_prompt_file, save_prompt_file
@@ -127,3 +128,18 @@ def stored_release(ledger: Ledger, run_key: str, private_run_dir: Path, name: st
     record_event = ev.event_from_json(manifest["record_event"]) if manifest.get("record_event") else None
     return Trained(prompt, event, int(manifest.get("steps", 0)), dict(manifest.get("metrics", {})),
                    [], dict(manifest.get("audit_metrics", {})), record_event=record_event)
+
+
+def write_private_history(directory: Path, name: str, history: list[dict]) -> str | None:
+    """Exact private statistics (per-step losses) stay local: a JSON file and a curve under private/."""
+    if not history:
+        return None
+    path = directory / f"{name}_history.json"
+    with open_private(path, "w") as handle:  # 0600: per-step losses, batch sizes, clip rates
+        handle.write(json.dumps(history))
+    fig = plots.training_curve(history, f"{name}: batch loss (PRIVATE: exact statistic of private data)")
+    curve = directory / f"{name}_training_curve.png"
+    with open_private(curve, "wb") as handle:
+        fig.savefig(handle, format="png", dpi=120, bbox_inches="tight")
+    plots.close(fig)
+    return str(path)

@@ -125,7 +125,7 @@ def test_sqlite_ledger_files_are_owner_only(tmp_path, umask):
 
 @pytest.mark.parametrize("umask", [0o022, 0o000], ids=["umask0022", "umask0000"])
 def test_selection_log_and_private_history_are_owner_only(tmp_path, umask):
-    from tasks.lifecycle import _write_private_history
+    from tasks.release_store import write_private_history as _write_private_history
     from tasks.selection import private_logger
 
     with _Umask(umask):

@@ -144,7 +144,7 @@ def test_train_spends_at_most_the_plan_and_the_prompt_round_trips(name, contexts
 
 @pytest.mark.parametrize("name", [m for m in registered_methods()])
 def test_shadow_is_train_and_post_process_through_the_registry(name, contexts):
-    from tasks.lifecycle import shadow_prompt
+    from tasks.audit import method_shadow as shadow_prompt
 
     ctx, prepared = contexts[name]
     if not get_method(name).reads_private_data(ctx.cfg):
@@ -167,7 +167,7 @@ def test_a_shadow_is_calibrated_as_the_audited_run_was(name, contexts, monkeypat
     share after the sizes release, q on the run's ñ), not a fresh calibration to the whole target
     on the pool (review F4): its noise is the audited prompt's."""
     from tasks.data import ReleasedSizes
-    from tasks.lifecycle import shadow_prompt
+    from tasks.audit import method_shadow as shadow_prompt
     from tasks.run_plan import plan_for
 
     ctx, prepared = contexts[name]
@@ -224,7 +224,7 @@ def test_unit_level_methods_train_and_shadow_per_unit(name, contexts):
     from privacy import accountant as acct
     from privacy.ledger import Ledger
     from tasks.config import parse_config
-    from tasks.lifecycle import shadow_prompt
+    from tasks.audit import method_shadow as shadow_prompt
     from tasks.methods import MethodContext
     from tasks.randomness import DpRandomness
 

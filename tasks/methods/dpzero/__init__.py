@@ -2,3 +2,4 @@
 (``training.py``) and its privacy event (``events.py``)."""
 
 from .method import DPZero, DPZeroConfig  # noqa: F401  (registers the method)
+from . import neighbour_stats  # noqa: F401,E402  (registers DPZero's pre-noise statistic)
