@@ -67,10 +67,11 @@ def child(config: str) -> int:
     stamp("tasks.config imported")
     _wrap(privprompt_cli, "load_config", "load config") if hasattr(privprompt_cli, "load_config") else None
     _wrap(tconfig, "load_config", "load config")
-    import tasks.lifecycle as lifecycle
+    import tasks.lifecycle  # noqa: F401
+    import tasks.preflight as preflight
 
     stamp("tasks.lifecycle imported")
-    _wrap(lifecycle, "preflight", "preflight")
+    _wrap(preflight, "preflight", "preflight")
     server = privprompt_cli._local_prefect_server
     enter, exit_ = server.__enter__, server.__exit__
 

@@ -44,7 +44,7 @@ def check_dataset_terms(ledger: Ledger | None, key: str, name: str, cap: float, 
         raise DeltaMismatchError(f"{exc}: a smaller δ with privprompt budget set-delta {key[:12]} DELTA --reason TEXT "
                                  "(a larger δ raises the dataset's budget, a policy step like a cap raise)") from None
     if cap > row["epsilon_cap"] + 1e-12:
-        raise ConfigError(
+        raise CapAboveStoredError(
             f"privacy.dataset_epsilon_cap={cap:g} is above the cap ε={row['epsilon_cap']:g} already set for "
             f"dataset {name!r} (fingerprint {key[:12]}); caps are only lowered from a run (set "
             f"privacy.dataset_epsilon_cap: {row['epsilon_cap']:g} or lower)")
@@ -95,6 +95,10 @@ def resolve_partition(ledger: Ledger | None, part: dict) -> tuple[dict, str | No
     return {**part, "dataset_key": match["fingerprint"] if match else records.key}, charged_note(match, part["dataset"])
 
 
+class CapAboveStoredError(ConfigError):
+    """A config's cap above the one stored for its ledger dataset."""
+
+
 class ChargedRefusal(PrivPromptError):
     """A ledger refusal whose reason names the registered dataset a source is charged to, or says
     that its records lie in several: said on the operator's terminal, while what Prefect and MLflow
@@ -113,7 +117,8 @@ def refusals_to_operator(paths, charged_elsewhere: bool):
 
     try:
         yield
-    except (RecordOverlapError, DeltaMismatchError, UnitMismatchError, BudgetExceededError, ConfigError) as exc:
+    except (RecordOverlapError, DeltaMismatchError, UnitMismatchError, BudgetExceededError,
+            CapAboveStoredError) as exc:
         if not (charged_elsewhere or isinstance(exc, RecordOverlapError)):
             raise
         operator_note(paths, str(exc))

@@ -42,7 +42,7 @@ class Partition:
     n_canaries_planted: int
     # the ledger's key of the private SOURCE dataset: in the manifest, the source's own records key
     # (``source_key``); a run replaces it by the key of the registered dataset the source is charged
-    # to (:func:`tasks.lifecycle.source_dataset`), which may be another one sharing its records
+    # to (:func:`tasks.charge.source_dataset`), which may be another one sharing its records
     dataset_key: str = ""
     source_key: str = ""      # keyed hash of the source's record set (:func:`records_key`)
     legacy_key: str = ""      # the source's key before ledger schema 5 (keyed hash of its files' bytes)

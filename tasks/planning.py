@@ -52,9 +52,9 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
     """``variants``: [(label, config)]. Returns {"runs": [...], "datasets": {key: preview}, "fits": bool}.
 
     The same rules and checks as a run, writing nothing but the released sizes: every check that needs no
-    private data (:func:`tasks.lifecycle.preflight`: models, label words, templates, endpoints;
+    private data (:func:`tasks.preflight.preflight`: models, label words, templates, endpoints;
     ``checks=False``: a caller that ran them already),
-    and the ledger's terms of each dataset (:func:`tasks.lifecycle.check_dataset_terms`: its δ, a
+    and the ledger's terms of each dataset (:func:`tasks.charge.check_dataset_terms`: its δ, a
     cap only lowered). With ``largest`` and one config per dataset, each dataset's preview also
     says the largest ``privacy.target_epsilon`` at which that config still fits
     (``largest_epsilon``, solved with the accountant; None: nothing fits)."""
@@ -103,7 +103,7 @@ def budget_refusal(cfg, state_paths) -> str | None:
 
 def _charged_dataset(ledger, cfg, state_paths, pending: dict, meta: dict) -> tuple[str, str, str | None]:
     """(fingerprint, name, note) of the dataset a variant's source is charged to, as a run finds it
-    (:func:`tasks.lifecycle.ensure_dataset`), counting sources that earlier variants register
+    (:func:`tasks.charge.ensure_dataset`), counting sources that earlier variants register
     (``pending``, updated with this one's records)."""
     from privacy.ledger import RecordOverlapError
 

@@ -297,7 +297,7 @@ class Method:
 
     def default_delta(self, n_train: int) -> float:
         """δ when the config sets none. Whatever a method returns here, the lifecycle
-        (``tasks.lifecycle.resolve_delta``) uses at most 1/(10·n_train): δ ≥ 1/n lets a mechanism
+        (``tasks.run_plan.resolve_delta``) uses at most 1/(10·n_train): δ ≥ 1/n lets a mechanism
         publish whole records."""
         return min(1e-5, 1.0 / (10 * n_train))
 
@@ -360,7 +360,7 @@ class Method:
     def variants(self, ctx, result: "RunOutcome", prepared: dict[str, Any], run_method) -> list[Variant]:
         """Extra evaluated prompts. ``result``: the published method's outcome; ``run_method(name)``
         runs another registered method through the lifecycle (e.g. a non-private upper bound) and
-        returns its :class:`~tasks.lifecycle.RunOutcome`."""
+        returns its :class:`~tasks.outcome.RunOutcome`."""
         return []
 
     def tables(self, accuracies: dict[str, float], result: "RunOutcome", variants: list[Variant]) -> dict[str, str]:

@@ -34,7 +34,7 @@ def forward_text_budget(engine, cfg, instruction: str | None) -> int | None:
         return None
     head = len(engine.tok(eval_prefix(instruction), add_special_tokens=True, verbose=False)["input_ids"])
     template = template_tokens(engine, input_template(cfg))  # its two sides apart
-    return max(1, context - head - template - 2 * JUNCTION - SEAM)  # SEAM: margin (met 256 of 256 at the worst seam)
+    return max(1, context - head - template - 2 * JUNCTION - SEAM)  # SEAM: margin (a measured prompt filled 256 of 256 at the worst seam)
 
 
 def meta_text_budget(engine, cfg, instruction: str, rows: int, max_new_tokens: int,
