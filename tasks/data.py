@@ -357,16 +357,22 @@ def record_digests(key: bytes, texts: list[str]) -> bytes:
     records. Two texts that differ only so count as one record: the ledger then charges their
     sources together, never apart (it may over-count, never under-count). Without the key a digest
     confirms no guess about a text."""
-    import html
-    import unicodedata
-
     base = hmac.new(key, _TAG_RECORD, hashlib.sha256)
     out = set()
     for t in texts:
         h = base.copy()
-        h.update(" ".join(unicodedata.normalize("NFKC", html.unescape(t)).casefold().split()).encode("utf-8"))
+        h.update(record_text(t).encode("utf-8"))
         out.add(h.digest()[:RECORD_DIGEST_BYTES])
     return b"".join(sorted(out))
+
+
+def record_text(text: str) -> str:
+    """A record's text as the ledger knows it (:func:`record_digests`): HTML entities unescaped,
+    Unicode NFKC, case-folded, whitespace collapsed."""
+    import html
+    import unicodedata
+
+    return " ".join(unicodedata.normalize("NFKC", html.unescape(text)).casefold().split())
 
 
 def records_key(key: bytes, digests: bytes) -> str:
@@ -845,10 +851,7 @@ def read_public_texts(name: str, path: str | None, split: str, text_field: str, 
     declares private (:func:`assert_not_the_private_source`: by path, never by content). Whether a
     public text also occurs in the private source is not looked at here: any answer a run gave would
     be a membership oracle (:func:`public_overlap` answers it on the operator's terminal)."""
-    folder = Path(path).expanduser() if path else (Path(data_root) / name if data_root else None)
-    if folder is None or not folder.is_dir():
-        raise DataError(f"public data folder not found: {folder}")
-    file = find_split_file(folder, split)
+    file = public_split_file(name, path, split, data_root)
     assert_public(file, private_dir)
     if private_source is not None:
         assert_not_the_private_source(file, private_source[0], private_source[1])
@@ -861,6 +864,14 @@ def read_public_texts(name: str, path: str | None, split: str, text_field: str, 
         idx = np.random.default_rng(seed).choice(len(texts), size=size, replace=False)
         texts = [texts[i] for i in sorted(idx)]
     return texts
+
+
+def public_split_file(name: str, path: str | None, split: str, data_root: str | None) -> Path:
+    """The file of a public dataset's ``split``: in ``path``, else in ``<data_root>/<name>``."""
+    folder = Path(path).expanduser() if path else (Path(data_root) / name if data_root else None)
+    if folder is None or not folder.is_dir():
+        raise DataError(f"public data folder not found: {folder}")
+    return find_split_file(folder, split)
 
 
 def public_texts(cfg, private_dir) -> list[str]:
@@ -884,19 +895,6 @@ def cached_public_texts(cfg, paths) -> list[str]:
     return _PUBLIC[key]
 
 
-def _normalised(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _private_files(private: DataConfig, data_root: str | None) -> list[Path]:
-    """The private source's split files as the config names them (none for hub data)."""
-    if private.hub:
-        return []
-    folder = resolve_data_folder(private, data_root)
-    return [find_split_file(folder, s) for s in (private.train_split, private.test_split)
-            if any(folder.glob(f"{s}.*"))]
-
-
 def assert_not_the_private_source(public_file: Path, private: DataConfig, data_root: str | None) -> None:
     """Refuse public data that the config itself names as the private source: the same resolved file
     as one of its splits, or a file in its data folder. A function of the config's paths alone, never
@@ -904,30 +902,29 @@ def assert_not_the_private_source(public_file: Path, private: DataConfig, data_r
     public_file = Path(public_file).resolve()
     if private.hub:
         return
-    folder = resolve_data_folder(private, data_root).resolve()
-    if public_file.parent == folder or any(f.resolve() == public_file for f in _private_files(private, data_root)):
+    folder = resolve_data_folder(private, data_root)
+    splits = [find_split_file(folder, s) for s in (private.train_split, private.test_split) if any(folder.glob(f"{s}.*"))]
+    if public_file.parent == folder.resolve() or any(f.resolve() == public_file for f in splits):  # a split may be a link
         raise DataError(f"public data {public_file} is in the private dataset {private.name!r}'s folder "
                         f"({folder}): public-data stages may not read private records")
 
 
 def public_overlap(cfg) -> tuple[int, int]:
-    """(public texts, of them also a train or test text of the private source, whitespace-normalised):
-    a fact about private data, for the operator's terminal only (``privprompt check-public``). Runs
+    """(public texts, of them also a train or test record of the private source, as the ledger knows a
+    record: :func:`record_text`): a fact about private data, for the operator's terminal only
+    (``privprompt plan``). Runs
     never compute it: a DP guarantee holds for public data chosen without looking at the private
     source, whatever the two share (docs/privacy-claims.md)."""
     from .state import default_data_root
 
     p, root = cfg.public, default_data_root(cfg.data_root)
-    folder = Path(p.path).expanduser() if p.path else (Path(root) / p.name if root else None)
-    if folder is None or not folder.is_dir():
-        raise DataError(f"public data folder not found: {folder}")
-    rows = sources.read_file(find_split_file(folder, p.split))
+    rows = sources.read_file(public_split_file(p.name, p.path, p.split, root))
     texts = [r.get(p.text_field) for r in rows]
-    public = [_normalised(t) for t in texts if isinstance(t, str) and t.strip()]
+    public = [record_text(t) for t in texts if isinstance(t, str) and t.strip()]
     private: set[str] = set()
     for split in (cfg.data.train_split, cfg.data.test_split):
         try:
-            private.update(_normalised(t) for t in read_split(cfg.data, root, split)[0])
+            private.update(record_text(t) for t in read_split(cfg.data, root, split)[0])
         except DataError:
             continue
     return len(public), sum(t in private for t in public)

@@ -70,16 +70,13 @@ def _public_rows(cfg, private_dir) -> tuple[list[str], list[str | None]]:
     """The parent config's public texts (``public:``, as its runs read them) and each row's label when
     it is one of the label set (None otherwise). The private source is not read (module docstring)."""
     from . import sources
-    from .data import DataError, assert_not_the_private_source, assert_public, find_split_file
+    from .data import DataError, assert_not_the_private_source, assert_public, public_split_file
     from .state import default_data_root
 
     if cfg.public is None:
         raise RetargetError("the parent run's config names no public: data; retargeting reads public texts only")
     p, root = cfg.public, default_data_root(cfg.data_root)
-    folder = Path(p.path).expanduser() if p.path else (Path(root) / p.name if root else None)
-    if folder is None or not folder.is_dir():
-        raise RetargetError(f"public data folder not found: {folder}")
-    file = find_split_file(folder, p.split)
+    file = public_split_file(p.name, p.path, p.split, root)
     assert_public(file, private_dir)
     assert_not_the_private_source(file, cfg.data, root)
     rows = [r for r in sources.read_file(file) if isinstance(r.get(p.text_field), str) and r[p.text_field].strip()]
