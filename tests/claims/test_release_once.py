@@ -261,6 +261,8 @@ def test_two_attempts_alive_at_once_release_one_output(tmp_path, sst2_dir, monke
     assert files == ["prompt_dpsgd.safetensors"]
 
 
+@pytest.mark.slow  # suite time (12 s): the read claim's race on the ledger itself stays in the default suite
+# (tests/ledger/test_ledger_team.py: 6 processes, one claim)
 def test_two_attempts_that_reach_the_first_read_together_read_once(tmp_path, sst2_dir, monkeypatch, spies):
     """Two attempts of one run pass the reservation together and both reach the first private read:
     the read is claimed in one ledger transaction, so exactly one reads and trains; the other is
