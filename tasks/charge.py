@@ -161,6 +161,25 @@ def ensure_dataset(ledger: Ledger, part: Partition, cap: float, delta: float) ->
     return {**row, "how": how}
 
 
+def charge_run_dataset(ctx, ledger: Ledger, delta: float) -> None:
+    """:func:`ensure_dataset` for flow run ``ctx``, refused when its source is now charged to
+    another dataset than the one the flow tagged and planned the run against (another run
+    registered a source sharing its records meanwhile): said in full to the operator only."""
+    part = ctx.part
+    charged = ensure_dataset(ledger, part, ctx.cfg.privacy.dataset_epsilon_cap, delta)["fingerprint"]
+    if charged == part.dataset_key:
+        return
+    from privacy.ledger import LedgerError
+
+    from .state import operator_note
+
+    operator_note(ctx.paths, f"data source {part.dataset!r} is now charged to dataset fingerprint {charged[:12]}, "
+                             f"not {part.dataset_key[:12]} that run {ctx.flow_run_id} started with")
+    raise LedgerError(f"data source {part.dataset!r} is now charged to another dataset than the one this run "
+                      "started with (another run registered a source sharing its records meanwhile; the "
+                      "operator's terminal says which); nothing was reserved: run it again")
+
+
 def check_budget(ctx, plans: dict, delta: float) -> None:
     """Before any baseline, evaluation or training of a flow run: the dataset's terms (unit, δ, cap:
     :func:`check_dataset_terms`) and every DP event the run will reserve (``plans``: each run

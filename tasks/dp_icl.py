@@ -560,7 +560,7 @@ class DPICLServer:
         if not reservation.new:
             raise RuntimeError(f"dp_icl: {run_id} was already charged: not run again")
         self._size_event = None
-        self.ledger.mark_read(run_id)
+        self.ledger.claim_read(run_id)  # the door's primitive: one attempt reads under a reservation
 
     def _commit(self, run_id: str, event: DpEvent, keep, result) -> None:
         """Commit ``run_id`` and hand ``result`` to ``keep`` with it, Ctrl-C and SIGTERM held until both

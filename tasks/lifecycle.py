@@ -1,15 +1,16 @@
 """The one privacy lifecycle every method runs through:
 
     plan (pure, once: ``tasks.run_plan.plan_for``) → register dataset / check δ → reserve the
-    plan's worst case (dp) or record the use (ldp / none) → read private rows → train → store the
-    DP output → commit what was spent (≤ the reservation) → post-process (public data only) →
-    publish.
+    plan's worst case (dp) or record the use (ldp / none) → run each of the plan's releases in
+    order (the method's training is the only read of private training rows) → store the DP output
+    → commit what was spent (≤ the reservation) → post-process (public data only) → publish.
 
 :func:`run_method` is that door, one small function a step (:func:`open_door`, :func:`reserve`,
-:func:`train`, :func:`store`, :func:`commit`, :func:`publish`); what it records on MLflow is in
-``tasks/recording.py``, the usable forms of a published output in ``tasks/publish.py``. A
-selection of a method's settings is a method too (``tasks.selected.Selected``): the door never
-asks whether a run selects.
+:func:`run_releases`, :func:`store`, :func:`commit`, :func:`publish`); each kind of release is a
+class in ``tasks/releases.py`` (a new release is a new kind there, not a branch here); what the
+door records on MLflow is in ``tasks/recording.py``, the usable forms of a published output in
+``tasks/publish.py``. A selection of a method's settings is a release kind and a method wrapper
+(``tasks.selected.Selected``): the door never asks whether a run selects.
 
 Everything that needs no private data is checked first (``tasks.preflight``), the dataset a run
 is charged to and its terms in ``tasks.charge``, the stored release a retry republishes in
@@ -37,15 +38,15 @@ from privacy.ledger import BudgetExceededError, Ledger, ReadClaimedError
 from privacy.plan import RunPlan, thawed
 
 from . import randomness, recording
-from .charge import budget_statement, ensure_dataset, refusals_to_operator
+from .charge import budget_statement, charge_run_dataset, refusals_to_operator
 from .data import Partition, read_partition_split, read_partition_units
 from .methods import MethodContext, PrivateRows
-from .methods.base import Trained
+from .methods.base import Choice, Trained
 from .outcome import RunOutcome
 from .prompts import save_prompt_file
+from .releases import own_release, releases_of
 from .release_store import ReleaseError, store_release, stored_release, write_private_history
 from .run_plan import fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, runner
-from .selected import Choice
 from .state import operator_note
 
 
@@ -78,7 +79,7 @@ STAGES = ("reserved", "training", "committed", "publishing")
 STAGE_HOOKS: list[Callable[[str], None]] = []
 
 
-def _stage(name: str) -> None:
+def stage(name: str) -> None:
     for hook in STAGE_HOOKS:
         hook(name)
 
@@ -100,10 +101,22 @@ class Door:
     reservation: Any = None
     stored: Trained | None = None
     read_begun: bool = False
+    releases: tuple = ()
+    train_s: float = 0.0
 
     @property
     def dp(self) -> bool:
         return self.plan.guarantee == "dp"
+
+    def claim_read(self) -> None:
+        """One attempt of a run reads, ever: the check and the mark are one ledger transaction. An
+        earlier or concurrent attempt that claimed the read may have shown some of its mechanism's
+        outputs (progress of DP-OPT's queries), which the reservation covers; a second run of the
+        mechanism would need a second charge: refused, the reservation stays spent."""
+        try:
+            self.ledger.claim_read(self.run_key)
+        except ReadClaimedError as exc:
+            raise ReleaseError(str(exc)) from None
 
 
 def run_method(ctx, name: str, prepared: dict, progress=None, plan: RunPlan | None = None) -> RunOutcome:
@@ -136,8 +149,8 @@ def run_method(ctx, name: str, prepared: dict, progress=None, plan: RunPlan | No
         # a refusal at the reservation names the dataset the source is charged to, and its spend
         with refusals_to_operator(ctx.paths, charged_elsewhere=ctx.part.dataset_key != ctx.part.published_key):
             reserve(door)
-        trained, train_s = train(door, progress)
-        info, metrics = commit(door, trained, train_s)
+        trained = run_releases(door, progress)
+        info, metrics = commit(door, trained)
         return publish(door, trained, info, metrics, progress)
     except BaseException as exc:
         door.child.end(ok=False)
@@ -156,18 +169,12 @@ def open_door(ctx, name: str, prepared: dict, plan: RunPlan | None = None) -> Do
     method = runner(cfg, name)
     opt_in = delta_opt_in(cfg, part.sizes.n_for_delta, plan.delta)
     ledger = ctx.paths.open_ledger()  # the state folder's file, or the team's ledger by URL
-    charged = ensure_dataset(ledger, part, cfg.privacy.dataset_epsilon_cap, plan.delta)["fingerprint"]
-    if charged != part.dataset_key:  # the flow tagged and planned the run against another dataset
-        from privacy.ledger import LedgerError
-
-        operator_note(ctx.paths, f"data source {part.dataset!r} is now charged to dataset fingerprint {charged[:12]}, "
-                                 f"not {part.dataset_key[:12]} that run {ctx.flow_run_id} started with")
-        raise LedgerError(f"data source {part.dataset!r} is now charged to another dataset than the one this run "
-                          "started with (another run registered a source sharing its records meanwhile; the "
-                          "operator's terminal says which); nothing was reserved: run it again")
+    charge_run_dataset(ctx, ledger, plan.delta)  # the dataset the run is charged to, under its terms
     method.preflight(cfg, prepared)  # before the reservation (the flow ran all of them already: cached)
+    releases = releases_of(plan)  # an unknown kind is refused here, before the reservation
     child = recording.open_training(ctx, name, plan.guarantee, opt_in)
-    return Door(ctx, name, method, plan, prepared, f"{ctx.flow_run_id}:{name}", ledger, child, opt_in)
+    return Door(ctx, name, method, plan, prepared, f"{ctx.flow_run_id}:{name}", ledger, child, opt_in,
+                releases=releases)
 
 
 def reserve(door: Door) -> None:
@@ -201,44 +208,20 @@ def reserve(door: Door) -> None:
         raise exc.with_hint(fitting_hint(largest), largest) from None
 
 
-def train(door: Door, progress=None) -> tuple[Trained, float]:
-    """The method's training on the private rows (the ONLY step that reads them), or on a retry
-    the stored DP output (no private read, no training). Returns (trained, seconds)."""
-    ctx, cfg, plan, name = door.ctx, door.ctx.cfg, door.plan, door.name
+def run_releases(door: Door, progress=None) -> Trained:
+    """The plan's releases in order (``tasks.releases``): the method's training on the private rows
+    (the ONLY step that reads them) and what the plan releases beside it, then a dp output stored;
+    on a retry the stored DP output instead (no private read, no training)."""
+    ctx, cfg, plan = door.ctx, door.ctx.cfg, door.plan
     door.mctx = MethodContext(cfg, ctx.paths, door.prepared, randomness.for_config(cfg), cfg.seed,
                               ctx.output_dir if plan.guarantee in PUBLISHED else ctx.private_run_dir,
                               ctx.part.dataset_key, private_dir=ctx.private_run_dir)
     if door.stored is not None:  # a retry: the stored DP output, no private read, no training
-        return door.stored, 0.0
-    if door.reservation is not None:
-        _stage("reserved")
-        # one attempt of a run reads, ever: the check and the mark are one transaction. An earlier
-        # or concurrent attempt that claimed the read may have shown some of its mechanism's outputs
-        # (progress of DP-OPT's queries), which the reservation covers; a second run of the
-        # mechanism would need a second charge: refused, the reservation stays spent
-        try:
-            door.ledger.claim_read(door.run_key)  # from here on the reservation stays spent, whatever happens
-        except ReadClaimedError as exc:
-            raise ReleaseError(str(exc)) from None
-    door.read_begun = plan.reads_private
-    rows = (read_private_rows(ctx.part, door.method.uses_validation) if plan.reads_private
-            else PrivateRows([], []))
-    if door.reservation is not None:
-        _stage("training")
-    started = time.perf_counter()
-    trained = door.method.train(door.mctx, plan, rows, progress=progress(name) if progress else None)
-    del rows
-    # the published training time stops here: the comparison below takes time in proportion to the
-    # exact holdout (its rows and their lengths), a private statistic
-    train_s = time.perf_counter() - started
-    if plan.no_prompt is not None:  # the released comparison with no prompt: stored with the output
-        from . import no_prompt
-
-        trained.metrics.update(no_prompt.release(door.mctx, plan, door.method, trained.prompt, ctx.part,
-                                                 ctx.part.sizes.n_holdout))
-    if door.dp:
-        trained = store(door, trained)
-    return trained, train_s
+        return door.stored
+    trained = None
+    for release in door.releases:
+        trained = release.run(door, trained, progress)
+    return store(door, trained) if door.dp else trained
 
 
 def store(door: Door, trained: Trained) -> Trained:
@@ -259,13 +242,13 @@ def store(door: Door, trained: Trained) -> Trained:
     return door.stored
 
 
-def commit(door: Door, trained: Trained, train_s: float) -> tuple[dict, dict]:
+def commit(door: Door, trained: Trained) -> tuple[dict, dict]:
     """The ledger's commit of what a dp run spent (≤ its reservation), the training's private
     history kept under private/, its audit statistics recorded as a non-private use. Returns the
     outcome's fields so far and the child run's metrics."""
     plan, name, ledger, delta = door.plan, door.name, door.ledger, door.plan.delta
     info: dict = {"method": name, "guarantee": plan.guarantee, "private": door.dp,
-                  "params": thawed(plan.params), "steps": trained.steps, "compute": {"train": train_s},
+                  "params": thawed(plan.params), "steps": trained.steps, "compute": {"train": door.train_s},
                   "prompt_path": None, "source_prompt_path": None, "spend": None, "event": None,
                   "republished": door.stored is not None}
     metrics = dict(trained.metrics)
@@ -273,7 +256,7 @@ def commit(door: Door, trained: Trained, train_s: float) -> tuple[dict, dict]:
         if trained.event is None:
             raise RuntimeError(f"{name}: a dp plan's training returned no privacy event")
         ledger.commit(door.run_key, trained.event)  # refuses (after recording it) a spend above the reservation
-        _stage("committed")
+        stage("committed")
         spend = acct.spend(trained.event, delta)
         info.update({"spend": spend.to_dict(), "event": ev.event_to_dict(trained.event),
                      "reserved_new": door.reservation.new if door.reservation is not None else None})
@@ -299,7 +282,7 @@ def publish(door: Door, trained: Trained, info: dict, metrics: dict, progress=No
     output post-processed (public data only) and written under the publish rule."""
     from .no_prompt import FALLBACK, decide
 
-    choice = chosen(door, trained)
+    choice = own_release(door.releases).choice(door, trained)
     recording.record_choice(door.ctx, choice.params, choice.tags)
     info["params"] = {**info["params"], **choice.params}
     decision = decide(door.ctx.cfg, metrics)  # the released comparison with no prompt (post-processing)
@@ -311,12 +294,6 @@ def publish(door: Door, trained: Trained, info: dict, metrics: dict, progress=No
     door.child.end()
     info["published"] = door.plan.guarantee in PUBLISHED and info["prompt_path"] is not None
     return RunOutcome(**info)
-
-
-def chosen(door: Door, trained: Trained) -> Choice:
-    """What the method chose among settings (a selection: its winner), or nothing to say."""
-    choose = getattr(door.method, "chosen", None)
-    return Choice() if choose is None else choose(door.mctx, door.plan, trained.metrics)
 
 
 def write_outputs(door: Door, trained: Trained, info: dict, choice: Choice, progress=None) -> None:
@@ -332,7 +309,7 @@ def write_outputs(door: Door, trained: Trained, info: dict, choice: Choice, prog
     meta.update({k: str(v) for k, v in thawed(plan.params).items()})
     meta.update(choice.meta)
     started = time.perf_counter()
-    post = method.post_process(choice.mctx or door.mctx, choice.plan or plan, trained.prompt,
+    post = method.post_process(choice.mctx, choice.plan, trained.prompt,
                                progress=progress(f"{name}:post") if progress else None)
     if post.prompt is not trained.prompt:
         info["compute"]["post_process"] = time.perf_counter() - started
@@ -342,7 +319,7 @@ def write_outputs(door: Door, trained: Trained, info: dict, choice: Choice, prog
     if info["source_prompt_path"] is None:
         info["source_prompt_path"] = info["prompt_path"]
     if published:
-        _stage("publishing")
+        stage("publishing")
         door.child.log_file(info["prompt_path"], "prompt")
         from .publish import publish_usable  # PEFT adapter + registered model version
 

@@ -7,8 +7,8 @@ it through the same door as any method and never asks whether a run selects.
   spends the method's share ``epsilon`` (``tasks.selection.plan_selection``);
 * ``train``: the trials on the training rows, scored on the holdout (``uses_validation``), the
   mechanism's event (``tasks.selection.train_selection``);
-* ``chosen``: what the run record says of the winner (by name, from released numbers only), and
-  the winner's own context to post-process its output with.
+* what the run publishes of the winner (by name, from released numbers only) is the release
+  kind's (``tasks.releases.SelectionRelease``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from . import selection
 from .errors import ConfigError
 from .methods import get_method
-from .methods.base import Choice, budget  # noqa: F401  (Choice: its home is the method base)
+from .methods.base import budget
 
 
 def announce(line: str) -> None:
@@ -72,23 +72,6 @@ class Selected:
 
     def post_process(self, mctx, plan, prompt, progress=None):
         return self.method.post_process(mctx, plan, prompt, progress=progress)
-
-    def chosen(self, mctx, plan, metrics: dict) -> Choice:
-        """The published candidate by name on the run record, and its own settings to post-process
-        its output with (public data only)."""
-        won = selection.winner_of(plan, metrics)
-        winner = "none" if won is None else (selection.NO_PROMPT if won[2] else won[0])
-        params = {"selection.winner": winner}
-        best = selection.best_trial_name(plan, metrics)
-        if best is not None:  # no prompt published instead of the best trial (released numbers only)
-            params["selection.best_trial"] = best
-        tags = {}
-        if not selection.every_candidate(mctx.cfg.selection):  # the opt-in check_selection_config asked for
-            tags["selection.timing_channel"] = ("the run's duration grows with the secret number of trials K and "
-                                                "shows in MLflow's and Prefect's timestamps; its ε assumes K secret "
-                                                "(selection.accept_timing_channel: true)")
-        post_mctx, post_plan = selection.winner_context(self.method, mctx, plan, metrics)
-        return Choice(params, tags, {"selection.winner": winner}, post_mctx, post_plan)
 
 
 def method_for(cfg, name: str):

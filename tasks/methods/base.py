@@ -333,6 +333,12 @@ class Method:
                      progress: Progress | None = None) -> PostProcessed:
         return PostProcessed(prompt)
 
+    def chosen(self, mctx: MethodContext, plan: MethodPlan, metrics: dict) -> Choice:
+        """What the run publishes of a choice the method made among its own outputs, from released
+        numbers only (DP-OPT: whether the prompt is generated, the initial one or none): params
+        and tags of the run record, the prompt file's meta. The default: nothing."""
+        return Choice()
+
     supports_loss_mia: ClassVar[bool] = True  # False: the in-flow loss attack does not apply
 
     def evaluate_published(self, ctx, prompt_path: str, mctx: MethodContext) -> float | None:

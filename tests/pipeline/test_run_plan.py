@@ -252,7 +252,7 @@ def test_the_plan_is_computed_at_one_place():
 
 # ---- the door ----------------------------------------------------------------------------------
 
-DOOR = ("run_method", "open_door", "reserve", "train", "store", "commit", "publish", "write_outputs")
+DOOR = ("run_method", "open_door", "reserve", "run_releases", "store", "commit", "publish", "write_outputs")
 
 
 def test_the_lifecycle_is_a_short_door_that_names_no_selection():
@@ -284,7 +284,7 @@ def ran(tmp_path, sst2_dir, monkeypatch):
 
     monkeypatch.setattr(lifecycle, "plan_for", again)
     steps = []
-    for step in ("reserve", "train", "store", "commit", "publish"):
+    for step in ("reserve", "run_releases", "store", "commit", "publish"):
         real = getattr(lifecycle, step)
         monkeypatch.setattr(lifecycle, step, (lambda real, step: lambda *a, **k: steps.append(step) or real(*a, **k))(
             real, step))
@@ -295,7 +295,7 @@ def ran(tmp_path, sst2_dir, monkeypatch):
 def test_a_run_with_the_flows_plan_goes_through_the_door_and_leaves_the_config_unchanged(ran):
     from privacy import accountant as acct
 
-    assert ran["steps"] == ["reserve", "train", "store", "commit", "publish"]
+    assert ran["steps"] == ["reserve", "run_releases", "store", "commit", "publish"]
     assert ran["cfg"].model_dump() == ran["before"]
     out, plan = ran["out"], ran["plan"]
     assert out.params["privacy.method_epsilon"] == plan.method_epsilon  # the plan's params, as planned

@@ -1,0 +1,148 @@
+"""The kinds of release a run is made of, each a class the door (``tasks/lifecycle.py``) runs in
+the plan's order: ``for release in releases_of(plan): trained = release.run(door, trained)``.
+
+The plan (``privacy.plan.RunPlan``) describes a run as a tuple of :class:`privacy.plan.Release`
+values, as dp-accounting describes a mechanism by its events; :func:`releases_of` gives each value
+the kind that runs it:
+
+* ``sizes`` (:class:`SizesRelease`): the partition's released sizes — drawn when the partition was
+  made (``tasks.data``), before the door opened; the door checks that the plan it runs was
+  calibrated on exactly those sizes;
+* the method's own release — ``method`` (:class:`OwnRelease`: the method's training, the only step
+  that reads the private training rows) or ``selection`` (:class:`SelectionRelease`: every trial and
+  the noisy holdout scores, one mechanism, and the winner it publishes);
+* ``no_prompt`` (:class:`NoPromptRelease`): the released comparison of the output with no prompt on
+  the holdout (``tasks/no_prompt.py``), stored with the output before the commit.
+
+A plan without a dp claim has no releases; its run is the method's own step alone (its output stays
+under ``private/`` unless the guarantee is ldp). Each kind returns what the run has trained and
+released so far (a :class:`~tasks.methods.base.Trained`); what the ledger is charged for the
+realised run is the plan's composition of the same releases (``RunPlan.charged``). A new release is
+a new kind here, never a branch in the door.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from privacy.plan import NO_PROMPT, Release
+
+from .methods.base import Choice, PrivateRows, Trained
+
+if TYPE_CHECKING:
+    from .lifecycle import Door
+
+
+class SizesRelease:
+    """The partition's released sizes: run before the door (the partition drew them with the run's
+    secret randomness). The door only checks that its plan was calibrated on them: a plan handed
+    in from another partition would state the wrong ε."""
+
+    def __init__(self, release: Release):
+        self.release = release
+
+    def run(self, door: "Door", trained: Trained | None, progress=None) -> Trained | None:
+        if door.ctx.part.sizes.event != self.release.event:
+            raise ValueError(f"run of {door.name!r}: its plan was made for other released sizes than this run's "
+                             "partition; nothing was read")
+        return trained
+
+
+class OwnRelease:
+    """The method's own release: its training on the private rows — the only step that reads them —
+    after the read is claimed in the ledger (one attempt of a run reads, ever). Returns what the
+    method trained; its training time goes to ``door.train_s``. ``release`` is None for a plan
+    without a dp claim (nothing is released, the method still runs)."""
+
+    def __init__(self, release: Release | None = None):
+        self.release = release
+
+    def run(self, door: "Door", trained: Trained | None, progress=None) -> Trained:
+        from . import lifecycle
+
+        plan = door.plan
+        if door.reservation is not None:
+            lifecycle.stage("reserved")
+            door.claim_read()  # from here on the reservation stays spent, whatever happens
+        door.read_begun = plan.reads_private
+        rows = (lifecycle.read_private_rows(door.ctx.part, door.method.uses_validation) if plan.reads_private
+                else PrivateRows([], []))
+        if door.reservation is not None:
+            lifecycle.stage("training")
+        started = time.perf_counter()
+        out = door.method.train(door.mctx, plan, rows, progress=progress(door.name) if progress else None)
+        del rows
+        # the published training time stops here: what follows (the comparison with no prompt) takes
+        # time in proportion to the exact holdout (its rows and their lengths), a private statistic
+        door.train_s = time.perf_counter() - started
+        return out
+
+    def choice(self, door: "Door", trained: Trained) -> Choice:
+        """What the run publishes of the method's own choice (``Method.chosen``), post-processed under
+        the run's own context and plan."""
+        made = door.method.chosen(door.mctx, door.plan, trained.metrics)
+        return Choice(made.params, made.tags, made.meta, door.mctx, door.plan)
+
+
+class SelectionRelease(OwnRelease):
+    """A private selection of the method's settings (``tasks.selected.Selected`` trains it): every
+    trial and the noisy holdout scores, one mechanism; the winner is published by name from released
+    numbers only, its output post-processed under its own settings."""
+
+    def choice(self, door: "Door", trained: Trained) -> Choice:
+        from . import selection
+
+        mctx, plan, metrics = door.mctx, door.plan, trained.metrics
+        won = selection.winner_of(plan, metrics)
+        winner = "none" if won is None else (selection.NO_PROMPT if won[2] else won[0])
+        params = {"selection.winner": winner}
+        best = selection.best_trial_name(plan, metrics)
+        if best is not None:  # no prompt published instead of the best trial (released numbers only)
+            params["selection.best_trial"] = best
+        tags = {}
+        if not selection.every_candidate(mctx.cfg.selection):  # the opt-in check_selection_config asked for
+            tags["selection.timing_channel"] = ("the run's duration grows with the secret number of trials K and "
+                                                "shows in MLflow's and Prefect's timestamps; its ε assumes K secret "
+                                                "(selection.accept_timing_channel: true)")
+        post_mctx, post_plan = selection.winner_context(door.method.method, mctx, plan, metrics)
+        return Choice(params, tags, {"selection.winner": winner}, post_mctx, post_plan)
+
+
+class NoPromptRelease:
+    """The comparison of the trained output with no prompt on the private holdout: one Gaussian
+    number (``tasks.no_prompt.release``), added to the output's metrics so it is stored, committed
+    and republished with it."""
+
+    def __init__(self, release: Release):
+        self.release = release
+
+    def run(self, door: "Door", trained: Trained | None, progress=None) -> Trained:
+        from . import no_prompt
+
+        if trained is None:
+            raise RuntimeError(f"{door.name}: the comparison with no prompt runs after the method's release")
+        trained.metrics.update(no_prompt.release(door.mctx, door.plan, door.method, trained.prompt, door.ctx.part,
+                                                 door.ctx.part.sizes.n_holdout))
+        return trained
+
+
+KINDS = {"sizes": SizesRelease, "method": OwnRelease, "selection": SelectionRelease, NO_PROMPT: NoPromptRelease}
+
+
+def releases_of(plan) -> tuple:
+    """The kinds that run ``plan``'s releases, in its order; a plan without releases (no dp claim)
+    is the method's own step alone. A release of a kind not known here is refused before anything
+    is reserved."""
+    if not plan.releases:
+        return (OwnRelease(),)
+    unknown = [r.name for r in plan.releases if r.name not in KINDS]
+    if unknown:
+        raise ValueError(f"{plan.method}: its plan has a release of unknown kind {', '.join(unknown)}; nothing was "
+                         "reserved")
+    return tuple(KINDS[r.name](r) for r in plan.releases)
+
+
+def own_release(releases: tuple) -> OwnRelease:
+    """The method's own release among ``releases`` (there is exactly one)."""
+    return next(r for r in releases if isinstance(r, OwnRelease))
