@@ -230,7 +230,7 @@ def _flow_of(cfg):
     return method_flow
 
 
-def _run_flow(cfg, config: dict) -> dict:
+def _run_flow(cfg, config) -> dict:
     return _flow_of(cfg)(config)
 
 
@@ -378,8 +378,7 @@ def _budget_refusal(cfg, paths) -> int | None:
 
 
 def _run_with_server(cfg, paths, server) -> int:
-    config = cfg.model_dump(mode="json")
-    config["state_dir"] = str(paths.root)
+    config = cfg.model_copy(update={"state_dir": str(paths.root)})  # the one parse, handed to the flow as it is
 
     errors = _user_errors()
     if not (cfg.sweep or cfg.seeds or cfg.grid):  # a sweep checks every variant in its plan

@@ -13,6 +13,7 @@ parent run shows is assembled by :class:`tasks.pipeline.RunReport`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
         # any method reserves budget or reads a private row: a config mistake spends nothing
         prepared_by = {name: prepare_task(ctx, name) for name in cfg.run_methods}
         preflight(cfg, prepared_by)
+        ctx = dataclasses.replace(ctx, preflighted=tuple(cfg.run_methods))  # the door checks none of them again
         rec, trained, plans = pipeline.RunReport(cfg, method, run.parent), {}, dict(plan.plans)
 
         def run_method(name: str, prepared: dict | None = None) -> RunOutcome:

@@ -203,7 +203,7 @@ class PrivPromptConfig(Block):
         # the published method always runs, whatever its `enabled` says; baselines are the enabled others
         for name in self.run_methods:
             method = get_method(name)
-            if self.data.user_unit and method.guarantee(self) == "dp" and not method.unit_level:
+            if self.data.user_unit and method.guarantee(self) == "dp" and not method.traits.unit_level:
                 raise ValueError(f"data.privacy_unit: {self.data.privacy_unit!r} makes a person the privacy unit, and "
                                  f"methods.{name} bounds only one record's contribution (no per-unit mechanism): use "
                                  "data.privacy_unit: record, or another method")

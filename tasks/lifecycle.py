@@ -16,14 +16,13 @@ Everything that needs no private data is checked first (``tasks.preflight``), th
 is charged to and its terms in ``tasks.charge``, the stored release a retry republishes in
 ``tasks.release_store``. A run that fails after its reservation but before its first private read
 releases the reservation (recorded as such); from the first read on (``Ledger.claim_read``), the
-reservation stays spent. A run killed outright
-(SIGKILL, out of memory) releases nothing: its reservation stays counted (``read_started_at`` says
-whether it had begun reading) until an operator releases it (``privprompt budget release``), which
-the ledger refuses once the run was marked read (tests/claims/test_crash_stages.py).
+reservation stays spent. A run killed outright (SIGKILL, out of memory) releases nothing: its
+reservation stays counted until an operator releases it (``privprompt budget release``), which the
+ledger refuses once the run was marked read (tests/claims/test_crash_stages.py).
 
-Publish rule, in this one place: the output of a ``dp`` run goes to ``outputs/`` and MLflow;
-every other output stays under ``private/``. Exact statistics of private data (training losses)
-are written under ``private/`` only. A crash after the reservation keeps it spent.
+Publish rule, in this one place: the output of a ``dp`` (or ``ldp``) run goes to ``outputs/`` and
+MLflow; every other output, and every exact statistic of private data (training losses), stays
+under ``private/``.
 """
 
 from __future__ import annotations
@@ -46,19 +45,13 @@ from .outcome import RunOutcome
 from .prompts import save_prompt_file
 from .releases import own_release, releases_of
 from .release_store import ReleaseError, store_release, stored_release, write_private_history
-from .run_plan import fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, runner
+from .run_plan import delta_opt_in, fitting_hint, largest_fitting_target_epsilon, plan_for, planned_epsilon, runner
 from .state import operator_note
 
 
 # The publish rule: outputs of a formal guarantee — central DP, or local d_X privacy (the model
 # only ever saw privatized inputs) — go to outputs/ and MLflow; everything else stays in private/.
 PUBLISHED = ("dp", "ldp")
-
-
-def delta_opt_in(cfg, n_train: int, delta: float) -> bool:
-    """True when this run's δ is ≥ 1/n_train under ``privacy.allow_delta_at_least_one_over_n``
-    (the run record tags it ``privacy.delta_opt_in``)."""
-    return bool(cfg.privacy.allow_delta_at_least_one_over_n and n_train >= 1 and delta >= 1.0 / n_train)
 
 
 def read_private_rows(part: Partition, validation: bool = False) -> PrivateRows:
@@ -108,6 +101,12 @@ class Door:
     def dp(self) -> bool:
         return self.plan.guarantee == "dp"
 
+    def stage(self, name: str) -> None:  # the door's stage point ``name`` (STAGES) for the release kinds
+        stage(name)
+
+    def read_rows(self, validation: bool) -> PrivateRows:  # the training rows (and the holdout)
+        return read_private_rows(self.ctx.part, validation)
+
     def claim_read(self) -> None:
         """One attempt of a run reads, ever: the check and the mark are one ledger transaction. An
         earlier or concurrent attempt that claimed the read may have shown some of its mechanism's
@@ -122,7 +121,7 @@ class Door:
 def run_method(ctx, name: str, prepared: dict, progress=None, plan: RunPlan | None = None) -> RunOutcome:
     """Run method ``name`` through the lifecycle inside flow run ``ctx`` under its ``plan`` (the
     flow's, computed once by :func:`tasks.run_plan.plan_for`; None: planned here by that function),
-    through the door: :func:`open_door` → :func:`reserve` → :func:`train` (and :func:`store`) →
+    through the door: :func:`open_door` → :func:`reserve` → :func:`run_releases` (and :func:`store`) →
     :func:`commit` → :func:`publish`. Returns a :class:`RunOutcome`.
 
     Retries (a Prefect task or flow retry calls this again with the same flow run id, so the same
@@ -170,8 +169,9 @@ def open_door(ctx, name: str, prepared: dict, plan: RunPlan | None = None) -> Do
     opt_in = delta_opt_in(cfg, part.sizes.n_for_delta, plan.delta)
     ledger = ctx.paths.open_ledger()  # the state folder's file, or the team's ledger by URL
     charge_run_dataset(ctx, ledger, plan.delta)  # the dataset the run is charged to, under its terms
-    method.preflight(cfg, prepared)  # before the reservation (the flow ran all of them already: cached)
-    releases = releases_of(plan)  # an unknown kind is refused here, before the reservation
+    if name not in ctx.preflighted:  # before the reservation; the flow checked its run methods already
+        method.preflight(cfg, prepared)
+    releases = releases_of(plan, part.sizes)  # an unknown kind, or a plan of other sizes: refused here
     child = recording.open_training(ctx, name, plan.guarantee, opt_in)
     return Door(ctx, name, method, plan, prepared, f"{ctx.flow_run_id}:{name}", ledger, child, opt_in,
                 releases=releases)
@@ -184,11 +184,10 @@ def reserve(door: Door) -> None:
     if not plan.reads_private:
         return
     part = ctx.part
-    if plan.guarantee == "ldp":
-        ledger.record_ldp(part.dataset_key, door.run_key, f"{name}: local d_X privacy, no (ε, δ) claim")
-        return
-    if plan.guarantee != "dp":
-        ledger.record_nonprivate(part.dataset_key, door.run_key, f"{name}: {plan.note or 'no formal guarantee'}")
+    if plan.guarantee != "dp":  # a use recorded as what it is: local d_X privacy, or no formal guarantee
+        ldp = plan.guarantee == "ldp"
+        (ledger.record_ldp if ldp else ledger.record_nonprivate)(part.dataset_key, door.run_key, f"{name}: " + (
+            "local d_X privacy, no (ε, δ) claim" if ldp else plan.note or "no formal guarantee"))
         return
     cfg, delta = ctx.cfg, plan.delta
     planned_epsilon(cfg, name, plan, delta)

@@ -2,7 +2,7 @@
 
 A :class:`privacy.plan.Release` names its statistics (``Release.statistics``: the sizes release
 ``released_sizes``; a method's own release what its class declares in
-``Method.neighbour_statistics``; a selection adds ``selection_counts``). Each statistic here is
+``Traits.neighbour_statistics``; a selection adds ``selection_counts``). Each statistic here is
 computed by the project's own code for that release — the split rule and its counts
 (``tasks.data``), the per-unit combination and clipping of DP-SGD (``models.dp_prompt_training``)
 and DPZero (``tasks.methods.dpzero.training``), the holdout weights and count vectors of selection

@@ -120,7 +120,7 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> FlowPlan:
 
 def runs_loss_mia(cfg: PrivPromptConfig, name: str, outcome: RunOutcome) -> bool:
     """Whether the flow attacks method ``name``'s prompt with the loss-threshold MIA."""
-    return cfg.mia.enabled and outcome.prompt_path is not None and get_method(name).supports_loss_mia
+    return cfg.mia.enabled and outcome.prompt_path is not None and get_method(name).traits.supports_loss_mia
 
 
 def audit_target(ctx: StageContext, published: RunOutcome, prepared: dict):
@@ -157,7 +157,7 @@ class RunReport:
 
     @property
     def stage_names(self) -> dict[str, str]:
-        return getattr(self.method, "stage_names", {})
+        return dict(self.method.traits.stage_names)
 
     def baseline(self, name: str, outcome: RunOutcome, acc: dict, mia: dict | None) -> None:
         """A baseline's training, evaluation and (when run) loss MIA."""

@@ -24,28 +24,29 @@ a new kind here, never a branch in the door.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from privacy.plan import NO_PROMPT, Release
 
 from .methods.base import Choice, PrivateRows, Trained
 
-if TYPE_CHECKING:
-    from .lifecycle import Door
+Door = Any  # tasks.lifecycle.Door: the one pass of a run through the door (not imported: the door imports this)
 
 
 class SizesRelease:
-    """The partition's released sizes: run before the door (the partition drew them with the run's
-    secret randomness). The door only checks that its plan was calibrated on them: a plan handed
-    in from another partition would state the wrong ε."""
+    """The partition's released sizes: drawn before the door opened (the partition drew them with
+    the run's secret randomness), so running it in the door does nothing. Built by
+    :func:`releases_of` only for a plan calibrated on this run's released sizes (their noise and
+    the ñ the method planned with): a plan handed in from another partition would state the wrong
+    ε, and is refused before the reservation."""
 
-    def __init__(self, release: Release):
+    def __init__(self, release: Release, plan, sizes):
+        if sizes.event != release.event or plan.n_train != sizes.n_train:
+            raise ValueError(f"run of {plan.method!r}: its plan was made for other released sizes than this run's "
+                             "partition; nothing was reserved")
         self.release = release
 
-    def run(self, door: "Door", trained: Trained | None, progress=None) -> Trained | None:
-        if door.ctx.part.sizes.event != self.release.event:
-            raise ValueError(f"run of {door.name!r}: its plan was made for other released sizes than this run's "
-                             "partition; nothing was read")
+    def run(self, door: Door, trained: Trained | None, progress=None) -> Trained | None:
         return trained
 
 
@@ -55,21 +56,18 @@ class OwnRelease:
     method trained; its training time goes to ``door.train_s``. ``release`` is None for a plan
     without a dp claim (nothing is released, the method still runs)."""
 
-    def __init__(self, release: Release | None = None):
+    def __init__(self, release: Release | None = None, plan=None, sizes=None):
         self.release = release
 
-    def run(self, door: "Door", trained: Trained | None, progress=None) -> Trained:
-        from . import lifecycle
-
+    def run(self, door: Door, trained: Trained | None, progress=None) -> Trained:
         plan = door.plan
         if door.reservation is not None:
-            lifecycle.stage("reserved")
+            door.stage("reserved")
             door.claim_read()  # from here on the reservation stays spent, whatever happens
         door.read_begun = plan.reads_private
-        rows = (lifecycle.read_private_rows(door.ctx.part, door.method.uses_validation) if plan.reads_private
-                else PrivateRows([], []))
+        rows = door.read_rows(door.method.traits.uses_validation) if plan.reads_private else PrivateRows([], [])
         if door.reservation is not None:
-            lifecycle.stage("training")
+            door.stage("training")
         started = time.perf_counter()
         out = door.method.train(door.mctx, plan, rows, progress=progress(door.name) if progress else None)
         del rows
@@ -78,11 +76,11 @@ class OwnRelease:
         door.train_s = time.perf_counter() - started
         return out
 
-    def choice(self, door: "Door", trained: Trained) -> Choice:
+    def choice(self, door: Door, trained: Trained) -> Choice:
         """What the run publishes of the method's own choice (``Method.chosen``), post-processed under
         the run's own context and plan."""
         made = door.method.chosen(door.mctx, door.plan, trained.metrics)
-        return Choice(made.params, made.tags, made.meta, door.mctx, door.plan)
+        return Choice(made.params, made.tags, made.meta, made.mctx or door.mctx, made.plan or door.plan)
 
 
 class SelectionRelease(OwnRelease):
@@ -90,7 +88,7 @@ class SelectionRelease(OwnRelease):
     trial and the noisy holdout scores, one mechanism; the winner is published by name from released
     numbers only, its output post-processed under its own settings."""
 
-    def choice(self, door: "Door", trained: Trained) -> Choice:
+    def choice(self, door: Door, trained: Trained) -> Choice:
         from . import selection
 
         mctx, plan, metrics = door.mctx, door.plan, trained.metrics
@@ -114,10 +112,10 @@ class NoPromptRelease:
     number (``tasks.no_prompt.release``), added to the output's metrics so it is stored, committed
     and republished with it."""
 
-    def __init__(self, release: Release):
+    def __init__(self, release: Release, plan=None, sizes=None):
         self.release = release
 
-    def run(self, door: "Door", trained: Trained | None, progress=None) -> Trained:
+    def run(self, door: Door, trained: Trained | None, progress=None) -> Trained:
         from . import no_prompt
 
         if trained is None:
@@ -130,19 +128,24 @@ class NoPromptRelease:
 KINDS = {"sizes": SizesRelease, "method": OwnRelease, "selection": SelectionRelease, NO_PROMPT: NoPromptRelease}
 
 
-def releases_of(plan) -> tuple:
-    """The kinds that run ``plan``'s releases, in its order; a plan without releases (no dp claim)
-    is the method's own step alone. A release of a kind not known here is refused before anything
-    is reserved."""
+def releases_of(plan, sizes) -> tuple:
+    """The kinds that run ``plan``'s releases, in its order, for a run on the released ``sizes``; a
+    plan without releases (no dp claim) is the method's own step alone. A release of a kind not
+    known here, or a plan with no own release, is refused before anything is reserved."""
     if not plan.releases:
         return (OwnRelease(),)
     unknown = [r.name for r in plan.releases if r.name not in KINDS]
     if unknown:
         raise ValueError(f"{plan.method}: its plan has a release of unknown kind {', '.join(unknown)}; nothing was "
                          "reserved")
-    return tuple(KINDS[r.name](r) for r in plan.releases)
+    releases = tuple(KINDS[r.name](r, plan, sizes) for r in plan.releases)
+    own_release(releases)
+    return releases
 
 
 def own_release(releases: tuple) -> OwnRelease:
     """The method's own release among ``releases`` (there is exactly one)."""
-    return next(r for r in releases if isinstance(r, OwnRelease))
+    own = [r for r in releases if isinstance(r, OwnRelease)]
+    if len(own) != 1:
+        raise ValueError(f"a run's plan has {len(own)} own releases of its method, not one; nothing was reserved")
+    return own[0]

@@ -30,7 +30,7 @@ def resolve_delta(cfg, n_train: int, method_name: str | None = None) -> float:
     * a configured δ ≥ 1/n_train — which (ε, δ)-DP lets a mechanism spend on publishing whole
       records — is refused with a :class:`ConfigError`, unless the config opts in with
       ``privacy.allow_delta_at_least_one_over_n: true`` (then it is warned about, and the run
-      record says so: ``tasks.lifecycle.delta_opt_in``)."""
+      record says so: :func:`delta_opt_in`)."""
     import numbers
 
     from privacy.validation import check_delta
@@ -56,6 +56,12 @@ def resolve_delta(cfg, n_train: int, method_name: str | None = None) -> float:
         return check_delta(default, f"{name}.default_delta", n=n_train, allow_at_least_one_over_n=False)
     except ValueError as exc:
         raise ConfigError(f"method {name!r}: {exc}") from None
+
+
+def delta_opt_in(cfg, n_train: int, delta: float) -> bool:
+    """True when this run's δ is ≥ 1/n_train under ``privacy.allow_delta_at_least_one_over_n``
+    (the run record tags it ``privacy.delta_opt_in``)."""
+    return bool(cfg.privacy.allow_delta_at_least_one_over_n and n_train >= 1 and delta >= 1.0 / n_train)
 
 
 def _round_down_125(x: float) -> float:
@@ -92,8 +98,8 @@ def plan_for(cfg, name: str, sizes, delta: float | None = None, target_epsilon: 
     try:
         plan = pplan.plan_run(name, target, delta, sizes.n_train, calibration, sizes_event=sizes.event,
                               sizes_sigma=sizes.sigma, unit=cfg.data.charge_unit, group_size=cfg.data.group_size,
-                              person_field=cfg.data.person_field, always_dp=getattr(method, "always_dp", False),
-                              release=getattr(method, "release", "method"), statistics=release_statistics(method),
+                              person_field=cfg.data.person_field, always_dp=method.traits.always_dp,
+                              release=method.traits.release, statistics=release_statistics(method),
                               no_prompt_share=no_prompt_share(cfg, method, name),
                               no_prompt_statistics=(NO_PROMPT_STATISTIC,))
     except pplan.PlanError as exc:
@@ -120,11 +126,11 @@ NO_PROMPT_STATISTIC = "no_prompt_difference"  # tasks.neighbours: the comparison
 def no_prompt_share(cfg, method, name: str | None = None) -> float:
     """The share of the run's target its comparison with no prompt gets (``fallback.epsilon_share``;
     0: none). None for a method that already chooses against no prompt inside its own mechanism
-    (``Method.compares_with_no_prompt``: DP-OPT's DP-argmax among its candidates and the empty
+    (``Traits.compares_with_no_prompt``: DP-OPT's DP-argmax among its candidates and the empty
     instruction; a private selection, whose candidates include "no prompt"): a second comparison
     would read the holdout again for an answer the run's mechanism already gave; 0 for a baseline
     (``name`` other than ``cfg.method``): it publishes nothing for a comparison to guard."""
-    if getattr(method, "compares_with_no_prompt", False):
+    if method.traits.compares_with_no_prompt:
         return 0.0
     if name is not None and name != cfg.method:  # a baseline beside the published method publishes nothing
         return 0.0
@@ -144,15 +150,15 @@ def check_statistics(plan: RunPlan) -> None:
         if not release.statistics or missing:
             raise ConfigError(f"{plan.method}: its release '{release.name}' declares "
                               f"{'no pre-noise statistic' if not release.statistics else 'the unregistered ' + ', '.join(missing)}"
-                              " (Method.neighbour_statistics, tasks/neighbours.register_statistic), so the neighbour "
+                              " (Traits.neighbour_statistics, tasks/neighbours.register_statistic), so the neighbour "
                               "harness cannot check its sensitivity: refused")
 
 
 def release_statistics(method) -> tuple[str, ...]:
-    """The pre-noise statistics a method's own release declares (``Method.neighbour_statistics``;
+    """The pre-noise statistics a method's own release declares (``Traits.neighbour_statistics``;
     a selection adds its holdout count vectors): what the neighbour harness checks."""
-    own = tuple(getattr(method, "neighbour_statistics", ()))
-    return own + ("selection_counts",) if getattr(method, "release", "method") == "selection" else own
+    own = tuple(method.traits.neighbour_statistics)
+    return own + ("selection_counts",) if method.traits.release == "selection" else own
 
 
 def with_size_release(event, sizes):

@@ -13,6 +13,8 @@ it through the same door as any method and never asks whether a run selects.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import selection
 from .errors import ConfigError
 from .methods import get_method
@@ -32,14 +34,14 @@ def announce(line: str) -> None:
 class Selected:
     """``method`` with its settings chosen privately on the holdout (``selection: {enabled: true}``)."""
 
-    always_dp = True  # a selection is dp under every candidate (check_selection_config)
-    release = "selection"  # its release in the run's plan: the trials and the noisy holdout scores, one mechanism
-    compares_with_no_prompt = True  # "no prompt" is one of its candidates: no second comparison (fallback)
-    uses_validation = True  # the trials are scored on the holdout
-
     def __init__(self, method):
         self.method = method
         self.name = method.name
+        # dp under every candidate (check_selection_config); its release in the run's plan: the trials
+        # and the noisy holdout scores, one mechanism; "no prompt" is one of its candidates (no second
+        # comparison); the trials are scored on the holdout
+        self.traits = replace(method.traits, always_dp=True, release="selection", compares_with_no_prompt=True,
+                              uses_validation=True)
 
     def __getattr__(self, item):  # everything else is the method's own
         return getattr(self.method, item)

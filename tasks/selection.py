@@ -361,7 +361,7 @@ def check_selection_config(cfg) -> None:
                          "selection (the audit of a selection is not implemented); turn one of them off")
     if not method.reads_private_data(cfg):
         raise ValueError(f"selection: method {cfg.method} trains nothing on private data; there is nothing to select")
-    if method.uses_validation:
+    if method.traits.uses_validation:
         raise ValueError(f"selection: method {cfg.method} reads the holdout in its own training, which the "
                          "selection scores on; select its settings without selection: or use another method")
     for c in candidates_of(cfg):
@@ -371,7 +371,7 @@ def check_selection_config(cfg) -> None:
         if guarantee != "dp":
             raise ValueError(f"selection: candidate {c.name!r} of method {cfg.method} has guarantee {guarantee!r}; "
                              "private selection needs an (ε, δ)-DP method under every candidate")
-    if data.user_unit and not method.unit_level:
+    if data.user_unit and not method.traits.unit_level:
         raise ValueError(f"selection: data.privacy_unit: {data.privacy_unit} needs a method whose trainings bound a "
                          f"person's contribution; method {cfg.method} bounds one record's")
 

@@ -44,6 +44,9 @@ class StageContext:
     parent_run_id: str
     flow_run_id: str
     outputs: dict = field(default_factory=dict)
+    # the methods whose checks that need no private data the flow ran already, with what their
+    # ``prepare`` returned (tasks.preflight): the door does not run them a second time
+    preflighted: tuple[str, ...] = ()
 
     @classmethod
     def for_run(cls, cfg: PrivPromptConfig, paths: StatePaths, partition: dict, parent_run_id: str,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..methods.base import Method, MethodPlan, ReportArtifact, ReportMetric, SummaryColumn, Trained, budget, dp_unless_debug
+from ..methods.base import Method, MethodPlan, ReportArtifact, ReportMetric, SummaryColumn, Trained, Traits, budget, dp_unless_debug
 from ..schema import DPSGDConfig, PromptTuningConfig
 
 
@@ -24,8 +24,8 @@ class SoftPromptDPSGD(Method):
     """DP-SGD soft-prompt tuning: its plan (σ for the target ε over the released n), training and
     accounting. A subclass sets ``name``, ``config_class`` (a ``DPSGDConfig``) and ``label``."""
 
-    unit_level = True  # Poisson sampling of units, one clipped gradient per unit (models.dp_prompt_training)
-    neighbour_statistics = ("clipped_gradient_sum",)
+    # Poisson sampling of units, one clipped gradient per unit (models.dp_prompt_training)
+    traits = Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",))
 
     @classmethod
     def contract_test_config(cls):

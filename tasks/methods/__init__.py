@@ -25,7 +25,7 @@ import os
 import pkgutil
 
 from .base import (LevelPanel, Method, MethodContext, MethodPlan, PostProcessed, PrivateRows,  # noqa: F401
-                   ReferenceAccuracy, ReportArtifact, ReportMetric, SummaryColumn, Trained, Variant)
+                   ReferenceAccuracy, ReportArtifact, ReportMetric, SummaryColumn, Trained, Traits, Variant)
 
 _REGISTRY: dict[str, Method] = {}
 _LOADED = False

@@ -28,7 +28,7 @@ declares: ``report_metrics()`` (metrics read into its runs' rows) and ``report_s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
 
 if TYPE_CHECKING:
@@ -244,6 +244,42 @@ class ReportArtifact:
 ReportSection = ReferenceAccuracy | SummaryColumn | LevelPanel | ReportArtifact
 
 
+@dataclass(frozen=True)
+class Traits:
+    """What the platform reads of a method besides its hooks, declared once (``traits = Traits(...)``).
+
+    ``uses_validation``: ``train`` also gets the holdout (``rows.validation``). ``unit_level``: its dp
+    mechanism bounds each privacy unit's contribution when ``data.privacy_unit`` names a person
+    (``rows.units``: Poisson sampling of units, one clipped contribution per unit, the accountant over
+    units); a dp method without it is refused there. ``neighbour_statistics``: the names of the
+    deterministic pre-noise statistics of its release (tasks/neighbours.py), which the neighbour
+    harness computes on neighbouring datasets; () where none is declared (a dp plan is then refused).
+    ``compares_with_no_prompt``: its own dp mechanism already chooses between its output and no
+    prompt on the holdout (DP-OPT's DP-argmax with the empty instruction among its candidates), so its
+    run gets no separate comparison (``fallback``; tasks/no_prompt.py). ``supports_loss_mia``: the
+    in-flow loss attack applies. ``always_dp``: the plan is dp under every setting (the planner does
+    not first ask it at the whole budget: a selection). ``release``: the name of its own release in the
+    run's plan, the kind that runs it (tasks/releases.py). ``stage_names``: its own names of the
+    pipeline's stages in the run summary (POST: distill, tune, transfer)."""
+
+    uses_validation: bool = False
+    unit_level: bool = False
+    neighbour_statistics: tuple[str, ...] = ()
+    compares_with_no_prompt: bool = False
+    supports_loss_mia: bool = True
+    always_dp: bool = False
+    release: str = "method"
+    stage_names: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "neighbour_statistics", tuple(self.neighbour_statistics))
+        names = self.stage_names.items() if isinstance(self.stage_names, dict) else self.stage_names
+        object.__setattr__(self, "stage_names", tuple((str(k), str(v)) for k, v in names))
+
+
+TRAIT_NAMES = tuple(f.name for f in fields(Traits))
+
+
 def dp_unless_debug(cfg: "PrivPromptConfig") -> Guarantee:
     """``dp``, except under the seeded-DP-randomness debug switch (the noise is then known)."""
     return "none" if cfg.debug_seeded_dp_randomness else "dp"
@@ -277,19 +313,21 @@ class Method:
         """The guarantee this method's settings give (not its name): ``dp`` | ``ldp`` | ``none``."""
         raise NotImplementedError
 
-    uses_validation: ClassVar[bool] = False  # True: ``train`` also gets the holdout (``rows.validation``)
-    # True: the method's dp mechanism bounds each privacy unit's contribution when
-    # ``data.privacy_unit`` names a person (``rows.units``: Poisson sampling of units, one clipped
-    # contribution per unit, the accountant over units); a dp method without it is refused there
-    unit_level: ClassVar[bool] = False
-    # the names of the deterministic pre-noise statistics of its release (tasks/neighbours.py), which
-    # the neighbour harness computes on neighbouring datasets (tests/claims/test_neighbour_harness.py); ()
-    # where none is declared (the harness then reports the combination as not covered)
-    neighbour_statistics: ClassVar[tuple[str, ...]] = ()
-    # True: the method's own dp mechanism already chooses between its output and no prompt on the
-    # holdout (DP-OPT's DP-argmax with the empty instruction among its candidates), so its run gets
-    # no separate comparison with no prompt (``fallback``; tasks/no_prompt.py)
-    compares_with_no_prompt: ClassVar[bool] = False
+    traits: ClassVar[Traits] = Traits()  # what the platform reads of the method besides its hooks
+
+    def __init_subclass__(cls, **kwargs):
+        """A method written with the traits as class attributes (``uses_validation = True``, the
+        interface before :class:`Traits`) keeps working for one release: they are read into
+        ``traits`` (a DeprecationWarning names them)."""
+        super().__init_subclass__(**kwargs)
+        legacy = {name: cls.__dict__[name] for name in TRAIT_NAMES if name in cls.__dict__}
+        if legacy:
+            import warnings
+
+            warnings.warn(f"method class {cls.__qualname__}: the class attributes {', '.join(sorted(legacy))} are read "
+                          "as its traits for one release; declare traits = Traits(...) (tasks.methods.Traits)",
+                          DeprecationWarning, stacklevel=2)
+            cls.traits = replace(cls.traits, **legacy)
 
     def reads_private_data(self, cfg: "PrivPromptConfig") -> bool:
         """False for methods that never read private training rows (zero-shot)."""
@@ -338,8 +376,6 @@ class Method:
         numbers only (DP-OPT: whether the prompt is generated, the initial one or none): params
         and tags of the run record, the prompt file's meta. The default: nothing."""
         return Choice()
-
-    supports_loss_mia: ClassVar[bool] = True  # False: the in-flow loss attack does not apply
 
     def evaluate_published(self, ctx, prompt_path: str, mctx: MethodContext) -> float | None:
         """Test accuracy computed the method's own way (RAPT: on privatized inputs); None: the

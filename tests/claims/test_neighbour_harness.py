@@ -203,8 +203,8 @@ def _selection_method() -> str:
     runs with -m slow."""
     from tasks.methods import get_method, registered_methods
 
-    return next(m for m in registered_methods() if get_method(m).neighbour_statistics and get_method(m).unit_level
-                and not get_method(m).uses_validation)
+    return next(m for m in registered_methods() if get_method(m).traits.neighbour_statistics and get_method(m).traits.unit_level
+                and not get_method(m).traits.uses_validation)
 
 
 def _matrix(full: bool) -> list[tuple[str, str, str]]:
@@ -258,7 +258,7 @@ def _run_matrix(tmp_path, toy_plugin, capsys, full: bool):
     assert any("record_charged_per_person" in c for c in covered)
     # a method that declares statistics is covered in every combination it is not refused in
     for combo in uncovered:
-        assert not get_method(combo.split(" × ")[0]).neighbour_statistics, combo
+        assert not get_method(combo.split(" × ")[0]).traits.neighbour_statistics, combo
 
 
 def test_a_mechanism_counting_rows_instead_of_people_is_caught(tmp_path, fast_calibration):
@@ -297,7 +297,7 @@ def test_a_dp_release_without_a_checkable_statistic_is_refused(tmp_path, fast_ca
 
     method = type(get_method("prompt_dpsgd"))
     for declared, needle in (((), "declares no pre-noise statistic"), (("nobody_registered",), "unregistered")):
-        monkeypatch.setattr(method, "neighbour_statistics", declared)
+        monkeypatch.setattr(method, "traits", dataclasses.replace(method.traits, neighbour_statistics=declared))
         with pytest.raises(ConfigError, match=needle) as err:
             _plan_or_raise(_config(tmp_path, "prompt_dpsgd", "record", "off"), "prompt_dpsgd")
         assert "\n" not in str(err.value) and "refused" in str(err.value)

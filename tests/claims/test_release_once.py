@@ -340,7 +340,7 @@ def test_default_delta_is_capped_at_a_tenth_of_one_over_n_for_every_method(tmp_p
 
 def test_a_delta_of_one_over_n_is_refused_unless_the_config_opts_in(tmp_path):
     from tasks.errors import ConfigError
-    from tasks.lifecycle import delta_opt_in
+    from tasks.run_plan import delta_opt_in
     from tasks.run_plan import resolve_delta
 
     cfg = _cfg(tmp_path, target_delta=5e-4)

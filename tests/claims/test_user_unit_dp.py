@@ -5,6 +5,7 @@ per-sample ones are against a per-example loop in test_models.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -219,8 +220,9 @@ def test_a_record_level_dp_method_is_refused_with_a_user_unit(monkeypatch):
             cfg = parse_config(raw(m))
         except ConfigError:
             continue  # refused for its own reasons (e.g. public data it needs)
-        assert get_method(m).unit_level or get_method(m).guarantee(cfg) != "dp", m
-    monkeypatch.setattr(type(get_method("prompt_dpsgd")), "unit_level", False)
+        assert get_method(m).traits.unit_level or get_method(m).guarantee(cfg) != "dp", m
+    cls = type(get_method("prompt_dpsgd"))
+    monkeypatch.setattr(cls, "traits", dataclasses.replace(cls.traits, unit_level=False))
     with pytest.raises(ConfigError, match="bounds only one record's contribution"):
         parse_config(raw("prompt_dpsgd"))
     parse_config({**raw("prompt_dpsgd"), "data": {"name": "toy", "labels": ["neg", "pos"]}})  # record: fine

@@ -219,7 +219,7 @@ def test_no_method_name_is_compared_outside_the_registry():
 UNIT_ROWS = PrivateRows(ROWS.texts, ROWS.labels, units=[f"p{i % 7}" for i in range(len(ROWS))])
 
 
-@pytest.mark.parametrize("name", [m for m in registered_methods() if get_method(m).unit_level])
+@pytest.mark.parametrize("name", [m for m in registered_methods() if get_method(m).traits.unit_level])
 def test_unit_level_methods_train_and_shadow_per_unit(name, contexts):
     from privacy import accountant as acct
     from privacy.ledger import Ledger

@@ -41,7 +41,7 @@ PACKAGE = {
         from privacy import accountant as acct
         from privacy import events as ev
         from tasks.methods import register_method
-        from tasks.methods.base import Method, MethodPlan, Trained, dp_unless_debug
+        from tasks.methods.base import Method, MethodPlan, Trained, Traits, dp_unless_debug
         from tasks.schema import Block
 
 
@@ -60,7 +60,7 @@ PACKAGE = {
             name = "toy_decayed_dpsgd"
             config_class = ToyConfig
             label = "toy: DP-SGD with a decayed update"
-            neighbour_statistics = ("clipped_gradient_sum",)  # its DP step: train_prompt's clipped sum
+            traits = Traits(neighbour_statistics=("clipped_gradient_sum",))  # its DP step: train_prompt's clipped sum
 
             def guarantee(self, cfg):
                 return dp_unless_debug(cfg)

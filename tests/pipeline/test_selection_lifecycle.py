@@ -46,7 +46,7 @@ def test_selection_enabled_alone_parses_with_the_methods_grid_or_is_refused_in_o
         assert "\n" not in message and "selection:" in message
         # refused only for a reason the message names, and which holds for this method
         reasons = {"trains nothing": not method.reads_private_data(base),
-                   "reads the holdout": method.uses_validation,
+                   "reads the holdout": method.traits.uses_validation,
                    "has guarantee": any(method.guarantee(selection.apply_settings(base, name, s)) != "dp"
                                         for s in method.selection_grid(base))}
         assert any(reasons[k] for k in reasons if k in message), message

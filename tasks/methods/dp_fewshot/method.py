@@ -9,7 +9,7 @@ from pydantic import Field
 from ...methodkit.token_budget import clip_words
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, Trained, budget, check_classifier, dp_unless_debug
+from ..base import Method, MethodPlan, Trained, Traits, budget, check_classifier, dp_unless_debug
 
 NEIGHBOURING = "add/remove one record (text and label); it lands in one subset of one (label, demo) group"
 
@@ -80,7 +80,7 @@ class DPFewShot(Method):
     prompt_kind = "text"
     label = "DP few-shot generation"
     # what the neighbour harness checks (neighbour_stats.py): each group's sum of distributions
-    neighbour_statistics = ("dp_fewshot_sums",)
+    traits = Traits(neighbour_statistics=("dp_fewshot_sums",))
 
     @classmethod
     def contract_test_config(cls):

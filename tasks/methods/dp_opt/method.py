@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from ...schema import Block
 from .. import register_method
-from ..base import Choice, Method, MethodPlan, Trained, budget, dp_unless_debug
+from ..base import Choice, Method, MethodPlan, Trained, Traits, budget, dp_unless_debug
 
 
 class OptConfig(Block):
@@ -187,7 +187,7 @@ def check_token_room(cfg, name: str, block, rows: int) -> None:
 
 class _TextMethod(Method):
     prompt_kind = "text"
-    uses_validation = True
+    traits = Traits(uses_validation=True)
     rows_per_demo = 1  # a meta-prompt holds up to rows_per_demo × demos private rows
 
     def preflight(self, cfg, prepared) -> None:
@@ -226,12 +226,11 @@ class DPOpt(_TextMethod):
     label = "DP-OPT"
     # a unit's rows join one member per query (one vote per unit), and the selection scores each
     # unit by its rows' mean correctness (at most one per unit per candidate)
-    unit_level = True
-    # what the neighbour harness checks (neighbour_stats.py): the votes and the DP-argmax's counts
-    neighbour_statistics = ("dp_opt_votes", "dp_opt_selection_counts")
+    # what the neighbour harness checks (neighbour_stats.py): the votes and the DP-argmax's counts;
     # its DP-argmax already chooses among the generated instructions, the initial one and none (the
     # empty instruction) on the holdout: a second comparison would spend ε for what it decided
-    compares_with_no_prompt = True
+    traits = Traits(uses_validation=True, unit_level=True, compares_with_no_prompt=True,
+                    neighbour_statistics=("dp_opt_votes", "dp_opt_selection_counts"))
     rows_per_demo = 2  # each member shows at most 2k of its Poisson-sampled rows
 
     @classmethod

@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Field
 
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, Trained, budget, dp_unless_debug
+from ..base import Method, MethodPlan, Trained, Traits, budget, dp_unless_debug
 
 
 class DPZeroConfig(Block):
@@ -37,8 +37,8 @@ class DPZero(Method):
     name = "dpzero"
     config_class = DPZeroConfig
     label = "DPZero (black-box)"
-    unit_level = True  # Poisson sampling of units, one clipped two-point difference per unit
-    neighbour_statistics = ("clipped_difference_sum",)
+    # Poisson sampling of units, one clipped two-point difference per unit
+    traits = Traits(unit_level=True, neighbour_statistics=("clipped_difference_sum",))
 
     @classmethod
     def contract_test_config(cls):

@@ -23,7 +23,7 @@ from ...methodkit.prompt_methods import NonPrivateSoftPrompt
 from ...schema import Block, DPSGDConfig
 from ...state import digest_key
 from .. import register_method
-from ..base import Method, MethodPlan, PostProcessed, Trained, Variant, budget, dp_unless_debug
+from ..base import Method, MethodPlan, PostProcessed, Trained, Traits, Variant, budget, dp_unless_debug
 
 STUDENT_TAG = "privprompt.student_key"
 NAMES = {"full_zs": "Full ZS", "full_pt": "Full PT", "compressed_pt": "Compressed PT",
@@ -191,13 +191,13 @@ def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], prog
 
 @register_method
 class Post(Method):
-    unit_level = True  # the student's DP tuning is the per-unit DP-SGD of models.dp_prompt_training
-    # its one private release: that DP-SGD's clipped sum (fit_soft_prompt, units handed as prompt_dpsgd's)
-    neighbour_statistics = ("clipped_gradient_sum",)
+    # the student's DP tuning is the per-unit DP-SGD of models.dp_prompt_training; its one private
+    # release: that DP-SGD's clipped sum (fit_soft_prompt, units handed as prompt_dpsgd's)
+    traits = Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",),
+                    stage_names={"prepare": "distill", "train": "tune", "post_process": "transfer"})
     name = "post"
     config_class = PostConfig
     label = "POST"
-    stage_names = {"prepare": "distill", "train": "tune", "post_process": "transfer"}
 
     @classmethod
     def contract_test_config(cls):

@@ -21,7 +21,7 @@ from pydantic import Field
 from ...schema import Block
 from ...state import digest_key
 from .. import register_method
-from ..base import Method, MethodPlan, Trained
+from ..base import Method, MethodPlan, Trained, Traits
 
 
 class RaptConfig(Block):
@@ -102,7 +102,7 @@ class Rapt(Method):
     name = "rapt"
     config_class = RaptConfig
     label = "RAPT"
-    supports_loss_mia = False  # its model only takes privatized inputs: the attacks below measure it
+    traits = Traits(supports_loss_mia=False)  # its model only takes privatized inputs: the attacks below measure it
 
     @classmethod
     def contract_test_config(cls):

@@ -1,0 +1,47 @@
+"""A method written against the interface before ``Method.traits`` (the traits as class attributes)
+keeps working for one release: its attributes are read into ``traits``, with a DeprecationWarning."""
+
+import pytest
+
+from tasks.methods.base import Method, Traits
+
+
+def test_class_attribute_traits_are_read_into_traits_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="neighbour_statistics, stage_names, unit_level, uses_validation"):
+        class Legacy(Method):
+            name = "legacy_traits_probe"
+            uses_validation = True
+            unit_level = True
+            neighbour_statistics = ["clipped_gradient_sum"]
+            stage_names = {"train": "tune"}
+
+    assert Legacy.traits == Traits(uses_validation=True, unit_level=True, neighbour_statistics=("clipped_gradient_sum",),
+                                   stage_names=(("train", "tune"),))
+    assert Method.traits == Traits()  # the base class's traits are not changed by a subclass
+
+
+def test_a_subclass_keeps_its_parents_traits_and_overrides_one():
+    class Parent(Method):
+        name = "traits_parent_probe"
+        traits = Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",))
+
+    with pytest.warns(DeprecationWarning, match="supports_loss_mia"):
+        class Child(Parent):
+            name = "traits_child_probe"
+            supports_loss_mia = False
+
+    assert Child.traits == Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",),
+                                  supports_loss_mia=False)
+    assert Parent.traits.supports_loss_mia
+
+
+def test_a_selection_has_the_methods_traits_with_its_own_release():
+    from tasks.methods import get_method
+    from tasks.selected import Selected
+
+    method = get_method("dpzero")
+    traits = Selected(method).traits
+    assert (traits.always_dp, traits.release, traits.compares_with_no_prompt, traits.uses_validation) == (
+        True, "selection", True, True)
+    assert (traits.unit_level, traits.neighbour_statistics) == (method.traits.unit_level,
+                                                                 method.traits.neighbour_statistics)
