@@ -211,6 +211,7 @@ def test_ledger_records_dp_spend_and_nonprivate_use(flow_run):
     assert ds["spent_epsilon"] == pytest.approx(metrics["privacy.epsilon"], rel=1e-3)
 
 
+@pytest.mark.slow  # a second whole flow; the ledger's composition is checked in tests/ledger/
 def test_rerun_reuses_partition_and_composes_budget(flow_run):
     from flows.method_flow import method_flow
     from privacy.ledger import Ledger
@@ -231,6 +232,7 @@ def test_rerun_reuses_partition_and_composes_budget(flow_run):
     assert eps < ds["spent_epsilon"] < 2 * eps  # composed through the accountant, not added
 
 
+@pytest.mark.slow  # two more trainings; the door's retries are checked in tests/claims/test_release_once.py
 def test_retried_training_never_charges_twice(flow_run):
     from privacy.ledger import Ledger
     from tasks import stages
