@@ -120,8 +120,11 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
         def run_method(name: str, prepared: dict | None = None) -> RunOutcome:
             if name not in plans:  # a method a variant asks for (POST's Full PT): planned once, here
                 plans[name] = plan_for(cfg, name, ctx.part.sizes, plan.delta)
-            trained[name] = train_task(ctx, name, prepared if prepared is not None else prepare_task(ctx, name),
-                                       plans[name])
+            if prepared is None:
+                prepared = prepared_by[name] if name in prepared_by else prepare_task(ctx, name)
+            # the door skips the checks the flow ran, for what the flow checked them with only
+            checked = ctx if prepared is prepared_by.get(name) else dataclasses.replace(ctx, preflighted=())
+            trained[name] = train_task(checked, name, prepared, plans[name])
             return trained[name]
 
         for name in cfg.run_methods[:-1]:  # baselines first, the published method last

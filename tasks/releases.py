@@ -41,9 +41,12 @@ class SizesRelease:
     ε, and is refused before the reservation."""
 
     def __init__(self, release: Release, plan, sizes):
-        if sizes.event != release.event or plan.n_train != sizes.n_train:
+        if sizes.event != release.event:
             raise ValueError(f"run of {plan.method!r}: its plan was made for other released sizes than this run's "
                              "partition; nothing was reserved")
+        if plan.n_train != sizes.n_train:
+            raise ValueError(f"run of {plan.method!r}: its plan is for n_train = {plan.n_train}, not the run's released "
+                             "training size (a method's plan must keep the n_train it was given); nothing was reserved")
         self.release = release
 
     def run(self, door: Door, trained: Trained | None, progress=None) -> Trained | None:

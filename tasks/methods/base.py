@@ -272,6 +272,11 @@ class Traits:
     stage_names: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        for name in ("uses_validation", "unit_level", "compares_with_no_prompt", "supports_loss_mia", "always_dp"):
+            if not isinstance(getattr(self, name), bool):  # a truthy object would pass a person-unit check
+                raise TypeError(f"Traits.{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.release, str) or isinstance(self.neighbour_statistics, str):
+            raise TypeError("Traits.release is a name and Traits.neighbour_statistics a tuple of names")
         object.__setattr__(self, "neighbour_statistics", tuple(self.neighbour_statistics))
         names = self.stage_names.items() if isinstance(self.stage_names, dict) else self.stage_names
         object.__setattr__(self, "stage_names", tuple((str(k), str(v)) for k, v in names))
