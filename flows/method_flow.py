@@ -71,6 +71,14 @@ def evaluate_published(ctx: StageContext, rec: pipeline.RunReport, published: Ru
         rec.other_model(endpoint.alias, out["accuracy"], out["compute_s"])
 
 
+def door_inputs(ctx: StageContext, name: str, prepared: dict | None, prepared_by: dict) -> tuple[StageContext, dict]:
+    """(context, ``prepare`` output) method ``name`` trains with: for a run method the output the flow
+    checked (the door skips those checks), else ``prepared`` or a fresh ``prepare``, which the door checks."""
+    if prepared is None:
+        prepared = prepared_by[name] if name in prepared_by else prepare_task(ctx, name)
+    return (ctx if prepared is prepared_by.get(name) else dataclasses.replace(ctx, preflighted=())), prepared
+
+
 def publish_statement(summary: dict) -> None:
     """The flow run's markdown artifact in Prefect: ε with its unit, δ and accountant, the test
     accuracies, released scores, warnings and the registered model (what the MLflow run's description
@@ -120,10 +128,7 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
         def run_method(name: str, prepared: dict | None = None) -> RunOutcome:
             if name not in plans:  # a method a variant asks for (POST's Full PT): planned once, here
                 plans[name] = plan_for(cfg, name, ctx.part.sizes, plan.delta)
-            if prepared is None:
-                prepared = prepared_by[name] if name in prepared_by else prepare_task(ctx, name)
-            # the door skips the checks the flow ran, for what the flow checked them with only
-            checked = ctx if prepared is prepared_by.get(name) else dataclasses.replace(ctx, preflighted=())
+            checked, prepared = door_inputs(ctx, name, prepared, prepared_by)
             trained[name] = train_task(checked, name, prepared, plans[name])
             return trained[name]
 
