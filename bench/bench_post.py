@@ -33,7 +33,7 @@ def main() -> None:
     from tasks.methods.post.distill import build_student, freeze
     from models.dp_prompt_training import DPConfig, PromptTrainingConfig, train_prompt
     from models.backbones import load_backbone
-    from tasks.methods.post.transfer import TransferConfig, transfer_prompt
+    from models.prompt_transfer import TransferConfig, transfer_prompt
 
     labels = ["negative", "positive"]
     desc = {"negative": "a negative, bad movie review", "positive": "a positive, great movie review"}

@@ -4,11 +4,11 @@ EXPERIMENT``, and the sweep's summary): parent runs only, pulled back with ``sea
 Accuracy vs ε and MIA AUC vs ε, one line per method (its ``method.label``: a method whose runs
 differ in kind labels them apart), markers by ``privacy.guarantee``; runs without an ε
 (non-private methods, ``none``) stand at ε = ∞ on the right; local-DP runs (``ldp``, no ε) get
-their own panel against their privacy parameter (the method's ``ldp_level``).
+their own panel against their privacy parameter (the method's ``Report.ldp_level``).
 
 What a method adds — metrics read into its runs' rows, summary columns, panels against the
-privacy level, tables and figures — it declares (``Method.report_metrics`` /
-``report_sections``); this module reads the declarations from the registry and names no method."""
+privacy level, tables and figures — it declares (``Method.report``: ``Report.metrics`` /
+``sections``); this module reads the declarations from the registry and names no method."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def report_declarations() -> tuple[dict, list]:
     metrics, sections = {}, []
     for name in registered_methods():
         method = get_method(name)
-        metrics[name] = tuple(method.report_metrics())
-        sections += [s for s in method.report_sections() if s not in sections]
+        metrics[name] = method.report.metrics
+        sections += [s for s in method.report.sections if s not in sections]
     return metrics, sections
 
 
@@ -41,7 +41,7 @@ def _declared(sections: list | None, kind: type) -> list:
 
 def parent_runs(mlflow, experiment: str) -> list[dict]:
     """Finished parent runs of method flows in ``experiment`` (sweep summaries excluded); each
-    row also holds what the run's method declares (``Method.report_metrics``), and every row the
+    row also holds what the run's method declares (``Report.metrics``), and every row the
     keys other methods declare (empty)."""
     declared, _ = report_declarations()
     empty = {d.key: d.empty() for ds in declared.values() for d in ds}
@@ -108,9 +108,10 @@ def _ldp_level(method: str, params: dict) -> float | None:
     from .methods import get_method
 
     try:
-        return get_method(method).ldp_level(params)
+        level = get_method(method).report.ldp_level
     except KeyError:
         return None
+    return None if level is None else level(params)
 
 
 def comparison_table(rows: list[dict], sections: list | None = None) -> str:

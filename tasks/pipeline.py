@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import plots, report, statement
 from .methods import get_method
+from .methods.base import run_label
 from .stages import model_alias
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> FlowPlan:
     delta = resolve_delta(cfg, sizes.n_for_delta)
     plan = plan_for(cfg, cfg.method, sizes, delta)
     parent.set_tags({"dataset.fingerprint": ctx.part.published_key, "data.partition": part["fingerprint"],
-                     "method.label": get_method(cfg.method).run_label(cfg)})
+                     "method.label": run_label(get_method(cfg.method), cfg)})
     # δ only (a 1-2-5 rounding of 0.1/(ñ + 3σ), fixed by the partition's one draw): the released
     # sizes and what the plan derives from them (q = B/ñ, steps, σ) wait for the charge that covers
     # their release — a run refused before it (the audit pool, a preflight check, the budget) has

@@ -2,7 +2,7 @@
 PUBLIC data only — post-processing of the DP output, so no ε is spent and the ledger gets no entry.
 
 * a soft prompt (prompt tuning, POST, …): POST's public-data transfer
-  (:func:`tasks.methods.post.method.transfer_on_public`, the same code as POST's own transfer
+  (:func:`tasks.methodkit.transfer.transfer_on_public`, the same code as POST's own transfer
   step) from the version's backbone and prompt to ``MODEL``, on the parent run's ``public:`` texts,
   with the transfer settings of the parent config's ``methods.post.transfer`` block;
 * a text prompt (DP-OPT's instruction): the same instruction on ``MODEL``'s template.
@@ -129,7 +129,7 @@ def _transfer(cfg, spec: dict, prompt_path: Path, target_spec: dict, backbone, t
     """POST's public-data transfer of the parent's soft prompt from its backbone to ``backbone``."""
     from models.classifiers import build_classifier
 
-    from .methods.post.method import transfer_on_public
+    from .methodkit.transfer import transfer_on_public
     from .registry_model import Predictor
 
     source = Predictor.build(spec, prompt_path)
@@ -138,7 +138,8 @@ def _transfer(cfg, spec: dict, prompt_path: Path, target_spec: dict, backbone, t
                             "layers; POST's transfer moves soft prompts)")
     target_clf = build_classifier(backbone, list(spec["labels"]), spec.get("label_descriptions") or None,
                                   spec.get("template"))
-    moved = transfer_on_public(cfg, source.classifier, source.prompt, target_clf, texts, progress)
+    moved = transfer_on_public(cfg, cfg.methods.post, source.classifier, source.prompt, target_clf, texts, progress,
+                               key="methods.post.transfer")
     losses = [h["loss"] for h in moved.history if h.get("loss") is not None]  # public-data losses
     return moved.prompt, {"retarget.transfer.loss_first": losses[0] if losses else None,
                           "retarget.transfer.loss_last": losses[-1] if losses else None}

@@ -22,11 +22,10 @@ from .methods import get_method
 SIZES_DELTA_SHARE = pplan.SIZES_DELTA_SHARE
 
 
-def resolve_delta(cfg, n_train: int, method_name: str | None = None) -> float:
-    """δ of a run, under one policy for every method (whatever its ``default_delta`` returns):
+def resolve_delta(cfg, n_train: int) -> float:
+    """δ of a run, under one policy for every method:
 
-    * no ``privacy.target_delta``: the published (or given) method's default, capped at
-      1/(10·n_train);
+    * no ``privacy.target_delta``: min(1e-5, 1/(10·n_train)), rounded down to 1, 2 or 5 × 10^k;
     * a configured δ ≥ 1/n_train — which (ε, δ)-DP lets a mechanism spend on publishing whole
       records — is refused with a :class:`ConfigError`, unless the config opts in with
       ``privacy.allow_delta_at_least_one_over_n: true`` (then it is warned about, and the run
@@ -48,14 +47,10 @@ def resolve_delta(cfg, n_train: int, method_name: str | None = None) -> float:
                 f"{exc}; or, to accept it knowingly, set "
                 "privacy.allow_delta_at_least_one_over_n: true (the run record then carries "
                 "privacy.delta_opt_in=true)") from None
-    name = method_name or cfg.method
     # rounded down to 1, 2 or 5 × 10^k: n here is a released size, and a partition drawn anew (its
     # file touched) must keep its dataset's δ, not move it by a record's worth of noise
-    default = _round_down_125(min(float(get_method(name).default_delta(n_train)), 0.1 / n_train))
-    try:
-        return check_delta(default, f"{name}.default_delta", n=n_train, allow_at_least_one_over_n=False)
-    except ValueError as exc:
-        raise ConfigError(f"method {name!r}: {exc}") from None
+    return check_delta(_round_down_125(min(1e-5, 0.1 / n_train)), "the default δ", n=n_train,
+                       allow_at_least_one_over_n=False)
 
 
 def delta_opt_in(cfg, n_train: int, delta: float) -> bool:
@@ -116,7 +111,7 @@ def shadow_plan(cfg, name: str, sizes, n_pool: int) -> RunPlan:
     method = get_method(name)
     if sizes is None or runner(cfg, name) is not method:
         n = n_pool if sizes is None else sizes.n_train
-        return method.plan(cfg, n, resolve_delta(cfg, n, name), epsilon=cfg.privacy.target_epsilon)
+        return method.plan(cfg, n, resolve_delta(cfg, n), epsilon=cfg.privacy.target_epsilon)
     return plan_for(cfg, name, sizes)
 
 

@@ -307,7 +307,7 @@ def _drawn_settings(cfg, name: str) -> list[dict]:
 
 def candidates_of(cfg) -> list[Candidate]:
     """The published method's candidates: ``selection.candidates``, draws from ``selection.ranges``,
-    or the method's own grid (``Method.selection_grid``), then the "no prompt" candidate."""
+    or the method's own grid (``Traits.selection_grid``), then the "no prompt" candidate."""
     from .methods import get_method
 
     name = cfg.method
@@ -316,7 +316,7 @@ def candidates_of(cfg) -> list[Candidate]:
     elif cfg.selection.ranges:
         settings = _drawn_settings(cfg, name)
     else:
-        settings = [dict(c) for c in get_method(name).selection_grid(cfg)]
+        settings = [dict(c) for c in get_method(name).traits.selection_grid]
     if not settings:
         raise ValueError(f"selection: method {name} has no candidates to choose from")
     out, seen = [], set()

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..methods.base import Method, MethodPlan, ReportArtifact, ReportMetric, SummaryColumn, Trained, Traits, budget, dp_unless_debug
+from ..methods.base import (Method, MethodPlan, Report, ReportArtifact, ReportMetric, SummaryColumn, Trained, Traits,
+                            budget, dp_unless_debug, run_label)
 from ..schema import DPSGDConfig, PromptTuningConfig
 
 
@@ -24,19 +25,14 @@ class SoftPromptDPSGD(Method):
     """DP-SGD soft-prompt tuning: its plan (σ for the target ε over the released n), training and
     accounting. A subclass sets ``name``, ``config_class`` (a ``DPSGDConfig``) and ``label``."""
 
-    # Poisson sampling of units, one clipped gradient per unit (models.dp_prompt_training)
-    traits = Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",))
-
-    @classmethod
-    def contract_test_config(cls):
-        return {"n_tokens": 2, "epochs": 1, "batch_size": 8}
+    # Poisson sampling of units, one clipped gradient per unit (models.dp_prompt_training); its
+    # selection grid: learning rate × epochs around the quickstart's (lr 0.05, 2 epochs)
+    traits = Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",),
+                    selection_grid=[{"lr": lr, "epochs": epochs} for lr in (0.01, 0.05, 0.2) for epochs in (1.0, 3.0)],
+                    test_settings={"n_tokens": 2, "epochs": 1, "batch_size": 8})
 
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
-
-    def selection_grid(self, cfg):
-        """Learning rate × epochs around the quickstart's (lr 0.05, 2 epochs): 6 candidates."""
-        return [{"lr": lr, "epochs": epochs} for lr in (0.01, 0.05, 0.2) for epochs in (1.0, 3.0)]
 
     def plan(self, cfg, n_train, delta, epsilon=None):
         from .training import dpsgd_event, dpsgd_params, dpsgd_settings
@@ -68,6 +64,43 @@ class SoftPromptDPSGD(Method):
                        result.steps, metrics, result.history)
 
 
+# ---- what the prefix methods add to the comparison report (tasks/comparison.py reads it) -----------
+
+def flatness_figure(rows: list[dict], title: str = "flatness of the published prompts (test split)"):
+    """Test loss along a random and an adversarial direction (Privacy-Flat Figures 1, 3), the
+    mean over runs per method label; None when no run logged flatness curves."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("flatness")]
+    if not rows:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(9.2, 3.6), sharey=True)
+    for ax, kind in zip(axes, ("random", "adversarial")):
+        for label in sorted({r["method"] for r in rows}):
+            curves = [r["flatness"] for r in rows if r["method"] == label]
+            keys = sorted(k for k in curves[0] if k.startswith(f"flatness.{kind}.r"))
+            xs = [int(k.rsplit(".r", 1)[1]) / 100 for k in keys]
+            ys = [sum(c[k] for c in curves if k in c) / len(curves) for k in keys]
+            ax.plot(xs, ys, marker="o", label=f"{label} (n={len(curves)})")
+        ax.set_xlabel("perturbation ‖v‖ / ‖w‖")
+        ax.set_title(f"{kind} direction", fontsize=9)
+    axes[0].set_ylabel("test loss (test split)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def adversarial_loss_at_30(row: dict) -> float | None:
+    """A run's test loss at 0.3‖w‖ along the adversarial direction (None where not logged)."""
+    return row.get("flatness", {}).get("flatness.adversarial.r30")
+
+
+def dp_prefix_label(cfg) -> str:
+    """Every run of DP prefix tuning is one rung of the Privacy-Flat ladder: ``dp_prefix``."""
+    return "dp_prefix"
+
+
 class PrefixDPSGDConfig(DPSGDConfig):
     """DP-SGD prefix tuning: ``n_tokens`` prefix positions at every attention layer."""
 
@@ -82,9 +115,10 @@ class PrefixDPSGDMethod(SoftPromptDPSGD):
     (:meth:`check_model`)."""
 
     prompt_kind = "prefix"
-
-    def run_label(self, cfg):
-        return "dp_prefix"
+    report = Report(metrics=(ReportMetric("flatness", prefix="flatness."),),
+                    sections=(SummaryColumn("test loss, adversarial 0.3‖w‖", adversarial_loss_at_30),
+                              ReportArtifact("report/flatness.png", flatness_figure)),
+                    run_label=dp_prefix_label)
 
     def extra_params(self, cfg) -> dict:
         return {"prefix.n_tokens": self.settings(cfg).n_tokens}
@@ -120,13 +154,7 @@ class PrefixDPSGDMethod(SoftPromptDPSGD):
         examples = self.settings(mctx.cfg).flatness_examples
         if not examples:
             return {}
-        return prefix_flatness(mctx.cfg, ctx.part.test_path, prompt_path, self.run_label(mctx.cfg), examples)
-
-    def report_metrics(self):
-        return FLATNESS_METRICS
-
-    def report_sections(self):
-        return FLATNESS_SECTIONS
+        return prefix_flatness(mctx.cfg, ctx.part.test_path, prompt_path, run_label(self, mctx.cfg), examples)
 
     def step_additions(self, mctx, plan, rows, progress=None) -> dict:
         """Additions to the DP step (Privacy-Flat's): {"hooks": [DPStepHook], "init_prompt": tensor,
@@ -177,43 +205,6 @@ def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str, examples:
     return {"metrics": metrics, "figures": {"plots/flatness.png": fig}}
 
 
-# ---- what the prefix methods add to the comparison report (tasks/comparison.py reads it) -----------
-
-def flatness_figure(rows: list[dict], title: str = "flatness of the published prompts (test split)"):
-    """Test loss along a random and an adversarial direction (Privacy-Flat Figures 1, 3), the
-    mean over runs per method label; None when no run logged flatness curves."""
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r.get("flatness")]
-    if not rows:
-        return None
-    fig, axes = plt.subplots(1, 2, figsize=(9.2, 3.6), sharey=True)
-    for ax, kind in zip(axes, ("random", "adversarial")):
-        for label in sorted({r["method"] for r in rows}):
-            curves = [r["flatness"] for r in rows if r["method"] == label]
-            keys = sorted(k for k in curves[0] if k.startswith(f"flatness.{kind}.r"))
-            xs = [int(k.rsplit(".r", 1)[1]) / 100 for k in keys]
-            ys = [sum(c[k] for c in curves if k in c) / len(curves) for k in keys]
-            ax.plot(xs, ys, marker="o", label=f"{label} (n={len(curves)})")
-        ax.set_xlabel("perturbation ‖v‖ / ‖w‖")
-        ax.set_title(f"{kind} direction", fontsize=9)
-    axes[0].set_ylabel("test loss (test split)")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
-def adversarial_loss_at_30(row: dict) -> float | None:
-    """A run's test loss at 0.3‖w‖ along the adversarial direction (None where not logged)."""
-    return row.get("flatness", {}).get("flatness.adversarial.r30")
-
-
-FLATNESS_METRICS = (ReportMetric("flatness", prefix="flatness."),)
-FLATNESS_SECTIONS = (SummaryColumn("test loss, adversarial 0.3‖w‖", adversarial_loss_at_30),
-                     ReportArtifact("report/flatness.png", flatness_figure))
-
-
 class NonPrivateSoftPrompt(Method):
     """Non-private soft-prompt tuning (a baseline and an upper bound; no guarantee): the toolkit's
     non-private trainer on ``models.local`` with the settings of ``methods.prompt_sgd``.
@@ -224,10 +215,7 @@ class NonPrivateSoftPrompt(Method):
     name = "prompt_sgd"
     config_class = PromptTuningConfig
     label = "prompt tuning (non-private)"
-
-    @classmethod
-    def contract_test_config(cls):
-        return {"n_tokens": 2, "epochs": 1, "batch_size": 8}
+    traits = Traits(test_settings={"n_tokens": 2, "epochs": 1, "batch_size": 8})
 
     def guarantee(self, cfg):
         return "none"

@@ -24,7 +24,7 @@ import importlib
 import os
 import pkgutil
 
-from .base import (LevelPanel, Method, MethodContext, MethodPlan, PostProcessed, PrivateRows,  # noqa: F401
+from .base import (LevelPanel, Method, MethodContext, MethodPlan, PostProcessed, PrivateRows, Report,  # noqa: F401
                    ReferenceAccuracy, ReportArtifact, ReportMetric, SummaryColumn, Trained, Traits, Variant)
 
 _REGISTRY: dict[str, Method] = {}

@@ -245,6 +245,36 @@ ReportSection = ReferenceAccuracy | SummaryColumn | LevelPanel | ReportArtifact
 
 
 @dataclass(frozen=True)
+class Report:
+    """What a method adds to the comparison report (``privprompt report``, the sweep's summary;
+    ``tasks/comparison.py`` reads it from the registry and names no method), declared once
+    (``report = Report(...)``).
+
+    ``metrics``: read into the rows of its runs (or of every run, with ``every_run``) beyond the
+    generic ones (RAPT: its empirical privacy; the prefix methods: their flatness curves; zero-shot:
+    its accuracy, on its own runs and as the others' baseline). ``sections``: built from every run's
+    row — summary columns, panels of the privacy–utility figure, artifacts; a section several methods
+    declare is shown once. ``run_label(cfg)``: how a run is named in comparisons (tag ``method.label``)
+    where runs of one method differ in kind (Privacy-Flat's ladder); None: the method's name.
+    ``ldp_level(params)``: the local-DP parameter of a run (an ``ldp`` run has no ε) read back from its
+    logged params (RAPT: η); None: the method has none."""
+
+    metrics: tuple[ReportMetric, ...] = ()
+    sections: tuple[ReportSection, ...] = ()
+    run_label: Callable[["PrivPromptConfig"], str] | None = None
+    ldp_level: Callable[[dict], float | None] | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "metrics", tuple(self.metrics))
+        object.__setattr__(self, "sections", tuple(self.sections))
+
+
+def run_label(method, cfg: "PrivPromptConfig") -> str:
+    """How a run of ``method`` under ``cfg`` is named in comparisons (its report's ``run_label``)."""
+    return method.report.run_label(cfg) if method.report.run_label is not None else method.name
+
+
+@dataclass(frozen=True)
 class Traits:
     """What the platform reads of a method besides its hooks, declared once (``traits = Traits(...)``).
 
@@ -260,7 +290,11 @@ class Traits:
     in-flow loss attack applies. ``always_dp``: the plan is dp under every setting (the planner does
     not first ask it at the whole budget: a selection). ``release``: the name of its own release in the
     run's plan, the kind that runs it (tasks/releases.py). ``stage_names``: its own names of the
-    pipeline's stages in the run summary (POST: distill, tune, transfer)."""
+    pipeline's stages in the run summary (POST: distill, tune, transfer). ``selection_grid``: the
+    candidates ``selection: {enabled: true}`` chooses from when the config lists none (settings of
+    ``methods.<name>``, dotted for nested blocks; the platform adds "no prompt"; the default is the
+    configured settings alone). ``test_settings``: settings of ``methods.<name>`` small enough to
+    train in seconds on the tiny test models (the contract test runs every method with them)."""
 
     uses_validation: bool = False
     unit_level: bool = False
@@ -270,6 +304,8 @@ class Traits:
     always_dp: bool = False
     release: str = "method"
     stage_names: tuple[tuple[str, str], ...] = ()
+    selection_grid: tuple[dict[str, Any], ...] = ({},)
+    test_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("uses_validation", "unit_level", "compares_with_no_prompt", "supports_loss_mia", "always_dp"):
@@ -280,9 +316,57 @@ class Traits:
         object.__setattr__(self, "neighbour_statistics", tuple(self.neighbour_statistics))
         names = self.stage_names.items() if isinstance(self.stage_names, dict) else self.stage_names
         object.__setattr__(self, "stage_names", tuple((str(k), str(v)) for k, v in names))
+        if isinstance(self.selection_grid, dict) or not all(isinstance(c, dict) for c in self.selection_grid):
+            raise TypeError("Traits.selection_grid is a sequence of settings dicts")
+        object.__setattr__(self, "selection_grid", tuple(dict(c) for c in self.selection_grid))
+        object.__setattr__(self, "test_settings", dict(self.test_settings))
 
 
 TRAIT_NAMES = tuple(f.name for f in fields(Traits))
+
+
+LEGACY_REPORT = ("report_metrics", "report_sections", "run_label", "ldp_level")
+
+
+def _read_legacy_members(cls) -> None:
+    """Read the members of the interface before :class:`Traits` / :class:`Report` that ``cls``
+    defines into its ``traits`` and ``report`` (see ``Method.__init_subclass__``)."""
+    own = cls.__dict__
+    if "default_delta" in own:
+        raise TypeError(f"method class {cls.__qualname__}: default_delta is no longer read (every run's default δ is "
+                        "min(1e-5, 1/(10 n)), rounded down); set privacy.target_delta for another δ")
+    traits = {name: own[name] for name in TRAIT_NAMES if name in own}
+    if "contract_test_config" in own:
+        traits["test_settings"] = getattr(cls, "contract_test_config")()
+    if "selection_grid" in own:
+        traits["selection_grid"] = tuple(own["selection_grid"](cls(), None))
+    report = {}
+    if "report_metrics" in own:
+        report["metrics"] = tuple(own["report_metrics"](cls()))
+    if "report_sections" in own:
+        report["sections"] = tuple(own["report_sections"](cls()))
+    if "run_label" in own:
+        report["run_label"] = _bound(cls, own["run_label"])
+    if "ldp_level" in own:
+        report["ldp_level"] = _bound(cls, own["ldp_level"])
+    if not (traits or report):
+        return
+    import warnings
+
+    names = sorted({*(n for n in TRAIT_NAMES if n in own), *(n for n in ("contract_test_config", "selection_grid",
+                                                                          *LEGACY_REPORT) if n in own)})
+    warnings.warn(f"method class {cls.__qualname__}: {', '.join(names)} are read into its traits and report for one "
+                  "release; declare traits = Traits(...) and report = Report(...) (tasks.methods)",
+                  DeprecationWarning, stacklevel=3)
+    if traits:
+        cls.traits = replace(cls.traits, **traits)
+    if report:
+        cls.report = replace(cls.report, **report)
+
+
+def _bound(cls, func):
+    """``func(cls(), value)``: an interface-before-Report method member as a report callable."""
+    return lambda value: func(cls(), value)
 
 
 def dp_unless_debug(cfg: "PrivPromptConfig") -> Guarantee:
@@ -300,13 +384,6 @@ class Method:
     label: ClassVar[str] = ""             # a human name for tables
 
     # ---- configuration ------------------------------------------------------------------
-    @classmethod
-    def contract_test_config(cls) -> dict[str, Any]:
-        """Settings of ``methods.<name>`` small enough to train in seconds on the tiny test models
-        (tiny-gpt2, 20 rows): the contract test (``tests/methods/test_method_contract.py``) runs every
-        registered method with them. {}: the defaults are small enough."""
-        return {}
-
     def settings(self, cfg: "PrivPromptConfig"):
         """This method's config block."""
         return getattr(cfg.methods, self.name)
@@ -319,30 +396,21 @@ class Method:
         raise NotImplementedError
 
     traits: ClassVar[Traits] = Traits()  # what the platform reads of the method besides its hooks
+    report: ClassVar[Report] = Report()  # what it adds to the comparison report
 
     def __init_subclass__(cls, **kwargs):
-        """A method written with the traits as class attributes (``uses_validation = True``, the
-        interface before :class:`Traits`) keeps working for one release: they are read into
-        ``traits`` (a DeprecationWarning names them)."""
+        """A method written against the interface before :class:`Traits` and :class:`Report` keeps
+        working for one release (a DeprecationWarning names what is read): traits as class
+        attributes (``uses_validation = True``), ``contract_test_config()`` and
+        ``selection_grid(cfg)`` (read once, without a config) are read into ``traits``;
+        ``report_metrics()``, ``report_sections()``, ``run_label(cfg)`` and ``ldp_level(params)``
+        into ``report``. A ``default_delta`` is refused: δ follows the platform's one policy."""
         super().__init_subclass__(**kwargs)
-        legacy = {name: cls.__dict__[name] for name in TRAIT_NAMES if name in cls.__dict__}
-        if legacy:
-            import warnings
-
-            warnings.warn(f"method class {cls.__qualname__}: the class attributes {', '.join(sorted(legacy))} are read "
-                          "as its traits for one release; declare traits = Traits(...) (tasks.methods.Traits)",
-                          DeprecationWarning, stacklevel=2)
-            cls.traits = replace(cls.traits, **legacy)
+        _read_legacy_members(cls)
 
     def reads_private_data(self, cfg: "PrivPromptConfig") -> bool:
         """False for methods that never read private training rows (zero-shot)."""
         return True
-
-    def default_delta(self, n_train: int) -> float:
-        """δ when the config sets none. Whatever a method returns here, the lifecycle
-        (``tasks.run_plan.resolve_delta``) uses at most 1/(10·n_train): δ ≥ 1/n lets a mechanism
-        publish whole records."""
-        return min(1e-5, 1.0 / (10 * n_train))
 
     def uses_public_data(self, cfg: "PrivPromptConfig") -> bool:
         return False
@@ -399,11 +467,6 @@ class Method:
         """The model ``train``'s prompt is trained on, before ``post_process`` (POST: the student)."""
         return cfg.models.local
 
-    def ldp_level(self, params: dict[str, str]) -> float | None:
-        """The local-DP parameter of a run of this method (an ``ldp`` run has no ε), read back from
-        its logged params for the report (RAPT: η); None when the method has none."""
-        return None
-
     def variants(self, ctx, result: "RunOutcome", prepared: dict[str, Any], run_method) -> list[Variant]:
         """Extra evaluated prompts. ``result``: the published method's outcome; ``run_method(name)``
         runs another registered method through the lifecycle (e.g. a non-private upper bound) and
@@ -413,33 +476,6 @@ class Method:
     def tables(self, accuracies: dict[str, float], result: "RunOutcome", variants: list[Variant]) -> dict[str, str]:
         """Markdown tables to log on the parent run (``tables/<name>.md``)."""
         return {}
-
-    # ---- the comparison report (``privprompt report``, the sweep's summary: tasks/comparison.py) ----
-    def report_metrics(self) -> tuple[ReportMetric, ...]:
-        """The metrics the report reads into the rows of this method's runs (or of every run, with
-        ``every_run``) beyond the generic ones (RAPT: its empirical privacy; the prefix methods: their
-        flatness curves; zero-shot: its accuracy, on its own runs and as the others' baseline)."""
-        return ()
-
-    def report_sections(self) -> tuple[ReportSection, ...]:
-        """What this method adds to the report, built from every run's row: summary columns,
-        panels of the privacy–utility figure, artifacts (tables, figures). A section several
-        methods declare (one skeleton's) is shown once; the report names no method itself."""
-        return ()
-
-    def run_label(self, cfg: "PrivPromptConfig") -> str:
-        """How this run is named in comparisons (tag ``method.label``): the method's name, or a
-        name of its settings where runs of one method differ in kind (Privacy-Flat's ladder)."""
-        return self.name
-
-    # ---- private selection (``selection:``, tasks/selection.py) --------------------------------
-    def selection_grid(self, cfg: "PrivPromptConfig") -> list[dict[str, Any]]:
-        """The candidates ``selection: {enabled: true}`` chooses from when the config lists none:
-        settings of ``methods.<name>`` (keys of its block, dotted for nested blocks) to train and
-        compare on the holdout; the lifecycle adds "no prompt". Public: a function of the config
-        only. The default is the configured settings alone (they against no prompt); a method
-        package with hyperparameters worth tuning returns its own small grid."""
-        return [{}]
 
     def holdout_predictions(self, mctx: MethodContext, prompt: Any, rows: PrivateRows):
         """The label index ``prompt`` (None: no prompt) predicts for each private holdout row of

@@ -126,7 +126,7 @@ def _config(tmp_path, method: str, unit: str, selection: str) -> dict:
                     "size_noise_sigma": 5.0, **UNITS[unit]},
            "models": {"local": "tiny-gpt2", "max_length": 24},
            "privacy": {"target_epsilon": 8.0, "target_delta": 1e-4, "dataset_epsilon_cap": 1000.0},
-           "methods": {name: get_method(name).contract_test_config() for name in registered_methods()},
+           "methods": {name: get_method(name).traits.test_settings for name in registered_methods()},
            "public": {"name": "tweet_sentiment", "path": str(SHARED / "tweet_sentiment"), "size": 40},
            "mia": {"enabled": False}}
     if SELECTIONS[selection] is not None:

@@ -17,7 +17,7 @@ def test_max_length_and_prompt_positions_beyond_the_model_are_refused_in_preflig
     from tasks.errors import ConfigError
 
     method = get_method(name)
-    settings = method.contract_test_config()
+    settings = method.traits.test_settings
     limit = load_backbone("tiny-gpt2", "cpu").max_positions
     cfg, _ = parsed_config(tmp_path_factory, name, settings, f"long-{name}")
     if not method.reads_private_data(cfg) or name == "post":  # POST checks its own (distilled) models below
@@ -35,7 +35,7 @@ def test_a_long_text_prompt_cuts_texts_to_the_models_positions(tmp_path_factory)
     from models.prompts import TextPrompt
     from tasks.methodkit.classifiers import classifier_for, input_length, prompted
 
-    cfg, _ = parsed_config(tmp_path_factory, "dp_fewshot", get_method("dp_fewshot").contract_test_config(),
+    cfg, _ = parsed_config(tmp_path_factory, "dp_fewshot", get_method("dp_fewshot").traits.test_settings,
                            "long-text")
     cfg = cfg.model_copy(update={"models": cfg.models.model_copy(update={"max_length": 96})})
     demos = "".join(f"Input: {'a fine film ' * 8}\nOutput: positive\n\n" for _ in range(6))
@@ -103,7 +103,7 @@ def test_a_backbone_with_int8_outlier_columns_is_refused_in_preflight(tmp_path_f
     from tasks.errors import ConfigError
 
     method = get_method("prompt_dpsgd")
-    cfg, _ = parsed_config(tmp_path_factory, "prompt_dpsgd", method.contract_test_config(), "int8")
+    cfg, _ = parsed_config(tmp_path_factory, "prompt_dpsgd", method.traits.test_settings, "int8")
     method.preflight(cfg, None)
     monkeypatch.setattr(models.row_own, "int8_outliers", lambda model: True)
     with pytest.raises(ConfigError, match=r"models.local='tiny-gpt2' runs 8-bit weights with LLM.int8's outlier "

@@ -6,7 +6,7 @@
   between storing the output and committing reuses the stored output; a retry after an attempt
   lost between its first private read and the storing is refused (the lost attempt's reservation
   stays spent: a second run of the mechanism would need a second charge).
-* δ: the default is capped at 1/(10 n) whatever a method's ``default_delta`` says; a configured
+* δ: the default is min(1e-5, 1/(10 n)), rounded down, for every method; a configured
   δ ≥ 1/n is refused unless the config opts in, and an opted-in run says so in its run record.
 
 Runs the lifecycle directly (no Prefect) on a tiny model."""
@@ -322,17 +322,14 @@ def _cfg(tmp_path, **privacy):
     return parse_config(raw)
 
 
-def test_default_delta_is_capped_at_a_tenth_of_one_over_n_for_every_method(tmp_path, monkeypatch):
+def test_default_delta_is_capped_at_a_tenth_of_one_over_n_for_every_method(tmp_path):
     from tasks.run_plan import resolve_delta
-    from tasks.methods import get_method
 
     cfg = _cfg(tmp_path)
     assert resolve_delta(cfg, 2000) == pytest.approx(1e-5)
     assert resolve_delta(cfg, 500) == pytest.approx(1e-5)
     assert resolve_delta(cfg, 200_000) == pytest.approx(5e-7)  # min(1e-5, 1/(10 n))
-    # a method whose own default is the paper's δ = 1/n still gets at most 1/(10 n)
-    monkeypatch.setattr(type(get_method("prompt_dpsgd")), "default_delta", lambda self, n: 1.0 / n)
-    for n, expected in ((100, 1e-3), (2000, 5e-5), (67_349, 1e-6), (4_000, 2e-5), (4_100, 2e-5)):
+    for n, expected in ((67_349, 1e-6), (40_000, 2e-6), (41_000, 2e-6), (400_000, 2e-7), (10_000, 1e-5)):
         assert resolve_delta(cfg, n) == expected  # 0.1/n rounded down to 1, 2 or 5 × 10^k
     with pytest.raises(ValueError, match="n_train >= 1"):
         resolve_delta(cfg, 0)

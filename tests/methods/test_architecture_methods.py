@@ -129,6 +129,21 @@ def test_the_toolkit_imports_no_method_package():
     assert not wrong, "\n".join(wrong)
 
 
+def test_no_platform_module_imports_a_method_package():
+    """The platform (``tasks/`` outside ``tasks/methods/``, ``flows/``, the CLI) reaches a method only
+    through the registry: what several need sits in the toolkit or in ``models/``."""
+    paths = [p for p in (REPO / "tasks").rglob("*.py") if METHODS not in p.parents]
+    paths += [*(REPO / "flows").rglob("*.py"), REPO / "privprompt_cli.py", REPO / "privprompt_worker.py"]
+    wrong = []
+    for path in sorted(paths):
+        rel = path.relative_to(REPO)
+        module = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        for line, name in imported_modules(path.read_text(), module, path.name == "__init__.py"):
+            if any(_is_under(name, f"tasks.methods.{p}") for p in METHOD_PACKAGES):
+                wrong.append(f"{rel}:{line} imports {name}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_comparison_names_no_method():
     """tasks/comparison.py reads what the methods declare: no registered method's name (or class
     name) appears in it as a word, nor a method's label, nor an import of a method package."""

@@ -45,3 +45,43 @@ def test_a_selection_has_the_methods_traits_with_its_own_release():
         True, "selection", True, True)
     assert (traits.unit_level, traits.neighbour_statistics) == (method.traits.unit_level,
                                                                  method.traits.neighbour_statistics)
+
+
+def test_report_and_settings_members_of_the_old_interface_are_read_into_traits_and_report():
+    from tasks.methods.base import Report, ReportMetric, run_label
+
+    metric = ReportMetric("legacy_score", ("legacy.score",))
+    with pytest.warns(DeprecationWarning, match="contract_test_config, ldp_level, report_metrics, run_label, selection_grid"):
+        class Legacy(Method):
+            name = "legacy_report_probe"
+
+            @classmethod
+            def contract_test_config(cls):
+                return {"n_tokens": 2}
+
+            def selection_grid(self, cfg):
+                return [{"lr": 0.1}, {"lr": 0.2}]
+
+            def report_metrics(self):
+                return (metric,)
+
+            def run_label(self, cfg):
+                return f"{self.name}[{cfg}]"
+
+            def ldp_level(self, params):
+                return float(params["eta"])
+
+    assert Legacy.traits.test_settings == {"n_tokens": 2}
+    assert Legacy.traits.selection_grid == ({"lr": 0.1}, {"lr": 0.2})
+    assert Legacy.report.metrics == (metric,) and Legacy.report.sections == ()
+    assert run_label(Legacy(), "x") == "legacy_report_probe[x]" and Legacy.report.ldp_level({"eta": "3"}) == 3.0
+    assert Method.report == Report()
+
+
+def test_a_method_defining_its_own_default_delta_is_refused():
+    with pytest.raises(TypeError, match="default_delta is no longer read"):
+        class Legacy(Method):
+            name = "legacy_delta_probe"
+
+            def default_delta(self, n_train):
+                return 1.0 / n_train

@@ -29,8 +29,8 @@ def _config(state: Path, method: str) -> dict:
         "models": {"local": "tiny-gpt2", "max_length": 24},
         "privacy": {"target_epsilon": 8.0, "dataset_epsilon_cap": 100.0},
         "public": {"name": "tweet_sentiment", "path": str(SHARED / "tweet_sentiment"), "size": 40},
-        # each method's own small settings (``Method.contract_test_config``): no list of methods here
-        "methods": {name: get_method(name).contract_test_config() for name in registered_methods()},
+        # each method's own small settings (``Traits.test_settings``): no list of methods here
+        "methods": {name: get_method(name).traits.test_settings for name in registered_methods()},
         "mia": {"enabled": False},
     }
 

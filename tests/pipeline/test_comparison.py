@@ -146,7 +146,7 @@ def test_a_new_methods_declarations_reach_the_report(tmp_path):
     report reads them without a line of tasks/comparison.py knowing it."""
     from tasks.comparison import label_summary, log_report, parent_runs
     from tasks.methods import register_method, unregister_method
-    from tasks.methods.base import Method, ReportArtifact, ReportMetric, SummaryColumn
+    from tasks.methods.base import Method, Report, ReportArtifact, ReportMetric, SummaryColumn
     from tasks.schema import Block
 
     def table(rows):
@@ -157,11 +157,9 @@ def test_a_new_methods_declarations_reach_the_report(tmp_path):
         name = "toy_reported"
         config_class = Block
 
-        def report_metrics(self):
-            return (ReportMetric("toy_score", ("toy.score", "toy.old_score"), transform=lambda v: 2 * v),)
-
-        def report_sections(self):
-            return (SummaryColumn("toy score", lambda r: r.get("toy_score")), ReportArtifact("report/toy.md", table))
+        report = Report(metrics=(ReportMetric("toy_score", ("toy.score", "toy.old_score"), transform=lambda v: 2 * v),),
+                        sections=(SummaryColumn("toy score", lambda r: r.get("toy_score")),
+                                  ReportArtifact("report/toy.md", table)))
 
     register_method(ToyReported)
     try:

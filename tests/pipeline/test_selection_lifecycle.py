@@ -48,11 +48,11 @@ def test_selection_enabled_alone_parses_with_the_methods_grid_or_is_refused_in_o
         reasons = {"trains nothing": not method.reads_private_data(base),
                    "reads the holdout": method.traits.uses_validation,
                    "has guarantee": any(method.guarantee(selection.apply_settings(base, name, s)) != "dp"
-                                        for s in method.selection_grid(base))}
+                                        for s in method.traits.selection_grid)}
         assert any(reasons[k] for k in reasons if k in message), message
         return
     names = [c.name for c in selection.candidates_of(cfg)]
-    grid = method.selection_grid(cfg)
+    grid = method.traits.selection_grid
     assert names == [selection.candidate_name(s) for s in grid] + ["no prompt"]
     assert len(set(names)) == len(names) >= 2
     for s in grid:  # each candidate is a valid block of the method, with a dp guarantee
@@ -68,7 +68,7 @@ def test_selection_enabled_alone_parses_with_the_methods_grid_or_is_refused_in_o
 def test_some_methods_select_and_the_base_default_is_the_configured_settings(tmp_path):
     from tasks import selection
     from tasks.config import parse_config
-    from tasks.methods.base import Method
+    from tasks.methods.base import Traits
 
     accepted = []
     for name in registered_methods():
@@ -79,7 +79,7 @@ def test_some_methods_select_and_the_base_default_is_the_configured_settings(tmp
             pass
     assert "prompt_dpsgd" in accepted and len(accepted) >= 3
     cfg = parse_config(_contract_config(tmp_path, "prompt_dpsgd"))
-    assert Method.selection_grid(get_method("prompt_dpsgd"), cfg) == [{}]
+    assert cfg.selection.enabled is False and Traits().selection_grid == ({},)  # the base default: the configured settings
     assert selection.candidate_name({}) == "configured"
 
 

@@ -80,11 +80,9 @@ class DPFewShot(Method):
     prompt_kind = "text"
     label = "DP few-shot generation"
     # what the neighbour harness checks (neighbour_stats.py): each group's sum of distributions
-    traits = Traits(neighbour_statistics=("dp_fewshot_sums",))
-
-    @classmethod
-    def contract_test_config(cls):
-        return {"demos_per_label": 1, "subsets": 2, "shots": 1, "max_new_tokens": 3, "public_top_k": 20}
+    traits = Traits(neighbour_statistics=("dp_fewshot_sums",),
+                    test_settings={"demos_per_label": 1, "subsets": 2, "shots": 1, "max_new_tokens": 3,
+                                   "public_top_k": 20})
 
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)

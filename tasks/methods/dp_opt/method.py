@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 from pydantic import Field, model_validator
@@ -230,13 +231,10 @@ class DPOpt(_TextMethod):
     # its DP-argmax already chooses among the generated instructions, the initial one and none (the
     # empty instruction) on the holdout: a second comparison would spend ε for what it decided
     traits = Traits(uses_validation=True, unit_level=True, compares_with_no_prompt=True,
-                    neighbour_statistics=("dp_opt_votes", "dp_opt_selection_counts"))
+                    neighbour_statistics=("dp_opt_votes", "dp_opt_selection_counts"),
+                    test_settings={"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2,
+                                   "epsilon0": 4.0, "delta0": 1e-8})
     rows_per_demo = 2  # each member shows at most 2k of its Poisson-sampled rows
-
-    @classmethod
-    def contract_test_config(cls):
-        return {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2, "epsilon0": 4.0,
-                "delta0": 1e-8}
 
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
@@ -436,10 +434,8 @@ class Opt(_TextMethod):
     name = "opt"
     config_class = OptConfig
     label = "OPT (ε = ∞)"
-
-    @classmethod
-    def contract_test_config(cls):
-        return {"meta_prompts": 2, "demos": 2, "max_new_tokens": 3, "candidates": 2}
+    traits = replace(_TextMethod.traits, test_settings={"meta_prompts": 2, "demos": 2, "max_new_tokens": 3,
+                                                        "candidates": 2})
 
     def guarantee(self, cfg):
         return "none"
@@ -516,10 +512,7 @@ class ICL(Method):
     config_class = ICLConfig
     prompt_kind = "text"
     label = "ICL (5 demos)"
-
-    @classmethod
-    def contract_test_config(cls):
-        return {"demos": 2}
+    traits = Traits(test_settings={"demos": 2})
 
     def preflight(self, cfg, prepared) -> None:
         check_text_method(cfg, generates=False)

@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Field
 
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, Trained, Traits, budget, dp_unless_debug
+from ..base import Method, MethodPlan, Report, Trained, Traits, budget, dp_unless_debug
 
 
 class DPZeroConfig(Block):
@@ -32,21 +32,22 @@ class DPZeroConfig(Block):
     nor_epochs: float = Field(1.0, gt=0, description="epochs of the non-private copy w_nor")
 
 
+def run_label(cfg) -> str:
+    """DPZero with the w_nor regulariser is named apart (it has no guarantee)."""
+    return "dpzero+regularizer" if cfg.methods.dpzero.regularizer else "dpzero"
+
+
 @register_method
 class DPZero(Method):
     name = "dpzero"
     config_class = DPZeroConfig
     label = "DPZero (black-box)"
     # Poisson sampling of units, one clipped two-point difference per unit
-    traits = Traits(unit_level=True, neighbour_statistics=("clipped_difference_sum",))
-
-    @classmethod
-    def contract_test_config(cls):
-        return {"n_tokens": 2, "batch_size": 8, "steps": 3}
-
-    def selection_grid(self, cfg):
-        """DPZero's learning rate around its default 1e-3: 3 candidates."""
-        return [{"lr": lr} for lr in (3e-4, 1e-3, 3e-3)]
+    # its learning rate around the default 1e-3: 3 candidates
+    traits = Traits(unit_level=True, neighbour_statistics=("clipped_difference_sum",),
+                    selection_grid=[{"lr": lr} for lr in (3e-4, 1e-3, 3e-3)],
+                    test_settings={"n_tokens": 2, "batch_size": 8, "steps": 3})
+    report = Report(run_label=run_label)
 
     def guarantee(self, cfg):
         return "none" if self.settings(cfg).regularizer else dp_unless_debug(cfg)
@@ -72,9 +73,6 @@ class DPZero(Method):
                           settings=settings,
                           note="DPZero with the w_nor regulariser reads private data without noise: no formal "
                                "guarantee" if block.regularizer else "")
-
-    def run_label(self, cfg):
-        return "dpzero+regularizer" if self.settings(cfg).regularizer else self.name
 
     def train(self, mctx, plan, rows, progress=None):
         import torch

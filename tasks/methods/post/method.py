@@ -20,6 +20,7 @@ from pathlib import Path
 from pydantic import Field
 
 from ...methodkit.prompt_methods import NonPrivateSoftPrompt
+from ...methodkit.transfer import transfer_on_public
 from ...schema import Block, DPSGDConfig
 from ...state import digest_key
 from .. import register_method
@@ -128,53 +129,17 @@ def distill_student(ctx, progress=None) -> dict:
 
 # ---- transfer --------------------------------------------------------------------------------
 
-def transfer_config(cfg):
-    """The ``transfer.py`` settings of a config: the target prompt initialised like the
-    source prompt."""
-    from .transfer import TransferConfig as ModelTransferConfig
-
-    t = cfg.methods.post.transfer
-    return ModelTransferConfig(steps=t.steps, batch_size=t.batch_size, lr=t.lr, alpha=t.alpha,
-                               max_length=cfg.models.max_length, seed=cfg.seed, init="vocab",
-                               init_words=cfg.methods.post.tuning.init, init_seed=cfg.seed,
-                               select_every=t.select_every)
-
-
-def transfer_on_public(cfg, source_clf, source_prompt, target_clf, texts: list[str], progress=None):
-    """POST's transfer as the config asks (the flow and the audit's shadows share it): a fixed
-    number of steps, or with ``select_every`` the prompt with the lowest transfer loss on
-    ``select_size`` held-out public texts. ``texts`` are public; nothing private is read."""
-    import numpy as np
-
-    from .transfer import PublicObjective, transfer_prompt
-
-    from ...errors import ConfigError
-
-    t, config = cfg.methods.post.transfer, transfer_config(cfg)
-    report = None if progress is None else (lambda step, total, *_: progress(step, total))
-    if not t.select_every:
-        return transfer_prompt(source_clf, source_prompt, target_clf, texts, config, progress=report)
-    if len(texts) <= t.select_size:
-        raise ConfigError(f"methods.post.transfer.select_size = {t.select_size} leaves no public texts to "
-                          f"train on ({len(texts)} in public); lower it or raise public.size")
-    order = np.random.default_rng(cfg.seed).permutation(len(texts))  # files may be sorted by label
-    held_out = [texts[i] for i in order[: t.select_size]]
-    train = [texts[i] for i in sorted(order[t.select_size:])]
-    objective = PublicObjective(source_clf, source_prompt, target_clf, held_out, config)  # encoded once
-    return transfer_prompt(source_clf, source_prompt, target_clf, train, config, progress=report,
-                           select_fn=lambda prompt: -objective(prompt))
-
-
 def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], progress=None):
     """Train the target prompt to behave on the target like the DP prompt on the student, on
-    public texts only. Returns (``transfer.py``'s result, the ``transfer`` child run to log)."""
+    public texts only. Returns (``models.prompt_transfer``'s result, the ``transfer`` child run to log)."""
     from ...data import assert_public
     from ...methodkit.classifiers import classifier_for
 
     cfg = mctx.cfg
     assert_public(student_dir, mctx.paths.private)
-    moved = transfer_on_public(cfg, classifier_for(cfg, student_dir), source_prompt,
-                               classifier_for(cfg, cfg.models.target_name), texts, progress=progress)
+    moved = transfer_on_public(cfg, cfg.methods.post, classifier_for(cfg, student_dir), source_prompt,
+                               classifier_for(cfg, cfg.models.target_name), texts, progress=progress,
+                               key="methods.post.transfer")
     t = cfg.methods.post.transfer
     losses = [h["loss"] for h in moved.history if h.get("loss") is not None]  # public-data losses
     child = {"name": "transfer", "tags": {"method": "post", "stage": "transfer", "data": "public only"},
@@ -194,23 +159,20 @@ class Post(Method):
     # the student's DP tuning is the per-unit DP-SGD of models.dp_prompt_training; its one private
     # release: that DP-SGD's clipped sum (fit_soft_prompt, units handed as prompt_dpsgd's)
     traits = Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",),
-                    stage_names={"prepare": "distill", "train": "tune", "post_process": "transfer"})
+                    stage_names={"prepare": "distill", "train": "tune", "post_process": "transfer"},
+                    # the DP tuning's learning rate × epochs on the student (the transfer uses public
+                    # data only and is not selected)
+                    selection_grid=[{"tuning.lr": lr, "tuning.epochs": epochs}
+                                    for lr in (0.02, 0.1) for epochs in (1.0, 3.0)],
+                    test_settings={"tuning": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
+                                   "distill": {"steps": 2, "batch_size": 8},
+                                   "transfer": {"steps": 2, "batch_size": 8}})
     name = "post"
     config_class = PostConfig
     label = "POST"
 
-    @classmethod
-    def contract_test_config(cls):
-        return {"tuning": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
-                "distill": {"steps": 2, "batch_size": 8}, "transfer": {"steps": 2, "batch_size": 8}}
-
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
-
-    def selection_grid(self, cfg):
-        """The DP tuning's learning rate × epochs on the student: 4 candidates (the transfer uses
-        public data only and is not selected)."""
-        return [{"tuning.lr": lr, "tuning.epochs": epochs} for lr in (0.02, 0.1) for epochs in (1.0, 3.0)]
 
     def uses_public_data(self, cfg) -> bool:
         return True

@@ -7,6 +7,8 @@ same prefix trained without DP."""
 from __future__ import annotations
 
 from ...methodkit.prompt_methods import PrefixDPSGDConfig, PrefixDPSGDMethod
+from dataclasses import replace
+
 from .. import register_method
 from ..base import MethodPlan, Trained
 
@@ -22,6 +24,11 @@ class PrefixDPSGD(PrefixDPSGDMethod):
     label = "prefix tuning (DP-SGD)"
 
 
+def nonprivate_label(cfg) -> str:
+    """The non-private prefix is the ladder's upper rung: ``prefix_nonprivate``."""
+    return "prefix_nonprivate"
+
+
 @register_method
 class PrefixSGD(PrefixDPSGD):
     """prefix_sgd: non-private prefix tuning (the upper bound of the Privacy-Flat comparison; no guarantee)."""
@@ -29,12 +36,10 @@ class PrefixSGD(PrefixDPSGD):
     name = "prefix_sgd"
     config_class = PrefixDPSGDConfig
     label = "prefix tuning (non-private)"
+    report = replace(PrefixDPSGD.report, run_label=nonprivate_label)
 
     def guarantee(self, cfg):
         return "none"
-
-    def run_label(self, cfg):
-        return "prefix_nonprivate"
 
     def plan(self, cfg, n_train, delta, epsilon=None):
         return MethodPlan(self.name, "none", n_train, delta, params=self.extra_params(cfg),

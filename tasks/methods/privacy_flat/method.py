@@ -17,6 +17,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field
 
+from dataclasses import replace
+
 from ...methodkit.prompt_methods import PrefixDPSGDConfig, PrefixDPSGDMethod
 from ...schema import Block
 from .. import register_method
@@ -46,6 +48,14 @@ class PrivacyFlatConfig(PrefixDPSGDConfig):
     flat: FlatConfig = Field(default_factory=FlatConfig)
 
 
+def run_label(cfg) -> str:
+    """A Privacy-Flat run's rung of the ladder: dp_prefix plus the flattening it adds."""
+    f = cfg.methods.privacy_flat.flat
+    parts = [p for p, on in (("awp", f.awp), ("sparse" + ("(public)" if f.sparse_data == "public" else ""), f.sparse),
+                             ("reg", f.regularizer)) if on]
+    return "dp_prefix+" + "+".join(parts) if parts else "dp_prefix"
+
+
 @register_method
 class PrivacyFlat(PrefixDPSGDMethod):
     """DP prefix tuning (the toolkit's skeleton, ``prefix_dpsgd``'s too) with Privacy-Flat's step
@@ -54,22 +64,15 @@ class PrivacyFlat(PrefixDPSGDMethod):
     name = "privacy_flat"
     config_class = PrivacyFlatConfig
     label = "Privacy-Flat (DP prefix tuning + flattening)"
-
-    @classmethod
-    def contract_test_config(cls):
-        return {**super().contract_test_config(),
-                "flat": {"awp": True, "sparse": True, "layers": 1, "regularizer": True, "sharpness_examples": 8}}
+    traits = replace(PrefixDPSGDMethod.traits, test_settings={
+        **PrefixDPSGDMethod.traits.test_settings,
+        "flat": {"awp": True, "sparse": True, "layers": 1, "regularizer": True, "sharpness_examples": 8}})
+    report = replace(PrefixDPSGDMethod.report, run_label=run_label)
 
     def guarantee(self, cfg):
         if self.settings(cfg).flat.reads_private_without_noise():
             return "none"
         return super().guarantee(cfg)
-
-    def run_label(self, cfg):
-        f = self.settings(cfg).flat
-        parts = [p for p, on in (("awp", f.awp), ("sparse" + ("(public)" if f.sparse_data == "public" else ""), f.sparse),
-                                 ("reg", f.regularizer)) if on]
-        return "dp_prefix+" + "+".join(parts) if parts else "dp_prefix"
 
     def uses_public_data(self, cfg):
         f = self.settings(cfg).flat

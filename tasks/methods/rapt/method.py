@@ -21,7 +21,8 @@ from pydantic import Field
 from ...schema import Block
 from ...state import digest_key
 from .. import register_method
-from ..base import Method, MethodPlan, Trained, Traits
+from ..base import Method, MethodPlan, Report, Trained, Traits
+from .report import METRICS, SECTIONS
 
 
 class RaptConfig(Block):
@@ -97,26 +98,33 @@ def unit_bounds(cfg, block) -> dict:
     return params
 
 
+def run_label(cfg) -> str:
+    """A RAPT run's name in comparisons: its tuning, with the reconstruction head and its weight."""
+    block = cfg.methods.rapt
+    if not block.reconstruction:
+        return f"rapt[{block.tuning}]"
+    weight = "" if block.reconstruction_weight == 1.0 else f" λ={block.reconstruction_weight:g}"
+    return f"rapt[{block.tuning}+reconstruction{weight}]"
+
+
+def ldp_level(params: dict) -> float | None:
+    """A RAPT run's local-DP level: its η."""
+    eta = params.get("rapt.eta")
+    return None if eta is None else float(eta)
+
+
 @register_method
 class Rapt(Method):
     name = "rapt"
     config_class = RaptConfig
     label = "RAPT"
-    traits = Traits(supports_loss_mia=False)  # its model only takes privatized inputs: the attacks below measure it
-
-    @classmethod
-    def contract_test_config(cls):
-        return {"plain_tokens": 4, "head_vocab": 60, "n_tokens": 2, "steps": 2, "batch_size": 4}
+    # its model only takes privatized inputs: the attacks below measure it
+    traits = Traits(supports_loss_mia=False,
+                    test_settings={"plain_tokens": 4, "head_vocab": 60, "n_tokens": 2, "steps": 2, "batch_size": 4})
+    report = Report(METRICS, SECTIONS, run_label=run_label, ldp_level=ldp_level)
 
     def guarantee(self, cfg):
         return "none" if cfg.debug_seeded_dp_randomness else "ldp"
-
-    def run_label(self, cfg):
-        block = self.settings(cfg)
-        if not block.reconstruction:
-            return f"rapt[{block.tuning}]"
-        weight = "" if block.reconstruction_weight == 1.0 else f" λ={block.reconstruction_weight:g}"
-        return f"rapt[{block.tuning}+reconstruction{weight}]"
 
     def uses_public_data(self, cfg) -> bool:
         block = self.settings(cfg)
@@ -128,20 +136,6 @@ class Rapt(Method):
         if cfg.models.max_length < m + 2 + 8:
             raise ValueError(f"models.max_length={cfg.models.max_length} must hold RAPT's {m} plain tokens, "
                              "[CLS], [SEP] and the text (at least 8 text tokens)")
-
-    def ldp_level(self, params):
-        eta = params.get("rapt.eta")
-        return None if eta is None else float(eta)
-
-    def report_metrics(self):
-        from .report import METRICS
-
-        return METRICS
-
-    def report_sections(self):
-        from .report import SECTIONS
-
-        return SECTIONS
 
     def plan(self, cfg, n_train, delta, epsilon=None):
         block = self.settings(cfg)

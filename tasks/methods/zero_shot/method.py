@@ -6,7 +6,7 @@ from pydantic import Field
 
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, ReferenceAccuracy, ReportMetric, Trained
+from ..base import Method, MethodPlan, ReferenceAccuracy, Report, ReportMetric, Trained
 
 
 class ZeroShotConfig(Block):
@@ -19,6 +19,11 @@ class ZeroShot(Method):
     config_class = ZeroShotConfig
     prompt_kind = "none"
     label = "zero-shot"
+    # the zero-shot baseline on each run's own test split (the report's zero-shot column and line): the
+    # runs it ran beside log it as test.accuracy.zero_shot; a zero-shot run's own is its accuracy
+    report = Report(metrics=(ReportMetric("zero_shot", ("test.accuracy.zero_shot",), every_run=True),
+                             ReportMetric("zero_shot", ("test.accuracy",))),
+                    sections=(ReferenceAccuracy("zero_shot", "zero-shot"),))
 
     def guarantee(self, cfg):
         return "none"
@@ -35,12 +40,3 @@ class ZeroShot(Method):
 
     def published_model(self, cfg, prepared):
         return cfg.models.target_name
-
-    # the zero-shot baseline on each run's own test split (the report's zero-shot column and line): the
-    # runs it ran beside log it as test.accuracy.<name>; a zero-shot run's own is its accuracy
-    def report_metrics(self):
-        return (ReportMetric(self.name, (f"test.accuracy.{self.name}",), every_run=True),
-                ReportMetric(self.name, ("test.accuracy",)))
-
-    def report_sections(self):
-        return (ReferenceAccuracy(self.name, "zero-shot"),)

@@ -27,7 +27,7 @@ from tasks.methods.post.distill import (
     student_layer_indices,
 )
 from models.backbones import Backbone, ModelLoadError
-from tasks.methods.post.transfer import (
+from models.prompt_transfer import (
     TransferConfig,
     fixed_outputs,
     init_target_prompt,

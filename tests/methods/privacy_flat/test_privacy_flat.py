@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import models.dp_prompt_training as dpt
+from tasks.methods.base import run_label
 from models import DPConfig, PromptTrainingConfig, build_classifier, load_backbone, select_rows, train_prompt
 from models.dp_prompt_training import seeded_dp_generators
 from models.landscape import mean_gradient, prefix_sharpness
@@ -195,13 +196,13 @@ def test_dpzero_regulariser_is_labelled_none_and_pulls_toward_w_nor(tmp_path):
     reg = cfg({"regularizer": True, "lambda": 0.05})
     plan = method.plan(reg, 100, 1e-5)
     assert method.guarantee(reg) == "none" and plan.event is None and plan.params["flat.lambda"] == 0.05
-    assert method.run_label(reg) == "dpzero+regularizer"
+    assert run_label(method, reg) == "dpzero+regularizer"
     # the privacy_flat labels name the rungs
     pf = get_method("privacy_flat")
     base = {"method": "privacy_flat", "experiment": "x", "state_dir": str(tmp_path), "allow_nonprivate_baselines": True,
             "data": {"name": "sst2", "labels": LABELS}, "models": {"local": "tiny-bert"}}
-    assert pf.run_label(parse_config(base)) == "dp_prefix"
-    assert pf.run_label(parse_config({**base, "methods": {"privacy_flat": {"flat": {"awp": True, "regularizer": True}}}})) \
+    assert run_label(pf, parse_config(base)) == "dp_prefix"
+    assert run_label(pf, parse_config({**base, "methods": {"privacy_flat": {"flat": {"awp": True, "regularizer": True}}}})) \
         == "dp_prefix+awp+reg"
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tasks.methods.rapt.attacks as attacks_module
+from tasks.methods.base import run_label
 from tasks.methods.rapt.attacks import (
     HiddenStateInverter,
     attribute_inference,
@@ -411,12 +412,12 @@ def test_run_label_names_a_reconstruction_weight_other_than_the_papers():
 
     path = Path(__file__).resolve().parents[3] / "configs" / "rapt.yaml"
     method = get_method("rapt")
-    assert method.run_label(load_config(path)) == "rapt[prompt+reconstruction]"
+    assert run_label(method, load_config(path)) == "rapt[prompt+reconstruction]"
     cfg = load_config(path, ["methods.rapt.reconstruction_weight=0.1", "methods.rapt.tuning=prefix"])
-    assert method.run_label(cfg) == "rapt[prefix+reconstruction λ=0.1]"
+    assert run_label(method, cfg) == "rapt[prefix+reconstruction λ=0.1]"
     assert method.plan(cfg, 100, 1e-5).params["rapt.reconstruction_weight"] == 0.1
     cfg = load_config(path, ["methods.rapt.reconstruction=false"])
-    assert method.run_label(cfg) == "rapt[prompt]" and method.plan(cfg, 100, 1e-5).params[
+    assert run_label(method, cfg) == "rapt[prompt]" and method.plan(cfg, 100, 1e-5).params[
         "rapt.reconstruction_weight"] == 0.0
 
 

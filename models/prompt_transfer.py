@@ -1,5 +1,5 @@
-"""POST step 3: transfer a soft prompt from a small source model to a large target model using
-PUBLIC data only (Wang et al. 2024, Sec. 4.3).
+"""Transfer a soft prompt from a small source model to a large target model using PUBLIC data
+only (POST's third step, Wang et al. 2024, Sec. 4.3; ``privprompt retarget`` uses it too).
 
 Given the frozen source classifier (the distilled student) with its trained prompt ``P_s`` and
 the frozen target classifier (the teacher / large model), a target prompt ``P_t`` is trained on
