@@ -11,20 +11,14 @@ prompt expanded over the batch::
 Examples do not interact in the forward pass (eval mode, padding masked), so row i of that
 gradient depends on example i only. One ordinary backward pass, no hooks.
 
-Why not PEFT prompt tuning under Opacus: ``PeftModel.get_prompt`` runs the prompt encoder on
-ONE row and repeats it over the batch, so every ``grad_sample`` Opacus computes has batch
-dimension 1. Opacus then clips the whole batch as if it were a single sample, adds noise for
-that, trains, and reports an epsilon -- while the per-example sensitivity bound, and with it the
-guarantee, is silently void (reproduced: a batch of 4 gives grad_sample of shape (1, 4, 32);
-see shared NOTES.md). Therefore every DP step below checks that the per-sample gradient's batch
-dimension equals the number of sampled examples and raises RuntimeError otherwise, and the
-tests compare these gradients to a per-example autograd loop. Opacus is a test dependency only:
-``tests/pipeline/test_peft_export.py`` reproduces the trap (one ``grad_sample`` row, the batch's sum) and
-uses Opacus' hooks on PEFT's prefix tuning, which are right there, as an independent reference for
-the prefix gradients below (equal row for row). Training keeps its own gradients because they
-cost one ordinary backward pass for every prompt kind, need no hooks on the shared frozen
-backbone, and cannot silently lose the batch dimension. What is published is still usable with
-PEFT: ``models.prompts.peft_export`` writes it as a PEFT adapter with the same forward.
+Why not PEFT prompt tuning under Opacus: ``PeftModel.get_prompt`` runs the prompt encoder on ONE
+row and repeats it over the batch, so Opacus's ``grad_sample`` has batch dimension 1 and it clips
+the whole batch as one sample while reporting an ε (shared NOTES.md; reproduced in
+``tests/pipeline/test_peft_export.py``, which also uses Opacus' hooks on PEFT's prefix tuning as an
+independent reference for the prefix gradients here). So every DP step below checks that the
+per-sample gradient's batch dimension equals the number of sampled examples (RuntimeError
+otherwise), and the tests compare these gradients to a per-example autograd loop. What is published
+is still usable with PEFT: ``models.prompts.peft_export`` writes it as a PEFT adapter.
 
 Sampling is Poisson (each example independently with probability ``sample_rate``), which is
 what the accountants assume; empty batches still take the noise-only step (skipping them would

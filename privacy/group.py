@@ -1,62 +1,15 @@
 """Group privacy of a declarative event: what a record-level mechanism costs one person who
 contributes at most ``k`` records (add/remove neighbouring datasets throughout).
 
-``group_event(event, k)`` returns an event whose accountant answer bounds, for every ε, the
-hockey-stick divergence δ(ε) between the mechanism's outputs on two datasets that differ by one
-person — i.e. by at most ``k`` records, all added or all removed together. It is declarative (the
-result is an ordinary event, composed by the ledger like any other) and is defined only where a
-sound rule is proven below; any other event is refused with :class:`GroupPrivacyError`, never
-charged a guess. The rules:
+``group_event(event, k)`` returns an ordinary event (the ledger composes it like any other) whose
+accountant answer bounds the hockey-stick divergence between datasets that differ by one person:
+``GaussianEvent(σ)`` → ``GaussianEvent(σ/k)`` (exact); a Poisson-subsampled Gaussian → the exact
+mixture of Gaussians over Binomial(k, q) shifts (rule ``exact_mixture``); any other
+Poisson-subsampled M → subsampling at 1 − (1 − q)^k of group(M, k) (rule ``conservative_map``, a
+valid bound); a composition → the composition of the grouped parts; a ``ParallelEvent`` → their
+composition. Anything else is refused with :class:`GroupPrivacyError`, never charged a guess.
 
-* ``GaussianEvent(σ)`` (a query of L2 sensitivity 1 per record, plus N(0, σ²)) → ``GaussianEvent(σ/k)``.
-  k records move the query by at most k (triangle inequality); N(0, σ²) vs N(k, σ²) is, after
-  dividing by k, N(0, (σ/k)²) vs N(1, (σ/k)²), and a shift j ≤ k is dominated by the shift k
-  (the Gaussian hockey-stick divergence grows with the shift). Exact, not a bound.
-  (A Laplace mechanism would be the same rule, b → b/k; the events module has no Laplace event.)
-* ``PoissonSampledEvent(q, GaussianEvent(σ))`` (a DP-SGD / DPZero step: clipped per-record
-  contributions of norm ≤ 1 summed, plus N(0, σ²)) → ``MixtureOfGaussiansEvent(σ, [0, 1, …, k],
-  Binomial(k, q))``: EXACT (rule ``exact_mixture``). J ~ Binomial(k, q) of the person's records are
-  in the batch, and they move the sum by a vector of norm ≤ J; the vector-valued mixture is
-  dominated by the scalar one with each shift replaced by its norm (Choquette-Choo, Ganesh, Steinke,
-  Thakurta 2023, Cor. 4.7) and a larger shift only dominates a smaller one, so the pair
-  (N(0, σ²), Σ_j P(J = j)·N(j, σ²)) dominates the person's pair in both directions, and is attained
-  when the person's records have aligned gradients (tight: Ganesh 2024, arXiv:2401.10294). Its ε is
-  the PLD accountant's (dp-accounting's mixture PLD); the RDP curve of the event is only the
-  conservative map below (``rdp.mixture_rdp_bound``), a cross-check the default accountant's
-  minimum never prefers over the exact PLD unless it is smaller (and then it is a valid bound too).
-* ``PoissonSampledEvent(q, M)`` for any other M (each record in the batch independently with
-  probability q) → ``PoissonSampledEvent(1 − (1 − q)^k, group(M, k))`` (rule ``conservative_map``,
-  a valid bound, not exact; the review measured it 2–7× above the mixture for Gaussians). Let B be the others' sample and J the
-  number of the person's records sampled, J ~ Binomial(k, q). With the person, the output is
-  P = (1 − q')·Q + q'·R, where Q = M(B) (none of the person's records sampled, probability
-  (1 − q)^k = 1 − q') and R = Σ_{j≥1} P(J = j | J ≥ 1)·M(B ∪ S_j), a mixture. Each pair
-  (M(B ∪ S_j), M(B)) is dominated — in every hockey-stick divergence H_γ, γ ≥ 0, both orders — by
-  the pair of group(M, j), and that by the pair of group(M, k) (the rules here are monotone in the
-  group size). The hockey-stick divergence is jointly convex, so the mixture R is dominated too:
-  H_γ(R‖Q) ≤ Σ_j w_j H_γ(M(B ∪ S_j)‖Q) ≤ H_γ(A‖B) for the group(M, k) pair (A, B), and likewise
-  H_γ(Q‖R) ≤ H_γ(B‖A). Then for γ ≥ 1, H_γ((1 − q')Q + q'R ‖ Q) = q'·H_{γ'}(R‖Q) with
-  γ' = (γ − 1 + q')/q' (the removal direction), and H_γ(Q ‖ (1 − q')Q + q'R) =
-  (1 − γ(1 − q'))₊·H_{γ''}(Q‖R) with γ'' = γq'/(1 − γ(1 − q')) (the addition direction): both are
-  increasing in the inner divergences, so the person's pair is dominated by the pair of Poisson
-  subsampling at rate q' applied to (A, B) — what the accountant computes for the returned event
-  (PLD: the hockey-stick curves; RDP: dominance in every H_γ is Blackwell dominance, so every
-  Rényi divergence is dominated as well). The person is in the batch with probability q', not q:
-  the rate cannot stay q.
-* ``SelfComposedEvent(M, n)``, ``ComposedEvent([M₁, …])`` → the same composition of the grouped
-  parts: (adaptive) composition of mechanisms each dominated by its grouped pair is dominated by
-  the composition of those pairs.
-* ``ParallelEvent([M₁, …])`` (parts on disjoint sets of RECORDS) → ``ComposedEvent`` of the grouped
-  parts: a person's k records may lie in several parts, so the parts no longer touch the person
-  disjointly; composing them is a valid bound (each part sees at most k of the person's records).
-  Keeping the parallel maximum would need the parts to be split by person, which an event cannot
-  show.
-* Anything else — a ``MixtureOfGaussiansEvent`` (already a group's; its records' draws are not
-  independent copies of it), ``ExponentialEvent`` (report-noisy-max / argmax), ``LimitedDomainEvent`` (DP-OPT's
-  top-1 queries on votes), ``RepeatAndSelectEvent`` (private selection) — is refused: the generic
-  group-privacy bound of an (ε, δ) mechanism, (kε, k·e^{(k−1)ε}·δ), is not an event the accountant
-  composes, and these mechanisms' per-unit costs belong to their own unit-level variants
-  (``data.privacy_unit`` naming the person).
-
+The proof of each rule: docs/privacy-claims.md, "Group privacy of an event".
 numpy/scipy/dp-accounting only (here: math), like the rest of ``privacy/``.
 """
 

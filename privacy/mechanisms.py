@@ -23,19 +23,13 @@ subset)
 
 References
 ----------
-* [MT07] McSherry & Talwar, "Mechanism Design via Differential Privacy", FOCS 2007.
-* [DR14] Dwork & Roth, "The Algorithmic Foundations of Differential Privacy", 2014
-  (Def. 3.4 / Thm. 3.10: exponential mechanism; Thm. 3.22: Gaussian mechanism).
-* [DuR19] Durfee & Rogers, "Practical Differentially Private Top-k Selection with Pay-what-you-get
-  Composition", NeurIPS 2019 (Gumbel-max = exponential mechanism; LimitedDomain).
-* [Hong24] Hong et al., "DP-OPT: Make Large Language Model Your Privacy-Preserving Prompt
-  Engineer", ICLR 2024 (LimitedDomain token generation; DP-argmax prompt selection).
-* [Fey20] Feyisetan et al., "Privacy- and Utility-Preserving Textual Analysis via Calibrated
-  Multivariate Perturbations", WSDM 2020 (d_X noise: radius ~ Gamma(d, 1/η), uniform direction).
-* [Tang24] Tang et al., "Privacy-Preserving In-Context Learning with Differentially Private
-  Few-Shot Generation", ICLR 2024 (Gaussian-noised aggregate of next-token distributions).
-* [Li23] Li et al., "Privacy-Preserving Prompt Tuning for Large Language Model Services" (RAPT),
-  2023 (token-level d_X privatisation by nearest-neighbour replacement).
+[MT07] McSherry & Talwar, FOCS 2007 (exponential mechanism). [DR14] Dwork & Roth 2014 (Def. 3.4 /
+Thm. 3.10: exponential mechanism; Thm. 3.22: Gaussian mechanism). [DuR19] Durfee & Rogers, NeurIPS
+2019 (Gumbel-max = exponential mechanism; LimitedDomain). [Hong24] Hong et al., DP-OPT, ICLR 2024
+(LimitedDomain token generation; DP-argmax prompt selection). [Fey20] Feyisetan et al., WSDM 2020
+(d_X noise: radius ~ Gamma(d, 1/η), uniform direction). [Tang24] Tang et al., DP few-shot
+generation, ICLR 2024 (Gaussian-noised aggregate of next-token distributions). [Li23] Li et al.,
+RAPT, 2023 (token-level d_X privatisation by nearest-neighbour replacement).
 
 Caveat: the samplers are numpy's floating-point PCG64 draws. ``make_rng(secure=True)`` (``rng.secret_rng``) seeds
 the generator from the OS CSPRNG, but the generator itself is not a CSPRNG, and floating-point

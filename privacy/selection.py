@@ -1,128 +1,18 @@
 """Private selection / hyperparameter tuning, accounted as ONE mechanism (Papernot & Steinke 2022).
 
-The procedure (random search with a random number of trials)
------------------------------------------------------------
-Candidates: a method's hyperparameter grid plus "no prompt" (zero-shot). Draw K from a trial-count
-distribution with the secret DP generator; run K trials; each trial picks one candidate uniformly at
-random (independently of the data), trains it with its own DP mechanism on the TRAIN split, and
-releases its holdout score with noise (:func:`release_holdout_score`): the correct count on the
-HOLDOUT split plus N(0, σ_s²). Publish the trial with the highest noisy score (its candidate, its
-trained prompt, its noisy score); with K = 0 (possible under Poisson) publish ⊥ ("no winner").
+Random search with a random number of trials: K is drawn from a trial-count distribution (truncated
+negative binomial or Poisson) with the secret DP generator, never a configured seed; each trial
+trains a candidate chosen independently of the data on the TRAIN split and releases its HOLDOUT
+correct count plus N(0, σ_s²); the best noisy score is published (⊥ for K = 0). Per trial,
+ε_Q(λ) ≤ max(ε_train(λ), λ/(2σ_s²)) (splits by a keyed hash of each record; with a person unit one
+vote per person keeps the counts' sensitivity at 1). :func:`repeat_and_select_rdp` evaluates the
+paper's Theorems 2 and 6 on the trial's RDP curve, as dp-accounting's ``RepeatAndSelectDpEvent``
+does (``tests/accounting/test_selection_privacy.py`` checks the two against each other and the
+bound against exact divergences). RDP only: the PLD accountant refuses ``RepeatAndSelectEvent``.
 
-Neighbouring relation: add/remove ONE SOURCE record
---------------------------------------------------------
-Every source record falls in exactly one split by a keyed hash of the record itself, so adding or
-removing one record changes exactly one of (train split, holdout split) by that one record and
-leaves the other unchanged. Let Q be one trial (as a randomised function of the whole dataset).
-
-* Record in the train split: the candidate's training is (λ, ε_train(λ))-RDP; the noisy score is
-  computed from the trained output and the unchanged holdout, i.e. post-processing.
-* Record in the holdout split: training sees identical data (same output distribution); the correct
-  count of each candidate changes by at most 1 (the record is counted or not), so the released
-  count is the Gaussian mechanism at L2 sensitivity 1: RDP λ/(2σ_s²) (Mironov 2017, Prop. 7).
-  (The other trials' counts change too, but each trial releases only its own count, with its own
-  noise, and Q is one trial.)
-
-Hence, at each order, ε_Q(λ) ≤ max(ε_train(λ), λ/(2σ_s²)) (parallel composition over the disjoint
-splits). With the candidate chosen at random independently of the data, Q's output law is a mixture
-Σ_c w_c Q_c with the same weights on both neighbours; exp((λ−1)D_λ) is jointly convex, so
-ε_Q(λ) ≤ max_c ε_{Q_c}(λ). The zero-shot candidate has ε_train ≡ 0 (it trains nothing).
-
-Neighbouring relation with a person unit (``data.privacy_unit`` naming a person's field)
-------------------------------------------------------------------------------------------
-Add/remove ONE PERSON with all their records. Splits assign whole people (a keyed hash of the
-person's id; ``data.max_records_per_unit`` keeps records by a keyed hash of the person's own
-records), so the person's rows lie in the train split or in the holdout, never both, and no other
-person's rows move. The trainings are the methods' unit-level mechanisms (one clipped contribution
-per sampled person, the accountant over people): (λ, ε_train(λ))-RDP per person. A count of
-holdout ROWS would move by as many rows as the person has there (unbounded without a cap), so the
-holdout counts count one VOTE per person instead (:func:`one_vote_weights`): each of person u's
-n_u holdout rows adds 1/n_u to its (class, right/wrong) cell. A person's weights sum to 1 over all
-cells and depend on that person's rows alone, so adding or removing the person moves the count
-vector by a vector v ≥ 0 with ‖v‖₁ = 1, hence ‖v‖₂ ≤ ‖v‖₁ = 1: L2 sensitivity 1 per person, the
-same ``GaussianEvent(σ_s)``, with or without a cap (in floating point each cell is a correctly
-rounded sum, ``math.fsum``, so the move is 1 up to a few units in the last place of the cell's
-total). The argument above then holds per person, word for word (random stopping included: K and
-each trial's candidate are drawn independently of the data, and Q's two parts read disjoint people).
-What the weighted counts measure: ``accuracy`` is the mean over holdout people of each person's
-accuracy; ``balanced_accuracy`` the mean over classes of each class's person-weighted accuracy.
-
-A record-level run charged per person (``data.person_field`` with ``data.max_records_per_unit`` =
-k: whole people split and capped, the mechanism per record) counts rows; a person has at most k of
-them in the holdout, so the counts move by L1 ≤ k, hence L2 ≤ k: the lifecycle charges the
-group-privacy event (``privacy.group``: Gaussian σ_s → σ_s/k, i.e. sensitivity k), defined for
-trying every candidate once and refused for random stopping (no group rule for a best-of-K event
-is proven here).
-
-The theorems (Papernot & Steinke, "Hyperparameter Tuning with Rényi Differential Privacy",
-ICLR 2022, arXiv 2110.03620v2)
-------------------------------------------------------------------------------------------
-Source note: the paper's full text was not readable where this was written (only its abstract);
-the statements below are the ones dp-accounting 0.6.0 implements in
-``rdp_privacy_accountant._compute_rdp_repeat_and_select``, whose comments cite Theorem 2 and
-Theorem 6 of v2 with the same symbols (the condition on ε̂ in Theorem 6 is reconstructed from its
-choice ε̂ = log(1 + 1/(λ−1))). The tests check the formulas against exact divergences.
-
-Let Q: X^n → Y be a randomised algorithm with a totally ordered output space Y (here: ordered by
-the noisy score; ties broken by a fixed data-independent rule), and A: X^n → Y the algorithm that
-draws K from a distribution on ℕ, runs Q K times independently and outputs the best output (⊥ if
-K = 0). A's output is only the best trial; nothing else is published.
-
-Definition (truncated negative binomial D_{η,γ}), η > −1, γ ∈ (0, 1), support k = 1, 2, …:
-
-    η ≠ 0:  P[K = k] = (1−γ)^k / (γ^{−η} − 1) · Π_{ℓ=0}^{k−1} (ℓ+η)/(ℓ+1),
-            E[K] = η (1−γ) / (γ (1 − γ^η));
-    η = 0:  P[K = k] = (1−γ)^k / (k · log(1/γ))   (logarithmic distribution),
-            E[K] = (1/γ − 1) / log(1/γ).
-
-η = 1 is the geometric distribution P[K = k] = γ(1−γ)^{k−1}, E[K] = 1/γ. For η > 0 it is the
-negative binomial NB(η, γ) conditioned on K ≥ 1 (``scipy.stats.nbinom(η, γ)``); for η = 0 it is
-``scipy.stats.logser(1−γ)``.
-
-Theorem 2 (truncated negative binomial). Suppose Q is (λ, ε)-RDP and (λ̂, ε̂)-RDP for some
-ε, ε̂ ≥ 0, λ ∈ (1, ∞), λ̂ ∈ [1, ∞). Let η ∈ (−1, ∞), γ ∈ (0, 1) and K ~ D_{η,γ}. Then A is
-(λ, ε')-RDP with
-
-    ε' = ε + (1+η)·(1 − 1/λ̂)·ε̂ + (1+η)·log(1/γ)/λ̂ + log(E[K])/(λ−1).
-
-Theorem 6 (Poisson). Suppose Q is (λ, ε)-RDP and (ε̂, δ̂)-DP for some λ ∈ (1, ∞) and
-ε, ε̂, δ̂ ≥ 0 with e^{ε̂} ≤ 1 + 1/(λ−1). Let K ~ Poisson(μ), μ > 0. Then A is (λ, ε')-RDP with
-
-    ε' = ε + μ·δ̂ + log(μ)/(λ−1).
-
-Used here only with μ ≥ 1 (as dp-accounting does): at μ < 1 the log(μ) term is negative, and an
-exact enumeration (μ = 0.5, a discretised Gaussian trial) gives a Rényi divergence of order 1.5
-above the formula's value, so the formula is not used there.
-
-How they are evaluated here (:func:`repeat_and_select_rdp`)
------------------------------------------------------------------
-Given the trial's RDP curve ε(·) on a grid of orders G (all > 1):
-
-* Theorem 2 holds for every λ̂ separately, so the constant term is minimised over λ̂ ∈ G ∪ {1}:
-  c = (1+η)·min( log(1/γ), min_{λ̂∈G} [(1 − 1/λ̂)·ε(λ̂) + log(1/γ)/λ̂] ) (λ̂ = 1 gives the first
-  entry: (1 − 1/1)·ε̂ = 0 whatever the trial's KL bound ε̂ is, and it is finite whenever the curve
-  is finite at some order, RDP being non-decreasing in the order). Then
-  ε'(λ) = ε(λ) + c + log(E[K])/(λ−1).
-* Theorem 6 is applied at each λ with ε̂ = log(1 + 1/(λ−1)) (the largest the condition allows) and
-  δ̂ the smallest δ at which the trial's RDP curve gives (ε̂, δ)-DP, by the project's RDP→(ε, δ)
-  conversion (``rdp.rdp_to_delta``, BBGHS).
-* Rényi divergence is non-decreasing in the order, so an (λ', ε')-RDP statement is one for every
-  λ ≤ λ': the curve is replaced by its suffix minimum over the grid.
-* (ε, δ) from ε'(·) with the project's conversion ``rdp.rdp_to_epsilon``.
-
-This is the same computation as dp-accounting's ``RepeatAndSelectDpEvent`` in its RDP accountant
-(which parametrises D_{η,γ} by its mean and shape η ≥ 0); ``tests/accounting/test_selection_privacy.py``
-checks the two against each other, and checks the bound against the exact Rényi divergence of a
-best-of-K mechanism enumerated on a small output domain.
-
-Why RDP only. The theorems are RDP statements about a mixture over K; a privacy-loss
-distribution of A is not available from the trial's PLD, so the PLD accountant refuses
-``RepeatAndSelectEvent`` (``privacy/pld.py``) and ``accountant.spend`` reports the RDP bound alone
-(``epsilon_pld`` None, ``accountant`` naming the RDP path). Trials with a δ-part (approximate RDP,
-e.g. LimitedDomain) are refused: the theorems need RDP of the trial.
-
-The random number of trials must come from the run's secret DP generator (``privacy.rng``), never
-from a configured seed: K is part of the mechanism.
+The neighbouring relations (records, people, a record-level run charged per person), the
+theorems as used and how they are evaluated: docs/privacy-claims.md, "Private selection as one
+mechanism".
 """
 
 from __future__ import annotations

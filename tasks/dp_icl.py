@@ -1,55 +1,18 @@
 """DP-ICL (Wu et al., "Privacy-Preserving In-Context Learning for Large Language Models", ICLR 2024)
 as a served model: each query is answered by a DP vote of in-context prompts built from disjoint
-private subsets, and every answered batch is charged to the team ledger — the first
-inference-time spend.
+private subsets (a secret keyed-hash partition, or a fresh Poisson sample per query), and every
+answered batch is charged to the team ledger through the door's primitive (``Ledger.claim_read``:
+reserve before the vote, mark the read, commit) — the first inference-time spend. An answered
+query is ``GaussianEvent(σ)`` (one record moves one vote: L2 ≤ √2), subsampled
+``PoissonSampledEvent(q, GaussianEvent(σ))`` with q from the RELEASED size; before its first answer
+the server compares itself with zero-shot on H private holdout rows (one noisy difference) and
+answers zero-shot when that says the demonstrations do worse. The private demonstrations never
+leave :class:`DPICLServer`: only labels come out.
 
-Mechanism: a secret keyed-hash partition (``tasks/methodkit/keyed_partition.py``; the key from
-the run's secret DP stream, never the logged seed) puts the private rows into M disjoint subsets of
-at most N demonstrations each; for a query, each non-empty subset's prompt (instruction,
-demonstrations, the query) predicts one label on the local causal LM, scored ALONE (a batch of
-one: batching would let one subset's length move another's logits); the one-hot votes are summed,
-the histogram gets N(0, (σ·√2)² I) and its argmax answers (Report-Noisy-Max with Gaussian noise:
-``privacy.mechanisms.distribution_vote`` on one-hot rows).
-
-Neighbouring relation: add/remove one record (text and label) of the source dataset. It lands in
-one subset, so for every query one vote moves (or appears / vanishes): the histogram moves by L2
-≤ √2, and an answered query is ``GaussianEvent(σ)``; a batch of b answered queries is
-``SelfComposedEvent(GaussianEvent(σ), b)`` (:func:`batch_event`). The ledger composes the
-batches with everything else the dataset spent; ε grows with the queries answered (one-time
-methods such as dp_opt and dp_fewshot stay flat).
-
-Subsampled (the paper's amplification, ``sample_rate`` q set): for EACH query a fresh Poisson
-sample of the private rows (each row in it with probability q, independently, secret randomness),
-each sampled row put in one of the M subsets uniformly at random and given a random priority; a
-subset's prompt takes its N rows of lowest priority (:func:`poisson_subsets`). Each row's
-inclusion, subset and priority depend on that row's own draws only, so adding one record to the
-sample changes one subset's prompt (it may displace one row of that subset, never another
-subset's): given the sample, the vote is Gaussian with L2 sensitivity √2, and over the sample an
-answered query is ``PoissonSampledEvent(q, GaussianEvent(σ))`` — DP-SGD's step, which the
-accountant composes exactly. q = M·N / ñ with ñ the dataset's RELEASED size (never the exact
-one); the answers depend on ñ through q, so the first batch a server answers also charges the
-sizes' release (``ReleasedSizes.event``, composed as every run composes it: a dataset no run has
-charged yet still pays for it). The prompts are fresh per query, so no demonstration prefix is
-reused across queries.
-
-Charging (:meth:`DPICLServer.answer`): the batch's event is reserved BEFORE the vote (the ledger
-refuses it at the cap: nothing is answered), the read is marked, the answers are computed, the
-event is committed. The private demonstrations never leave this object: only labels come out.
-
-Compared with zero-shot before its first answer (``dp_icl.compare_queries`` H > 0 and
-``fallback.epsilon_share`` > 0, the default): H private HOLDOUT rows — the partition's, never
-demonstrations; the H of lowest keyed hash under a fresh secret key, public empty queries filling the
-rest — are answered by the vote (charged as H answered queries) and zero-shot (no demonstration), and
-D = Σ (vote right − zero-shot right) is released once with Gaussian noise (one record moves D by ≤ 2:
-its own term and the row it displaces; :meth:`DPICLServer.compare`). Kept per dataset and settings in
-the state folder (public numbers only). When D̃ < 0 and ``fallback.enabled``, queries are answered
-zero-shot, nothing charged: never an answer worse than no demonstration in silence.
-
-Served by ``privprompt predict --dp-icl CONFIG`` (:func:`open_server`, :func:`answer_all`): the
-config's ``dp_icl`` block, its dataset's training split (the flows' keyed partition), the ledger
-of its state folder. There is no MLflow pyfunc of it on purpose: a registered model is an artifact
-people copy, and this model IS the private rows; it answers only where they live. ``privprompt
-plan`` prices ``dp_icl.expected_queries`` (:func:`plan_line`).
+Served by ``privprompt predict --dp-icl CONFIG`` (:func:`open_server`, :func:`answer_all`); no
+MLflow pyfunc on purpose (this model IS the private rows). ``privprompt plan`` prices
+``dp_icl.expected_queries`` (:func:`plan_line`). The mechanism, its neighbouring relation and the
+charging in full: docs/privacy-claims.md, "DP-ICL as a served model".
 """
 
 from __future__ import annotations

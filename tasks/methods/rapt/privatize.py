@@ -21,21 +21,6 @@ to the CPU for the float64 re-scoring. The product always runs at float32 matmul
 "highest", whatever the caller set: a reduced precision would let the backend round inputs beyond
 what the bound covers.
 
-The product is [v, −½‖v‖²] (V, d+1) times [q, 1]ᵀ (in float32 an addmm of the last column and
-the (V, d) vocabulary times qᵀ) into one (V, chunk) buffer reused across chunks: on a 2-core
-AVX2 machine that ran at about 7,500 queries/s on MiniLM against about 4,100–4,400 for the
-(chunk, V) product of d + 1 columns into fresh memory it replaced. The candidates come from the
-maxima of blocks of ``BLOCK_ROWS`` ids (one pass over the scores; the vocabulary is padded to whole
-blocks with rows that score −inf): only blocks whose maximum passes a query's floor are compared id
-by id. Comparing all V × chunk scores against the floor and taking ``nonzero`` of that mask cost
-13.5 ms of 46 per 512 queries in bfloat16 on a 2-core AVX512-BF16 machine, as long as half the
-product (28.5 ms); the block maxima made the bfloat16 search 1.35–1.50x faster there (≈ 14,000
-queries/s) and float32 0.98–1.21x. Measured and rejected on the AVX2 machine: an 8-bit integer
-screening product (oneDNN's quantized linear kernel, 1.8x the float32 product there). Without VNNI
-its u8·s8 pairs saturate int16 unless the queries keep 7 bits, and then the rigorous rounding bound
-keeps about 3,500 of 30,522 MiniLM ids per query at η = 100 (median; 16 at η = 150, 11,940 at
-η = 50) for re-scoring.
-
 Positions that are padding or hold an excluded id (special tokens) are structure, not user text:
 they are passed through unchanged, and no excluded id is ever produced.
 """
@@ -114,6 +99,21 @@ def _excluded_ids(exclude_ids: Iterable[int] | None, V: int) -> torch.Tensor:
     return torch.tensor(excluded, dtype=torch.long)
 
 
+# How the screening product is laid out, and what was measured against it:
+# The product is [v, −½‖v‖²] (V, d+1) times [q, 1]ᵀ (in float32 an addmm of the last column and
+# the (V, d) vocabulary times qᵀ) into one (V, chunk) buffer reused across chunks: on a 2-core
+# AVX2 machine that ran at about 7,500 queries/s on MiniLM against about 4,100–4,400 for the
+# (chunk, V) product of d + 1 columns into fresh memory it replaced. The candidates come from the
+# maxima of blocks of ``BLOCK_ROWS`` ids (one pass over the scores; the vocabulary is padded to whole
+# blocks with rows that score −inf): only blocks whose maximum passes a query's floor are compared id
+# by id. Comparing all V × chunk scores against the floor and taking ``nonzero`` of that mask cost
+# 13.5 ms of 46 per 512 queries in bfloat16 on a 2-core AVX512-BF16 machine, as long as half the
+# product (28.5 ms); the block maxima made the bfloat16 search 1.35–1.50x faster there (≈ 14,000
+# queries/s) and float32 0.98–1.21x. Measured and rejected on the AVX2 machine: an 8-bit integer
+# screening product (oneDNN's quantized linear kernel, 1.8x the float32 product there). Without VNNI
+# its u8·s8 pairs saturate int16 unless the queries keep 7 bits, and then the rigorous rounding bound
+# keeps about 3,500 of 30,522 MiniLM ids per query at η = 100 (median; 16 at η = 150, 11,940 at
+# η = 50) for re-scoring.
 class VocabularyIndex:
     """A (V, d) vocabulary prepared once for repeated nearest-neighbour searches: a float64 copy,
     ‖v‖² penalties (+inf for excluded ids), and the screening matrix [v, −½‖v‖²] in
