@@ -9,7 +9,7 @@ person's n holdout rows weighs 1/n (``privacy.selection.one_vote_weights``), so 
 ≤ 1; a record-level run charged per person (≤ k rows each) is charged the group event (σ/k). The
 holdout is the partition's: each record (or person) is assigned by a keyed hash of itself alone,
 disjoint from training (``tasks.data``). The prompt is scored as trained, on the model it was trained
-on (``Method.holdout_predictions``: a row's prediction is a function of that row alone — row-own public
+on (``tasks.methodkit.holdout.holdout_predictions``: a row's prediction is a function of that row alone — row-own public
 shapes on an accelerator and for an encoder on a CPU, else one row per pass, ``models.scoring.row_wise_logits``), as a
 selection scores its candidates.
 
@@ -29,6 +29,7 @@ import numpy as np
 
 from privacy.mechanisms import difference_with_and_without, gaussian_mechanism
 
+from .methodkit import holdout as scoring
 from .methods import PrivateRows
 
 CONCLUSIVE_Z = 1.96  # |D̃| above z·σ: the noise alone exceeds it with probability 5%
@@ -83,7 +84,7 @@ def release(mctx, plan, method, prompt, part, n_holdout: int) -> dict[str, float
     holdout = holdout_rows(part)
 
     def predict(p, rows):
-        return method.holdout_predictions(mctx, p, rows)
+        return scoring.holdout_predictions(method, mctx, p, rows)
 
     exact = exact_difference(mctx.cfg, predict, prompt, holdout)
     noisy = float(gaussian_mechanism(exact, sigma, 1.0, mctx.randomness.numpy()))

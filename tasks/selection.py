@@ -580,20 +580,21 @@ def holdout_weights(cfg, holdout) -> np.ndarray | None:
 def holdout_counts(method, mctx, prompt, holdout, weights=None):
     """The holdout counts that selection releases (with noise) for ``prompt`` (None: no prompt):
     ``selection.metric: accuracy`` — (correct, wrong); ``balanced_accuracy`` — per class c
-    (correct_c, wrong_c). Whole counts of rows (``weights`` None: ``Method.holdout_correct`` /
-    ``Method.holdout_predictions``), or with a person unit sums of the rows' ``weights``
-    (:func:`holdout_weights`; from ``Method.holdout_predictions``). Exact: never published as is."""
+    (correct_c, wrong_c). Whole counts of rows (``weights`` None), or with a person unit sums of the
+    rows' ``weights`` (:func:`holdout_weights`), of the predictions of
+    :func:`tasks.methodkit.holdout.holdout_predictions`. Exact: never published as is."""
+    from .methodkit import holdout as scoring
     from .methodkit.classifiers import label_indices
 
     cfg = mctx.cfg
     metric = cfg.selection.metric
-    if weights is None and metric == "accuracy":
-        correct = int(method.holdout_correct(mctx, prompt, holdout)) if len(holdout) else 0
-        return correct, len(holdout) - correct
     y = label_indices(holdout.labels, cfg.data.labels).cpu().numpy().astype(int)
     # an exactly empty holdout: no row predicted, every count 0
-    predicted = (np.asarray(method.holdout_predictions(mctx, prompt, holdout)) if len(holdout)
+    predicted = (np.asarray(scoring.holdout_predictions(method, mctx, prompt, holdout)) if len(holdout)
                  else np.zeros(0, dtype=int))
+    if weights is None and metric == "accuracy":
+        correct = int((predicted == y).sum())
+        return correct, len(holdout) - correct
     if metric == "accuracy":  # weighted: (Σ weights of the rows right, Σ of those wrong)
         w, right = _row_weights(weights, y), predicted == y
         return _math.fsum(w[right].tolist()), _math.fsum(w[~right].tolist())

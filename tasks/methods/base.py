@@ -477,36 +477,6 @@ class Method:
         """Markdown tables to log on the parent run (``tables/<name>.md``)."""
         return {}
 
-    def holdout_predictions(self, mctx: MethodContext, prompt: Any, rows: PrivateRows):
-        """The label index ``prompt`` (None: no prompt) predicts for each private holdout row of
-        ``rows`` on the model it was trained on (a numpy array; private: the selection only
-        releases counts of it with noise). The default scores any prompt kind (soft, prefix,
-        text) on ``source_model``'s frozen classifier with :func:`models.scoring.row_wise_logits`: a
-        row's prediction is a function of that row alone (batches of public row-own shapes, each
-        checked bit for bit, on an accelerator and for an encoder on a CPU; else one row per pass). Batched as
-        evaluation batches, it would depend on its neighbours by float rounding (padding, length groups, BLAS blocking: logits moved by up to
-        2e-6 on MiniLM when one record was added before them), and a row near a tie could flip — one
-        added record moving a second count, a sensitivity above the 1 the selection's noise is
-        calibrated for."""
-        from models.scoring import row_wise_logits
-
-        from ..methodkit.classifiers import input_length, prompted
-
-        cfg = mctx.cfg
-        model = self.source_model(cfg, mctx.prepared)
-        clf, forward_prompt = prompted(cfg, model, prompt)
-        return row_wise_logits(clf, rows.texts, input_length(cfg, model, clf), forward_prompt).argmax(dim=1).numpy()
-
-    def holdout_correct(self, mctx: MethodContext, prompt: Any, rows: PrivateRows) -> int:
-        """How many of the private holdout ``rows`` ``prompt`` (None: no prompt) classifies right on
-        the model it was trained on: an EXACT count, which the selection only releases with noise
-        (sensitivity 1: one record changes it by at most one). With a person unit the selection
-        weighs each row (one vote per person) and reads :meth:`holdout_predictions` instead."""
-        from ..methodkit.classifiers import label_indices
-
-        y = label_indices(rows.labels, mctx.cfg.data.labels).cpu().numpy()
-        return int((self.holdout_predictions(mctx, prompt, rows) == y).sum())
-
     def diagnostics(self, ctx, prompt_path: str, mctx: MethodContext) -> dict[str, Any]:
         """Extra statistics of the published prompt computed on the TEST split only (never on
         training rows): {"metrics": {...}, "figures": {artifact path: matplotlib figure}}."""

@@ -52,22 +52,22 @@ def test_a_dp_run_on_an_exactly_empty_split_finishes_and_publishes_its_epsilon(s
 
 @pytest.mark.parametrize("metric,weights", [("accuracy", None), ("balanced_accuracy", None),
                                             ("accuracy", []), ("balanced_accuracy", [])])
-def test_the_selection_scores_an_exactly_empty_holdout_as_zero_counts(metric, weights):
+def test_the_selection_scores_an_exactly_empty_holdout_as_zero_counts(metric, weights, monkeypatch):
     """The selection's counts on an empty holdout are all 0 (the noise is then the whole release),
     whatever the metric and unit: no method is asked to predict zero rows."""
     from types import SimpleNamespace
 
+    from tasks.methodkit import holdout
     from tasks.methods import PrivateRows
     from tasks.selection import holdout_counts
 
-    class NeverCalled:
-        def holdout_correct(self, *a):
-            raise AssertionError("scored an empty holdout")
+    def never_called(*a):
+        raise AssertionError("scored an empty holdout")
 
-        holdout_predictions = holdout_correct
+    monkeypatch.setattr(holdout, "holdout_predictions", never_called)
 
     cfg = SimpleNamespace(selection=SimpleNamespace(metric=metric), data=SimpleNamespace(labels=["neg", "pos"]))
-    counts = holdout_counts(NeverCalled(), SimpleNamespace(cfg=cfg), None, PrivateRows([], [], units=None),
+    counts = holdout_counts(object(), SimpleNamespace(cfg=cfg), None, PrivateRows([], [], units=None),
                             None if weights is None else np.array(weights, dtype=float))
     assert list(np.asarray(counts, dtype=float)) == [0.0] * (2 if metric == "accuracy" else 4)
 

@@ -19,6 +19,7 @@ import pytest
 
 from privacy import events as ev
 from tasks import neighbours, no_prompt
+from tasks.methodkit import holdout as holdout_scoring
 from tasks.methods import PrivateRows
 
 from test_neighbour_harness import UNITS, _config, _plan, check_release, fast_calibration  # noqa: F401
@@ -57,6 +58,8 @@ def test_the_noisy_difference_is_the_exact_one_plus_its_declared_gaussian(monkey
 
     holdout = PrivateRows([f"t{i}" for i in range(50)], ["neg", "pos"] * 25)
     monkeypatch.setattr(no_prompt, "holdout_rows", lambda part: holdout)
+    monkeypatch.setattr(holdout_scoring, "holdout_predictions",  # the double predicts for itself
+                        lambda method, mctx, prompt, rows: method.holdout_predictions(mctx, prompt, rows))
     sigma = 3.7
     plan = SimpleNamespace(no_prompt=SimpleNamespace(event=ev.GaussianEvent(sigma)))
     mctx = SimpleNamespace(cfg=_cfg(), randomness=DpRandomness())  # secret: not seeded by the config's seed
@@ -249,7 +252,7 @@ def test_a_bad_prompt_falls_back_and_its_comparison_is_committed(tmp_path, sst2_
 
     monkeypatch.setattr(cls, "train", train)
     monkeypatch.setattr(cls, "preflight", lambda self, cfg, prepared: None)  # the double loads no model
-    monkeypatch.setattr(cls, "holdout_predictions", predictions)
+    monkeypatch.setattr(holdout_scoring, "holdout_predictions", predictions)
     out = lifecycle.run_method(ctx, "prompt_dpsgd", {})
     m = out.train_metrics
     assert m[no_prompt.FALLBACK] == 1.0 and m[no_prompt.CONCLUSIVE] == 1.0 and m[no_prompt.DIFFERENCE] < 0

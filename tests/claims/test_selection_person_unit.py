@@ -32,6 +32,7 @@ from privacy import accountant as acct
 from privacy import events as ev
 from privacy import selection as psel
 from tasks import selection as tsel
+from tasks.methodkit import holdout
 from tasks.methods import get_method
 from tasks.methods.base import MethodContext, MethodPlan, PrivateRows, Trained
 
@@ -118,7 +119,7 @@ def stand_in(monkeypatch):
 
     monkeypatch.setattr(method_cls, "plan", plan)
     monkeypatch.setattr(method_cls, "train", train)
-    monkeypatch.setattr(method_cls, "holdout_predictions", holdout_predictions)
+    monkeypatch.setattr(holdout, "holdout_predictions", holdout_predictions)
     return trained_rows
 
 
@@ -415,7 +416,7 @@ def test_a_user_level_selection_trains_its_candidates_and_publishes_one(tmp_path
         return y if prompt is not None else 1 - y  # trained prompts right, no prompt wrong: one of them wins
 
     monkeypatch.setattr(method_cls, "train", train)
-    monkeypatch.setattr(method_cls, "holdout_predictions", holdout_predictions)
+    monkeypatch.setattr(holdout, "holdout_predictions", holdout_predictions)
     plan_run(ctx, ctx.parent)
     out = run_method(ctx, "prompt_dpsgd", {})
 

@@ -203,6 +203,7 @@ def every(tmp_path_factory, sst2_dir):
     on tiny-bert through ``run_method``; lr=0.2's training raises (data-independently). The exact
     per-class holdout counts each candidate gets are kept, to look for them in MLflow."""
     from tasks.lifecycle import run_method
+    from tasks.methodkit import holdout
     from tasks.methods import get_method
     from tasks.pipeline import plan_run
     from test_release_once import _context
@@ -210,7 +211,7 @@ def every(tmp_path_factory, sst2_dir):
 
     mp = pytest.MonkeyPatch()
     method_cls = type(get_method("prompt_dpsgd"))
-    real_predict = method_cls.holdout_predictions
+    real_predict = holdout.holdout_predictions
     exact, tried = [], []
     train = failing_train(method_cls.train, tried)
 
@@ -221,7 +222,7 @@ def every(tmp_path_factory, sst2_dir):
         return pred
 
     mp.setattr(method_cls, "train", train)
-    mp.setattr(method_cls, "holdout_predictions", holdout_predictions)
+    mp.setattr(holdout, "holdout_predictions", holdout_predictions)
     try:
         root = tmp_path_factory.mktemp("every")
         ctx = _context(root, sst2_dir, selection={"enabled": True, "candidates": [{"lr": 0.05}, {"lr": 0.2}]})

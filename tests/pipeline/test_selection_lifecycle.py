@@ -171,22 +171,25 @@ def selected(tmp_path_factory, sst2_dir):
     from privacy.rng import seeded_rng
     from tasks import randomness
     from tasks.lifecycle import run_method
+    from tasks.methodkit import holdout
+    from tasks.methodkit.classifiers import label_indices
     from tasks.pipeline import plan_run
 
     mp = pytest.MonkeyPatch()
     method_cls = type(get_method("prompt_dpsgd"))
-    real_correct = method_cls.holdout_correct
+    real_predict = holdout.holdout_predictions
     exact, tried = [], []
     train = failing_train(method_cls.train, tried)
 
-    def holdout_correct(self, mctx, prompt, rows):
-        exact.append((real_correct(self, mctx, prompt, rows), len(rows)))
-        return 0 if prompt is None else len(rows)
+    def holdout_predictions(self, mctx, prompt, rows):
+        y = label_indices(rows.labels, mctx.cfg.data.labels).cpu().numpy()
+        exact.append((int((real_predict(self, mctx, prompt, rows) == y).sum()), len(rows)))
+        return 1 - y if prompt is None else y  # no prompt wrong on every row, a trained prompt right on every row
 
     seed = _pinned_seed(SELECTION["expected_trials"])
     real_numpy = randomness.DpRandomness.numpy
     mp.setattr(method_cls, "train", train)
-    mp.setattr(method_cls, "holdout_correct", holdout_correct)
+    mp.setattr(holdout, "holdout_predictions", holdout_predictions)
     mp.setattr(randomness.DpRandomness, "numpy",
                lambda self, stream=0: seeded_rng(seed) if stream == 30 else real_numpy(self, stream))
     try:
