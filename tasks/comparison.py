@@ -109,9 +109,9 @@ def _ldp_level(method: str, params: dict) -> float | None:
 
     try:
         level = get_method(method).report.ldp_level
-    except KeyError:
+        return None if level is None else level(params)
+    except KeyError:  # not registered, or a param its reading needs not logged
         return None
-    return None if level is None else level(params)
 
 
 def comparison_table(rows: list[dict], sections: list | None = None) -> str:

@@ -17,10 +17,10 @@ Its hooks, in the order the lifecycle calls them:
 * ``post_process(mctx, plan, prompt, progress)`` — public data only (POST: the transfer).
 * ``variants(...)`` — optional extra evaluated prompts (POST: Compressed PT, Direct Transfer).
 
-What a method adds to the comparison report (``privprompt report``, the sweep's summary) it
-declares: ``report_metrics()`` (metrics read into its runs' rows) and ``report_sections()``
-(a reference accuracy, summary columns, panels against the privacy level, tables and figures);
-``tasks/comparison.py`` reads the declarations from the registry and names no method.
+What the platform reads of a method besides its hooks it declares once: ``traits = Traits(...)``
+(holdout, person unit, neighbour statistics, selection grid, test settings, ...) and ``report =
+Report(...)`` (what it adds to the comparison report: ``privprompt report``, the sweep's summary;
+``tasks/comparison.py`` reads the declarations from the registry and names no method).
 
 ``train`` and ``post_process`` get a :class:`MethodContext` (config, state paths, what
 ``prepare`` returned, DP randomness): no MLflow, no Prefect, so audit shadows call them as they are.
@@ -328,45 +328,58 @@ TRAIT_NAMES = tuple(f.name for f in fields(Traits))
 LEGACY_REPORT = ("report_metrics", "report_sections", "run_label", "ldp_level")
 
 
+LEGACY_MEMBERS = ("contract_test_config", "selection_grid", *LEGACY_REPORT)
+
+
 def _read_legacy_members(cls) -> None:
     """Read the members of the interface before :class:`Traits` / :class:`Report` that ``cls``
-    defines into its ``traits`` and ``report`` (see ``Method.__init_subclass__``)."""
-    own = cls.__dict__
-    if "default_delta" in own:
-        raise TypeError(f"method class {cls.__qualname__}: default_delta is no longer read (every run's default δ is "
-                        "min(1e-5, 1/(10 n)), rounded down); set privacy.target_delta for another δ")
-    traits = {name: own[name] for name in TRAIT_NAMES if name in own}
-    if "contract_test_config" in own:
-        traits["test_settings"] = getattr(cls, "contract_test_config")()
-    if "selection_grid" in own:
-        traits["selection_grid"] = tuple(own["selection_grid"](cls(), None))
-    report = {}
-    if "report_metrics" in own:
-        report["metrics"] = tuple(own["report_metrics"](cls()))
-    if "report_sections" in own:
-        report["sections"] = tuple(own["report_sections"](cls()))
-    if "run_label" in own:
-        report["run_label"] = _bound(cls, own["run_label"])
-    if "ldp_level" in own:
-        report["ldp_level"] = _bound(cls, own["ldp_level"])
-    if not (traits or report):
+    defines or inherits from a class other than :class:`Method` into its ``traits`` and ``report``
+    (see ``Method.__init_subclass__``): bound to ``cls`` itself, so a subclass's name is its own. A
+    class without a ``name`` (an intermediate base) is read when its registered subclass is."""
+    found = {}
+    for base in cls.__mro__:
+        if base is Method or base is object:
+            continue
+        for name in (*TRAIT_NAMES, *LEGACY_MEMBERS, "default_delta"):
+            if name in base.__dict__ and name not in found:
+                found[name] = base
+    if "default_delta" in found:
+        raise TypeError(f"method class {cls.__qualname__}: default_delta (from {found['default_delta'].__qualname__}) is "
+                        "no longer read (every run's default δ is min(1e-5, 1/(10 n)), rounded down); set "
+                        "privacy.target_delta for a smaller δ")
+    # attributes as traits: only where the class itself sets one (an inherited one is in its parent's traits)
+    traits = {name: cls.__dict__[name] for name in TRAIT_NAMES if name in cls.__dict__}
+    legacy = [name for name in LEGACY_MEMBERS if name in found]
+    if not (traits or legacy):
         return
     import warnings
 
-    names = sorted({*(n for n in TRAIT_NAMES if n in own), *(n for n in ("contract_test_config", "selection_grid",
-                                                                          *LEGACY_REPORT) if n in own)})
-    warnings.warn(f"method class {cls.__qualname__}: {', '.join(names)} are read into its traits and report for one "
-                  "release; declare traits = Traits(...) and report = Report(...) (tasks.methods)",
+    warnings.warn(f"method class {cls.__qualname__}: {', '.join(sorted({*traits, *legacy}))} are read into its traits "
+                  "and report for one release; declare traits = Traits(...) and report = Report(...) (tasks.methods)",
                   DeprecationWarning, stacklevel=3)
+    report = {}
+    if legacy and isinstance(getattr(cls, "name", None), str):
+        try:
+            instance = cls()
+            if "contract_test_config" in found:
+                traits["test_settings"] = dict(getattr(cls, "contract_test_config")())
+            if "selection_grid" in found:
+                traits["selection_grid"] = tuple(getattr(cls, "selection_grid")(instance, None))
+            if "report_metrics" in found:
+                report["metrics"] = tuple(getattr(cls, "report_metrics")(instance))
+            if "report_sections" in found:
+                report["sections"] = tuple(getattr(cls, "report_sections")(instance))
+        except Exception as exc:  # noqa: BLE001 - one line naming the member that cannot be read
+            raise TypeError(f"method class {cls.__qualname__}: its {', '.join(legacy)} cannot be read without a config "
+                            f"({type(exc).__name__}: {exc}); declare traits = Traits(selection_grid=..., "
+                            "test_settings=...) and report = Report(...) instead") from exc
+        for name, key in (("run_label", "run_label"), ("ldp_level", "ldp_level")):
+            if name in found:
+                report[key] = getattr(instance, name)  # bound to the one instance made here
     if traits:
         cls.traits = replace(cls.traits, **traits)
     if report:
         cls.report = replace(cls.report, **report)
-
-
-def _bound(cls, func):
-    """``func(cls(), value)``: an interface-before-Report method member as a report callable."""
-    return lambda value: func(cls(), value)
 
 
 def dp_unless_debug(cfg: "PrivPromptConfig") -> Guarantee:

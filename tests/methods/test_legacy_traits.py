@@ -79,9 +79,53 @@ def test_report_and_settings_members_of_the_old_interface_are_read_into_traits_a
 
 
 def test_a_method_defining_its_own_default_delta_is_refused():
-    with pytest.raises(TypeError, match="default_delta is no longer read"):
+    with pytest.raises(TypeError, match="default_delta .from .*Legacy. is no longer read"):
         class Legacy(Method):
             name = "legacy_delta_probe"
 
             def default_delta(self, n_train):
                 return 1.0 / n_train
+
+
+def test_an_old_style_parent_is_read_for_each_subclass_under_its_own_name():
+    from tasks.methods.base import run_label
+
+    with pytest.warns(DeprecationWarning):
+        class Base(Method):  # an intermediate base: no name, read when a subclass is
+            def run_label(self, cfg):
+                return f"{self.name}:{cfg}"
+
+            def report_metrics(self):
+                from tasks.methods.base import ReportMetric
+
+                return (ReportMetric(self.name, (f"{self.name}.score",)),)
+
+    with pytest.warns(DeprecationWarning):
+        class Parent(Base):
+            name = "legacy_parent_probe"
+    with pytest.warns(DeprecationWarning):
+        class Child(Parent):
+            name = "legacy_child_probe"
+
+    assert run_label(Parent(), "x") == "legacy_parent_probe:x" and run_label(Child(), "x") == "legacy_child_probe:x"
+    assert [m.key for m in Child.report.metrics] == ["legacy_child_probe"]
+
+
+def test_a_default_delta_from_a_mixin_is_refused_too():
+    class Mixin:
+        def default_delta(self, n_train):
+            return 1.0 / n_train
+
+    with pytest.raises(TypeError, match="default_delta .from .*Mixin. is no longer read"):
+        class Legacy(Mixin, Method):
+            name = "legacy_mixin_delta_probe"
+
+
+def test_an_old_member_that_needs_a_config_is_refused_with_one_line():
+    with pytest.raises(TypeError, match="selection_grid cannot be read without a config"), \
+            pytest.warns(DeprecationWarning):
+        class Legacy(Method):
+            name = "legacy_grid_probe"
+
+            def selection_grid(self, cfg):
+                return [{"lr": cfg.methods.x.lr}]
