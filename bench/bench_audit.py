@@ -35,7 +35,7 @@ def main() -> None:
 
     paths = state_paths(str(state))
     configure_environment(paths)
-    import privprompt_cli
+    import privprompt_commands.run
     from flows.audit import run_audit, target_from_run
     from flows.method_flow import method_flow
     from tasks.config import parse_config
@@ -52,7 +52,7 @@ def main() -> None:
     }
     cfg = parse_config(config)
     results = {}
-    with privprompt_cli._local_prefect_server():
+    with privprompt_commands.run._local_prefect_server():
         summary = method_flow(cfg.model_dump(mode="json") | {"state_dir": str(state)})
         for workers in (1, 2):
             target, acfg = target_from_run(summary["mlflow_run_id"], str(state), args.shadows)

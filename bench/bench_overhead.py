@@ -60,6 +60,7 @@ def child(config: str) -> int:
     sys.path.insert(0, str(REPO))
     stamp("interpreter up")
     import privprompt_cli
+    import privprompt_commands.run
 
     stamp("privprompt_cli imported")
     import tasks.config as tconfig
@@ -72,7 +73,7 @@ def child(config: str) -> int:
 
     stamp("tasks.lifecycle imported")
     _wrap(preflight, "preflight", "preflight")
-    server = privprompt_cli._local_prefect_server
+    server = privprompt_commands.run._local_prefect_server
     enter, exit_ = server.__enter__, server.__exit__
 
     def traced_enter(self):
@@ -88,7 +89,7 @@ def child(config: str) -> int:
         return out
 
     server.__enter__, server.__exit__ = traced_enter, traced_exit
-    run_flow = privprompt_cli._run_flow
+    run_flow = privprompt_commands.run._run_flow
 
     def traced_run_flow(cfg, config):
         stamp("flow call")
@@ -114,7 +115,7 @@ def child(config: str) -> int:
         stamp("flow returned")
         return out
 
-    privprompt_cli._run_flow = traced_run_flow
+    privprompt_commands.run._run_flow = traced_run_flow
     import atexit
 
     # atexit runs last-registered first: this one before every handler registered during the run

@@ -204,7 +204,7 @@ def test_unknown_method_fails_at_config_time_listing_the_registered_ones(tmp_pat
 def test_no_method_name_is_compared_outside_the_registry():
     """Flows, the CLI, the audit and the sweep dispatch through the registry."""
     repo = Path(__file__).resolve().parents[2]
-    files = [*(repo / "flows").glob("*.py"), repo / "privprompt_cli.py", repo / "tasks" / "audit.py",
+    files = [*(repo / "flows").glob("*.py"), repo / "privprompt_cli.py", *(repo / "privprompt_commands").glob("*.py"), repo / "tasks" / "audit.py",
              repo / "tasks" / "lifecycle.py", repo / "tasks" / "stages.py", repo / "tasks" / "config.py"]
     names = registered_methods()
     for f in files:

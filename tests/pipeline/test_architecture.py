@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("privacy", "models", "tasks", "flows")
+PACKAGES = ("privacy", "models", "tasks", "flows", "privprompt_commands")
 SCRIPTS = ("privprompt_cli", "privprompt_worker")
 # the ledger subpackage (SQLAlchemy, sqlite, a team's PostgreSQL): the one part of privacy/ allowed
 # SQLAlchemy, and no other heavy framework

@@ -117,7 +117,7 @@ def test_sigma_is_calibrated_for_the_expected_queries_and_plan_prices_them(toy, 
 
 
 def test_plan_prints_the_dp_icl_line_with_q_from_the_released_size(toy, tmp_path, capsys):
-    from privprompt_cli import _print_dp_icl_plan
+    from privprompt_commands.run import _print_dp_icl_plan
     from tasks.config import load_config
     from tasks.dp_icl import plan_line
     from tasks.planning import released_sizes

@@ -135,7 +135,7 @@ def test_run_says_where_its_prompt_is_and_on_which_device(flow_run, capsys):
     MLflow artifact in fields that say what they are, the two hashes apart, and the device."""
     import mlflow.artifacts
 
-    import privprompt_cli
+    import privprompt_commands.run
     from flows.parent_run import device_description
 
     summary, state = flow_run["summary"], flow_run["state"]
@@ -157,7 +157,7 @@ def test_run_says_where_its_prompt_is_and_on_which_device(flow_run, capsys):
     # the ledger's key (source dataset) and the partition's hash: two names, two values
     assert budget["dataset.fingerprint"] == run.data.tags["dataset.fingerprint"]
     assert budget["data.partition"] == run.data.tags["data.partition"] != budget["dataset.fingerprint"]
-    privprompt_cli._print_summary(summary, 100.0)
+    privprompt_commands.run._print_summary(summary, 100.0)
     out = capsys.readouterr().out
     assert f"published prompt:           {pub['prompt_path']}\n" in out
     assert f"MLflow artifact {pub['artifact_uri']}" in out
@@ -297,21 +297,21 @@ def test_nonprivate_method_publishes_metrics_only(flow_run, tmp_path):
 
 
 def test_cli_summary_separates_model_work_audit_and_orchestration(capsys):
-    import privprompt_cli
+    import privprompt_commands.run
 
     summary = {"flow_run_id": "f", "mlflow_run_id": "m", "experiment": "e", "method": "post",
                "metrics": {"privacy.epsilon": 7.9975, "privacy.delta": 1e-5, "privacy.epsilon_rdp": 9.7,
                            "test.accuracy": 0.74},
                "compute_seconds": {"tune": 60.0, "transfer": 90.0, "audit": 1300.0}}
-    privprompt_cli._print_summary(summary, 1600.0)
+    privprompt_commands.run._print_summary(summary, 1600.0)
     out = capsys.readouterr().out
     assert "1600.0 s (150.0 s model work, 1300.0 s audit, 150.0 s orchestration" in out
     summary["compute_seconds"].pop("audit")
-    privprompt_cli._print_summary(summary, 200.0)
+    privprompt_commands.run._print_summary(summary, 200.0)
     out = capsys.readouterr().out
     assert "200.0 s (150.0 s model work, 50.0 s orchestration" in out and "comparison" not in out
     summary["metrics"]["no_prompt.released_difference"] = 3.2  # its time is outside the published model work
-    privprompt_cli._print_summary(summary, 200.0)
+    privprompt_commands.run._print_summary(summary, 200.0)
     assert "50.0 s orchestration, tracking and start-up, with the comparison with no prompt)" in capsys.readouterr().out
 
 

@@ -73,7 +73,7 @@ def test_calibration_without_a_cache_or_with_a_broken_one(tmp_path, monkeypatch)
 
 @pytest.mark.slow  # suite time: runs with -m slow
 def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch):
-    import privprompt_cli
+    import privprompt_commands.run
     from tasks.state import configure_environment, state_paths
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
@@ -84,7 +84,7 @@ def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch)
 
     heartbeat = get_current_settings().flows.heartbeat_frequency
     started = time.perf_counter()
-    server = privprompt_cli._local_prefect_server().start()
+    server = privprompt_commands.run._local_prefect_server().start()
     try:
         assert time.perf_counter() - started < 5  # returns before the server is up
         assert server.process is not None and server.process.poll() is None
@@ -106,10 +106,10 @@ def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch)
 
 
 def test_a_named_server_is_used_as_is(monkeypatch):
-    import privprompt_cli
+    import privprompt_commands.run
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
-    server = privprompt_cli._local_prefect_server().start()
+    server = privprompt_commands.run._local_prefect_server().start()
     assert server.process is None
     with server:
         assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:9/api"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import privprompt_cli
+import privprompt_commands.run
 from tasks.comparison import comparison_figure, comparison_table, label_summary, parent_runs
 
 
@@ -26,7 +26,7 @@ def _summary(published):
 
 
 def test_summary_of_an_unpublished_prompt_says_it_stays_private(capsys):
-    privprompt_cli._print_summary(_summary({"method": "prompt_sgd", "prompt_path": "/s/private/runs/x/p.safetensors",
+    privprompt_commands.run._print_summary(_summary({"method": "prompt_sgd", "prompt_path": "/s/private/runs/x/p.safetensors",
                                             "prompt_published": False, "guarantee": "none",
                                             "formal_dp_guarantee": False, "artifact_uri": None}), 10.0)
     out = capsys.readouterr().out
@@ -34,7 +34,7 @@ def test_summary_of_an_unpublished_prompt_says_it_stays_private(capsys):
     assert "MLflow artifact" not in out and "published prompt:" not in out
     assert "mia.loss.auc:               0.6100 [0.5000, 0.7000] (audit statistic, not DP)" in out
     assert "audit.epsilon_lower_bound:  0.3000 (audit statistic, not DP)" in out
-    privprompt_cli._print_summary(_summary({"method": "zero_shot", "prompt_path": None, "prompt_published": False,
+    privprompt_commands.run._print_summary(_summary({"method": "zero_shot", "prompt_path": None, "prompt_published": False,
                                             "guarantee": "none", "formal_dp_guarantee": False,
                                             "artifact_uri": None}), 10.0)
     assert "prompt:                     none (the method publishes no prompt)" in capsys.readouterr().out

@@ -222,7 +222,7 @@ def test_serve_runs_mlflow_from_this_environment_with_uvicorn_on_path(monkeypatc
     import shutil
     import sys
 
-    from privprompt_cli import serve_command
+    from privprompt_commands.tools import serve_command
 
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
     command, env = serve_command("/tmp/model", "127.0.0.1", 5123)

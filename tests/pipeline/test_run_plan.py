@@ -215,7 +215,7 @@ def test_a_selection_is_planned_through_its_wrapper_with_each_trial_at_its_targe
 # ---- nothing writes a derived value into a config ------------------------------------------------
 
 def _sources():
-    for package in ("tasks", "flows", "privacy"):
+    for package in ("tasks", "flows", "privacy", "privprompt_commands"):
         yield from sorted((REPO / package).rglob("*.py"))
     for script in ("privprompt_cli.py", "privprompt_worker.py"):
         yield REPO / script

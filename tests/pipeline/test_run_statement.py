@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import privprompt_cli
+import privprompt_commands.run
 from privacy import events as ev
 from privacy.ledger import Ledger
 from tasks.statement import epsilon_statement, run_markdown, unit_phrase
@@ -52,7 +52,7 @@ def test_run_markdown_states_epsilon_with_unit_and_delta():
 
 
 def test_cli_summary_prints_unit_delta_and_the_registered_model(capsys):
-    privprompt_cli._print_summary(_summary(), 10.0)
+    privprompt_commands.run._print_summary(_summary(), 10.0)
     out = capsys.readouterr().out
     assert "privacy:                    ε = 3.8964 per person (customer_id), δ = 1e-05 (accountant min_pld_rdp)" in out
     assert "registered model:           models:/privprompt.reviews.prompt_dpsgd/3" in out
