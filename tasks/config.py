@@ -183,9 +183,10 @@ class PrivPromptConfig(Block):
             if not self.data.test_shareable:
                 raise ValueError("models.endpoints: a remote endpoint would receive the test split, which is private "
                                  "unless data.test_shareable: true says it may leave this machine")
-            if get_method(self.method).prompt_kind != "text":
+            published = get_method(self.method)
+            if published.prompt_kind != "text":
                 raise ValueError(f"models.endpoints: method {self.method} publishes a "
-                                 f"{get_method(self.method).prompt_kind} prompt; only text prompts go to an endpoint")
+                                 f"{published.prompt_kind} prompt; only text prompts go to an endpoint")
             for endpoint in self.models.endpoints:
                 ids = endpoint.label_token_ids
                 if ids is not None and len(ids) != len(self.data.labels):
@@ -194,8 +195,7 @@ class PrivPromptConfig(Block):
                 if ids is not None and len(set(ids)) != len(ids):
                     raise ValueError(f"models.endpoints ({endpoint.alias}): label_token_ids repeats an id: two labels "
                                      "would be one answer")
-            published = get_method(self.method)
-            if published.reads_private_data(self) and published.guarantee(self) == "none":
+            if published.traits.reads_private and published.guarantee(self) == "none":
                 raise ValueError(f"models.endpoints: method {self.method} has no formal guarantee (privacy.guarantee="
                                  "none) and its prompt is built from private training rows (e.g. demonstrations "
                                  "verbatim): it never leaves this machine; only a published dp or ldp prompt (or one "
@@ -215,7 +215,7 @@ class PrivPromptConfig(Block):
             method.validate(self, published=name == self.method)
             if method.uses_public_data(self) and self.public is None:
                 raise ValueError(f"public: method {name} needs a public dataset (the `public:` block)")
-            if (method.reads_private_data(self) and method.guarantee(self) == "none"
+            if (method.traits.reads_private and method.guarantee(self) == "none"
                     and not self.allow_nonprivate_baselines):
                 why = ("debug_seeded_dp_randomness derives the DP noise from the logged seed"
                        if self.debug_seeded_dp_randomness and method.guarantee(self.model_copy(

@@ -164,7 +164,7 @@ class RunReport:
         """A baseline's training, evaluation and (when run) loss MIA."""
         self.compute[f"train:{name}"] = outcome.compute["train"]
         self.compute[f"evaluate:{name}"] = acc["compute_s"]
-        audit = labelled(outcome.guarantee, get_method(name).reads_private_data(self.cfg))
+        audit = labelled(outcome.guarantee, get_method(name).traits.reads_private)
         self.metrics[baseline_name(name, "test.accuracy", audit)] = acc["target"]
         self.points.append(point(name, acc["target"], outcome))
         if mia is not None:

@@ -359,7 +359,7 @@ def check_selection_config(cfg) -> None:
     if cfg.audit.enabled:
         raise ValueError("selection: audit.enabled: the audit's shadows train the configured settings, not the "
                          "selection (the audit of a selection is not implemented); turn one of them off")
-    if not method.reads_private_data(cfg):
+    if not method.traits.reads_private:
         raise ValueError(f"selection: method {cfg.method} trains nothing on private data; there is nothing to select")
     if method.traits.uses_validation:
         raise ValueError(f"selection: method {cfg.method} reads the holdout in its own training, which the "

@@ -278,6 +278,7 @@ def run_label(method, cfg: "PrivPromptConfig") -> str:
 class Traits:
     """What the platform reads of a method besides its hooks, declared once (``traits = Traits(...)``).
 
+    ``reads_private``: False for a method that never reads private training rows (zero-shot).
     ``uses_validation``: ``train`` also gets the holdout (``rows.validation``). ``unit_level``: its dp
     mechanism bounds each privacy unit's contribution when ``data.privacy_unit`` names a person
     (``rows.units``: Poisson sampling of units, one clipped contribution per unit, the accountant over
@@ -296,6 +297,7 @@ class Traits:
     configured settings alone). ``test_settings``: settings of ``methods.<name>`` small enough to
     train in seconds on the tiny test models (the contract test runs every method with them)."""
 
+    reads_private: bool = True
     uses_validation: bool = False
     unit_level: bool = False
     neighbour_statistics: tuple[str, ...] = ()
@@ -308,7 +310,8 @@ class Traits:
     test_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("uses_validation", "unit_level", "compares_with_no_prompt", "supports_loss_mia", "always_dp"):
+        for name in ("reads_private", "uses_validation", "unit_level", "compares_with_no_prompt", "supports_loss_mia",
+                     "always_dp"):
             if not isinstance(getattr(self, name), bool):  # a truthy object would pass a person-unit check
                 raise TypeError(f"Traits.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.release, str) or isinstance(self.neighbour_statistics, str):
@@ -328,7 +331,7 @@ TRAIT_NAMES = tuple(f.name for f in fields(Traits))
 LEGACY_REPORT = ("report_metrics", "report_sections", "run_label", "ldp_level")
 
 
-LEGACY_MEMBERS = ("contract_test_config", "selection_grid", *LEGACY_REPORT)
+LEGACY_MEMBERS = ("contract_test_config", "selection_grid", "reads_private_data", *LEGACY_REPORT)
 
 
 def _read_legacy_members(cls) -> None:
@@ -365,6 +368,8 @@ def _read_legacy_members(cls) -> None:
                 traits["test_settings"] = dict(getattr(cls, "contract_test_config")())
             if "selection_grid" in found:
                 traits["selection_grid"] = tuple(getattr(cls, "selection_grid")(instance, None))
+            if "reads_private_data" in found:
+                traits["reads_private"] = bool(getattr(cls, "reads_private_data")(instance, None))
             if "report_metrics" in found:
                 report["metrics"] = tuple(getattr(cls, "report_metrics")(instance))
             if "report_sections" in found:
@@ -414,16 +419,12 @@ class Method:
     def __init_subclass__(cls, **kwargs):
         """A method written against the interface before :class:`Traits` and :class:`Report` keeps
         working for one release (a DeprecationWarning names what is read): traits as class
-        attributes (``uses_validation = True``), ``contract_test_config()`` and
-        ``selection_grid(cfg)`` (read once, without a config) are read into ``traits``;
+        attributes (``uses_validation = True``), ``contract_test_config()``, ``selection_grid(cfg)``
+        and ``reads_private_data(cfg)`` (read once, without a config) are read into ``traits``;
         ``report_metrics()``, ``report_sections()``, ``run_label(cfg)`` and ``ldp_level(params)``
         into ``report``. A ``default_delta`` is refused: δ follows the platform's one policy."""
         super().__init_subclass__(**kwargs)
         _read_legacy_members(cls)
-
-    def reads_private_data(self, cfg: "PrivPromptConfig") -> bool:
-        """False for methods that never read private training rows (zero-shot)."""
-        return True
 
     def uses_public_data(self, cfg: "PrivPromptConfig") -> bool:
         return False
@@ -442,7 +443,7 @@ class Method:
         not run) and in a run, where the lifecycle calls it before reserving any budget. The
         default, for methods that train a soft prompt or prefix on ``models.local``: its
         classifier (model, tokenizer, label words or descriptions, template) is built."""
-        if self.prompt_kind in ("soft", "prefix") and self.reads_private_data(cfg):
+        if self.prompt_kind in ("soft", "prefix") and self.traits.reads_private:
             check_classifier(cfg, cfg.models.local, "models.local", getattr(self.settings(cfg), "n_tokens", 0))
 
     def prepare(self, ctx, progress: Progress | None = None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ def test_max_length_and_prompt_positions_beyond_the_model_are_refused_in_preflig
     settings = method.traits.test_settings
     limit = load_backbone("tiny-gpt2", "cpu").max_positions
     cfg, _ = parsed_config(tmp_path_factory, name, settings, f"long-{name}")
-    if not method.reads_private_data(cfg) or name == "post":  # POST checks its own (distilled) models below
+    if not method.traits.reads_private or name == "post":  # POST checks its own (distilled) models below
         pytest.skip(f"{name}: no private row trains on models.local here")
     over = cfg.model_copy(update={"models": cfg.models.model_copy(update={"max_length": limit})})
     with pytest.raises(ConfigError, match=rf"models.max_length={limit} \+ \d+ prompt positions exceed the {limit} "

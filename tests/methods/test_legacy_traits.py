@@ -129,3 +129,14 @@ def test_an_old_member_that_needs_a_config_is_refused_with_one_line():
 
             def selection_grid(self, cfg):
                 return [{"lr": cfg.methods.x.lr}]
+
+
+def test_reads_private_data_of_the_old_interface_is_read_into_the_traits():
+    with pytest.warns(DeprecationWarning, match="reads_private_data"):
+        class Legacy(Method):
+            name = "legacy_reads_probe"
+
+            def reads_private_data(self, cfg):
+                return False
+
+    assert Legacy.traits.reads_private is False and Method.traits.reads_private is True

@@ -131,7 +131,7 @@ def test_train_spends_at_most_the_plan_and_the_prompt_round_trips(name, contexts
     else:
         assert trained.event is None
     post = method.post_process(mctx, plan, trained.prompt)
-    if not method.reads_private_data(cfg):
+    if not method.traits.reads_private:
         assert post.prompt is None
         return
     path = save_prompt_file(tmp_path, name, post.prompt, {"method": name})
@@ -147,7 +147,7 @@ def test_shadow_is_train_and_post_process_through_the_registry(name, contexts):
     from tasks.audit import method_shadow as shadow_prompt
 
     ctx, prepared = contexts[name]
-    if not get_method(name).reads_private_data(ctx.cfg):
+    if not get_method(name).traits.reads_private:
         pytest.skip(f"{name} trains nothing: no shadow")
     prompt, steps = shadow_prompt(ctx.config, name, prepared, ctx.state_dir, ROWS, shadow_seed=3)
     assert prompt is not None and steps >= 0
@@ -172,7 +172,7 @@ def test_a_shadow_is_calibrated_as_the_audited_run_was(name, contexts, monkeypat
 
     ctx, prepared = contexts[name]
     method = get_method(name)
-    if not method.reads_private_data(ctx.cfg):
+    if not method.traits.reads_private:
         pytest.skip(f"{name} trains nothing: no shadow")
     sizes = ReleasedSizes(n_train=400, n_holdout=100, n_test=100, sigma=5.0)
     seen = {}
@@ -287,7 +287,7 @@ def test_a_private_method_trains_on_an_exactly_empty_split(name, contexts):
 
     ctx, prepared = contexts[name]
     cfg, method = ctx.cfg, get_method(name)
-    if method.guarantee(cfg) == "none" or not method.reads_private_data(cfg):
+    if method.guarantee(cfg) == "none" or not method.traits.reads_private:
         pytest.skip(f"{name} states no ε under its contract settings, or reads no private row")
     plan = method.plan(cfg, len(ROWS), 1e-5)  # planned on the released size, whatever the exact one is
     Ledger(ctx.paths.ledger).register_dataset(f"contract-empty-{name}", "contract", 10.0, 1e-5)

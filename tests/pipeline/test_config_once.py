@@ -18,7 +18,7 @@ def late_method():
     from pydantic_core import PydanticCustomError
 
     from tasks.methods import register_method, unregister_method
-    from tasks.methods.base import Method, MethodPlan
+    from tasks.methods.base import Method, MethodPlan, Traits
     from tasks.schema import Block
 
     class LateConfig(Block):
@@ -40,8 +40,7 @@ def late_method():
         def guarantee(self, cfg):
             return "none"
 
-        def reads_private_data(self, cfg) -> bool:
-            return False
+        traits = Traits(reads_private=False)
 
         def plan(self, cfg, n_train, delta, epsilon=None):
             return MethodPlan(self.name, "none", n_train, delta, reads_private=False)

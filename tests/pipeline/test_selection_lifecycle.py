@@ -45,7 +45,7 @@ def test_selection_enabled_alone_parses_with_the_methods_grid_or_is_refused_in_o
         message = str(err)
         assert "\n" not in message and "selection:" in message
         # refused only for a reason the message names, and which holds for this method
-        reasons = {"trains nothing": not method.reads_private_data(base),
+        reasons = {"trains nothing": not method.traits.reads_private,
                    "reads the holdout": method.traits.uses_validation,
                    "has guarantee": any(method.guarantee(selection.apply_settings(base, name, s)) != "dp"
                                         for s in method.traits.selection_grid)}

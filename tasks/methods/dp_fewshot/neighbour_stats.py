@@ -25,10 +25,9 @@ VOCABULARY = 7
 
 @register_statistic("dp_fewshot_sums")
 def group_sums(source, cfg, key: bytes) -> np.ndarray:
-    from .. import get_method
     from ...methodkit.keyed_partition import keyed_subsets
 
-    block = get_method("dp_fewshot").settings(cfg)
+    block = cfg.methods.dp_fewshot
     rows = training_rows(source, cfg, key)
     M, D = block.subsets, block.demos_per_label
     sums = []

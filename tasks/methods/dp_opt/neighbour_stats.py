@@ -57,9 +57,7 @@ def votes(source, cfg, key: bytes) -> np.ndarray:
 
     rows = training_rows(source, cfg, key)
     names, units = _names(rows)
-    from .. import get_method
-
-    block = get_method("dp_opt").settings(cfg)
+    block = cfg.methods.dp_opt
     members = member_demos(_KeyedDraws(key, names), len(rows), SAMPLE_RATE, block.meta_prompts,
                            2 * block.demos, units)
     histogram = np.zeros(VOTE_BINS)

@@ -6,7 +6,7 @@ from pydantic import Field
 
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, ReferenceAccuracy, Report, ReportMetric, Trained
+from ..base import Method, MethodPlan, ReferenceAccuracy, Report, ReportMetric, Trained, Traits
 
 
 class ZeroShotConfig(Block):
@@ -19,6 +19,7 @@ class ZeroShot(Method):
     config_class = ZeroShotConfig
     prompt_kind = "none"
     label = "zero-shot"
+    traits = Traits(reads_private=False)
     # the zero-shot baseline on each run's own test split (the report's zero-shot column and line): the
     # runs it ran beside log it as test.accuracy.zero_shot; a zero-shot run's own is its accuracy
     report = Report(metrics=(ReportMetric("zero_shot", ("test.accuracy.zero_shot",), every_run=True),
@@ -27,9 +28,6 @@ class ZeroShot(Method):
 
     def guarantee(self, cfg):
         return "none"
-
-    def reads_private_data(self, cfg) -> bool:
-        return False
 
     def plan(self, cfg, n_train, delta, epsilon=None):
         return MethodPlan(self.name, "none", n_train, delta, reads_private=False,
