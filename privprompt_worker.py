@@ -43,7 +43,7 @@ SOCKET_NAME = "worker.sock"
 STATE_MISMATCH = 75  # a child's exit code: the run's state folder is not the worker's; run in-process
 NO_WORKER_ENV = "PRIVPROMPT_NO_WORKER"
 ROOT_ENV = "PRIVPROMPT_WORKER_ROOT"  # set in a worker's child: the state folder it may serve
-CODE_DIRS = ("privacy", "models", "tasks", "flows")
+CODE_DIRS = ("privacy", "models", "tasks", "flows", "privprompt_commands")
 
 
 def socket_path(root) -> Path:

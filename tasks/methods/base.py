@@ -337,15 +337,18 @@ LEGACY_MEMBERS = ("contract_test_config", "selection_grid", "reads_private_data"
 def _read_legacy_members(cls) -> None:
     """Read the members of the interface before :class:`Traits` / :class:`Report` that ``cls``
     defines or inherits from a class other than :class:`Method` into its ``traits`` and ``report``
-    (see ``Method.__init_subclass__``): bound to ``cls`` itself, so a subclass's name is its own. A
-    class without a ``name`` (an intermediate base) is read when its registered subclass is."""
-    found = {}
+    (see ``Method.__init_subclass__``): bound to ``cls`` itself, so a subclass's name is its own; a
+    ``traits`` or ``report`` declared nearer to ``cls`` wins over an inherited old member. A class
+    without a ``name`` (an intermediate base) is read when its registered subclass is."""
+    found, declared = {}, set()  # declared: "traits" / "report" set by a class nearer to cls
     for base in cls.__mro__:
         if base is Method or base is object:
             continue
         for name in (*TRAIT_NAMES, *LEGACY_MEMBERS, "default_delta"):
-            if name in base.__dict__ and name not in found:
+            over = "report" if name in LEGACY_REPORT else "traits"
+            if name in base.__dict__ and name not in found and (over not in declared or name == "default_delta"):
                 found[name] = base
+        declared |= ({"traits", "report"} & set(base.__dict__)) - base.__dict__.get("_read_from_legacy", set())
     if "default_delta" in found:
         raise TypeError(f"method class {cls.__qualname__}: default_delta (from {found['default_delta'].__qualname__}) is "
                         "no longer read (every run's default δ is min(1e-5, 1/(10 n)), rounded down); set "
@@ -385,6 +388,7 @@ def _read_legacy_members(cls) -> None:
         cls.traits = replace(cls.traits, **traits)
     if report:
         cls.report = replace(cls.report, **report)
+    cls._read_from_legacy = {name for name, read in (("traits", traits), ("report", report)) if read}
 
 
 def dp_unless_debug(cfg: "PrivPromptConfig") -> Guarantee:

@@ -140,3 +140,25 @@ def test_reads_private_data_of_the_old_interface_is_read_into_the_traits():
                 return False
 
     assert Legacy.traits.reads_private is False and Method.traits.reads_private is True
+
+
+def test_a_subclass_declaring_report_and_traits_keeps_them_over_its_old_style_parent():
+    from tasks.methods.base import Report
+
+    with pytest.warns(DeprecationWarning):
+        class Old(Method):
+            name = "legacy_old_parent_probe"
+
+            def ldp_level(self, params):
+                return 1.0
+
+            def selection_grid(self, cfg):
+                return [{"lr": 1}]
+
+    class New(Old):
+        name = "legacy_new_child_probe"
+        report = Report(ldp_level=None)
+        traits = Traits(selection_grid=({"lr": 2},))
+
+    assert New.report.ldp_level is None and New.traits.selection_grid == ({"lr": 2},)
+    assert Old.report.ldp_level({}) == 1.0 and Old.traits.selection_grid == ({"lr": 1},)
