@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..folder_modules import import_folder
+from ..registry import Registry, import_folder
 
 
 @dataclass(frozen=True)
@@ -64,55 +64,34 @@ class Attack:
         raise NotImplementedError
 
 
-_REGISTRY: dict[str, Attack] = {}
-_LOADED = False
+def _check(cls, registered) -> None:
+    if cls.unit_reduction not in ("mean", "sum"):
+        raise ValueError(f"attack {cls.name!r}: unit_reduction is 'mean' or 'sum', got {cls.unit_reduction!r}")
+
+
+ATTACKS = Registry("attack", lambda: import_folder(__name__, __path__),
+                   "unknown attack {name}; registered attacks: {names}")
 
 
 def register_attack(cls: type[Attack]) -> type[Attack]:
     """Class decorator: register ``cls`` under ``cls.name`` (a second registration of the name by
     another class is an error)."""
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"an attack needs an identifier as its name, got {name!r}")
-    if cls.unit_reduction not in ("mean", "sum"):
-        raise ValueError(f"attack {name!r}: unit_reduction is 'mean' or 'sum', got {cls.unit_reduction!r}")
-    existing = _REGISTRY.get(name)
-    if existing is not None and type(existing).__qualname__ != cls.__qualname__:
-        raise ValueError(f"attack {name!r} is already registered by {type(existing).__qualname__}")
-    _REGISTRY[name] = cls()
-    return cls
+    return ATTACKS.add(cls, _check)
 
 
 def unregister_attack(name: str) -> None:
     """Remove ``name`` from the registry (an attack added for a while: a test's toy attack)."""
-    _load_builtins()
-    if _REGISTRY.pop(name, None) is None:
-        raise KeyError(f"attack {name!r} is not registered")
-
-
-def _load_builtins() -> None:
-    """Import every module of this folder once (alphabetical order)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    try:
-        import_folder(__name__, __path__)
-    except BaseException:
-        _LOADED = False
-        raise
+    ATTACKS.remove(name)
 
 
 def registered_attacks() -> list[str]:
     """The registered attack names, in registration order."""
-    _load_builtins()
-    return list(_REGISTRY)
+    return ATTACKS.names()
 
 
 def default_attacks() -> list[str]:
     """The default ``audit.attacks``: the registered attacks with a ``default_position``, in its order."""
-    _load_builtins()
-    ranked = [a for a in _REGISTRY.values() if a.default_position is not None]
+    ranked = [a for a in ATTACKS.values() if a.default_position is not None]
     return [a.name for a in sorted(ranked, key=lambda a: a.default_position)]
 
 
@@ -122,11 +101,7 @@ def unknown_attack_message(name: object) -> str:
 
 def get_attack(name: str) -> Attack:
     """The attack registered as ``name``; one line listing the registered ones when there is none."""
-    _load_builtins()
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise KeyError(unknown_attack_message(name)) from None
+    return ATTACKS.get(name)
 
 
 def chosen_attacks(names: list[str]) -> list[Attack]:

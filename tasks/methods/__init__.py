@@ -1,5 +1,5 @@
-"""The method registry: one table of methods by name (compare PEFT's ``register_peft_method``
-and Opacus's accountant registry). Flows, the CLI, the audit and the sweep look methods up here
+"""The method registry: one table of methods by name (``tasks.registry.Registry``, the table the
+attacks and data sources use too; compare PEFT's ``register_peft_method``). Flows, the CLI, the audit and the sweep look methods up here
 and never compare method names.
 
 A method lives in ONE package: ``tasks/methods/<name>/`` holds its :class:`~tasks.methods.base.Method`
@@ -24,34 +24,22 @@ import importlib
 import os
 import pkgutil
 
+from ..registry import Registry
 from .base import (LevelPanel, Method, MethodContext, MethodPlan, PostProcessed, PrivateRows, Report,  # noqa: F401
                    ReferenceAccuracy, ReportArtifact, ReportMetric, SummaryColumn, Trained, Traits, Variant)
-
-_REGISTRY: dict[str, Method] = {}
-_LOADED = False
-
 
 def register_method(cls: type[Method]) -> type[Method]:
     """Class decorator: register ``cls`` under ``cls.name`` (a second registration of a name
     by another class is an error). A method registered late (a package outside this folder,
     imported later) is configured like the others: ``methods.<name>`` is validated against
     ``cls.config_class`` when a config is parsed."""
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"a method needs an identifier as its name, got {name!r}")
-    existing = _REGISTRY.get(name)
-    if existing is not None and type(existing) is not cls and type(existing).__qualname__ != cls.__qualname__:
-        raise ValueError(f"method {name!r} is already registered by {type(existing).__qualname__}")
-    _REGISTRY[name] = cls()
-    return cls
+    return METHODS.add(cls)
 
 
 def unregister_method(name: str) -> None:
     """Remove ``name`` from the registry (configs parsed afterwards have no ``methods.<name>``): a
     method added for a while (a test's toy method, a plugin being reloaded)."""
-    _load_builtins()
-    if _REGISTRY.pop(name, None) is None:
-        raise KeyError(f"method {name!r} is not registered")
+    METHODS.remove(name)
 
 
 PLUGIN_GROUP = "privprompt.methods"
@@ -65,41 +53,31 @@ def _load_builtins() -> None:
     ``privprompt.methods`` entry-point group (a method kept in its own repository:
     ``[project.entry-points."privprompt.methods"] my_method = "my_package"``), so the CLI,
     deployments and workers know it without an import of their own."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    try:
-        for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-            if info.ispkg:
-                importlib.import_module(f"{__name__}.{info.name}")
-        for module in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
-            try:
-                importlib.import_module(module)
-            except Exception as exc:  # noqa: BLE001 - one line naming the plugin
-                raise ImportError(f"method plugin {module!r} (${PLUGIN_ENV}) failed to import: "
-                                  f"{type(exc).__name__}: {exc}") from exc
-        from importlib.metadata import entry_points
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.ispkg:
+            importlib.import_module(f"{__name__}.{info.name}")
+    for module in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - one line naming the plugin
+            raise ImportError(f"method plugin {module!r} (${PLUGIN_ENV}) failed to import: "
+                              f"{type(exc).__name__}: {exc}") from exc
+    from importlib.metadata import entry_points
 
-        for point in sorted(entry_points(group=PLUGIN_GROUP), key=lambda p: p.name):
-            try:
-                point.load()
-            except Exception as exc:  # noqa: BLE001 - one line naming the plugin
-                raise ImportError(f"method plugin {point.name!r} ({point.value}, entry point group {PLUGIN_GROUP}) "
-                                  f"failed to import: {type(exc).__name__}: {exc}") from exc
-    except BaseException:
-        _LOADED = False
-        raise
+    for point in sorted(entry_points(group=PLUGIN_GROUP), key=lambda p: p.name):
+        try:
+            point.load()
+        except Exception as exc:  # noqa: BLE001 - one line naming the plugin
+            raise ImportError(f"method plugin {point.name!r} ({point.value}, entry point group {PLUGIN_GROUP}) "
+                              f"failed to import: {type(exc).__name__}: {exc}") from exc
+
+
+METHODS = Registry("method", _load_builtins, "method {name} is not registered; registered methods: {names}")
 
 
 def registered_methods() -> list[str]:
-    _load_builtins()
-    return list(_REGISTRY)
+    return METHODS.names()
 
 
 def get_method(name: str) -> Method:
-    _load_builtins()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"method {name!r} is not registered; registered methods: {', '.join(_REGISTRY)}") from None
+    return METHODS.get(name)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from ..folder_modules import import_folder
+from ..registry import Registry, import_folder
 
 
 class DataSource:
@@ -51,71 +51,44 @@ class DataSource:
         return f"{self.name}:{cfg.name}"
 
 
-_REGISTRY: dict[str, DataSource] = {}
-_LOADED = False
+def _check(cls, registered) -> None:
+    """A file suffix belongs to one source; suffixes are lower case with the dot."""
+    for other in registered.values():
+        shared = set(other.suffixes) & {s.lower() for s in cls.suffixes}
+        if shared:
+            raise ValueError(f"data source {cls.name!r}: file suffix {sorted(shared)[0]!r} is already read by "
+                             f"data source {other.name!r}")
+    if any(not s.startswith(".") or s != s.lower() for s in cls.suffixes):
+        raise ValueError(f"data source {cls.name!r}: suffixes are lower case and start with a dot, got {cls.suffixes}")
+
+
+SOURCES = Registry("data source", lambda: import_folder(__name__, __path__),
+                   "unknown data source {name}; registered data sources: {names}")
 
 
 def register_source(cls: type[DataSource]) -> type[DataSource]:
     """Class decorator: register ``cls`` under ``cls.name``; a name, or a file suffix, that another
     class registered already is an error."""
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"a data source needs an identifier as its name, got {name!r}")
-    source = cls()
-    for other in _REGISTRY.values():
-        if type(other).__qualname__ == cls.__qualname__ and other.name == name:
-            continue
-        if other.name == name:
-            raise ValueError(f"data source {name!r} is already registered by {type(other).__qualname__}")
-        shared = set(other.suffixes) & {s.lower() for s in source.suffixes}
-        if shared:
-            raise ValueError(f"data source {name!r}: file suffix {sorted(shared)[0]!r} is already read by "
-                             f"data source {other.name!r}")
-    if any(not s.startswith(".") or s != s.lower() for s in source.suffixes):
-        raise ValueError(f"data source {name!r}: suffixes are lower case and start with a dot, got {source.suffixes}")
-    _REGISTRY[name] = source
-    return cls
+    return SOURCES.add(cls, _check)
 
 
 def unregister_source(name: str) -> None:
     """Remove ``name`` from the registry (a source added for a while: a test's toy format)."""
-    _load_builtins()
-    if _REGISTRY.pop(name, None) is None:
-        raise KeyError(f"data source {name!r} is not registered")
-
-
-def _load_builtins() -> None:
-    """Import every module of this folder once (alphabetical order)."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    try:
-        import_folder(__name__, __path__)
-    except BaseException:
-        _LOADED = False
-        raise
+    SOURCES.remove(name)
 
 
 def registered_sources() -> list[str]:
     """The registered source names, in registration order."""
-    _load_builtins()
-    return list(_REGISTRY)
+    return SOURCES.names()
 
 
 def get_source(name: str) -> DataSource:
     """The source registered as ``name``; one line listing the registered ones when there is none."""
-    _load_builtins()
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise KeyError(f"unknown data source {name!r}; registered data sources: "
-                       f"{', '.join(registered_sources())}") from None
+    return SOURCES.get(name)
 
 
 def _file_formats() -> list[DataSource]:
-    _load_builtins()
-    return sorted((s for s in _REGISTRY.values() if s.suffixes), key=lambda s: s.precedence)
+    return sorted((s for s in SOURCES.values() if s.suffixes), key=lambda s: s.precedence)
 
 
 def file_suffixes() -> tuple[str, ...]:
@@ -134,8 +107,7 @@ def source_for_file(path: Path) -> DataSource:
 
 def named_source(cfg: Any) -> DataSource | None:
     """The source the data config names itself (e.g. ``data.hub``), None for a data folder's files."""
-    _load_builtins()
-    for source in _REGISTRY.values():
+    for source in SOURCES.values():
         if source.named_by(cfg):
             return source
     return None

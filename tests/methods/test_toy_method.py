@@ -184,14 +184,14 @@ def test_an_installed_package_registers_through_its_entry_point(toy_package, mon
     points = [EntryPoint(NAME, NAME, registry.PLUGIN_GROUP)]
     monkeypatch.setattr("importlib.metadata.entry_points",
                         lambda group=None: [p for p in points if p.group == group])
-    monkeypatch.setattr(registry, "_LOADED", False)
+    monkeypatch.setattr(registry.METHODS, "loaded", False)
     assert NAME in registry.registered_methods()
     points[:] = [EntryPoint("broken", "no_such_privprompt_plugin", registry.PLUGIN_GROUP)]
-    monkeypatch.setattr(registry, "_LOADED", False)
+    monkeypatch.setattr(registry.METHODS, "loaded", False)
     with pytest.raises(ImportError, match="method plugin 'broken' .* failed to import: ModuleNotFoundError"):
         registry.registered_methods()
     points.clear()
-    monkeypatch.setattr(registry, "_LOADED", False)
+    monkeypatch.setattr(registry.METHODS, "loaded", False)
     assert NAME in registry.registered_methods()  # still registered from the import above
 
 
