@@ -70,10 +70,14 @@ class Registry:
         self.ensure_loaded()
         return list(self.items.values())
 
+    def missing(self, name: object) -> str:
+        """The one line for ``name``, which nobody registered."""
+        return self.unknown.format(name=repr(name), names=", ".join(self.names()))
+
     def get(self, name: str):
         """The instance registered as ``name``; one line naming the registered ones otherwise."""
         self.ensure_loaded()
         try:
             return self.items[name]
         except (KeyError, TypeError):
-            raise KeyError(self.unknown.format(name=repr(name), names=", ".join(self.items))) from None
+            raise KeyError(self.missing(name)) from None

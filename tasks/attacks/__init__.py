@@ -96,7 +96,7 @@ def default_attacks() -> list[str]:
 
 
 def unknown_attack_message(name: object) -> str:
-    return f"unknown attack {name!r}; registered attacks: {', '.join(registered_attacks())}"
+    return ATTACKS.missing(name)
 
 
 def get_attack(name: str) -> Attack:

@@ -16,8 +16,8 @@ def transfer_config(cfg, block):
                           init_words=block.tuning.init, init_seed=cfg.seed, select_every=t.select_every)
 
 
-def transfer_on_public(cfg, block, source_clf, source_prompt, target_clf, texts: list[str], progress=None,
-                       key: str = "transfer"):
+def transfer_on_public(cfg, block, source_clf, source_prompt, target_clf, texts: list[str], progress=None, *,
+                       key: str):
     """The transfer as ``block.transfer`` asks: a fixed number of steps, or with ``select_every``
     the prompt with the lowest transfer loss on ``select_size`` held-out public texts. ``texts`` are
     public; ``key``: the settings' config key, named in a refusal."""

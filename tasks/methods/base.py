@@ -381,9 +381,9 @@ def _read_legacy_members(cls) -> None:
             raise TypeError(f"method class {cls.__qualname__}: its {', '.join(legacy)} cannot be read without a config "
                             f"({type(exc).__name__}: {exc}); declare traits = Traits(selection_grid=..., "
                             "test_settings=...) and report = Report(...) instead") from exc
-        for name, key in (("run_label", "run_label"), ("ldp_level", "ldp_level")):
+        for name in ("run_label", "ldp_level"):
             if name in found:
-                report[key] = getattr(instance, name)  # bound to the one instance made here
+                report[name] = getattr(instance, name)  # bound to the one instance made here
     if traits:
         cls.traits = replace(cls.traits, **traits)
     if report:
