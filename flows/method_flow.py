@@ -23,7 +23,7 @@ from flows.parent_run import parent_run
 from tasks import pipeline, statement
 from tasks.config import ParsedConfig, PrivPromptConfig, load_config, parse_config
 from tasks.charge import check_budget, refusals_to_operator, resolve_partition
-from tasks.methods import get_method
+from tasks.methods import MethodSpec
 from tasks.outcome import RunOutcome
 from tasks.preflight import preflight
 from tasks.run_plan import plan_for
@@ -45,13 +45,14 @@ def partition(cfg, paths, data_root) -> dict:
     return json.loads(manifest.read_text())
 
 
-def run_baseline(ctx: StageContext, rec: pipeline.RunReport, name: str, out: RunOutcome) -> None:
+def run_baseline(ctx: StageContext, rec: pipeline.RunReport, method: MethodSpec, out: RunOutcome) -> None:
     """A baseline's prompt: evaluated, and attacked with the loss MIA."""
+    name = method.name
     acc = evaluate_task(ctx, out.prompt_path, name, out.guarantee)
-    model = get_method(name).published_model(ctx.cfg, {})
+    model = method.extras.published_model(ctx.cfg, {})
     mia = (loss_mia_task(ctx, out.prompt_path, name, out.guarantee, model)
-           if pipeline.runs_loss_mia(ctx.cfg, name, out) else None)
-    rec.baseline(name, out, acc, mia)
+           if pipeline.runs_loss_mia(ctx.cfg, method, out) else None)
+    rec.baseline(method, out, acc, mia)
 
 
 def evaluate_published(ctx: StageContext, rec: pipeline.RunReport, published: RunOutcome, prepared: dict) -> None:
@@ -59,9 +60,9 @@ def evaluate_published(ctx: StageContext, rec: pipeline.RunReport, published: Ru
     every endpoint."""
     cfg, method = ctx.cfg, rec.method
     acc = evaluate_task(ctx, published.prompt_path, cfg.method, published.guarantee)
-    rec.evaluated(acc, method.published_model(cfg, prepared))
+    rec.evaluated(acc, method.extras.published_model(cfg, prepared))
     if published.prompt_path is not None:  # test-split statistics of the prompt (flatness)
-        rec.diagnostics(method.diagnostics(ctx, published.prompt_path, ctx.method_context(prepared)))
+        rec.diagnostics(method.extras.diagnostics(ctx, published.prompt_path, ctx.method_context(prepared)))
     for other in cfg.models.evaluate_on:
         out = evaluate_task(ctx, published.prompt_path, f"{cfg.method}@{model_alias(other)}", published.guarantee,
                             {"target": other})
@@ -103,7 +104,6 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
     """``config``: a parsed config, a config dict, or the path of a YAML config (deployments);
     parsed once, here, and passed to every task as it is (frozen)."""
     cfg = parsed_config(config, overrides)
-    method = get_method(cfg.method)
     with parent_run(cfg, "method", cfg.method, cfg.guarantee,
                     params={"privacy.dataset_epsilon_cap": cfg.privacy.dataset_epsilon_cap}) as run:
         part = partition(cfg, run.paths, default_data_root(cfg.data_root))
@@ -115,7 +115,8 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
         if charged:
             operator_note(run.paths, charged)
         ctx = StageContext.for_run(cfg, run.paths, part, run.parent.run_id, run.flow_run_id)
-        plan = pipeline.plan_run(ctx, run.parent)  # δ and every run's plan, once: validated before any work
+        plan = pipeline.plan_run(ctx, run.parent)  # δ, every run's plan and method, once: validated before any work
+        method = plan.methods[cfg.method]
         with refusals_to_operator(run.paths, charged_elsewhere=charged is not None):
             check_budget(ctx, plan.plans, plan.delta)  # the ledger's answer before any baseline or evaluation
         # every method's public-data preparation, then every check that needs no private data, BEFORE
@@ -133,18 +134,18 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
             return trained[name]
 
         for name in cfg.run_methods[:-1]:  # baselines first, the published method last
-            run_baseline(ctx, rec, name, run_method(name, prepared_by[name]))
+            run_baseline(ctx, rec, plan.methods[name], run_method(name, prepared_by[name]))
         prepared = prepared_by[cfg.method]
         rec.prepared(prepared)
         published = run_method(cfg.method, prepared)
         rec.trained(published)
         evaluate_published(ctx, rec, published, prepared)
-        variants = method.variants(ctx, published, prepared, run_method)
+        variants = method.extras.variants(ctx, published, prepared, run_method)
         rec.variant_results(variants, [evaluate_task(ctx, v.prompt_path, v.name, v.guarantee, {"target": v.model})
                                        for v in variants], trained)
         rec.points_and_runtime(published)
-        if pipeline.runs_loss_mia(cfg, cfg.method, published):
-            model = method.published_model(cfg, prepared)
+        if pipeline.runs_loss_mia(cfg, method, published):
+            model = method.extras.published_model(cfg, prepared)
             rec.loss_mia(loss_mia_task(ctx, published.prompt_path, cfg.method, published.guarantee, model))
         rec.released(published, plan)
         if cfg.audit.enabled and published.prompt_path is None:  # no prompt published (fallback): none to audit

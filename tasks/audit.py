@@ -70,7 +70,12 @@ class AuditTarget:
     @property
     def model(self) -> str:
         """The model the audited prompt is used on."""
-        return get_method(self.method).published_model(self.cfg, self.prepared)
+        return self.spec.extras.published_model(self.cfg, self.prepared)
+
+    @property
+    def spec(self):
+        """The audited method as registered."""
+        return get_method(self.method)
 
     @cached_property
     def cfg(self) -> PrivPromptConfig:
@@ -92,7 +97,7 @@ def check_audit(target: AuditTarget, acfg: AuditConfig) -> dict:
     """Everything that can be checked before any training; returns the pool's sizes."""
     if not Path(target.prompt_path).is_file():
         raise AuditError(f"run {target.run_id} has no prompt artifact to audit (looked for {target.prompt_path})")
-    missing = get_method(target.method).missing_prepared(target.prepared)
+    missing = target.spec.extras.missing_prepared(target.prepared)
     if missing:
         raise AuditError(f"run {target.run_id}: the audit's shadows need {missing}")
     if target.cfg.selection.enabled:
@@ -271,8 +276,8 @@ def method_shadow(config: dict, method_name: str, prepared: dict, state_dir: str
     index = rows.unit_index()
     plan = shadow_plan(cfg, method_name, sizes, len(rows) if index is None else index[1])
     mctx = MethodContext(cfg, state_paths(state_dir), prepared, randomness.for_shadow(cfg, shadow_seed), shadow_seed)
-    trained = method.train(mctx, plan, rows)
-    post = method.post_process(mctx, plan, trained.prompt)
+    trained = method.mechanism.train(mctx, plan, rows)
+    post = method.mechanism.post_process(mctx, plan, trained.prompt)
     return post.prompt, trained.steps + post.steps
 
 

@@ -24,12 +24,11 @@ MARKERS = {"dp": "o", "none": "x", "ldp": "s"}
 def report_declarations() -> tuple[dict, list]:
     """What the registered methods add to the report: their row metrics (by method name) and their
     sections (each once, in registry order: a skeleton's, declared by all its methods, once)."""
-    from .methods import get_method, registered_methods
+    from .methods import METHODS
 
     metrics, sections = {}, []
-    for name in registered_methods():
-        method = get_method(name)
-        metrics[name] = method.report.metrics
+    for method in METHODS.values():
+        metrics[method.name] = method.report.metrics
         sections += [s for s in method.report.sections if s not in sections]
     return metrics, sections
 

@@ -10,7 +10,7 @@
 class in ``tasks/releases.py`` (a new release is a new kind there, not a branch here); what the
 door records on MLflow is in ``tasks/recording.py``, the usable forms of a published output in
 ``tasks/publish.py``. A selection of a method's settings is a release kind and a method wrapper
-(``tasks.selected.Selected``): the door never asks whether a run selects.
+(``tasks.selected.selected``): the door never asks whether a run selects.
 
 Everything that needs no private data is checked first (``tasks.preflight``), the dataset a run
 is charged to and its terms in ``tasks.charge``, the stored release a retry republishes in
@@ -170,7 +170,7 @@ def open_door(ctx, name: str, prepared: dict, plan: RunPlan | None = None) -> Do
     ledger = ctx.paths.open_ledger()  # the state folder's file, or the team's ledger by URL
     charge_run_dataset(ctx, ledger, plan.delta)  # the dataset the run is charged to, under its terms
     if name not in ctx.preflighted:  # before the reservation; the flow checked its run methods already
-        method.preflight(cfg, prepared)
+        method.mechanism.preflight(cfg, prepared)
     releases = releases_of(plan, part.sizes)  # an unknown kind, or a plan of other sizes: refused here
     child = recording.open_training(ctx, name, plan.guarantee, opt_in)
     return Door(ctx, name, method, plan, prepared, f"{ctx.flow_run_id}:{name}", ledger, child, opt_in,
@@ -301,19 +301,19 @@ def write_outputs(door: Door, trained: Trained, info: dict, choice: Choice, prog
     ctx, cfg, plan, name, method = door.ctx, door.ctx.cfg, door.plan, door.name, door.method
     published = plan.guarantee in PUBLISHED  # the publish rule
     directory = ctx.output_dir if published else ctx.private_run_dir
-    meta = {"method": name, "privacy.guarantee": plan.guarantee, "model": method.published_model(cfg, door.prepared)}
+    meta = {"method": name, "privacy.guarantee": plan.guarantee, "model": method.extras.published_model(cfg, door.prepared)}
     if info["spend"] is not None:
         meta.update({"privacy.epsilon": f"{info['spend']['epsilon']:.6f}", "privacy.delta": f"{plan.delta:.3g}",
                      "dataset.fingerprint": ctx.part.published_key})
     meta.update({k: str(v) for k, v in thawed(plan.params).items()})
     meta.update(choice.meta)
     started = time.perf_counter()
-    post = method.post_process(choice.mctx, choice.plan, trained.prompt,
+    post = method.mechanism.post_process(choice.mctx, choice.plan, trained.prompt,
                                progress=progress(f"{name}:post") if progress else None)
     if post.prompt is not trained.prompt:
         info["compute"]["post_process"] = time.perf_counter() - started
         info["source_prompt_path"] = str(save_prompt_file(directory, f"{name}_source", trained.prompt, {
-            **meta, "model": method.source_model(cfg, door.prepared), "stage": "train"}))
+            **meta, "model": method.extras.source_model(cfg, door.prepared), "stage": "train"}))
     info["prompt_path"] = str(save_prompt_file(directory, name, post.prompt, meta))
     if info["source_prompt_path"] is None:
         info["source_prompt_path"] = info["prompt_path"]

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import plots, report, statement
-from .methods import get_method
 from .methods.base import run_label
 from .stages import model_alias
 
@@ -24,7 +23,7 @@ if TYPE_CHECKING:
     from .outcome import RunOutcome
     from privacy.plan import RunPlan
 
-    from .methods.base import Method, Variant
+    from .methods.base import MethodSpec, Variant
     from .record import RunRecord
     from .stages import StageContext
 
@@ -76,11 +75,13 @@ def cross_model_table(cross: dict[str, float]) -> str:
 @dataclass(frozen=True)
 class FlowPlan:
     """The flow's plans, computed once before any work (``tasks.run_plan.plan_for``) and handed to
-    the tasks: δ of the run and each run method's :class:`privacy.plan.RunPlan`."""
+    the tasks: δ of the run, each run method's :class:`privacy.plan.RunPlan` and the method that
+    runs it (its spec, or its selection: ``tasks.selected.method_for``), resolved once."""
 
     delta: float
     plans: dict
     method: str
+    methods: dict = field(default_factory=dict)
     # what the parent publishes of the plan once the published method's run has committed its
     # charge (the released sizes for a dp run, and q = B/ñ, steps, σ: functions of them)
     published_params: dict = field(default_factory=dict)
@@ -98,13 +99,15 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> FlowPlan:
     from privacy.plan import thawed
 
     from .run_plan import plan_for, resolve_delta
+    from .selected import method_for
 
     cfg, part = ctx.cfg, ctx.partition
+    methods = {name: method_for(cfg, name) for name in cfg.run_methods}
     sizes = ctx.part.sizes  # the released sizes (never the exact ones: tasks.data.ReleasedSizes)
     delta = resolve_delta(cfg, sizes.n_for_delta)
     plan = plan_for(cfg, cfg.method, sizes, delta)
     parent.set_tags({"dataset.fingerprint": ctx.part.published_key, "data.partition": part["fingerprint"],
-                     "method.label": run_label(get_method(cfg.method), cfg)})
+                     "method.label": run_label(methods[cfg.method], cfg)})
     # δ only (a 1-2-5 rounding of 0.1/(ñ + 3σ), fixed by the partition's one draw): the released
     # sizes and what the plan derives from them (q = B/ñ, steps, σ) wait for the charge that covers
     # their release — a run refused before it (the audit pool, a preflight check, the budget) has
@@ -115,13 +118,13 @@ def plan_run(ctx: StageContext, parent: RunRecord) -> FlowPlan:
 
         check_pool_size(ctx.part, cfg.audit)
     plans = {name: plan if name == cfg.method else plan_for(cfg, name, sizes, delta) for name in cfg.run_methods}
-    return FlowPlan(delta, plans, cfg.method,
-                    {**(sizes.params() if plan.guarantee == "dp" else {}), **thawed(plan.params)})
+    return FlowPlan(delta, plans, cfg.method, methods=methods,
+                    published_params={**(sizes.params() if plan.guarantee == "dp" else {}), **thawed(plan.params)})
 
 
-def runs_loss_mia(cfg: PrivPromptConfig, name: str, outcome: RunOutcome) -> bool:
-    """Whether the flow attacks method ``name``'s prompt with the loss-threshold MIA."""
-    return cfg.mia.enabled and outcome.prompt_path is not None and get_method(name).traits.supports_loss_mia
+def runs_loss_mia(cfg: PrivPromptConfig, method: "MethodSpec", outcome: RunOutcome) -> bool:
+    """Whether the flow attacks ``method``'s prompt with the loss-threshold MIA."""
+    return cfg.mia.enabled and outcome.prompt_path is not None and method.traits.supports_loss_mia
 
 
 def audit_target(ctx: StageContext, published: RunOutcome, prepared: dict):
@@ -140,12 +143,33 @@ def audit_target(ctx: StageContext, published: RunOutcome, prepared: dict):
 
 # ---- the run's record, collected as the tasks return -------------------------------------------
 
+def variants_table(method: MethodSpec, accuracies: dict[str, float], published: RunOutcome,
+                   variants: list[Variant]) -> str:
+    """The published method beside its variants (POST's table: Full ZS, Compressed PT, Direct
+    Transfer, Full PT): test accuracy and what each one's privacy is."""
+    def privacy(guarantee: str, epsilon: float | None, prompt_path: str | None) -> str:
+        if prompt_path is None:
+            return "-"  # no prompt: nothing learnt from private data
+        if guarantee == "none":
+            return "none (upper bound)"
+        return f"ε={epsilon:.2f}" if epsilon is not None else guarantee
+
+    rows = ["| method | test accuracy | privacy |", "|---|---:|---|"]
+    for v in variants:
+        if v.name in accuracies:
+            rows.append(f"| {v.label or v.name} | {accuracies[v.name]:.4f} | {privacy(v.guarantee, v.epsilon, v.prompt_path)} |")
+    if method.name in accuracies:
+        rows.append(f"| {method.label or method.name} | {accuracies[method.name]:.4f} | "
+                    f"{privacy(published.guarantee, published.epsilon, 'its own')} |")
+    return "\n".join(rows) + "\n"
+
+
 @dataclass
 class RunReport:
     """The parent run's metrics, points, tables and summary of one method flow run."""
 
     cfg: PrivPromptConfig
-    method: Method
+    method: MethodSpec
     parent: RunRecord
     metrics: dict[str, float] = field(default_factory=dict)
     points: list[dict] = field(default_factory=list)
@@ -160,11 +184,12 @@ class RunReport:
     def stage_names(self) -> dict[str, str]:
         return dict(self.method.traits.stage_names)
 
-    def baseline(self, name: str, outcome: RunOutcome, acc: dict, mia: dict | None) -> None:
+    def baseline(self, method: MethodSpec, outcome: RunOutcome, acc: dict, mia: dict | None) -> None:
         """A baseline's training, evaluation and (when run) loss MIA."""
+        name = method.name
         self.compute[f"train:{name}"] = outcome.compute["train"]
         self.compute[f"evaluate:{name}"] = acc["compute_s"]
-        audit = labelled(outcome.guarantee, get_method(name).traits.reads_private)
+        audit = labelled(outcome.guarantee, method.traits.reads_private)
         self.metrics[baseline_name(name, "test.accuracy", audit)] = acc["target"]
         self.points.append(point(name, acc["target"], outcome))
         if mia is not None:
@@ -269,8 +294,9 @@ class RunReport:
         budget = report.budget_record(cfg, ctx.part, ctx.paths, published, run_plan.plan.note, [], parent.run_id)
         parent.log_json(budget, "privacy/budget.json")
         report.log_privacy_utility(parent, self.points, f"{cfg.data.name}: test accuracy by method")
-        for name, table in self.method.tables(self.accuracies, published, self.variants).items():
-            parent.log_text(table, f"tables/{name}.md")
+        if self.variants:
+            parent.log_text(variants_table(self.method, self.accuracies, published, self.variants),
+                            "tables/accuracy.md")
         if self.runtime:
             parent.log_text(report.runtime_table(self.runtime), "tables/runtime.md")
         parent.log_metrics(self.metrics)

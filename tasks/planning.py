@@ -152,6 +152,9 @@ def _add_to_dataset(meta: dict, key: str, dname: str, note, label, cfg, sizes, d
 def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: list, estimate: bool = False) -> dict:
     """One run's row of the plan (its plan's event appended to its dataset's ``events``); with
     ``estimate``, its steps and a wall-time estimate from a measured probe (``tasks/estimate.py``)."""
+    from .methods import get_method
+
+    method = get_method(name)
     plan = plan_for(cfg, name, sizes, delta)
     row = {"variant": label, "method": name, "dataset": cfg.data.name,
            "guarantee": plan.guarantee, "delta": delta, "epsilon": None, "unit": unit}
@@ -170,10 +173,8 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
                             "small_holdout": sizes.n_holdout < SMALL_HOLDOUT_SIGMAS * plan.no_prompt.event.noise_multiplier}
     if estimate:
         from . import estimate as est
-        from .methods import get_method
-
         try:  # a model the probe cannot drive (an endpoint, a GGUF-only model): no estimate, never a failed plan
-            source = get_method(name).source_model(cfg, {})
+            source = method.extras.source_model(cfg, {})
             measured = est.probe(source, cfg.models.max_length,
                                  plan.settings.get("expected_batch") or est.PROBE_BATCH, cfg.models.eval_batch_size,
                                  cfg.seed, placement=cfg.models.placement_of(source))
@@ -182,14 +183,14 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
         if "selection" in plan.settings:  # its trials' own plans
             from .selection import trial_work
 
-            row.update(est.selection_estimate(trial_work(cfg, name, plan), sizes, measured,
+            row.update(est.selection_estimate(trial_work(cfg, method, plan), sizes, measured,
                                               cfg.data.max_records_per_unit))
         else:
             row.update(est.run_estimate(plan, sizes, measured, cfg.data.max_records_per_unit))
     if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
         from .selection import describe_plan
 
-        row["selection"] = describe_plan(cfg, name, plan, sizes, delta)
+        row["selection"] = describe_plan(cfg, method, plan, sizes, delta)
     return row
 
 

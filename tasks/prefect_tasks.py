@@ -109,7 +109,7 @@ def prepare_task(ctx: stages.StageContext, method: str) -> dict:
     from .methods import get_method
 
     started = time.perf_counter()
-    out = get_method(method).prepare(ctx, progress=progress_reporter(f"{method}:prepare"))
+    out = get_method(method).mechanism.prepare(ctx, progress=progress_reporter(f"{method}:prepare"))
     return {**out, "prepare_s": out.get("compute_s", time.perf_counter() - started)}
 
 

@@ -4,7 +4,6 @@ so a config mistake fails in one line and spends nothing."""
 
 from __future__ import annotations
 
-from .methods import get_method
 from .selected import method_for
 
 
@@ -47,20 +46,20 @@ def check_placements(cfg) -> None:
 
 def preflight(cfg, prepared: dict[str, dict] | None = None) -> None:
     """Every check of ``cfg`` that needs no private data, raising a one-line user error: each run
-    method's own (:meth:`Method.preflight`: models, tokenizers, label words / descriptions,
+    method's own (``Mechanism.preflight``: models, tokenizers, label words / descriptions,
     templates), the evaluation models', and the endpoints' reachability. ``prepared``: method →
     what its ``prepare`` returned (None in ``privprompt plan``). A run calls it before it reserves
     any budget; ``privprompt plan`` calls the same function."""
-    from .methods.base import Method, check_classifier
+    from .methods.base import check_classifier, settings_of
     from .stages import evaluation_models
 
     check_placements(cfg)
-    methods = [get_method(name) for name in cfg.run_methods]
-    for name in cfg.run_methods:  # a selected method checks every candidate's settings too
-        method_for(cfg, name).preflight(cfg, None if prepared is None else prepared.get(name))
-    published = get_method(cfg.method)  # its soft prompt's or prefix's positions, on every model that scores it
-    positions = (getattr(published.settings(cfg), "n_tokens", 0) or 0) if published.prompt_kind in ("soft", "prefix") else 0
-    if any(type(m).evaluate_published is Method.evaluate_published for m in methods):
+    methods = {name: method_for(cfg, name) for name in cfg.run_methods}
+    for name, method in methods.items():  # a selected method checks every candidate's settings too
+        method.mechanism.preflight(cfg, None if prepared is None else prepared.get(name))
+    published = methods[cfg.method]  # its soft prompt's or prefix's positions, on every model that scores it
+    positions = (getattr(settings_of(cfg, published), "n_tokens", 0) or 0) if published.prompt_kind in ("soft", "prefix") else 0
+    if any(m.extras.evaluate_published is None for m in methods.values()):
         for role, model_name in evaluation_models(cfg).items():
             check_classifier(cfg, model_name, f"models.{role}" if role == "local" else "models.target", positions)
     for model_name in cfg.models.evaluate_on:

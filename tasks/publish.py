@@ -16,12 +16,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .methods import get_method
-from .methods.base import Method
+from .stages import own_evaluation
 
-
-def _own_evaluation(name: str) -> bool:
-    return type(get_method(name)).evaluate_published is not Method.evaluate_published
 
 
 def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spend: dict | None) -> dict[str, str]:
@@ -38,7 +34,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
 
     cfg, paths = ctx.cfg, ctx.paths
     check_registrable(guarantee, prompt_path, paths.private)
-    if _own_evaluation(name):
+    if own_evaluation(name) is not None:
         why = (f"not exported: {name} evaluates its published prompt its own way (e.g. on privatized inputs), "
                "which neither a PEFT adapter nor the registry's predictor reproduces")
         tags = {"peft.adapter": why, "registry.model": why}

@@ -27,28 +27,38 @@ class Registry:
         self.kind, self.load, self.unknown = kind, load, unknown
         self.loaded = False
         self.items: dict[str, Any] = {}
+        self.owners: dict[str, str] = {}
 
     def add(self, cls: type, check: Callable[[type, dict], None] | None = None) -> type:
-        """Register an instance of ``cls`` under ``cls.name``; a second class registering the name
-        is an error (the same class registered again, e.g. on a reload, replaces itself).
-        ``check(cls, registered)`` refuses what else this kind forbids."""
+        """Register an instance of ``cls`` under ``cls.name`` (see :meth:`put`); ``check(cls,
+        registered)`` refuses what else this kind forbids."""
         name = getattr(cls, "name", None)
+        self._check_name(name)
+        if check is not None:
+            check(cls, {n: item for n, item in self.items.items() if n != name})
+        self.put(name, cls(), cls.__qualname__)
+        return cls
+
+    def put(self, name: str, item: Any, owner: str) -> None:
+        """Register ``item`` under ``name``; ``owner``: the qualified name of the class it comes from.
+        A second owner registering the name is an error (the same owner again, e.g. on a reload,
+        replaces itself)."""
+        self._check_name(name)
+        if name in self.items and self.owners[name] != owner:
+            raise ValueError(f"{self.kind} {name!r} is already registered by {self.owners[name]}")
+        self.items[name], self.owners[name] = item, owner
+
+    def _check_name(self, name: object) -> None:
         if not isinstance(name, str) or not name.isidentifier():
             article = "an" if self.kind[0] in "aeiou" else "a"
             raise ValueError(f"{article} {self.kind} needs an identifier as its name, got {name!r}")
-        existing = self.items.get(name)
-        if existing is not None and type(existing) is not cls and type(existing).__qualname__ != cls.__qualname__:
-            raise ValueError(f"{self.kind} {name!r} is already registered by {type(existing).__qualname__}")
-        if check is not None:
-            check(cls, {n: item for n, item in self.items.items() if n != name})
-        self.items[name] = cls()
-        return cls
 
     def remove(self, name: str) -> None:
         """Unregister ``name`` (a test's toy, a plugin being reloaded)."""
         self.ensure_loaded()
         if self.items.pop(name, None) is None:
             raise KeyError(f"{self.kind} {name!r} is not registered")
+        del self.owners[name]
 
     def ensure_loaded(self) -> None:
         if self.loaded:

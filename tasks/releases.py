@@ -72,7 +72,7 @@ class OwnRelease:
         if door.reservation is not None:
             door.stage("training")
         started = time.perf_counter()
-        out = door.method.train(door.mctx, plan, rows, progress=progress(door.name) if progress else None)
+        out = door.method.mechanism.train(door.mctx, plan, rows, progress=progress(door.name) if progress else None)
         del rows
         # the published training time stops here: what follows (the comparison with no prompt) takes
         # time in proportion to the exact holdout (its rows and their lengths), a private statistic
@@ -82,12 +82,12 @@ class OwnRelease:
     def choice(self, door: Door, trained: Trained) -> Choice:
         """What the run publishes of the method's own choice (``Method.chosen``), post-processed under
         the run's own context and plan."""
-        made = door.method.chosen(door.mctx, door.plan, trained.metrics)
+        made = door.method.mechanism.chosen(door.mctx, door.plan, trained.metrics)
         return Choice(made.params, made.tags, made.meta, made.mctx or door.mctx, made.plan or door.plan)
 
 
 class SelectionRelease(OwnRelease):
-    """A private selection of the method's settings (``tasks.selected.Selected`` trains it): every
+    """A private selection of the method's settings (``tasks.selected.Selection`` trains it): every
     trial and the noisy holdout scores, one mechanism; the winner is published by name from released
     numbers only, its output post-processed under its own settings."""
 
@@ -106,7 +106,7 @@ class SelectionRelease(OwnRelease):
             tags["selection.timing_channel"] = ("the run's duration grows with the secret number of trials K and "
                                                 "shows in MLflow's and Prefect's timestamps; its ε assumes K secret "
                                                 "(selection.accept_timing_channel: true)")
-        post_mctx, post_plan = selection.winner_context(door.method.method, mctx, plan, metrics)
+        post_mctx, post_plan = selection.winner_context(door.method.mechanism.method, mctx, plan, metrics)
         return Choice(params, tags, {"selection.winner": winner}, post_mctx, post_plan)
 
 

@@ -1,7 +1,7 @@
 """The one place a run's plan is computed: :func:`plan_for` (config, method, released sizes) →
 a frozen :class:`privacy.plan.RunPlan`, by the pure planner of ``privacy/plan.py`` with the
 method's own calibration (``Method.plan`` at the ε share the planner gives it; a selection of its
-settings is the method wrapped in :class:`tasks.selected.Selected`). The flow computes it once
+settings is the method's :func:`tasks.selected.selected` spec). The flow computes it once
 and hands it to the tasks; ``privprompt plan`` (``tasks/planning.py``) and the budget hints
 (:func:`largest_fitting_target_epsilon`) call the same function. Nothing here writes a value
 into a config: the budget travels as an argument.
@@ -70,7 +70,7 @@ def _round_down_125(x: float) -> float:
 
 def runner(cfg, name: str):
     """What runs method ``name`` of ``cfg`` through the lifecycle: the method, or — when its
-    settings are selected privately — the method wrapped in :class:`tasks.selected.Selected`."""
+    settings are selected privately — its :func:`tasks.selected.selected` spec."""
     from .selected import method_for
 
     return method_for(cfg, name)
@@ -88,7 +88,7 @@ def plan_for(cfg, name: str, sizes, delta: float | None = None, target_epsilon: 
     target = float(cfg.privacy.target_epsilon if target_epsilon is None else target_epsilon)
 
     def calibration(epsilon: float, delta_share: float):
-        return method.plan(cfg, sizes.n_train, delta_share, epsilon=epsilon)
+        return method.mechanism.plan(cfg, sizes.n_train, delta_share, epsilon=epsilon)
 
     try:
         plan = pplan.plan_run(name, target, delta, sizes.n_train, calibration, sizes_event=sizes.event,
@@ -111,7 +111,7 @@ def shadow_plan(cfg, name: str, sizes, n_pool: int) -> RunPlan:
     method = get_method(name)
     if sizes is None or runner(cfg, name) is not method:
         n = n_pool if sizes is None else sizes.n_train
-        return method.plan(cfg, n, resolve_delta(cfg, n), epsilon=cfg.privacy.target_epsilon)
+        return method.mechanism.plan(cfg, n, resolve_delta(cfg, n), epsilon=cfg.privacy.target_epsilon)
     return plan_for(cfg, name, sizes)
 
 

@@ -1,6 +1,6 @@
-"""A private selection of a method's settings, as a method: ``Selected(method)`` implements the
-method protocol (``plan``, ``train``, ``post_process``, the rest delegated), so the lifecycle runs
-it through the same door as any method and never asks whether a run selects.
+"""A private selection of a method's settings, as a method: ``selected(method)`` is the method's
+spec with the :class:`Selection` mechanism (``plan``, ``train``, ``post_process``, ``preflight``), so
+the lifecycle runs it through the same door as any method and never asks whether a run selects.
 
 * ``plan(cfg, n_train, delta, epsilon)``: every candidate's training calibrated together so that
   the whole mechanism — K trials (or every candidate once) with noisy holdout scores, one winner —
@@ -18,7 +18,7 @@ from dataclasses import replace
 from . import selection
 from .errors import ConfigError
 from .methods import get_method
-from .methods.base import budget
+from .methods.base import Mechanism, MethodSpec, budget
 
 
 def announce(line: str) -> None:
@@ -31,34 +31,30 @@ def announce(line: str) -> None:
         pass
 
 
-class Selected:
-    """``method`` with its settings chosen privately on the holdout (``selection: {enabled: true}``)."""
+class Selection(Mechanism):
+    """The mechanism of ``method`` with its settings chosen privately on the holdout
+    (``selection: {enabled: true}``)."""
 
-    def __init__(self, method):
+    def __init__(self, method: MethodSpec):
         self.method = method
-        self.name = method.name
-        # dp under every candidate (check_selection_config); its release in the run's plan: the trials
-        # and the noisy holdout scores, one mechanism; "no prompt" is one of its candidates (no second
-        # comparison); the trials are scored on the holdout
-        self.traits = replace(method.traits, always_dp=True, release="selection", compares_with_no_prompt=True,
-                              uses_validation=True)
-
-    def __getattr__(self, item):  # everything else is the method's own
-        return getattr(self.method, item)
 
     def __repr__(self) -> str:
-        return f"Selected({self.method.name})"
+        return f"Selection({self.method.name})"
+
+    def guarantee(self, cfg):
+        return self.method.mechanism.guarantee(cfg)
 
     def preflight(self, cfg, prepared) -> None:
         """The method's checks under its base settings and under every candidate's: one with more
         prompt positions than the model holds would train, and one long record would fail its trial —
         a published failed-candidate count decided by one record."""
-        self.method.preflight(cfg, prepared)
-        for c in selection.candidates_of(cfg):
+        own = self.method.mechanism
+        own.preflight(cfg, prepared)
+        for c in selection.candidates_of(cfg, self.method):
             if c.zero_shot:
                 continue
             try:
-                self.method.preflight(selection.apply_settings(cfg, self.name, c.config), prepared)
+                own.preflight(selection.apply_settings(cfg, self.method.name, c.config), prepared)
             except ConfigError as exc:
                 raise ConfigError(f"selection candidate {c.name!r}: {exc}") from None
 
@@ -73,11 +69,21 @@ class Selected:
                                          announce=announce)
 
     def post_process(self, mctx, plan, prompt, progress=None):
-        return self.method.post_process(mctx, plan, prompt, progress=progress)
+        return self.method.mechanism.post_process(mctx, plan, prompt, progress=progress)
 
 
-def method_for(cfg, name: str):
-    """What runs method ``name`` of ``cfg``: the registered method, or it wrapped in
-    :class:`Selected` when its settings are selected (the published method under ``selection:``)."""
+def selected(method: MethodSpec) -> MethodSpec:
+    """``method`` with its settings selected: its declaration, with the traits of a selection — dp
+    under every candidate (check_selection_config); its release in the run's plan: the trials and
+    the noisy holdout scores, one mechanism; "no prompt" among its candidates (no second comparison);
+    the trials scored on the holdout — and the :class:`Selection` mechanism."""
+    return replace(method, mechanism=Selection(method),
+                   traits=replace(method.traits, always_dp=True, release="selection", compares_with_no_prompt=True,
+                                  uses_validation=True))
+
+
+def method_for(cfg, name: str) -> MethodSpec:
+    """What runs method ``name`` of ``cfg``: the registered method, or its :func:`selected` form when
+    its settings are selected (the published method under ``selection:``)."""
     method = get_method(name)
-    return Selected(method) if selection.applies(cfg, name) else method
+    return selected(method) if selection.applies(cfg, name) else method

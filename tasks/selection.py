@@ -305,18 +305,21 @@ def _drawn_settings(cfg, name: str) -> list[dict]:
     return out
 
 
-def candidates_of(cfg) -> list[Candidate]:
+def candidates_of(cfg, method=None) -> list[Candidate]:
     """The published method's candidates: ``selection.candidates``, draws from ``selection.ranges``,
-    or the method's own grid (``Traits.selection_grid``), then the "no prompt" candidate."""
-    from .methods import get_method
-
+    or the method's own grid (``Traits.selection_grid``; ``method``: its spec, None: the registered
+    ``cfg.method``), then the "no prompt" candidate."""
     name = cfg.method
     if cfg.selection.candidates:
         settings = [dict(c) for c in cfg.selection.candidates]
     elif cfg.selection.ranges:
         settings = _drawn_settings(cfg, name)
     else:
-        settings = [dict(c) for c in get_method(name).traits.selection_grid]
+        if method is None:
+            from .methods import get_method
+
+            method = get_method(name)
+        settings = [dict(c) for c in method.traits.selection_grid]
     if not settings:
         raise ValueError(f"selection: method {name} has no candidates to choose from")
     out, seen = [], set()
@@ -328,7 +331,7 @@ def candidates_of(cfg) -> list[Candidate]:
     return out + [no_prompt_candidate(NO_PROMPT)]
 
 
-def check_selection_config(cfg) -> None:
+def check_selection_config(cfg, method) -> None:
     """Config-time checks of ``selection:`` (raise ValueError naming the problem): the published
     method has an (ε, δ) guarantee under every candidate, reads private training rows, and does
     not read the holdout itself (the selection scores on it; a record there must touch only the
@@ -338,9 +341,8 @@ def check_selection_config(cfg) -> None:
     without ``data.max_records_per_unit``; the trainings are the method's unit-level mechanisms);
     a record-level run charged per person (``data.person_field``, k records each) is charged the
     group-privacy event, Gaussian σ → σ/k for its row counts — which exists for every candidate
-    once, and not for random stopping's best-of-K event: refused."""
-    from .methods import get_method
-
+    once, and not for random stopping's best-of-K event: refused. ``method``: the published
+    method's spec."""
     data = cfg.data
     if data.group_size and not every_candidate(cfg.selection):
         raise ValueError(
@@ -355,7 +357,6 @@ def check_selection_config(cfg) -> None:
             "but the run's duration grows with K and shows in MLflow's and Prefect's run timestamps (knowing K, the "
             "best of K trials can cost up to K trials composed); use selection.mode: every_candidate, or set "
             "selection.accept_timing_channel: true where those servers are as closed as the private side")
-    method = get_method(cfg.method)
     if cfg.audit.enabled:
         raise ValueError("selection: audit.enabled: the audit's shadows train the configured settings, not the "
                          "selection (the audit of a selection is not implemented); turn one of them off")
@@ -364,10 +365,10 @@ def check_selection_config(cfg) -> None:
     if method.traits.uses_validation:
         raise ValueError(f"selection: method {cfg.method} reads the holdout in its own training, which the "
                          "selection scores on; select its settings without selection: or use another method")
-    for c in candidates_of(cfg):
+    for c in candidates_of(cfg, method):
         if c.zero_shot:
             continue
-        guarantee = method.guarantee(apply_settings(cfg, cfg.method, c.config))
+        guarantee = method.mechanism.guarantee(apply_settings(cfg, cfg.method, c.config))
         if guarantee != "dp":
             raise ValueError(f"selection: candidate {c.name!r} of method {cfg.method} has guarantee {guarantee!r}; "
                              "private selection needs an (ε, δ)-DP method under every candidate")
@@ -433,7 +434,7 @@ def _candidate_plan(method, cfg, cand: Candidate, trial_target: float, n_train: 
     """(the candidate's config — ``cfg`` with its own settings of ``methods.<name>``, the user's
     budget untouched —, its plan at the per-trial ε ``trial_target``)."""
     cand_cfg = apply_settings(cfg, method.name, cand.config)
-    return cand_cfg, method.plan(cand_cfg, n_train, delta, epsilon=trial_target)
+    return cand_cfg, method.mechanism.plan(cand_cfg, n_train, delta, epsilon=trial_target)
 
 
 def selection_epsilon_at(method, cfg, candidates, trial_target: float, n_train: int, delta: float):
@@ -487,7 +488,7 @@ def plan_selection(method, cfg, n_train: int, delta: float, epsilon: float):
     from .methods.base import MethodPlan
 
     sel = cfg.selection
-    candidates = candidates_of(cfg)
+    candidates = candidates_of(cfg, method)
     target = float(epsilon)
     t, eps, event, sigma = calibrate_trial_target(method, cfg, candidates, n_train, delta, target)
     params = {"selection.enabled": True, "selection.candidates": len(candidates), "selection.mode": sel.mode,
@@ -517,7 +518,7 @@ def single_run_epsilon(method, cfg, n_train: int, delta: float, trial_target: fl
     from privacy import accountant as acct
 
     out = {}
-    for c in candidates_of(cfg):
+    for c in candidates_of(cfg, method):
         if not c.zero_shot:
             out[c.name] = acct.spend(_candidate_plan(method, cfg, c, trial_target, n_train, delta)[1].event,
                                      delta).epsilon
@@ -657,7 +658,7 @@ def train_selection(method, mctx, plan, rows, log_path, announce=None):
             trained_so_far[0] += 1
             announce(f"selection: training candidate {trained_so_far[0]} of {len(plans)}: {cand.name}")
         cand_cfg, cand_plan = plans[cand.name]
-        return method.train(replace(mctx, cfg=cand_cfg), cand_plan, train_rows)
+        return method.mechanism.train(replace(mctx, cfg=cand_cfg), cand_plan, train_rows)
 
     def score(cand: Candidate, trained):
         return holdout_counts(method, mctx, None if trained is None else trained.prompt, holdout, weights)
@@ -849,7 +850,7 @@ def below_no_prompt(metrics: dict) -> str | None:
             f"reference {ref:.4f} (both noisy, DP): the model without a prompt may serve better")
 
 
-def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]:
+def describe_plan(cfg, method, plan, sizes, delta: float) -> dict[str, float]:
     """``privprompt plan``'s numbers of a selection plan (from :func:`plan_selection`, inside the
     run's sized plan), each with the release of the split sizes and at the run's δ: the whole
     selection's ε (the run's one entry), what ONE trial alone would cost (the costliest
@@ -860,13 +861,10 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
 
     from privacy.plan import with_size_release as composed
 
-    from .methods import get_method
-
     def with_size_release(event, sizes):
         return composed(event, sizes.event)
 
     info = plan.settings["selection"]
-    method = get_method(name)
     sel = cfg.selection
     candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
     train_events = {c.name: _candidate_plan(method, cfg, c, info["trial_target"], plan.n_train,
@@ -891,16 +889,13 @@ def describe_plan(cfg, name: str, plan, sizes, delta: float) -> dict[str, float]
             "random_stopping_epsilon": float(acct.spend(with_size_release(stopping, sizes), delta).epsilon)}
 
 
-def trial_work(cfg, name: str, plan) -> dict:
+def trial_work(cfg, method, plan) -> dict:
     """A selection plan's expected model work for ``privprompt plan``'s estimate (public: the config
     and the released sizes): ``trainings`` — (steps, expected batch) of each training it expects (every
     trained candidate once; random stopping: E[K] trials of a candidate drawn uniformly, each counted at
     the candidates' mean) — and ``scores``, the holdout passes (one per candidate or trial, and no
     prompt's)."""
-    from .methods import get_method
-
     info = plan.settings["selection"]
-    method = get_method(name)
     candidates = [Candidate(c["name"], c["settings"], c["zero_shot"]) for c in info["candidates"]]
     work = []
     for c in candidates:

@@ -188,12 +188,20 @@ def endpoint_evaluate_stage(ctx: StageContext, prompt_path: str, name: str, endp
     return {"accuracy": acc, "compute_s": time.perf_counter() - started, "unparsed": picks.count(None)}
 
 
-def _own_evaluation(ctx: StageContext, name: str, prompt_path: str | None) -> float | None:
-    from .methods import get_method, registered_methods
+def own_evaluation(name: str):
+    """Method ``name``'s own evaluation of its published prompt (``Extras.evaluate_published``:
+    RAPT on privatized inputs); None for the generic one, or a name that is no registered method
+    (a variant, a model alias)."""
+    from .methods import METHODS
 
-    if prompt_path is None or name not in registered_methods():
+    return METHODS.items[name].extras.evaluate_published if name in METHODS.names() else None
+
+
+def _own_evaluation(ctx: StageContext, name: str, prompt_path: str | None) -> float | None:
+    own = own_evaluation(name)
+    if prompt_path is None or own is None:
         return None
-    return get_method(name).evaluate_published(ctx, prompt_path, ctx.method_context({}, ctx.part.dataset_key))
+    return own(ctx, prompt_path, ctx.method_context({}, ctx.part.dataset_key))
 
 
 def mia_pool_sizes(part: Partition, max_examples: int) -> tuple[int, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 def holdout_predictions(method, mctx, prompt, rows):
     """The label index ``prompt`` (None: no prompt) predicts for each private holdout row of
     ``rows`` on the model ``method`` trained it on (a numpy array). Any prompt kind (soft, prefix,
-    text) is scored on ``method.source_model``'s frozen classifier with
+    text) is scored on ``method.extras.source_model``'s frozen classifier with
     :func:`models.scoring.row_wise_logits`: a row's prediction is a function of that row alone
     (batches of public row-own shapes, each checked bit for bit, on an accelerator and for an encoder
     on a CPU; else one row per pass). Batched as evaluation batches, it would depend on its
@@ -20,6 +20,6 @@ def holdout_predictions(method, mctx, prompt, rows):
     from .classifiers import input_length, prompted
 
     cfg = mctx.cfg
-    model = method.source_model(cfg, mctx.prepared)
+    model = method.extras.source_model(cfg, mctx.prepared)
     clf, forward_prompt = prompted(cfg, model, prompt)
     return row_wise_logits(clf, rows.texts, input_length(cfg, model, clf), forward_prompt).argmax(dim=1).numpy()

@@ -1,5 +1,6 @@
-"""The method skeletons several method packages extend (nothing is registered here: a package
-registers its own subclass, with its name, config block and label):
+"""The mechanisms and declarations several method packages share (nothing is registered here: a
+package registers its own :class:`~tasks.methods.base.MethodSpec`, with its name, config block and
+label):
 
 * :class:`SoftPromptDPSGD` — a soft prompt trained with DP-SGD on the frozen local model (Poisson
   sampling of examples or units, per-example clipping, Gaussian noise σ·C, σ calibrated to the
@@ -16,20 +17,22 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..methods.base import (Method, MethodPlan, Report, ReportArtifact, ReportMetric, SummaryColumn, Trained, Traits,
-                            budget, dp_unless_debug, run_label)
-from ..schema import DPSGDConfig, PromptTuningConfig
+from ..methods.base import (Extras, Mechanism, MethodPlan, Report, ReportArtifact, ReportMetric, SummaryColumn, Trained,
+                            Traits, budget, dp_unless_debug, settings_of)
+from ..schema import DPSGDConfig
 
 
-class SoftPromptDPSGD(Method):
+# DP-SGD's traits: Poisson sampling of units, one clipped gradient per unit
+# (models.dp_prompt_training); its selection grid: learning rate × epochs around the quickstart's
+# (lr 0.05, 2 epochs)
+DPSGD_TRAITS = Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",),
+                      selection_grid=[{"lr": lr, "epochs": epochs} for lr in (0.01, 0.05, 0.2) for epochs in (1.0, 3.0)],
+                      test_settings={"n_tokens": 2, "epochs": 1, "batch_size": 8})
+
+
+class SoftPromptDPSGD(Mechanism):
     """DP-SGD soft-prompt tuning: its plan (σ for the target ε over the released n), training and
-    accounting. A subclass sets ``name``, ``config_class`` (a ``DPSGDConfig``) and ``label``."""
-
-    # Poisson sampling of units, one clipped gradient per unit (models.dp_prompt_training); its
-    # selection grid: learning rate × epochs around the quickstart's (lr 0.05, 2 epochs)
-    traits = Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",),
-                    selection_grid=[{"lr": lr, "epochs": epochs} for lr in (0.01, 0.05, 0.2) for epochs in (1.0, 3.0)],
-                    test_settings={"n_tokens": 2, "epochs": 1, "batch_size": 8})
+    accounting, with the settings of its spec's block (a ``DPSGDConfig``)."""
 
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
@@ -37,10 +40,10 @@ class SoftPromptDPSGD(Method):
     def plan(self, cfg, n_train, delta, epsilon=None):
         from .training import dpsgd_event, dpsgd_params, dpsgd_settings
 
-        settings = dpsgd_settings(self.settings(cfg), n_train, budget(cfg, epsilon), delta,
+        settings = dpsgd_settings(settings_of(cfg, self), n_train, budget(cfg, epsilon), delta,
                                   cfg.data.privacy_unit)
         guarantee = self.guarantee(cfg)
-        return MethodPlan(self.name, guarantee, n_train, delta,
+        return MethodPlan(self.spec.name, guarantee, n_train, delta,
                           event=dpsgd_event(settings) if guarantee == "dp" else None,
                           params={**dpsgd_params(settings), **self.extra_params(cfg)}, settings=settings,
                           note=self.note(cfg, guarantee))
@@ -57,7 +60,7 @@ class SoftPromptDPSGD(Method):
         from .training import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
-        result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed,
+        result = fit_soft_prompt(cfg, settings_of(cfg, self), cfg.models.local, rows, mctx.seed,
                                  dp=plan.settings, randomness=mctx.randomness, progress=progress)
         metrics = {"train.steps": result.steps}
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
@@ -108,20 +111,21 @@ class PrefixDPSGDConfig(DPSGDConfig):
                                                             "along two directions; 0: none)")
 
 
+# what the prefix methods add to the comparison report: their flatness curves
+PREFIX_REPORT = Report(metrics=(ReportMetric("flatness", prefix="flatness."),),
+                       sections=(SummaryColumn("test loss, adversarial 0.3‖w‖", adversarial_loss_at_30),
+                                 ReportArtifact("report/flatness.png", flatness_figure)),
+                       run_label=dp_prefix_label)
+
+
 class PrefixDPSGDMethod(SoftPromptDPSGD):
     """The soft prompt's DP-SGD plan and accounting, on a prefix: whole-prefix per-example
-    clipping. A subclass sets ``name``, ``config_class`` (a :class:`PrefixDPSGDConfig`) and
-    ``label``, and may add to the DP step (:meth:`step_additions`) and check the model's shape
-    (:meth:`check_model`)."""
-
-    prompt_kind = "prefix"
-    report = Report(metrics=(ReportMetric("flatness", prefix="flatness."),),
-                    sections=(SummaryColumn("test loss, adversarial 0.3‖w‖", adversarial_loss_at_30),
-                              ReportArtifact("report/flatness.png", flatness_figure)),
-                    run_label=dp_prefix_label)
+    clipping, with the settings of its spec's block (a :class:`PrefixDPSGDConfig`). A subclass may
+    add to the DP step (:meth:`step_additions`) and check the model's shape (:meth:`check_model`);
+    its spec declares ``prompt_kind="prefix"``, :data:`PREFIX_REPORT` and :func:`prefix_extras`."""
 
     def extra_params(self, cfg) -> dict:
-        return {"prefix.n_tokens": self.settings(cfg).n_tokens}
+        return {"prefix.n_tokens": settings_of(cfg, self).n_tokens}
 
     def preflight(self, cfg, prepared) -> None:
         """Before any budget is reserved (and in ``privprompt plan``): the classifier builds, and the
@@ -135,26 +139,14 @@ class PrefixDPSGDMethod(SoftPromptDPSGD):
         super().preflight(cfg, prepared)
         try:
             shape = prefix_shape(load_backbone(cfg.models.local, seed=cfg.seed,
-                                               placement=cfg.models.placement_of(cfg.models.local)).model, self.settings(cfg).n_tokens)
+                                               placement=cfg.models.placement_of(cfg.models.local)).model,
+                                 settings_of(cfg, self).n_tokens)
         except ValueError as e:
-            raise ConfigError(f"methods.{self.name}: {e}") from None
+            raise ConfigError(f"methods.{self.spec.name}: {e}") from None
         self.check_model(cfg, shape[0])
-
-    def prepare(self, ctx, progress=None) -> dict:
-        """Nothing to prepare; the model checks of :meth:`preflight` (cached), as before any budget."""
-        self.preflight(ctx.cfg, None)
-        return {}
 
     def check_model(self, cfg, n_layers: int) -> None:
         """Settings checked against the model (before any budget is reserved)."""
-
-    def diagnostics(self, ctx, prompt_path, mctx) -> dict:
-        """Flatness of the published prefix on the TEST split (never training rows): loss along a
-        random and an adversarial direction, and Definition 1's sharpness (Privacy-Flat Figures 1, 3)."""
-        examples = self.settings(mctx.cfg).flatness_examples
-        if not examples:
-            return {}
-        return prefix_flatness(mctx.cfg, ctx.part.test_path, prompt_path, run_label(self, mctx.cfg), examples)
 
     def step_additions(self, mctx, plan, rows, progress=None) -> dict:
         """Additions to the DP step (Privacy-Flat's): {"hooks": [DPStepHook], "init_prompt": tensor,
@@ -166,13 +158,29 @@ class PrefixDPSGDMethod(SoftPromptDPSGD):
 
         cfg = mctx.cfg
         extra = self.step_additions(mctx, plan, rows, progress)
-        result = fit_soft_prompt(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, dp=plan.settings,
+        result = fit_soft_prompt(cfg, settings_of(cfg, self), cfg.models.local, rows, mctx.seed, dp=plan.settings,
                                  randomness=mctx.randomness, progress=progress, kind="prefix",
                                  hooks=extra.get("hooks", ()), init_prompt=extra.get("init_prompt"))
         metrics = {"train.steps": result.steps,
                    **extra.get("metrics", {})}
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
                        result.steps, metrics, extra.get("history", []) + result.history)
+
+
+def prefix_extras(name: str, report: Report = PREFIX_REPORT, **more) -> Extras:
+    """The prefix methods' extra: flatness of the published prefix on the TEST split (never training
+    rows) — loss along a random and an adversarial direction, and Definition 1's sharpness
+    (Privacy-Flat Figures 1, 3) — with ``methods.<name>.flatness_examples`` test rows, titled with the
+    run's label under ``report``; ``more``: the method's other extras."""
+    def diagnostics(ctx, prompt_path, mctx) -> dict:
+        cfg = mctx.cfg
+        examples = getattr(cfg.methods, name).flatness_examples
+        if not examples:
+            return {}
+        label = report.run_label(cfg) if report.run_label is not None else name
+        return prefix_flatness(cfg, ctx.part.test_path, prompt_path, label, examples)
+
+    return Extras(diagnostics=diagnostics, **more)
 
 
 def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str, examples: int = 256) -> dict:
@@ -205,30 +213,29 @@ def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str, examples:
     return {"metrics": metrics, "figures": {"plots/flatness.png": fig}}
 
 
-class NonPrivateSoftPrompt(Method):
+NON_PRIVATE_SOFT_PROMPT = "prompt_sgd"  # the name tasks/methods/prompt_sgd/ registers it under
+
+
+class NonPrivateSoftPrompt(Mechanism):
     """Non-private soft-prompt tuning (a baseline and an upper bound; no guarantee): the toolkit's
     non-private trainer on ``models.local`` with the settings of ``methods.prompt_sgd``.
-    ``tasks/methods/prompt_sgd/`` registers it under :attr:`name`; POST's Full PT runs it through
-    the lifecycle by this class (so the lifecycle records its non-private use of the private
-    rows in the ledger, as for any run), never by another package's name."""
-
-    name = "prompt_sgd"
-    config_class = PromptTuningConfig
-    label = "prompt tuning (non-private)"
-    traits = Traits(test_settings={"n_tokens": 2, "epochs": 1, "batch_size": 8})
+    ``tasks/methods/prompt_sgd/`` registers it as :data:`NON_PRIVATE_SOFT_PROMPT`; POST's Full PT
+    runs it through the lifecycle by this mechanism (so the lifecycle records its non-private use
+    of the private rows in the ledger, as for any run), never by another package's name."""
 
     def guarantee(self, cfg):
         return "none"
 
     def plan(self, cfg, n_train, delta, epsilon=None):
-        return MethodPlan(self.name, "none", n_train, delta,
-                          note=f"{self.name} has no formal privacy guarantee: nothing was published but "
+        name = self.spec.name
+        return MethodPlan(name, "none", n_train, delta,
+                          note=f"{name} has no formal privacy guarantee: nothing was published but "
                                "metrics, and its prompt stays under private/")
 
     def train(self, mctx, plan, rows, progress=None):
         from .training import fit_nonprivate
 
         cfg = mctx.cfg
-        result = fit_nonprivate(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, plan.n_train,
+        result = fit_nonprivate(cfg, settings_of(cfg, self), cfg.models.local, rows, mctx.seed, plan.n_train,
                                 progress=progress)
         return Trained(result.prompt, None, result.steps, {"train.steps": result.steps}, result.history)

@@ -2,8 +2,8 @@
 attacks and data sources use too; compare PEFT's ``register_peft_method``). Flows, the CLI, the audit and the sweep look methods up here
 and never compare method names.
 
-A method lives in ONE package: ``tasks/methods/<name>/`` holds its :class:`~tasks.methods.base.Method`
-subclass (decorated with :func:`register_method`) and config block (``method.py``), its own torch
+A method lives in ONE package: ``tasks/methods/<name>/`` holds its :class:`~tasks.methods.base.MethodSpec`
+(registered with :func:`register_method`), its :class:`~tasks.methods.base.Mechanism` and config block (``method.py``), its own torch
 code, and its privacy events if it has new ones. Every package in this folder is imported (and so
 registered) on first use: adding a method is adding its package, plus a config file and tests
 (see the README); nothing else lists methods. A package elsewhere registers the same way when it
@@ -25,15 +25,24 @@ import os
 import pkgutil
 
 from ..registry import Registry
-from .base import (LevelPanel, Method, MethodContext, MethodPlan, PostProcessed, PrivateRows, Report,  # noqa: F401
-                   ReferenceAccuracy, ReportArtifact, ReportMetric, SummaryColumn, Trained, Traits, Variant)
+from .base import (Extras, LevelPanel, Mechanism, MethodContext, MethodPlan, MethodSpec, PostProcessed,  # noqa: F401
+                   PrivateRows, ReferenceAccuracy, Report, ReportArtifact, ReportMetric, SummaryColumn, Trained,
+                   Traits, Variant)
+from .legacy import Method, spec_from_class  # noqa: F401
 
-def register_method(cls: type[Method]) -> type[Method]:
-    """Class decorator: register ``cls`` under ``cls.name`` (a second registration of a name
-    by another class is an error). A method registered late (a package outside this folder,
-    imported later) is configured like the others: ``methods.<name>`` is validated against
-    ``cls.config_class`` when a config is parsed."""
-    return METHODS.add(cls)
+
+def register_method(method: "MethodSpec | type[Method]"):
+    """Register ``method`` under its name: a :class:`MethodSpec`, or (the interface before it, as a
+    class decorator) a :class:`Method` subclass, registered as its spec. A second registration of
+    a name by another mechanism is an error (the same one again, e.g. on a reload, replaces
+    itself). A method registered late (a package outside this folder, imported later) is
+    configured like the others: ``methods.<name>`` is validated against its ``config_class`` when a
+    config is parsed. Returns ``method``."""
+    spec = spec_from_class(method) if isinstance(method, type) else method
+    if not isinstance(spec, MethodSpec):
+        raise TypeError(f"register_method takes a MethodSpec (or a Method subclass), got {method!r}")
+    METHODS.put(spec.name, spec, type(spec.mechanism).__qualname__)
+    return method
 
 
 def unregister_method(name: str) -> None:
@@ -79,5 +88,5 @@ def registered_methods() -> list[str]:
     return METHODS.names()
 
 
-def get_method(name: str) -> Method:
+def get_method(name: str) -> MethodSpec:
     return METHODS.get(name)

@@ -28,8 +28,8 @@ Report(...)`` (what it adds to the comparison report: ``privprompt report``, the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -269,11 +269,6 @@ class Report:
         object.__setattr__(self, "sections", tuple(self.sections))
 
 
-def run_label(method, cfg: "PrivPromptConfig") -> str:
-    """How a run of ``method`` under ``cfg`` is named in comparisons (its report's ``run_label``)."""
-    return method.report.run_label(cfg) if method.report.run_label is not None else method.name
-
-
 @dataclass(frozen=True)
 class Traits:
     """What the platform reads of a method besides its hooks, declared once (``traits = Traits(...)``).
@@ -328,177 +323,155 @@ class Traits:
 TRAIT_NAMES = tuple(f.name for f in fields(Traits))
 
 
-LEGACY_REPORT = ("report_metrics", "report_sections", "run_label", "ldp_level")
-
-
-LEGACY_MEMBERS = ("contract_test_config", "selection_grid", "reads_private_data", *LEGACY_REPORT)
-
-
-def _read_legacy_members(cls) -> None:
-    """Read the members of the interface before :class:`Traits` / :class:`Report` that ``cls``
-    defines or inherits from a class other than :class:`Method` into its ``traits`` and ``report``
-    (see ``Method.__init_subclass__``): bound to ``cls`` itself, so a subclass's name is its own; a
-    ``traits`` or ``report`` declared nearer to ``cls`` wins over an inherited old member. A class
-    without a ``name`` (an intermediate base) is read when its registered subclass is."""
-    found, declared = {}, set()  # declared: "traits" / "report" set by a class nearer to cls
-    for base in cls.__mro__:
-        if base is Method or base is object:
-            continue
-        for name in (*TRAIT_NAMES, *LEGACY_MEMBERS, "default_delta"):
-            over = "report" if name in LEGACY_REPORT else "traits"
-            if name in base.__dict__ and name not in found and (over not in declared or name == "default_delta"):
-                found[name] = base
-        declared |= ({"traits", "report"} & set(base.__dict__)) - base.__dict__.get("_read_from_legacy", set())
-    if "default_delta" in found:
-        raise TypeError(f"method class {cls.__qualname__}: default_delta (from {found['default_delta'].__qualname__}) is "
-                        "no longer read (every run's default δ is min(1e-5, 1/(10 n)), rounded down); set "
-                        "privacy.target_delta for a smaller δ")
-    # attributes as traits: only where the class itself sets one (an inherited one is in its parent's traits)
-    traits = {name: cls.__dict__[name] for name in TRAIT_NAMES if name in cls.__dict__}
-    legacy = [name for name in LEGACY_MEMBERS if name in found]
-    if not (traits or legacy):
-        return
-    import warnings
-
-    warnings.warn(f"method class {cls.__qualname__}: {', '.join(sorted({*traits, *legacy}))} are read into its traits "
-                  "and report for one release; declare traits = Traits(...) and report = Report(...) (tasks.methods)",
-                  DeprecationWarning, stacklevel=3)
-    report = {}
-    if legacy and isinstance(getattr(cls, "name", None), str):
-        try:
-            instance = cls()
-            if "contract_test_config" in found:
-                traits["test_settings"] = dict(getattr(cls, "contract_test_config")())
-            if "selection_grid" in found:
-                traits["selection_grid"] = tuple(getattr(cls, "selection_grid")(instance, None))
-            if "reads_private_data" in found:
-                traits["reads_private"] = bool(getattr(cls, "reads_private_data")(instance, None))
-            if "report_metrics" in found:
-                report["metrics"] = tuple(getattr(cls, "report_metrics")(instance))
-            if "report_sections" in found:
-                report["sections"] = tuple(getattr(cls, "report_sections")(instance))
-        except Exception as exc:  # noqa: BLE001 - one line naming the member that cannot be read
-            raise TypeError(f"method class {cls.__qualname__}: its {', '.join(legacy)} cannot be read without a config "
-                            f"({type(exc).__name__}: {exc}); declare traits = Traits(selection_grid=..., "
-                            "test_settings=...) and report = Report(...) instead") from exc
-        for name in ("run_label", "ldp_level"):
-            if name in found:
-                report[name] = getattr(instance, name)  # bound to the one instance made here
-    if traits:
-        cls.traits = replace(cls.traits, **traits)
-    if report:
-        cls.report = replace(cls.report, **report)
-    cls._read_from_legacy = {name for name, read in (("traits", traits), ("report", report)) if read}
-
-
 def dp_unless_debug(cfg: "PrivPromptConfig") -> Guarantee:
     """``dp``, except under the seeded-DP-randomness debug switch (the noise is then known)."""
     return "none" if cfg.debug_seeded_dp_randomness else "dp"
 
 
-class Method:
-    """Base class of a registered method. Subclasses set ``name``, ``config_class`` and
-    implement ``plan`` and ``train``; the other hooks have working defaults."""
+def settings_of(cfg: "PrivPromptConfig", method: "MethodSpec | Mechanism") -> Any:
+    """The config block ``methods.<name>`` of ``method`` (a spec, or a mechanism bound to one)."""
+    spec = method.spec if isinstance(method, Mechanism) else method
+    return getattr(cfg.methods, spec.name)
 
-    name: ClassVar[str]
-    config_class: ClassVar[type]          # the pydantic block under ``methods.<name>``
-    prompt_kind: ClassVar[str] = "soft"   # soft | prefix | text | none
-    label: ClassVar[str] = ""             # a human name for tables
 
-    # ---- configuration ------------------------------------------------------------------
-    def settings(self, cfg: "PrivPromptConfig"):
-        """This method's config block."""
-        return getattr(cfg.methods, self.name)
+class Mechanism:
+    """What a method DOES, in the order the door calls it; :class:`MethodSpec` declares the rest.
+    A subclass implements ``guarantee``, ``plan`` and ``train``; the others have working defaults.
+    ``spec`` is the declaration it was registered with (its name, traits and config block)."""
 
-    def validate(self, cfg: "PrivPromptConfig", published: bool) -> None:
-        """Config-time checks (raise ValueError naming the key); ``published``: the run's method."""
+    spec: "MethodSpec"
 
     def guarantee(self, cfg: "PrivPromptConfig") -> Guarantee:
         """The guarantee this method's settings give (not its name): ``dp`` | ``ldp`` | ``none``."""
         raise NotImplementedError
 
-    traits: ClassVar[Traits] = Traits()  # what the platform reads of the method besides its hooks
-    report: ClassVar[Report] = Report()  # what it adds to the comparison report
-
-    def __init_subclass__(cls, **kwargs):
-        """A method written against the interface before :class:`Traits` and :class:`Report` keeps
-        working for one release (a DeprecationWarning names what is read): traits as class
-        attributes (``uses_validation = True``), ``contract_test_config()``, ``selection_grid(cfg)``
-        and ``reads_private_data(cfg)`` (read once, without a config) are read into ``traits``;
-        ``report_metrics()``, ``report_sections()``, ``run_label(cfg)`` and ``ldp_level(params)``
-        into ``report``. A ``default_delta`` is refused: δ follows the platform's one policy."""
-        super().__init_subclass__(**kwargs)
-        _read_legacy_members(cls)
-
-    def uses_public_data(self, cfg: "PrivPromptConfig") -> bool:
-        return False
-
-    # ---- lifecycle hooks ----------------------------------------------------------------
     def plan(self, cfg: "PrivPromptConfig", n_train: int, delta: float, epsilon: float | None = None) -> MethodPlan:
-        """The method's plan for ``n_train`` units at its ε share ``epsilon`` and δ share ``delta``
-        (given by the run's planner, ``tasks.run_plan.plan_for``: what is left of the run's budget
-        once its other releases are paid for); None — a plan asked directly, e.g. an audit's
-        shadows — calibrates to the config's whole ``privacy.target_epsilon`` (:func:`budget`)."""
+        """Pure (reads no data): the plan for ``n_train`` units at the ε share ``epsilon`` and δ share
+        ``delta`` the run's planner gives (``tasks.run_plan.plan_for``); None — a plan asked directly,
+        e.g. an audit's shadows — calibrates to the config's whole ``privacy.target_epsilon``
+        (:func:`budget`). The config is never rewritten."""
         raise NotImplementedError
-
-    def preflight(self, cfg: "PrivPromptConfig", prepared: dict[str, Any] | None) -> None:
-        """Checks that need no private data, raising a one-line user error (``ConfigError``,
-        ``ModelLoadError``): the same in ``privprompt plan`` (``prepared`` is None: ``prepare`` has
-        not run) and in a run, where the lifecycle calls it before reserving any budget. The
-        default, for methods that train a soft prompt or prefix on ``models.local``: its
-        classifier (model, tokenizer, label words or descriptions, template) is built."""
-        if self.prompt_kind in ("soft", "prefix") and self.traits.reads_private:
-            check_classifier(cfg, cfg.models.local, "models.local", getattr(self.settings(cfg), "n_tokens", 0))
-
-    def prepare(self, ctx, progress: Progress | None = None) -> dict[str, Any]:
-        """Public data only. The returned dict is JSON-able; its ``tags`` go on the parent run."""
-        return {}
 
     def train(self, mctx: MethodContext, plan: MethodPlan, rows: PrivateRows,
               progress: Progress | None = None) -> Trained:
+        """The ONLY hook that reads private rows: the trained output and the event actually spent
+        (≤ the planned one)."""
         raise NotImplementedError
 
     def post_process(self, mctx: MethodContext, plan: MethodPlan, prompt: Any,
                      progress: Progress | None = None) -> PostProcessed:
+        """Public data and the DP output only (POST: the transfer). The default: the output as it is."""
         return PostProcessed(prompt)
+
+    def prepare(self, ctx, progress: Progress | None = None) -> dict[str, Any]:
+        """Public data only, may be cached across runs (POST: the student). The returned dict is
+        JSON-able; its ``tags`` go on the parent run."""
+        return {}
+
+    def preflight(self, cfg: "PrivPromptConfig", prepared: dict[str, Any] | None) -> None:
+        """Checks that need no private data, raising a one-line user error (``ConfigError``,
+        ``ModelLoadError``): the same in ``privprompt plan`` (``prepared`` is None: ``prepare`` has
+        not run) and in a run, before any budget is reserved. The default, for a soft prompt or
+        prefix trained on ``models.local``: its classifier (model, tokenizer, label words, template)."""
+        spec = self.spec
+        if spec.prompt_kind in ("soft", "prefix") and spec.traits.reads_private:
+            check_classifier(cfg, cfg.models.local, "models.local", getattr(settings_of(cfg, spec), "n_tokens", 0))
 
     def chosen(self, mctx: MethodContext, plan: MethodPlan, metrics: dict) -> Choice:
         """What the run publishes of a choice the method made among its own outputs, from released
-        numbers only (DP-OPT: whether the prompt is generated, the initial one or none): params
-        and tags of the run record, the prompt file's meta. The default: nothing."""
+        numbers only (DP-OPT: the generated prompt, the initial one or none). The default: nothing."""
         return Choice()
 
-    def evaluate_published(self, ctx, prompt_path: str, mctx: MethodContext) -> float | None:
-        """Test accuracy computed the method's own way (RAPT: on privatized inputs); None: the
-        generic evaluation of the prompt on the target model."""
-        return None
 
-    def missing_prepared(self, prepared: dict[str, Any]) -> str:
-        """What an audit of a finished run lacks from ``prepare``'s output ('' when nothing)."""
-        return ""
+def local_model(cfg: "PrivPromptConfig", prepared: dict[str, Any]) -> str:
+    """``models.local``: where a method's prompt is trained and used unless it says otherwise."""
+    return cfg.models.local
 
-    def published_model(self, cfg: "PrivPromptConfig", prepared: dict[str, Any]) -> str:
-        """The model the published prompt is used on (and attacked on)."""
-        return cfg.models.local
 
-    def source_model(self, cfg: "PrivPromptConfig", prepared: dict[str, Any]) -> str:
-        """The model ``train``'s prompt is trained on, before ``post_process`` (POST: the student)."""
-        return cfg.models.local
+def _no_check(cfg: "PrivPromptConfig", published: bool) -> None:
+    return None
 
-    def variants(self, ctx, result: "RunOutcome", prepared: dict[str, Any], run_method) -> list[Variant]:
-        """Extra evaluated prompts. ``result``: the published method's outcome; ``run_method(name)``
-        runs another registered method through the lifecycle (e.g. a non-private upper bound) and
-        returns its :class:`~tasks.outcome.RunOutcome`."""
-        return []
 
-    def tables(self, accuracies: dict[str, float], result: "RunOutcome", variants: list[Variant]) -> dict[str, str]:
-        """Markdown tables to log on the parent run (``tables/<name>.md``)."""
-        return {}
+def _no_public_data(cfg: "PrivPromptConfig") -> bool:
+    return False
 
-    def diagnostics(self, ctx, prompt_path: str, mctx: MethodContext) -> dict[str, Any]:
-        """Extra statistics of the published prompt computed on the TEST split only (never on
-        training rows): {"metrics": {...}, "figures": {artifact path: matplotlib figure}}."""
-        return {}
+
+def _nothing_missing(prepared: dict[str, Any]) -> str:
+    return ""
+
+
+def _no_variants(ctx, result: "RunOutcome", prepared: dict[str, Any], run_method) -> list[Variant]:
+    return []
+
+
+def _no_diagnostics(ctx, prompt_path: str, mctx: MethodContext) -> dict[str, Any]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What a few methods add beyond their mechanism, as callables (the defaults: nothing added).
+
+    ``validate(cfg, published)``: config-time checks (ValueError naming the key; ``published``: the
+    run's method). ``uses_public_data(cfg)``: it needs the config's ``public:`` data.
+    ``published_model(cfg, prepared)``: the model the published prompt is used (and attacked) on;
+    ``source_model(cfg, prepared)``: the one ``train``'s prompt is trained on, before
+    ``post_process`` (POST: the student); ``missing_prepared(prepared)``: what an audit of a
+    finished run lacks of ``prepare``'s output ('' when nothing). ``evaluate_published(ctx,
+    prompt_path, mctx)``: test accuracy computed the method's own way (RAPT: on privatized inputs);
+    None: the generic evaluation. ``variants(ctx, result, prepared, run_method)``: extra evaluated
+    prompts (:class:`Variant`; ``run_method(name)`` runs another registered method through the door).
+    ``diagnostics(ctx, prompt_path, mctx)``: statistics of the published prompt on the TEST split only:
+    {"metrics": {...}, "figures": {artifact path: matplotlib figure}}."""
+
+    validate: Callable[["PrivPromptConfig", bool], None] = _no_check
+    uses_public_data: Callable[["PrivPromptConfig"], bool] = _no_public_data
+    published_model: Callable[["PrivPromptConfig", dict], str] = local_model
+    source_model: Callable[["PrivPromptConfig", dict], str] = local_model
+    missing_prepared: Callable[[dict], str] = _nothing_missing
+    evaluate_published: Callable[..., "float | None"] | None = None
+    variants: Callable[..., list[Variant]] = _no_variants
+    diagnostics: Callable[..., dict[str, Any]] = _no_diagnostics
+
+
+PROMPT_KINDS = ("soft", "prefix", "text", "none")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method as the platform knows it, declared once and registered by name
+    (``tasks.methods.register_method``): its ``name`` (``methods.<name>`` in a config), its
+    ``config_class`` (the pydantic block there), its ``mechanism`` (what it does), the
+    ``prompt_kind`` it publishes (soft | prefix | text | none), a ``label`` for tables, its
+    :class:`Traits`, what it adds to the comparison :class:`Report`, and its :class:`Extras`."""
+
+    name: str
+    config_class: type
+    mechanism: Mechanism
+    prompt_kind: str = "soft"
+    label: str = ""
+    traits: Traits = Traits()
+    report: Report = Report()
+    extras: Extras = Extras()
+
+    def __post_init__(self):
+        if not isinstance(self.mechanism, Mechanism):
+            raise TypeError(f"method {self.name!r}: mechanism must be a Mechanism instance, got {self.mechanism!r}")
+        if self.prompt_kind not in PROMPT_KINDS:
+            raise ValueError(f"method {self.name!r}: prompt_kind must be one of {', '.join(PROMPT_KINDS)}")
+        for name, kind in (("traits", Traits), ("report", Report), ("extras", Extras)):
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"method {self.name!r}: {name} must be a {kind.__name__}")
+        bound = getattr(self.mechanism, "spec", None)
+        if bound is None:  # a spec derived from another (dataclasses.replace) keeps its mechanism's binding
+            self.mechanism.spec = self
+        elif bound.name != self.name:
+            raise ValueError(f"method {self.name!r}: its mechanism is already the mechanism of {bound.name!r}")
+
+
+def run_label(method: MethodSpec, cfg: "PrivPromptConfig") -> str:
+    """How a run of ``method`` under ``cfg`` is named in comparisons (its report's ``run_label``)."""
+    return method.report.run_label(cfg) if method.report.run_label is not None else method.name
 
 
 def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str, prompt_tokens: int = 0) -> None:
@@ -552,3 +525,4 @@ def explain_classifier_error(exc: BaseException, model_name: str, role: str) -> 
     if "gives no tokens" in text:
         return f"models.label_descriptions on {role}={model_name!r}: {text}"
     return f"models.template / data.labels on {role}={model_name!r}: {type(exc).__name__}: {text}"
+

@@ -80,10 +80,10 @@ def test_a_nonprivate_baseline_steps_by_the_released_n(tmp_path):
                         "methods": {"prompt_sgd": {"enabled": True, "n_tokens": 2, "batch_size": 1, "epochs": 1}}})
     rows = PrivateRows([f"text {i}" for i in range(5)], ["neg", "pos", "neg", "pos", "neg"])
     method = get_method("prompt_sgd")
-    plan = method.plan(cfg, 7, 1e-5)  # 7: the released size the run plans with (exact: 5)
+    plan = method.mechanism.plan(cfg, 7, 1e-5)  # 7: the released size the run plans with (exact: 5)
     totals = []
     mctx = MethodContext(cfg, state_paths(cfg.state_dir).create(), {}, DpRandomness(), 0)
-    trained = method.train(mctx, plan, rows, progress=lambda step, total, *_: totals.append(total))
+    trained = method.mechanism.train(mctx, plan, rows, progress=lambda step, total, *_: totals.append(total))
     assert trained.metrics["train.steps"] == 7 != len(rows)
     assert set(totals) == {7}
 

@@ -293,11 +293,12 @@ def test_a_dp_release_without_a_checkable_statistic_is_refused(tmp_path, fast_ca
     """A dp method whose release declares no pre-noise statistic (or one nobody registered) is
     refused by the planner — `plan` and `run` alike — in one line: never run unchecked."""
     from tasks.errors import ConfigError
-    from tasks.methods import get_method
+    from tasks.methods import METHODS, get_method
 
-    method = type(get_method("prompt_dpsgd"))
+    spec = get_method("prompt_dpsgd")
     for declared, needle in (((), "declares no pre-noise statistic"), (("nobody_registered",), "unregistered")):
-        monkeypatch.setattr(method, "traits", dataclasses.replace(method.traits, neighbour_statistics=declared))
+        monkeypatch.setitem(METHODS.items, "prompt_dpsgd", dataclasses.replace(
+            spec, traits=dataclasses.replace(spec.traits, neighbour_statistics=declared)))
         with pytest.raises(ConfigError, match=needle) as err:
             _plan_or_raise(_config(tmp_path, "prompt_dpsgd", "record", "off"), "prompt_dpsgd")
         assert "\n" not in str(err.value) and "refused" in str(err.value)
@@ -327,7 +328,7 @@ def test_rapts_per_person_bound_holds_in_every_split_it_privatizes(tmp_path):
     raw = _config(tmp_path, "rapt", "person_capped", "off")
     raw["models"] = {"local": "tiny-bert", "max_length": 24}
     cfg = parse_config(raw)
-    block = get_method("rapt").settings(cfg)
+    block = getattr(cfg.methods, "rapt")
     T, k = text_tokens_per_record(cfg, block), cfg.data.max_records_per_unit
     assert unit_bounds(cfg, block)["rapt.ldp_eta_tokens_per_unit"] == pytest.approx(block.eta * T * k)
     long = " ".join(WORDS * 6)  # far more than T tokens

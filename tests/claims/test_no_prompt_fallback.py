@@ -178,7 +178,7 @@ def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fa
     from tasks.run_plan import no_prompt_share, runner
 
     selected = parse_config({**raw, "selection": {"enabled": True, "mode": "every_candidate"}})
-    assert type(runner(selected, "prompt_dpsgd")).__name__ == "Selected"
+    assert type(runner(selected, "prompt_dpsgd").mechanism).__name__ == "Selection"
     assert no_prompt_share(selected, runner(selected, "prompt_dpsgd")) == 0.0
     assert no_prompt_share(cfg, get_method("dp_opt")) == 0.0 and no_prompt_share(cfg, get_method("dpzero")) == 0.1
 
@@ -241,7 +241,7 @@ def test_a_bad_prompt_falls_back_and_its_comparison_is_committed(tmp_path, sst2_
     from tasks.methods.base import Trained
 
     ctx = _context_without_tracking(tmp_path, sst2_dir, monkeypatch)
-    cls = type(get_method("prompt_dpsgd"))
+    cls = type(get_method("prompt_dpsgd").mechanism)
 
     def train(self, mctx, plan, rows, progress=None):  # the double: a "trained" prompt, the planned event
         return Trained(torch.zeros(3, 8), plan.own.event, 1, {})

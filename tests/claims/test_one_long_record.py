@@ -25,8 +25,8 @@ def test_max_length_and_prompt_positions_beyond_the_model_are_refused_in_preflig
     over = cfg.model_copy(update={"models": cfg.models.model_copy(update={"max_length": limit})})
     with pytest.raises(ConfigError, match=rf"models.max_length={limit} \+ \d+ prompt positions exceed the {limit} "
                                           r"positions of models.local='tiny-gpt2': lower models.max_length"):
-        method.preflight(over, None)
-    method.preflight(cfg, None)  # the contract's max_length fits
+        method.mechanism.preflight(over, None)
+    method.mechanism.preflight(cfg, None)  # the contract's max_length fits
 
 
 def test_a_long_text_prompt_cuts_texts_to_the_models_positions(tmp_path_factory):
@@ -104,11 +104,11 @@ def test_a_backbone_with_int8_outlier_columns_is_refused_in_preflight(tmp_path_f
 
     method = get_method("prompt_dpsgd")
     cfg, _ = parsed_config(tmp_path_factory, "prompt_dpsgd", method.traits.test_settings, "int8")
-    method.preflight(cfg, None)
+    method.mechanism.preflight(cfg, None)
     monkeypatch.setattr(models.row_own, "int8_outliers", lambda model: True)
     with pytest.raises(ConfigError, match=r"models.local='tiny-gpt2' runs 8-bit weights with LLM.int8's outlier "
                                           r"columns .* models.placement.quantization: 4bit"):
-        method.preflight(cfg, None)
+        method.mechanism.preflight(cfg, None)
 
 
 def test_nested_expert_counts_are_found():

@@ -69,7 +69,7 @@ def test_replaying_the_logged_config_does_not_reproduce_the_prompt(two_runs):
     method = get_method(cfg.method)
     plan = plan_for(cfg, cfg.method, part.sizes)
     # the best an attacker can do without the secret: the seed-derived streams
-    replay = method.train(MethodContext(cfg, state_paths(str(state)), {}, DpRandomness(seeded=True, seed=cfg.seed),
+    replay = method.mechanism.train(MethodContext(cfg, state_paths(str(state)), {}, DpRandomness(seeded=True, seed=cfg.seed),
                                         cfg.seed), plan, read_private_rows(part))
     published = _published_prompt(state, summary)
     assert replay.prompt.shape == published.shape

@@ -52,7 +52,7 @@ def spies(monkeypatch):
     from tasks import lifecycle
     from tasks.methods import get_method
 
-    method_cls = type(get_method("prompt_dpsgd"))
+    method_cls = type(get_method("prompt_dpsgd").mechanism)
     real_train, real_read = method_cls.train, lifecycle.read_private_rows
     seen = {"reads": 0, "trained": []}
 

@@ -135,7 +135,7 @@ def test_a_dp_plan_composes_the_release_within_the_target(tmp_path, method):
     assert plan.event.events[2] == plan.no_prompt.event
     assert share == plan.params["privacy.method_epsilon"] == pytest.approx(2.0 - eps_sizes - eps_np)
     # the method alone, calibrated to its share at 8δ/10 on the released n
-    alone = get_method(method).plan(cfg, 480, delta * 0.8, epsilon=share)
+    alone = get_method(method).mechanism.plan(cfg, 480, delta * 0.8, epsilon=share)
     assert alone.event == plan.event.events[1]
     method_eps = acct.spend(alone.event, delta * 0.8).epsilon
     assert share * 0.99 < method_eps <= share * (1 + 1e-6)

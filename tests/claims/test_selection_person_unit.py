@@ -103,16 +103,16 @@ def stand_in(monkeypatch):
     predictions (:func:`_prediction`). Records the rows each training got."""
     from tasks.methodkit.training import unit_tensor
 
-    method_cls = type(get_method("prompt_dpsgd"))
+    method_cls = type(get_method("prompt_dpsgd").mechanism)
     trained_rows = []
 
     def plan(self, cfg, n_train, delta, epsilon=None):
-        return MethodPlan(self.name, "dp", n_train, delta, event=ev.dpsgd_event(0.05, 1.5, 40))
+        return MethodPlan(self.spec.name, "dp", n_train, delta, event=ev.dpsgd_event(0.05, 1.5, 40))
 
     def train(self, mctx, plan, rows, progress=None):
         unit_tensor(mctx.cfg, rows)  # refuses rows without units under a person unit, as the real step does
         trained_rows.append(rows)
-        return Trained(f"lr={self.settings(mctx.cfg).lr}", plan.event, 1)
+        return Trained(f"lr={mctx.cfg.methods.prompt_dpsgd.lr}", plan.event, 1)
 
     def holdout_predictions(self, mctx, prompt, rows):
         return np.array([_prediction(t, prompt) for t in rows.texts])
@@ -401,7 +401,7 @@ def test_a_user_level_selection_trains_its_candidates_and_publishes_one(tmp_path
     ctx = StageContext(cfg=cfg, state_dir=str(state), partition=part.to_dict(),
                        parent_run_id=parent.run_id, flow_run_id="flow-run-1")
 
-    method_cls = type(get_method("prompt_dpsgd"))
+    method_cls = type(get_method("prompt_dpsgd").mechanism)
     real_train = method_cls.train
     trained, scored = [], []
 

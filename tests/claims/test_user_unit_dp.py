@@ -220,9 +220,12 @@ def test_a_record_level_dp_method_is_refused_with_a_user_unit(monkeypatch):
             cfg = parse_config(raw(m))
         except ConfigError:
             continue  # refused for its own reasons (e.g. public data it needs)
-        assert get_method(m).traits.unit_level or get_method(m).guarantee(cfg) != "dp", m
-    cls = type(get_method("prompt_dpsgd"))
-    monkeypatch.setattr(cls, "traits", dataclasses.replace(cls.traits, unit_level=False))
+        assert get_method(m).traits.unit_level or get_method(m).mechanism.guarantee(cfg) != "dp", m
+    from tasks.methods import METHODS
+
+    spec = get_method("prompt_dpsgd")
+    monkeypatch.setitem(METHODS.items, "prompt_dpsgd",
+                        dataclasses.replace(spec, traits=dataclasses.replace(spec.traits, unit_level=False)))
     with pytest.raises(ConfigError, match="bounds only one record's contribution"):
         parse_config(raw("prompt_dpsgd"))
     parse_config({**raw("prompt_dpsgd"), "data": {"name": "toy", "labels": ["neg", "pos"]}})  # record: fine
@@ -303,17 +306,17 @@ def test_rapt_reports_its_token_bound_per_record_and_per_unit():
 
     cfg_path = Path(__file__).resolve().parents[2] / "configs" / "rapt.yaml"
     record = load_config(cfg_path, ["data.path=/nonexistent"])
-    plan = get_method("rapt").plan(record, 1000, 1e-6)
+    plan = get_method("rapt").mechanism.plan(record, 1000, 1e-6)
     tokens = 96 - 2 - 40  # max_length less [CLS]/[SEP] and the 40 plain tokens
     assert plan.params["rapt.ldp_tokens_per_record"] == tokens
     assert plan.params["rapt.ldp_eta_tokens_per_record"] == 100.0 * tokens
     assert "rapt.ldp_eta_tokens_per_unit" not in plan.params
     capped = load_config(cfg_path, ["data.privacy_unit=author", "data.max_records_per_unit=7"])
-    plan = get_method("rapt").plan(capped, 1000, 1e-6)
+    plan = get_method("rapt").mechanism.plan(capped, 1000, 1e-6)
     assert plan.guarantee == "ldp" and plan.params["rapt.ldp_eta_tokens_per_unit"] == 100.0 * tokens * 7
     assert "no formal unit-level claim" in plan.note and plan.params["rapt.unit_claim"].startswith("none")
     uncapped = load_config(cfg_path, ["data.privacy_unit=author"])
-    assert get_method("rapt").plan(uncapped, 1000, 1e-6).params["rapt.ldp_eta_tokens_per_unit"].startswith("unbounded")
+    assert get_method("rapt").mechanism.plan(uncapped, 1000, 1e-6).params["rapt.ldp_eta_tokens_per_unit"].startswith("unbounded")
 
 
 def test_dpopt_shadow_split_keeps_whole_units():

@@ -216,7 +216,7 @@ def test_a_failure_after_the_read_began_keeps_the_reservation_spent(tmp_path, ss
     def train(self, *args, **kwargs):
         raise Crash("worker lost while training")
 
-    monkeypatch.setattr(type(get_method("prompt_dpsgd")), "train", train)
+    monkeypatch.setattr(type(get_method("prompt_dpsgd").mechanism), "train", train)
     with pytest.raises(Crash) as info:
         lifecycle.run_method(ctx, "prompt_dpsgd", {})
     ledger = Ledger(ctx.paths.ledger)

@@ -164,18 +164,26 @@ def test_the_comparison_names_no_method():
 
 
 def test_each_method_is_registered_by_its_own_package():
-    """A skeleton of the toolkit is registered only through a package's own subclass (or, for the
-    non-private soft prompt, the class itself) — never a registered class of another package."""
-    from tasks.methods import get_method, registered_methods
+    """Each built-in spec is declared by one method package's module; its mechanism is that
+    package's own class or the toolkit's (tasks/methodkit) — never another method package's."""
+    import sys
 
-    for name in registered_methods():
-        cls = type(get_method(name))
-        if cls.__module__.startswith("tasks."):
-            assert cls.__module__.startswith("tasks.methods."), (name, cls.__module__)
-        for base in cls.__mro__[1:]:
-            if base.__module__.startswith("tasks.methods.") and base.__module__ != "tasks.methods.base":
-                # a registered base class comes from the same package (prefix_sgd extends prefix_dpsgd)
-                assert base.__module__.split(".")[2] == cls.__module__.split(".")[2], (name, base)
+    from tasks.methods import METHODS
+
+    for spec in METHODS.values():
+        holders = {name for name, module in list(sys.modules.items())
+                   if name.startswith("tasks.methods.") and name.count(".") >= 3
+                   and any(value is spec for value in vars(module).values())}
+        if not holders:
+            continue  # a package outside the project (a test's toy method)
+        packages = {h.split(".")[2] for h in holders}
+        assert len(packages) == 1, (spec.name, holders)
+        mechanism = type(spec.mechanism).__module__
+        assert mechanism.startswith("tasks.methodkit.") or mechanism.split(".")[2] in packages, (spec.name, mechanism)
+        for base in type(spec.mechanism).__mro__[1:]:
+            if base.__module__.startswith("tasks.methods.") and base.__module__ not in ("tasks.methods.base",
+                                                                                     "tasks.methods.legacy"):
+                assert base.__module__.split(".")[2] in packages, (spec.name, base)
 
 
 def _post_config(tmp_path, **post):
@@ -204,11 +212,11 @@ def test_post_full_pt_runs_the_toolkits_nonprivate_trainer_through_the_lifecycle
         return SimpleNamespace(prompt_path="/private/full_pt.safetensors")
 
     result = SimpleNamespace(epsilon=1.0, guarantee="dp", source_prompt_path="/outputs/post_source.safetensors")
-    variants = get_method("post").variants(SimpleNamespace(cfg=cfg), result, {"student_dir": "/s"}, run_method)
-    assert len(asked) == 1 and isinstance(get_method(asked[0]), NonPrivateSoftPrompt)
+    variants = get_method("post").extras.variants(SimpleNamespace(cfg=cfg), result, {"student_dir": "/s"}, run_method)
+    assert len(asked) == 1 and isinstance(get_method(asked[0]).mechanism, NonPrivateSoftPrompt)
     full = [v for v in variants if v.name == "full_pt"]
     assert full and full[0].prompt_path == "/private/full_pt.safetensors" and full[0].guarantee == "none"
-    assert get_method("post").variants(SimpleNamespace(cfg=_post_config(tmp_path)), result, {"student_dir": "/s"},
+    assert get_method("post").extras.variants(SimpleNamespace(cfg=_post_config(tmp_path)), result, {"student_dir": "/s"},
                                        run_method) and len(asked) == 1  # off: nothing else trained
 
 
@@ -216,18 +224,18 @@ def test_post_full_pt_without_the_nonprivate_trainer_is_refused_at_config_time(t
     """Were the non-private trainer not registered, the config says so in one line before anything
     runs (not after the DP run has spent its budget)."""
     from tasks.errors import ConfigError
-    from tasks.methodkit.prompt_methods import NonPrivateSoftPrompt
+    from tasks.methodkit.prompt_methods import NON_PRIVATE_SOFT_PROMPT, NonPrivateSoftPrompt
     from tasks.methods import get_method, register_method, unregister_method
 
-    registered = type(get_method(NonPrivateSoftPrompt.name))
-    unregister_method(NonPrivateSoftPrompt.name)
+    registered = get_method(NON_PRIVATE_SOFT_PROMPT)
+    unregister_method(NON_PRIVATE_SOFT_PROMPT)
     try:
         with pytest.raises(ConfigError, match="non-private soft-prompt trainer registered as 'prompt_sgd'"):
             _post_config(tmp_path, full_pt=True)
         _post_config(tmp_path)  # without Full PT nothing needs it
     finally:
         register_method(registered)
-    assert isinstance(get_method(NonPrivateSoftPrompt.name), NonPrivateSoftPrompt)
+    assert isinstance(get_method(NON_PRIVATE_SOFT_PROMPT).mechanism, NonPrivateSoftPrompt)
 
 
 def _import_graph() -> dict[str, set[str]]:

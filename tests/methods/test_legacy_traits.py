@@ -3,7 +3,8 @@ keeps working for one release: its attributes are read into ``traits``, with a D
 
 import pytest
 
-from tasks.methods.base import Method, Traits
+from tasks.methods import Method
+from tasks.methods.base import Traits
 
 
 def test_class_attribute_traits_are_read_into_traits_with_a_warning():
@@ -37,10 +38,13 @@ def test_a_subclass_keeps_its_parents_traits_and_overrides_one():
 
 def test_a_selection_has_the_methods_traits_with_its_own_release():
     from tasks.methods import get_method
-    from tasks.selected import Selected
+    from tasks.selected import Selection, selected
 
     method = get_method("dpzero")
-    traits = Selected(method).traits
+    spec = selected(method)
+    assert isinstance(spec.mechanism, Selection) and spec.mechanism.spec is spec and spec.name == method.name
+    assert method.mechanism.spec is method  # the method's own mechanism stays bound to its own spec
+    traits = spec.traits
     assert (traits.always_dp, traits.release, traits.compares_with_no_prompt, traits.uses_validation) == (
         True, "selection", True, True)
     assert (traits.unit_level, traits.neighbour_statistics) == (method.traits.unit_level,

@@ -74,7 +74,7 @@ def contexts(tmp_path_factory):
         parent = RunRecord.create(mlflow, exp, f"contract-{name}", {"method": name})
         ctx = StageContext(cfg=cfg, state_dir=str(state), partition={}, parent_run_id=parent.run_id,
                            flow_run_id=f"contract-{name}")
-        out[name] = (ctx, get_method(name).prepare(ctx))
+        out[name] = (ctx, get_method(name).mechanism.prepare(ctx))
     return out
 
 
@@ -99,10 +99,10 @@ def test_plan_is_pure_and_has_an_event_iff_dp(name, contexts, monkeypatch):
 
     monkeypatch.setattr(builtins, "open", refuse)
     monkeypatch.setattr(io, "open", refuse)
-    plan = method.plan(cfg, 1000, 1e-5)
+    plan = method.mechanism.plan(cfg, 1000, 1e-5)
     monkeypatch.undo()
     assert not opened
-    assert plan.guarantee == method.guarantee(cfg) in ("dp", "ldp", "none")
+    assert plan.guarantee == method.mechanism.guarantee(cfg) in ("dp", "ldp", "none")
     assert (plan.event is not None) == (plan.guarantee == "dp")
     json.dumps(plan.params), json.dumps(plan.settings)  # loggable
 
@@ -121,16 +121,16 @@ def test_train_spends_at_most_the_plan_and_the_prompt_round_trips(name, contexts
     cfg, method = ctx.cfg, get_method(name)
     from privacy.ledger import Ledger
 
-    plan = method.plan(cfg, len(ROWS), 1e-5)
+    plan = method.mechanism.plan(cfg, len(ROWS), 1e-5)
     Ledger(ctx.paths.ledger).register_dataset(f"contract-{name}", "contract", 10.0, 1e-5)  # releases record there
     mctx = MethodContext(cfg, ctx.paths, prepared, DpRandomness(), 0, dataset_key=f"contract-{name}")
-    trained = method.train(mctx, plan, ROWS)
+    trained = method.mechanism.train(mctx, plan, ROWS)
     if plan.guarantee == "dp":
         assert trained.event is not None
         assert acct.spend(trained.event, 1e-5).epsilon <= acct.spend(plan.event, 1e-5).epsilon * (1 + 1e-9)
     else:
         assert trained.event is None
-    post = method.post_process(mctx, plan, trained.prompt)
+    post = method.mechanism.post_process(mctx, plan, trained.prompt)
     if not method.traits.reads_private:
         assert post.prompt is None
         return
@@ -232,14 +232,14 @@ def test_unit_level_methods_train_and_shadow_per_unit(name, contexts):
     config = json.loads(json.dumps(ctx.config))
     config["data"]["privacy_unit"] = "author"
     cfg, method = parse_config(config), get_method(name)
-    plan = method.plan(cfg, 7, 1e-5)  # n: the number of units
+    plan = method.mechanism.plan(cfg, 7, 1e-5)  # n: the number of units
     Ledger(ctx.paths.ledger).register_dataset(f"contract-unit-{name}", "contract", 10.0, 1e-5, unit="author")
     mctx = MethodContext(cfg, ctx.paths, prepared, DpRandomness(), 0, dataset_key=f"contract-unit-{name}")
-    trained = method.train(mctx, plan, UNIT_ROWS)
+    trained = method.mechanism.train(mctx, plan, UNIT_ROWS)
     if plan.guarantee == "dp":
         assert acct.spend(trained.event, 1e-5).epsilon <= acct.spend(plan.event, 1e-5).epsilon * (1 + 1e-9)
         with pytest.raises(RuntimeError, match="carry no units"):  # rows without their units are refused
-            method.train(mctx, plan, ROWS)
+            method.mechanism.train(mctx, plan, ROWS)
     prompt, _ = shadow_prompt(config, name, prepared, ctx.state_dir, UNIT_ROWS, shadow_seed=3)
     assert prompt is not None
 
@@ -287,12 +287,12 @@ def test_a_private_method_trains_on_an_exactly_empty_split(name, contexts):
 
     ctx, prepared = contexts[name]
     cfg, method = ctx.cfg, get_method(name)
-    if method.guarantee(cfg) == "none" or not method.traits.reads_private:
+    if method.mechanism.guarantee(cfg) == "none" or not method.traits.reads_private:
         pytest.skip(f"{name} states no ε under its contract settings, or reads no private row")
-    plan = method.plan(cfg, len(ROWS), 1e-5)  # planned on the released size, whatever the exact one is
+    plan = method.mechanism.plan(cfg, len(ROWS), 1e-5)  # planned on the released size, whatever the exact one is
     Ledger(ctx.paths.ledger).register_dataset(f"contract-empty-{name}", "contract", 10.0, 1e-5)
     mctx = MethodContext(cfg, ctx.paths, prepared, DpRandomness(), 0, dataset_key=f"contract-empty-{name}")
-    trained = method.train(mctx, plan, PrivateRows([], []))
+    trained = method.mechanism.train(mctx, plan, PrivateRows([], []))
     if plan.guarantee == "dp":
         assert acct.spend(trained.event, 1e-5).epsilon <= acct.spend(plan.event, 1e-5).epsilon * (1 + 1e-9)
-    assert method.post_process(mctx, plan, trained.prompt).prompt is not None
+    assert method.mechanism.post_process(mctx, plan, trained.prompt).prompt is not None

@@ -19,7 +19,7 @@ PACKAGE = {
     "__init__.py": '''
         """A toy method: DP-SGD soft-prompt tuning whose noised update also decays the prompt."""
 
-        from .method import ToyDecayedDPSGD  # noqa: F401  (registers the method)
+        from .method import TOY  # noqa: F401  (registers the method)
         ''',
     "decay.py": '''
         """The toy method's torch code: a DP step hook (data-independent: post-processing of the
@@ -41,7 +41,7 @@ PACKAGE = {
         from privacy import accountant as acct
         from privacy import events as ev
         from tasks.methods import register_method
-        from tasks.methods.base import Method, MethodPlan, Trained, Traits, dp_unless_debug
+        from tasks.methods.base import Mechanism, MethodPlan, MethodSpec, Trained, Traits, dp_unless_debug, settings_of
         from tasks.schema import Block
 
 
@@ -55,23 +55,17 @@ PACKAGE = {
             decay: float = Field(0.01, ge=0)
 
 
-        @register_method
-        class ToyDecayedDPSGD(Method):
-            name = "toy_decayed_dpsgd"
-            config_class = ToyConfig
-            label = "toy: DP-SGD with a decayed update"
-            traits = Traits(neighbour_statistics=("clipped_gradient_sum",))  # its DP step: train_prompt's clipped sum
-
+        class ToyDecayedDPSGD(Mechanism):
             def guarantee(self, cfg):
                 return dp_unless_debug(cfg)
 
             def plan(self, cfg, n_train, delta, epsilon=None):
-                block = self.settings(cfg)
+                block = settings_of(cfg, self)
                 q = min(1.0, block.batch_size / n_train)
                 sigma = acct.calibrate_noise_multiplier(cfg.privacy.target_epsilon if epsilon is None else epsilon,
                                                        delta, q, block.steps)
                 guarantee = self.guarantee(cfg)
-                return MethodPlan(self.name, guarantee, n_train, delta,
+                return MethodPlan(self.spec.name, guarantee, n_train, delta,
                                   event=ev.dpsgd_event(q, sigma, block.steps) if guarantee == "dp" else None,
                                   params={"toy.noise_multiplier": sigma, "toy.decay": block.decay},
                                   settings={"sample_rate": q, "noise_multiplier": sigma})
@@ -82,7 +76,7 @@ PACKAGE = {
 
                 from .decay import DecayHook
 
-                cfg, block = mctx.cfg, self.settings(mctx.cfg)
+                cfg, block = mctx.cfg, settings_of(mctx.cfg, self)
                 clf = classifier_for(cfg, cfg.models.local)
                 sample, noise = mctx.randomness.torch_generators()
                 result = train_prompt(
@@ -95,6 +89,12 @@ PACKAGE = {
                 event = (ev.dpsgd_event(plan.settings["sample_rate"], plan.settings["noise_multiplier"], result.steps)
                          if plan.guarantee == "dp" else None)
                 return Trained(result.prompt, event, result.steps, {"train.steps": result.steps}, result.history)
+
+
+        TOY = register_method(MethodSpec(
+            name="toy_decayed_dpsgd", config_class=ToyConfig, mechanism=ToyDecayedDPSGD(),
+            label="toy: DP-SGD with a decayed update",
+            traits=Traits(neighbour_statistics=("clipped_gradient_sum",))))  # its DP step: train_prompt's clipped sum
         ''',
 }
 
@@ -253,7 +253,7 @@ def test_the_toy_method_runs_through_sweep_report_and_audit(toy_package, tmp_pat
 @pytest.mark.slow  # suite time: runs with -m slow
 def test_the_toy_method_is_selected_privately_through_the_same_door(toy_package, tmp_path, monkeypatch,
                                                                     prefect_harness, sst2_dir):
-    """`selection: {enabled: true}` wraps the one-package method (Selected(method)): its two
+    """`selection: {enabled: true}` runs the one-package method as a selection (selected(spec)): its two
     candidates' trainings and the noisy holdout scores are one DP release within the target, one
     committed ledger entry, the winner named on the run record — no project file names the method."""
     from prefect.settings import PREFECT_API_URL

@@ -146,7 +146,8 @@ def test_a_new_methods_declarations_reach_the_report(tmp_path):
     report reads them without a line of tasks/comparison.py knowing it."""
     from tasks.comparison import label_summary, log_report, parent_runs
     from tasks.methods import register_method, unregister_method
-    from tasks.methods.base import Method, Report, ReportArtifact, ReportMetric, SummaryColumn
+    from tasks.methods import Method
+    from tasks.methods.base import Report, ReportArtifact, ReportMetric, SummaryColumn
     from tasks.schema import Block
 
     def table(rows):

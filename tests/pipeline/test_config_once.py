@@ -18,7 +18,8 @@ def late_method():
     from pydantic_core import PydanticCustomError
 
     from tasks.methods import register_method, unregister_method
-    from tasks.methods.base import Method, MethodPlan, Traits
+    from tasks.methods import Method
+    from tasks.methods.base import MethodPlan, Traits
     from tasks.schema import Block
 
     class LateConfig(Block):

@@ -146,7 +146,7 @@ def test_a_tampered_calibration_is_refused_before_any_reservation(cache_file):
 
     cfg = parse_config(yaml.safe_load((REPO / "configs" / "smoke.yaml").read_text()))
     method = get_method(cfg.method)
-    honest = planned_epsilon(cfg, cfg.method, method.plan(cfg, 1000, 1e-5), 1e-5)
+    honest = planned_epsilon(cfg, cfg.method, method.mechanism.plan(cfg, 1000, 1e-5), 1e-5)
     assert honest <= cfg.privacy.target_epsilon * (1 + 1e-6)
     stored = json.loads(cache_file.read_text())
     assert stored["values"]  # the calibration went through the cache
@@ -154,7 +154,7 @@ def test_a_tampered_calibration_is_refused_before_any_reservation(cache_file):
     cache_file.write_text(json.dumps(stored))
     accountant._calibrate_noise_multiplier.cache_clear()
     with pytest.raises(ConfigError, match="above privacy.target_epsilon .* nothing reserved"):
-        planned_epsilon(cfg, cfg.method, method.plan(cfg, 1000, 1e-5), 1e-5)
+        planned_epsilon(cfg, cfg.method, method.mechanism.plan(cfg, 1000, 1e-5), 1e-5)
 
 
 def test_a_saved_pyfunc_pins_this_environment_without_mlflows_package_scan(tmp_path, monkeypatch):

@@ -1,6 +1,6 @@
 """One plan, one door (issue 36): a run's plan is a frozen :class:`privacy.plan.RunPlan`, computed
 at one place (``tasks.run_plan.plan_for``) by the pure planner of ``privacy/plan.py``, never
-written into a config; a selection is a method (``tasks.selected.Selected``) that goes through
+written into a config; a selection is a method (``tasks.selected.selected``) that goes through
 the lifecycle's door like any other.
 
 * the planner: the budget's division (sizes release at δ/10, the method's share at 9δ/10), the
@@ -166,7 +166,7 @@ def test_plan_for_gives_the_method_its_share_and_leaves_the_config_as_it_was(tmp
 
     cfg = _cfg(tmp_path)
     before = cfg.model_dump()
-    method_cls = type(get_method("prompt_dpsgd"))
+    method_cls = type(get_method("prompt_dpsgd").mechanism)
     real, asked = method_cls.plan, []
 
     def plan(self, c, n_train, delta, epsilon=None):
@@ -191,14 +191,14 @@ def test_a_selection_is_planned_through_its_wrapper_with_each_trial_at_its_targe
     from privacy.plan import with_size_release
     from tasks.methods import get_method
     from tasks.run_plan import plan_for, runner
-    from tasks.selected import Selected
+    from tasks.selected import Selection
 
     cfg = _cfg(tmp_path, selection={"enabled": True, "candidates": [{"lr": 0.05}, {"lr": 0.2}],
                                     "mode": "every_candidate"})
     before = cfg.model_dump()
     wrapped = runner(cfg, "prompt_dpsgd")
-    assert isinstance(wrapped, Selected) and wrapped.method is get_method("prompt_dpsgd")
-    assert not isinstance(runner(cfg, "zero_shot"), Selected)  # the published method only
+    assert isinstance(wrapped.mechanism, Selection) and wrapped.mechanism.method is get_method("prompt_dpsgd")
+    assert not isinstance(runner(cfg, "zero_shot").mechanism, Selection)  # the published method only
     plan = plan_for(cfg, "prompt_dpsgd", _sizes(), DELTA)
     assert cfg.model_dump() == before and plan == plan_for(cfg, "prompt_dpsgd", _sizes(), DELTA)
     info = plan.settings["selection"]
@@ -207,7 +207,7 @@ def test_a_selection_is_planned_through_its_wrapper_with_each_trial_at_its_targe
     assert plan.event == with_size_release(plan.own.event, plan.sizes_event)  # the whole mechanism, with the sizes
     assert acct.spend(plan.event, DELTA).epsilon <= cfg.privacy.target_epsilon * (1 + 1e-6)
     # each trial: the method's own plan of the candidate's settings, at the per-trial target
-    trial = get_method("prompt_dpsgd").plan(cfg, 480, info["delta"], epsilon=info["trial_target"])
+    trial = get_method("prompt_dpsgd").mechanism.plan(cfg, 480, info["delta"], epsilon=info["trial_target"])
     assert acct.spend(trial.event, info["delta"]).epsilon <= info["trial_target"] * (1 + 1e-6)
     assert [c["name"] for c in info["candidates"]] == ["lr=0.05", "lr=0.2", "no prompt"]
 
@@ -310,7 +310,7 @@ def test_a_selection_goes_through_the_same_door(tmp_path, sst2_dir, monkeypatch)
 
     from tasks import lifecycle
     from tasks.methods.base import Trained
-    from tasks.selected import Selected
+    from tasks.selected import Selection
 
     ctx = _context(tmp_path, sst2_dir, selection={"enabled": True, "candidates": [{"lr": 0.05}],
                                                   "mode": "every_candidate"})
@@ -320,13 +320,13 @@ def test_a_selection_goes_through_the_same_door(tmp_path, sst2_dir, monkeypatch)
         seen.append(("train", type(self).__name__, len(rows.validation) > 0))
         return Trained(None, plan.release("selection").event, 0, {"selection.winner_index": 1.0})
 
-    monkeypatch.setattr(Selected, "train", train)
+    monkeypatch.setattr(Selection, "train", train)
     for step in ("reserve", "store", "commit", "publish"):
         real = getattr(lifecycle, step)
         monkeypatch.setattr(lifecycle, step, (lambda real, step: lambda *a, **k: seen.append(step) or real(*a, **k))(
             real, step))
     out = lifecycle.run_method(ctx, "prompt_dpsgd", {})
-    assert seen == ["reserve", ("train", "Selected", True), "store", "commit", "publish"]
+    assert seen == ["reserve", ("train", "Selection", True), "store", "commit", "publish"]
     assert out.params["selection.winner"] == "no prompt" and out.prompt_path is None
     assert out.spend is not None and out.guarantee == "dp"
 

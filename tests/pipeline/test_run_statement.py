@@ -326,6 +326,7 @@ def test_a_selection_gets_an_estimate_from_its_trials_plans(monkeypatch):
 
     from tasks import estimate as est
     from tasks import selection as tsel
+    from tasks.methods import get_method
     from tasks.config import parse_config
 
     plans = {"lr=0.05": {"steps": 10, "expected_batch": 32.0}, "lr=0.2": {"steps": 20, "expected_batch": 16.0}}
@@ -335,7 +336,7 @@ def test_a_selection_gets_an_estimate_from_its_trials_plans(monkeypatch):
     plan = SimpleNamespace(n_train=300, settings={"selection": {"trial_target": 1.0, "delta": 1e-5, "candidates": [
         *candidates, {"name": "no prompt", "settings": None, "zero_shot": True}]}})
     raw = {"method": "prompt_dpsgd", "data": {"name": "x", "labels": ["neg", "pos"]}, "models": {"local": "tiny-bert"}}
-    every = tsel.trial_work(parse_config({**raw, "selection": {"enabled": True}}), "prompt_dpsgd", plan)
+    every = tsel.trial_work(parse_config({**raw, "selection": {"enabled": True}}), get_method("prompt_dpsgd"), plan)
     assert every == {"trainings": [(10, 32.0), (20, 16.0)], "scores": 3.0}
     fixed = est.Probe("m", train_s=0.01, eval_s=0.002)
     sizes = SimpleNamespace(n_test=200, n_train=300, n_holdout=50, unit="record")
@@ -343,6 +344,6 @@ def test_a_selection_gets_an_estimate_from_its_trials_plans(monkeypatch):
         "steps": 30, "seconds": pytest.approx((10 * 32 + 20 * 16) * 0.01 + (3 * 50 + 200) * 0.002)}
     stopping = tsel.trial_work(parse_config({**raw, "selection": {
         "enabled": True, "mode": "random_stopping", "accept_timing_channel": True, "expected_trials": 6.0}}),
-        "prompt_dpsgd", plan)
+        get_method("prompt_dpsgd"), plan)
     assert stopping["weight"] == pytest.approx(6.0 / 3) and stopping["scores"] == pytest.approx(7.0)
     assert est.selection_estimate(stopping, sizes, fixed)["steps"] == 60

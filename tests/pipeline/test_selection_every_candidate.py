@@ -210,7 +210,7 @@ def every(tmp_path_factory, sst2_dir):
     from test_selection_lifecycle import failing_train
 
     mp = pytest.MonkeyPatch()
-    method_cls = type(get_method("prompt_dpsgd"))
+    method_cls = type(get_method("prompt_dpsgd").mechanism)
     real_predict = holdout.holdout_predictions
     exact, tried = [], []
     train = failing_train(method_cls.train, tried)

@@ -47,7 +47,7 @@ def test_selection_enabled_alone_parses_with_the_methods_grid_or_is_refused_in_o
         # refused only for a reason the message names, and which holds for this method
         reasons = {"trains nothing": not method.traits.reads_private,
                    "reads the holdout": method.traits.uses_validation,
-                   "has guarantee": any(method.guarantee(selection.apply_settings(base, name, s)) != "dp"
+                   "has guarantee": any(method.mechanism.guarantee(selection.apply_settings(base, name, s)) != "dp"
                                         for s in method.traits.selection_grid)}
         assert any(reasons[k] for k in reasons if k in message), message
         return
@@ -57,7 +57,7 @@ def test_selection_enabled_alone_parses_with_the_methods_grid_or_is_refused_in_o
     assert len(set(names)) == len(names) >= 2
     for s in grid:  # each candidate is a valid block of the method, with a dp guarantee
         cand = selection.apply_settings(cfg, name, s)
-        assert method.guarantee(cand) == "dp"
+        assert method.mechanism.guarantee(cand) == "dp"
         for key, value in s.items():
             node = getattr(cand.methods, name)
             for part in key.split("."):
@@ -176,7 +176,7 @@ def selected(tmp_path_factory, sst2_dir):
     from tasks.pipeline import plan_run
 
     mp = pytest.MonkeyPatch()
-    method_cls = type(get_method("prompt_dpsgd"))
+    method_cls = type(get_method("prompt_dpsgd").mechanism)
     real_predict = holdout.holdout_predictions
     exact, tried = [], []
     train = failing_train(method_cls.train, tried)

@@ -19,5 +19,5 @@ sensitivity √2 per query of that group, no other group touched. Each group mak
 parallel composition. Replacing a record by one with another label is two such steps (group
 privacy, not what ε states)."""
 
-from .method import DPFewShot, DPFewShotConfig  # noqa: F401  (registers the method)
+from .method import DP_FEWSHOT, DPFewShotConfig  # noqa: F401  (registers the method)
 from . import neighbour_stats  # noqa: F401,E402  (registers dp_fewshot's pre-noise statistic)

@@ -9,7 +9,8 @@ from pydantic import Field
 from ...methodkit.token_budget import clip_words
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, Trained, Traits, budget, check_classifier, dp_unless_debug
+from ..base import (Extras, Mechanism, MethodPlan, MethodSpec, Trained, Traits, budget, check_classifier,
+                    dp_unless_debug, settings_of)
 
 NEIGHBOURING = "add/remove one record (text and label); it lands in one subset of one (label, demo) group"
 
@@ -73,17 +74,11 @@ def icl_prompt(instruction: str, demos: list[tuple[str, str]]) -> str:
     return "\n\n".join([instruction] + [f"Input: {x}\nOutput: {y}" for x, y in demos if x])
 
 
-@register_method
-class DPFewShot(Method):
-    name = "dp_fewshot"
-    config_class = DPFewShotConfig
-    prompt_kind = "text"
-    label = "DP few-shot generation"
-    # what the neighbour harness checks (neighbour_stats.py): each group's sum of distributions
-    traits = Traits(neighbour_statistics=("dp_fewshot_sums",),
-                    test_settings={"demos_per_label": 1, "subsets": 2, "shots": 1, "max_new_tokens": 3,
-                                   "public_top_k": 20})
+def target_model(cfg, prepared) -> str:
+    return cfg.models.target_name
 
+
+class DPFewShot(Mechanism):
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
 
@@ -91,25 +86,22 @@ class DPFewShot(Method):
         from ...methodkit.causal_engine import causal_engine_for
 
         engine = causal_engine_for(cfg)  # a causal local LM (one-line ConfigError otherwise)
-        block = self.settings(cfg)
+        block = settings_of(cfg, self)
         demo_token_budget(engine, cfg, block, block.instruction or default_instruction(cfg))  # room for a demo
         check_classifier(cfg, cfg.models.target_name, "models.target")
-
-    def published_model(self, cfg, prepared):
-        return cfg.models.target_name
 
     def plan(self, cfg, n_train, delta, epsilon=None):
         from privacy import accountant as acct
 
         from .events import generation_event
 
-        block = self.settings(cfg)
+        block = settings_of(cfg, self)
         epsilon = budget(cfg, epsilon)
         sigma = acct.calibrate_noise_multiplier(epsilon, delta, 1.0, block.max_new_tokens)
         event = generation_event(sigma, block.max_new_tokens)
         guarantee = self.guarantee(cfg)
         return MethodPlan(
-            self.name, guarantee, n_train, delta, event=event if guarantee == "dp" else None,
+            self.spec.name, guarantee, n_train, delta, event=event if guarantee == "dp" else None,
             params={"dpfewshot.noise_multiplier": sigma, "dpfewshot.sensitivity": "sqrt(2) per query (one subset's "
                     "distribution)", "dpfewshot.neighbouring": NEIGHBOURING,
                     "dpfewshot.demos_per_label": block.demos_per_label, "dpfewshot.subsets": block.subsets,
@@ -122,7 +114,7 @@ class DPFewShot(Method):
     def train(self, mctx, plan, rows, progress=None):
         from models.prompts import TextPrompt
 
-        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        cfg, block = mctx.cfg, settings_of(mctx.cfg, self)
         instruction = block.instruction or default_instruction(cfg)
         demos, stats = _Generator(mctx, block, instruction, plan.settings["noise_multiplier"]).run(rows, progress)
         from .events import generation_event
@@ -135,6 +127,16 @@ class DPFewShot(Method):
         copies = sum(1 for x, _ in order if len(x) >= 20 and any(x in t for t in rows.texts))
         return Trained(TextPrompt(icl_prompt(instruction, order)), event, int(stats["dpfewshot.queries"]), stats,
                        audit_metrics={"audit.leakage.exact_copies": float(copies)})
+
+
+DP_FEWSHOT = register_method(MethodSpec(
+    name="dp_fewshot", config_class=DPFewShotConfig, mechanism=DPFewShot(), prompt_kind="text",
+    label="DP few-shot generation",
+    # what the neighbour harness checks (neighbour_stats.py): each group's sum of distributions
+    traits=Traits(neighbour_statistics=("dp_fewshot_sums",),
+                  test_settings={"demos_per_label": 1, "subsets": 2, "shots": 1, "max_new_tokens": 3,
+                                 "public_top_k": 20}),
+    extras=Extras(published_model=target_model)))
 
 
 class _Generator:

@@ -6,5 +6,5 @@ ensemble, Algorithm 2; OPT: ensemble with a KV cache), the leakage report (``lea
 privacy events (``events.py``). The privacy math (LimitedDomain, DP-argmax, accounting) stays in
 ``privacy/``: the loops take it as callbacks."""
 
-from .method import DLN1, ICL, DPOpt, DPOptConfig, ICLConfig, Opt, OptConfig  # noqa: F401  (registers the methods)
+from .method import DLN_1, DP_OPT, ICL_BASELINE, OPT, DPOptConfig, ICLConfig, OptConfig  # noqa: F401  (registers the methods)
 from . import neighbour_stats  # noqa: F401,E402  (registers DP-OPT's pre-noise statistics)

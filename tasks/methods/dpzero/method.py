@@ -11,7 +11,7 @@ from pydantic import ConfigDict, Field
 
 from ...schema import Block
 from .. import register_method
-from ..base import Method, MethodPlan, Report, Trained, Traits, budget, dp_unless_debug
+from ..base import Mechanism, MethodPlan, MethodSpec, Report, Trained, Traits, budget, dp_unless_debug, settings_of
 
 
 class DPZeroConfig(Block):
@@ -37,33 +37,22 @@ def run_label(cfg) -> str:
     return "dpzero+regularizer" if cfg.methods.dpzero.regularizer else "dpzero"
 
 
-@register_method
-class DPZero(Method):
-    name = "dpzero"
-    config_class = DPZeroConfig
-    label = "DPZero (black-box)"
-    # Poisson sampling of units, one clipped two-point difference per unit
-    # its learning rate around the default 1e-3: 3 candidates
-    traits = Traits(unit_level=True, neighbour_statistics=("clipped_difference_sum",),
-                    selection_grid=[{"lr": lr} for lr in (3e-4, 1e-3, 3e-3)],
-                    test_settings={"n_tokens": 2, "batch_size": 8, "steps": 3})
-    report = Report(run_label=run_label)
-
+class DPZero(Mechanism):
     def guarantee(self, cfg):
-        return "none" if self.settings(cfg).regularizer else dp_unless_debug(cfg)
+        return "none" if settings_of(cfg, self).regularizer else dp_unless_debug(cfg)
 
     def plan(self, cfg, n_train, delta, epsilon=None):
         from privacy import accountant as acct
 
         from .events import dpzero_event
 
-        block = self.settings(cfg)
+        block = settings_of(cfg, self)
         q = min(1.0, block.batch_size / n_train)
         steps = block.steps or max(1, math.ceil(block.epochs / q))
         sigma = acct.calibrate_noise_multiplier(budget(cfg, epsilon), delta, q, steps)
         settings = {"sample_rate": q, "steps": steps, "noise_multiplier": sigma, "expected_batch": q * n_train}
         guarantee = self.guarantee(cfg)
-        return MethodPlan(self.name, guarantee, n_train, delta,
+        return MethodPlan(self.spec.name, guarantee, n_train, delta,
                           event=dpzero_event(q, sigma, steps) if guarantee == "dp" else None,
                           params={"dpzero.sample_rate": q, "dpzero.noise_multiplier": sigma, "dpzero.steps": steps,
                                   "dpzero.clip": block.clip, "dpzero.mu": block.mu, "dpzero.lr": block.lr,
@@ -85,7 +74,7 @@ class DPZero(Method):
         from .training import DPZeroConfig as ModelConfig
         from .training import physical_batch, train_dpzero
 
-        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        cfg, block = mctx.cfg, settings_of(mctx.cfg, self)
         clf = classifier_for(cfg, cfg.models.local)
         enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
         y = label_indices(rows.labels, cfg.data.labels)
@@ -110,3 +99,13 @@ class DPZero(Method):
         event = dpzero_event(s["sample_rate"], s["noise_multiplier"], s["steps"]) if plan.guarantee == "dp" else None
         return Trained(result.prompt, event, result.steps,
                        {"train.steps": result.steps}, result.history)
+
+
+DPZERO = register_method(MethodSpec(
+    name="dpzero", config_class=DPZeroConfig, mechanism=DPZero(), label="DPZero (black-box)",
+    # Poisson sampling of units, one clipped two-point difference per unit; its learning rate around
+    # the default 1e-3: 3 candidates
+    traits=Traits(unit_level=True, neighbour_statistics=("clipped_difference_sum",),
+                  selection_grid=[{"lr": lr} for lr in (3e-4, 1e-3, 3e-3)],
+                  test_settings={"n_tokens": 2, "batch_size": 8, "steps": 3}),
+    report=Report(run_label=run_label)))

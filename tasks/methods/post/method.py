@@ -7,7 +7,8 @@ target with public data only.
 * ``train``: DP-SGD on the student — the only stage that reads private rows.
 * ``post_process``: transfer on public texts (a fixed number of steps, or selection on held-out
   public texts): a function of the DP prompt and public data alone, so it keeps the guarantee.
-* ``variants``: Full ZS, Compressed PT, Direct Transfer and (opt-in) Full PT for the paper's table.
+* ``variants`` (an extra): Full ZS, Compressed PT, Direct Transfer and (opt-in) Full PT for the paper's table,
+  which the platform's variants table shows.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ from pathlib import Path
 
 from pydantic import Field
 
-from ...methodkit.prompt_methods import NonPrivateSoftPrompt
+from ...methodkit.prompt_methods import NON_PRIVATE_SOFT_PROMPT, NonPrivateSoftPrompt
 from ...methodkit.transfer import transfer_on_public
 from ...schema import Block, DPSGDConfig
 from ...state import digest_key
 from .. import register_method
-from ..base import Method, MethodPlan, PostProcessed, Trained, Traits, Variant, budget, dp_unless_debug
+from ..base import (Extras, Mechanism, MethodPlan, MethodSpec, PostProcessed, Trained, Traits, Variant, budget,
+                    dp_unless_debug, settings_of)
 
 STUDENT_TAG = "privprompt.student_key"
 NAMES = {"full_zs": "Full ZS", "full_pt": "Full PT", "compressed_pt": "Compressed PT",
-         "direct_transfer": "Direct Transfer", "post": "POST"}
+         "direct_transfer": "Direct Transfer"}
 
 
 class DistillConfig(Block):
@@ -154,58 +156,74 @@ def transfer_stage(mctx, student_dir: str, source_prompt, texts: list[str], prog
 
 # ---- the method --------------------------------------------------------------------------------
 
-@register_method
-class Post(Method):
-    # the student's DP tuning is the per-unit DP-SGD of models.dp_prompt_training; its one private
-    # release: that DP-SGD's clipped sum (fit_soft_prompt, units handed as prompt_dpsgd's)
-    traits = Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",),
-                    stage_names={"prepare": "distill", "train": "tune", "post_process": "transfer"},
-                    # the DP tuning's learning rate × epochs on the student (the transfer uses public
-                    # data only and is not selected)
-                    selection_grid=[{"tuning.lr": lr, "tuning.epochs": epochs}
-                                    for lr in (0.02, 0.1) for epochs in (1.0, 3.0)],
-                    test_settings={"tuning": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
-                                   "distill": {"steps": 2, "batch_size": 8},
-                                   "transfer": {"steps": 2, "batch_size": 8}})
-    name = "post"
-    config_class = PostConfig
-    label = "POST"
+def validate(cfg, published: bool) -> None:
+    block, public = cfg.methods.post, cfg.public
+    t = block.transfer
+    if public is not None and t.select_every and public.size is not None and t.select_size >= public.size:
+        raise ValueError(f"methods.post.transfer.select_size = {t.select_size} holds out all "
+                         f"{public.size} public texts (public.size): none left to train on")
+    if block.full_pt and not cfg.allow_nonprivate_baselines:
+        raise ValueError("methods.post.full_pt is non-private tuning on the target: set "
+                         "allow_nonprivate_baselines: true to opt in")
+    if block.full_pt:
+        from .. import get_method
 
+        try:
+            trainer = get_method(NON_PRIVATE_SOFT_PROMPT).mechanism
+        except KeyError:
+            trainer = None
+        if not isinstance(trainer, NonPrivateSoftPrompt):
+            raise ValueError(f"methods.post.full_pt runs the non-private soft-prompt trainer registered as "
+                             f"{NON_PRIVATE_SOFT_PROMPT!r}, and no such method is registered")
+
+
+def uses_public_data(cfg) -> bool:
+    return True
+
+
+def teacher(cfg, prepared) -> str:
+    return cfg.models.target_name
+
+
+def student(cfg, prepared) -> str:
+    return prepared.get("student_dir", cfg.models.local)
+
+
+def missing_prepared(prepared) -> str:
+    student = prepared.get("student_dir")
+    return "" if student and Path(student).is_dir() else f"the run's POST student, not found at {student}"
+
+
+def variants(ctx, result, prepared, run_method) -> list[Variant]:
+    """Full ZS, Compressed PT, Direct Transfer and (opt-in) Full PT: the paper's table."""
+    cfg, target, student = ctx.cfg, ctx.cfg.models.target_name, prepared["student_dir"]
+    eps = result.epsilon
+    guarantee = result.guarantee
+    out = [Variant("full_zs", None, target, "none", label=NAMES["full_zs"])]
+    if result.source_prompt_path is not None:  # none after a fallback to no prompt: nothing to score under ε
+        out += [Variant("compressed_pt", result.source_prompt_path, student, guarantee, eps, NAMES["compressed_pt"]),
+                Variant("direct_transfer", result.source_prompt_path, target, guarantee, eps,
+                        NAMES["direct_transfer"])]
+    if cfg.methods.post.full_pt:  # non-private tuning on the target: an upper bound, opt-in
+        # the toolkit's non-private trainer, through the lifecycle (which records its non-private
+        # use of the private rows in the ledger): the method it is registered as, by its mechanism
+        full = run_method(NON_PRIVATE_SOFT_PROMPT)
+        out.append(Variant("full_pt", full.prompt_path, target, "none", label=NAMES["full_pt"]))
+    return out
+
+
+class Post(Mechanism):
     def guarantee(self, cfg):
         return dp_unless_debug(cfg)
-
-    def uses_public_data(self, cfg) -> bool:
-        return True
-
-    def validate(self, cfg, published):
-        block, public = self.settings(cfg), cfg.public
-        t = block.transfer
-        if public is not None and t.select_every and public.size is not None and t.select_size >= public.size:
-            raise ValueError(f"methods.post.transfer.select_size = {t.select_size} holds out all "
-                             f"{public.size} public texts (public.size): none left to train on")
-        if block.full_pt and not cfg.allow_nonprivate_baselines:
-            raise ValueError("methods.post.full_pt is non-private tuning on the target: set "
-                             "allow_nonprivate_baselines: true to opt in")
-        if block.full_pt:
-            from .. import get_method
-
-            trainer = NonPrivateSoftPrompt.name
-            try:
-                registered = isinstance(get_method(trainer), NonPrivateSoftPrompt)
-            except KeyError:
-                registered = False
-            if not registered:
-                raise ValueError(f"methods.post.full_pt runs the non-private soft-prompt trainer registered as "
-                                 f"{trainer!r}, and no such method is registered")
 
     def plan(self, cfg, n_train, delta, epsilon=None):
         from ...methodkit.training import dpsgd_event, dpsgd_params, dpsgd_settings
 
-        block = self.settings(cfg)
+        block = settings_of(cfg, self)
         settings = dpsgd_settings(block.tuning, n_train, budget(cfg, epsilon), delta, cfg.data.privacy_unit)
         guarantee = self.guarantee(cfg)
         return MethodPlan(
-            self.name, guarantee, n_train, delta, event=dpsgd_event(settings) if guarantee == "dp" else None,
+            self.spec.name, guarantee, n_train, delta, event=dpsgd_event(settings) if guarantee == "dp" else None,
             params={**dpsgd_params(settings), "post.student_layers": block.distill.student_layers,
                     "post.transfer_steps": block.transfer.steps, "post.transfer_alpha": block.transfer.alpha},
             settings=settings, note="distillation: public data only (no privacy cost); transfer: public data "
@@ -216,7 +234,7 @@ class Post(Method):
         tokenizer is the teacher's, so ``privprompt plan`` checks the label words on the teacher)."""
         from ..base import check_classifier
 
-        n_tokens = self.settings(cfg).tuning.n_tokens  # the soft prompt's positions, on the student and the target
+        n_tokens = settings_of(cfg, self).tuning.n_tokens  # the soft prompt's positions, on the student and the target
         check_classifier(cfg, cfg.models.target_name, "models.target", n_tokens)
         if prepared and prepared.get("student_dir"):
             check_classifier(cfg, prepared["student_dir"], "the POST student", n_tokens)
@@ -230,7 +248,7 @@ class Post(Method):
         from ...methodkit.training import dpsgd_event, fit_soft_prompt
 
         cfg = mctx.cfg
-        result = fit_soft_prompt(cfg, self.settings(cfg).tuning, mctx.prepared["student_dir"], rows, mctx.seed,
+        result = fit_soft_prompt(cfg, settings_of(cfg, self).tuning, mctx.prepared["student_dir"], rows, mctx.seed,
                                  dp=plan.settings, randomness=mctx.randomness, progress=progress)
         metrics = {"train.steps": result.steps}
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
@@ -243,43 +261,19 @@ class Post(Method):
         moved, child = transfer_stage(mctx, mctx.prepared["student_dir"], prompt, texts, progress)
         return PostProcessed(moved.prompt, moved.steps, child)
 
-    def published_model(self, cfg, prepared):
-        return cfg.models.target_name
 
-    def source_model(self, cfg, prepared):
-        return prepared.get("student_dir", cfg.models.local)
-
-    def missing_prepared(self, prepared):
-        student = prepared.get("student_dir")
-        return "" if student and Path(student).is_dir() else f"the run's POST student, not found at {student}"
-
-    def variants(self, ctx, result, prepared, run_method):
-        cfg, teacher, student = ctx.cfg, ctx.cfg.models.target_name, prepared["student_dir"]
-        eps = result.epsilon
-        guarantee = result.guarantee
-        out = [Variant("full_zs", None, teacher, "none", label=NAMES["full_zs"])]
-        if result.source_prompt_path is not None:  # none after a fallback to no prompt: nothing to score under ε
-            out += [Variant("compressed_pt", result.source_prompt_path, student, guarantee, eps, NAMES["compressed_pt"]),
-                    Variant("direct_transfer", result.source_prompt_path, teacher, guarantee, eps,
-                            NAMES["direct_transfer"])]
-        if self.settings(cfg).full_pt:  # non-private tuning on the target: an upper bound, opt-in
-            # the toolkit's non-private trainer, through the lifecycle (which records its non-private
-            # use of the private rows in the ledger): the method it is registered as, by its class
-            full = run_method(NonPrivateSoftPrompt.name)
-            out.append(Variant("full_pt", full.prompt_path, teacher, "none", label=NAMES["full_pt"]))
-        return out
-
-    def tables(self, accuracies, result, variants):
-        eps = result.epsilon
-        rows = ["| method | test accuracy | privacy |", "|---|---:|---|"]
-        for key in ("full_zs", "full_pt", "compressed_pt", "direct_transfer", "post"):
-            if key not in accuracies:
-                continue
-            if key == "full_pt":
-                privacy = "none (upper bound)"
-            elif key == "full_zs":
-                privacy = "-"
-            else:
-                privacy = f"ε={eps:.2f}" if eps is not None else "none"
-            rows.append(f"| {NAMES[key]} | {accuracies[key]:.4f} | {privacy} |")
-        return {"accuracy": "\n".join(rows) + "\n"}
+POST = register_method(MethodSpec(
+    name="post", config_class=PostConfig, mechanism=Post(), label="POST",
+    # the student's DP tuning is the per-unit DP-SGD of models.dp_prompt_training; its one private
+    # release: that DP-SGD's clipped sum (fit_soft_prompt, units handed as prompt_dpsgd's)
+    traits=Traits(unit_level=True, neighbour_statistics=("clipped_gradient_sum",),
+                  stage_names={"prepare": "distill", "train": "tune", "post_process": "transfer"},
+                  # the DP tuning's learning rate × epochs on the student (the transfer uses public
+                  # data only and is not selected)
+                  selection_grid=[{"tuning.lr": lr, "tuning.epochs": epochs}
+                                  for lr in (0.02, 0.1) for epochs in (1.0, 3.0)],
+                  test_settings={"tuning": {"n_tokens": 2, "epochs": 1, "batch_size": 8},
+                                 "distill": {"steps": 2, "batch_size": 8},
+                                 "transfer": {"steps": 2, "batch_size": 8}}),
+    extras=Extras(validate=validate, uses_public_data=uses_public_data, published_model=teacher,
+                  source_model=student, missing_prepared=missing_prepared, variants=variants)))

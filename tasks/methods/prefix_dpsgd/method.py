@@ -6,22 +6,19 @@ same prefix trained without DP."""
 
 from __future__ import annotations
 
-from ...methodkit.prompt_methods import PrefixDPSGDConfig, PrefixDPSGDMethod
 from dataclasses import replace
 
+from ...methodkit.prompt_methods import (DPSGD_TRAITS, PREFIX_REPORT, PrefixDPSGDConfig, PrefixDPSGDMethod,
+                                         prefix_extras)
+from ...methodkit.training import fit_nonprivate
 from .. import register_method
-from ..base import MethodPlan, Trained
+from ..base import MethodPlan, MethodSpec, Trained, settings_of
 
-__all__ = ["PrefixDPSGD", "PrefixDPSGDConfig", "PrefixSGD"]
+__all__ = ["PREFIX_DPSGD", "PREFIX_SGD", "PrefixDPSGDConfig", "PrefixSGD"]
 
-
-@register_method
-class PrefixDPSGD(PrefixDPSGDMethod):
-    """The soft prompt's DP-SGD plan and accounting (``prompt_dpsgd``'s), on a prefix."""
-
-    name = "prefix_dpsgd"
-    config_class = PrefixDPSGDConfig
-    label = "prefix tuning (DP-SGD)"
+PREFIX_DPSGD = register_method(MethodSpec(
+    name="prefix_dpsgd", config_class=PrefixDPSGDConfig, mechanism=PrefixDPSGDMethod(), prompt_kind="prefix",
+    label="prefix tuning (DP-SGD)", traits=DPSGD_TRAITS, report=PREFIX_REPORT, extras=prefix_extras("prefix_dpsgd")))
 
 
 def nonprivate_label(cfg) -> str:
@@ -29,27 +26,27 @@ def nonprivate_label(cfg) -> str:
     return "prefix_nonprivate"
 
 
-@register_method
-class PrefixSGD(PrefixDPSGD):
+class PrefixSGD(PrefixDPSGDMethod):
     """prefix_sgd: non-private prefix tuning (the upper bound of the Privacy-Flat comparison; no guarantee)."""
-
-    name = "prefix_sgd"
-    config_class = PrefixDPSGDConfig
-    label = "prefix tuning (non-private)"
-    report = replace(PrefixDPSGD.report, run_label=nonprivate_label)
 
     def guarantee(self, cfg):
         return "none"
 
     def plan(self, cfg, n_train, delta, epsilon=None):
-        return MethodPlan(self.name, "none", n_train, delta, params=self.extra_params(cfg),
-                          note=f"{self.name} has no formal privacy guarantee: nothing was published but metrics, "
+        name = self.spec.name
+        return MethodPlan(name, "none", n_train, delta, params=self.extra_params(cfg),
+                          note=f"{name} has no formal privacy guarantee: nothing was published but metrics, "
                                "and its prefix stays under private/")
 
     def train(self, mctx, plan, rows, progress=None):
-        from ...methodkit.training import fit_nonprivate
-
         cfg = mctx.cfg
-        result = fit_nonprivate(cfg, self.settings(cfg), cfg.models.local, rows, mctx.seed, plan.n_train,
+        result = fit_nonprivate(cfg, settings_of(cfg, self), cfg.models.local, rows, mctx.seed, plan.n_train,
                                 progress=progress, kind="prefix")
         return Trained(result.prompt, None, result.steps, {"train.steps": result.steps}, result.history)
+
+
+_NONPRIVATE_REPORT = replace(PREFIX_REPORT, run_label=nonprivate_label)
+PREFIX_SGD = register_method(MethodSpec(
+    name="prefix_sgd", config_class=PrefixDPSGDConfig, mechanism=PrefixSGD(), prompt_kind="prefix",
+    label="prefix tuning (non-private)", traits=DPSGD_TRAITS, report=_NONPRIVATE_REPORT,
+    extras=prefix_extras("prefix_sgd", _NONPRIVATE_REPORT)))

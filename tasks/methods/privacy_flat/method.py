@@ -19,9 +19,10 @@ from pydantic import ConfigDict, Field
 
 from dataclasses import replace
 
-from ...methodkit.prompt_methods import PrefixDPSGDConfig, PrefixDPSGDMethod
+from ...methodkit.prompt_methods import DPSGD_TRAITS, PREFIX_REPORT, PrefixDPSGDConfig, PrefixDPSGDMethod, prefix_extras
 from ...schema import Block
 from .. import register_method
+from ..base import MethodSpec, settings_of
 
 
 class FlatConfig(Block):
@@ -56,37 +57,29 @@ def run_label(cfg) -> str:
     return "dp_prefix+" + "+".join(parts) if parts else "dp_prefix"
 
 
-@register_method
+def uses_public_data(cfg) -> bool:
+    f = cfg.methods.privacy_flat.flat
+    return f.sparse and f.sparse_data == "public"
+
+
 class PrivacyFlat(PrefixDPSGDMethod):
-    """DP prefix tuning (the toolkit's skeleton, ``prefix_dpsgd``'s too) with Privacy-Flat's step
+    """DP prefix tuning (the toolkit's mechanism, ``prefix_dpsgd``'s too) with Privacy-Flat's step
     additions and honest labels."""
 
-    name = "privacy_flat"
-    config_class = PrivacyFlatConfig
-    label = "Privacy-Flat (DP prefix tuning + flattening)"
-    traits = replace(PrefixDPSGDMethod.traits, test_settings={
-        **PrefixDPSGDMethod.traits.test_settings,
-        "flat": {"awp": True, "sparse": True, "layers": 1, "regularizer": True, "sharpness_examples": 8}})
-    report = replace(PrefixDPSGDMethod.report, run_label=run_label)
-
     def guarantee(self, cfg):
-        if self.settings(cfg).flat.reads_private_without_noise():
+        if settings_of(cfg, self).flat.reads_private_without_noise():
             return "none"
         return super().guarantee(cfg)
 
-    def uses_public_data(self, cfg):
-        f = self.settings(cfg).flat
-        return f.sparse and f.sparse_data == "public"
-
     def extra_params(self, cfg) -> dict:
-        f = self.settings(cfg).flat
+        f = settings_of(cfg, self).flat
         return {**super().extra_params(cfg), "flat.awp": f.awp, "flat.sparse": f.sparse,
                 "flat.regularizer": f.regularizer, "flat.lambda": f.lam, "flat.awp_epochs": f.awp_epochs,
                 "flat.awp_gamma": f.awp_gamma, "flat.layers": f.layers if f.sparse else None,
                 "flat.sparse_data": f.sparse_data if f.sparse else None}
 
     def note(self, cfg, guarantee) -> str:
-        noiseless = self.settings(cfg).flat.reads_private_without_noise()
+        noiseless = settings_of(cfg, self).flat.reads_private_without_noise()
         if noiseless:
             return (f"Privacy-Flat with {', '.join(noiseless)} reads private data without noise (AWP's perturbation, "
                     "the sharpness selection, the non-private copy w_nor): no formal guarantee; the prefix stays "
@@ -100,7 +93,7 @@ class PrivacyFlat(PrefixDPSGDMethod):
 
         from ...methodkit.classifiers import classifier_for
 
-        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        cfg, block = mctx.cfg, settings_of(mctx.cfg, self)
         f = block.flat
         if not (f.awp or f.sparse or f.regularizer):
             return {}
@@ -173,9 +166,19 @@ class PrivacyFlat(PrefixDPSGDMethod):
         return eliminate_layers(sharpness_of, n_layers, keep, progress)
 
     def check_model(self, cfg, n_layers: int) -> None:
-        f = self.settings(cfg).flat
+        f = settings_of(cfg, self).flat
         if f.sparse and f.layers is not None and f.layers > n_layers:
             from ...errors import ConfigError
 
             raise ConfigError(f"methods.privacy_flat.flat.layers = {f.layers}: model {cfg.models.local!r} has "
                               f"{n_layers} prefix layers")
+
+
+_REPORT = replace(PREFIX_REPORT, run_label=run_label)
+PRIVACY_FLAT = register_method(MethodSpec(
+    name="privacy_flat", config_class=PrivacyFlatConfig, mechanism=PrivacyFlat(), prompt_kind="prefix",
+    label="Privacy-Flat (DP prefix tuning + flattening)", report=_REPORT,
+    traits=replace(DPSGD_TRAITS, test_settings={
+        **DPSGD_TRAITS.test_settings,
+        "flat": {"awp": True, "sparse": True, "layers": 1, "regularizer": True, "sharpness_examples": 8}}),
+    extras=prefix_extras("privacy_flat", _REPORT, uses_public_data=uses_public_data)))

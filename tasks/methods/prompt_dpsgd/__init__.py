@@ -1,4 +1,4 @@
 """prompt_dpsgd: DP-SGD soft-prompt tuning (``method.py``; the torch code is the generic
 ``models.dp_prompt_training``)."""
 
-from .method import PromptDPSGD  # noqa: F401  (registers the method)
+from .method import PROMPT_DPSGD  # noqa: F401  (registers the method)

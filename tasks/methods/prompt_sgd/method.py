@@ -3,10 +3,11 @@ toolkit's :class:`~tasks.methodkit.prompt_methods.NonPrivateSoftPrompt`, registe
 
 from __future__ import annotations
 
-from ...methodkit.prompt_methods import NonPrivateSoftPrompt
+from ...methodkit.prompt_methods import NON_PRIVATE_SOFT_PROMPT, NonPrivateSoftPrompt
+from ...schema import PromptTuningConfig
 from .. import register_method
+from ..base import MethodSpec, Traits
 
-
-@register_method
-class PromptSGD(NonPrivateSoftPrompt):
-    name = "prompt_sgd"
+PROMPT_SGD = register_method(MethodSpec(
+    name=NON_PRIVATE_SOFT_PROMPT, config_class=PromptTuningConfig, mechanism=NonPrivateSoftPrompt(),
+    label="prompt tuning (non-private)", traits=Traits(test_settings={"n_tokens": 2, "epochs": 1, "batch_size": 8})))

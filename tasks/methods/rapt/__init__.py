@@ -3,4 +3,4 @@ privatisation (``privatize.py``, ``encoding.py``), prompt tuning with privatised
 reconstruction (``model.py``, ``head.py``), and the attacks that measure its empirical privacy
 (``attacks.py``)."""
 
-from .method import Rapt, RaptConfig  # noqa: F401  (registers the method)
+from .method import RAPT, Rapt, RaptConfig  # noqa: F401  (registers the method)

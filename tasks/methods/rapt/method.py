@@ -21,7 +21,7 @@ from pydantic import Field
 from ...schema import Block
 from ...state import digest_key
 from .. import register_method
-from ..base import Method, MethodPlan, Report, Trained, Traits
+from ..base import Extras, Mechanism, MethodPlan, MethodSpec, Report, Trained, Traits, settings_of
 from .report import METRICS, SECTIONS
 
 
@@ -113,34 +113,26 @@ def ldp_level(params: dict) -> float | None:
     return None if eta is None else float(eta)
 
 
-@register_method
-class Rapt(Method):
-    name = "rapt"
-    config_class = RaptConfig
-    label = "RAPT"
-    # its model only takes privatized inputs: the attacks below measure it
-    traits = Traits(supports_loss_mia=False,
-                    test_settings={"plain_tokens": 4, "head_vocab": 60, "n_tokens": 2, "steps": 2, "batch_size": 4})
-    report = Report(METRICS, SECTIONS, run_label=run_label, ldp_level=ldp_level)
+def uses_public_data(cfg) -> bool:
+    block = cfg.methods.rapt
+    return block.reconstruction or block.attacks  # the head's vocabulary; the attacks' public side
 
+
+def validate(cfg, published: bool) -> None:
+    m = cfg.methods.rapt.plain_tokens  # every draw carries the plain tokens (shared by the variants)
+    if cfg.models.max_length < m + 2 + 8:
+        raise ValueError(f"models.max_length={cfg.models.max_length} must hold RAPT's {m} plain tokens, "
+                         "[CLS], [SEP] and the text (at least 8 text tokens)")
+
+
+class Rapt(Mechanism):
     def guarantee(self, cfg):
         return "none" if cfg.debug_seeded_dp_randomness else "ldp"
 
-    def uses_public_data(self, cfg) -> bool:
-        block = self.settings(cfg)
-        return block.reconstruction or block.attacks  # the head's vocabulary; the attacks' public side
-
-    def validate(self, cfg, published):
-        block = self.settings(cfg)
-        m = block.plain_tokens  # every draw carries the plain tokens (shared by the variants)
-        if cfg.models.max_length < m + 2 + 8:
-            raise ValueError(f"models.max_length={cfg.models.max_length} must hold RAPT's {m} plain tokens, "
-                             "[CLS], [SEP] and the text (at least 8 text tokens)")
-
     def plan(self, cfg, n_train, delta, epsilon=None):
-        block = self.settings(cfg)
+        block = settings_of(cfg, self)
         guarantee = self.guarantee(cfg)
-        return MethodPlan(self.name, guarantee, n_train, delta,
+        return MethodPlan(self.spec.name, guarantee, n_train, delta,
                           params={"rapt.eta": block.eta, "rapt.tuning": block.tuning,
                                   "rapt.reconstruction": str(block.reconstruction).lower(),
                                   "rapt.plain_tokens": block.plain_tokens if block.reconstruction else 0,
@@ -170,12 +162,12 @@ class Rapt(Method):
             raise
         except (ValueError, KeyError, IndexError) as exc:
             raise ConfigError(explain_classifier_error(exc, cfg.models.local, "models.local")) from None
-        check_positions(cfg, bb.max_positions, self.settings(cfg).n_tokens, cfg.models.local, "models.local")
+        check_positions(cfg, bb.max_positions, settings_of(cfg, self).n_tokens, cfg.models.local, "models.local")
 
     def prepare(self, ctx, progress=None):
         """The reconstruction head's vocabulary: the most frequent token ids of PUBLIC text."""
-        block = self.settings(ctx.cfg)
-        if not self.uses_public_data(ctx.cfg):
+        block = settings_of(ctx.cfg, self)
+        if not uses_public_data(ctx.cfg):
             return {}
         from .encoding import default_plain_ids
         from .head import reconstruction_vocab
@@ -196,7 +188,7 @@ class Rapt(Method):
     def _plain(self, cfg, tokenizer):
         from .encoding import default_plain_ids
 
-        return default_plain_ids(tokenizer, self.settings(cfg).plain_tokens, cfg.seed)
+        return default_plain_ids(tokenizer, settings_of(cfg, self).plain_tokens, cfg.seed)
 
     # ---- the model side: privatized ids only --------------------------------------------------
     @staticmethod
@@ -231,7 +223,7 @@ class Rapt(Method):
 
         from ...methodkit.classifiers import label_indices
 
-        block = self.settings(cfg)
+        block = settings_of(cfg, self)
         data = self.load_privatized(privatized_path)
         bb = load_backbone(cfg.models.local, seed=cfg.seed, placement=cfg.models.placement_of(cfg.models.local))
         kind = PrefixPrompt if block.tuning == "prefix" else SoftPrompt
@@ -259,7 +251,7 @@ class Rapt(Method):
         from .privatize import BackbonePrivatizer
         from models.backbones import load_backbone
 
-        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        cfg, block = mctx.cfg, settings_of(mctx.cfg, self)
         bb = load_backbone(cfg.models.local, seed=cfg.seed, placement=cfg.models.placement_of(cfg.models.local))
         plain = self._plain(cfg, bb.tokenizer)
         encoding = encode_rapt(bb.tokenizer, texts, plain, cfg.models.max_length)
@@ -309,7 +301,7 @@ class Rapt(Method):
     def train(self, mctx, plan, rows, progress=None):
         from .encoding import replaced_share
 
-        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        cfg, block = mctx.cfg, settings_of(mctx.cfg, self)
         directory = mctx.output_dir or (mctx.paths.private / "rapt")
         path = directory / "rapt_privatized_train.pt"
         data, encoding = self.shared_draw(mctx, rows.texts, "train", 3, path)  # local side
@@ -342,7 +334,7 @@ class Rapt(Method):
 
         from ...data import public_texts
 
-        cfg, block = mctx.cfg, self.settings(mctx.cfg)
+        cfg, block = mctx.cfg, settings_of(mctx.cfg, self)
         inference = model.inference()
         bb = inference._backbone
         privatizer = BackbonePrivatizer(bb)
@@ -389,3 +381,13 @@ class Rapt(Method):
         classifier = self._classifier(cfg, prompt, data.n_plain).inference()
         predictions = classifier.predict(self.load_privatized(path), batch_size=cfg.models.eval_batch_size)
         return float((predictions == label_indices(names, cfg.data.labels)).float().mean())
+
+
+_RAPT = Rapt()
+RAPT = register_method(MethodSpec(
+    name="rapt", config_class=RaptConfig, mechanism=_RAPT, label="RAPT",
+    # its model only takes privatized inputs: the attacks of the mechanism measure it
+    traits=Traits(supports_loss_mia=False,
+                  test_settings={"plain_tokens": 4, "head_vocab": 60, "n_tokens": 2, "steps": 2, "batch_size": 4}),
+    report=Report(METRICS, SECTIONS, run_label=run_label, ldp_level=ldp_level),
+    extras=Extras(validate=validate, uses_public_data=uses_public_data, evaluate_published=_RAPT.evaluate_published)))

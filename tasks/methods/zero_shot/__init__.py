@@ -1,3 +1,3 @@
 """zero_shot: the model with no prompt (``method.py``)."""
 
-from .method import ZeroShot, ZeroShotConfig  # noqa: F401  (registers the method)
+from .method import ZERO_SHOT, ZeroShotConfig  # noqa: F401  (registers the method)

@@ -115,11 +115,11 @@ def _train(tiny, rows, sigma=None, randomness=None):
 
     cfg, paths = tiny
     method = get_method("dp_fewshot")
-    plan = method.plan(cfg, len(rows), 1e-5)
+    plan = method.mechanism.plan(cfg, len(rows), 1e-5)
     if sigma is not None:
         plan = dataclasses.replace(plan, settings={**plan.settings, "noise_multiplier": sigma})
     mctx = MethodContext(cfg, paths, {}, randomness or DpRandomness(), 0, dataset_key="fewshot")
-    return plan, method.train(mctx, plan, rows)
+    return plan, method.mechanism.train(mctx, plan, rows)
 
 
 OTHER = PrivateRows(["the plot is a mess", "wonderful acting", "i fell asleep", "a delight"] * 5,

@@ -45,9 +45,9 @@ def _bodies(tiny, rows, monkeypatch):
 
     monkeypatch.setattr(generate, "generate_demo", spy)
     method = get_method("dp_fewshot")
-    plan = method.plan(cfg, len(rows), 1e-5)
+    plan = method.mechanism.plan(cfg, len(rows), 1e-5)
     mctx = MethodContext(cfg, paths, {}, DpRandomness(seeded=True, seed=4), 0, dataset_key="fewshot")
-    trained = method.train(mctx, plan, rows)
+    trained = method.mechanism.train(mctx, plan, rows)
     return seen, trained
 
 
@@ -75,7 +75,7 @@ def test_a_text_is_cut_alone_to_the_public_budget(tiny):
 
     cfg, _ = tiny
     engine = causal_engine_for(cfg)
-    block = get_method("dp_fewshot").settings(cfg)
+    block = getattr(cfg.methods, "dp_fewshot")
     budget = demo_token_budget(engine, cfg, block, default_instruction(cfg))
     assert 4 <= budget < 64
     for text in (LONG_WORDS, CJK):
@@ -91,7 +91,7 @@ def test_settings_that_leave_no_room_are_refused_before_any_private_read(tiny, t
     raw = _config(tmp_path, "dp_fewshot")
     raw["methods"]["dp_fewshot"] = {**SETTINGS, "shots": 40}
     with pytest.raises(ConfigError, match="dp_fewshot: shots=40.*no room for a private text.*256 tokens"):
-        get_method("dp_fewshot").preflight(parse_config(raw), None)
+        get_method("dp_fewshot").mechanism.preflight(parse_config(raw), None)
 
 
 @pytest.mark.slow  # SmolLM2's tokenizer from its GGUF package: ≈ 40 s on first load

@@ -101,18 +101,18 @@ def _scripted_counts(monkeypatch, counts_of, seen):
 def test_dp_opt_publishes_the_initial_instruction_when_it_scores_best(tiny, monkeypatch, initial_wins):
     mctx = tiny("dp_opt")
     method = get_method("dp_opt")
-    plan = method.plan(mctx.cfg, len(ROWS), 1e-5)
+    plan = method.mechanism.plan(mctx.cfg, len(ROWS), 1e-5)
     _fake_generation(monkeypatch, ["gen one", "gen two"])
     seen = []
     # counts far apart (the DP-argmax's Gumbel noise has scale 1/ε ≈ 0.13): the best always wins
     _scripted_counts(monkeypatch, lambda c: (1000 if initial_wins else 0) if c == INITIAL else
                      (500 if c == "gen two" else 0), seen)
-    trained = method.train(mctx, plan, ROWS)
+    trained = method.mechanism.train(mctx, plan, ROWS)
     assert seen == [["gen one", "gen two", INITIAL, ""]]  # the vote counted the initial and no instruction
     assert trained.prompt.instruction == (INITIAL if initial_wins else "gen two")
     # the event is the plan's (the extra public candidate costs nothing)
     assert acct.spend(trained.event, 1e-5).epsilon <= acct.spend(plan.event, 1e-5).epsilon * (1 + 1e-9)
-    choice = method.chosen(mctx, plan, trained.metrics)
+    choice = method.mechanism.chosen(mctx, plan, trained.metrics)
     assert choice.params == {"prompt.source": "initial" if initial_wins else "generated"}
     assert choice.meta["prompt.source"] == choice.params["prompt.source"]
 
@@ -121,11 +121,11 @@ def test_dp_opt_publishes_the_initial_instruction_when_it_scores_best(tiny, monk
 def test_dp_opt_with_nothing_generated_votes_between_the_initial_and_no_instruction(tiny, monkeypatch, winner):
     mctx = tiny("dp_opt")
     method = get_method("dp_opt")
-    plan = method.plan(mctx.cfg, len(ROWS), 1e-5)
+    plan = method.mechanism.plan(mctx.cfg, len(ROWS), 1e-5)
     _fake_generation(monkeypatch, [])
     seen = []
     _scripted_counts(monkeypatch, lambda c: 1000 if c == winner else 0, seen)
-    trained = method.train(mctx, plan, ROWS)
+    trained = method.mechanism.train(mctx, plan, ROWS)
     assert seen == [[INITIAL, ""]] and trained.prompt.instruction == winner
     assert source_of(trained.metrics) == ("initial" if winner else "none")
 
@@ -134,14 +134,14 @@ def test_dp_opt_with_nothing_generated_votes_between_the_initial_and_no_instruct
 def test_opt_and_dln1_select_the_initial_instruction_too(tiny, monkeypatch, name, scorer):
     mctx = tiny(name)
     method = get_method(name)
-    plan = method.plan(mctx.cfg, len(ROWS), 1e-5)
-    monkeypatch.setattr(type(method), "_generate", lambda self, m, rows, members, t: (None, ["g1", "g2"], INITIAL))
+    plan = method.mechanism.plan(mctx.cfg, len(ROWS), 1e-5)
+    monkeypatch.setattr(type(method.mechanism), "_generate", lambda self, m, rows, members, t: (None, ["g1", "g2"], INITIAL))
     monkeypatch.setattr(dpopt_method, "_leakage", lambda cfg, cands, texts, progress=None: {})
     seen = []
     monkeypatch.setattr(text_prompts, scorer, lambda engine, cfg, cands, texts, labels, *a: (
         seen.append(list(cands)) or np.array([5.0 if c == INITIAL else 1.0 for c in cands])))
-    trained = method.train(mctx, plan, ROWS)
+    trained = method.mechanism.train(mctx, plan, ROWS)
     assert seen == [["g1", "g2", INITIAL, ""]] and trained.prompt.instruction == INITIAL
     # beside another published method, the baseline's source is labelled under its own name
     other = SimpleNamespace(cfg=SimpleNamespace(method="dp_opt"))
-    assert method.chosen(other, plan, trained.metrics).params == {f"audit.baseline.{name}.prompt.source": "initial"}
+    assert method.mechanism.chosen(other, plan, trained.metrics).params == {f"audit.baseline.{name}.prompt.source": "initial"}

@@ -41,7 +41,7 @@ def _members(cfg, engine, rows):
     """One query's meta-prompt bodies (q = 1: every row joins a member), the same secret draws."""
     from tasks.methods.dp_opt.method import _Proposer
 
-    block = get_method("dp_opt").settings(cfg)
+    block = getattr(cfg.methods, "dp_opt")
     proposer = _Proposer(engine, cfg, block, INSTRUCTION, rows, np.random.default_rng(3),
                          np.random.default_rng(4), 1.0)
     return proposer.draw_bodies(), block
@@ -103,4 +103,4 @@ def test_settings_that_leave_no_room_are_refused_before_any_private_read(tmp_pat
     raw = _config(tmp_path, "dp_opt")
     raw["methods"]["dp_opt"] = {**raw["methods"]["dp_opt"], "demos": 5, "max_new_tokens": 30}
     with pytest.raises(ConfigError, match="dp_opt: up to 10 demos per meta-prompt.*context of 256 tokens"):
-        get_method("dp_opt").preflight(parse_config(raw), None)
+        get_method("dp_opt").mechanism.preflight(parse_config(raw), None)

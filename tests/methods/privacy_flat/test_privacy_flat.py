@@ -161,17 +161,17 @@ def test_guarantee_labels_follow_the_settings(tmp_path):
             "methods": {"privacy_flat": {"flat": flat}}})
 
     method = get_method("privacy_flat")
-    assert method.guarantee(cfg({})) == "dp"
-    assert method.guarantee(cfg({"sparse": True, "sparse_data": "public"})) == "dp"
+    assert method.mechanism.guarantee(cfg({})) == "dp"
+    assert method.mechanism.guarantee(cfg({"sparse": True, "sparse_data": "public"})) == "dp"
     for flat in ({"awp": True}, {"sparse": True}, {"regularizer": True, "lambda": 0.02}):
         c = cfg(flat)
-        assert method.guarantee(c) == "none"
-        plan = method.plan(c, 100, 1e-5)
+        assert method.mechanism.guarantee(c) == "none"
+        plan = method.mechanism.plan(c, 100, 1e-5)
         assert plan.event is None and "without noise" in plan.note
     with pytest.raises(ValueError, match="allow_nonprivate_baselines"):
         cfg({"awp": True}, allow=False)
     assert cfg({"regularizer": True, "lambda": 0.02}).methods.privacy_flat.flat.lam == 0.02
-    params = method.plan(cfg({"awp": True}), 100, 1e-5).params
+    params = method.mechanism.plan(cfg({"awp": True}), 100, 1e-5).params
     assert {"flat.awp", "flat.sparse", "flat.regularizer", "flat.lambda", "flat.awp_epochs", "flat.layers"} <= set(params)
 
 
@@ -192,10 +192,10 @@ def test_dpzero_regulariser_is_labelled_none_and_pulls_toward_w_nor(tmp_path):
             "methods": {"dpzero": dpzero}})
 
     method = get_method("dpzero")
-    assert method.guarantee(cfg({})) == "dp" and method.plan(cfg({}), 100, 1e-5).event is not None
+    assert method.mechanism.guarantee(cfg({})) == "dp" and method.mechanism.plan(cfg({}), 100, 1e-5).event is not None
     reg = cfg({"regularizer": True, "lambda": 0.05})
-    plan = method.plan(reg, 100, 1e-5)
-    assert method.guarantee(reg) == "none" and plan.event is None and plan.params["flat.lambda"] == 0.05
+    plan = method.mechanism.plan(reg, 100, 1e-5)
+    assert method.mechanism.guarantee(reg) == "none" and plan.event is None and plan.params["flat.lambda"] == 0.05
     assert run_label(method, reg) == "dpzero+regularizer"
     # the privacy_flat labels name the rungs
     pf = get_method("privacy_flat")
@@ -217,10 +217,12 @@ def test_prefix_settings_that_do_not_fit_the_model_are_refused_before_any_budget
         "method": "privacy_flat", "experiment": "x", "state_dir": str(tmp_path), "allow_nonprivate_baselines": True,
         "data": {"name": "sst2", "labels": LABELS}, "models": {"local": "tiny-bert"},
         "methods": {"privacy_flat": {"flat": {"sparse": True, "layers": 99}}}})
+    mechanism = get_method("privacy_flat").mechanism
     with pytest.raises(ConfigError, match="flat.layers = 99"):
-        get_method("privacy_flat").prepare(SimpleNamespace(cfg=cfg))
+        mechanism.preflight(cfg, None)  # the flow's preflight, before any reservation
     ok = parse_config({**cfg.model_dump(mode="json"), "methods": {"privacy_flat": {"flat": {"sparse": True, "layers": 1}}}})
-    assert get_method("privacy_flat").prepare(SimpleNamespace(cfg=ok)) == {}
+    mechanism.preflight(ok, None)
+    assert mechanism.prepare(SimpleNamespace(cfg=ok)) == {}  # nothing to prepare: the checks run once, in preflight
 
 
 def test_private_sharpness_selection_publishes_nothing_of_it(toy, monkeypatch, tmp_path):
@@ -239,10 +241,10 @@ def test_private_sharpness_selection_publishes_nothing_of_it(toy, monkeypatch, t
         "data": {"name": "sst2", "labels": LABELS}, "models": {"local": "tiny-bert"},
         "methods": {"privacy_flat": {"n_tokens": 2, "flat": {"sparse": True, "layers": 1, "sharpness_examples": 8}}}})
     method = get_method("privacy_flat")
-    plan = method.plan(cfg, 16, 1e-5)
+    plan = method.mechanism.plan(cfg, 16, 1e-5)
     rows = PrivateRows([f"text {i}" for i in range(16)], [LABELS[i % 2] for i in range(16)])
     calls = []
-    out = method.step_additions(SimpleNamespace(cfg=cfg, seed=0, paths=None), plan, rows,
+    out = method.mechanism.step_additions(SimpleNamespace(cfg=cfg, seed=0, paths=None), plan, rows,
                               progress=lambda *a: calls.append(a))
     assert not calls and not any(k.startswith("flat.layer") for k in out["metrics"])
     assert any("flat.sharpness_round" in h for h in out["history"])
@@ -273,7 +275,7 @@ def test_flatness_diagnostics_size_is_a_setting_and_zero_turns_them_off(tmp_path
     prompt = save_prompt_file(tmp_path, "prefix", torch.randn(shape) * 0.1, {})
     ctx = SimpleNamespace(part=SimpleNamespace(test_path=str(test)))
     method = get_method("prefix_dpsgd")
-    assert method.diagnostics(ctx, str(prompt), SimpleNamespace(cfg=cfg(0))) == {}
-    out = method.diagnostics(ctx, str(prompt), SimpleNamespace(cfg=cfg(5)))
+    assert method.extras.diagnostics(ctx, str(prompt), SimpleNamespace(cfg=cfg(0))) == {}
+    out = method.extras.diagnostics(ctx, str(prompt), SimpleNamespace(cfg=cfg(5)))
     assert "flatness.sharpness" in out["metrics"] and "plots/flatness.png" in out["figures"]
     assert "(5 test examples)" in out["figures"]["plots/flatness.png"].axes[0].get_ylabel()

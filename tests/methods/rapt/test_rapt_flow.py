@@ -29,7 +29,7 @@ def _config(data, state):
 @pytest.fixture(scope="module")
 def rapt_run(prefect_harness, sst2_dir, tmp_path_factory):
     from flows.method_flow import method_flow
-    from tasks.methods.rapt.method import Rapt
+    from tasks.methods.rapt.method import RAPT, Rapt
 
     root = tmp_path_factory.mktemp("rapt")
     data = _toy_dataset(root / "data", sst2_dir, n_train=80, n_test=30, canaries=[CANARY])
@@ -84,7 +84,7 @@ def test_rapt_output_is_neither_a_peft_adapter_nor_registered_and_says_why(rapt_
 
 @pytest.mark.slow  # suite time: runs with -m slow
 def test_model_side_only_loads_privatized_ids(rapt_run):
-    from tasks.methods.rapt.method import Rapt
+    from tasks.methods.rapt.method import RAPT, Rapt
 
     loaded = rapt_run["loaded"]
     assert len(loaded) == 2  # tuning (train split) and inference (test split)
@@ -121,7 +121,7 @@ def test_variants_share_one_draw_and_report_every_attack(rapt_run):
     """A second run with prefix tuning and no reconstruction on the same data and η reuses the
     first run's privatization (its inputs are the same draw with the plain positions dropped)."""
     from flows.method_flow import method_flow
-    from tasks.methods.rapt.method import Rapt
+    from tasks.methods.rapt.method import RAPT, Rapt
 
     state = rapt_run["state"]
     cfg = _config(state.parent / "data", state)
@@ -216,7 +216,7 @@ def test_a_split_without_text_tokens_is_drawn_like_any_other(tmp_path):
     from types import SimpleNamespace
 
     from tasks.config import parse_config
-    from tasks.methods.rapt.method import Rapt
+    from tasks.methods.rapt.method import RAPT, Rapt
     from tasks.randomness import DpRandomness
     from privacy.ledger import Ledger
     from tasks.state import installation_secret, state_paths
@@ -229,7 +229,7 @@ def test_a_split_without_text_tokens_is_drawn_like_any_other(tmp_path):
     mctx = SimpleNamespace(cfg=cfg, paths=paths, randomness=DpRandomness(seeded=False), dataset_key="toy-key",
                            output_dir=tmp_path / "out")
     for texts in (["", "   "], []):
-        data, encoding = Rapt().shared_draw(mctx, texts, "train", 3, tmp_path / "out" / f"{len(texts)}.pt")
+        data, encoding = RAPT.mechanism.shared_draw(mctx, texts, "train", 3, tmp_path / "out" / f"{len(texts)}.pt")
         assert len(data) == len(texts) and not bool(encoding["text_mask"].any())
     assert ledger.dataset("toy-key")["ldp_releases"] == 2  # each draw its own release, as any other
 
@@ -241,7 +241,7 @@ def test_every_draw_made_is_its_own_release(tmp_path):
 
     from privacy.ledger import Ledger
     from tasks.config import parse_config
-    from tasks.methods.rapt.method import Rapt
+    from tasks.methods.rapt.method import RAPT, Rapt
     from tasks.randomness import DpRandomness
     from tasks.state import installation_secret, state_paths
 
@@ -253,14 +253,14 @@ def test_every_draw_made_is_its_own_release(tmp_path):
     mctx = SimpleNamespace(cfg=cfg, paths=paths, randomness=DpRandomness(seeded=False), dataset_key="toy-key",
                            output_dir=tmp_path / "out")
     texts = ["a private review of a film", "another private review", "the third one"]
-    first, _ = Rapt().shared_draw(mctx, texts, "train", 3, tmp_path / "out" / "a.pt")
-    again, _ = Rapt().shared_draw(mctx, texts, "train", 3, tmp_path / "out" / "b.pt")  # read back: no release
+    first, _ = RAPT.mechanism.shared_draw(mctx, texts, "train", 3, tmp_path / "out" / "a.pt")
+    again, _ = RAPT.mechanism.shared_draw(mctx, texts, "train", 3, tmp_path / "out" / "b.pt")  # read back: no release
     assert torch.equal(first.input_ids, again.input_ids)
     ds = ledger.dataset("toy-key")
     assert ds["ldp_releases"] == 1 and ds["ldp_eta_bound"] == pytest.approx(20.0)
     (stored,) = (paths.root / "outputs" / "rapt-draws").glob("train-*.pt")
     stored.unlink()  # the draw is made afresh: a second, independent release of the same texts
-    Rapt().shared_draw(mctx, texts, "train", 3, tmp_path / "out" / "c.pt")
+    RAPT.mechanism.shared_draw(mctx, texts, "train", 3, tmp_path / "out" / "c.pt")
     ds = ledger.dataset("toy-key")
     assert ds["ldp_releases"] == 2 and ds["ldp_eta_bound"] == pytest.approx(40.0)
     draws = [e for e in ledger.entries() if e["kind"] == "ldp"]
@@ -276,7 +276,7 @@ def test_a_draw_is_recorded_in_the_runs_ledger_also_a_team_ledger(tmp_path):
 
     from privacy.ledger.store import sqlite_url
     from tasks.config import parse_config
-    from tasks.methods.rapt.method import Rapt
+    from tasks.methods.rapt.method import RAPT, Rapt
     from tasks.randomness import DpRandomness
     from tasks.state import state_paths
 
@@ -288,7 +288,7 @@ def test_a_draw_is_recorded_in_the_runs_ledger_also_a_team_ledger(tmp_path):
     ledger.register_dataset("toy-key", "toy", 10.0, 1e-5)
     mctx = SimpleNamespace(cfg=cfg, paths=paths, randomness=DpRandomness(seeded=False), dataset_key="toy-key",
                            output_dir=tmp_path / "out")
-    Rapt().shared_draw(mctx, ["a private review of a film", "another one"], "train", 3, tmp_path / "out" / "a.pt")
+    RAPT.mechanism.shared_draw(mctx, ["a private review of a film", "another one"], "train", 3, tmp_path / "out" / "a.pt")
     assert paths.open_ledger().dataset("toy-key")["ldp_releases"] == 1
     assert not paths.ledger.exists()  # nothing in the state folder's own file
 

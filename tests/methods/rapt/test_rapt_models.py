@@ -415,9 +415,9 @@ def test_run_label_names_a_reconstruction_weight_other_than_the_papers():
     assert run_label(method, load_config(path)) == "rapt[prompt+reconstruction]"
     cfg = load_config(path, ["methods.rapt.reconstruction_weight=0.1", "methods.rapt.tuning=prefix"])
     assert run_label(method, cfg) == "rapt[prefix+reconstruction λ=0.1]"
-    assert method.plan(cfg, 100, 1e-5).params["rapt.reconstruction_weight"] == 0.1
+    assert method.mechanism.plan(cfg, 100, 1e-5).params["rapt.reconstruction_weight"] == 0.1
     cfg = load_config(path, ["methods.rapt.reconstruction=false"])
-    assert run_label(method, cfg) == "rapt[prompt]" and method.plan(cfg, 100, 1e-5).params[
+    assert run_label(method, cfg) == "rapt[prompt]" and method.mechanism.plan(cfg, 100, 1e-5).params[
         "rapt.reconstruction_weight"] == 0.0
 
 
