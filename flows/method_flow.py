@@ -23,6 +23,7 @@ from flows.parent_run import parent_run
 from tasks import pipeline, statement
 from tasks.config import ParsedConfig, PrivPromptConfig, load_config, parse_config
 from tasks.charge import check_budget, refusals_to_operator, resolve_partition
+from tasks.method_checks import guarantee_of
 from tasks.methods import MethodSpec
 from tasks.outcome import RunOutcome
 from tasks.preflight import preflight
@@ -104,7 +105,7 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
     """``config``: a parsed config, a config dict, or the path of a YAML config (deployments);
     parsed once, here, and passed to every task as it is (frozen)."""
     cfg = parsed_config(config, overrides)
-    with parent_run(cfg, "method", cfg.method, cfg.guarantee,
+    with parent_run(cfg, "method", cfg.method, guarantee_of(cfg),
                     params={"privacy.dataset_epsilon_cap": cfg.privacy.dataset_epsilon_cap}) as run:
         part = partition(cfg, run.paths, default_data_root(cfg.data_root))
         # the ledger dataset its source is charged to (by its records; refused when they lie in several

@@ -12,6 +12,7 @@ from tasks import plots
 from tasks.comparison import mean_std
 from tasks.config import ParsedConfig, PrivPromptConfig, sweep_variants, variant_group
 from tasks.errors import ConfigError
+from tasks.method_checks import guarantee_of
 from tasks.planning import format_plan, plan_runs
 from tasks.prefect_tasks import dask_task_runner
 from tasks.charge import refusals_to_operator
@@ -110,7 +111,7 @@ def finished_run(mlflow, experiment: str, digest: str):
 
 def _row(label: str, variant, run_id: str, metrics: dict, resumed: bool) -> dict:
     row = {"variant": label, "method": variant.method, "mlflow_run_id": run_id,
-           "privacy.guarantee": variant.guarantee, "seed": variant.seed, "resumed": resumed,
+           "privacy.guarantee": guarantee_of(variant), "seed": variant.seed, "resumed": resumed,
            "privacy.delta": metrics.get("privacy.delta"), "unit": variant.data.charge_unit}
     row.update({k: metrics.get(k) for k in COLUMNS})
     row.update({k: v for k, v in metrics.items() if _accuracy_column(k)})

@@ -175,57 +175,10 @@ class PrivPromptConfig(Block):
 
     @model_validator(mode="after")
     def _consistent(self):
-        from .methods import get_method, registered_methods
+        from .methods import registered_methods
 
         if self.method not in registered_methods():
             raise ValueError(f"method {self.method!r} is not registered; choose one of {registered_methods()}")
-        methods = {name: get_method(name) for name in self.run_methods}
-        if self.models.endpoints:
-            if not self.data.test_shareable:
-                raise ValueError("models.endpoints: a remote endpoint would receive the test split, which is private "
-                                 "unless data.test_shareable: true says it may leave this machine")
-            published = methods[self.method]
-            if published.prompt_kind != "text":
-                raise ValueError(f"models.endpoints: method {self.method} publishes a "
-                                 f"{published.prompt_kind} prompt; only text prompts go to an endpoint")
-            for endpoint in self.models.endpoints:
-                ids = endpoint.label_token_ids
-                if ids is not None and len(ids) != len(self.data.labels):
-                    raise ValueError(f"models.endpoints ({endpoint.alias}): label_token_ids has {len(ids)} ids for "
-                                     f"{len(self.data.labels)} labels (data.labels order)")
-                if ids is not None and len(set(ids)) != len(ids):
-                    raise ValueError(f"models.endpoints ({endpoint.alias}): label_token_ids repeats an id: two labels "
-                                     "would be one answer")
-            if published.traits.reads_private and published.mechanism.guarantee(self) == "none":
-                raise ValueError(f"models.endpoints: method {self.method} has no formal guarantee (privacy.guarantee="
-                                 "none) and its prompt is built from private training rows (e.g. demonstrations "
-                                 "verbatim): it never leaves this machine; only a published dp or ldp prompt (or one "
-                                 "that reads no private data) goes to an endpoint")
-        # the published method always runs, whatever its `enabled` says; baselines are the enabled others
-        for name, method in methods.items():
-            if self.data.user_unit and method.mechanism.guarantee(self) == "dp" and not method.traits.unit_level:
-                raise ValueError(f"data.privacy_unit: {self.data.privacy_unit!r} makes a person the privacy unit, and "
-                                 f"methods.{name} bounds only one record's contribution (no per-unit mechanism): use "
-                                 "data.privacy_unit: record, or another method")
-            if self.data.group_size and method.mechanism.guarantee(self) == "ldp":
-                raise ValueError(f"methods.{name} is local DP (ldp, no (ε, δ) event): a record-level run on a dataset of "
-                                 f"people (data.person_field: {self.data.person_field}) is charged a group-privacy bound per "
-                                 "person, which an ldp run has none of; refused: use data.privacy_unit: "
-                                 f"{self.data.person_field} (its per-unit bound) or another method")
-            method.extras.validate(self, name == self.method)
-            if method.extras.uses_public_data(self) and self.public is None:
-                raise ValueError(f"public: method {name} needs a public dataset (the `public:` block)")
-            if (method.traits.reads_private and method.mechanism.guarantee(self) == "none"
-                    and not self.allow_nonprivate_baselines):
-                why = ("debug_seeded_dp_randomness derives the DP noise from the logged seed"
-                       if self.debug_seeded_dp_randomness and method.mechanism.guarantee(self.model_copy(
-                           update={"debug_seeded_dp_randomness": False})) != "none"
-                       else f"methods.{name} trains on private data without a formal guarantee")
-                raise ValueError(f"{why}: set allow_nonprivate_baselines: true to opt in")
-        if self.selection.enabled:
-            from .selection import check_selection_config
-
-            check_selection_config(self, methods[self.method])
         return self
 
     @property
@@ -236,13 +189,6 @@ class PrivPromptConfig(Block):
         baselines = [m for m in registered_methods()
                      if m != self.method and getattr(getattr(self.methods, m), "enabled", False)]
         return baselines + [self.method]
-
-    @property
-    def guarantee(self) -> str:
-        """The published method's guarantee (``dp`` | ``ldp`` | ``none``), from its settings."""
-        from .methods import get_method
-
-        return get_method(self.method).mechanism.guarantee(self)
 
     @property
     def experiment_name(self) -> str:
@@ -300,9 +246,16 @@ def parse_config(raw: dict) -> PrivPromptConfig:
     if not isinstance(raw, dict):
         raise ConfigError("invalid config: the top level must be a mapping of keys")
     try:
-        return PrivPromptConfig.model_validate(raw)
+        cfg = PrivPromptConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_error(err)) from None
+    from .method_checks import check_methods
+
+    try:
+        check_methods(cfg)
+    except ValueError as exc:
+        raise ConfigError(f"invalid config: <root>: Value error, {exc}") from None
+    return cfg
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PrivPromptConfig:

@@ -208,12 +208,13 @@ def test_missing_required_key_and_bad_files(tmp_path):
 
 def test_sweep_variants_are_validated_up_front():
     from tasks.config import sweep_variants
+    from tasks.method_checks import guarantee_of
 
     raw = {"data": {"name": "sst2", "labels": ["a", "b"]}, "models": {"local": "minilm"},
            "allow_nonprivate_baselines": True,
            "sweep": [{"method": "prompt_sgd"}, {"privacy.target_epsilon": 1.0, "seed": 3}]}
     (l1, v1), (l2, v2) = sweep_variants(parse_config(raw))
-    assert (v1.method, v1.guarantee) == ("prompt_sgd", "none")
+    assert (v1.method, guarantee_of(v1)) == ("prompt_sgd", "none")
     assert (v2.method, v2.privacy.target_epsilon, v2.seed) == ("prompt_dpsgd", 1.0, 3)
     assert l2 == "privacy.target_epsilon=1.0,seed=3" and not v1.sweep
     raw["sweep"].append({"privacy.target_epsilon": -2})
