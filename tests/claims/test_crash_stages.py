@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_flow import _config, _mlflow, _toy_dataset
+from tests.pipeline.test_flow import _config, _mlflow, _toy_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 METHOD = "prompt_dpsgd"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tasks import neighbours
-from test_neighbour_harness import BASE_TEST, BASE_TRAIN, KEY, UNITS, _config, _source, neighbours_of
+from tests.claims.test_neighbour_harness import BASE_TEST, BASE_TRAIN, KEY, UNITS, _config, _source, neighbours_of
 
 QUERIES = ["a good film , warm and fine", "dull , awful and cold", "great"]
 

@@ -80,7 +80,7 @@ def neighbours_of(unit: str) -> dict[str, SourceData]:
 @pytest.fixture(scope="module")
 def toy_plugin(tmp_path_factory):
     """The toy method package of tests/methods/test_toy_method.py, written outside the project and imported."""
-    from test_toy_method import NAME, PACKAGE
+    from tests.methods.test_toy_method import NAME, PACKAGE
 
     from tasks.methods import unregister_method
 

@@ -22,7 +22,7 @@ from tasks import neighbours, no_prompt
 from tasks.methodkit import holdout as holdout_scoring
 from tasks.methods import PrivateRows
 
-from test_neighbour_harness import UNITS, _config, _plan, check_release, fast_calibration  # noqa: F401
+from tests.claims.test_neighbour_harness import UNITS, _config, _plan, check_release, fast_calibration  # noqa: F401
 
 
 # ---- the mechanism ----------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def test_the_harness_checks_the_comparison_under_every_unit(tmp_path, fast_calib
     assert release.sensitivity == float(cfg.data.group_size or 1) and release.unit == plan.charge_unit
     assert check_release(release, cfg, unit) == []
     # and the bound is reached: some neighbour (one landing in the holdout) moves D by exactly it
-    from test_neighbour_harness import BASE_TEST, BASE_TRAIN, KEY, _source, neighbours_of
+    from tests.claims.test_neighbour_harness import BASE_TEST, BASE_TRAIN, KEY, _source, neighbours_of
 
     base = neighbours.no_prompt_difference(_source(BASE_TRAIN, BASE_TEST), cfg, KEY)
     moved = [abs(float((neighbours.no_prompt_difference(d, cfg, KEY) - base)[0])) for d in neighbours_of(unit).values()]
@@ -208,7 +208,7 @@ class _Child:
 
 def _context_without_tracking(root: Path, sst2_dir: Path, monkeypatch):
     """The door's context on a toy partition (test_release_once's), MLflow replaced by a no-op child."""
-    from test_flow import _config as flow_config, _toy_dataset
+    from tests.pipeline.test_flow import _config as flow_config, _toy_dataset
 
     from tasks import recording
     from tasks.config import parse_config
@@ -292,7 +292,7 @@ def test_the_decision_and_what_the_summary_says():
 
 
 def test_the_summary_mlflow_and_the_report_say_it_fell_back():
-    from test_run_statement import _Parent, _summary
+    from tests.pipeline.test_run_statement import _Parent, _summary
 
     from tasks.comparison import comparison_table
     from tasks.outcome import RunOutcome

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_flow import _config, _mlflow, _toy_dataset
+from tests.pipeline.test_flow import _config, _mlflow, _toy_dataset
 
 # metric names a DP run may publish: accountant output, counts fixed by the plan or by the secret
 # sampling, accuracy on the test split (the run record), and labelled audit statistics (mia.*)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from test_flow import _config, _mlflow, _toy_dataset
+from tests.pipeline.test_flow import _config, _mlflow, _toy_dataset
 
 
 def _mode(path) -> int:

@@ -52,7 +52,7 @@ UNITS = {
 
 
 def _raw(tmp_path, unit: str, mode: str, metric: str) -> dict:
-    from test_flow import _config
+    from tests.pipeline.test_flow import _config
 
     raw = _config(tmp_path / "data", tmp_path / "state")
     raw["data"].update(UNITS[unit])
@@ -376,8 +376,8 @@ def test_a_user_level_selection_trains_its_candidates_and_publishes_one(tmp_path
     from tasks.record import RunRecord, client, ensure_experiment
     from tasks.stages import StageContext
     from tasks.state import SECRET_NAME, state_paths
-    from test_flow import _config
-    from test_release_once import _dp_entries, _published_prompts
+    from tests.pipeline.test_flow import _config
+    from tests.claims.test_release_once import _dp_entries, _published_prompts
 
     # DP-SGD's σ at a fixed value (its calibration is tested in test_accountant.py): the trials' ε, the
     # selection's and the ledger's are still the accountant's, and the plan still checks them

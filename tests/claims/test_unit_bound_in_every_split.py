@@ -46,7 +46,7 @@ def test_a_plan_refuses_two_units_on_one_dataset_as_the_runs_would(tmp_path):
     from tasks.config import parse_config
     from tasks.planning import plan_runs
     from tasks.state import state_paths
-    from test_flow import _config
+    from tests.pipeline.test_flow import _config
 
     data = tmp_path / "people"
     data.mkdir()

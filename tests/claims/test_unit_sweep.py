@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from test_flow import _config, _mlflow
+from tests.pipeline.test_flow import _config, _mlflow
 
 K = 2
 SIZES = [1, 2, 3, 5, 8, 1, 1, 4, 2, 6, 1, 3, 2, 1, 7, 2, 1, 1, 3, 2] * 3  # records per synthetic person (60 people)

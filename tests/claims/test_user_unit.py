@@ -13,7 +13,7 @@ from tasks.config import DataConfig
 from tasks.data import (partition_dataset, read_partition_split, read_partition_units, split_sizes,
                         unit_digests)
 from tasks.errors import DataError
-from test_neighbour_stable_splits import _write  # the same JSONL source writer
+from tests.claims.test_neighbour_stable_splits import _write  # the same JSONL source writer
 
 SIZES = [1, 1, 2, 3, 5, 8, 13, 21, 2, 1, 4, 1, 7, 1, 1, 3, 40, 2, 1, 6]  # records per user
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from test_flow import _config
+from tests.pipeline.test_flow import _config
 
 N_TRAIN, N_TEST = 120, 20
 
@@ -343,7 +343,7 @@ def test_a_flow_on_a_copy_is_tagged_and_charged_as_the_registered_dataset(prefec
     on single records: published, it would tell one record's presence), and no ledger totals; its
     record digests reach neither MLflow nor Prefect (they stay in the ledger and under private/)."""
     from flows.method_flow import method_flow
-    from test_flow import _mlflow
+    from tests.pipeline.test_flow import _mlflow
 
     state = tmp_path / "state"
     part, _, ledger = _charge(_data_cfg(sources["jsonl"], "toy-sst2", state))
@@ -398,7 +398,7 @@ def test_the_record_rule_on_a_postgres_ledger(tmp_path, request):
 
 
 def _postgres_fixture():
-    from test_ledger_team import postgres  # noqa: F401 - the throwaway cluster fixture
+    from tests.ledger.test_ledger_team import postgres  # noqa: F401 - the throwaway cluster fixture
 
     return postgres
 

@@ -35,7 +35,7 @@ from privacy.ledger import Ledger, LedgerKeyError, key_id_of
 from privacy.ledger.schema import RECORD_DIGEST_BYTES
 from tasks.data import record_digests, records_key
 from tasks.state import export_key, import_key, installation_secret, state_paths, team_key
-from test_dataset_records import _charge, _data_cfg, _write
+from tests.ledger.test_dataset_records import _charge, _data_cfg, _write
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 _spec = importlib.util.spec_from_file_location("make_schema6_team_ledger", FIXTURES / "make_schema6_team_ledger.py")
@@ -415,7 +415,7 @@ def test_ledger_json_out_writes_a_new_0600_file_whatever_the_umask(tmp_path, mon
 
 # ---- PostgreSQL (-m servers) ------------------------------------------------------------------------
 
-from test_ledger_team import postgres  # noqa: E402,F401  (the throwaway cluster)
+from tests.ledger.test_ledger_team import postgres  # noqa: E402,F401  (the throwaway cluster)
 
 
 @pytest.mark.servers

@@ -4,7 +4,7 @@ and leaves no MLflow run; grids expand; resumable sweeps skip finished variants;
 
 import pytest
 
-from test_flow import _config, _mlflow, _toy_dataset
+from tests.pipeline.test_flow import _config, _mlflow, _toy_dataset
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_flow import _config, _toy_dataset
-from test_release_once import Crash, _context
+from tests.pipeline.test_flow import _config, _toy_dataset
+from tests.claims.test_release_once import Crash, _context
 
 REPO = Path(__file__).resolve().parents[2]
 SENTENCES = {"negative": "The movie was bad", "positive": "The movie was good"}

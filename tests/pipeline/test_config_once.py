@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import pytest
 from pydantic import Field
-from test_flow import _config, _toy_dataset
+from tests.pipeline.test_flow import _config, _toy_dataset
 
 TOY = "toy_late_block"
 

@@ -15,8 +15,8 @@ from privacy import accountant as acct
 from privacy.events import ComposedEvent
 from privacy.ledger import Ledger
 from tasks.dp_icl import COMPARISONS_FILE, batch_event, comparison_event
-from test_dp_icl_served import _queries, _write_config
-from test_flow import _toy_dataset
+from tests.pipeline.test_dp_icl_served import _queries, _write_config
+from tests.pipeline.test_flow import _toy_dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

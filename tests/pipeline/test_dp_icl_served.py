@@ -16,7 +16,7 @@ from privacy.events import ComposedEvent
 from privacy.ledger import Ledger
 from tasks.data import ReleasedSizes
 from tasks.dp_icl import batch_event
-from test_flow import _config, _toy_dataset
+from tests.pipeline.test_flow import _config, _toy_dataset
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

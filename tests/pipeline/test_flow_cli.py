@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import key_with_records_in_training
+from tests.conftest import key_with_records_in_training
 
-from test_flow import CANARIES, _config, _mlflow, _toy_dataset
+from tests.pipeline.test_flow import CANARIES, _config, _mlflow, _toy_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -246,7 +246,7 @@ def test_mlflow_models_serve_answers_for_the_production_alias(state, tmp_path):
 
     from privprompt_cli import main
     from tasks.registry_model import Predictor, download_model
-    from test_registry_flow import served_answer
+    from tests.pipeline.test_registry_flow import served_answer
     from tasks.release_gates import PROBE_TEXTS
 
     name = "privprompt.serve.prompt_dpsgd"

@@ -5,7 +5,7 @@ is promoted when the bound holds; the card and the ledger say so."""
 from __future__ import annotations
 
 import pytest
-from test_audit_flow import _audit_config
+from tests.pipeline.test_audit_flow import _audit_config
 
 
 @pytest.fixture(scope="module")

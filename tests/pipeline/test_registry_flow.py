@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from test_flow import _config, _mlflow, _toy_dataset
+from tests.pipeline.test_flow import _config, _mlflow, _toy_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "privprompt.toy-sst2.prompt_dpsgd"

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_promote import GOOD, _aliases, publish, state  # noqa: F401 - the module's fixture
+from tests.pipeline.test_promote import GOOD, _aliases, publish, state  # noqa: F401 - the module's fixture
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 LABELS = ["negative", "positive"]

@@ -206,8 +206,8 @@ def every(tmp_path_factory, sst2_dir):
     from tasks.methodkit import holdout
     from tasks.methods import get_method
     from tasks.pipeline import plan_run
-    from test_release_once import _context
-    from test_selection_lifecycle import failing_train
+    from tests.claims.test_release_once import _context
+    from tests.pipeline.test_selection_lifecycle import failing_train
 
     mp = pytest.MonkeyPatch()
     method_cls = type(get_method("prompt_dpsgd").mechanism)
@@ -238,7 +238,7 @@ def every(tmp_path_factory, sst2_dir):
 def test_lifecycle_one_entry_whose_epsilon_is_the_larger_branch_by_dp_accounting(every):
     from dp_accounting.pld import pld_privacy_accountant as dpa_pld
 
-    from test_release_once import _dp_entries
+    from tests.claims.test_release_once import _dp_entries
 
     ctx, out = every["ctx"], every["out"]
     assert ctx.cfg.selection.mode == "every_candidate" and ctx.cfg.selection.metric == "balanced_accuracy"
@@ -270,8 +270,8 @@ def test_lifecycle_one_entry_whose_epsilon_is_the_larger_branch_by_dp_accounting
 @pytest.mark.slow  # suite time: the every-candidate selection run through the lifecycle (≈ 33 s);
 # its accounting and released counts are checked by the unit tests above by default
 def test_lifecycle_publishes_every_candidates_released_score_and_no_exact_count(every):
-    from test_flow import _mlflow
-    from test_selection_lifecycle import _run_text
+    from tests.pipeline.test_flow import _mlflow
+    from tests.pipeline.test_selection_lifecycle import _run_text
 
     ctx, out = every["ctx"], every["out"]
     m = out.train_metrics

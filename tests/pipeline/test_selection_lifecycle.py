@@ -18,9 +18,9 @@ import pytest
 
 from tasks.methods import get_method, registered_methods
 
-from test_flow import _mlflow
-from test_method_contract import _config as _contract_config
-from test_release_once import _context, _dp_entries, _published_prompts
+from tests.pipeline.test_flow import _mlflow
+from tests.methods.test_method_contract import _config as _contract_config
+from tests.claims.test_release_once import _context, _dp_entries, _published_prompts
 
 CANDIDATES = [{"lr": 0.05}, {"lr": 0.2}]  # lr=0.2 fails to train in the run below (data-independently)
 SELECTION = {"enabled": True, "candidates": CANDIDATES, "expected_trials": 3.0, "mode": "random_stopping",

@@ -17,7 +17,7 @@ from tasks.methods import PrivateRows, get_method
 from tasks.methods.dp_fewshot.events import generation_event
 from tasks.methodkit.keyed_partition import keyed_subsets
 
-from test_method_contract import ROWS, parsed_config
+from tests.methods.test_method_contract import ROWS, parsed_config
 
 
 # ---- the mechanism ------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import key_with_records_in_training
+from tests.conftest import key_with_records_in_training
 
-from test_flow import _mlflow, _toy_dataset
+from tests.pipeline.test_flow import _mlflow, _toy_dataset
 
 pytestmark = pytest.mark.slow  # a flow on a tiny LM: about a minute on 2 shared cores
 

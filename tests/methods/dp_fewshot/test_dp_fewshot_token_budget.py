@@ -12,7 +12,7 @@ import pytest
 from tasks.methods import PrivateRows, get_method
 from tasks.methods.dp_fewshot.generate import generate_demo as REAL_GENERATE_DEMO
 
-from test_method_contract import _config, parsed_config
+from tests.methods.test_method_contract import _config, parsed_config
 
 random.seed(7)
 LONG_WORDS = " ".join("".join(random.choice(string.ascii_letters + string.digits) for _ in range(90))

@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import key_with_records_in_training
+from tests.conftest import key_with_records_in_training
 
-from test_flow import _mlflow, _toy_dataset, assert_baselines_labelled
+from tests.pipeline.test_flow import _mlflow, _toy_dataset, assert_baselines_labelled
 
 CANARY = "zqxv canary heliotrope quokka 2209"
 

@@ -14,7 +14,7 @@ from tasks.methods.dp_opt import text_prompts
 from tasks.methods.dp_opt.templates import initial_instruction
 from tasks.methods.dp_opt.text_prompts import source_of, with_initial
 
-from test_method_contract import ROWS, SHARED, _config
+from tests.methods.test_method_contract import ROWS, SHARED, _config
 
 INITIAL = initial_instruction("sst2")
 

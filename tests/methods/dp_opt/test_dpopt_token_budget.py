@@ -16,7 +16,7 @@ import torch
 from tasks.methods import PrivateRows, get_method
 from tasks.methods.dp_opt import text_prompts
 
-from test_method_contract import SHARED, _config
+from tests.methods.test_method_contract import SHARED, _config
 
 random.seed(11)
 LONG_WORDS = " ".join("".join(random.choice(string.ascii_letters + string.digits) for _ in range(90))

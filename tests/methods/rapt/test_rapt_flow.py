@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import key_with_records_in_training
+from tests.conftest import key_with_records_in_training
 
-from test_flow import _mlflow, _toy_dataset
+from tests.pipeline.test_flow import _mlflow, _toy_dataset
 
 SHARED = Path(__file__).resolve().parents[4] / "shared" / "data"
 CANARY = "zqxv canary wombat ultramarine 7731"
