@@ -151,7 +151,7 @@ def variants_table(method: MethodSpec, accuracies: dict[str, float], published: 
         if prompt_path is None:
             return "-"  # no prompt: nothing learnt from private data
         if guarantee == "none":
-            return "none (upper bound)"
+            return "none (upper bound)" if published.guarantee != "none" else "none"
         return f"ε={epsilon:.2f}" if epsilon is not None else guarantee
 
     rows = ["| method | test accuracy | privacy |", "|---|---:|---|"]

@@ -10,6 +10,7 @@ into a config: the budget travels as an argument.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from privacy import accountant as acct
 from privacy import events as ev
@@ -88,7 +89,9 @@ def plan_for(cfg, name: str, sizes, delta: float | None = None, target_epsilon: 
     target = float(cfg.privacy.target_epsilon if target_epsilon is None else target_epsilon)
 
     def calibration(epsilon: float, delta_share: float):
-        return method.mechanism.plan(cfg, sizes.n_train, delta_share, epsilon=epsilon)
+        # whether the run reads private rows is the method's declared trait, never a plan's own say
+        own = method.mechanism.plan(cfg, sizes.n_train, delta_share, epsilon=epsilon)
+        return replace(own, reads_private=method.traits.reads_private)
 
     try:
         plan = pplan.plan_run(name, target, delta, sizes.n_train, calibration, sizes_event=sizes.event,

@@ -38,10 +38,16 @@ def register_method(method: "MethodSpec | type[Method]"):
     itself). A method registered late (a package outside this folder, imported later) is
     configured like the others: ``methods.<name>`` is validated against its ``config_class`` when a
     config is parsed. Returns ``method``."""
+    import sys
+
     spec = spec_from_class(method) if isinstance(method, type) else method
     if not isinstance(spec, MethodSpec):
         raise TypeError(f"register_method takes a MethodSpec (or a Method subclass), got {method!r}")
-    METHODS.put(spec.name, spec, type(spec.mechanism).__qualname__)
+    # the module that registers the name owns it (a shared toolkit mechanism owns nothing): another
+    # module registering it again is refused, the same module again (a reload) replaces itself
+    owner = (f"{method.__module__}.{method.__qualname__}" if isinstance(method, type)
+             else f"module {sys._getframe(1).f_globals.get('__name__', '?')}")
+    METHODS.put(spec.name, spec, owner)
     return method
 
 

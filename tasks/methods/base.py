@@ -56,7 +56,7 @@ class MethodPlan:
     event: "DpEvent | None" = None   # worst case, for "dp"; None otherwise
     params: dict[str, Any] = field(default_factory=dict)      # logged on the parent run
     settings: dict[str, Any] = field(default_factory=dict)    # the method's own (JSON-able)
-    reads_private: bool = True       # False: the method never reads private training rows
+    reads_private: bool = True       # set by the run's planner from Traits.reads_private (one source)
     note: str = ""                   # said in budget.json (why no guarantee, what is post-processing)
     # a record-level run charged per person (data.person_field): the per-record event the target
     # calibrates; ``event`` is then its group-privacy charge (privacy.plan.plan_run)
@@ -467,6 +467,12 @@ class MethodSpec:
             self.mechanism.spec = self
         elif bound.name != self.name:
             raise ValueError(f"method {self.name!r}: its mechanism is already the mechanism of {bound.name!r}")
+        elif (bound.prompt_kind, bound.config_class, bound.traits.reads_private) != (
+                self.prompt_kind, self.config_class, self.traits.reads_private):
+            # what the mechanism reads of its spec (the default preflight): a derived spec changing it
+            # needs a mechanism of its own, or its checks would follow the first spec
+            raise ValueError(f"method {self.name!r}: a spec derived with another prompt_kind, config_class or "
+                             "reads_private needs its own mechanism instance")
 
 
 def run_label(method: MethodSpec, cfg: "PrivPromptConfig") -> str:

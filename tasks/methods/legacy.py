@@ -102,11 +102,37 @@ class Method(Mechanism):
         """This method's config block."""
         return getattr(cfg.methods, self.name)
 
+    # the extras' defaults, as the old interface had them (a hook may call them, or super())
+    def validate(self, cfg, published: bool) -> None:
+        return Extras.validate(cfg, published)
+
+    def uses_public_data(self, cfg) -> bool:
+        return Extras.uses_public_data(cfg)
+
+    def published_model(self, cfg, prepared) -> str:
+        return Extras.published_model(cfg, prepared)
+
+    def source_model(self, cfg, prepared) -> str:
+        return Extras.source_model(cfg, prepared)
+
+    def missing_prepared(self, prepared) -> str:
+        return Extras.missing_prepared(prepared)
+
+    def variants(self, ctx, result, prepared, run_method) -> list:
+        return Extras.variants(ctx, result, prepared, run_method)
+
+    def diagnostics(self, ctx, prompt_path, mctx) -> dict:
+        return Extras.diagnostics(ctx, prompt_path, mctx)
+
 
 def spec_from_class(cls: type) -> MethodSpec:
     """The spec of an old-style :class:`Method` subclass: its class attributes, an instance of it
     as the mechanism, the extras it overrides bound to that instance. A ``tables`` method is
     refused: the variants table is the platform's (from the variants' labels and guarantees)."""
+    if not issubclass(cls, Method):
+        raise TypeError(f"method class {cls.__qualname__} extends the mechanism {cls.__mro__[1].__qualname__}: register "
+                        "a MethodSpec(name=..., config_class=..., mechanism=...) with its declarations (the toolkit's "
+                        "DPSGD_TRAITS, PREFIX_REPORT, prefix_extras; docs/adding-a-method.md)")
     if "tables" in {name for base in cls.__mro__ if base not in (Method, Mechanism, object) for name in vars(base)}:
         raise TypeError(f"method class {cls.__qualname__}: tables() is no longer read; the run's variants table is "
                         "built from its variants (Variant.label, guarantee, epsilon)")

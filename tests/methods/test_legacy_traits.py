@@ -4,6 +4,8 @@ keeps working for one release: its attributes are read into ``traits``, with a D
 import pytest
 
 from tasks.methods import Method
+from types import SimpleNamespace
+
 from tasks.methods.base import Traits
 
 
@@ -166,3 +168,57 @@ def test_a_subclass_declaring_report_and_traits_keeps_them_over_its_old_style_pa
 
     assert New.report.ldp_level is None and New.traits.selection_grid == ({"lr": 2},)
     assert Old.report.ldp_level({}) == 1.0 and Old.traits.selection_grid == ({"lr": 1},)
+
+
+def test_a_second_module_cannot_take_a_built_in_name_with_the_same_mechanism_class():
+    """A name belongs to the module that registered it: another spec under ``prompt_sgd`` — even on
+    the toolkit's own mechanism class, with traits saying it reads nothing private — is refused."""
+    import pytest
+
+    from tasks.methodkit.prompt_methods import NonPrivateSoftPrompt
+    from tasks.methods import MethodSpec, get_method, register_method
+    from tasks.schema import PromptTuningConfig
+
+    before = get_method("prompt_sgd")
+    with pytest.raises(ValueError, match="already registered"):
+        register_method(MethodSpec(name="prompt_sgd", config_class=PromptTuningConfig, mechanism=NonPrivateSoftPrompt(),
+                                   traits=Traits(reads_private=False)))
+    assert get_method("prompt_sgd") is before
+
+
+def test_an_old_style_method_keeps_the_extras_defaults_and_a_toolkit_subclass_is_told_what_to_do():
+    import pytest
+
+    from tasks.methodkit.prompt_methods import SoftPromptDPSGD
+    from tasks.methods import spec_from_class
+    from tasks.schema import DPSGDConfig
+
+    class Legacy(Method):
+        name, config_class = "legacy_extras", DPSGDConfig
+
+        def published_model(self, cfg, prepared):
+            return "target:" + self.source_model(cfg, prepared)  # the old default, called from an override
+
+    cfg = SimpleNamespace(models=SimpleNamespace(local="local-model"))
+    spec = spec_from_class(Legacy)
+    assert spec.extras.published_model(cfg, {}) == "target:local-model"
+    assert spec.extras.source_model(cfg, {}) == "local-model" and spec.extras.evaluate_published is None
+
+    class Skeleton(SoftPromptDPSGD):
+        name, config_class = "legacy_skeleton", DPSGDConfig
+
+    with pytest.raises(TypeError, match="register a MethodSpec"):
+        spec_from_class(Skeleton)
+
+
+def test_a_spec_derived_with_other_checks_needs_its_own_mechanism():
+    import dataclasses
+
+    import pytest
+
+    from tasks.methods import get_method
+
+    spec = get_method("prompt_dpsgd")
+    with pytest.raises(ValueError, match="needs its own mechanism"):
+        dataclasses.replace(spec, prompt_kind="prefix")
+    assert dataclasses.replace(spec, label="x").mechanism.spec is spec  # the binding stays the registered spec's

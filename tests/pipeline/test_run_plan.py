@@ -269,7 +269,7 @@ def test_the_lifecycle_is_a_short_door_that_names_no_selection():
 @pytest.fixture
 def ran(tmp_path, sst2_dir, monkeypatch):
     """One prompt_dpsgd run on tiny-bert through the door with the flow's plan."""
-    from test_release_once import _context
+    from tests.claims.test_release_once import _context
 
     from tasks import lifecycle
     from tasks.run_plan import plan_for
@@ -306,7 +306,7 @@ def test_a_selection_goes_through_the_same_door(tmp_path, sst2_dir, monkeypatch)
     """The wrapper's ``train`` runs where any method's does, its ``chosen`` names the winner on the
     run record; reserve, store, commit, publish are the same steps (a stand-in for the trials:
     the mechanism's planned event, no prompt published)."""
-    from test_release_once import _context
+    from tests.claims.test_release_once import _context
 
     from tasks import lifecycle
     from tasks.methods.base import Trained
@@ -333,7 +333,7 @@ def test_a_selection_goes_through_the_same_door(tmp_path, sst2_dir, monkeypatch)
 
 def test_a_plan_handed_to_another_method_is_refused_before_anything_is_reserved(tmp_path, sst2_dir):
     """The door trusts the flow's plan only for the method it was made for (review F2)."""
-    from test_release_once import _context
+    from tests.claims.test_release_once import _context
 
     from privacy.ledger import Ledger
     from tasks.lifecycle import run_method
@@ -344,3 +344,27 @@ def test_a_plan_handed_to_another_method_is_refused_before_anything_is_reserved(
     with pytest.raises(ValueError, match="handed the plan of 'zero_shot'"):
         run_method(ctx, "prompt_dpsgd", {}, plan=other)
     assert not ctx.paths.ledger.exists() or Ledger(ctx.paths.ledger).entries() == []
+
+
+def test_whether_a_run_reads_private_rows_is_the_methods_trait_not_its_plans_say(tmp_path, monkeypatch):
+    """The door skips the reservation of a plan that reads no private rows: that flag comes from the
+    method's declared ``Traits.reads_private`` alone, whatever its mechanism's plan says."""
+    import dataclasses
+
+    from tasks.methods import get_method
+    from tasks.run_plan import plan_for
+
+    mechanism = type(get_method("prompt_dpsgd").mechanism)
+    real = mechanism.plan
+    monkeypatch.setattr(mechanism, "plan", lambda self, *a, **k: dataclasses.replace(real(self, *a, **k),
+                                                                                      reads_private=False))
+    assert plan_for(_cfg(tmp_path), "prompt_dpsgd", _sizes(), DELTA).reads_private is True
+    zero = type(get_method("zero_shot").mechanism)
+    real_zero = zero.plan
+    monkeypatch.setattr(zero, "plan", lambda self, *a, **k: dataclasses.replace(real_zero(self, *a, **k),
+                                                                                 reads_private=True))
+    raw = {"method": "zero_shot", "state_dir": str(tmp_path / "state"),
+           "data": {"name": "toy", "path": str(tmp_path), "labels": ["neg", "pos"]}, "models": {"local": "tiny-bert"}}
+    from tasks.config import parse_config
+
+    assert plan_for(parse_config(raw), "zero_shot", _sizes(), DELTA).reads_private is False

@@ -22,7 +22,7 @@ class ZeroShot(Mechanism):
         return "none"
 
     def plan(self, cfg, n_train, delta, epsilon=None):
-        return MethodPlan(self.spec.name, "none", n_train, delta, reads_private=False,
+        return MethodPlan(self.spec.name, "none", n_train, delta,
                           note="no training: nothing learnt from private data")
 
     def train(self, mctx, plan, rows, progress=None):
