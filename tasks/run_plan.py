@@ -1,6 +1,6 @@
 """The one place a run's plan is computed: :func:`plan_for` (config, method, released sizes) →
 a frozen :class:`privacy.plan.RunPlan`, by the pure planner of ``privacy/plan.py`` with the
-method's own calibration (``Method.plan`` at the ε share the planner gives it; a selection of its
+method's own calibration (``Mechanism.plan`` at the ε share the planner gives it; a selection of its
 settings is the method's :func:`tasks.selected.selected` spec). The flow computes it once
 and hands it to the tasks; ``privprompt plan`` (``tasks/planning.py``) and the budget hints
 (:func:`largest_fitting_target_epsilon`) call the same function. Nothing here writes a value

@@ -1,7 +1,8 @@
 """The method interface: what every method provides to the one lifecycle (``tasks/lifecycle.py``).
 
-A method is a subclass of :class:`Method` registered by name (``tasks.methods.register_method``).
-Its hooks, in the order the lifecycle calls them:
+A method is a frozen :class:`MethodSpec` — what it is — registered by name
+(``tasks.methods.register_method``), whose :class:`Mechanism` is what it does. The mechanism's
+hooks, in the order the lifecycle calls them:
 
 * ``plan(cfg, n_train, delta, epsilon)`` — pure (reads no data): the guarantee (``dp`` | ``ldp`` |
   ``none``, derived from the settings), the worst-case privacy event for ``dp`` calibrated to the
@@ -15,12 +16,14 @@ Its hooks, in the order the lifecycle calls them:
 * ``train(mctx, plan, rows, progress)`` — the ONLY hook that reads private rows; returns the
   trained prompt and the event actually spent (≤ the planned one).
 * ``post_process(mctx, plan, prompt, progress)`` — public data only (POST: the transfer).
-* ``variants(...)`` — optional extra evaluated prompts (POST: Compressed PT, Direct Transfer).
+* ``chosen(mctx, plan, metrics)`` — what the run publishes of a choice among its outputs.
 
-What the platform reads of a method besides its hooks it declares once: ``traits = Traits(...)``
-(holdout, person unit, neighbour statistics, selection grid, test settings, ...) and ``report =
-Report(...)`` (what it adds to the comparison report: ``privprompt report``, the sweep's summary;
-``tasks/comparison.py`` reads the declarations from the registry and names no method).
+What the platform reads of a method besides its hooks the spec declares once: ``traits=Traits(...)``
+(holdout, person unit, neighbour statistics, selection grid, test settings, ...), ``report=Report(...)``
+(what it adds to the comparison report: ``privprompt report``, the sweep's summary;
+``tasks/comparison.py`` reads the declarations from the registry and names no method) and
+``extras=Extras(...)`` (what a few methods add: POST's variants and models, RAPT's own evaluation).
+The interface before the spec, a ``Method`` subclass, is read by ``tasks/methods/legacy.py``.
 
 ``train`` and ``post_process`` get a :class:`MethodContext` (config, state paths, what
 ``prepare`` returned, DP randomness): no MLflow, no Prefect, so audit shadows call them as they are.
