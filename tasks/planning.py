@@ -63,6 +63,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
     checked: set[str] = set()
     pending: dict[str, set[bytes]] = {}  # sources new to the ledger that earlier variants register
     beside: list = []
+    timed: list = []  # (row, cfg, name, sizes, delta): the time estimate, once the budget's verdict is known
     for label, cfg in variants:
         sizes = released_sizes(cfg, state_paths.private)
         key, dname, note = _charged_dataset(ledger, cfg, state_paths, pending, meta)
@@ -76,14 +77,19 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
             checked.add(signature)
         _add_to_dataset(meta, key, dname, note, label, cfg, sizes, delta, unit)
         for name in cfg.run_methods:
-            row = _plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, []), estimate)
+            row = _plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, []))
+            timed.append((row, cfg, name, sizes, delta))
             if row.get("group"):  # a record-level run charged per person: a user-level run's per-person ε beside it
                 beside.append((row, cfg, name, delta))
             runs.append(row)
     for row, cfg, name, delta in beside:  # after every variant: a user-level one of the sweep has drawn its sizes
         row["user_level"] = _user_level_beside(cfg, name, delta, state_paths.private)
     datasets = {key: _dataset_preview(ledger, key, m, events.get(key, []), largest) for key, m in meta.items()}
-    return {"runs": runs, "datasets": datasets, "fits": all(d["fits"] for d in datasets.values())}
+    fits = all(d["fits"] for d in datasets.values())
+    if estimate and fits:  # a plan over the cap is refused as it is: no model is probed for its time
+        for row, cfg, name, sizes, delta in timed:
+            _estimate_row(row, cfg, name, sizes, delta)
+    return {"runs": runs, "datasets": datasets, "fits": fits}
 
 
 def budget_refusal(cfg, state_paths) -> str | None:
@@ -149,9 +155,8 @@ def _add_to_dataset(meta: dict, key: str, dname: str, note, label, cfg, sizes, d
                           f"run on dataset {dname!r}; runs on one dataset compose at one δ")
 
 
-def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: list, estimate: bool = False) -> dict:
-    """One run's row of the plan (its plan's event appended to its dataset's ``events``); with
-    ``estimate``, its steps and a wall-time estimate from a measured probe (``tasks/estimate.py``)."""
+def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: list) -> dict:
+    """One run's row of the plan (its plan's event appended to its dataset's ``events``)."""
     from .methods import get_method
 
     method = get_method(name)
@@ -171,27 +176,34 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
                             "method_epsilon": plan.method_epsilon,
                             # the released holdout against the noise (a flag, no size: the sizes' charge comes later)
                             "small_holdout": sizes.n_holdout < SMALL_HOLDOUT_SIGMAS * plan.no_prompt.event.noise_multiplier}
-    if estimate:
-        from . import estimate as est
-        try:  # a model the probe cannot drive (an endpoint, a GGUF-only model): no estimate, never a failed plan
-            source = method.extras.source_model(cfg, {})
-            measured = est.probe(source, cfg.models.max_length,
-                                 plan.settings.get("expected_batch") or est.PROBE_BATCH, cfg.models.eval_batch_size,
-                                 cfg.seed, placement=cfg.models.placement_of(source))
-        except Exception:  # noqa: BLE001 - the estimate is advisory
-            measured = None
-        if "selection" in plan.settings:  # its trials' own plans
-            from .selection import trial_work
-
-            row.update(est.selection_estimate(trial_work(cfg, method, plan), sizes, measured,
-                                              cfg.data.max_records_per_unit))
-        else:
-            row.update(est.run_estimate(plan, sizes, measured, cfg.data.max_records_per_unit))
     if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
         from .selection import describe_plan
 
         row["selection"] = describe_plan(cfg, method, plan, sizes, delta)
     return row
+
+
+def _estimate_row(row: dict, cfg, name: str, sizes, delta: float) -> None:
+    """A run's steps and wall-time estimate from a measured probe of its model (``tasks/estimate.py``)."""
+    from . import estimate as est
+    from .methods import get_method
+
+    method = get_method(name)
+    plan = plan_for(cfg, name, sizes, delta)
+    try:  # a model the probe cannot drive (an endpoint, a GGUF-only model): no estimate, never a failed plan
+        source = method.extras.source_model(cfg, {})
+        measured = est.probe(source, cfg.models.max_length,
+                             plan.settings.get("expected_batch") or est.PROBE_BATCH, cfg.models.eval_batch_size,
+                             cfg.seed, placement=cfg.models.placement_of(source))
+    except Exception:  # noqa: BLE001 - the estimate is advisory
+        measured = None
+    if "selection" in plan.settings:  # its trials' own plans
+        from .selection import trial_work
+
+        row.update(est.selection_estimate(trial_work(cfg, method, plan), sizes, measured,
+                                          cfg.data.max_records_per_unit))
+    else:
+        row.update(est.run_estimate(plan, sizes, measured, cfg.data.max_records_per_unit))
 
 
 def user_level_config(cfg):

@@ -171,3 +171,21 @@ def test_short_labels_keep_variants_apart():
     clash = ["methods.a.eta=1.0", "methods.b.eta=1.0"]  # shortened they would read the same
     assert short_labels(clash) == clash
     assert short_labels(["(config)", "seed=1"]) == ["(config)", "seed=1"]
+
+
+def test_a_plan_over_the_cap_probes_no_model_for_its_time(toy, tmp_path, monkeypatch):
+    """The budget's verdict comes first: a config over the dataset's cap is refused without the
+    time probe (it loads and runs the model); one that fits gets its estimate."""
+    from tasks import estimate as est
+    from tasks.config import parse_config
+    from tasks.planning import plan_runs
+    from tasks.state import state_paths
+
+    probed = []
+    monkeypatch.setattr(est, "probe", lambda *a, **k: probed.append(a[0]) or est.Probe(a[0], train_s=0.01, eval_s=0.001))
+    over = parse_config(_cfg(toy, tmp_path / "state", privacy={"target_epsilon": 8.0, "dataset_epsilon_cap": 2.0}))
+    plan = plan_runs([("", over)], state_paths(str(tmp_path / "state")), estimate=True)
+    assert not plan["fits"] and probed == [] and not any("seconds" in r for r in plan["runs"])
+    fits = parse_config(_cfg(toy, tmp_path / "state", privacy={"target_epsilon": 1.0, "dataset_epsilon_cap": 2.0}))
+    plan = plan_runs([("", fits)], state_paths(str(tmp_path / "state")), estimate=True)
+    assert plan["fits"] and probed and all("seconds" in r for r in plan["runs"])
