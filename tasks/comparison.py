@@ -104,10 +104,10 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
 def _ldp_level(method: str, params: dict) -> float | None:
     """A local-DP run's privacy parameter, as its method reads it from the params (None for a
     method no longer registered)."""
-    from .methods import get_method
+    from .methods import METHODS
 
     try:
-        level = get_method(method).report.ldp_level
+        level = {m.name: m.report.ldp_level for m in METHODS.values()}[method]
         return None if level is None else level(params)
     except KeyError:  # not registered, or a param its reading needs not logged
         return None

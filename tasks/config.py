@@ -26,9 +26,9 @@ def method_blocks() -> dict[str, type[Block]]:
     """Each registered method's config block class by name, in the registry's order: what
     ``methods.<name>`` is validated against (read at parse time: a method registered later is
     validated the same way, and the schema itself never changes)."""
-    from .methods import get_method, registered_methods
+    from .methods import METHODS
 
-    return {name: get_method(name).config_class for name in registered_methods()}
+    return {method.name: method.config_class for method in METHODS.values()}
 
 
 def _line_errors(name: str, err: ValidationError) -> list[dict]:

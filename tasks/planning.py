@@ -58,6 +58,8 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
     cap only lowered). With ``largest`` and one config per dataset, each dataset's preview also
     says the largest ``privacy.target_epsilon`` at which that config still fits
     (``largest_epsilon``, solved with the accountant; None: nothing fits)."""
+    from .methods import get_method
+
     runs, events, meta = [], {}, {}
     ledger = state_paths.open_ledger() if state_paths.ledger_exists() else None
     checked: set[str] = set()
@@ -77,8 +79,9 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
             checked.add(signature)
         _add_to_dataset(meta, key, dname, note, label, cfg, sizes, delta, unit)
         for name in cfg.run_methods:
-            row = _plan_row(label, cfg, name, sizes, delta, unit, events.setdefault(key, []))
-            timed.append((row, cfg, name, sizes, delta))
+            method = get_method(name)
+            row = _plan_row(label, cfg, method, sizes, delta, unit, events.setdefault(key, []))
+            timed.append((row, cfg, method, sizes, delta))
             if row.get("group"):  # a record-level run charged per person: a user-level run's per-person ε beside it
                 beside.append((row, cfg, name, delta))
             runs.append(row)
@@ -87,8 +90,8 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
     datasets = {key: _dataset_preview(ledger, key, m, events.get(key, []), largest) for key, m in meta.items()}
     fits = all(d["fits"] for d in datasets.values())
     if estimate and fits:  # a plan over the cap is refused as it is: no model is probed for its time
-        for row, cfg, name, sizes, delta in timed:
-            _estimate_row(row, cfg, name, sizes, delta)
+        for row, cfg, method, sizes, delta in timed:
+            _estimate_row(row, cfg, method, sizes, delta)
     return {"runs": runs, "datasets": datasets, "fits": fits}
 
 
@@ -155,11 +158,9 @@ def _add_to_dataset(meta: dict, key: str, dname: str, note, label, cfg, sizes, d
                           f"run on dataset {dname!r}; runs on one dataset compose at one δ")
 
 
-def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: list) -> dict:
-    """One run's row of the plan (its plan's event appended to its dataset's ``events``)."""
-    from .methods import get_method
-
-    method = get_method(name)
+def _plan_row(label, cfg, method, sizes, delta: float, unit: str, events: list) -> dict:
+    """Method ``method``'s row of the plan (its plan's event appended to its dataset's ``events``)."""
+    name = method.name
     plan = plan_for(cfg, name, sizes, delta)
     row = {"variant": label, "method": name, "dataset": cfg.data.name,
            "guarantee": plan.guarantee, "delta": delta, "epsilon": None, "unit": unit}
@@ -183,13 +184,11 @@ def _plan_row(label, cfg, name: str, sizes, delta: float, unit: str, events: lis
     return row
 
 
-def _estimate_row(row: dict, cfg, name: str, sizes, delta: float) -> None:
+def _estimate_row(row: dict, cfg, method, sizes, delta: float) -> None:
     """A run's steps and wall-time estimate from a measured probe of its model (``tasks/estimate.py``)."""
     from . import estimate as est
-    from .methods import get_method
 
-    method = get_method(name)
-    plan = plan_for(cfg, name, sizes, delta)
+    plan = plan_for(cfg, method.name, sizes, delta)
     try:  # a model the probe cannot drive (an endpoint, a GGUF-only model): no estimate, never a failed plan
         source = method.extras.source_model(cfg, {})
         measured = est.probe(source, cfg.models.max_length,

@@ -18,7 +18,6 @@ from privacy import plan as pplan
 from privacy.plan import RunPlan
 
 from .errors import ConfigError
-from .methods import get_method
 
 SIZES_DELTA_SHARE = pplan.SIZES_DELTA_SHARE
 
@@ -111,8 +110,11 @@ def shadow_plan(cfg, name: str, sizes, n_pool: int) -> RunPlan:
     σ from the method's share after the sizes release, q on the run's ñ), so a shadow has the
     audited prompt's noise. A selection's trials are calibrated inside the selection: its shadows
     (and a shadow without sizes) are the method at the whole target, on ñ (or the pool's ``n_pool``)."""
-    method = get_method(name)
-    if sizes is None or runner(cfg, name) is not method:
+    from .selected import Selection
+
+    run = runner(cfg, name)
+    method = run.mechanism.method if isinstance(run.mechanism, Selection) else run
+    if sizes is None or run is not method:
         n = n_pool if sizes is None else sizes.n_train
         return method.mechanism.plan(cfg, n, resolve_delta(cfg, n), epsilon=cfg.privacy.target_epsilon)
     return plan_for(cfg, name, sizes)

@@ -305,20 +305,16 @@ def _drawn_settings(cfg, name: str) -> list[dict]:
     return out
 
 
-def candidates_of(cfg, method=None) -> list[Candidate]:
+def candidates_of(cfg, method) -> list[Candidate]:
     """The published method's candidates: ``selection.candidates``, draws from ``selection.ranges``,
-    or the method's own grid (``Traits.selection_grid``; ``method``: its spec, None: the registered
-    ``cfg.method``), then the "no prompt" candidate."""
+    or the method's own grid (``Traits.selection_grid`` of ``method``, its spec), then the "no
+    prompt" candidate."""
     name = cfg.method
     if cfg.selection.candidates:
         settings = [dict(c) for c in cfg.selection.candidates]
     elif cfg.selection.ranges:
         settings = _drawn_settings(cfg, name)
     else:
-        if method is None:
-            from .methods import get_method
-
-            method = get_method(name)
         settings = [dict(c) for c in method.traits.selection_grid]
     if not settings:
         raise ValueError(f"selection: method {name} has no candidates to choose from")

@@ -144,13 +144,14 @@ def test_a_comparison_that_counts_rows_instead_of_people_is_caught(tmp_path, fas
 def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fast_calibration):  # noqa: F811
     from tasks.config import parse_config
     from tasks.data import ReleasedSizes
+    from tasks.methods import get_method
     from tasks.planning import _plan_row, format_plan
     from tasks.run_plan import plan_for
 
     raw = _config(tmp_path, "prompt_dpsgd", "record", "off")
     sizes = ReleasedSizes(n_train=400, n_holdout=100, n_test=100, sigma=5.0)
     cfg = parse_config(raw)
-    row = _plan_row("", cfg, "prompt_dpsgd", sizes, 1e-5, "record", [])
+    row = _plan_row("", cfg, get_method("prompt_dpsgd"), sizes, 1e-5, "record", [])
     plan = plan_for(cfg, "prompt_dpsgd", sizes, 1e-5)
     assert row["no_prompt"]["epsilon"] == plan.no_prompt.epsilon == pytest.approx(0.1 * 8.0, rel=1e-6)
     sizes_eps = plan.release("sizes").epsilon
@@ -160,7 +161,7 @@ def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fa
             "(fallback.epsilon_share 0.1;") in text
     assert f"the method's own share ε = {plan.method_epsilon:.4f}" in text and "no prompt is published if it loses" in text
     assert "WARNING: the holdout holds fewer than" not in text  # 100 released holdout records against σ ≈ 5
-    small = _plan_row("", cfg, "prompt_dpsgd", ReleasedSizes(n_train=400, n_holdout=12, n_test=100, sigma=5.0), 1e-5,
+    small = _plan_row("", cfg, get_method("prompt_dpsgd"), ReleasedSizes(n_train=400, n_holdout=12, n_test=100, sigma=5.0), 1e-5,
                       "record", [])
     assert "WARNING: the holdout holds fewer than 4σ records" in format_plan({"runs": [small], "datasets": {}})
     # a dp baseline beside another published method publishes nothing: no comparison for it (review)
@@ -170,7 +171,7 @@ def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fa
     off = parse_config({**raw, "fallback": {"epsilon_share": 0.0}})
     alone = plan_for(off, "prompt_dpsgd", sizes, 1e-5)
     assert alone.no_prompt is None and alone.method_epsilon == pytest.approx(8.0 - sizes_eps)
-    assert "comparison with no prompt" not in format_plan({"runs": [_plan_row("", off, "prompt_dpsgd", sizes, 1e-5,
+    assert "comparison with no prompt" not in format_plan({"runs": [_plan_row("", off, get_method("prompt_dpsgd"), sizes, 1e-5,
                                                                                 "record", [])], "datasets": {}})
     # a selection (its candidates include no prompt) and DP-OPT (its DP-argmax includes the empty
     # instruction) already choose against no prompt: no second release

@@ -138,7 +138,7 @@ def released(monkeypatch):
 
 
 def _selection_plan(cfg, sigma: float = 5.0) -> MethodPlan:
-    candidates = tsel.candidates_of(cfg)
+    candidates = tsel.candidates_of(cfg, get_method(cfg.method))
     settings = {"selection": {"trial_target": 1.0, "delta": DELTA, "score_noise_multiplier": sigma,
                               "candidates": [{"name": c.name, "settings": c.config, "zero_shot": c.zero_shot}
                                              for c in candidates]}}

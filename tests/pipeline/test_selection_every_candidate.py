@@ -24,6 +24,7 @@ from privacy import events as ev
 from privacy import selection as psel
 from privacy.rng import seeded_rng
 from tasks import selection as tsel
+from tasks.methods import get_method
 
 DELTA = 1e-5
 
@@ -275,7 +276,7 @@ def test_lifecycle_publishes_every_candidates_released_score_and_no_exact_count(
 
     ctx, out = every["ctx"], every["out"]
     m = out.train_metrics
-    names = [c.name for c in tsel.candidates_of(ctx.cfg)]
+    names = [c.name for c in tsel.candidates_of(ctx.cfg, get_method(ctx.cfg.method))]
     assert names == ["lr=0.05", "lr=0.2", "no prompt"]
     # lr=0.2 failed: which candidates failed must not show (a failure is covered by the ε only when it does
     # not depend on the data), so no candidate's own score is published, only the winner's

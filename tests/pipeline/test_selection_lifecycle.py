@@ -51,7 +51,7 @@ def test_selection_enabled_alone_parses_with_the_methods_grid_or_is_refused_in_o
                                         for s in method.traits.selection_grid)}
         assert any(reasons[k] for k in reasons if k in message), message
         return
-    names = [c.name for c in selection.candidates_of(cfg)]
+    names = [c.name for c in selection.candidates_of(cfg, get_method(cfg.method))]
     grid = method.traits.selection_grid
     assert names == [selection.candidate_name(s) for s in grid] + ["no prompt"]
     assert len(set(names)) == len(names) >= 2
@@ -90,16 +90,16 @@ def test_candidates_ranges_and_bad_keys(tmp_path):
 
     raw = _contract_config(tmp_path, "prompt_dpsgd")
     cfg = parse_config({**raw, "selection": SELECTION})
-    assert [c.name for c in selection.candidates_of(cfg)] == ["lr=0.05", "lr=0.2", "no prompt"]
+    assert [c.name for c in selection.candidates_of(cfg, get_method(cfg.method))] == ["lr=0.05", "lr=0.2", "no prompt"]
     drawn = parse_config({**raw, "selection": {"enabled": True, "ranges": {"lr": [0.01, 0.3], "n_tokens": [2, 6]},
                                                "draws": 5}})
-    first = selection.candidates_of(drawn)
-    assert [c.name for c in first] == [c.name for c in selection.candidates_of(drawn)]  # the seed's: public
+    first = selection.candidates_of(drawn, get_method(drawn.method))
+    assert [c.name for c in first] == [c.name for c in selection.candidates_of(drawn, get_method(drawn.method))]  # the seed's: public
     assert first[-1].zero_shot and all(not c.zero_shot for c in first[:-1])
     for c in first[:-1]:
         assert 0.01 <= c.config["lr"] <= 0.3 and isinstance(c.config["n_tokens"], int) and 2 <= c.config["n_tokens"] <= 6
     other_seed = parse_config({**raw, "seed": 1, "selection": drawn.selection.model_dump()})
-    assert [c.name for c in selection.candidates_of(other_seed)] != [c.name for c in first]
+    assert [c.name for c in selection.candidates_of(other_seed, get_method(other_seed.method))] != [c.name for c in first]
     for bad, match in (({"enabled": True, "candidates": [{"learning_rate": 0.1}]}, "'learning_rate' is not a key"),
                        ({"enabled": True, "candidates": [{"lr": -1.0}]}, "not a valid methods.prompt_dpsgd block"),
                        ({"enabled": True, "candidates": [{"lr": 0.1}], "ranges": {"lr": [0.1, 0.2]}, "draws": 2},
