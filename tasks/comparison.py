@@ -107,7 +107,7 @@ def _ldp_level(method: str, params: dict) -> float | None:
     from .methods import METHODS
 
     try:
-        level = {m.name: m.report.ldp_level for m in METHODS.values()}[method]
+        level = METHODS.get(method).report.ldp_level
         return None if level is None else level(params)
     except KeyError:  # not registered, or a param its reading needs not logged
         return None

@@ -65,7 +65,7 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
     checked: set[str] = set()
     pending: dict[str, set[bytes]] = {}  # sources new to the ledger that earlier variants register
     beside: list = []
-    timed: list = []  # (row, cfg, name, sizes, delta): the time estimate, once the budget's verdict is known
+    timed: list = []  # (row, cfg, method, plan, sizes): the time estimate, once the budget's verdict is known
     for label, cfg in variants:
         sizes = released_sizes(cfg, state_paths.private)
         key, dname, note = _charged_dataset(ledger, cfg, state_paths, pending, meta)
@@ -79,9 +79,9 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
             checked.add(signature)
         _add_to_dataset(meta, key, dname, note, label, cfg, sizes, delta, unit)
         for name in cfg.run_methods:
-            method = get_method(name)
-            row = _plan_row(label, cfg, method, sizes, delta, unit, events.setdefault(key, []))
-            timed.append((row, cfg, method, sizes, delta))
+            method, plan = get_method(name), plan_for(cfg, name, sizes, delta)
+            row = _plan_row(label, cfg, method, sizes, delta, unit, events.setdefault(key, []), plan)
+            timed.append((row, cfg, method, plan, sizes))
             if row.get("group"):  # a record-level run charged per person: a user-level run's per-person ε beside it
                 beside.append((row, cfg, name, delta))
             runs.append(row)
@@ -90,8 +90,8 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
     datasets = {key: _dataset_preview(ledger, key, m, events.get(key, []), largest) for key, m in meta.items()}
     fits = all(d["fits"] for d in datasets.values())
     if estimate and fits:  # a plan over the cap is refused as it is: no model is probed for its time
-        for row, cfg, method, sizes, delta in timed:
-            _estimate_row(row, cfg, method, sizes, delta)
+        for row, cfg, method, plan, sizes in timed:
+            _estimate_row(row, cfg, method, plan, sizes)
     return {"runs": runs, "datasets": datasets, "fits": fits}
 
 
@@ -158,10 +158,11 @@ def _add_to_dataset(meta: dict, key: str, dname: str, note, label, cfg, sizes, d
                           f"run on dataset {dname!r}; runs on one dataset compose at one δ")
 
 
-def _plan_row(label, cfg, method, sizes, delta: float, unit: str, events: list) -> dict:
-    """Method ``method``'s row of the plan (its plan's event appended to its dataset's ``events``)."""
+def _plan_row(label, cfg, method, sizes, delta: float, unit: str, events: list, plan=None) -> dict:
+    """Method ``method``'s row of the plan (its ``plan``, None: planned here; its event appended to
+    its dataset's ``events``)."""
     name = method.name
-    plan = plan_for(cfg, name, sizes, delta)
+    plan = plan_for(cfg, name, sizes, delta) if plan is None else plan
     row = {"variant": label, "method": name, "dataset": cfg.data.name,
            "guarantee": plan.guarantee, "delta": delta, "epsilon": None, "unit": unit}
     if plan.event is not None:
@@ -184,11 +185,11 @@ def _plan_row(label, cfg, method, sizes, delta: float, unit: str, events: list) 
     return row
 
 
-def _estimate_row(row: dict, cfg, method, sizes, delta: float) -> None:
-    """A run's steps and wall-time estimate from a measured probe of its model (``tasks/estimate.py``)."""
+def _estimate_row(row: dict, cfg, method, plan, sizes) -> None:
+    """A run's steps and wall-time estimate under its ``plan`` from a measured probe of its model
+    (``tasks/estimate.py``)."""
     from . import estimate as est
 
-    plan = plan_for(cfg, method.name, sizes, delta)
     try:  # a model the probe cannot drive (an endpoint, a GGUF-only model): no estimate, never a failed plan
         source = method.extras.source_model(cfg, {})
         measured = est.probe(source, cfg.models.max_length,

@@ -40,8 +40,8 @@ class Registry:
         return cls
 
     def put(self, name: str, item: Any, owner: str) -> None:
-        """Register ``item`` under ``name``; ``owner``: the qualified name of the class it comes from.
-        A second owner registering the name is an error (the same owner again, e.g. on a reload,
+        """Register ``item`` under ``name``; ``owner``: who registers it (a class's or a module's
+        qualified name). A second owner registering the name is an error (the same owner again, e.g. on a reload,
         replaces itself)."""
         self._check_name(name)
         if name in self.items and self.owners[name] != owner:

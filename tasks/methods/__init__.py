@@ -34,7 +34,7 @@ from .legacy import Method, spec_from_class  # noqa: F401
 def register_method(method: "MethodSpec | type[Method]"):
     """Register ``method`` under its name: a :class:`MethodSpec`, or (the interface before it, as a
     class decorator) a :class:`Method` subclass, registered as its spec. A second registration of
-    a name by another mechanism is an error (the same one again, e.g. on a reload, replaces
+    a name by another module is an error (the same module again, e.g. on a reload, replaces
     itself). A method registered late (a package outside this folder, imported later) is
     configured like the others: ``methods.<name>`` is validated against its ``config_class`` when a
     config is parsed. Returns ``method``."""

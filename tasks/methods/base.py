@@ -534,4 +534,3 @@ def explain_classifier_error(exc: BaseException, model_name: str, role: str) -> 
     if "gives no tokens" in text:
         return f"models.label_descriptions on {role}={model_name!r}: {text}"
     return f"models.template / data.labels on {role}={model_name!r}: {type(exc).__name__}: {text}"
-
