@@ -10,7 +10,9 @@ width. Interface (:class:`PromptClassifier`):
   slice rows with :func:`select_rows`.
 * ``forward(batch, prompt)`` -> logits (B, n_labels); ``prompt`` is None, (n, d) (broadcast)
   or (B, n, d) (per-example copies, used for per-sample gradients), or a prefix: (L, 2, n, d_kv)
-  or (B, L, 2, n, d_kv) keys and values for every attention layer (``models.prompts.prefix``).
+  or (B, L, 2, n, d_kv) keys and values for every attention layer (``models.prompts.prefix``),
+  or a LoRA (``models.prompts.lora``: low-rank updates of the model's linear layers, shared or one
+  per example), which takes no positions.
 
 The backbone is frozen, in eval mode, and NOT a submodule (it is shared through the backbone
 cache): ``classifier.train()`` cannot switch on its dropout, and ``classifier.parameters()`` is
@@ -29,6 +31,7 @@ from torch import nn
 
 from models.prompts.prefix import (active_prefix_tokens, is_prefix, prefix_hooks, prefix_position_ids,
                                    prefix_tokens)
+from models.prompts.lora import is_lora, lora_hooks
 from models.length_groups import in_length_groups, per_example_rows
 from models.backbones import Backbone
 from models.device import attention_backends
@@ -185,7 +188,8 @@ class PromptClassifier(nn.Module):
     def _by_length(self, batch: Batch, prompt: torch.Tensor | None, head) -> torch.Tensor:
         """``head(embeds, attn, pos)`` of the prompted rows, run on groups of rows of similar
         length (``models.length_groups``: less padding, the same per-row outputs)."""
-        per_example = prompt is not None and prompt.dim() == (5 if is_prefix(prompt) else 3)
+        per_example = prompt is not None and (prompt.per_example if is_lora(prompt)
+                                              else prompt.dim() == (5 if is_prefix(prompt) else 3))
 
         def run(rows):
             part = batch if rows is None else select_rows(batch, rows)
@@ -204,8 +208,13 @@ class PromptClassifier(nn.Module):
 
     @contextmanager
     def prompting(self, prompt: torch.Tensor | None, batch_size: int):
-        """Within the block (in this thread) a prefix prompt's keys and values are in place (no-op
-        for soft prompts and None): wraps every backbone call on inputs from :meth:`_embed_inputs`."""
+        """Within the block (in this thread) a prefix prompt's keys and values, or a LoRA's updates,
+        are in place (no-op for soft prompts and None): wraps every backbone call on inputs from
+        :meth:`_embed_inputs`."""
+        if is_lora(prompt):
+            with lora_hooks(self._backbone.model, prompt, batch_size):
+                yield
+            return
         if not is_prefix(prompt):
             yield
             return
@@ -246,6 +255,8 @@ class PromptClassifier(nn.Module):
         pos = batch["label_pos"].to(dev)
         B = ids.shape[0]
         embeds = self._backbone.model.get_input_embeddings()(ids)
+        if is_lora(prompt):  # it changes the layers (:meth:`prompting`), not the input
+            prompt = None
         if is_prefix(prompt):  # placeholders whose keys/values the prefix replaces (models.prompts.prefix)
             prompt = torch.zeros((B, prefix_tokens(prompt), embeds.shape[2]), device=dev, dtype=embeds.dtype)
         if prompt is not None:

@@ -33,6 +33,10 @@ into ONE gradient per unit, which is then clipped to C; the noise is σ·C and t
 step is the subsampled Gaussian mechanism over units (the accountant's q and steps are over units).
 Without ``units`` every example is its own unit: exactly the record-level step above.
 
+A LoRA (``kind="lora"``, ``models.prompts.lora``) is trained by the same code: its adapters are one
+flat vector θ, per-example copies of which give per-sample gradients in one backward pass as a
+soft prompt's do; every step clips and noises the whole of θ.
+
 A method changes a DP step only through :class:`DPStepHook` (hook points of the step, e.g.
 Privacy-Flat's AWP, frozen prefix layers and regulariser); this module knows no method.
 """
@@ -48,6 +52,7 @@ import torch.nn.functional as F
 
 from models.classifiers import PromptClassifier, num_examples, select_rows
 from models.memory import choose as choose_physical_batch
+from models.prompts.lora import LoraPrompt, init_lora, is_lora, lora_layout
 from models.soft_prompt import PrefixPrompt, SoftPrompt
 
 ProgressFn = Callable[[int, int, float | None], None]
@@ -76,7 +81,11 @@ class PromptTrainingConfig:
     optimizer: str = "adam"  # "adam" | "sgd"
     log_every: int = 10
     physical_batch_size: int | None = 64
-    kind: str = "soft"  # "soft" (n_tokens, embed_dim) | "prefix" (layers, 2, n_tokens, d_kv)
+    kind: str = "soft"  # "soft" (n_tokens, embed_dim) | "prefix" (layers, 2, n_tokens, d_kv) | "lora"
+    # a LoRA's rank, α (updates scaled by α / r) and target modules (None: PEFT's for the architecture)
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.n_tokens < 1 or self.batch_size < 1 or (self.physical_batch_size is not None
@@ -86,8 +95,8 @@ class PromptTrainingConfig:
             raise ValueError("give epochs > 0 or steps")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
-        if self.kind not in ("soft", "prefix"):
-            raise ValueError(f"kind must be 'soft' or 'prefix', got {self.kind!r}")
+        if self.kind not in ("soft", "prefix", "lora"):
+            raise ValueError(f"kind must be 'soft', 'prefix' or 'lora', got {self.kind!r}")
 
 
 @dataclass
@@ -118,14 +127,14 @@ class DPConfig:
 
 @dataclass
 class TrainResult:
-    """``prompt``: trained (n_tokens, embed_dim) CPU tensor. ``steps``: optimizer steps taken
+    """``prompt``: trained (n_tokens, embed_dim) CPU tensor (a prefix's, or a ``LoraPrompt``). ``steps``: optimizer steps taken
     (what the accountant composes). ``history``: per-step dicts (step, loss, batch_size, ...).
 
     The losses and clipping statistics in ``history`` are computed from the private data without
     noise: they are for the operator, and publishing them is NOT covered by the DP guarantee.
     """
 
-    prompt: torch.Tensor
+    prompt: torch.Tensor | LoraPrompt
     history: list[dict] = field(default_factory=list)
     steps: int = 0
     empty_batches: int = 0
@@ -180,15 +189,16 @@ def per_sample_prompt_gradients(
     return_losses: bool = False,
 ):
     """Per-example gradients of the cross-entropy w.r.t. the prompt: a (B, *prompt.shape) tensor,
-    for a (n, d) soft prompt or a (L, 2, n, d_kv) prefix.
+    for a (n, d) soft prompt, a (L, 2, n, d_kv) prefix or a (P,) LoRA (``LoraPrompt``).
 
     The prompt is an input, so the gradient of sum_i loss_i w.r.t. a per-example copy
     ``P_batch[i]`` is example i's gradient (see module docstring). With ``return_losses`` also
     returns the (B,) per-example losses (detached).
     """
-    prompt = prompt.detach()
-    if prompt.dim() not in (2, 4):
-        raise ValueError(f"prompt must be (n, d) or a prefix (L, 2, n, d), got {tuple(prompt.shape)}")
+    layout = prompt.layout if is_lora(prompt) else None
+    prompt = (prompt.weight if layout is not None else prompt).detach()
+    if prompt.dim() not in ((1,) if layout is not None else (2, 4)):
+        raise ValueError(f"prompt must be (n, d), a prefix (L, 2, n, d) or a LoRA, got {tuple(prompt.shape)}")
     B = num_examples(batch)
     dev = classifier.device
     if B == 0:
@@ -198,7 +208,7 @@ def per_sample_prompt_gradients(
     # (that would sum the examples' gradients into one (n, d) tensor).
     p_batch = prompt.to(device=dev, dtype=torch.float32).unsqueeze(0).expand(B, *prompt.shape).clone().requires_grad_()
     with torch.enable_grad():
-        logits = classifier(batch, p_batch)
+        logits = classifier(batch, p_batch if layout is None else LoraPrompt(layout, p_batch))
         losses = F.cross_entropy(logits.float(), labels.to(dev), reduction="none")
         losses.sum().backward()
     grads = p_batch.grad
@@ -248,7 +258,30 @@ def _check_per_sample_shape(grads: torch.Tensor, batch_size: int, prompt_shape: 
         )
 
 
+class LoraParams(torch.nn.Module):
+    """A LoRA's flat θ as the trained parameter ``weight`` (P,), and its layout."""
+
+    def __init__(self, layout, init: torch.Tensor):
+        super().__init__()
+        self.layout = layout
+        self.weight = torch.nn.Parameter(LoraPrompt(layout, torch.as_tensor(init).float()).weight.detach().clone())
+
+    def wrap(self, weight: torch.Tensor) -> LoraPrompt:
+        return LoraPrompt(self.layout, weight)
+
+
+def _as_prompt(prompt, weight: torch.Tensor):
+    """What the classifier takes for the trained ``weight``: the tensor itself, or a LoRA."""
+    return prompt.wrap(weight) if isinstance(prompt, LoraParams) else weight
+
+
 def _initial_prompt(classifier: PromptClassifier, config: PromptTrainingConfig, init_prompt, seed: int):
+    if config.kind == "lora":
+        layout = lora_layout(classifier.backbone.model, config.lora_r, config.lora_alpha, config.lora_targets)
+        if init_prompt is not None and (not is_lora(init_prompt) or init_prompt.layout != layout):
+            raise ValueError("a LoRA's initial value must be a LoRA of the same layout")
+        init = init_prompt.weight.detach().cpu() if init_prompt is not None else init_lora(layout, seed)
+        return LoraParams(layout, init).to(classifier.device)
     if config.kind == "prefix":
         from models.prompts.prefix import prefix_shape
 
@@ -301,7 +334,8 @@ def _physical_batch(classifier, max_length: int, prompt) -> int:
 
     def probe(n: int) -> None:
         public = classifier.encode(["the " * max_length] * n, max_length=max_length)
-        per_sample_prompt_gradients(classifier, public, torch.zeros(n, dtype=torch.long), prompt.weight)
+        per_sample_prompt_gradients(classifier, public, torch.zeros(n, dtype=torch.long),
+                                    _as_prompt(prompt, prompt.weight))
 
     return choose_physical_batch(None, classifier.device, probe)
 
@@ -390,7 +424,7 @@ def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, se
             opt.zero_grad(set_to_none=True)
             loss_sum = 0.0
             for chunk in idx.split(config.physical_batch_size):  # gradient accumulation
-                logits = classifier(select_rows(enc, chunk), prompt.weight)
+                logits = classifier(select_rows(enc, chunk), _as_prompt(prompt, prompt.weight))
                 loss = F.cross_entropy(logits.float(), labels[chunk].to(dev), reduction="sum")
                 (loss / len(idx)).backward()
                 loss_sum += float(loss.detach())
@@ -399,7 +433,7 @@ def _train_nonprivate(classifier, enc, labels, config, prompt, opt, progress, se
             mean_loss = loss_sum / len(idx)
             history.append({"step": step, "loss": mean_loss, "batch_size": len(idx)})
             report(step, mean_loss)
-    return TrainResult(prompt.weight.detach().cpu().clone(), history, step, 0, private=False)
+    return TrainResult(_as_prompt(prompt, prompt.weight.detach().cpu().clone()), history, step, 0, private=False)
 
 
 @dataclass
@@ -530,7 +564,8 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
         at = prompt.weight  # hook point 2: where the per-sample gradients are taken (the noise is added below)
         for hook in hooks:
             at = hook.gradient_point(step, classifier, enc, labels, batch.idx, at, q)
-        step_sum = _clipped_gradient_sum(classifier, enc, labels, config, dp, at, batch, mask, units, shape)
+        step_sum = _clipped_gradient_sum(classifier, enc, labels, config, dp, _as_prompt(prompt, at), batch, mask,
+                                         units, shape)
         B = batch.B
         if B == 0:
             empty += 1  # still step: noise only (skipping would reveal the empty batch)
@@ -549,4 +584,4 @@ def _train_dp(classifier, enc, labels, config, dp: DPConfig, prompt, opt, progre
             }
         )
         report(step, mean_loss)
-    return TrainResult(prompt.weight.detach().cpu().clone(), history, total, empty, private=True)
+    return TrainResult(_as_prompt(prompt, prompt.weight.detach().cpu().clone()), history, total, empty, private=True)

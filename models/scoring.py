@@ -85,9 +85,10 @@ def row_wise_logits(classifier: PromptClassifier, texts: list[str], max_length: 
 
 def prompt_positions(prompt: torch.Tensor | None) -> int:
     """Positions a prompt takes before the text: a soft prompt's tokens, a prefix's placeholders."""
+    from models.prompts.lora import is_lora
     from models.prompts.prefix import is_prefix, prefix_tokens
 
-    if prompt is None:
+    if prompt is None or is_lora(prompt):
         return 0
     return prefix_tokens(prompt) if is_prefix(prompt) else int(prompt.shape[-2])
 

@@ -1,8 +1,8 @@
 """A published output in forms people use outside PrivPrompt, written where the lifecycle publishes:
 
 * a PEFT adapter folder (``peft/`` in the run's artifacts, ``<name>_peft/`` next to the prompt in
-  ``outputs/``): prompt tuning for a soft prompt, prefix tuning for a prefix
-  (``models.prompts.peft_export``); a text prompt is no adapter, it is a template (``peft/template.json``);
+  ``outputs/``): prompt tuning for a soft prompt, prefix tuning for a prefix, a LoRA adapter for a
+  LoRA (``models.prompts.peft_export``); a text prompt is no adapter, it is a template (``peft/template.json``);
 * a new version of the registered MLflow model of (dataset, method) (``tasks.registry_model``).
 
 A method that evaluates its published prompt its own way (RAPT: on privatized inputs) has an output
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .stages import own_evaluation
 
+ADAPTERS = {"soft": "prompt tuning", "prefix": "prefix tuning", "lora": "LoRA"}  # the PEFT adapter of each kind
 
 
 def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spend: dict | None) -> dict[str, str]:
@@ -25,7 +26,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
     ``child`` (the training run), and register it on the flow's parent run. Returns the tags set."""
     from models.backbone_ref import backbone_reference, base_model_name_or_path
     from models.backbones import load_backbone
-    from models.prompts import load_prompt_artifact
+    from models.prompts import load_prompt_artifact, prompt_kind
     from models.prompts.peft_export import PeftExportError, save_peft_adapter, save_text_template
 
     from .registry_model import check_registrable, predictor_spec, register_output, registered_model_name
@@ -56,7 +57,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
         try:
             save_peft_adapter(folder, prompt, backbone.model, backbone.kind, base_model_name_or_path(ref),
                               ref.get("revision"))
-            tags["peft.adapter"] = f"peft/ ({'prefix' if prompt.dim() == 4 else 'prompt'} tuning)"
+            tags["peft.adapter"] = f"peft/ ({ADAPTERS[prompt_kind(prompt)]})"
         except PeftExportError as exc:
             tags["peft.adapter"] = f"not exported: {exc}"
     if folder.is_dir():

@@ -7,6 +7,8 @@ PUBLIC data only — post-processing of the DP output, so no ε is spent and the
   with the transfer settings of the parent config's ``methods.post.transfer`` block;
 * a text prompt (DP-OPT's instruction): the same instruction on ``MODEL``'s template.
 
+A LoRA adapter is refused in one line: it updates its own backbone's layers.
+
 Either way the prompt is evaluated on the labelled public rows (``retarget.public.accuracy`` beside
 ``retarget.public.no_prompt.accuracy``: public numbers, read by the ``holdout`` gate) and
 registered as a new version of the same registered model, on a ``retarget`` child run of the DP
@@ -199,11 +201,15 @@ def retarget(client, paths, model_uri: str, target: str, steps: int | None = Non
 
     with tempfile.TemporaryDirectory(prefix="privprompt-retarget-") as tmp:
         parent, spec, prompt_path, config = _parent(client, model_uri, Path(tmp))
+        prompt, _ = load_prompt_artifact(prompt_path)
+        if getattr(prompt, "kind", None) == "lora":
+            raise RetargetError("a LoRA adapter is not retargeted: it is an update of its backbone's own weights "
+                                f"(layer names and shapes of {spec['model']}), which no other model has; train "
+                                f"one on the target itself (models.local: {target})")
         if steps is not None:
             config.setdefault("methods", {}).setdefault("post", {}).setdefault("transfer", {})["steps"] = int(steps)
         cfg = parse_config(config)
         texts, label_of = _public_rows(cfg, paths.private)
-        prompt, _ = load_prompt_artifact(prompt_path)
         new_spec, backbone = _target_spec(spec, target)
         kind = "text" if getattr(prompt, "kind", None) == "text" else "soft"
         metrics = {}

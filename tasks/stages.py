@@ -102,8 +102,15 @@ def model_alias(model_name: str) -> str:
 def _check_prompt_fits(classifier, prompt, model_name: str) -> None:
     import torch
 
+    from models.prompts.lora import check_fits, is_lora
     from models.prompts.prefix import is_prefix, prefix_shape
 
+    if is_lora(prompt):
+        try:
+            check_fits(classifier.backbone.model, prompt)
+        except ValueError as exc:
+            raise ConfigError(f"{exc}: it cannot be used with model {model_name!r}") from None
+        return
     if is_prefix(prompt):
         expected = prefix_shape(classifier.backbone.model, prompt.shape[-2])
         if tuple(prompt.shape) != expected:

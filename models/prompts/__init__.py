@@ -2,7 +2,8 @@
 
 * ``soft``: a (n_tokens, embed_dim) tensor prepended to the input embeddings (``models.soft_prompt``);
 * ``prefix``: (layers, 2, n_tokens, d_kv) keys and values for every attention layer (``models.prompts.prefix``);
-* ``text``: a discrete instruction placed before the input by the template (DP-OPT's output).
+* ``text``: a discrete instruction placed before the input by the template (DP-OPT's output);
+* ``lora``: low-rank updates of the frozen model's linear layers (``models.prompts.lora``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from models.prompts.text import TextPrompt
 
-KINDS = ("soft", "prefix", "text")
+KINDS = ("soft", "prefix", "text", "lora")
 
 
 def prompt_kind(prompt) -> str:
@@ -32,6 +33,12 @@ def save_prompt_artifact(path: str | Path, prompt, metadata: dict | None = None)
         tmp.write_text(json.dumps({"kind": "text", "instruction": prompt.instruction, "metadata": meta}, indent=1))
         tmp.replace(path)
         return path
+    if meta["kind"] == "lora":
+        from models.prompts.lora import save_lora
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_lora(path, prompt, meta)
+        return path
     from models.soft_prompt import save_prompt
 
     return save_prompt(path, prompt, meta)
@@ -50,6 +57,10 @@ def load_prompt_artifact(path: str | Path):
 
     tensor, meta = load_prompt(path)
     kind = meta.get("kind", "soft")
+    if kind == "lora":
+        from models.prompts.lora import from_file
+
+        return from_file(tensor, meta), meta
     expected_dims = {"soft": 2, "prefix": 4}
     if kind not in expected_dims:
         raise ValueError(f"{path}: prompt kind {kind!r} is not supported here (known: {KINDS})")

@@ -9,7 +9,9 @@
   places the prefix at positions 0..n−1 and the text at n.. (``models.prompts.prefix``), as PEFT
   does; a rotary model (Llama) rotates the keys it computes at positions 0..n−1, so the exported
   keys are those the model itself caches for the prefix (read from a forward pass with the prefix
-  in place), not the raw stored ones. The test compares PEFT's forward with PrivPrompt's.
+  in place), not the raw stored ones. The test compares PEFT's forward with PrivPrompt's;
+* a LoRA (``models.prompts.lora``) is a LoRA adapter: ``lora_A`` / ``lora_B`` of every targeted
+  module, dropout 0, no bias, PEFT's ``LoraConfig`` with the layout's rank, α and targets.
 
 What PEFT cannot express is not exported here: a text prompt is a template (:func:`save_text_template`).
 
@@ -102,6 +104,30 @@ def peft_prompt_embeddings(prompt: torch.Tensor, model: torch.nn.Module) -> torc
     raise PeftExportError(f"a prompt of shape {tuple(prompt.shape)} is neither a soft prompt nor a prefix")
 
 
+def _as_json(cfg) -> dict:
+    data = cfg.to_dict()
+    for key, value in list(data.items()):  # enums and sets as JSON
+        if isinstance(value, set):
+            data[key] = sorted(value)
+        elif hasattr(value, "value"):
+            data[key] = value.value
+    return data
+
+
+def lora_adapter_config(lora, model: torch.nn.Module, kind: str, base_model: str, revision: str | None = None) -> dict:
+    """adapter_config.json of PEFT's ``LoraConfig`` for ``lora``'s layout (``fan_in_fan_out`` for
+    GPT-2's ``Conv1D``, whose weight is stored (in, out))."""
+    from peft import LoraConfig
+
+    layout = lora.layout
+    named = dict(model.named_modules())
+    conv1d = any(type(named[name]).__name__ == "Conv1D" for name in layout.modules)
+    return _as_json(LoraConfig(r=layout.r, lora_alpha=layout.alpha, target_modules=list(layout.targets),
+                               lora_dropout=0.0, bias="none", task_type=task_type(kind), inference_mode=True,
+                               fan_in_fan_out=conv1d,
+                               base_model_name_or_path=base_model, revision=revision))
+
+
 def adapter_config(prompt: torch.Tensor, model: torch.nn.Module, kind: str, base_model: str,
                    revision: str | None = None) -> dict:
     """adapter_config.json of PEFT's own config class (``to_dict``), for a soft prompt or a prefix."""
@@ -120,13 +146,7 @@ def adapter_config(prompt: torch.Tensor, model: torch.nn.Module, kind: str, base
     else:
         cfg = PromptTuningConfig(num_virtual_tokens=int(prompt.shape[0]), token_dim=int(prompt.shape[1]),
                                  num_attention_heads=heads, prompt_tuning_init="RANDOM", **common)
-    data = cfg.to_dict()
-    for key, value in list(data.items()):  # enums and sets as JSON
-        if isinstance(value, set):
-            data[key] = sorted(value)
-        elif hasattr(value, "value"):
-            data[key] = value.value
-    return data
+    return _as_json(cfg)
 
 
 def save_peft_adapter(directory: str | Path, prompt: torch.Tensor, model: torch.nn.Module, kind: str,
@@ -134,11 +154,20 @@ def save_peft_adapter(directory: str | Path, prompt: torch.Tensor, model: torch.
     """Write ``prompt`` as a PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``)
     for backbone ``model`` (a PrivPrompt backbone ``kind``: causal / masked / encoder), whose HF id or
     local path is ``base_model``."""
+    from models.prompts.lora import check_fits, is_lora
+
     directory = Path(directory)
-    weights = peft_prompt_embeddings(prompt, model)
-    config = adapter_config(torch.as_tensor(prompt), model, kind, base_model, revision)
+    if is_lora(prompt):
+        try:
+            check_fits(model, prompt)
+        except ValueError as exc:
+            raise PeftExportError(str(exc)) from None
+        weights, config = prompt.state_dict(), lora_adapter_config(prompt, model, kind, base_model, revision)
+    else:
+        weights = {PEFT_KEY: peft_prompt_embeddings(prompt, model)}
+        config = adapter_config(torch.as_tensor(prompt), model, kind, base_model, revision)
     directory.mkdir(parents=True, exist_ok=True)
-    save_file({PEFT_KEY: weights}, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(weights, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     return directory
 

@@ -47,8 +47,9 @@ def nonprivate_steps(block, n_train: int) -> int:
 
 def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | None = None,
                     randomness=None, progress=None, kind: str = "soft", init_prompt=None, hooks=(),
-                    steps: int | None = None):
-    """Train a soft prompt (or, with ``kind="prefix"``, a prefix) of ``block``'s settings on
+                    steps: int | None = None, shape: dict | None = None):
+    """Train a soft prompt (or, with ``kind="prefix"``, a prefix; with ``kind="lora"`` a LoRA whose
+    rank, α and targets ``shape`` gives as ``PromptTrainingConfig`` fields) of ``block``'s settings on
     ``model_name`` with private ``rows`` (DP-SGD when ``dp`` holds the plan's settings; ``hooks``:
     ``models.dp_prompt_training.DPStepHook`` s of the DP step, e.g. Privacy-Flat's; ``steps``: the
     non-private step count, :func:`nonprivate_steps` of the plan's n). Returns ``models``'
@@ -60,10 +61,10 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     clf = classifier_for(cfg, model_name)
     enc = clf.encode(rows.texts, max_length=cfg.models.max_length)
     y = label_indices(rows.labels, cfg.data.labels)
-    tc = PromptTrainingConfig(n_tokens=block.n_tokens, lr=block.lr, epochs=block.epochs,
-                              batch_size=block.batch_size, max_length=cfg.models.max_length,
-                              seed=seed, init_words=block.init, kind=kind, steps=steps,
-                              physical_batch_size=cfg.models.physical_batch_size)
+    shape = shape if shape is not None else {"n_tokens": block.n_tokens, "init_words": block.init}
+    tc = PromptTrainingConfig(lr=block.lr, epochs=block.epochs, batch_size=block.batch_size,
+                              max_length=cfg.models.max_length, seed=seed, kind=kind, steps=steps,
+                              physical_batch_size=cfg.models.physical_batch_size, **shape)
     dp_config, generators = None, {}
     if dp is not None:
         dp_config = DPConfig(noise_multiplier=dp["noise_multiplier"], max_grad_norm=dp["max_grad_norm"],
@@ -83,12 +84,12 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
 
 
 def fit_nonprivate(cfg, block, model_name: str, rows, seed: int, n_train: int, progress=None,
-                   kind: str = "soft"):
+                   kind: str = "soft", shape: dict | None = None):
     """The non-private trainer: a soft prompt (or prefix) of ``block``'s settings on ``model_name``
     with private ``rows``, without DP — :func:`nonprivate_steps` of the plan's (released) ``n_train``
     steps. No guarantee: a run using it is labelled ``none``."""
     return fit_soft_prompt(cfg, block, model_name, rows, seed, progress=progress, kind=kind,
-                           steps=nonprivate_steps(block, n_train))
+                           steps=nonprivate_steps(block, n_train), shape=shape)
 
 
 def unit_tensor(cfg, rows) -> dict:

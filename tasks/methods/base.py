@@ -437,7 +437,7 @@ class Extras:
     diagnostics: Callable[..., dict[str, Any]] = _no_diagnostics
 
 
-PROMPT_KINDS = ("soft", "prefix", "text", "none")
+PROMPT_KINDS = ("soft", "prefix", "text", "lora", "none")
 
 
 @dataclass(frozen=True)
@@ -445,7 +445,7 @@ class MethodSpec:
     """A method as the platform knows it, declared once and registered by name
     (``tasks.methods.register_method``): its ``name`` (``methods.<name>`` in a config), its
     ``config_class`` (the pydantic block there), its ``mechanism`` (what it does), the
-    ``prompt_kind`` it publishes (soft | prefix | text | none), a ``label`` for tables, its
+    ``prompt_kind`` it publishes (soft | prefix | text | lora | none), a ``label`` for tables, its
     :class:`Traits`, what it adds to the comparison :class:`Report`, and its :class:`Extras`."""
 
     name: str
