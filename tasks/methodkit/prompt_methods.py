@@ -57,12 +57,12 @@ class SoftPromptDPSGD(Mechanism):
                                              "logged seed; no guarantee")
 
     def train(self, mctx, plan, rows, progress=None):
-        from .training import dpsgd_event, fit_soft_prompt
+        from .training import dpsgd_event, fit_soft_prompt, trained_metrics
 
         cfg = mctx.cfg
         result = fit_soft_prompt(cfg, settings_of(cfg, self), cfg.models.local, rows, mctx.seed,
                                  dp=plan.settings, randomness=mctx.randomness, progress=progress)
-        metrics = {"train.steps": result.steps}
+        metrics = trained_metrics(result)
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
                        result.steps, metrics, result.history)
 
@@ -154,15 +154,14 @@ class PrefixDPSGDMethod(SoftPromptDPSGD):
         return {}
 
     def train(self, mctx, plan, rows, progress=None):
-        from .training import dpsgd_event, fit_soft_prompt
+        from .training import dpsgd_event, fit_soft_prompt, trained_metrics
 
         cfg = mctx.cfg
         extra = self.step_additions(mctx, plan, rows, progress)
         result = fit_soft_prompt(cfg, settings_of(cfg, self), cfg.models.local, rows, mctx.seed, dp=plan.settings,
                                  randomness=mctx.randomness, progress=progress, kind="prefix",
                                  hooks=extra.get("hooks", ()), init_prompt=extra.get("init_prompt"))
-        metrics = {"train.steps": result.steps,
-                   **extra.get("metrics", {})}
+        metrics = {**trained_metrics(result), **extra.get("metrics", {})}
         return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None,
                        result.steps, metrics, extra.get("history", []) + result.history)
 
@@ -233,9 +232,9 @@ class NonPrivateSoftPrompt(Mechanism):
                                "metrics, and its prompt stays under private/")
 
     def train(self, mctx, plan, rows, progress=None):
-        from .training import fit_nonprivate
+        from .training import fit_nonprivate, trained_metrics
 
         cfg = mctx.cfg
         result = fit_nonprivate(cfg, settings_of(cfg, self), cfg.models.local, rows, mctx.seed, plan.n_train,
                                 progress=progress)
-        return Trained(result.prompt, None, result.steps, {"train.steps": result.steps}, result.history)
+        return Trained(result.prompt, None, result.steps, trained_metrics(result), result.history)

@@ -83,6 +83,13 @@ def fit_soft_prompt(cfg, block, model_name: str, rows, seed: int, dp: dict | Non
     return result
 
 
+def trained_metrics(result) -> dict:
+    """What a trainer's run logs of its training: the steps taken and the trainable parameters (the
+    prompt's, prefix's or adapters' size: public, a function of the settings and the model)."""
+    weight = getattr(result.prompt, "weight", result.prompt)
+    return {"train.steps": result.steps, "train.trainable_parameters": int(weight.numel())}
+
+
 def fit_nonprivate(cfg, block, model_name: str, rows, seed: int, n_train: int, progress=None,
                    kind: str = "soft", shape: dict | None = None):
     """The non-private trainer: a soft prompt (or prefix) of ``block``'s settings on ``model_name``

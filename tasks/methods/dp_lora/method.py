@@ -18,7 +18,7 @@ from pydantic import Field
 
 from ...errors import ConfigError
 from ...methodkit.prompt_methods import DPSGD_TRAITS, SoftPromptDPSGD
-from ...methodkit.training import fit_nonprivate, fit_soft_prompt
+from ...methodkit.training import fit_nonprivate, fit_soft_prompt, trained_metrics
 from ...schema import Block
 from .. import register_method
 from ..base import MethodPlan, MethodSpec, Trained, Traits, check_classifier, settings_of
@@ -66,11 +66,6 @@ def check_lora(cfg, mechanism) -> None:
         raise ConfigError(f"methods.{mechanism.spec.name}: {exc}") from None
 
 
-def _outputs(result) -> tuple:
-    metrics = {"train.steps": result.steps, "train.trainable_parameters": int(result.prompt.weight.numel())}
-    return result.prompt, metrics
-
-
 class DPLoRA(SoftPromptDPSGD):
     """DP-SGD on the adapters: the soft prompt's plan and accounting, a LoRA trained."""
 
@@ -87,9 +82,8 @@ class DPLoRA(SoftPromptDPSGD):
         block = settings_of(cfg, self)
         result = fit_soft_prompt(cfg, block, cfg.models.local, rows, mctx.seed, dp=plan.settings,
                                  randomness=mctx.randomness, progress=progress, kind="lora", shape=lora_shape(block))
-        prompt, metrics = _outputs(result)
-        return Trained(prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None, result.steps,
-                       metrics, result.history)
+        return Trained(result.prompt, dpsgd_event(plan.settings) if plan.guarantee == "dp" else None, result.steps,
+                       trained_metrics(result), result.history)
 
 
 class LoRASGD(DPLoRA):
@@ -109,8 +103,7 @@ class LoRASGD(DPLoRA):
         block = settings_of(cfg, self)
         result = fit_nonprivate(cfg, block, cfg.models.local, rows, mctx.seed, plan.n_train, progress=progress,
                                 kind="lora", shape=lora_shape(block))
-        prompt, metrics = _outputs(result)
-        return Trained(prompt, None, result.steps, metrics, result.history)
+        return Trained(result.prompt, None, result.steps, trained_metrics(result), result.history)
 
 
 # DP-SGD's traits; the grid: Adam learning rates for adapters (smaller than a prompt's) × epochs

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from ...methodkit.prompt_methods import (DPSGD_TRAITS, PREFIX_REPORT, PrefixDPSGDConfig, PrefixDPSGDMethod,
                                          prefix_extras)
-from ...methodkit.training import fit_nonprivate
+from ...methodkit.training import fit_nonprivate, trained_metrics
 from .. import register_method
 from ..base import MethodPlan, MethodSpec, Trained, settings_of
 
@@ -42,7 +42,7 @@ class PrefixSGD(PrefixDPSGDMethod):
         cfg = mctx.cfg
         result = fit_nonprivate(cfg, settings_of(cfg, self), cfg.models.local, rows, mctx.seed, plan.n_train,
                                 progress=progress, kind="prefix")
-        return Trained(result.prompt, None, result.steps, {"train.steps": result.steps}, result.history)
+        return Trained(result.prompt, None, result.steps, trained_metrics(result), result.history)
 
 
 _NONPRIVATE_REPORT = replace(PREFIX_REPORT, run_label=nonprivate_label)
