@@ -13,8 +13,9 @@ from tests.pipeline.test_flow import _config, _mlflow, _toy_dataset
 
 # metric names a DP run may publish: accountant output, counts fixed by the plan or by the secret
 # sampling, accuracy on the test split (the run record), and labelled audit statistics (mia.*)
+# train.trainable_parameters: the size of the trained prompt or adapter, fixed by the config
 # no_prompt.*: the comparison with no prompt's released (noisy) difference, its σ and its post-processing
-ALLOWED = re.compile(r"^(privacy\.(epsilon|delta|epsilon_rdp)|test\.accuracy(\..+)?|train\.steps"
+ALLOWED = re.compile(r"^(privacy\.(epsilon|delta|epsilon_rdp)|test\.accuracy(\..+)?|train\.(steps|trainable_parameters)"
                      r"|mia\..+|baseline\..+\.mia\.loss\.auc|runtime\..+_s"
                      r"|no_prompt\.(released_difference|noise_sigma|released_gain|fallback|conclusive))$")
 
