@@ -30,7 +30,7 @@ import math
 import threading
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -175,6 +175,15 @@ class LoraPrompt:
         return (self.weight[..., a:b].reshape(*lead, self.layout.r, i),
                 self.weight[..., b:e].reshape(*lead, o, self.layout.r))
 
+    def all_adapters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(A, B) of every module, from one split of θ: its backward writes θ's gradient once,
+        where a slice per module writes a θ-sized gradient per slice (for a (B, P) θ, 2 × modules
+        zero-filled (B, P) tensors a step: most of DP LoRA's cost over a non-private step)."""
+        r, lead = self.layout.r, self.weight.shape[:-1]
+        parts = torch.split(self.weight, [n for i, o in self.layout.shapes for n in (r * i, o * r)], dim=-1)
+        return [(parts[2 * k].reshape(*lead, r, i), parts[2 * k + 1].reshape(*lead, o, r))
+                for k, (i, o) in enumerate(self.layout.shapes)]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """PEFT's adapter weights (``adapter_model.safetensors`` keys) of a (P,) θ."""
         if self.per_example:
@@ -235,7 +244,7 @@ def _install(model: nn.Module, names: tuple[str, ...]) -> None:
                 index = None if lora is None else lora.index.get(name)
                 if index is None:
                     return out
-                A, B = lora.prompt.adapters(index)
+                A, B = lora.adapters(index)
                 return out + _delta(args[0], A, B, lora.prompt.layout.scaling).to(out.dtype)
 
             named[name].register_forward_hook(hook)
@@ -244,8 +253,19 @@ def _install(model: nn.Module, names: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class _Active:
+    """The LoRA in place in a thread, its modules' indices, and its (A, B) pairs: split once for the
+    block (views of θ), again only when θ's version or the grad mode changed since."""
+
     prompt: LoraPrompt
     index: dict
+    split: dict = field(default_factory=dict)
+
+    def adapters(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (self.prompt.weight._version, torch.is_grad_enabled())
+        if self.split.get("key") != key:
+            self.split.clear()
+            self.split.update(key=key, pairs=self.prompt.all_adapters())
+        return self.split["pairs"][index]
 
 
 @contextmanager

@@ -73,6 +73,39 @@ def test_lora_per_sample_gradients_match_per_example_loop(clf):
     assert not torch.allclose(grads[0], grads[1], atol=1e-7)
 
 
+@pytest.mark.parametrize("per_example", [False, True], ids=["shared", "per-example"])
+def test_one_context_sees_an_in_place_update_and_accumulates_two_backwards(clf, per_example):
+    """The (A, B) split is made once per forward: an in-place change of θ inside the block is used by
+    the next forward, and two forward/backward passes in one block give the gradient of two blocks."""
+    from models.prompts.lora import lora_hooks
+
+    enc, lora, model = clf.encode(TEXTS), _lora(clf), clf.backbone.model
+    if per_example:  # (B, P): its A and B are copies, not views, of θ
+        lora = LoraPrompt(lora.layout, lora.weight.expand(len(TEXTS), -1).clone())
+    inputs = {k: enc[k] for k in ("input_ids", "attention_mask")}
+
+    def out(weight, times=1):
+        with lora_hooks(model, LoraPrompt(lora.layout, weight), len(TEXTS)):
+            return [model(**inputs)[0] for _ in range(times)]
+
+    with torch.no_grad():
+        w = lora.weight.clone()
+        with lora_hooks(model, LoraPrompt(lora.layout, w), len(TEXTS)):
+            first = model(**inputs)[0]
+            w.mul_(2.0)
+            second = model(**inputs)[0]
+        torch.testing.assert_close(first, out(lora.weight)[0])
+        torch.testing.assert_close(second, out(lora.weight * 2.0)[0])
+        assert not torch.allclose(first, second)
+    p = lora.weight.clone().requires_grad_()
+    with lora_hooks(model, LoraPrompt(lora.layout, p), len(TEXTS)):
+        for _ in range(2):
+            model(**inputs)[0].square().mean().backward()
+    q = lora.weight.clone().requires_grad_()
+    (g,) = torch.autograd.grad(out(q)[0].square().mean(), q)
+    torch.testing.assert_close(p.grad, 2 * g)
+
+
 def test_opacus_per_sample_gradients_of_peft_lora_equal_privprompts():
     """An independent reference: Opacus' GradSampleModule on PEFT's own LoRA layers (a copy of the
     backbone, PEFT-injected) gives, module for module, the per-sample gradients of the DP step."""
