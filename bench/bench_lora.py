@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
 import pytest
 import torch
 
-SST2 = ROOT.parent / "shared" / "data" / "sst2" / "train.jsonl"
+SST2 = Path(os.environ.get("PRIVPROMPT_DATA_ROOT", ROOT.parent / "shared" / "data")) / "sst2" / "train.jsonl"
 
 
 def _rows(n: int):

@@ -4,6 +4,7 @@
 #                                    # non-private run on a random Llama-2-7B-shaped bf16 backbone
 #   bash bench/gpu_flow.sh quickstart  # the quickstart flow (MiniLM, carried as fp16, run in fp32)
 #   bash bench/gpu_flow.sh holdout   # the private holdout scoring on the 7B shape: row-own batches vs one row per pass
+#   bash bench/gpu_flow.sh lora      # a DP LoRA step vs a non-private LoRA step on the 7B shape (time, peak memory)
 #   bash bench/gpu_flow.sh all       # smoke, a 7B DP/non-private pair, bench/gpu_steps.py, a second pair
 #   bash bench/gpu_flow.sh dpopt     # DP-OPT at dp_opt_gpu.yaml's scale (J = 205 meta-prompts of 5 demos, full
 #                                    # SST-2, 50 tokens) on a random 7B-shaped model made to agree with itself,
@@ -105,6 +106,11 @@ dpopt)  # the queries of J = 205 through the flow; the 13B target left out (no w
       --set methods.opt.enabled=false --set methods.dln1.enabled=false --set methods.dp_opt.candidates="${CANDIDATES:-5}" \
       --set data.holdout_fraction="${HOLDOUT:-0.01}" --set mia.enabled=false ${DPOPT_SETS:-}
   $PY bench/gpu_flow.py record /tmp/pp-dpopt "$OUT/dpopt_record.json"
+  ;;
+lora)  # a DP LoRA step vs a non-private one on the 7B shape, bf16 weights, the DP math in fp32 (bench/bench_lora.py)
+  make_7b
+  timed lora timeout "${STEPS_TIMEOUT:-300}" $PY -u bench/bench_lora.py --model /tmp/llama7b --device cuda \
+      --dtype bfloat16 --batch "${LORA_BATCH:-16}" --steps "${LORA_STEPS:-4}" --r 8
   ;;
 quickstart)
   minilm_weights
