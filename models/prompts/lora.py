@@ -211,6 +211,42 @@ def check_fits(model: nn.Module, lora: LoraPrompt) -> None:
                              f"({'no such module' if module is None else f'its shape is {have}'})")
 
 
+# one public sentence twice: a batch of 2 rows of equal length (one length group), more positions than rows
+_PROBE_TEXT = "a public probe sentence of several words, to see how each adapted layer is called"
+
+
+def check_batch_first(clf, layout: LoraLayout) -> None:
+    """ValueError (one line) unless every module of ``layout`` is called by ``clf``'s forward, on
+    inputs (rows, positions, features) with the rows first: per-example adapters give row i of a
+    (B, P) θ to row i of each input, so a layer that sees a 2-D input cannot take them, and a
+    sequence-first layer (positions, rows, features) whose positions equal the batch would give one
+    example's adapter to every example's position and mix their gradients silently. Checked on a
+    public probe batch of 2 rows with more positions than rows, once, before any private row."""
+    model = clf.backbone.model
+    named = dict(model.named_modules())
+    seen: dict[str, list[tuple[int, ...]]] = {name: [] for name in layout.modules}
+    handles = [named[name].register_forward_pre_hook(
+        lambda module, args, name=name: seen[name].append(tuple(args[0].shape)) if args else None)
+        for name in layout.modules]
+    enc = clf.encode([_PROBE_TEXT, _PROBE_TEXT])
+    rows, width = (int(n) for n in enc["attention_mask"].shape)
+    try:
+        with torch.no_grad():
+            clf(enc, LoraPrompt(layout, torch.zeros(layout.size)))
+    finally:
+        for h in handles:
+            h.remove()
+    for name in layout.modules:
+        if not seen[name]:
+            raise ValueError(f"LoRA target {name!r} is not called by the classifier's forward: its adapter "
+                             "would be noise only; choose other target_modules")
+        for shape in seen[name]:
+            if len(shape) != 3 or not shape[0] <= rows < shape[1]:
+                raise ValueError(f"LoRA target {name!r} sees inputs of shape {shape} on a public probe of {rows} rows "
+                                 f"of {width} positions, not (rows, positions, features): per-example adapters need "
+                                 "batch-first 3-D inputs; choose other target_modules")
+
+
 # The hooks are installed once per (model, module) and read the LoRA of the current thread.
 _ACTIVE = threading.local()
 _INSTALLED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
@@ -227,7 +263,7 @@ def _delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scaling: float) ->
     if A.dim() == 2:
         return scaling * (x @ A.T) @ B.T
     if x.dim() != 3 or x.shape[0] != A.shape[0]:
-        raise RuntimeError(f"a per-example LoRA of {A.shape[0]} rows met an input of shape {tuple(x.shape)}")
+        raise RuntimeError("a per-example LoRA met an input that is not (rows, positions, features) of its rows")
     return scaling * torch.bmm(torch.bmm(x, A.transpose(1, 2)), B.transpose(1, 2))
 
 
@@ -272,7 +308,7 @@ class _Active:
 def lora_hooks(model: nn.Module, lora: LoraPrompt, batch_size: int):
     """Within the block, in this thread, every module of ``lora``'s layout adds its low-rank update."""
     if lora.per_example and lora.weight.shape[0] != batch_size:
-        raise ValueError(f"a per-example LoRA of {lora.weight.shape[0]} rows for a batch of {batch_size}")
+        raise ValueError("a per-example LoRA whose rows are not the batch's")
     _install(model, lora.layout.modules)
     if getattr(_ACTIVE, "state", None) is not None:
         raise RuntimeError("lora_hooks do not nest: a LoRA is already in place in this thread")

@@ -219,3 +219,72 @@ def test_lora_save_load_round_trip_and_another_backbone_refused(clf, tmp_path):
     other = "tiny-llama" if clf.backbone.model.config.model_type != "llama" else "tiny-gpt2"
     with pytest.raises(ValueError, match="does not fit"):
         check_fits(load_backbone(other, "cpu").model, loaded)
+
+
+class _Probe:
+    """A stand-in classifier around one linear layer called batch-first, sequence-first, on pooled
+    2-D inputs, or not at all; ``encode`` gives the probe's 2 rows of its positions."""
+
+    def __init__(self, how: str, width: int = 16):
+        from types import SimpleNamespace
+
+        self.how = how
+        self.model = torch.nn.Module()
+        self.model.layer = torch.nn.Linear(width, width)
+        self.model.unused = torch.nn.Linear(width, width)
+        self.model.config = SimpleNamespace(model_type="probe")
+        self.backbone = SimpleNamespace(model=self.model)
+        self.width = width
+
+    def encode(self, texts):
+        T = len(texts[0].split())
+        return {"attention_mask": torch.ones(len(texts), T, dtype=torch.long)}
+
+    def __call__(self, enc, prompt):
+        from models.prompts.lora import lora_hooks
+
+        B, T = enc["attention_mask"].shape
+        x = torch.randn(B, T, self.width)
+        with lora_hooks(self.model, prompt, B):
+            if self.how == "batch_first":
+                return self.model.layer(x)
+            if self.how == "sequence_first":
+                return self.model.layer(x.transpose(0, 1))
+            return self.model.layer(x.mean(1))
+
+
+@pytest.mark.parametrize("how, error", [("batch_first", None), ("sequence_first", r"not \(rows, positions"),
+                                        ("pooled", r"not \(rows, positions"), ("unused", "not called")])
+def test_per_example_adapters_need_batch_first_layers_checked_on_a_public_probe(how, error):
+    """A sequence-first layer whose positions equal the batch would give example t's adapter to position
+    t of every example and mix their gradients: refused on a public probe (more positions than rows),
+    as are a layer on 2-D inputs and a target the forward never calls."""
+    from models.prompts.lora import check_batch_first
+
+    clf = _Probe(how)
+    layout = lora_layout(clf.model, 2, 4, ["unused"] if how == "unused" else ["layer"])
+    if error is None:
+        check_batch_first(clf, layout)
+        return
+    with pytest.raises(ValueError, match=error):
+        check_batch_first(clf, layout)
+    if how == "sequence_first":  # what the probe prevents: with positions = rows, gradients cross examples
+        B = T = 3
+        x = torch.randn(B, T, clf.width)
+        p = init_lora(layout, 0).expand(B, -1).clone() + 0.1
+        p.requires_grad_()
+        from models.prompts.lora import lora_hooks
+
+        with lora_hooks(clf.model, LoraPrompt(layout, p), B):
+            out = clf.model.layer(x.transpose(0, 1)).transpose(0, 1)
+        out[0].sum().backward()  # example 0's output alone
+        assert (p.grad[1:].norm(dim=1) > 0).all()
+
+
+def test_the_default_targets_pass_the_probe_and_a_head_layer_is_refused(clf):
+    from models.prompts.lora import check_batch_first
+
+    check_batch_first(clf, lora_layout(clf.backbone.model, 2, 4))
+    if isinstance(clf, VerbalizerMaskedLM):  # the MLM head's transform sees the mask position alone (2-D)
+        with pytest.raises(ValueError, match="dense"):
+            check_batch_first(clf, lora_layout(clf.backbone.model, 2, 4, ["dense"]))

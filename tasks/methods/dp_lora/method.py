@@ -53,17 +53,25 @@ def lora_params(block: LoRAConfig) -> dict:
 
 
 def check_lora(cfg, mechanism) -> None:
-    """The classifier of ``models.local`` builds and the adapters find their target layers."""
-    from models.prompts.lora import lora_layout
+    """The classifier of ``models.local`` builds, it is the model the adapters are used on, and they
+    find their target layers, each called batch-first (a public probe: per-example clipping needs it)."""
+    from models.prompts.lora import check_batch_first, lora_layout
 
     from ...methodkit.classifiers import classifier_for
 
+    name = mechanism.spec.name
+    if cfg.models.target_name != cfg.models.local:
+        raise ConfigError(f"methods.{name}: a LoRA is trained on and used with models.local "
+                          f"({cfg.models.local}); models.target ({cfg.models.target}) must be unset or the same")
+    if [m for m in cfg.models.evaluate_on if m != cfg.models.local]:
+        raise ConfigError(f"methods.{name}: a LoRA fits models.local only; models.evaluate_on must be empty")
     check_classifier(cfg, cfg.models.local, "models.local", 0)
     block = settings_of(cfg, mechanism)
+    clf = classifier_for(cfg, cfg.models.local)
     try:
-        lora_layout(classifier_for(cfg, cfg.models.local).backbone.model, block.r, block.alpha, block.target_modules)
+        check_batch_first(clf, lora_layout(clf.backbone.model, block.r, block.alpha, block.target_modules))
     except ValueError as exc:
-        raise ConfigError(f"methods.{mechanism.spec.name}: {exc}") from None
+        raise ConfigError(f"methods.{name}: {exc}") from None
 
 
 class DPLoRA(SoftPromptDPSGD):

@@ -86,3 +86,24 @@ def test_retarget_refuses_a_lora_in_one_line(lora_run, capsys):
                "--target", "tiny-gpt2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "LoRA adapter is not retargeted" in err[0]
+
+
+@pytest.mark.parametrize("change, error", [
+    ({"models": {"target": "tiny-gpt2"}}, "models.target"),
+    ({"models": {"evaluate_on": ["tiny-gpt2"]}}, "models.evaluate_on"),
+    ({"methods": {"dp_lora": {"target_modules": ["dense"]}}}, "not \\(rows, positions"),
+])
+def test_a_lora_that_cannot_be_trained_per_example_or_used_is_refused_at_preflight(sst2_dir, tmp_path, change, error):
+    """Before any private row: a LoRA used on another model than the one it is trained on, or on a
+    layer the masked LM calls with 2-D inputs (the head's transform), is one ConfigError line."""
+    from tasks.config import parse_config
+    from tasks.errors import ConfigError
+    from tasks.methods import get_method
+
+    cfg = _config(_toy_dataset(tmp_path / "data", sst2_dir), tmp_path / "state", method="dp_lora")
+    for key, value in change.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    parsed = parse_config(cfg)
+    with pytest.raises(ConfigError, match=error) as exc:
+        get_method("dp_lora").mechanism.preflight(parsed, None)
+    assert "\n" not in str(exc.value)
