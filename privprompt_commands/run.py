@@ -422,6 +422,8 @@ def cmd_plan(args) -> int:
     _print_dp_icl_plan(cfg, plan, paths)
     _print_public_overlap(cfg)
     print(f"ledger: {paths.ledger_location}" + ("" if paths.ledger_exists() else " (none yet: nothing spent)"))
+    print("which route for your case (a local model you can train, an API-only target, answers per query), "
+          "measured at ε 1, 3 and 8: docs/routes.md")
     return 0 if plan["fits"] else 4
 
 
