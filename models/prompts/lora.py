@@ -167,18 +167,11 @@ class LoraPrompt:
     def detach(self) -> "LoraPrompt":
         return LoraPrompt(self.layout, self.weight.detach())
 
-    def adapters(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A, B) of module ``index``: (r, in), (out, r), or with a batch dimension in front."""
-        a, b, e = self.layout.spans()[index]
-        i, o = self.layout.shapes[index]
-        lead = self.weight.shape[:-1]
-        return (self.weight[..., a:b].reshape(*lead, self.layout.r, i),
-                self.weight[..., b:e].reshape(*lead, o, self.layout.r))
-
-    def all_adapters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(A, B) of every module, from one split of θ: its backward writes θ's gradient once,
-        where a slice per module writes a θ-sized gradient per slice (for a (B, P) θ, 2 × modules
-        zero-filled (B, P) tensors a step: most of DP LoRA's cost over a non-private step)."""
+    def adapters(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(A, B) of every module, (r, in) and (out, r) or with a batch dimension in front: views
+        from one split of θ, whose backward writes θ's gradient once, where a slice per module
+        writes a θ-sized gradient per slice (for a (B, P) θ, 2 × modules zero-filled (B, P) tensors
+        a step: most of DP LoRA's cost over a non-private step)."""
         r, lead = self.layout.r, self.weight.shape[:-1]
         parts = torch.split(self.weight, [n for i, o in self.layout.shapes for n in (r * i, o * r)], dim=-1)
         return [(parts[2 * k].reshape(*lead, r, i), parts[2 * k + 1].reshape(*lead, o, r))
@@ -189,8 +182,7 @@ class LoraPrompt:
         if self.per_example:
             raise ValueError("a per-example LoRA is not an adapter")
         out = {}
-        for k, name in enumerate(self.layout.modules):
-            A, B = self.adapters(k)
+        for name, (A, B) in zip(self.layout.modules, self.adapters()):
             out[f"base_model.model.{name}.lora_A.weight"] = A.detach().float().cpu().contiguous()
             out[f"base_model.model.{name}.lora_B.weight"] = B.detach().float().cpu().contiguous()
         return out
@@ -300,7 +292,7 @@ class _Active:
         key = (self.prompt.weight._version, torch.is_grad_enabled())
         if self.split.get("key") != key:
             self.split.clear()
-            self.split.update(key=key, pairs=self.prompt.all_adapters())
+            self.split.update(key=key, pairs=self.prompt.adapters())
         return self.split["pairs"][index]
 
 

@@ -75,12 +75,12 @@ def test_lora_per_sample_gradients_match_per_example_loop(clf):
 
 @pytest.mark.parametrize("per_example", [False, True], ids=["shared", "per-example"])
 def test_one_context_sees_an_in_place_update_and_accumulates_two_backwards(clf, per_example):
-    """The (A, B) split is made once per forward: an in-place change of θ inside the block is used by
+    """The (A, B) split is made once per block: an in-place change of θ inside the block is used by
     the next forward, and two forward/backward passes in one block give the gradient of two blocks."""
     from models.prompts.lora import lora_hooks
 
     enc, lora, model = clf.encode(TEXTS), _lora(clf), clf.backbone.model
-    if per_example:  # (B, P): its A and B are copies, not views, of θ
+    if per_example:  # (B, P): one copy of θ per row
         lora = LoraPrompt(lora.layout, lora.weight.expand(len(TEXTS), -1).clone())
     inputs = {k: enc[k] for k in ("input_ids", "attention_mask")}
 
@@ -122,8 +122,7 @@ def test_opacus_per_sample_gradients_of_peft_lora_equal_privprompts():
                                            lora_dropout=0.0))
     named = dict(peft_model.named_modules())
     with torch.no_grad():
-        for k, name in enumerate(layout.modules):
-            A, B = lora.adapters(k)
+        for name, (A, B) in zip(layout.modules, lora.adapters()):
             named[f"base_model.model.{name}"].lora_A["default"].weight.copy_(A)
             named[f"base_model.model.{name}"].lora_B["default"].weight.copy_(B)
     gsm = GradSampleModule(peft_model, batch_first=True, loss_reduction="sum")

@@ -63,7 +63,7 @@ def check_lora(cfg, mechanism) -> None:
     if cfg.models.target_name != cfg.models.local:
         raise ConfigError(f"methods.{name}: a LoRA is trained on and used with models.local "
                           f"({cfg.models.local}); models.target ({cfg.models.target}) must be unset or the same")
-    if [m for m in cfg.models.evaluate_on if m != cfg.models.local]:
+    if any(m != cfg.models.local for m in cfg.models.evaluate_on):
         raise ConfigError(f"methods.{name}: a LoRA fits models.local only; models.evaluate_on must be empty")
     check_classifier(cfg, cfg.models.local, "models.local", 0)
     block = settings_of(cfg, mechanism)
