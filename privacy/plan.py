@@ -13,12 +13,18 @@ releases and returns one frozen :class:`RunPlan`:
   by the method's own calibration, handed in as a callable ``calibrate(epsilon, delta)``: σ, the
   number of steps or queries stay the method's business, the division of the budget is this
   module's. A selection of the method's settings is one such callable (its trials calibrated
-  together with :func:`calibrate_trial_target`).
+  together with :func:`calibrate_trial_target`). With the comparison, the method's share is then
+  raised (:func:`joint_share`) until the method and the comparison, composed by the accountant at
+  ``9δ/10``, spend ``target − ε_S`` (the shares order the releases; the composed total is what is
+  calibrated).
 
-The run's event is the sizes release composed with the method's (into each branch of a parallel
-composition: a record lies in one branch, and the sizes are about it too), by basic composition
-of mechanisms whose (ε, δ) are fixed beforehand — the guarantee holds for the adaptive choice of
-the method's parameters from the released sizes [DR14, Thm. 3.16]. For a record-level run charged
+The run's guarantee (``RunPlan.guarantee_epsilon``, within :data:`JOINT_TOLERANCE` below the
+target) is the sizes release ``(ε_S, δ/10)`` and the rest ``(target − ε_S, 9δ/10)`` by basic
+composition of mechanisms whose (ε, δ) are fixed beforehand — it holds for the adaptive choice of
+the method's parameters from the released sizes [DR14, Thm. 3.16]. The event the ledger composes
+is the sizes release composed with the method's (into each branch of a parallel composition: a
+record lies in one branch, and the sizes are about it too) and the comparison; the accountant's ε
+of it is below the guarantee. For a record-level run charged
 per person (a group of at most k records each) the ledger is charged the group-privacy event
 (:func:`privacy.group.group_event`: a Poisson-subsampled Gaussian — DP-SGD, DPZero — by the exact
 mixture of Gaussians, ``privacy.group_accounting`` = ``exact_mixture``; the conservative map only
@@ -29,6 +35,8 @@ Pure: numpy, scipy, dp-accounting and the standard library only (tests/pipeline/
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -153,6 +161,7 @@ class RunPlan:
     reads_private: bool = True
     note: str = ""
     group_size: int | None = None
+    guarantee_epsilon: float | None = None  # the run's proven ε at δ (per record when charged per person)
 
     def __post_init__(self):
         if self.guarantee not in ("dp", "ldp", "none"):
@@ -288,29 +297,115 @@ def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calib
         raise PlanError(f"{name}: its plan would spend ε = {method_eps:.4f} at δ = {method_delta:g} above its "
                         f"share {share:.4f} of privacy.target_epsilon = {target:g} (a calibration that misses its "
                         "target); nothing reserved")
-    k = group_size or None
-    charge_unit = person_field if k else unit
-    releases = []
-    params = dict(own.params)
-    if sizes_event is not None:
-        releases.append(Release("sizes", eps_sizes, delta_sizes, sizes_event, float(k or 1), charge_unit,
-                                ("released_sizes",)))
-        params.update({"privacy.size_epsilon": eps_sizes, "privacy.method_epsilon": share})
-    releases.append(Release(release, share, method_delta, own.event, float(k or 1), charge_unit, tuple(statistics)))
-    event = own.event if sizes_event is None else with_size_release(own.event, sizes_event)
+
+    def after_sizes(own_event: ev.DpEvent) -> ev.DpEvent:  # the releases chosen from the released sizes
+        return own_event if np_event is None else with_release(own_event, np_event)
+
+    rest_target, rest_delta = target - eps_sizes, delta - delta_sizes
     if np_event is not None:
-        releases.append(Release(NO_PROMPT, eps_np, delta_np, np_event, float(k or 1), charge_unit,
-                                tuple(no_prompt_statistics)))
-        params.update({"privacy.no_prompt_epsilon": eps_np, "privacy.method_epsilon": share,
-                       "no_prompt.noise_sigma": np_event.noise_multiplier})
-        event = with_release(event, np_event)
+        share, own = joint_share(calibration, after_sizes, share, own, rest_target, rest_delta, method_delta)
+    guarantee = eps_sizes + acct.spend(after_sizes(own.event), rest_delta).epsilon
+    if not guarantee <= target * (1 + 1e-6):
+        raise PlanError(f"{name}: its plan would spend ε = {guarantee:.4f} above privacy.target_epsilon = {target:g} "
+                        "(a calibration that misses its target); nothing reserved")
+    k = group_size or None
+    sized = None if sizes_event is None else Release("sizes", eps_sizes, delta_sizes, sizes_event,
+                                                     statistics=("released_sizes",))
+    compared = None if np_event is None else Release(NO_PROMPT, eps_np, delta_np, np_event,
+                                                     statistics=tuple(no_prompt_statistics))
+    own_release = Release(release, share, method_delta, own.event, statistics=tuple(statistics))
+    releases = tuple(dataclasses.replace(r, sensitivity=float(k or 1), unit=person_field if k else unit)
+                     for r in (sized, own_release, compared) if r is not None)
+    params = dict(own.params)
+    params.update({"privacy.method_epsilon": share, "privacy.guarantee_epsilon": guarantee}
+                  if sized or compared else {"privacy.guarantee_epsilon": guarantee})
+    if sized:
+        params["privacy.size_epsilon"] = eps_sizes
+    if compared:
+        params.update({"privacy.no_prompt_epsilon": eps_np, "no_prompt.noise_sigma": np_event.noise_multiplier})
+    event = own.event if sizes_event is None else with_size_release(own.event, sizes_event)
+    event = event if np_event is None else with_release(event, np_event)
     record_event = None
     if k:
         params["privacy.group_size"] = k
         record_event, event = event, group_charge(event, k, name, person_field or unit)
         params["privacy.group_accounting"] = group_accounting(event)
-    return RunPlan(own.method, "dp", own.n_train, delta, target, share, tuple(releases), event, record_event,
-                   params, own.settings, own.reads_private, own.note, k)
+    return RunPlan(own.method, "dp", own.n_train, delta, target, share, releases, event, record_event,
+                   params, own.settings, own.reads_private, own.note, k, guarantee)
+
+
+JOINT_TOLERANCE = 0.005  # a run's composed ε lands within 0.5 % below its target (never above)
+_JOINT_TESTS = 6  # calibrations per grid at most
+_COARSE = 1e-3  # the search's first accounting grid: pessimistic, so a share that fits there fits at the default
+
+
+def joint_share(calibration: Calibration, composed: Callable[[ev.DpEvent], ev.DpEvent], share: float,
+                own: Calibrated, target: float, delta: float, method_delta: float) -> tuple[float, Calibrated]:
+    """The method's share raised until ``composed(method's event)`` — the method with the releases
+    that follow it (the comparison with no prompt) — spends ``target`` at ``delta`` by the
+    accountant, to within :data:`JOINT_TOLERANCE` below: (share, the method's plan at it).
+
+    The additive split (each release alone at its part of δ) leaves 10–15 % unspent: the PLD of a
+    composition at the whole δ is tighter than the sum of its parts. Composing them is valid here
+    although the comparison reads the method's output: its σ is fixed beforehand and one unit moves
+    its statistic by ≤ 1 whatever the output (adaptive composition of fixed dominating pairs). The
+    released sizes stay outside (basic composition, :func:`plan_run`): the method's parameters are
+    chosen from their output, and a PLD composition with parameters chosen from an earlier output
+    is no proven bound, while basic composition of fixed (ε, δ) is.
+
+    The composed ε(s) is smooth and increasing in the share s (a calibration's σ falls as s grows)
+    with slope near 1: from the additive share, steps up by what is left, then secant steps once
+    the target is bracketed — first on a coarse pessimistic grid (cheap), then, where that left more
+    than the tolerance unspent at the default grid, on the default grid itself. A share whose
+    calibration fails, makes no dp claim or overshoots is a bracket's upper end; a mechanism whose
+    ε moves in steps (a number of queries) or stops growing ends the search at its last fitting
+    share. The answer is always a tested share whose composed ε is ≤ target at the default grid."""
+    def total(e: ev.DpEvent, grid: float | None) -> float:
+        return acct.spend(composed(e), delta, **({} if grid is None else {"discretization": grid})).epsilon
+
+    def at(s: float, grid: float | None) -> tuple[Calibrated | None, float]:
+        try:
+            mine = calibration(s, method_delta)
+        except ValueError:  # no calibration at this share: above what the mechanism can be set to
+            return None, math.inf
+        if mine.guarantee != "dp" or mine.event is None:
+            return None, math.inf
+        return mine, total(mine.event, grid)
+
+    best, good = own, share
+    for grid, slack in ((_COARSE, 2 / 5), (None, 4 / 5)):  # the coarse grid sits ≤ ~0.2 % above the default
+        fits = [(good, total(best.event, grid))]
+        enough, aim, bad = target * (1 - JOINT_TOLERANCE * slack), target * (1 - JOINT_TOLERANCE * slack / 2), None
+        for _ in range(_JOINT_TESTS if fits[-1][1] < enough else 0):
+            s = _next_share(fits, bad, aim)
+            mine, eps = at(s, grid)
+            if eps > target:
+                bad = (s, eps if math.isfinite(eps) else target * 2)
+                if s / fits[-1][0] < 1 + 1e-6:
+                    break
+                continue
+            grew = eps - fits[-1][1] >= target * 1e-4
+            fits.append((s, eps))
+            good, best = s, mine
+            if not grew or eps >= enough:
+                break  # close enough, or ε no longer grows with the share (discrete or capped)
+    if best is not own and not total(best.event, None) <= target * (1 + 1e-9):
+        return share, own  # a pessimistic coarse grid cannot overshoot; the additive share is safe
+    return good, best
+
+
+def _next_share(fits: list[tuple[float, float]], bad: tuple[float, float] | None, aim: float) -> float:
+    """The next share to try toward composed ε = ``aim``: the secant point between the last fitting
+    share and an overshooting one (kept 2 % inside them); else extrapolated along the last two
+    fitting ones; else up by what is left (slope 1)."""
+    g, g_eps = fits[-1]
+    if bad is not None:
+        t = g + (bad[0] - g) * (aim - g_eps) / max(bad[1] - g_eps, 1e-12)
+        return min(max(t, g + 0.02 * (bad[0] - g)), g + 0.98 * (bad[0] - g))
+    if len(fits) >= 2 and fits[-1][1] > fits[-2][1]:
+        p, p_eps = fits[-2]
+        return g + (aim - g_eps) * (g - p) / (g_eps - p_eps)
+    return g + (aim - g_eps)
 
 
 def _plan_of(own: Calibrated, delta: float, **budget) -> RunPlan:

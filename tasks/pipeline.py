@@ -275,6 +275,8 @@ class RunReport:
                                  "privacy.epsilon_rdp": spend["epsilon_rdp"]})
             if spend.get("epsilon_per_record") is not None:  # charged per person (group privacy): the per-record ε
                 self.metrics["privacy.epsilon_per_record"] = spend["epsilon_per_record"]
+            if published.params.get("privacy.guarantee_epsilon") is not None:  # the proven bound (privacy/plan.py)
+                self.metrics["privacy.guarantee_epsilon"] = published.params["privacy.guarantee_epsilon"]
         if published.published:
             self.parent.log_file(published.prompt_path, "prompt")  # the DP output: published
             if published.source_prompt_path != published.prompt_path:

@@ -167,6 +167,9 @@ def _plan_row(label, cfg, method, sizes, delta: float, unit: str, events: list, 
            "guarantee": plan.guarantee, "delta": delta, "epsilon": None, "unit": unit}
     if plan.event is not None:
         row["epsilon"] = planned_epsilon(cfg, name, plan, delta)
+        row["guarantee_epsilon"] = plan.guarantee_epsilon
+        row["target_epsilon"] = plan.target_epsilon
+        row["size_epsilon"] = plan.params.get("privacy.size_epsilon")
         if plan.record_event is not None:  # charged per person: the ledger composes the group event
             row["epsilon_per_record"], row["epsilon"] = row["epsilon"], acct.spend(plan.event, delta).epsilon
             row["group"] = f"{cfg.data.group_size} {unit}"
@@ -176,6 +179,7 @@ def _plan_row(label, cfg, method, sizes, delta: float, unit: str, events: list, 
         row["no_prompt"] = {"epsilon": plan.no_prompt.epsilon, "share": cfg.fallback.epsilon_share,
                             "sigma": plan.no_prompt.event.noise_multiplier, "fallback": cfg.fallback.enabled,
                             "method_epsilon": plan.method_epsilon,
+                            "composed_epsilon": plan.guarantee_epsilon - plan.params.get("privacy.size_epsilon", 0.0),
                             # the released holdout against the noise (a flag, no size: the sizes' charge comes later)
                             "small_holdout": sizes.n_holdout < SMALL_HOLDOUT_SIGMAS * plan.no_prompt.event.noise_multiplier}
     if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
@@ -288,12 +292,23 @@ def no_prompt_line(c: dict) -> str:
             "false)")
     line = (f"  of it, the comparison with no prompt on the holdout: ε = {c['epsilon']:.4f} (fallback.epsilon_share "
             f"{c['share']:g}; Gaussian noise σ = {c['sigma']:.3g} on the difference in holdout records right; {then}); "
-            f"the method's own share ε = {c['method_epsilon']:.4f}")
+            f"the method's share ε = {c['method_epsilon']:.4f} (each alone at its part of δ; the two composed by the "
+            f"accountant: ε = {c['composed_epsilon']:.4f})")
     if c.get("small_holdout"):
         line += (f"\n  WARNING: the holdout holds fewer than {SMALL_HOLDOUT_SIGMAS:g}σ records: the comparison is "
                  "mostly noise (a useful prompt may fall back, a harmful one pass); raise data.holdout_fraction or "
                  "fallback.epsilon_share, or set fallback.epsilon_share: 0 to give its ε to the method")
     return line
+
+
+def guarantee_line(r: dict) -> str:
+    """The plan's line for a dp run's guarantee beside the ledger's composed ε (``privacy/plan.py``)."""
+    sizes = r.get("size_epsilon")
+    how = (f"the split sizes' release (ε = {sizes:.4f}, δ/10) and the rest (9δ/10) by basic composition, which "
+           "holds whatever the method chose from the released sizes" if sizes else "the method's releases composed")
+    per = " per record" if r.get("group") else ""
+    return (f"  guarantee: ε = {r['guarantee_epsilon']:.4f}{per} of the target {r['target_epsilon']:g} ({how}); "
+            f"the ledger's composition of the run's events: ε = {r.get('epsilon_per_record', r['epsilon']):.4f}")
 
 
 def format_plan(plan: dict, datasets: bool = True) -> str:
@@ -313,6 +328,8 @@ def format_plan(plan: dict, datasets: bool = True) -> str:
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.4f}"
         delta, unit = ("-", "-") if r["epsilon"] is None else (f"{r['delta']:.3g}", unit_phrase(r.get("unit")))
         lines.append(f"{label:<{width}}{r['method']:<16}{r['guarantee']:<10}{eps:>12}  {timing(r)}{delta:<9}{unit}")
+        if r.get("guarantee_epsilon") is not None:
+            lines.append(guarantee_line(r))
         if r.get("group"):
             how = {"exact_mixture": "exact mixture of Gaussians"}.get(r.get("group_accounting"),
                                                                       r.get("group_accounting") or "group privacy")

@@ -155,11 +155,11 @@ def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fa
     plan = plan_for(cfg, "prompt_dpsgd", sizes, 1e-5)
     assert row["no_prompt"]["epsilon"] == plan.no_prompt.epsilon == pytest.approx(0.1 * 8.0, rel=1e-6)
     sizes_eps = plan.release("sizes").epsilon
-    assert plan.method_epsilon == pytest.approx(8.0 - sizes_eps - plan.no_prompt.epsilon)
+    assert plan.method_epsilon >= 8.0 - sizes_eps - plan.no_prompt.epsilon  # raised by the joint calibration
     text = format_plan({"runs": [row], "datasets": {}})
     assert (f"of it, the comparison with no prompt on the holdout: ε = {plan.no_prompt.epsilon:.4f} "
             "(fallback.epsilon_share 0.1;") in text
-    assert f"the method's own share ε = {plan.method_epsilon:.4f}" in text and "no prompt is published if it loses" in text
+    assert f"the method's share ε = {plan.method_epsilon:.4f} (each alone at its part of δ" in text and "no prompt is published if it loses" in text
     assert "WARNING: the holdout holds fewer than" not in text  # 100 released holdout records against σ ≈ 5
     small = _plan_row("", cfg, get_method("prompt_dpsgd"), ReleasedSizes(n_train=400, n_holdout=12, n_test=100, sigma=5.0), 1e-5,
                       "record", [])

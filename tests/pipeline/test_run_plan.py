@@ -79,7 +79,10 @@ def test_the_planner_divides_the_budget_into_its_releases_and_the_plan_is_frozen
     assert plan.params["privacy.size_epsilon"] == eps_sizes
     assert plan.params["privacy.method_epsilon"] == plan.method_epsilon
     assert sum(r.epsilon for r in plan.releases) <= 2.0 * (1 + 1e-9)
-    assert acct.spend(plan.event, DELTA).epsilon <= 2.0
+    # the guarantee: the sizes release and the method by basic composition; the ledger's PLD is tighter
+    method_eps = acct.spend(plan.release("method").event, 0.9 * DELTA).epsilon
+    assert plan.guarantee_epsilon == pytest.approx(eps_sizes + method_eps) and plan.guarantee_epsilon <= 2.0
+    assert acct.spend(plan.event, DELTA).epsilon <= plan.guarantee_epsilon
     # frozen: the plan, its releases, its params and (nested) settings
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.method_epsilon = 3.0
@@ -368,3 +371,27 @@ def test_whether_a_run_reads_private_rows_is_the_methods_trait_not_its_plans_say
     from tasks.config import parse_config
 
     assert plan_for(parse_config(raw), "zero_shot", _sizes(), DELTA).reads_private is False
+
+
+def test_with_the_comparison_the_method_and_it_are_calibrated_together_to_the_target():
+    """The additive split leaves the PLD composition of the method and the comparison below what
+    is left after the sizes release; the planner raises the method's share until the two, composed
+    at 9δ/10, spend it, so the guarantee (sizes by basic composition) meets the target from below."""
+    from privacy import accountant as acct
+    from privacy import events as ev
+    from privacy.plan import JOINT_TOLERANCE, plan_run
+
+    sizes = ev.GaussianEvent(50.0)
+    plan = plan_run("toy", 2.0, DELTA, 100, lambda e, d: _Sampled(e, d), sizes_event=sizes, sizes_sigma=50.0,
+                    no_prompt_share=0.1, always_dp=True)
+    eps_sizes = plan.release("sizes").epsilon
+    method, comparison = plan.release("method"), plan.no_prompt
+    assert method.delta == pytest.approx(0.8 * DELTA) and comparison.delta == pytest.approx(0.1 * DELTA)
+    assert plan.method_epsilon > 2.0 - eps_sizes - comparison.epsilon  # raised above the additive share
+    together = acct.spend(ev.ComposedEvent((method.event, comparison.event)), 0.9 * DELTA).epsilon
+    assert plan.guarantee_epsilon == pytest.approx(eps_sizes + together)
+    assert 2.0 * (1 - JOINT_TOLERANCE) <= plan.guarantee_epsilon <= 2.0
+    assert plan.params["privacy.guarantee_epsilon"] == plan.guarantee_epsilon
+    assert acct.spend(plan.event, DELTA).epsilon <= plan.guarantee_epsilon  # the ledger's: tighter
+    # the method alone at its share is what its calibration was asked
+    assert acct.spend(method.event, 0.8 * DELTA).epsilon <= method.epsilon * (1 + 1e-6)
