@@ -38,6 +38,7 @@ DEFAULT_ORDERS: tuple[float, ...] = tuple(
     sorted(set([1.0 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(11, 257)]
                + [320.0, 384.0, 512.0, 768.0, 1024.0]))
 )
+_DEFAULT_KEY = DEFAULT_ORDERS  # floats already: the cache key of the default orders
 
 
 # ---- small numerics ------------------------------------------------------------------------
@@ -322,9 +323,15 @@ def pure_epsilon(event: ev.DpEvent) -> float:
 
 
 @lru_cache(maxsize=512)
-def _rdp_cached(event: ev.DpEvent, orders: tuple[float, ...]) -> tuple[tuple[float, ...], float]:
+def _rdp_cached(event: ev.DpEvent, orders: tuple[float, ...]) -> tuple[np.ndarray, float]:
     curve, delta = _rdp(event, np.asarray(orders, dtype=float))
-    return tuple(float(x) for x in curve), float(delta)
+    curve = np.array(curve, dtype=float)
+    curve.flags.writeable = False  # shared by every caller: read-only
+    return curve, float(delta)
+
+
+def _orders_key(orders) -> tuple[float, ...]:
+    return _DEFAULT_KEY if orders is DEFAULT_ORDERS else tuple(float(o) for o in orders)
 
 
 def rdp_is_proven(event: ev.DpEvent) -> bool:
@@ -339,9 +346,8 @@ def rdp_is_proven(event: ev.DpEvent) -> bool:
 
 
 def rdp_of_event(event: ev.DpEvent, orders=DEFAULT_ORDERS) -> tuple[np.ndarray, float]:
-    """(RDP at each order, additive δ-part) of an event."""
-    curve, delta = _rdp_cached(event, tuple(float(o) for o in orders))
-    return np.asarray(curve), delta
+    """(RDP at each order, additive δ-part) of an event (the curve read-only)."""
+    return _rdp_cached(event, _orders_key(orders))
 
 
 def _rdp(event: ev.DpEvent, orders: np.ndarray) -> tuple[np.ndarray, float]:
@@ -365,10 +371,10 @@ def _rdp(event: ev.DpEvent, orders: np.ndarray) -> tuple[np.ndarray, float]:
     if isinstance(event, ev.SelfComposedEvent):
         curve, delta = rdp_of_event(event.event, tuple(orders))
         return event.count * curve, event.count * delta
-    if isinstance(event, ev.ComposedEvent):
-        total, delta = np.zeros_like(orders), 0.0
+    if isinstance(event, ev.ComposedEvent):  # a ledger's history: hundreds of parts, most of them alike
+        total, delta, key = np.zeros_like(orders), 0.0, tuple(float(o) for o in orders)
         for e in event.events:
-            c, d = rdp_of_event(e, tuple(orders))
+            c, d = _rdp_cached(e, key)
             total, delta = total + c, delta + d
         return total, delta
     if isinstance(event, ev.ParallelEvent):
