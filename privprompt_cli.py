@@ -61,6 +61,8 @@ def _add_run_commands(sub) -> None:
     plan = sub.add_parser("plan", help="planned ε of a config's runs, composed with the ledger (dry run)")
     plan.add_argument("config")
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--probe", action="store_true",
+                      help="measure the model's speed on this machine again (else the cached probe is used)")
     report = sub.add_parser("report", help="privacy–utility table and figure of an experiment, from MLflow")
     report.add_argument("experiment")
     report.add_argument("--out", default=None, help="also write the report's table and figures to this folder")

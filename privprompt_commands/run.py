@@ -420,6 +420,11 @@ def cmd_plan(args) -> int:
         from privacy import calibration_cache
 
         calibration_cache.enable(paths.root)  # the same calibrations as the run's
+        from tasks import estimate
+
+        estimate.enable_cache(paths.root)  # the model's speed on this machine, measured once (--probe: again)
+        if getattr(args, "probe", False):
+            os.environ[estimate.REFRESH_ENV] = "1"
         plan = plan_runs(variants, paths, largest=True, estimate=True)
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))

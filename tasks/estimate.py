@@ -19,20 +19,99 @@ class Probe:
     model: str
     train_s: float
     eval_s: float
+    measured_at: str | None = None  # when a probe read from the cache was measured (None: now)
 
 
 _PROBES: dict[tuple, Probe] = {}
+CACHE_ENV = "PRIVPROMPT_PROBE_CACHE"  # a JSON file of probes measured on this machine (the state folder's cache/)
+REFRESH_ENV = "PRIVPROMPT_PROBE_REFRESH"  # "1": measure again and replace the cached probe (plan --probe)
+
+
+def enable_cache(state_root) -> None:
+    """Keep probes in ``<state_root>/cache/probe.json`` unless ``$PRIVPROMPT_PROBE_CACHE`` says otherwise."""
+    import os
+    from pathlib import Path
+
+    os.environ.setdefault(CACHE_ENV, str(Path(state_root) / "cache" / "probe.json"))
+
+
+def _machine() -> str:
+    """What a probe's seconds depend on besides the model: the host, its cores and threads, torch and
+    the accelerator."""
+    import os
+    import platform
+
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return f"{platform.node()}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{','.join(gpus)}"
+
+
+def _cache_path():
+    import os
+    from pathlib import Path
+
+    target = os.environ.get(CACHE_ENV)
+    return Path(target) if target else None
+
+
+def _cached(key: str) -> Probe | None:
+    import json
+    import os
+
+    path = _cache_path()
+    if path is None or os.environ.get(REFRESH_ENV) == "1":
+        return None
+    try:
+        hit = json.loads(path.read_text()).get(key)
+        return Probe(hit["model"], float(hit["train_s"]), float(hit["eval_s"]), hit.get("measured_at"))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _store(key: str, measured: Probe) -> None:
+    """Add a probe to the cache file (atomic replace; a cache that cannot be written is skipped)."""
+    import json
+    import os
+    import tempfile
+
+    path = _cache_path()
+    if path is None:
+        return
+    try:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {}
+        data = data if isinstance(data, dict) else {}
+        data[key] = {"model": measured.model, "train_s": measured.train_s, "eval_s": measured.eval_s,
+                     "measured_at": measured.measured_at or time.strftime("%Y-%m-%d %H:%M")}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def probe(model_name: str, max_length: int, train_batch: int = PROBE_BATCH, eval_batch: int = 64, seed: int = 0,
           repeats: int = 2, placement=None) -> Probe:
     """The model's per-example seconds at the run's batch sizes (a small model's time is mostly
-    per call), measured once per process on synthetic ids (the best of ``repeats`` after a warm-up
-    pass)."""
+    per call), measured on synthetic ids (the best of ``repeats`` after a warm-up pass) once per
+    process, and kept per machine in the probe cache (:func:`enable_cache`) until asked to measure
+    again (``$PRIVPROMPT_PROBE_REFRESH``: ``privprompt plan --probe``)."""
+    import json
+
     train_batch, eval_batch = max(1, min(int(train_batch), 64)), max(1, min(int(eval_batch), 128))
     key = (model_name, max_length, train_batch, eval_batch, placement.key() if placement else None)
     if key in _PROBES:
         return _PROBES[key]
+    disk_key = json.dumps([*map(str, key), _machine()])
+    hit = _cached(disk_key)
+    if hit is not None:
+        _PROBES[key] = hit
+        return hit
     import torch
 
     from models.backbones import load_backbone
@@ -64,6 +143,7 @@ def probe(model_name: str, max_length: int, train_batch: int = PROBE_BATCH, eval
         return min(times) / batch
 
     _PROBES[key] = Probe(model_name, best(train_pass, train_batch), best(eval_pass, eval_batch))
+    _store(disk_key, _PROBES[key])
     return _PROBES[key]
 
 

@@ -201,6 +201,8 @@ def _estimate_row(row: dict, cfg, method, plan, sizes) -> None:
                              cfg.seed, placement=cfg.models.placement_of(source))
     except Exception:  # noqa: BLE001 - the estimate is advisory
         measured = None
+    if measured is not None and measured.measured_at:
+        row["probe_at"] = measured.measured_at
     if "selection" in plan.settings:  # its trials' own plans
         from .selection import trial_work
 
@@ -364,8 +366,11 @@ def format_plan(plan: dict, datasets: bool = True) -> str:
                          "with the sizes' release, at the run's δ)")
     if timed:
         total = sum(r["seconds"] for r in plan["runs"] if r.get("seconds") is not None)
+        cached = sorted({r["probe_at"] for r in plan["runs"] if r.get("probe_at")})
+        probed = (f"a probe of the model on this machine measured {cached[0]} (privprompt plan --probe measures it "
+                  "again)" if cached else "a probe of the model on this machine")
         lines.append(f"est. time: {format_seconds(total)} of model work in all (training steps × expected batch and "
-                     "the test split, from a probe of the model on this machine; start-up, tracking and any audit "
+                     f"the test split, from {probed}; start-up, tracking and any audit "
                      "come on top; a selection's at its expected number of trials)")
     for key, d in (plan["datasets"] if datasets else {}).items():
         lines.append(f"dataset {d.get('name', '?')} ({key[:12]}): spent ε={d['spent_epsilon']:.4f}, "

@@ -277,6 +277,37 @@ def test_the_plan_estimates_steps_and_time_from_a_measured_probe():
     assert lines[2].startswith("est. time: ≈1.6 min of model work in all")
 
 
+def test_a_probe_is_kept_per_machine_and_measured_again_on_demand(tmp_path, monkeypatch):
+    """plan's model probe is measured once per machine (the state folder's cache/probe.json, 0600)
+    and read back by the next plan — the plan says when it was measured; --probe measures again."""
+    import json
+    import stat
+
+    from tasks import estimate as est
+    from tasks.planning import format_plan
+
+    monkeypatch.setattr(est, "_PROBES", {})
+    monkeypatch.delenv(est.CACHE_ENV, raising=False)
+    monkeypatch.delenv(est.REFRESH_ENV, raising=False)
+    est.enable_cache(tmp_path)
+    first = est.probe("tiny-bert", 16, train_batch=4, eval_batch=8)
+    cache = tmp_path / "cache" / "probe.json"
+    assert first.measured_at is None and stat.S_IMODE(cache.stat().st_mode) == 0o600
+    (entry,) = json.loads(cache.read_text()).values()
+    assert entry["train_s"] == first.train_s and entry["measured_at"]
+    monkeypatch.setattr(est, "_PROBES", {})  # a new process
+    again = est.probe("tiny-bert", 16, train_batch=4, eval_batch=8)
+    assert (again.train_s, again.eval_s, again.measured_at) == (first.train_s, first.eval_s, entry["measured_at"])
+    plan = {"runs": [{"variant": "", "method": "prompt_dpsgd", "guarantee": "dp", "epsilon": 3.9, "delta": 1e-5,
+                      "unit": "record", "steps": 9, "seconds": 95.0, "probe_at": again.measured_at}], "datasets": {}}
+    assert f"measured {again.measured_at} (privprompt plan --probe measures it again)" in format_plan(plan)
+    monkeypatch.setattr(est, "_PROBES", {})
+    monkeypatch.setenv(est.REFRESH_ENV, "1")
+    fresh = est.probe("tiny-bert", 16, train_batch=4, eval_batch=8)
+    assert fresh.measured_at is None  # measured now, and the cache replaced
+    assert json.loads(cache.read_text())[next(iter(json.loads(cache.read_text())))]["train_s"] == fresh.train_s
+
+
 def test_the_sweep_table_states_delta_and_unit_beside_epsilon():
     from flows.sweep import summary_table
 
