@@ -241,7 +241,7 @@ def _print_summary(summary: dict, wall: float) -> None:
 
         print(f"{'privacy:':<28}" + epsilon_statement(m["privacy.epsilon"], m["privacy.delta"], summary.get("unit"),
                                                       summary.get("accountant"))
-              + f"; RDP cross-check ε = {m['privacy.epsilon_rdp']:.4f}")
+              + f"; the RDP bound, a looser cross-check: ε = {m['privacy.epsilon_rdp']:.4f}")
         if m.get("privacy.epsilon_per_record") is not None:
             print(f"{'':<28}(the mechanism is per record: ε = {m['privacy.epsilon_per_record']:.4f} per record; "
                   f"charged {unit_phrase(summary.get('unit'))} by group privacy)")
