@@ -127,9 +127,10 @@ def _calibrate_noise_multiplier(target_epsilon: float, delta: float, sample_rate
     def eps_full(sigma):
         # Coarse pessimistic PLD: the σ it accepts is also accepted at the finer default. (Fine
         # for Gaussians, whose PLD uses connect-the-dots; not for the canonical (ε, δ) pairs,
-        # where rounding up accumulates over compositions.) The PLD alone: an upper bound on the
-        # default accountant's min(PLD, RDP), and the tighter one for Gaussians.
-        return epsilon_pld(ev.dpsgd_event(sample_rate, sigma, steps), delta, discretization=1e-3)
+        # where rounding up accumulates over compositions.) With RDP beside it (the default
+        # accountant's min): at small ε the coarse PLD can sit above RDP, and the search's fitting
+        # end — a σ the RDP bound accepts — must fit the function searched.
+        return spend(ev.dpsgd_event(sample_rate, sigma, steps), delta, discretization=1e-3).epsilon
 
     # bracket on the RDP bound: σ doubled from 1 until it fits (at most 1e4), then the lower end
     # halved while it still fits (down to 1e-3)
@@ -171,7 +172,8 @@ def _secant_sigma(epsilon_of, target_epsilon: float, hi: float, lo: float, toler
         return math.exp(min(max(t, a + 0.02 * (z - a)), a + 0.98 * (z - a)))
 
     def done(b: calibrate.Bracket) -> bool:
-        return at(b.good) >= target_epsilon * (1 - tolerance) or calibrate.ratio_within(tolerance)(b)
+        return (target_epsilon * (1 - tolerance) <= at(b.good) <= target_epsilon
+                or calibrate.ratio_within(tolerance)(b))
 
     return calibrate.search(lambda s: at(s) <= target_epsilon, good=hi, bad=lo, good_is_high=True,
                             propose=propose, narrow=done).good

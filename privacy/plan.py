@@ -373,7 +373,7 @@ def joint_share(calibration: Calibration, composed: Callable[[ev.DpEvent], ev.Dp
         return mine, total(mine.event, grid)
 
     best, good = own, share
-    for grid, slack in ((_COARSE, 2 / 5), (None, 4 / 5)):  # the coarse grid sits ≤ ~0.2 % above the default
+    for grid, slack in ((_COARSE, 2 / 5), (None, 4 / 5)):  # the coarse grid: pessimistic, above the default
         fits = [(good, total(best.event, grid))]
         enough, aim, bad = target * (1 - JOINT_TOLERANCE * slack), target * (1 - JOINT_TOLERANCE * slack / 2), None
         for _ in range(_JOINT_TESTS if fits[-1][1] < enough else 0):
