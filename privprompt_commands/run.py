@@ -219,12 +219,27 @@ def _print_prompt(published: dict | None, selected: bool = False, fell_back: boo
                if fell_back else "the selection chose no prompt" if selected else "the method publishes no prompt")
         print(f"{'prompt:':<28}none ({why})")
     elif published.get("prompt_published"):
-        print(f"{'published prompt:':<28}{published['prompt_path']}")
+        label = "published adapter (LoRA):" if _artifact_kind(published["prompt_path"]) == "lora" else "published prompt:"
+        print(f"{label:<28}{published['prompt_path']}")
         if published.get("artifact_uri"):
             print(f"{'':<28}MLflow artifact {published['artifact_uri']}")
     else:
         print(f"{'prompt (not published):':<28}{published['prompt_path']} (no formal guarantee: it stays under "
               "private/ and is never published)")
+
+
+def _artifact_kind(path: str) -> str | None:
+    """The prompt kind a published file states (its safetensors metadata; a .json file is a text
+    prompt), None when it cannot be read."""
+    if str(path).endswith(".json"):
+        return "text"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as fh:
+            return (fh.metadata() or {}).get("kind", "soft")
+    except Exception:  # noqa: BLE001 - a label only
+        return None
 
 
 def _print_summary(summary: dict, wall: float) -> None:

@@ -30,11 +30,12 @@ def lora_run(prefect_harness, sst2_dir, tmp_path_factory):
     return {"summary": summary, "state": state}
 
 
-def test_the_published_adapter_is_a_peft_lora_that_gives_the_runs_outputs(lora_run):
+def test_the_published_adapter_is_a_peft_lora_that_gives_the_runs_outputs(lora_run, capsys):
     from peft import PeftModel
 
     from models import build_classifier, load_backbone
     from models.prompts import load_prompt_artifact
+    from privprompt_commands.run import _print_prompt
 
     state = lora_run["state"]
     (folder,) = list((state / "outputs").rglob("dp_lora_peft"))
@@ -44,6 +45,8 @@ def test_the_published_adapter_is_a_peft_lora_that_gives_the_runs_outputs(lora_r
     (prompt_path,) = list((state / "outputs").rglob("dp_lora.safetensors"))
     lora, meta = load_prompt_artifact(prompt_path)
     assert meta["kind"] == "lora"
+    _print_prompt({"prompt_path": str(prompt_path), "prompt_published": True})  # the run summary's line
+    assert capsys.readouterr().out.startswith(f"{'published adapter (LoRA):':<28}{prompt_path}")
     backbone = load_backbone("tiny-bert", "cpu")
     clf = build_classifier(backbone, LABELS)
     peft_model = PeftModel.from_pretrained(copy.deepcopy(backbone.model), str(folder))
