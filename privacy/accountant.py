@@ -152,8 +152,8 @@ def _secant_sigma(epsilon_of, target_epsilon: float, hi: float, lo: float, toler
     steps on (log σ, log ε) — ε(σ) of a Gaussian composition is smooth and near a power law, so
     3–4 accountant calls do what bisection needs 9 for — aimed a quarter of ``tolerance`` inside
     the target so the tests fall on both sides, kept 2 % inside the bracket's ends. Stops
-    when a fitting σ spends at least ``target·(1 − tolerance)`` or the bracket is within a factor
-    ``1 + tolerance``; the answer is always a tested, fitting σ."""
+    when the fitting end spends between ``target·(1 − tolerance)`` and the target, or the bracket
+    is within a factor ``1 + tolerance``; the answer is the bracket's fitting end."""
     seen: dict[float, float] = {}
 
     def at(s: float) -> float:

@@ -316,9 +316,9 @@ def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calib
     own_release = Release(release, share, method_delta, own.event, statistics=tuple(statistics))
     releases = tuple(dataclasses.replace(r, sensitivity=float(k or 1), unit=person_field if k else unit)
                      for r in (sized, own_release, compared) if r is not None)
-    params = dict(own.params)
-    params.update({"privacy.method_epsilon": share, "privacy.guarantee_epsilon": guarantee}
-                  if sized or compared else {"privacy.guarantee_epsilon": guarantee})
+    params = {**own.params, "privacy.guarantee_epsilon": guarantee}
+    if sized or compared:
+        params["privacy.method_epsilon"] = share
     if sized:
         params["privacy.size_epsilon"] = eps_sizes
     if compared:

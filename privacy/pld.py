@@ -114,12 +114,12 @@ class _VectorisedGaussianLoss(plm.GaussianPrivacyLoss):
     compares the two PLDs)."""
 
     def get_delta_for_epsilon(self, epsilon):
-        is_scalar = isinstance(epsilon, numbers.Number)
-        epsilons = np.array([epsilon]) if is_scalar else np.asarray(epsilon)
-        deltas = np.zeros_like(epsilons, dtype=float)
         q = self.sampling_prob
         if q == 1.0 or self.adjacency_type == plm.AdjacencyType.REPLACE:
             return super().get_delta_for_epsilon(epsilon)  # no per-point inversion to save
+        is_scalar = isinstance(epsilon, numbers.Number)
+        epsilons = np.array([epsilon]) if is_scalar else np.asarray(epsilon)
+        deltas = np.zeros_like(epsilons, dtype=float)
         if self.adjacency_type == plm.AdjacencyType.ADD:
             inverse = epsilons < -math.log1p(-q)
         elif self.adjacency_type == plm.AdjacencyType.REMOVE:

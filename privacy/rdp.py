@@ -38,7 +38,6 @@ DEFAULT_ORDERS: tuple[float, ...] = tuple(
     sorted(set([1.0 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(11, 257)]
                + [320.0, 384.0, 512.0, 768.0, 1024.0]))
 )
-_DEFAULT_KEY = DEFAULT_ORDERS  # floats already: the cache key of the default orders
 
 
 # ---- small numerics ------------------------------------------------------------------------
@@ -331,7 +330,7 @@ def _rdp_cached(event: ev.DpEvent, orders: tuple[float, ...]) -> tuple[np.ndarra
 
 
 def _orders_key(orders) -> tuple[float, ...]:
-    return _DEFAULT_KEY if orders is DEFAULT_ORDERS else tuple(float(o) for o in orders)
+    return DEFAULT_ORDERS if orders is DEFAULT_ORDERS else tuple(float(o) for o in orders)  # floats already
 
 
 def rdp_is_proven(event: ev.DpEvent) -> bool:

@@ -6,8 +6,13 @@ the run evaluates on. Public inputs only: the plan (released sizes) and syntheti
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 PROBE_BATCH = 8
 
@@ -29,18 +34,12 @@ REFRESH_ENV = "PRIVPROMPT_PROBE_REFRESH"  # "1": measure again and replace the c
 
 def enable_cache(state_root) -> None:
     """Keep probes in ``<state_root>/cache/probe.json`` unless ``$PRIVPROMPT_PROBE_CACHE`` says otherwise."""
-    import os
-    from pathlib import Path
-
     os.environ.setdefault(CACHE_ENV, str(Path(state_root) / "cache" / "probe.json"))
 
 
 def _machine() -> str:
     """What a probe's seconds depend on besides the model: the host, its cores and threads, torch and
     the accelerator."""
-    import os
-    import platform
-
     import torch
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
@@ -48,17 +47,11 @@ def _machine() -> str:
 
 
 def _cache_path():
-    import os
-    from pathlib import Path
-
     target = os.environ.get(CACHE_ENV)
     return Path(target) if target else None
 
 
 def _cached(key: str) -> Probe | None:
-    import json
-    import os
-
     path = _cache_path()
     if path is None or os.environ.get(REFRESH_ENV) == "1":
         return None
@@ -71,10 +64,6 @@ def _cached(key: str) -> Probe | None:
 
 def _store(key: str, measured: Probe) -> None:
     """Add a probe to the cache file (atomic replace; a cache that cannot be written is skipped)."""
-    import json
-    import os
-    import tempfile
-
     path = _cache_path()
     if path is None:
         return
@@ -101,8 +90,6 @@ def probe(model_name: str, max_length: int, train_batch: int = PROBE_BATCH, eval
     per call), measured on synthetic ids (the best of ``repeats`` after a warm-up pass) once per
     process, and kept per machine in the probe cache (:func:`enable_cache`) until asked to measure
     again (``$PRIVPROMPT_PROBE_REFRESH``: ``privprompt plan --probe``)."""
-    import json
-
     train_batch, eval_batch = max(1, min(int(train_batch), 64)), max(1, min(int(eval_batch), 128))
     key = (model_name, max_length, train_batch, eval_batch, placement.key() if placement else None)
     if key in _PROBES:
