@@ -261,8 +261,10 @@ def _print_summary(summary: dict, wall: float) -> None:
             print(f"{'':<28}(the mechanism is per record: ε = {m['privacy.epsilon_per_record']:.4f} per record; "
                   f"charged {unit_phrase(summary.get('unit'))} by group privacy)")
         if m.get("privacy.guarantee_epsilon") is not None:
-            per = " per record" if m.get("privacy.epsilon_per_record") is not None else ""
-            print(f"{'':<28}(the guarantee: ε ≤ {m['privacy.guarantee_epsilon']:.4f}{per}, the split sizes' release "
+            per = ("per record" if m.get("privacy.epsilon_per_record") is not None
+                   else unit_phrase(summary.get("unit")))
+            print(f"{'':<28}(the guarantee: ε ≤ {m['privacy.guarantee_epsilon']:.4f} {per}, δ = {m['privacy.delta']:g}, "
+                  "the split sizes' release "
                   "and the rest by basic composition, which holds whatever the method chose from the released "
                   "sizes; the ε above is the accountant's composition of the run's events, what the ledger charges)")
     elif summary.get("guarantee") == "ldp":

@@ -308,8 +308,9 @@ def guarantee_line(r: dict) -> str:
     sizes = r.get("size_epsilon")
     how = (f"the split sizes' release (ε = {sizes:.4f}, δ/10) and the rest (9δ/10) by basic composition, which "
            "holds whatever the method chose from the released sizes" if sizes else "the method's releases composed")
-    per = " per record" if r.get("group") else ""
-    return (f"  guarantee: ε = {r['guarantee_epsilon']:.4f}{per} of the target {r['target_epsilon']:g} ({how}); "
+    per = "per record" if r.get("group") else unit_phrase(r.get("unit"))
+    return (f"  guarantee: ε = {r['guarantee_epsilon']:.4f} {per}, δ = {r['delta']:.3g}, of the target "
+            f"{r['target_epsilon']:g} ({how}); "
             f"the ledger's composition of the run's events: ε = {r.get('epsilon_per_record', r['epsilon']):.4f}")
 
 
