@@ -42,13 +42,40 @@ def spend_by(accountant: str, event: ev.DpEvent, delta: float, discretization: f
              dataset_size: int | None = None) -> PrivacySpend:
     """:func:`spend` by the accountant registered under ``accountant`` (``accountants.py``)."""
     check_delta(delta, "delta", n=dataset_size)
-    return cached_spend(accountant, _unwrapped(event), float(delta), float(discretization))
+    firsts, rest, share = ev.split_adaptive(event)
+    if not firsts:
+        return cached_spend(accountant, _unwrapped(event), float(delta), float(discretization))
+    # adaptive parts: basic composition of the releases that chose the rest and of the rest
+    head = cached_spend(accountant, _unwrapped(ev.ComposedEvent(firsts)), float(delta) * share, float(discretization))
+    tail = cached_spend(accountant, _unwrapped(ev.ComposedEvent(rest)), float(delta) * (1 - share),
+                        float(discretization))
+    return _added(head, tail, delta, share)
+
+
+def _added(head: PrivacySpend, tail: PrivacySpend, delta: float, share: float) -> PrivacySpend:
+    def both(a, b):
+        return None if a is None or b is None else a + b
+
+    return PrivacySpend(epsilon=head.epsilon + tail.epsilon, delta=float(delta),
+                        epsilon_pld=both(head.epsilon_pld, tail.epsilon_pld),
+                        epsilon_rdp=both(head.epsilon_rdp, tail.epsilon_rdp), rdp_order=tail.rdp_order,
+                        accountant=f"{tail.accountant}; basic composition with the releases it was chosen from "
+                                   f"(at {share:g} of δ)")
+
+
+_SPLITS = tuple(i / 40 for i in range(1, 40))  # the ε splits tried for δ at ε of an adaptive event
 
 
 def delta_for_epsilon(event: ev.DpEvent, epsilon: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
-    """Smallest δ for which the event is (ε, δ)-DP (by default over both accountants)."""
+    """Smallest δ for which the event is (ε, δ)-DP (by default over both accountants); with adaptive
+    parts, the smallest δ_first(tε) + δ_rest((1 − t)ε) over a grid of splits t (basic composition)."""
     check_epsilon(epsilon, "epsilon")
-    return create_accountant(accountant).delta_for_epsilon(_unwrapped(event), epsilon)
+    answer = create_accountant(accountant).delta_for_epsilon
+    firsts, rest, _ = ev.split_adaptive(event)
+    if not firsts:
+        return answer(_unwrapped(event), epsilon)
+    head, tail = _unwrapped(ev.ComposedEvent(firsts)), _unwrapped(ev.ComposedEvent(rest))
+    return min(1.0, min(answer(head, t * epsilon) + answer(tail, (1 - t) * epsilon) for t in _SPLITS))
 
 
 class PrivacyAccountant:

@@ -28,6 +28,12 @@ Conventions (add/remove neighbouring datasets throughout):
 * ``SelfComposedEvent(e, k)``, ``ComposedEvent([e1, e2, …])``: sequential composition.
 * ``ParallelEvent([e1, e2, …])``: parts that touch disjoint subsets of the data; the cost is the
   largest part's (parallel composition).
+* ``AdaptiveEvent(first, then, first_delta_share)``: ``then``'s parameters were chosen from
+  ``first``'s output (a run's method and comparison, planned on its released split sizes). A PLD
+  composition whose later parameters depend on an earlier output is no proven bound, so the
+  accountant charges the two by basic composition, which holds for adaptively chosen mechanisms:
+  every ``first`` of a composition together at ``first_delta_share`` of δ, everything else at the
+  rest of δ, the two ε added (``split_adaptive``).
 * ``RepeatAndSelectEvent(trials, distribution, …)``: private selection / hyperparameter tuning
   (Papernot & Steinke 2022): K ~ truncated negative binomial D_{η,γ} or Poisson(μ) trials, each
   running one of ``trials`` (chosen independently of the data), and only the best trial is
@@ -181,6 +187,23 @@ class RepeatAndSelectEvent:
                              f"got {self.distribution!r}")
 
 
+@dataclass(frozen=True)
+class AdaptiveEvent:
+    """``then`` run with parameters chosen from ``first``'s output; charged by basic composition
+    (``first`` at ``first_delta_share`` of δ, ``then`` at the rest): see the module docstring."""
+
+    first: "DpEvent"
+    then: "DpEvent"
+    first_delta_share: float = 0.1
+
+    def __post_init__(self):
+        check_open_interval(self.first_delta_share, 0.0, 1.0, "first_delta_share")
+        for part in (self.first, self.then):
+            if any(isinstance(e, AdaptiveEvent) for e in all_events(part)):
+                raise ValueError("an AdaptiveEvent's parts cannot hold another AdaptiveEvent (one release chooses "
+                                 "the rest); compose adaptive events side by side instead")
+
+
 DpEvent = Union[
     GaussianEvent,
     ExponentialEvent,
@@ -191,6 +214,7 @@ DpEvent = Union[
     ComposedEvent,
     ParallelEvent,
     RepeatAndSelectEvent,
+    AdaptiveEvent,
 ]
 
 _TYPES = {
@@ -203,6 +227,7 @@ _TYPES = {
     "composed": ComposedEvent,
     "parallel": ParallelEvent,
     "repeat_and_select": RepeatAndSelectEvent,
+    "adaptive": AdaptiveEvent,
 }
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
@@ -215,6 +240,8 @@ def sub_events(event: DpEvent) -> tuple:
         return event.events
     if isinstance(event, RepeatAndSelectEvent):
         return event.trials
+    if isinstance(event, AdaptiveEvent):
+        return (event.first, event.then)
     return ()
 
 
@@ -240,6 +267,9 @@ def event_to_dict(event: DpEvent) -> dict[str, Any]:
     if isinstance(event, MixtureOfGaussiansEvent):
         return {"type": name, "noise_multiplier": event.noise_multiplier,
                 "sensitivities": list(event.sensitivities), "sampling_probs": list(event.sampling_probs)}
+    if isinstance(event, AdaptiveEvent):
+        return {"type": name, "first": event_to_dict(event.first), "then": event_to_dict(event.then),
+                "first_delta_share": event.first_delta_share}
     if isinstance(event, RepeatAndSelectEvent):
         return {"type": name, "trials": [event_to_dict(e) for e in event.trials],
                 "distribution": event.distribution, "eta": event.eta, "gamma": event.gamma, "mu": event.mu}
@@ -264,10 +294,40 @@ def event_from_dict(data: dict[str, Any]) -> DpEvent:
         return cls(tuple(event_from_dict(e) for e in args["events"]))
     if cls is MixtureOfGaussiansEvent:
         return cls(args["noise_multiplier"], tuple(args["sensitivities"]), tuple(args["sampling_probs"]))
+    if cls is AdaptiveEvent:
+        return cls(event_from_dict(args["first"]), event_from_dict(args["then"]), args["first_delta_share"])
     if cls is RepeatAndSelectEvent:
         return cls(tuple(event_from_dict(e) for e in args["trials"]), args["distribution"],
                    args.get("eta"), args.get("gamma"), args.get("mu"))
     return cls(**args)
+
+
+def split_adaptive(event: DpEvent) -> tuple[tuple, tuple, float | None]:
+    """(the ``first`` parts, everything else, their δ share) of an event whose adaptive parts lie
+    at the top level or in a top-level composition (a run's event; a ledger's composition of runs);
+    no adaptive part: ((), (event,), None). An adaptive part elsewhere (subsampled, repeated, in a
+    parallel branch or a selection's trial) is refused: basic composition splits a sequence, not
+    those. With several shares the smallest is taken (basic composition holds for any split of δ)."""
+    firsts, rest, shares = [], [], []
+
+    def walk(e):
+        if isinstance(e, AdaptiveEvent):
+            firsts.append(e.first)
+            rest.append(e.then)
+            shares.append(float(e.first_delta_share))
+        elif isinstance(e, ComposedEvent):
+            for part in e.events:
+                walk(part)
+        else:
+            if any(isinstance(p, AdaptiveEvent) for p in all_events(e)):
+                raise ValueError(f"an AdaptiveEvent inside a {type(e).__name__} cannot be accounted "
+                                 "(basic composition splits a sequence of releases)")
+            rest.append(e)
+
+    walk(event)
+    if not firsts:
+        return (), (event,), None
+    return tuple(firsts), tuple(rest), min(shares)
 
 
 def event_to_json(event: DpEvent) -> str:

@@ -70,6 +70,8 @@ def _group(event: ev.DpEvent, k: int) -> ev.DpEvent:
         return ev.SelfComposedEvent(_group(event.event, k), event.count)
     if isinstance(event, (ev.ComposedEvent, ev.ParallelEvent)):
         return ev.ComposedEvent(tuple(_group(e, k) for e in event.events))
+    if isinstance(event, ev.AdaptiveEvent):  # group privacy of each part; basic composition still splits them
+        return ev.AdaptiveEvent(_group(event.first, k), _group(event.then, k), event.first_delta_share)
     raise GroupPrivacyError(
         f"no group-privacy rule for a {type(event).__name__} event: a record-level run with it cannot be charged per person "
         "(use a unit-level run: data.privacy_unit naming the person's field)")

@@ -189,7 +189,8 @@ class RunPlan:
         """The realised counterpart of the plan's events for the event a training actually spent
         (≤ the planned one): (the event the ledger is charged, the per-record event of a run
         charged per person, else None)."""
-        event = method_event if self.sizes_event is None else with_size_release(method_event, self.sizes_event)
+        sizes = self.release("sizes")
+        event = method_event if sizes is None else with_size_release(method_event, sizes.event, sizes.delta / self.delta)
         if self.no_prompt is not None:
             event = with_release(event, self.no_prompt.event)
         if self.group_size:
@@ -209,18 +210,20 @@ class RunPlan:
         return "record" if self.own is None else self.own.unit
 
 
-def with_size_release(event: ev.DpEvent, size_event: ev.DpEvent) -> ev.DpEvent:
-    """The sizes release composed with a method's event; into each branch of a parallel
-    composition (disjoint parts of the data: a record lies in one branch, and the sizes release
-    is about it too, so its loss is the release's plus its branch's)."""
-    if isinstance(event, ev.ParallelEvent):
-        return ev.ParallelEvent(tuple(ev.ComposedEvent((size_event, e)) for e in event.events))
-    return ev.ComposedEvent((size_event, event))
+def with_size_release(event: ev.DpEvent, size_event: ev.DpEvent,
+                      sizes_delta_share: float = SIZES_DELTA_SHARE) -> ev.DpEvent:
+    """The sizes release and the method's event planned on its output: an adaptive composition,
+    which the accountant charges by basic composition (the release at ``sizes_delta_share`` of δ,
+    the rest at the remainder: what the plan's guarantee is)."""
+    return ev.AdaptiveEvent(size_event, event, sizes_delta_share)
 
 
 def with_release(event: ev.DpEvent, other: ev.DpEvent) -> ev.DpEvent:
     """``event`` composed with one more release (the comparison with no prompt: it reads the
-    holdout, not a branch): appended to a composition, else a composition of the two."""
+    holdout, not a branch): appended to a composition (to the part chosen after the sizes), else
+    a composition of the two."""
+    if isinstance(event, ev.AdaptiveEvent):
+        return ev.AdaptiveEvent(event.first, with_release(event.then, other), event.first_delta_share)
     if isinstance(event, ev.ComposedEvent):
         return ev.ComposedEvent(tuple(event.events) + (other,))
     return ev.ComposedEvent((event, other))
@@ -323,7 +326,7 @@ def plan_run(name: str, target_epsilon: float, delta: float, n_train: int, calib
         params["privacy.size_epsilon"] = eps_sizes
     if compared:
         params.update({"privacy.no_prompt_epsilon": eps_np, "no_prompt.noise_sigma": np_event.noise_multiplier})
-    event = own.event if sizes_event is None else with_size_release(own.event, sizes_event)
+    event = own.event if sizes_event is None else with_size_release(own.event, sizes_event, sizes_delta_share)
     event = event if np_event is None else with_release(event, np_event)
     record_event = None
     if k:

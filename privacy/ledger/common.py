@@ -75,8 +75,38 @@ def _counted_event_json(row: Any) -> str | None:
     return row["reserved_event"]
 
 
+def _counted(text: str) -> ev.DpEvent:
+    """A stored event as the ledger counts it: one recorded before runs marked their sizes release
+    as adaptive (:class:`privacy.events.AdaptiveEvent`) has that release — the first Gaussian of
+    its composition, into each parallel branch — split off, as a new run's is. Splitting any part
+    off a composition is basic composition, valid whichever part it is, so this never under-counts."""
+    event = ev.event_from_json(text)
+    if any(isinstance(e, ev.AdaptiveEvent) for e in ev.all_events(event)):
+        return event
+    peeled = _peel(event)
+    return event if peeled is None else ev.AdaptiveEvent(*peeled)
+
+
+def _peel(event: ev.DpEvent) -> tuple[ev.DpEvent, ev.DpEvent] | None:
+    """(the first Gaussian release, the rest) of a legacy run's event, None when it has none."""
+    def joined(parts):
+        return parts[0] if len(parts) == 1 else ev.ComposedEvent(tuple(parts))
+
+    if isinstance(event, ev.ComposedEvent) and len(event.events) >= 2:
+        head, others = event.events[0], list(event.events[1:])
+        if isinstance(head, ev.GaussianEvent):
+            return head, joined(others)
+        inner = _peel(head)
+        return None if inner is None else (inner[0], joined([inner[1]] + others))
+    if isinstance(event, ev.ParallelEvent):
+        branches = [_peel(b) for b in event.events]
+        if all(b is not None for b in branches) and len({b[0] for b in branches}) == 1:
+            return branches[0][0], ev.ParallelEvent(tuple(b[1] for b in branches))
+    return None
+
+
 def _compose(event_jsons: list[str], delta: float) -> PrivacySpend:
-    events = tuple(ev.event_from_json(text) for text in event_jsons)
+    events = tuple(_counted(text) for text in event_jsons)
     return spend(ev.ComposedEvent(events), delta)
 
 

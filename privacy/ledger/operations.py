@@ -16,7 +16,7 @@ from .. import events as ev
 from ..accountant import spend
 from ..validation import check_delta, check_epsilon
 from .base import LedgerBase
-from .common import _EPS_RTOL, _check_text, _compose, _event_json, _fmt, _now, _preview, _q, _short
+from .common import _EPS_RTOL, _check_text, _compose, _counted, _event_json, _fmt, _now, _preview, _q, _short
 from .errors import BudgetExceededError, ReadClaimedError
 
 
@@ -296,7 +296,7 @@ class OperationsMixin(LedgerBase):
         """The events the dataset's budget composes (committed, or reserved), oldest first."""
         with self._read() as conn:
             self._dataset_row(conn, fingerprint)
-            return [ev.event_from_json(text) for text in self._counted_events(conn, fingerprint)]
+            return [_counted(text) for text in self._counted_events(conn, fingerprint)]
 
     def record_nonprivate(self, fingerprint: str, run_id: str, description: str) -> dict[str, Any]:
         """Record a use of the dataset without any DP guarantee (e.g. a non-private baseline).

@@ -263,9 +263,14 @@ def test_a_bad_prompt_falls_back_and_its_comparison_is_committed(tmp_path, sst2_
     entry = ctx.paths.open_ledger().entry("flow-run-1:prompt_dpsgd")
     committed = ev.event_from_dict(entry["committed_event"])
     assert entry["status"] == "committed" and committed == plan.event
-    assert plan.event.events[-1] == plan.no_prompt.event  # the comparison's ε is charged although it fell back
-    pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
-    by_dp_accounting = pld.compose(_to_dp_accounting(plan.event)).get_epsilon(plan.delta)
+    assert plan.event.then.events[-1] == plan.no_prompt.event  # the comparison's ε is charged although it fell back
+
+    def by_pld(event, delta):
+        return pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3).compose(
+            _to_dp_accounting(event)).get_epsilon(delta)
+
+    share = plan.event.first_delta_share  # the sizes release beside the rest, by basic composition
+    by_dp_accounting = by_pld(plan.event.first, share * plan.delta) + by_pld(plan.event.then, (1 - share) * plan.delta)
     assert out.spend["epsilon"] == acct.spend(plan.event, plan.delta).epsilon
     assert out.spend["epsilon"] == pytest.approx(by_dp_accounting, rel=0.02) and out.spend["epsilon"] <= 8.0 * (1 + 1e-6)
     line, tags = no_prompt.note(m)

@@ -161,12 +161,9 @@ def _score_gaussians(event) -> list[ev.GaussianEvent]:
     """The Gaussian events of the released counts in a selection's (charged) event, by its shape:
     every candidate once — (trainings ∥ n scores), by the group rule (trainings ∘ n scores); random
     stopping — best-of-K of (training ∥ score) trials, then the no-prompt reference. The sizes'
-    release, where composed in front (``with_size_release``: of the whole, or of each branch), is
-    skipped."""
+    release, where composed in front (``with_size_release``), is skipped."""
     def strip(e):
-        if isinstance(e, ev.ComposedEvent) and len(e.events) == 2 and isinstance(e.events[0], ev.GaussianEvent):
-            return e.events[1]
-        return e
+        return e.then if isinstance(e, ev.AdaptiveEvent) else e
 
     e = strip(event)
     if isinstance(e, ev.ComposedEvent) and isinstance(e.events[0], ev.RepeatAndSelectEvent):

@@ -198,7 +198,8 @@ def test_plan_samples_units_at_q_over_the_released_unit_count(tmp_path, method, 
     assert q == pytest.approx(10 / sizes.n_train)  # B units over the released number of units
     assert plan.settings["steps"] == math.ceil(0.3 / q)  # epochs over units
     assert plan.settings["expected_batch"] == pytest.approx(q * sizes.n_train)
-    method_event = plan.event.events[1]
+    assert isinstance(plan.event, ev.AdaptiveEvent) and plan.event.first == sizes.event
+    method_event = plan.event.then.events[0]
     assert isinstance(method_event, ev.SelfComposedEvent) and method_event.count == plan.settings["steps"]
     inner = method_event.event
     assert isinstance(inner, ev.PoissonSampledEvent) and inner.sampling_probability == pytest.approx(q)

@@ -315,7 +315,7 @@ def test_labels_sharing_their_first_token_are_refused(engine, tmp_path):
 def test_the_size_release_rides_on_the_first_charged_batch_only(engine, tmp_path):
     """A poisson server's q comes from the released sizes: their release is charged once, with the
     first batch the ledger accepts — a refused first batch leaves it pending; later batches carry votes only."""
-    from privacy.events import ComposedEvent, GaussianEvent
+    from privacy.events import AdaptiveEvent, GaussianEvent
 
     from tasks.dp_icl import first_batch_event
 
@@ -331,7 +331,7 @@ def test_the_size_release_rides_on_the_first_charged_batch_only(engine, tmp_path
     server.answer(["great", "awful"])
     server.answer(["fine"])
     first, second = [e["event"] for e in ledger.entries() if e["kind"] == "dp"]
-    assert first == event_to_dict(ComposedEvent((size, batch_event(2.0, 2, 0.5))))
+    assert first == event_to_dict(AdaptiveEvent(size, batch_event(2.0, 2, 0.5)))
     assert second == event_to_dict(batch_event(2.0, 1, 0.5))
 
 

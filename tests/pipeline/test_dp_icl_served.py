@@ -290,7 +290,8 @@ def test_a_poisson_sampled_config_charges_each_batch_its_subsampled_event(toy, t
     q = min(1.0, 4 * 2 / released)
     (entry,) = [e for e in entries if e["description"].startswith("dp_icl:")]
     # q carries the released size into the answers: the first batch also charges the sizes' release
-    size_release, votes = event_from_dict(entry["event"]).events
+    charged = event_from_dict(entry["event"])
+    size_release, votes = charged.first, charged.then
     assert size_release == GaussianEvent(sizes["sigma"]) and answered_queries(event_from_dict(entry["event"])) == 3
     assert votes.count == 3 and votes.event == PoissonSampledEvent(q, GaussianEvent(3.0))
     capsys.readouterr()

@@ -117,9 +117,10 @@ def test_run_record_is_complete(flow_run):
     from tasks.data import Partition
 
     event = budget["stages"][0]["event"]
-    assert event["type"] == "composed" and [e["type"] for e in event["events"]] == [
-        "gaussian", "self_composed", "gaussian"]
-    assert float(params["no_prompt.noise_sigma"]) == event["events"][2]["noise_multiplier"]
+    assert event["type"] == "adaptive" and event["first"]["type"] == "gaussian"  # the sizes, then what chose from them
+    assert event["then"]["type"] == "composed" and [e["type"] for e in event["then"]["events"]] == [
+        "self_composed", "gaussian"]
+    assert float(params["no_prompt.noise_sigma"]) == event["then"]["events"][1]["noise_multiplier"]
     assert "no_prompt.released_difference" in metrics and metrics["no_prompt.fallback"] == 0.0  # fallback off here
     sizes = Partition(**json.loads(next((flow_run["state"] / "private" / "partitions").glob("*/manifest.json"))
                                    .read_text())).sizes

@@ -75,14 +75,14 @@ def test_the_planner_divides_the_budget_into_its_releases_and_the_plan_is_frozen
     assert plan.release("sizes").epsilon == eps_sizes and plan.release("sizes").delta == pytest.approx(DELTA / 10)
     assert plan.method_epsilon == pytest.approx(2.0 - eps_sizes) == calls[1][0]
     assert plan.release("method").epsilon == plan.method_epsilon and plan.target_epsilon == 2.0
-    assert plan.event == ev.ComposedEvent((sizes, plan.release("method").event))
+    assert plan.event == ev.AdaptiveEvent(sizes, plan.release("method").event, 0.1)
     assert plan.params["privacy.size_epsilon"] == eps_sizes
     assert plan.params["privacy.method_epsilon"] == plan.method_epsilon
     assert sum(r.epsilon for r in plan.releases) <= 2.0 * (1 + 1e-9)
-    # the guarantee: the sizes release and the method by basic composition; the ledger's PLD is tighter
+    # the guarantee: the sizes release and the method by basic composition, which the ledger charges too
     method_eps = acct.spend(plan.release("method").event, 0.9 * DELTA).epsilon
     assert plan.guarantee_epsilon == pytest.approx(eps_sizes + method_eps) and plan.guarantee_epsilon <= 2.0
-    assert acct.spend(plan.event, DELTA).epsilon <= plan.guarantee_epsilon
+    assert acct.spend(plan.event, DELTA).epsilon == pytest.approx(plan.guarantee_epsilon, rel=1e-12)
     # frozen: the plan, its releases, its params and (nested) settings
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.method_epsilon = 3.0
@@ -123,7 +123,7 @@ def test_the_planner_charges_a_person_by_group_privacy_and_refuses_what_it_canno
     sizes = ev.GaussianEvent(50.0)
     plan = plan_run("toy", 2.0, DELTA, 100, _gaussian_calibration([]), sizes_event=sizes, sizes_sigma=50.0,
                     group_size=3, person_field="author")
-    assert plan.record_event == ev.ComposedEvent((sizes, plan.release("method").event))
+    assert plan.record_event == ev.AdaptiveEvent(sizes, plan.release("method").event, 0.1)
     assert plan.event == group_event(plan.record_event, 3) and plan.params["privacy.group_size"] == 3
     assert plan.params["privacy.group_accounting"] == "exact"  # Gaussians only: σ/k is exact
     sampled = plan_run("toy", 2.0, DELTA, 100, lambda e, d: _Sampled(e, d), sizes_event=sizes, sizes_sigma=50.0,
@@ -179,8 +179,12 @@ def test_plan_for_gives_the_method_its_share_and_leaves_the_config_as_it_was(tmp
     monkeypatch.setattr(method_cls, "plan", plan)
     first = plan_for(cfg, "prompt_dpsgd", _sizes(), DELTA)
     assert cfg.model_dump() == before
-    # the user's config every time (never a copy with a derived target); the share as an argument
-    assert asked == [(True, 2.0, 2.0), (True, 2.0, first.method_epsilon)]
+    # the user's config every time (never a copy with a derived target); the shares as arguments: the
+    # whole target first (is it dp?), the additive share, then the joint calibration's raised ones
+    assert all(mine and target == 2.0 for mine, target, _ in asked) and asked[0][2] == 2.0
+    shares = [share for _, _, share in asked[1:]]
+    assert first.method_epsilon in shares and shares[0] < first.method_epsilon == max(
+        s for s in shares if s <= first.method_epsilon)
     assert first == plan_for(cfg, "prompt_dpsgd", _sizes(), DELTA) and cfg.model_dump() == before
     # another budget (the largest-fitting search) is an argument too
     lower = plan_for(cfg, "prompt_dpsgd", _sizes(), DELTA, target_epsilon=1.0)
