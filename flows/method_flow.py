@@ -31,6 +31,7 @@ from tasks.run_plan import plan_for
 from tasks.prefect_tasks import (endpoint_task, evaluate_task, loss_mia_task, partition_task, prepare_task,
                                  train_task)
 from tasks.stages import StageContext, model_alias
+from tasks.data import partition_notes
 from tasks.state import default_data_root, operator_note
 
 
@@ -116,6 +117,8 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
         if charged:
             operator_note(run.paths, charged)
         ctx = StageContext.for_run(cfg, run.paths, part, run.parent.run_id, run.flow_run_id)
+        for line in partition_notes(cfg.data, ctx.part):  # exact: the operator's terminal only
+            operator_note(run.paths, line)
         plan = pipeline.plan_run(ctx, run.parent)  # δ, every run's plan and method, once: validated before any work
         method = plan.methods[cfg.method]
         with refusals_to_operator(run.paths, charged_elsewhere=charged is not None):

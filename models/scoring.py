@@ -108,6 +108,27 @@ def accuracy(
     return float((pred == labels).float().mean())
 
 
+def accuracy_by_class(
+    classifier: PromptClassifier,
+    encoded: dict[str, torch.Tensor],
+    labels: torch.Tensor,
+    prompt: torch.Tensor | None = None,
+    batch_size: int = 64,
+) -> dict:
+    """Accuracy, the recall of each class present (index → fraction of its examples predicted as
+    it) and their mean, the balanced accuracy: a classifier that predicts one label for everything
+    scores 1/(number of classes) there, whatever the classes' shares."""
+    labels = torch.as_tensor(labels, dtype=torch.long).cpu()
+    if labels.numel() == 0:
+        raise ValueError("accuracy of an empty set")
+    pred = predict_logits(classifier, encoded, prompt, batch_size).argmax(dim=1)
+    right = pred == labels
+    recall = {int(c): float(right[labels == c].float().mean()) for c in torch.unique(labels)}
+    return {"accuracy": float(right.float().mean()), "recall": recall,
+            "balanced_accuracy": sum(recall.values()) / len(recall),
+            "predicted_classes": int(torch.unique(pred).numel())}
+
+
 def per_example_loss(
     classifier: PromptClassifier,
     encoded: dict[str, torch.Tensor],

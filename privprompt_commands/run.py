@@ -260,20 +260,20 @@ def _print_summary(summary: dict, wall: float) -> None:
         if m.get("privacy.epsilon_per_record") is not None:
             print(f"{'':<28}(the mechanism is per record: ε = {m['privacy.epsilon_per_record']:.4f} per record; "
                   f"charged {unit_phrase(summary.get('unit'))} by group privacy)")
-        if m.get("privacy.guarantee_epsilon") is not None:
-            per = ("per record" if m.get("privacy.epsilon_per_record") is not None
-                   else unit_phrase(summary.get("unit")))
-            print(f"{'':<28}(the guarantee: ε ≤ {m['privacy.guarantee_epsilon']:.4f} {per}, δ = {m['privacy.delta']:g}, "
-                  "the split sizes' release "
-                  "and the rest by basic composition, which holds whatever the method chose from the released "
-                  "sizes; the ε above is the accountant's composition of the run's events, what the ledger charges)")
+        if m.get("privacy.size_epsilon") is not None:
+            print(f"{'':<28}(the split sizes' release at δ/10 and the rest at 9δ/10, by basic composition: it holds "
+                  "whatever the method chose from the released sizes; the ledger charges this ε)")
     elif summary.get("guarantee") == "ldp":
         print(f"{'privacy:':<28}local d_X privacy of the inputs (metric LDP; no (ε, δ) claim: see the run's params)")
     else:
         note = (summary.get("budget") or {}).get("note") or f"method {summary.get('method', '?')!r} is non-private"
         print(f"{'privacy:':<28}no formal guarantee ({note})")
+    whose = " (no prompt's: none was published)" if m.get("no_prompt.fallback") else ""
     for key in sorted(k for k in m if k.startswith("test.accuracy")):
-        print(f"{key + ':':<28}{m[key]:.4f}")
+        print(f"{key + ':':<28}{m[key]:.4f}" + (whose if key == "test.accuracy" else ""))
+    if "test.balanced_accuracy" in m:
+        recalls = ", ".join(f"{k[len('test.recall.'):]} {m[k]:.4f}" for k in sorted(m) if k.startswith("test.recall."))
+        print(f"{'test.balanced_accuracy:':<28}{m['test.balanced_accuracy']:.4f} (recall per class: {recalls})")
     for key in sorted(k for k in m if k.startswith("audit.baseline.")):  # trained on private data without DP
         print(f"{key + ':':<27} {m[key]:.4f} {AUDIT_NOTE}")
     _print_attacks(m)
@@ -446,12 +446,26 @@ def cmd_plan(args) -> int:
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     print(format_plan(plan))
+    _print_source_notes(variants, paths)
     _print_dp_icl_plan(cfg, plan, paths)
     _print_public_overlap(cfg)
     print(f"ledger: {paths.ledger_location}" + ("" if paths.ledger_exists() else " (none yet: nothing spent)"))
     print("which route for your case (a local model you can train, an API-only target, answers per query), "
           "measured at ε 1, 3 and 8: docs/routes.md")
     return 0 if plan["fits"] else 4
+
+
+def _print_source_notes(variants: list, paths) -> None:
+    """What the partitions leave out or hold few of (exact: this terminal and private/operator.log only)."""
+    from tasks.planning import source_notes
+    from tasks.state import operator_note
+
+    seen = set()
+    for _, cfg in variants:
+        for line in source_notes(cfg, paths.private):
+            if line not in seen:
+                seen.add(line)
+                operator_note(paths, line)
 
 
 def _print_public_overlap(cfg) -> None:

@@ -63,6 +63,10 @@ class Partition:
     n_holdout_units: int = 0
     n_test_units: int = 0
     n_canary_units_planted: int = 0  # with a user unit: planted canary units (n_canaries_planted counts records)
+    # exact, for the operator's terminal only (never published): the source records
+    # ``data.max_records_per_unit`` left out, and the test split's label counts
+    n_dropped_by_cap: int = 0
+    test_label_counts: dict = field(default_factory=dict)
 
     @property
     def ledger_unit(self) -> str:
@@ -552,6 +556,7 @@ class SourceSplit:
     test: np.ndarray
     units: list[str] | None = None
     test_units: list[str] | None = None
+    dropped_by_cap: int = 0  # records of the source a unit's cap left out (train side and test)
 
     def unit_counts(self, planted_canaries: int = 0) -> dict[str, int]:
         """Distinct units per split (plus ``planted_canaries`` planted canary units in training):
@@ -584,16 +589,20 @@ def split_source(cfg: DataConfig, key: bytes, train: tuple, test: tuple) -> Sour
     holdout = u < cfg.holdout_fraction
     side = u < cfg.holdout_fraction + cfg.train_rate
     tr = side & ~holdout
+    dropped = 0
     if cfg.max_records_per_unit is not None:
         kept = cap_per_unit(key, texts, labels, ud, cfg.max_records_per_unit)
+        dropped += int(((tr | holdout) & ~kept).sum())
         tr, holdout = tr & kept, holdout & kept
     training_side = {d for d, m in zip(ud, side) if m}
     test_mask = np.array([d not in training_side for d in tud], dtype=bool)
     if cfg.test_fraction < 1.0:
         test_mask &= _digest_uniforms(key, _TAG_TEST_UNIT, tud) < cfg.test_fraction
     if cfg.max_records_per_unit is not None:  # the test split is released too (RAPT's privatized test draw)
-        test_mask &= cap_per_unit(key, test_texts, test_labels, tud, cfg.max_records_per_unit)
-    return SourceSplit(tr, holdout, test_mask, ud, tud)
+        test_kept = cap_per_unit(key, test_texts, test_labels, tud, cfg.max_records_per_unit)
+        dropped += int((test_mask & ~test_kept).sum())
+        test_mask &= test_kept
+    return SourceSplit(tr, holdout, test_mask, ud, tud, dropped)
 
 
 def canary_unit_size(cfg: DataConfig) -> int:
@@ -646,6 +655,13 @@ def split_release_inputs(cfg: DataConfig, seed: int, private_dir: str | Path,
                          data_root: str | None) -> tuple[str, dict[str, int], int]:
     """:func:`release_inputs` of a partition of ``cfg``, computed as :func:`partition_dataset`
     does, writing nothing (reads the source and hashes its records)."""
+    return split_facts(cfg, seed, private_dir, data_root)[:3]
+
+
+def split_facts(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None
+                ) -> tuple[str, dict[str, int], int, list[str]]:
+    """:func:`split_release_inputs` and the partition's :func:`split_notes` (exact: for the
+    operator's terminal alone), computed as :func:`partition_dataset` does, writing nothing."""
     from .state import installation_secret
 
     key = installation_secret(private_dir)
@@ -653,7 +669,12 @@ def split_release_inputs(cfg: DataConfig, seed: int, private_dir: str | Path,
     test = read_split_units(cfg, data_root, cfg.test_split)
     split = split_source(cfg, key, train, test)
     planted = int(draw_canaries(cfg, seed)[2].sum()) // canary_unit_size(cfg)
-    return release_inputs(cfg, key, split, train, test, planted)
+    kept = int(split.train.sum() + split.holdout.sum() + split.test.sum())
+    test_labels = [y for y, m in zip(test[1], split.test) if m]
+    counts = {label: test_labels.count(label) for label in cfg.labels}
+    _refuse_one_class(cfg, counts)  # as the partition would be: before anything is planned or spent
+    notes = split_notes(cfg, split.dropped_by_cap, kept, counts)
+    return (*release_inputs(cfg, key, split, train, test, planted), notes)
 
 
 def split_sizes(cfg: DataConfig, seed: int, private_dir: str | Path, data_root: str | None) -> dict[str, int]:
@@ -716,6 +737,8 @@ def partition_dataset(cfg: DataConfig, seed: int, private_dir: str | Path, data_
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))  # 0700
     try:
         part = _write_partition(tmp, out_dir, cfg, secret, rows, train, test, data_root, private_dir)
+        part = replace(part, n_dropped_by_cap=split.dropped_by_cap,
+                       test_label_counts={label: rows.test[1].count(label) for label in cfg.labels})
         _check_test_split(cfg, part)
         part = _with_released_sizes(cfg, private_dir, secret, split, rows, part, train, test)
         (tmp / "manifest.json").write_text(json.dumps(part.to_dict(), indent=1))
@@ -811,11 +834,51 @@ def _write_partition(tmp: Path, out_dir: Path, cfg: DataConfig, secret: bytes, r
 
 
 def _check_test_split(cfg: DataConfig, part: Partition) -> None:
+    """An empty test split, or one of a single class (its accuracy is that class's recall, and a
+    prompt that labels everything with it scores 1), is refused before anything is released: the
+    test split is evaluation data, outside ε (its exact accuracies are published)."""
     if part.n_test == 0:
         raise DataError(f"dataset {cfg.name!r}: the test split is empty" +
                         ("; raise data.test_fraction" if cfg.test_fraction < 1 else "") +
                         (f" (with the privacy unit field {cfg.unit_field}, a test record is kept only when its "
                          "person has no record in training or holdout)" if cfg.unit_field is not None else ""))
+    _refuse_one_class(cfg, part.test_label_counts)
+
+
+def _refuse_one_class(cfg: DataConfig, test_label_counts: dict) -> None:
+    present = [label for label, n in test_label_counts.items() if n]
+    if len(present) == 1:
+        raise DataError(f"dataset {cfg.name!r}: every test record is labelled {present[0]!r} (data.test_split "
+                        f"{cfg.test_split!r}), so its accuracy would be the recall of one class; give the test split "
+                        f"records of every label ({', '.join(map(repr, cfg.labels))})")
+
+
+MINORITY_SHARE = 0.05  # a test class below this share of the split is flagged
+
+
+def partition_notes(cfg: DataConfig, part: Partition) -> list[str]:
+    """:func:`split_notes` of a written partition."""
+    kept = part.n_train + part.n_holdout + part.n_test - part.n_canaries_planted
+    return split_notes(cfg, part.n_dropped_by_cap, kept, part.test_label_counts)
+
+
+def split_notes(cfg: DataConfig, dropped: int, kept: int, test_label_counts: dict) -> list[str]:
+    """Lines for the operator's terminal alone (exact statistics of the private partition): the
+    ``dropped`` records ``data.max_records_per_unit`` left out (``kept``: the records the splits
+    hold), and a test class below 5 % of the test split."""
+    notes = []
+    if dropped:
+        total = kept + dropped
+        notes.append(f"data.max_records_per_unit = {cfg.max_records_per_unit} left out {dropped:,} of "
+                     f"the {total:,} records the splits would hold ({dropped / total:.0%}): the runs "
+                     "train, compare and test without them; raise it to keep more (the charge per person grows)")
+    n = sum(test_label_counts.values())
+    rare = [f"{label!r} {count} of {n}" for label, count in test_label_counts.items()
+            if n and 0 < count < MINORITY_SHARE * n]
+    if rare:
+        notes.append(f"the test split holds few records of {', '.join(rare)} (below {MINORITY_SHARE:.0%}): its "
+                     "accuracy is mostly the other classes'; read the balanced accuracy and per-class recall")
+    return notes
 
 
 def _with_released_sizes(cfg: DataConfig, private_dir: str | Path, secret: bytes, split: "SourceSplit",

@@ -222,6 +222,7 @@ class RunReport:
         self.accuracies[self.cfg.method] = acc["target"]
         self.metrics["test.accuracy"] = acc["target"]
         self.metrics.update({f"test.accuracy.{alias}": v for alias, v in acc["per_model"].items()})
+        self.metrics.update(acc.get("by_class") or {})
         self.cross[model_alias(model)] = acc["target"]
 
     def diagnostics(self, diag: dict) -> None:

@@ -32,7 +32,7 @@ def released_sizes(cfg, private_dir: Path, draw: bool = True):
     under ``private/released-sizes/`` for the run to use — from the exact sizes the split rule of
     ``partition_dataset`` gives (each source record's keyed hash, and the seeded canaries),
     computed without writing the partition. So the plan's events are the run's."""
-    from .data import Partition, release_sizes, split_release_inputs
+    from .data import Partition, release_sizes
 
     data_root = default_data_root(cfg.data_root)
     key = partition_key(cfg.data, cfg.seed, data_root, private_dir)
@@ -41,11 +41,32 @@ def released_sizes(cfg, private_dir: Path, draw: bool = True):
         data = json.loads(manifest.read_text())
         if data.get("released"):
             return Partition(**data).sizes
-    memo = (str(Path(private_dir).resolve()), key)  # the variants of a sweep share their partition
-    if memo not in _EXACT:
-        _EXACT[memo] = split_release_inputs(cfg.data, cfg.seed, private_dir, data_root)
-    membership, exact, planted = _EXACT[memo]  # an exactly empty split is planned like any other
+    membership, exact, planted, _ = _split_facts(cfg, private_dir)  # an exactly empty split is planned like any other
     return release_sizes(cfg.data, membership, private_dir, exact, planted, draw=draw)
+
+
+def _split_facts(cfg, private_dir: Path) -> tuple:
+    """:func:`tasks.data.split_facts` of ``cfg``'s partition, once per process (a sweep's variants share it)."""
+    from .data import split_facts
+
+    data_root = default_data_root(cfg.data_root)
+    memo = (str(Path(private_dir).resolve()), partition_key(cfg.data, cfg.seed, data_root, private_dir))
+    if memo not in _EXACT:
+        _EXACT[memo] = split_facts(cfg.data, cfg.seed, private_dir, data_root)
+    return _EXACT[memo]
+
+
+def source_notes(cfg, private_dir: Path) -> list[str]:
+    """The partition's notes for the operator's terminal (:func:`tasks.data.split_notes`): from its
+    manifest when it is written, else computed as the partition would be."""
+    from .data import Partition, partition_notes
+
+    data_root = default_data_root(cfg.data_root)
+    key = partition_key(cfg.data, cfg.seed, data_root, private_dir)
+    manifest = Path(private_dir) / "partitions" / f"{cfg.data.name}-{key}" / "manifest.json"
+    if manifest.is_file():
+        return partition_notes(cfg.data, Partition(**json.loads(manifest.read_text())))
+    return list(_split_facts(cfg, private_dir)[3])
 
 
 def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool = True, estimate: bool = False) -> dict:
@@ -304,14 +325,15 @@ def no_prompt_line(c: dict) -> str:
 
 
 def guarantee_line(r: dict) -> str:
-    """The plan's line for a dp run's guarantee beside the ledger's composed ε (``privacy/plan.py``)."""
+    """The plan's line for a dp run's guarantee and how it is made up (``privacy/plan.py``)."""
     sizes = r.get("size_epsilon")
     how = (f"the split sizes' release (ε = {sizes:.4f}, δ/10) and the rest (9δ/10) by basic composition, which "
            "holds whatever the method chose from the released sizes" if sizes else "the method's releases composed")
     per = "per record" if r.get("group") else unit_phrase(r.get("unit"))
+    charged = (f"; the ledger charges ε = {r['epsilon']:.4f} {unit_phrase(r.get('unit'))} (group privacy)"
+               if r.get("group") else "; the ledger charges the same")
     return (f"  guarantee: ε = {r['guarantee_epsilon']:.4f} {per}, δ = {r['delta']:.3g}, of the target "
-            f"{r['target_epsilon']:g} ({how}); "
-            f"the ledger's composition of the run's events: ε = {r.get('epsilon_per_record', r['epsilon']):.4f}")
+            f"{r['target_epsilon']:g} ({how}){charged}")
 
 
 def format_plan(plan: dict, datasets: bool = True) -> str:

@@ -136,11 +136,11 @@ def evaluate_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
                    models: dict[str, str] | None = None) -> dict:
     """Accuracy on the private test split of the prompt at ``prompt_path`` on ``models``
     (alias → model; default: the target, and the local model if different)."""
-    from models.scoring import accuracy
+    from models.scoring import accuracy_by_class
 
     cfg = ctx.cfg
     started = time.perf_counter()
-    out, aliases = {}, {}
+    out, aliases, by_class = {}, {}, {}
     own = _own_evaluation(ctx, name, prompt_path)
     if own is not None:  # the method evaluates its prompt its own way (RAPT: privatized inputs)
         out["target"] = aliases[model_alias(cfg.models.local)] = own
@@ -150,14 +150,24 @@ def evaluate_stage(ctx: StageContext, prompt_path: str | None, name: str, guaran
             clf, forward_prompt = prompted(cfg, model_name, prompt)
             _check_prompt_fits(clf, forward_prompt, model_name)
             enc, y = encode_split(clf, ctx.part.test_path, cfg.data.labels, input_length(cfg, model_name, clf))
-            out[alias] = accuracy(clf, enc, y, forward_prompt, batch_size=cfg.models.eval_batch_size)
-            aliases[model_alias(model_name)] = out[alias]
+            scores = accuracy_by_class(clf, enc, y, forward_prompt, batch_size=cfg.models.eval_batch_size)
+            out[alias] = aliases[model_alias(model_name)] = scores["accuracy"]
+            if alias == "target":
+                by_class = class_metrics(scores, cfg.data.labels)
     compute_s = time.perf_counter() - started
     child = ctx.parent.child(f"evaluate:{name}", {"method": name, "stage": "evaluate",
                                                    "privacy.guarantee": guarantee})
-    child.log_metrics({"test.accuracy": out["target"], **{f"test.accuracy.{k}": v for k, v in aliases.items()}})
+    child.log_metrics({"test.accuracy": out["target"], **{f"test.accuracy.{k}": v for k, v in aliases.items()},
+                       **by_class})
     child.end()
-    return {"target": out["target"], "per_model": aliases, "compute_s": compute_s}
+    return {"target": out["target"], "per_model": aliases, "by_class": by_class, "compute_s": compute_s}
+
+
+def class_metrics(scores: dict, labels: list[str]) -> dict[str, float]:
+    """``test.balanced_accuracy`` and ``test.recall.<label>`` (each label present in the test split)
+    of :func:`models.scoring.accuracy_by_class`'s answer."""
+    return {"test.balanced_accuracy": scores["balanced_accuracy"],
+            **{f"test.recall.{labels[c]}": r for c, r in sorted(scores["recall"].items())}}
 
 
 def endpoint_evaluate_stage(ctx: StageContext, prompt_path: str, name: str, endpoint: dict) -> dict:

@@ -51,7 +51,12 @@ def run_markdown(summary: dict) -> str:
     else:
         lines.append("**Privacy:** no formal guarantee (nothing but metrics published)")
     lines.append("")
-    rows = [("test accuracy", m.get("test.accuracy"))]
+    whose = " (no prompt's: none was published)" if m.get("no_prompt.fallback") else ""
+    rows = [("test accuracy" + whose, m.get("test.accuracy"))]
+    if "test.balanced_accuracy" in m:
+        rows.append(("test balanced accuracy (mean recall per class)", m["test.balanced_accuracy"]))
+        rows += [(f"test recall, {k[len('test.recall.'):]}", v) for k, v in sorted(m.items())
+                 if k.startswith("test.recall.")]
     rows += [(f"test accuracy, {k[len('test.accuracy.'):]}", v) for k, v in sorted(m.items())
              if k.startswith("test.accuracy.")]
     if "selection.winner.holdout_score" in m:

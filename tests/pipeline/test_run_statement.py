@@ -383,10 +383,11 @@ def test_a_selection_gets_an_estimate_from_its_trials_plans(monkeypatch):
 def test_the_plans_guarantee_line_states_unit_and_delta():
     from tasks.planning import guarantee_line
 
-    row = {"guarantee_epsilon": 7.992, "target_epsilon": 8.0, "delta": 1e-5, "unit": "record", "epsilon": 7.8469,
+    row = {"guarantee_epsilon": 7.992, "target_epsilon": 8.0, "delta": 1e-5, "unit": "record", "epsilon": 7.992,
            "size_epsilon": 0.071}
     line = guarantee_line(row)
     assert line.startswith("  guarantee: ε = 7.9920 per record, δ = 1e-05, of the target 8 (the split sizes' release")
-    assert line.endswith("the ledger's composition of the run's events: ε = 7.8469")
-    grouped = guarantee_line({**row, "unit": "author", "group": "3 author", "epsilon": 20.1, "epsilon_per_record": 7.85})
-    assert "ε = 7.9920 per record, δ = 1e-05" in grouped and grouped.endswith("events: ε = 7.8500")
+    assert line.endswith("; the ledger charges the same")
+    grouped = guarantee_line({**row, "unit": "author", "group": "3 author", "epsilon": 20.1, "epsilon_per_record": 7.992})
+    assert "ε = 7.9920 per record, δ = 1e-05" in grouped
+    assert grouped.endswith("the ledger charges ε = 20.1000 per person (author) (group privacy)")
