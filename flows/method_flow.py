@@ -159,6 +159,11 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
 
             rec.audited(run_audit(pipeline.audit_target(ctx, published, prepared), cfg.audit, cfg))
         run.summary.update(rec.record(ctx, published, plan))
+        if published.registered_model:  # the card again, now with the run's test numbers and warnings
+            from tasks.model_card import write_card
+            from tasks.registry_model import resolve_version
+
+            write_card(run.parent.mlflow, resolve_version(run.parent.mlflow, published.registered_model))
     publish_statement(run.summary)
     get_run_logger().info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in rec.metrics.items()}))
     for warning in run.summary.get("warnings", []):

@@ -66,6 +66,18 @@ def _model_load_error(exc: BaseException):
     return None
 
 
+def _say_what_it_is(mlflow, model_uri: str) -> None:
+    """One line on stderr for a registered version without a prompt (``prompt.source = none``)."""
+    from tasks.registry_model import resolve_version
+
+    if not model_uri.startswith("models:/"):
+        return
+    tags = resolve_version(mlflow, model_uri).tags or {}
+    if tags.get("prompt.source") == "none":
+        print(f"{model_uri}: no prompt — the model with its template and label words (the run's prompt did not beat "
+              f"it); ε = {tags.get('privacy.epsilon')} spent by that run", file=sys.stderr)
+
+
 def cmd_predict(args) -> int:
     """Labels and per-label scores of a registered model (``models:/NAME/VERSION`` or ``/latest``,
     ``runs:/…``) for the ``text`` column of a file (``--text-field``); an input ``label`` column
@@ -97,9 +109,10 @@ def cmd_predict(args) -> int:
     from tasks.registry_model import download_model
 
     try:
+        tracking = client(state_paths(args.state_dir))
         with tempfile.TemporaryDirectory(prefix="privprompt-model-") as tmp:
-            model = mlflow.pyfunc.load_model(str(download_model(client(state_paths(args.state_dir)),
-                                                                args.model_uri, tmp)))
+            model = mlflow.pyfunc.load_model(str(download_model(tracking, args.model_uri, tmp)))
+        _say_what_it_is(tracking, args.model_uri)
     except Exception as exc:  # noqa: BLE001 - reported as one line
         cause = _model_load_error(exc)
         if cause is not None:

@@ -215,8 +215,8 @@ def _print_attacks(m: dict) -> None:
 def _print_prompt(published: dict | None, selected: bool = False, fell_back: bool = False) -> None:
     """Where the run's prompt is: the published file and its MLflow artifact, or that it stays private."""
     if not published or published.get("prompt_path") is None:
-        why = ("it lost to no prompt in the released holdout comparison: fallback; use the model without a prompt"
-               if fell_back else "the selection chose no prompt" if selected else "the method publishes no prompt")
+        why = ("it lost to no prompt in the released holdout comparison: fallback; the model without a prompt is "
+               "registered instead" if fell_back else "the selection chose no prompt" if selected else "the method publishes no prompt")
         print(f"{'prompt:':<28}none ({why})")
     elif published.get("prompt_published"):
         label = "published adapter (LoRA):" if _artifact_kind(published["prompt_path"]) == "lora" else "published prompt:"
@@ -284,7 +284,9 @@ def _print_summary(summary: dict, wall: float) -> None:
               + " (noisy, DP; params: selection.metric)")
     _print_prompt(summary.get("published"), "selection.winner_index" in m, bool(m.get("no_prompt.fallback")))
     if summary.get("registered_model"):
-        print(f"{'registered model:':<28}{summary['registered_model']} (privprompt predict / privprompt serve)")
+        none = not (summary.get("published") or {}).get("prompt_path")
+        print(f"{'registered model:':<28}{summary['registered_model']} (privprompt predict / privprompt serve"
+              + ("; no prompt: the model with its template and label words" if none else "") + ")")
     for warning in summary.get("warnings", []):
         print(f"{'WARNING:':<28}{warning}")
     if summary.get("device"):

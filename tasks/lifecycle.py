@@ -290,6 +290,8 @@ def publish(door: Door, trained: Trained, info: dict, metrics: dict, progress=No
     recording.record_training(door.child, info["params"], metrics, door.opt_in)
     if trained.prompt is not None and not decision.get(FALLBACK):  # a prompt that lost to no prompt: none
         write_outputs(door, trained, info, choice, progress)
+    elif door.plan.guarantee in PUBLISHED:  # no prompt won: the model without one is the usable result
+        write_no_prompt(door, info)
     door.child.end()
     info["published"] = door.plan.guarantee in PUBLISHED and info["prompt_path"] is not None
     return RunOutcome(**info)
@@ -327,6 +329,26 @@ def write_outputs(door: Door, trained: Trained, info: dict, choice: Choice, prog
             info["registered_model"] = tags["registry.model"]
     if post.child:
         recording.log_post_child(ctx, post.child, plan.guarantee)
+
+
+def write_no_prompt(door: Door, info: dict) -> None:
+    """No prompt won (the released comparison fell back, or a selection chose none): the result is
+    the model without a prompt — its template and label words, an empty text prompt — registered as
+    a version of the method's model, tagged ``prompt.source = none`` with the run's ε, so
+    ``predict``, ``serve`` and ``promote`` work on it and say what it is. Nothing trained is in it.
+    ``info["prompt_path"]`` stays None: the run published no prompt."""
+    from models.prompts.text import TextPrompt
+
+    from .prompts import save_prompt_file
+    from .publish import publish_usable
+
+    ctx, plan, name = door.ctx, door.plan, door.name
+    meta = {"method": name, "privacy.guarantee": plan.guarantee, "prompt.source": "none",
+            "model": door.method.extras.published_model(ctx.cfg, door.prepared)}
+    path = save_prompt_file(ctx.output_dir, f"{name}_no_prompt", TextPrompt(""), meta)
+    tags = publish_usable(ctx, door.child, name, plan.guarantee, str(path), info["spend"], source="none")
+    if str(tags.get("registry.model", "")).startswith("models:/"):
+        info["registered_model"] = tags["registry.model"]
 
 
 def _release_unread(door: Door, exc: BaseException) -> None:

@@ -3,9 +3,11 @@
 ``privprompt promote`` with the gates' results.
 
 Only what the run record already publishes goes in: the version's privacy tags (method, ε, δ,
-accountant, unit, dataset fingerprint), its lineage, the gates' tags, and the NAMES of the
-published statistics that the guarantee does not cover (docs/privacy-claims.md, "What is published
-beside ε, and is not covered by it"). No value computed on private data is added here.
+accountant, unit, dataset fingerprint), what its prompt is (``prompt.source``), the run's test
+accuracy, balanced accuracy and per-class recall beside no prompt's, the warnings the run printed,
+the records-per-person cap, its lineage, the gates' tags, and the NAMES of the published statistics
+that the guarantee does not cover (docs/privacy-claims.md, "What is published beside ε, and is not
+covered by it"). No value computed on private data beyond the run record's is added here.
 """
 
 from __future__ import annotations
@@ -52,16 +54,38 @@ def _not_covered(metric_names) -> list[str]:
     return lines + [f"- {line}" for line in ALWAYS]
 
 
-def model_card(name: str, version: str, tags: dict, spec: dict | None, metric_names=()) -> str:
-    """Markdown: what the version is, its privacy statement, lineage, gates and what ε does not cover."""
-    spec = spec or {}
+def _quality(metrics: dict, no_prompt: bool) -> list[str]:
+    """The run's test numbers (exact, on evaluation data) beside no prompt's."""
+    if "test.accuracy" not in metrics:
+        return []
+    whose = " (no prompt's: this version is the model without one)" if no_prompt else ""
+    lines = ["", "### Quality on the test split", "", f"- **test accuracy:** {metrics['test.accuracy']:.4f}{whose}"]
+    if "test.balanced_accuracy" in metrics:
+        recalls = ", ".join(f"{k[len('test.recall.'):]} {v:.4f}" for k, v in sorted(metrics.items())
+                            if k.startswith("test.recall."))
+        lines.append(f"- **balanced accuracy:** {metrics['test.balanced_accuracy']:.4f} (recall per class: {recalls})")
+    if "test.accuracy.zero_shot" in metrics and not no_prompt:
+        lines.append(f"- **no prompt (zero-shot) test accuracy:** {metrics['test.accuracy.zero_shot']:.4f}")
+    return lines
+
+
+def model_card(name: str, version: str, tags: dict, spec: dict | None, metric_names=(), metrics: dict | None = None,
+               run_tags: dict | None = None, params: dict | None = None) -> str:
+    """Markdown: what the version is, its privacy statement, its quality and the run's warnings
+    (``metrics`` / ``run_tags`` / ``params`` of the DP run, when given), lineage, gates and what ε
+    does not cover."""
+    spec, metrics, run_tags, params = spec or {}, metrics or {}, run_tags or {}, params or {}
+    no_prompt = tags.get("prompt.source") == "none"
     eps, delta = tags.get("privacy.epsilon", "none"), tags.get("privacy.delta", "none")
     try:  # four decimals, as every other place states ε
         eps = f"{float(eps):.4f}"
     except ValueError:
         pass
-    lines = [f"## {name} v{version}", "",
-             f"- **method:** {spec.get('method', tags.get('method', '?'))}",
+    lines = [f"## {name} v{version}", ""]
+    if no_prompt:
+        lines += ["**No prompt.** This version is the model without a prompt (its template and label words): the "
+                  "run's prompt did not beat it on the holdout, so none was published. ε is what the run spent.", ""]
+    lines += [f"- **method:** {spec.get('method', tags.get('method', '?'))}",
              f"- **model:** {spec.get('model', tags.get('model.target', '?'))}",
              f"- **guarantee:** {tags.get('privacy.guarantee', '?')}",
              f"- **ε:** {eps} {unit_phrase(tags.get('privacy.unit'))}",
@@ -71,9 +95,17 @@ def model_card(name: str, version: str, tags: dict, spec: dict | None, metric_na
              "such unit of the SOURCE dataset)",
              f"- **dataset fingerprint:** `{tags.get('dataset.fingerprint', '?')}` (keyed: identifies the dataset to "
              "the ledger; confirms nothing about a record to anyone without the installation's key)"]
+    if params.get("data.max_records_per_unit"):
+        lines.append(f"- **records per person:** at most {params['data.max_records_per_unit']} "
+                     "(data.max_records_per_unit: the rest of a person's records were left out)")
     if tags.get("lineage.parent"):
         lines.append(f"- **lineage:** retargeted from `{tags['lineage.parent']}` on public data only "
                      "(post-processing: no ε spent, no ledger entry)")
+    if not tags.get("lineage.parent"):  # a retargeted version's quality is of another target: its own run's
+        lines += _quality(metrics, no_prompt)
+    warnings = [w for w in str(run_tags.get("warning", "")).split(" | ") if w]
+    if warnings:
+        lines += ["", "### Warnings the run printed", ""] + [f"- {w}" for w in warnings]
     lines += ["", "### Release gates", ""] + _gates(tags)
     if tags.get("gate.forced"):
         lines += ["", f"**Promoted with --force:** {tags['gate.forced']}"]
@@ -99,7 +131,9 @@ def write_card(client, version, spec: dict | None = None) -> str:
             spec = {}
     tags = dict(current.tags or {})
     dp_run = tags.get("lineage.dp_run") or current.run_id
-    names = set(client.get_run(dp_run).data.metrics) if dp_run else set()
-    text = model_card(current.name, str(current.version), tags, spec, names)
+    data = client.get_run(dp_run).data if dp_run else None
+    metrics = dict(data.metrics) if data else {}
+    text = model_card(current.name, str(current.version), tags, spec, set(metrics), metrics,
+                      dict(data.tags) if data else {}, dict(data.params) if data else {})
     client.update_model_version(current.name, str(current.version), description=text)
     return text

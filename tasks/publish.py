@@ -19,11 +19,16 @@ from pathlib import Path
 from .stages import own_evaluation
 
 ADAPTERS = {"soft": "prompt tuning", "prefix": "prefix tuning", "lora": "LoRA"}  # the PEFT adapter of each kind
+NO_PROMPT_DESCRIPTION = ("no prompt: {model} with its template and label words ({method}'s prompt did not beat it "
+                         "on the holdout, so the run published none)")
 
 
-def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spend: dict | None) -> dict[str, str]:
+def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spend: dict | None,
+                   source: str = "trained") -> dict[str, str]:
     """Write and log the PEFT adapter (or template) of the published prompt at ``prompt_path`` on
-    ``child`` (the training run), and register it on the flow's parent run. Returns the tags set."""
+    ``child`` (the training run), and register it on the flow's parent run. Returns the tags set.
+    ``source``: ``trained`` (the method's output) or ``none`` (the model without a prompt, when no
+    prompt won: ``tasks.lifecycle.write_no_prompt``), tagged ``prompt.source`` on the version."""
     from models.backbone_ref import backbone_reference, base_model_name_or_path
     from models.backbones import load_backbone
     from models.prompts import load_prompt_artifact, prompt_kind
@@ -47,7 +52,7 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
     check_registrable(guarantee, prompt_path, paths.private, ref)  # the adapter names the backbone too
     prompt, _ = load_prompt_artifact(prompt_path)
     folder = Path(prompt_path).with_name(f"{name}_peft")
-    tags: dict[str, str] = {}
+    tags: dict[str, str] = {"prompt.source": source}
     if getattr(prompt, "kind", None) == "text":
         base = classifier_for(cfg, model_name)
         save_text_template(folder, prompt.template(base.template), list(cfg.data.labels),
@@ -65,7 +70,9 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
     version = register_output(ctx.parent.mlflow, ctx.parent.run_id,
                               registered_model_name(cfg.data.name, name),
                               predictor_spec(cfg, name, model_name, ref), prompt_path, guarantee, spend,
-                              ctx.part.published_key, paths.private, cfg.data.charge_unit)
+                              ctx.part.published_key, paths.private, cfg.data.charge_unit,
+                              extra_tags={"prompt.source": source}, description=NO_PROMPT_DESCRIPTION.format(
+                                  method=name, model=model_name) if source == "none" else None)
     write_card(ctx.parent.mlflow, version, predictor_spec(cfg, name, model_name, ref))
     tags["registry.model"] = f"models:/{version.name}/{version.version}"
     child.set_tags(tags)

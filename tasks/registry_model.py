@@ -254,7 +254,7 @@ def check_registrable(guarantee: str, prompt_path: str | Path, private_dir: str 
 
 def register_output(client, run_id: str, model_name: str, spec: dict, prompt_path: str | Path, guarantee: str,
                     spend: dict | None, dataset_key: str, private_dir: str | Path, unit: str = "record",
-                    extra_tags: dict[str, str] | None = None):
+                    extra_tags: dict[str, str] | None = None, description: str | None = None):
     """Log the pyfunc under run ``run_id`` (``registered_model/``) and register it as a new version
     of ``model_name`` with the privacy tags (and ``extra_tags``: a retarget's lineage), the alias
     ``candidate`` (it moves from the version before; ``privprompt promote`` moves ``production``
@@ -281,6 +281,6 @@ def register_output(client, run_id: str, model_name: str, spec: dict, prompt_pat
     source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{MODEL_ARTIFACT}"
     tags = {**version_tags(guarantee, spend, dataset_key, unit), **(extra_tags or {})}
     version = client.create_model_version(model_name, source, run_id=run_id, tags=tags,
-                                          description=f"{spec['method']} on {spec['model']}")
+                                          description=description or f"{spec['method']} on {spec['model']}")
     client.set_registered_model_alias(model_name, CANDIDATE, str(version.version))
     return client.get_model_version(model_name, str(version.version))

@@ -295,4 +295,20 @@ def _peft_check(client, c: Candidate, own, tmp: Path) -> str:
 
 def run_gates(client, version, canary_runner: CanaryRunner | None = None) -> list[GateResult]:
     c = candidate(client, version)
+    if c.tags.get("prompt.source") == "none":
+        return [*no_prompt_gates(c), adapter_gate(client, c)]
     return [canary_gate(c, canary_runner), lira_gate(c), holdout_gate(c), adapter_gate(client, c)]
+
+
+def no_prompt_gates(c: Candidate) -> list[GateResult]:
+    """A version without a prompt (``prompt.source = none``): nothing in it was trained on the
+    private data, so there is nothing for a membership audit to find, and it is no prompt by
+    definition: the holdout gate passes on what the run released (its prompt did not beat it)."""
+    from .no_prompt import DIFFERENCE
+
+    nothing = "no prompt: nothing in this version was trained on the private data"
+    released = c.own_metrics.get(DIFFERENCE)
+    why = ("it is the model without a prompt" + ("" if released is None else
+                                                  f"; the run's prompt did not beat it (released D̃ = {released:.2f})"))
+    return [GateResult("canary", "skipped", nothing), GateResult("lira", "skipped", nothing),
+            GateResult("holdout", "pass", why)]

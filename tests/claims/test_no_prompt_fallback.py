@@ -11,6 +11,7 @@ dp-accounting); what the summary, the MLflow tags and description and the report
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from privacy import events as ev
-from tasks import neighbours, no_prompt
+from tasks import neighbours, no_prompt, publish
 from tasks.methodkit import holdout as holdout_scoring
 from tasks.methods import PrivateRows
 
@@ -232,7 +233,7 @@ def test_a_bad_prompt_falls_back_and_its_comparison_is_committed(tmp_path, sst2_
                                                                  fast_calibration):  # noqa: F811
     """A test double of prompt_dpsgd whose prompt is wrong on every holdout row where no prompt is
     right (and right nowhere else): D̃ far below 0 (ε share 0.45 of 8: σ ≈ 1 record, D ≈ −n_holdout).
-    Nothing is published or registered; the ledger commits the three releases composed, the ε the
+    No prompt is published (the model without one is registered); the ledger commits the three releases, the ε the
     run states is dp-accounting's for that composition."""
     import torch
     from dp_accounting.pld import pld_privacy_accountant
@@ -254,11 +255,24 @@ def test_a_bad_prompt_falls_back_and_its_comparison_is_committed(tmp_path, sst2_
     monkeypatch.setattr(cls, "train", train)
     monkeypatch.setattr(cls, "preflight", lambda self, cfg, prepared: None)  # the double loads no model
     monkeypatch.setattr(holdout_scoring, "holdout_predictions", predictions)
+    registered = []
+
+    def publish_usable(ctx, child, name, guarantee, prompt_path, spend, source="trained"):
+        registered.append((name, guarantee, prompt_path, spend, source))
+        return {"registry.model": f"models:/privprompt.toy.{name}/1", "prompt.source": source}
+
+    monkeypatch.setattr(publish, "publish_usable", publish_usable)
     out = lifecycle.run_method(ctx, "prompt_dpsgd", {})
     m = out.train_metrics
     assert m[no_prompt.FALLBACK] == 1.0 and m[no_prompt.CONCLUSIVE] == 1.0 and m[no_prompt.DIFFERENCE] < 0
-    assert out.prompt_path is None and not out.published and out.registered_model is None
-    assert not list((Path(ctx.state_dir) / "outputs").rglob("prompt_dpsgd*"))
+    # no prompt is published; the model without one is registered in its place, with the run's ε
+    assert out.prompt_path is None and not out.published
+    assert out.registered_model == "models:/privprompt.toy.prompt_dpsgd/1"
+    ((name, guarantee, path, spend, source),) = registered
+    assert (name, guarantee, source) == ("prompt_dpsgd", "dp", "none") and spend["epsilon"] == out.spend["epsilon"]
+    assert [p.name for p in (Path(ctx.state_dir) / "outputs").rglob("prompt_dpsgd*")] == ["prompt_dpsgd_no_prompt.json"]
+    stored = json.loads(Path(path).read_text())
+    assert stored["kind"] == "text" and stored["instruction"] == "" and stored["metadata"]["prompt.source"] == "none"
     plan = lifecycle.plan_for(ctx.cfg, "prompt_dpsgd", ctx.part.sizes)
     entry = ctx.paths.open_ledger().entry("flow-run-1:prompt_dpsgd")
     committed = ev.event_from_dict(entry["committed_event"])

@@ -31,7 +31,7 @@ def state(tmp_path_factory):
 
 
 def publish(state, name: str, metrics: dict, seed: int = 1, peft_seed: int | None = None, config: dict | None = None,
-            prompt=None, method: str = "prompt_dpsgd"):
+            prompt=None, method: str = "prompt_dpsgd", source: str = "trained", run_tags: dict | None = None):
     """A parent run as a dp flow leaves it (metrics, published prompt, a training child with the
     PEFT adapter) and its registered version, as ``tasks.publish.publish_usable`` makes them."""
     from models import load_backbone
@@ -42,7 +42,7 @@ def publish(state, name: str, metrics: dict, seed: int = 1, peft_seed: int | Non
     from tasks.registry_model import register_output
 
     mlflow, paths = state["client"], state["paths"]
-    tags = {"method": method, "dataset": name.split(".")[1], "privacy.guarantee": "dp"}
+    tags = {"method": method, "dataset": name.split(".")[1], "privacy.guarantee": "dp", **(run_tags or {})}
     parent = mlflow.create_run(state["experiment"], tags=tags).info.run_id
     outputs = paths.root / "outputs" / parent
     outputs.mkdir(parents=True)
@@ -57,7 +57,10 @@ def publish(state, name: str, metrics: dict, seed: int = 1, peft_seed: int | Non
     ref = backbone_reference("tiny-gpt2", 0)
     spec = {"method": method, "backbone": ref, "model": "tiny-gpt2", "labels": LABELS,
             "label_descriptions": {}, "template": None, "max_length": 32, "seed": 0}
-    version = register_output(mlflow, parent, name, spec, path, "dp", SPEND, "fp-toy", paths.private)
+    for key, value in metrics.items():
+        mlflow.log_metric(parent, key, value)
+    version = register_output(mlflow, parent, name, spec, path, "dp", SPEND, "fp-toy", paths.private,
+                              extra_tags={"prompt.source": source})
     write_card(mlflow, version, spec)
     child = mlflow.create_run(state["experiment"], tags={"mlflow.parentRunId": parent, "stage": "train",
                                                          "registry.model": f"models:/{name}/{version.version}"})
@@ -67,8 +70,6 @@ def publish(state, name: str, metrics: dict, seed: int = 1, peft_seed: int | Non
                                                                 generator=torch.Generator().manual_seed(peft_seed))
         save_peft_adapter(adapter, exported, backbone.model, backbone.kind, base_model_name_or_path(ref))
         mlflow.log_artifacts(child.info.run_id, str(adapter), "peft")
-    for key, value in metrics.items():
-        mlflow.log_metric(parent, key, value)
     return version
 
 
@@ -308,3 +309,52 @@ def test_the_canary_gate_runs_a_missing_audit_through_its_runner():
 
     assert canary_gate(_candidate({}), broken).status == "fail"
     assert canary_gate(_candidate({"audit.epsilon_lower_bound": 0.1}), broken).status == "pass"  # logged: not rerun
+
+
+def test_the_model_without_a_prompt_is_registered_servable_and_promotable(state, capsys):
+    """A run whose prompt lost to no prompt registers the model without one (an empty text prompt:
+    the template and label words): it predicts as zero-shot does, its card says what it is with the
+    run's test numbers and warnings, and its gates pass on what it is (nothing trained in it)."""
+    import mlflow.pyfunc as pyfunc
+    import pandas as pd
+
+    from models.backbone_ref import backbone_reference
+    from models.prompts.text import TextPrompt
+    from privprompt_cli import main
+    from tasks.registry_model import Predictor, download_model
+
+    name = "privprompt.toy.fell_back"
+    fell_back = {"privacy.epsilon": 3.5, "privacy.delta": 1e-5, "no_prompt.released_difference": -6.2,
+                 "no_prompt.noise_sigma": 2.0, "no_prompt.fallback": 1.0, "test.accuracy": 0.6,
+                 "test.balanced_accuracy": 0.55, "test.recall.negative": 0.9, "test.recall.positive": 0.2}
+    warning = "the released comparison says the prompt is worse than no prompt"
+    version = publish(state, name, fell_back, prompt=TextPrompt(""), source="none", run_tags={"warning": warning})
+    mlflow = state["client"]
+    tags = mlflow.get_model_version(name, version.version).tags
+    assert tags["prompt.source"] == "none" and tags["privacy.epsilon"] == "3.5" and tags["privacy.unit"] == "record"
+    card = mlflow.get_model_version(name, version.version).description
+    assert "**No prompt.**" in card and "test accuracy:** 0.6000 (no prompt's" in card
+    assert "balanced accuracy:** 0.5500 (recall per class: negative 0.9000, positive 0.2000)" in card
+    assert f"- {warning}" in card
+    folder = download_model(mlflow, f"models:/{name}/{version.version}", state["paths"].root / "dl-none")
+    texts = ["a fine day", "an awful film", "the bus was late"]
+    served = pyfunc.load_model(str(folder)).predict(pd.DataFrame({"text": texts}))
+    spec = {"backbone": backbone_reference("tiny-gpt2", 0),
+            "labels": LABELS, "label_descriptions": {}, "template": None, "max_length": 32}
+    zero_shot = Predictor.build(spec, next(p for p in (folder / "artifacts").glob("*.json") if p.name != "spec.json"))
+    assert zero_shot.prompt is None  # no trained parameter: the classifier as zero-shot builds it
+    assert served["label"].tolist() == zero_shot.predict(texts)["label"].tolist()
+    rows = state["paths"].root / "rows.csv"
+    pd.DataFrame({"text": texts}).to_csv(rows, index=False)
+    capsys.readouterr()
+    assert main(["--state-dir", str(state["paths"].root), "predict", f"models:/{name}/{version.version}",
+                 "--input", str(rows), "--output", str(state["paths"].root / "out.csv")]) == 0
+    assert f"models:/{name}/{version.version}: no prompt — the model with its template and label words" in \
+        capsys.readouterr().err
+    rc = main(["--state-dir", str(state["paths"].root), "promote", f"models:/{name}@candidate"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "gate canary: SKIPPED: no prompt: nothing in this version was trained on the private data"
+    assert lines[2].startswith("gate holdout: PASS: it is the model without a prompt; the run's prompt did not beat "
+                               "it (released D̃ = -6.20)")
+    assert lines[3].startswith("gate adapter: PASS")
+    assert rc == 0 and _aliases(mlflow, name)["production"] == str(version.version)
