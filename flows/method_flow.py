@@ -47,6 +47,12 @@ def partition(cfg, paths, data_root) -> dict:
     return json.loads(manifest.read_text())
 
 
+def tell_operator(paths, cfg, part) -> None:
+    """What the partition left out or holds few of: exact counts, for the operator's terminal only."""
+    for line in partition_notes(cfg.data, part):
+        operator_note(paths, line)
+
+
 def run_baseline(ctx: StageContext, rec: pipeline.RunReport, method: MethodSpec, out: RunOutcome) -> None:
     """A baseline's prompt: evaluated, and attacked with the loss MIA."""
     name = method.name
@@ -117,8 +123,7 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
         if charged:
             operator_note(run.paths, charged)
         ctx = StageContext.for_run(cfg, run.paths, part, run.parent.run_id, run.flow_run_id)
-        for line in partition_notes(cfg.data, ctx.part):  # exact: the operator's terminal only
-            operator_note(run.paths, line)
+        tell_operator(run.paths, cfg, ctx.part)
         plan = pipeline.plan_run(ctx, run.parent)  # δ, every run's plan and method, once: validated before any work
         method = plan.methods[cfg.method]
         with refusals_to_operator(run.paths, charged_elsewhere=charged is not None):
@@ -159,11 +164,6 @@ def method_flow(config: dict | str | ParsedConfig, overrides: list[str] | None =
 
             rec.audited(run_audit(pipeline.audit_target(ctx, published, prepared), cfg.audit, cfg))
         run.summary.update(rec.record(ctx, published, plan))
-        if published.registered_model:  # the card again, now with the run's test numbers and warnings
-            from tasks.model_card import write_card
-            from tasks.registry_model import resolve_version
-
-            write_card(run.parent.mlflow, resolve_version(run.parent.mlflow, published.registered_model))
     publish_statement(run.summary)
     get_run_logger().info("run record: %s", json.dumps({k: float(f"{v:.4g}") for k, v in rec.metrics.items()}))
     for warning in run.summary.get("warnings", []):

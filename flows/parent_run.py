@@ -16,7 +16,7 @@ from typing import Iterator
 
 from prefect.runtime import flow_run
 
-from tasks.config import PrivPromptConfig, config_hash, config_to_yaml
+from tasks.config import PrivPromptConfig, config_family, config_hash, config_to_yaml
 from tasks.record import RunRecord, client, ensure_experiment, owner_tags, sweep_dead_runs
 from tasks.state import LEDGER_URL_ENV, StatePaths, config_state_paths
 
@@ -46,6 +46,28 @@ def device_description() -> str:
     return str(device)
 
 
+def run_title(cfg: PrivPromptConfig, method: str, guarantee: str) -> str:
+    """``<method> · <dataset> · ε <target>``: the Prefect flow run's and the MLflow parent run's name,
+    so both UIs' run lists say what each run was (public config only)."""
+    if method == "sweep":  # its variants carry their own targets
+        return f"sweep · {cfg.data.name}"
+    budget = f"ε {cfg.privacy.target_epsilon:g}" if guarantee == "dp" else f"no ε ({guarantee})"
+    return f"{method} · {cfg.data.name} · {budget}"
+
+
+def name_flow_run(flow_run_id: str, name: str) -> None:
+    """Rename the running Prefect flow run (it starts with a random name, before the config is parsed)."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as prefect:
+            prefect.update_flow_run(flow_run_id, name=name)
+    except Exception as exc:  # noqa: BLE001 - a name is a label: never a reason to stop a run
+        import warnings
+
+        warnings.warn(f"the flow run keeps its random name: {type(exc).__name__}: {exc}")
+
+
 @contextmanager
 def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
                tags: dict | None = None, params: dict | None = None) -> Iterator[FlowRun]:
@@ -68,8 +90,11 @@ def parent_run(cfg: PrivPromptConfig, flow: str, method: str, guarantee: str,
         "method": method, "dataset": cfg.data.name, "model.local": cfg.models.local,
         "model.target": cfg.models.target_name, "privacy.guarantee": guarantee,
         "prefect.flow_run_id": flow_run_id, "flow": flow, "config.hash": config_hash(cfg),
+        "config.family": config_family(cfg),
         "device": device_description(), **owner_tags(), **(tags or {})}
-    parent = RunRecord.create(mlflow, experiment_id, f"{method}-{flow_run_id[:8]}", parent_tags)
+    title = run_title(cfg, method, guarantee)
+    name_flow_run(flow_run_id, title)
+    parent = RunRecord.create(mlflow, experiment_id, title, parent_tags)
     run = FlowRun(cfg, paths, flow_run_id, parent, {
         "flow_run_id": flow_run_id, "mlflow_run_id": parent.run_id, "method": method,
         "experiment": cfg.experiment_name, "device": parent_tags["device"]})

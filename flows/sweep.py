@@ -214,7 +214,7 @@ def log_summary(record, cfg: PrivPromptConfig, variants, rows: list[dict], budge
         record.log_params({"sweep.seeds": ",".join(map(str, cfg.seeds))})
     points = [{"method": r["variant"], "accuracy": r["test.accuracy"], "epsilon": r["privacy.epsilon"],
                "guarantee": "no DP"} for r in rows]
-    fig = plots.privacy_utility_plot(points, f"{cfg.data.name}: test accuracy by variant")
+    fig = plots.privacy_utility_plot(points, f"{cfg.data.name}: test accuracy by variant", cfg.data.charge_unit)
     record.log_figure(fig, "plots/privacy_utility.png")
     plots.close(fig)
     if any(r.get("mia.lira.auc") is not None for r in rows):

@@ -127,6 +127,7 @@ class _local_prefect_server:
             PREFECT_API_URL,
             PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED,
             PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+            PREFECT_UI_URL,
             temporary_settings,
         )
 
@@ -135,10 +136,12 @@ class _local_prefect_server:
         # a server this command started from its own Prefect, and that ends with it: no round trip
         # to check its API version, and no flow-run heartbeats (they let a long-lived server tell a
         # crashed run; this one is gone with the run, and the thread that sends them held up the
-        # flow's end by up to a second, its sleep step)
+        # flow's end by up to a second, its sleep step). It serves no UI and is gone with the run: no
+        # "View at" link to a port that changes every run (a persistent server, PREFECT_API_URL, keeps it)
         self.settings = temporary_settings(updates={PREFECT_API_URL: self.api_url,
                                                     PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False,
-                                                    PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
+                                                    PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
+                                                    PREFECT_UI_URL: ""})
         self.settings.__enter__()
         return self
 

@@ -60,15 +60,7 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                 continue
             eta = _ldp_level(tags["method"], run.data.params)
             selected = run.data.params.get("selection.enabled") == "True"
-            label = (tags.get("method.label") or tags["method"]) + (" + selection" if selected else "")
-            unit = run.data.params.get("privacy.unit", "record")
-            if unit != "record" and run.data.params.get("privacy.mechanism_unit") == "record":
-                # a record-level run on a dataset of people: its ε (privacy.epsilon) is the per-person charge by
-                # group privacy for at most k records; apart from the method's user-level runs and its plain ones
-                label = (f"{label} [record-level, charged per {unit}, "
-                         f"k={run.data.params.get('data.max_records_per_unit', '?')}]")
-            elif unit != "record":  # ε per person: never pooled with the record-level runs of the method
-                label = f"{label} [unit: {unit}]"
+            label, unit = _method_label(tags, run.data.params, selected)
             row = {"run_id": run.info.run_id, "method": label, "unit": unit,
                          "dataset": tags.get("dataset", ""),
                          "guarantee": tags.get("privacy.guarantee", "none"),
@@ -76,8 +68,11 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
                          "epsilon": run.data.metrics.get("privacy.epsilon"), "eta": eta,
                          "delta": run.data.metrics.get("privacy.delta"),
                          "flow_run_id": tags.get("prefect.flow_run_id"),
+                         # the settings but seed and target (runs recorded before it: "")
+                         "config_family": tags.get("config.family", ""),
                          "epsilon_per_record": run.data.metrics.get("privacy.epsilon_per_record"),
                          "accuracy": run.data.metrics.get("test.accuracy"),
+                         "balanced_accuracy": run.data.metrics.get("test.balanced_accuracy"),
                          "mia_auc": run.data.metrics.get("mia.loss.auc"),
                          "target_epsilon": float(run.data.params.get("privacy.target_epsilon", "nan")),
                          "note": tags.get("privacy.note", ""),
@@ -99,6 +94,19 @@ def parent_runs(mlflow, experiment: str) -> list[dict]:
         if not token:
             break
     return rows
+
+
+def _method_label(tags: dict, params: dict, selected: bool) -> tuple[str, str]:
+    """(the label a run's rows are pooled under, its privacy unit)."""
+    label = (tags.get("method.label") or tags["method"]) + (" + selection" if selected else "")
+    unit = params.get("privacy.unit", "record")
+    if unit != "record" and params.get("privacy.mechanism_unit") == "record":
+        # a record-level run on a dataset of people: its ε (privacy.epsilon) is the per-person charge by
+        # group privacy for at most k records; apart from the method's user-level runs and its plain ones
+        label = f"{label} [record-level, charged per {unit}, k={params.get('data.max_records_per_unit', '?')}]"
+    elif unit != "record":  # ε per person: never pooled with the record-level runs of the method
+        label = f"{label} [unit: {unit}]"
+    return label, unit
 
 
 def _ldp_level(method: str, params: dict) -> float | None:
@@ -293,7 +301,8 @@ def _epsilon_panel(ax, key: str, label: str, eps_rows: list[dict], ldp_rows: lis
         ax.axvline(inf_x / 1.25, color="0.7", lw=0.8, ls=":")
     ax.set_xscale("log")
     plots.epsilon_ticks(ax, finite, inf_x if any(r["epsilon"] is None for r in eps_rows) else None)
-    ax.set_xlabel("ε spent (log); no DP at ε=∞")
+    units = sorted({unit_phrase(r.get("unit")) for r in eps_rows if r["epsilon"] is not None}) or ["per record"]
+    ax.set_xlabel(f"ε spent, {' / '.join(units)} (log); no DP at ε=∞")
     ax.set_ylabel(label)
 
 
@@ -343,10 +352,12 @@ def comparison_figure(rows: list[dict], title: str, sections: list | None = None
 
 
 def label_summary(rows: list[dict], sections: list | None = None) -> str:
-    """Per dataset, method label and target ε (η for ldp runs): runs (seeds), test accuracy, each
-    declared reference accuracy and loss-MIA AUC as mean ± sample std over them, ε
-    spent, and a column per declared :class:`SummaryColumn` (``sections``: the registered methods'
-    when None)."""
+    """Per dataset, method label, config (its settings but seed and target: ``config.family``),
+    what was published (a prompt, or no prompt after a fallback) and target ε (η for ldp runs):
+    runs (seeds), test accuracy, balanced accuracy, each declared reference accuracy and loss-MIA AUC
+    as mean ± sample std over them, ε spent, and a column per declared :class:`SummaryColumn`
+    (``sections``: the registered methods' when None). Runs that differ in any of those are never
+    averaged together."""
     sections = report_declarations()[1] if sections is None else sections
     refs, columns = _declared(sections, ReferenceAccuracy), _declared(sections, SummaryColumn)
 
@@ -358,19 +369,25 @@ def label_summary(rows: list[dict], sections: list | None = None) -> str:
 
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r.get("dataset", ""), r["method"], r["guarantee"], privacy_level(r)), []).append(r)
-    lines = ["| dataset | method | guarantee | target ε (dp) / η (ldp) | runs | test accuracy | "
+        groups.setdefault((r.get("dataset", ""), r["method"], r.get("config_family", ""), bool(r.get("fell_back")),
+                           r["guarantee"], privacy_level(r)), []).append(r)
+    lines = ["| dataset | method | config | published | guarantee | target ε (dp) / η (ldp) | runs | test accuracy | "
+             "balanced accuracy | "
              + "".join(f"{ref.label} accuracy | " for ref in refs) + "loss-MIA AUC (audit statistic) | ε spent |"
              + "".join(f" {c.header} |" for c in columns),
-             "|---|---|---|---:|---:|---:|" + "---:|" * len(refs) + "---:|---:|" + "---:|" * len(columns)]
-    for (dataset, label, guarantee, eps), members in sorted(groups.items(),
-                                                            key=lambda kv: (kv[0][0], kv[0][1], kv[0][3] or 0)):
+             "|---|---|---|---|---|---:|---:|---:|---:|" + "---:|" * len(refs) + "---:|---:|" + "---:|" * len(columns)]
+    for (dataset, label, family, fell_back, guarantee, eps), members in sorted(
+            groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3], kv[0][5] or 0)):
         spent = [m["epsilon"] for m in members if m["epsilon"] is not None]
-        lines.append(f"| {dataset or '-'} | {label} | {guarantee} | {'-' if eps is None else f'{eps:g}'} | "
+        unit = unit_phrase(members[0].get("unit"))
+        lines.append(f"| {dataset or '-'} | {label} | {family[:8] or '-'} | "
+                     f"{'no prompt (fallback)' if fell_back else 'its output'} | {guarantee} | "
+                     f"{'-' if eps is None else f'{eps:g}'} | "
                      f"{len(members)} | {stat(m['accuracy'] for m in members)} | "
+                     f"{stat(m.get('balanced_accuracy') for m in members)} | "
                      + "".join(f"{stat(m.get(ref.key) for m in members)} | " for ref in refs)
                      + f"{stat(m['mia_auc'] for m in members)} | "
-                     f"{f'{max(spent):.4f}' if spent else '-'} |"
+                     f"{f'{max(spent):.4f} {unit}' if spent else '-'} |"
                      + "".join(f" {stat(c.value(m) for m in members)} |" for c in columns))
     return "\n".join(lines) + "\n"
 

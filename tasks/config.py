@@ -332,6 +332,19 @@ def _drop_new_defaults(cfg: PrivPromptConfig, data: dict) -> None:
 def config_hash(cfg: PrivPromptConfig) -> str:
     """A hash of the validated config minus where it runs (state folder, ledger): a rerun of the same
     variant has the same hash (resumable sweeps skip variants with a FINISHED run of it)."""
+    return digest_key(_hashed(cfg), length=20)
+
+
+def config_family(cfg: PrivPromptConfig) -> str:
+    """:func:`config_hash` without the seed and the target ε: the runs ``privprompt report`` may pool
+    (seeds of one config, at each target), and never runs of different settings."""
+    data = _hashed(cfg)
+    data.pop("seed", None)
+    data.get("privacy", {}).pop("target_epsilon", None)
+    return digest_key(data, length=20)
+
+
+def _hashed(cfg: PrivPromptConfig) -> dict:
     from .data import data_dump
 
     data = cfg.model_dump(mode="json")
@@ -342,7 +355,7 @@ def config_hash(cfg: PrivPromptConfig) -> str:
         data.pop("selection", None)
     _drop_new_defaults(cfg, data)
     data[LEGACY_FLOW_KEY[0]] = LEGACY_FLOW_KEY[1]  # hashed as before: stored runs' config.hash still match
-    return digest_key(data, length=20)
+    return data
 
 
 def variant_group(label: str) -> str:

@@ -16,8 +16,8 @@ from .statement import unit_phrase
 
 # metric-name prefixes of published statistics that ε does not cover (docs/privacy-claims.md)
 NOT_COVERED = (
-    ("test.accuracy", "accuracy on the test split: an exact statistic of that split (evaluation data, not the "
-                      "training data ε protects); the test split's size shows through it"),
+    ("test.", "accuracy, balanced accuracy and per-class recall on the test split: exact statistics of that split "
+              "(evaluation data, not the training data ε protects); the test split's size shows through them"),
     ("mia.", "membership-inference statistics: exact functions of the audit pool's rows (audit statistics, "
              "recorded in the ledger as a non-private use)"),
     ("audit.", "audit statistics (canary ε lower bound, leakage reports): exact, computed without noise"),

@@ -296,7 +296,7 @@ class RunReport:
             parent.log_text(cross_model_table(self.cross), "tables/cross_model.md")
         budget = report.budget_record(cfg, ctx.part, ctx.paths, published, run_plan.plan.note, [], parent.run_id)
         parent.log_json(budget, "privacy/budget.json")
-        report.log_privacy_utility(parent, self.points, f"{cfg.data.name}: test accuracy by method")
+        report.log_privacy_utility(parent, self.points, f"{cfg.data.name}: test accuracy by method", cfg.data.charge_unit)
         if self.variants:
             parent.log_text(variants_table(self.method, self.accuracies, published, self.variants),
                             "tables/accuracy.md")
@@ -314,6 +314,11 @@ class RunReport:
             parent.set_tags({"warning": " | ".join(summary["warnings"])})
         # the run page's description, read at the top of the MLflow UI: ε with its unit and δ
         parent.set_tags({"mlflow.note.content": statement.run_markdown(summary)})
+        if published.registered_model:  # its card again, now with the run's test numbers and warnings
+            from .model_card import write_card
+            from .registry_model import resolve_version
+
+            write_card(parent.mlflow, resolve_version(parent.mlflow, published.registered_model))
         return summary
 
     def warnings(self, published: RunOutcome) -> list[str]:

@@ -200,9 +200,9 @@ def _plan_row(label, cfg, method, sizes, delta: float, unit: str, events: list, 
         row["no_prompt"] = {"epsilon": plan.no_prompt.epsilon, "share": cfg.fallback.epsilon_share,
                             "sigma": plan.no_prompt.event.noise_multiplier, "fallback": cfg.fallback.enabled,
                             "method_epsilon": plan.method_epsilon,
-                            "composed_epsilon": plan.guarantee_epsilon - plan.params.get("privacy.size_epsilon", 0.0),
-                            # the released holdout against the noise (a flag, no size: the sizes' charge comes later)
-                            "small_holdout": sizes.n_holdout < SMALL_HOLDOUT_SIGMAS * plan.no_prompt.event.noise_multiplier}
+                            "composed_epsilon": plan.guarantee_epsilon - plan.params.get("privacy.size_epsilon", 0.0)}
+    if plan.event is not None:  # what the data's size allows (released sizes: the terminal's plan only)
+        row["size"] = size_verdict(cfg, plan, sizes)
     if "selection" in plan.settings:  # the selection's ε beside one trial's (and naive composition)
         from .selection import describe_plan
 
@@ -306,7 +306,53 @@ def short_labels(labels: list[str]) -> list[str]:
     return short if len(set(short)) == len(set(labels)) else list(labels)
 
 
-SMALL_HOLDOUT_SIGMAS = 4.0  # a released holdout under 4σ: even a large gain is mostly not told from noise
+# The stated rule of what a run's size allows (checked in bench/RESULTS.md, "A small team's own data"):
+GAIN = 0.05  # the holdout comparison must tell a gain of 5 accuracy points ...
+GAIN_SIGMAS = 2.0  # ... at 2σ of its noise: 0.05·n ≥ 2σ, n ≥ 40σ units
+MIN_STEPS = 100  # DP-SGD-like training takes at least this many noisy steps
+SIZE_SIGMAS = 3.0  # a released size is its true size within 3σ of its noise (99.87 %)
+
+
+def size_verdict(cfg, plan, sizes) -> dict:
+    """The plan's facts about what the data's size allows, and a verdict by the stated rule above:
+    the comparison with no prompt needs a holdout of ≥ 40σ_comparison units, which the released
+    holdout must show even at its lower bound ñ − 3σ_sizes (so the warning holds for the TRUE size);
+    a trained method needs ≥ 100 noisy steps. ``needed``: the units the dataset would need (≈) for
+    both, at the config's fractions and batch."""
+    steps = plan.settings.get("steps")
+    facts = {"unit": cfg.data.charge_unit, "n_train": sizes.n_train, "n_holdout": sizes.n_holdout,
+             "size_sigma": sizes.sigma, "steps": steps, "batch": plan.settings.get("expected_batch"),
+             "problems": [], "needed": 0}
+    total = sizes.n_train + sizes.n_holdout
+    if plan.no_prompt is not None:
+        sigma = plan.no_prompt.event.noise_multiplier
+        need = GAIN_SIGMAS * sigma / GAIN
+        facts["comparison_sigma"] = sigma
+        if sizes.n_holdout - SIZE_SIGMAS * sizes.sigma < need:
+            facts["problems"].append(
+                f"the comparison with no prompt adds noise σ = {sigma:.3g} to a holdout of ≈ {sizes.n_holdout:,} "
+                f"(released, ± {sizes.sigma:g}): a gain of {GAIN:.0%} shows at {GAIN_SIGMAS:g}σ only on ≥ {need:,.0f}")
+            facts["needed"] = max(facts["needed"], (need + SIZE_SIGMAS * sizes.sigma) / max(cfg.data.holdout_fraction,
+                                                                                          1e-9))
+    if steps is not None and steps < MIN_STEPS:
+        facts["problems"].append(f"training takes {steps} noisy steps (fewer than {MIN_STEPS}) at an expected batch "
+                                 f"of {facts['batch']:.3g}")
+        facts["needed"] = max(facts["needed"], total * MIN_STEPS / max(steps, 1))
+    return facts
+
+
+def size_line(r: dict) -> str | None:
+    """The plan's warning when the data is too small for the run by :func:`size_verdict`'s rule
+    (None: it is not): released sizes, named as such (the terminal's plan only)."""
+    s = r.get("size") or {}
+    if not s.get("problems"):
+        return None
+    who = "people" if s["unit"] != "record" else "records"
+    return (f"  WARNING: too few {who} for ε = {r['target_epsilon']:g} with this route: released.n_train ≈ "
+            f"{s['n_train']:,}, released.n_holdout ≈ {s['n_holdout']:,} (noisy counts, σ = {s['size_sigma']:g}); "
+            + "; ".join(s["problems"]) + f". It needs ≈ {s['needed']:,.0f} {who}, or: fallback.epsilon_share: 0 (no "
+            "comparison; its ε goes to the method), more epochs or a smaller batch, a smaller "
+            "data.size_noise_sigma, or a route for few examples (dp_fewshot, dp_icl: docs/routes.md)")
 
 
 def no_prompt_line(c: dict) -> str:
@@ -317,10 +363,6 @@ def no_prompt_line(c: dict) -> str:
             f"{c['share']:g}; Gaussian noise σ = {c['sigma']:.3g} on the difference in holdout records right; {then}); "
             f"the method's share ε = {c['method_epsilon']:.4f} (each alone at its part of δ; the two composed by the "
             f"accountant: ε = {c['composed_epsilon']:.4f})")
-    if c.get("small_holdout"):
-        line += (f"\n  WARNING: the holdout holds fewer than {SMALL_HOLDOUT_SIGMAS:g}σ records: the comparison is "
-                 "mostly noise (a useful prompt may fall back, a harmful one pass); raise data.holdout_fraction or "
-                 "fallback.epsilon_share, or set fallback.epsilon_share: 0 to give its ε to the method")
     return line
 
 
@@ -372,6 +414,8 @@ def format_plan(plan: dict, datasets: bool = True) -> str:
             lines.append("  est. time: an upper bound (each person counted as data.max_records_per_unit records)")
         if r.get("no_prompt"):
             lines.append(no_prompt_line(r["no_prompt"]))
+        if datasets and size_line(r):  # released sizes: on the terminal, never in what a sweep logs
+            lines.append(size_line(r))
         if r.get("selection"):
             s = r["selection"]
             others = (f"the same trials by random stopping (E[K] = {s['expected_trials']:g}) ε = "

@@ -45,8 +45,11 @@ def roc_curve_plot(curves: dict[str, tuple[np.ndarray, np.ndarray, float]], titl
     return fig
 
 
-def privacy_utility_plot(points: list[dict], title: str):
-    """``points``: dicts with method, accuracy, epsilon (None for non-private / zero-shot)."""
+def privacy_utility_plot(points: list[dict], title: str, unit: str = "record"):
+    """``points``: dicts with method, accuracy, epsilon (None for non-private / zero-shot); ``unit``:
+    what every ε protects (``data.privacy_unit`` or a person's field), said beside each."""
+    from tasks.statement import unit_phrase
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = [p["method"] for p in points]
     accs = [p["accuracy"] for p in points]
@@ -58,6 +61,8 @@ def privacy_utility_plot(points: list[dict], title: str):
         ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label, ha="center", va="bottom", fontsize=8)
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("test accuracy")
+    if any(p.get("epsilon") is not None for p in points):
+        ax.set_xlabel(f"every ε {unit_phrase(unit)}")
     ax.set_title(title)
     fig.tight_layout()
     return fig

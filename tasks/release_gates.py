@@ -235,11 +235,12 @@ def _adapter_checks(client, c: Candidate, tmp: Path) -> GateResult:
                                              "PrivPrompt's own forward on the published prompt")
     if float(np.ptp(theirs, axis=0).max()) <= 1e-6:
         return GateResult("adapter", "fail", f"constant predictions on the {len(PROBE_TEXTS)} probe texts")
+    peft = _peft_check(client, c, own, tmp)
     distinct = len(set(served["label"]))
     if distinct == 1 and len(spec["labels"]) > 1:
         return GateResult("adapter", "fail", f"one label ({served['label'].iloc[0]!r}) for every one of the "
-                                             f"{len(PROBE_TEXTS)} probe texts: a classifier that does not tell them apart")
-    peft = _peft_check(client, c, own, tmp)
+                                             f"{len(PROBE_TEXTS)} probe texts: a classifier that does not tell them "
+                                             f"apart; {peft}")
     return GateResult("adapter", "pass", f"mlflow.pyfunc loads; {len(PROBE_TEXTS)} public probe texts predicted as "
                                          f"PrivPrompt predicts ({distinct} distinct labels, scores vary); {peft}")
 

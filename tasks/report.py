@@ -53,8 +53,8 @@ def budget_record(cfg, part, paths, published: RunOutcome, plan_note: str, stage
     return budget
 
 
-def log_privacy_utility(parent, points: list[dict], title: str) -> None:
-    fig = plots.privacy_utility_plot(points, title)
+def log_privacy_utility(parent, points: list[dict], title: str, unit: str = "record") -> None:
+    fig = plots.privacy_utility_plot(points, title, unit)
     parent.log_figure(fig, "plots/privacy_utility.png")
     plots.close(fig)
 

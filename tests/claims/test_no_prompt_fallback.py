@@ -161,10 +161,17 @@ def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fa
     assert (f"of it, the comparison with no prompt on the holdout: ε = {plan.no_prompt.epsilon:.4f} "
             "(fallback.epsilon_share 0.1;") in text
     assert f"the method's share ε = {plan.method_epsilon:.4f} (each alone at its part of δ" in text and "no prompt is published if it loses" in text
-    assert "WARNING: the holdout holds fewer than" not in text  # 100 released holdout records against σ ≈ 5
-    small = _plan_row("", cfg, get_method("prompt_dpsgd"), ReleasedSizes(n_train=400, n_holdout=12, n_test=100, sigma=5.0), 1e-5,
-                      "record", [])
-    assert "WARNING: the holdout holds fewer than 4σ records" in format_plan({"runs": [small], "datasets": {}})
+    # the stated rule: a 5-point gain at 2σ of the comparison's noise needs a holdout of 40σ, which the
+    # released holdout must show at its lower bound ñ − 3σ_sizes (so it holds for the true size)
+    sigma = plan.no_prompt.event.noise_multiplier
+    assert 100 - 3 * 5.0 < 40 * sigma  # 100 released holdout records against σ ≈ 5: too few
+    assert (f"WARNING: too few records for ε = 8 with this route: released.n_train ≈ 400, released.n_holdout ≈ 100 "
+            f"(noisy counts, σ = 5); the comparison with no prompt adds noise σ = {sigma:.3g} to a holdout of ≈ 100 "
+            f"(released, ± 5): a gain of 5% shows at 2σ only on ≥ {40 * sigma:,.0f}") in text
+    big = _plan_row("", cfg, get_method("prompt_dpsgd"), ReleasedSizes(n_train=4000, n_holdout=1000, n_test=100,
+                                                                      sigma=5.0), 1e-5, "record", [])
+    assert big["size"]["problems"] == [] and "WARNING: too few" not in format_plan({"runs": [big], "datasets": {}})
+    assert "WARNING: too few" not in format_plan({"runs": [row], "datasets": {}}, datasets=False)  # the sweep's log
     # a dp baseline beside another published method publishes nothing: no comparison for it (review)
     beside = parse_config({**raw, "method": "prefix_dpsgd"})
     assert plan_for(beside, "prompt_dpsgd", sizes, 1e-5).no_prompt is None

@@ -15,7 +15,7 @@ from tests.pipeline.test_flow import _config, _mlflow, _toy_dataset
 # sampling, accuracy on the test split (the run record), and labelled audit statistics (mia.*)
 # train.trainable_parameters: the size of the trained prompt or adapter, fixed by the config
 # no_prompt.*: the comparison with no prompt's released (noisy) difference, its σ and its post-processing
-ALLOWED = re.compile(r"^(privacy\.(epsilon|delta|epsilon_rdp|guarantee_epsilon)|test\.accuracy(\..+)?|train\.(steps|trainable_parameters)"
+ALLOWED = re.compile(r"^(privacy\.(epsilon|delta|epsilon_rdp|guarantee_epsilon)|test\.accuracy(\..+)?|test\.(balanced_accuracy|recall\..+)|train\.(steps|trainable_parameters)"
                      r"|mia\..+|baseline\..+\.mia\.loss\.auc|runtime\..+_s"
                      r"|no_prompt\.(released_difference|noise_sigma|released_gain|fallback|conclusive))$")
 

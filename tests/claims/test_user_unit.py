@@ -68,7 +68,8 @@ def test_record_unit_keeps_partition_key_and_config_hash():
 
 def test_whole_units_are_split_and_never_in_both_train_and_test(tmp_path):
     train, test = _users("a"), _users("a")[::3]  # the test file holds records of the same people
-    test = [{**r, "text": r["text"] + " (test copy)"} for r in test]
+    # (and of two people of its own: a test split of one class is refused)
+    test = [{**r, "text": r["text"] + " (test copy)"} for r in test] + _users("b", [2, 3])
     folder = _write(tmp_path / "d", train, test)
     private = _private(tmp_path)
     part = partition_dataset(_cfg(folder), 0, private, None)
@@ -380,8 +381,8 @@ def test_comparison_keeps_user_level_runs_apart(tmp_path):
     assert [(r["method"], r["unit"]) for r in rows] == [("prompt_dpsgd [unit: author]", "author"),
                                                          ("prompt_dpsgd", "record")]
     summary = label_summary(rows)
-    assert "| reviews | prompt_dpsgd [unit: author] | dp | 8 | 1 | 0.7000 |" in summary
-    assert "| reviews | prompt_dpsgd | dp | 8 | 1 | 0.8000 |" in summary
+    assert "| reviews | prompt_dpsgd [unit: author] | - | its output | dp | 8 | 1 | 0.7000 |" in summary
+    assert "| reviews | prompt_dpsgd | - | its output | dp | 8 | 1 | 0.8000 |" in summary
 
 
 def test_another_cap_that_keeps_every_unit_in_place_finds_the_same_sizes_draw(tmp_path, monkeypatch):

@@ -46,8 +46,28 @@ def test_label_summary_gives_mean_and_std_over_seeds():
             _row("zero_shot", guarantee="none", acc=0.6, zero_shot=0.6)]  # a zero-shot run's reference: itself
     rows[0]["epsilon"] = rows[1]["epsilon"] = 7.99
     lines = label_summary(rows).splitlines()
-    assert lines[2].startswith("| - | dp_prefix | dp | 8 | 2 | 0.7500 ± 0.0707 | - | - | 7.9900 |")
-    assert lines[3].startswith("| - | zero_shot | none | - | 1 | 0.6000 | 0.6000 |")
+    assert lines[2].startswith("| - | dp_prefix | - | its output | dp | 8 | 2 | 0.7500 ± 0.0707 | - | - | - | "
+                               "7.9900 per record |")
+    assert lines[3].startswith("| - | zero_shot | - | its output | none | - | 1 | 0.6000 | - | 0.6000 |")
+
+
+def test_label_summary_never_averages_unlike_runs():
+    """A run that fell back (no prompt's accuracy) and one that published, or two configs, are rows
+    of their own, never one mean."""
+    def dp(acc, seed, family="aaaa1111", fell_back=False, balanced=None):
+        r = _row("prompt_dpsgd", guarantee="dp", acc=acc, seed=seed)
+        r.update(epsilon=3.99, target_epsilon=4.0, config_family=family, fell_back=fell_back,
+                 balanced_accuracy=balanced, unit="customer_id")
+        return r
+
+    rows = [dp(0.673, "0", fell_back=True, balanced=0.5), dp(0.043, "1", balanced=0.04),
+            dp(0.70, "2", family="bbbb2222"), dp(0.72, "3", family="bbbb2222")]
+    lines = label_summary(rows).splitlines()[2:]
+    assert len(lines) == 3 and not [line for line in lines if "±" in line and "aaaa1111" in line]
+    assert lines[0].startswith("| - | prompt_dpsgd | aaaa1111 | its output | dp | 4 | 1 | 0.0430 | 0.0400 |")
+    assert lines[1].startswith("| - | prompt_dpsgd | aaaa1111 | no prompt (fallback) | dp | 4 | 1 | 0.6730 | 0.5000 |")
+    assert lines[2].startswith("| - | prompt_dpsgd | bbbb2222 | its output | dp | 4 | 2 | 0.7100 ± 0.0141 |")
+    assert "| 3.9900 per person (customer_id) |" in lines[2]  # ε with its unit
 
 
 def test_privacy_utility_figure_draws_seed_means_with_std():

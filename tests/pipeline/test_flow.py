@@ -124,7 +124,7 @@ def test_run_record_is_complete(flow_run):
     assert "no_prompt.released_difference" in metrics and metrics["no_prompt.fallback"] == 0.0  # fallback off here
     sizes = Partition(**json.loads(next((flow_run["state"] / "private" / "partitions").glob("*/manifest.json"))
                                    .read_text())).sizes
-    assert event["events"][0]["noise_multiplier"] == sizes.sigma == 50.0
+    assert event["first"]["noise_multiplier"] == sizes.sigma == 50.0
     # the published sizes are the released ones, and the parent's ε covers them with the method
     assert [int(params[f"data.{k}"]) for k in ("n_train", "n_holdout", "n_test")] == [
         sizes.n_train, sizes.n_holdout, sizes.n_test]
@@ -182,6 +182,13 @@ def test_mlflow_description_and_prefect_artifact_state_unit_and_delta(flow_run):
         arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["privprompt-run"])),
                                      flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[summary["flow_run_id"]])))
     assert len(arts) == 1 and arts[0].type == "markdown" and arts[0].data == note
+    # both run lists name the run by what it is: method, dataset and target ε
+    with get_client(sync_client=True) as client:
+        prefect_name = client.read_flow_run(summary["flow_run_id"]).name
+    target = float(run.data.params["privacy.target_epsilon"])
+    assert prefect_name == run.data.tags["mlflow.runName"] == f"prompt_dpsgd · {run.data.tags['dataset']} · ε {target:g}"
+    # the run's test numbers per class beside its accuracy
+    assert 0 <= run.data.metrics["test.balanced_accuracy"] <= 1 and "test.recall.positive" in run.data.metrics
 
 
 def test_child_runs_and_baselines(flow_run):

@@ -53,8 +53,8 @@ def test_report_keeps_datasets_apart_and_shows_zero_shot():
                         "0.5000 | 0 | bbbbbbbb |")
     summary = label_summary(rows).splitlines()
     # the same method and ε on two datasets: two rows of one run each, never one row averaging 0.8 and 0.6
-    assert summary[2].startswith("| tickets_csv | prompt_dpsgd | dp | 8 | 1 | 0.8000 | 0.5000 |")
-    assert summary[4].startswith("| tickets_parquet | prompt_dpsgd | dp | 8 | 1 | 0.6000 | 0.5200 |")
+    assert summary[2].startswith("| tickets_csv | prompt_dpsgd | - | its output | dp | 8 | 1 | 0.8000 | - | 0.5000 |")
+    assert summary[4].startswith("| tickets_parquet | prompt_dpsgd | - | its output | dp | 8 | 1 | 0.6000 | - | 0.5200 |")
     assert not [line for line in summary if "0.7000" in line]
     fig = comparison_figure(rows, "t")
     labels = [line.get_label() for line in fig.axes[0].lines]

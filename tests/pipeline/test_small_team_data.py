@@ -103,3 +103,13 @@ def test_balanced_accuracy_is_the_mean_recall_over_the_classes_present():
     assert out["balanced_accuracy"] == pytest.approx(0.5) and out["predicted_classes"] == 1
     m = class_metrics(out, ["neg", "pos", "neutral"])
     assert m == {"test.balanced_accuracy": 0.5, "test.recall.neg": 1.0, "test.recall.pos": 0.0}
+
+
+def test_runs_are_named_by_method_dataset_and_target(tmp_path):
+    from flows.parent_run import run_title
+
+    _people(tmp_path / "shop")
+    cfg = _cfg(tmp_path)
+    assert run_title(cfg, "prompt_dpsgd", "dp") == "prompt_dpsgd · shop · ε 4"
+    assert run_title(cfg, "zero_shot", "none") == "zero_shot · shop · no ε (none)"
+    assert run_title(cfg, "sweep", "none") == "sweep · shop"
