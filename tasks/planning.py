@@ -123,11 +123,12 @@ def budget_refusal(cfg, state_paths) -> str | None:
     plan = plan_runs([("", cfg)], state_paths, checks=False)
     for key, d in plan["datasets"].items():
         if not d["fits"]:
-            return (f"privacy budget for dataset {d['name']!r} (fingerprint {key[:12]}…) exhausted: this run would "
-                    f"take the composed ε {unit_phrase(d.get('unit'))} from {d['spent_epsilon']:.4f} to "
-                    f"{d['total_epsilon']:.4f}, over the cap ε={d['cap']:.4f} at δ={d['delta']:g}; refused before any "
-                    "baseline, evaluation or training (privprompt plan CONFIG / privprompt ledger --config CONFIG: "
-                    "the largest target_epsilon that fits)")
+            hint = plan_runs([("", cfg)], state_paths, largest=True, checks=False)["datasets"][key].get("largest_hint")
+            return (f"privacy budget for dataset {d['name']!r} (fingerprint {key[:12]}…) exhausted for this run: it "
+                    f"would take the composed ε {unit_phrase(d.get('unit'))} from {d['spent_epsilon']:.4f} to "
+                    f"{d['total_epsilon']:.4f}, over the cap ε={d['cap']:.4f} at δ={d['delta']:g}; "
+                    f"{hint or 'privprompt plan CONFIG: the largest target_epsilon that fits'}; refused before any "
+                    "baseline, evaluation or training")
     return None
 
 

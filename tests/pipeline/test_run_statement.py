@@ -165,6 +165,8 @@ def test_an_over_cap_run_is_refused_in_seconds_and_spends_nothing(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("privprompt: error:")]
     assert len(errors) == 1 and "exhausted" in errors[0] and "per person (customer_id)" in errors[0], proc.stderr
     assert "refused before any baseline" in errors[0] and "nothing reserved, no ε used" in errors[0]
+    largest = float(errors[0].split("the largest target_epsilon that still fits: ≈ ")[1].split(";")[0])
+    assert 1.9 < largest <= 2.0  # under the cap of 2, nothing spent: the guarantee is ≤ its target
     assert "Traceback" not in proc.stderr
     # the refusal's own work (imports, the source's hash, the σ calibration, the ledger) is under 15 s of
     # CPU; its wall time is too on an idle machine (6 s measured), more when other work shares the cores
