@@ -44,6 +44,7 @@ Privacy-Flat's AWP, frozen prefix layers and regulariser); this module knows no 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -312,18 +313,21 @@ def _optimizer(params, config: PromptTrainingConfig) -> torch.optim.Optimizer:
 
 
 class StepProgress:
-    """Calls ``fn(step, total, mean loss since last call)`` every ``every`` steps and at the end."""
+    """Calls ``fn(step, total, mean loss since last call)`` every ``every`` steps, whenever
+    ``seconds`` passed since the last call (slow steps leave no minutes of silence), and at the end."""
 
-    def __init__(self, fn: ProgressFn | None, every: int, total: int):
-        self.fn, self.every, self.total = fn, max(1, every), total
+    def __init__(self, fn: ProgressFn | None, every: int, total: int, seconds: float = 15.0):
+        self.fn, self.every, self.total, self.seconds = fn, max(1, every), total, seconds
         self._sum, self._n = 0.0, 0
+        self._last = time.monotonic()
 
     def __call__(self, step: int, loss: float | None) -> None:
         if loss is not None:
             self._sum, self._n = self._sum + loss, self._n + 1
-        if self.fn is not None and (step % self.every == 0 or step == self.total):
+        now = time.monotonic()
+        if self.fn is not None and (step % self.every == 0 or step == self.total or now - self._last >= self.seconds):
             self.fn(step, self.total, self._sum / self._n if self._n else None)
-            self._sum, self._n = 0.0, 0
+            self._sum, self._n, self._last = 0.0, 0, now
 
 
 def _physical_batch(classifier, max_length: int, prompt) -> int:

@@ -113,3 +113,15 @@ def test_runs_are_named_by_method_dataset_and_target(tmp_path):
     assert run_title(cfg, "prompt_dpsgd", "dp") == "prompt_dpsgd · shop · ε 4"
     assert run_title(cfg, "zero_shot", "none") == "zero_shot · shop · no ε (none)"
     assert run_title(cfg, "sweep", "none") == "sweep · shop"
+
+
+def test_progress_is_reported_every_k_steps_and_whenever_15_seconds_passed(monkeypatch):
+    from models import dp_prompt_training as training
+
+    clock = iter([0.0, 1.0, 2.0, 20.0, 21.0, 40.0, 41.0])
+    monkeypatch.setattr(training.time, "monotonic", lambda: next(clock))
+    calls = []
+    report = training.StepProgress(lambda step, total, loss: calls.append((step, loss)), every=10, total=5)
+    for step, loss in enumerate([1.0, 2.0, 3.0, 4.0, 5.0], start=1):
+        report(step, loss)  # at t = 1, 2, 20, 21, 40 (the reporter was made at t = 0)
+    assert calls == [(3, 2.0), (5, 4.5)]  # 15 s passed by step 3, then the end: mean loss since the last call
