@@ -95,6 +95,9 @@ def model_card(name: str, version: str, tags: dict, spec: dict | None, metric_na
              "such unit of the SOURCE dataset)",
              f"- **dataset fingerprint:** `{tags.get('dataset.fingerprint', '?')}` (keyed: identifies the dataset to "
              "the ledger; confirms nothing about a record to anyone without the installation's key)"]
+    if tags.get("prompt.registry"):
+        lines.append(f"- **text prompt:** `{tags['prompt.registry']}` in MLflow's Prompt Registry "
+                     "(`mlflow.genai.load_prompt`; its alias `production` moves with this model's)")
     if params.get("data.max_records_per_unit"):
         lines.append(f"- **records per person:** at most {params['data.max_records_per_unit']} "
                      "(data.max_records_per_unit: the rest of a person's records were left out)")

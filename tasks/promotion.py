@@ -42,7 +42,7 @@ def promote(client, model_uri: str, force: bool = False, canary_runner: "CanaryR
     ``force``), move ``production`` to it. ``canary_runner``: runs a canary audit the DP run lacks
     (:func:`tasks.release_gates.canary_gate`)."""
     from .model_card import write_card
-    from .registry_model import resolve_version
+    from .registry_model import PROMPT_TAG, resolve_version
     from .release_gates import run_gates
 
     version = resolve_version(client, model_uri)
@@ -62,6 +62,10 @@ def promote(client, model_uri: str, force: bool = False, canary_runner: "CanaryR
         out.forced = True
     if not out.failed or force:
         client.set_registered_model_alias(name, PRODUCTION, number)
+        prompt = (version.tags or {}).get(PROMPT_TAG)
+        if prompt:  # its text prompt in the Prompt Registry moves with it
+            prompt_id, prompt_version = prompt[len("prompts:/"):].rsplit("/", 1)
+            client.set_prompt_alias(prompt_id, PRODUCTION, int(prompt_version))
         out.promoted = True
     write_card(client, version)
     return out

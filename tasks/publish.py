@@ -34,7 +34,8 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
     from models.prompts import load_prompt_artifact, prompt_kind
     from models.prompts.peft_export import PeftExportError, save_peft_adapter, save_text_template
 
-    from .registry_model import check_registrable, predictor_spec, register_output, registered_model_name
+    from .registry_model import (check_registrable, predictor_spec, register_output, register_text_prompt,
+                                 registered_model_name)
     from .methodkit.classifiers import classifier_for
     from .model_card import write_card
 
@@ -53,10 +54,11 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
     prompt, _ = load_prompt_artifact(prompt_path)
     folder = Path(prompt_path).with_name(f"{name}_peft")
     tags: dict[str, str] = {"prompt.source": source}
-    if getattr(prompt, "kind", None) == "text":
+    text = getattr(prompt, "kind", None) == "text"
+    if text:
         base = classifier_for(cfg, model_name)
-        save_text_template(folder, prompt.template(base.template), list(cfg.data.labels),
-                           list(getattr(base, "label_words", None) or getattr(base, "label_descriptions", [])))
+        words = list(getattr(base, "label_words", None) or getattr(base, "label_descriptions", []))
+        save_text_template(folder, prompt.template(base.template), list(cfg.data.labels), words)
         tags["peft.adapter"] = "none: a text prompt is a template (peft/template.json), not a PEFT adapter"
     else:
         try:
@@ -73,6 +75,10 @@ def publish_usable(ctx, child, name: str, guarantee: str, prompt_path: str, spen
                               ctx.part.published_key, paths.private, cfg.data.charge_unit,
                               extra_tags={"prompt.source": source}, description=NO_PROMPT_DESCRIPTION.format(
                                   method=name, model=model_name) if source == "none" else None)
+    if text:  # and in MLflow's Prompt Registry, where prompts are looked for
+        tags["registry.prompt"] = register_text_prompt(ctx.parent.mlflow, version, prompt.template(base.template),
+                                                       list(cfg.data.labels), words, cfg.models.local, model_name)
+        version = ctx.parent.mlflow.get_model_version(version.name, str(version.version))
     write_card(ctx.parent.mlflow, version, predictor_spec(cfg, name, model_name, ref))
     tags["registry.model"] = f"models:/{version.name}/{version.version}"
     child.set_tags(tags)

@@ -225,6 +225,41 @@ def resolve_version(client, model_uri: str):
         raise ValueError(str(exc.message).splitlines()[0]) from None
 
 
+PROMPT_TAG = "prompt.registry"  # a text prompt's version: its entry in MLflow's Prompt Registry
+
+
+def prompt_name(model_name: str) -> str:
+    """The Prompt Registry name of a registered model's text prompts (MLflow refuses a prompt of a
+    registered model's own name)."""
+    return f"{model_name}.prompt"
+
+
+def register_text_prompt(client, version, template: str, labels: list[str], label_words: list[str],
+                         source_model: str, target_model: str) -> str:
+    """Register a published text prompt (DP-OPT's instruction, dp_fewshot's demonstrations: the
+    whole template, ``{{text}}`` the input) in MLflow's Prompt Registry beside its model version:
+    the version's privacy tags plus the source and target models, the labels and their words; alias
+    ``candidate`` (``privprompt promote`` moves ``production`` with the model's). Loadable with
+    ``mlflow.genai.load_prompt("prompts:/<name>@production")``. Idempotent: a version that has its
+    prompt keeps it. Returns the prompt version's URI."""
+    tags = dict(version.tags or {})
+    if tags.get(PROMPT_TAG):
+        return tags[PROMPT_TAG]
+    name = prompt_name(version.name)
+    keep = ("privacy.epsilon", "privacy.delta", "privacy.guarantee", "privacy.accountant", "privacy.unit",
+            "dataset.fingerprint", "prompt.source")
+    prompt = client.register_prompt(
+        name, template.replace("{text}", "{{text}}"),
+        commit_message=f"{version.name} v{version.version} (run {version.run_id})",
+        tags={**{k: tags[k] for k in keep if k in tags}, "model.source": source_model, "model.target": target_model,
+              "labels": json.dumps(list(labels)), "label_words": json.dumps(list(label_words)),
+              "registered_model": f"models:/{version.name}/{version.version}"})
+    client.set_prompt_alias(name, CANDIDATE, int(prompt.version))
+    uri = f"prompts:/{name}/{prompt.version}"
+    client.set_model_version_tag(version.name, str(version.version), PROMPT_TAG, uri)
+    return uri
+
+
 def version_tags(guarantee: str, spend: dict | None, dataset_key: str, unit: str = "record") -> dict[str, str]:
     spend = spend or {}
     none = "none (local d_X privacy: no (ε, δ) claim)" if guarantee == "ldp" else "none"

@@ -207,3 +207,16 @@ def test_text_prompt_is_a_template_and_a_registered_version(dpopt_run):
     assert float(version.tags["privacy.epsilon"]) == pytest.approx(parent.data.metrics["privacy.epsilon"])
     # the non-private OPT baseline is not registered
     assert [m.name for m in client.search_registered_models()] == ["privprompt.sst2.dp_opt"]
+    # the instruction is in MLflow's Prompt Registry too, with ε, δ and unit, loadable by alias
+    uri = version.tags["prompt.registry"]
+    assert uri == "prompts:/privprompt.sst2.dp_opt.prompt/1" and child.data.tags["registry.prompt"] == uri
+    stored = client.load_prompt("prompts:/privprompt.sst2.dp_opt.prompt@candidate")
+    assert stored.template == template["template"].replace("{text}", "{{text}}")
+    assert stored.format(text="a great film") == template["template"].replace("{text}", "a great film")
+    assert stored.tags["privacy.epsilon"] == version.tags["privacy.epsilon"]
+    assert (stored.tags["privacy.delta"], stored.tags["privacy.unit"]) == (version.tags["privacy.delta"], "record")
+    assert stored.tags["model.target"] and json.loads(stored.tags["labels"]) == template["labels"]
+    from tasks.promotion import promote
+
+    promote(client, "models:/privprompt.sst2.dp_opt/1", force=True)  # gated like the model; its alias follows
+    assert client.load_prompt("prompts:/privprompt.sst2.dp_opt.prompt@production").version == 1
