@@ -63,7 +63,10 @@ def _print_inference_spend(ledger) -> None:
     """Datasets charged at inference time (dp_icl's answered batches): the queries and batches, and
     their ε alone — a spend that grows with every answer, unlike a run's."""
     from privacy import accountant as acct
+    import json
+
     from privacy.events import ComposedEvent, event_from_dict
+    from privacy.ledger.common import _counted
     from tasks.dp_icl import answered_queries
 
     for row in ledger.datasets():
@@ -72,7 +75,9 @@ def _print_inference_spend(ledger) -> None:
                    and e["status"] in ("committed", "reserved") and str(e.get("description") or "").startswith("dp_icl:")]
         if not batches:
             continue
-        events = [event_from_dict(e["event"]) for e in batches]  # each batch: its votes, one Gaussian each
+        # each batch: its votes, one Gaussian each; counted as the ledger counts it (an older first batch's
+        # sizes release split off)
+        events = [_counted(json.dumps(e["event"])) for e in batches]
         compares = [e for e in batches if str(e.get("description")).startswith("dp_icl: comparison")]
         answered = [e for e in batches if e not in compares]
         queries = sum(answered_queries(event_from_dict(e["event"])) for e in answered)

@@ -846,9 +846,8 @@ def _check_test_split(cfg: DataConfig, part: Partition) -> None:
 
 
 def _refuse_one_class(cfg: DataConfig, test_label_counts: dict) -> None:
-    present = [label for label, n in test_label_counts.items() if n]
-    if len(present) == 1:
-        raise DataError(f"dataset {cfg.name!r}: every test record is labelled {present[0]!r} (data.test_split "
+    if sum(1 for n in test_label_counts.values() if n) == 1:  # (which label: not said, the line may reach Prefect)
+        raise DataError(f"dataset {cfg.name!r}: every test record has the same label (data.test_split "
                         f"{cfg.test_split!r}), so its accuracy would be the recall of one class; give the test split "
                         f"records of every label ({', '.join(map(repr, cfg.labels))})")
 

@@ -98,42 +98,47 @@ def largest_fitting(fits, limit: int = 10**7) -> int:
 
 
 def queries_within(epsilon: float, delta: float, noise_multiplier: float, limit: int = 10**7,
-                   sample_rate: float | None = None, size_event: DpEvent | None = None) -> int:
-    """The most queries answered at σ whose composed ε (alone, with ``size_event`` when the first batch
-    charges one) stays within ``epsilon`` (0: not one)."""
+                   sample_rate: float | None = None, size_event: DpEvent | None = None,
+                   comparison: DpEvent | None = None) -> int:
+    """The most queries answered at σ whose composed ε (alone, with the releases the first charge
+    carries: :func:`first_batch_event`) stays within ``epsilon`` (0: not one)."""
     from privacy import accountant as acct
 
-    return largest_fitting(lambda b: acct.spend(first_batch_event(noise_multiplier, b, sample_rate, size_event),
-                                                delta).epsilon <= epsilon, limit)
+    return largest_fitting(lambda b: acct.spend(first_batch_event(noise_multiplier, b, sample_rate, size_event,
+                                                                  comparison), delta).epsilon <= epsilon, limit)
 
 
 def first_batch_event(noise_multiplier: float, answered: int, sample_rate: float | None,
-                      size_event: DpEvent | None) -> DpEvent:
-    """A server's first batch: its votes, with the sizes' release when q was computed from them."""
-    from privacy.plan import with_size_release
+                      size_event: DpEvent | None, comparison: DpEvent | None = None) -> DpEvent:
+    """A server's first charge as the ledger holds it: its votes and, when the config runs one, the
+    comparison with zero-shot's count after them; the sizes' release in front (adaptive: q was
+    computed from it) when the server samples by it."""
+    from privacy.plan import with_release, with_size_release
 
     event = batch_event(noise_multiplier, answered, sample_rate)
+    event = event if comparison is None else with_release(event, comparison)
     return event if size_event is None else with_size_release(event, size_event)
 
 
 def noise_with_release(epsilon: float, delta: float, queries: int, sample_rate: float | None,
-                       size_event: DpEvent | None) -> float:
-    """σ such that ``queries`` answered queries AND the releases their first batch charges
-    (``size_event``: the sizes' release and/or the comparison with zero-shot's count) spend at most
-    ``epsilon`` at ``delta``: the queries' own σ, raised by 2 % steps until the composition fits."""
+                       size_event: DpEvent | None, comparison: DpEvent | None = None) -> float:
+    """σ such that ``queries`` answered queries AND the releases their first charge carries (the
+    sizes' release, the comparison with zero-shot's count) spend at most ``epsilon`` at ``delta``,
+    composed as the ledger composes them: the queries' own σ, raised by 2 % steps until it fits."""
     from privacy import accountant as acct
 
     sigma = noise_for_queries(epsilon, delta, queries, sample_rate)
-    if size_event is None:
+    releases = [e for e in (size_event, comparison) if e is not None]
+    if not releases:
         return sigma
     from .errors import ConfigError
 
-    if acct.spend(size_event, delta).epsilon >= epsilon:
+    if acct.spend(releases[0] if len(releases) == 1 else with_size_release_of(*releases), delta).epsilon >= epsilon:
         raise ConfigError(f"dp_icl: privacy.target_epsilon={epsilon:g} does not cover the release of the training "
                          "size q is computed from and the comparison with zero-shot; raise it, lower "
                          "fallback.epsilon_share, or give dp_icl.noise_multiplier")
     for _ in range(400):
-        if acct.spend(first_batch_event(sigma, queries, sample_rate, size_event), delta).epsilon <= epsilon:
+        if acct.spend(first_batch_event(sigma, queries, sample_rate, size_event, comparison), delta).epsilon <= epsilon:
             return sigma
         sigma *= 1.02
     raise ConfigError(f"dp_icl: no noise multiplier below {sigma:.3g} lets {queries} queries and the releases "
@@ -636,18 +641,22 @@ def settings_of(cfg, delta: float, sizes) -> DPICLSettings:
     q = sample_rate_of(block, sizes.n_train)
     sigma = block.noise_multiplier or noise_with_release(
         cfg.privacy.target_epsilon, delta, block.expected_queries + comparison_queries(cfg, delta), q,
-        extra_event_of(cfg, delta, sizes))
+        *extra_events_of(cfg, delta, sizes))
     return DPICLSettings(block.subsets, block.shots, float(sigma), block.instruction, block.template, q)
 
 
-def extra_event_of(cfg, delta: float, sizes) -> DpEvent | None:
-    """What rides on the first charge besides its queries: the sizes' release (poisson) and the
-    comparison with zero-shot's count (when the config runs one)."""
-    from privacy.events import ComposedEvent
-
+def extra_events_of(cfg, delta: float, sizes) -> tuple[DpEvent | None, DpEvent | None]:
+    """What rides on the first charge besides its queries: (the sizes' release (poisson), the
+    comparison with zero-shot's count (when the config runs one))."""
     noise = comparison_noise(cfg, delta)
-    parts = [e for e in (size_event_of(cfg.dp_icl, sizes), None if noise is None else comparison_event(noise)) if e]
-    return None if not parts else parts[0] if len(parts) == 1 else ComposedEvent(tuple(parts))
+    return size_event_of(cfg.dp_icl, sizes), None if noise is None else comparison_event(noise)
+
+
+def with_size_release_of(size_event: DpEvent, comparison: DpEvent) -> DpEvent:
+    """The two releases alone, composed as a first charge holds them."""
+    from privacy.plan import with_size_release
+
+    return with_size_release(comparison, size_event)
 
 
 def size_event_of(block, sizes) -> DpEvent | None:
@@ -841,11 +850,12 @@ def plan_line(cfg, delta: float, sizes) -> str:
     if _person_unit(cfg):
         return ("dp_icl (served, per query): refused on this dataset — its unit is a person, and dp_icl's subsets are "
                 "keyed by record (its per-query ε holds for one record only)")
-    settings, extra = settings_of(cfg, delta, sizes), extra_event_of(cfg, delta, sizes)
+    settings, extra = settings_of(cfg, delta, sizes), extra_events_of(cfg, delta, sizes)
     n, cap, q = cfg.dp_icl.expected_queries, cfg.privacy.dataset_epsilon_cap, settings.sample_rate
     h = comparison_queries(cfg, delta)
-    eps = acct.spend(first_batch_event(settings.noise_multiplier, n + h, q, extra), delta).epsilon
-    most = queries_within(cap, delta, settings.noise_multiplier, limit=10**6, sample_rate=q, size_event=extra)
+    eps = acct.spend(first_batch_event(settings.noise_multiplier, n + h, q, *extra), delta).epsilon
+    most = queries_within(cap, delta, settings.noise_multiplier, limit=10**6, sample_rate=q, size_event=extra[0],
+                          comparison=extra[1])
     most = max(0, most - h)
     sampled = "" if q is None else f", each on a Poisson sample at q={q:.3g} (with the training size's release),"
     compared = ("" if not h else f" with the comparison with zero-shot first ({h} held-out queries and its released "

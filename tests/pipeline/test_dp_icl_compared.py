@@ -180,11 +180,18 @@ def test_sigma_is_calibrated_for_the_queries_and_the_comparison_and_plan_prices_
     cfg = load_config(_compared_config(toy, tmp_path, noise_multiplier=None, expected_queries=100, compare_queries=20))
     sizes = ReleasedSizes(48, 10, 10, 50.0)
     sigma, noise = settings_of(cfg, 1e-5, sizes).noise_multiplier, comparison_noise(cfg, 1e-5)
-    total = acct.spend(first_batch_event(sigma, 120, None, comparison_event(noise)), 1e-5).epsilon
+    total = acct.spend(first_batch_event(sigma, 120, None, None, comparison_event(noise)), 1e-5).epsilon
     assert total <= cfg.privacy.target_epsilon + 1e-9 and total == pytest.approx(cfg.privacy.target_epsilon, rel=3e-2)
     # the count alone at its share (fallback.epsilon_share of the target, a tenth of δ): its ε at that δ
     assert acct.spend(comparison_event(noise), 1e-6).epsilon == pytest.approx(
         cfg.privacy.target_epsilon * cfg.fallback.epsilon_share, rel=1e-2)
+    # calibrated on the event the ledger is charged: the comparison's held-out batch and count (the
+    # sizes' release in front under poisson sampling, adaptive), then the queries
+    from privacy.plan import with_release, with_size_release
+    from tasks.dp_icl import batch_event
+
+    charged = with_release(with_size_release(batch_event(sigma, 20, 0.5), sizes.event), comparison_event(noise))
+    assert first_batch_event(sigma, 20, 0.5, sizes.event, comparison_event(noise)) == charged
     line = plan_line(cfg, 1e-5, sizes)
     assert "with the comparison with zero-shot first (20 held-out queries" in line
     assert f"spend ε={total:.4f}" in line
