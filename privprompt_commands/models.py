@@ -74,8 +74,11 @@ def _say_what_it_is(mlflow, model_uri: str) -> None:
         return
     tags = resolve_version(mlflow, model_uri).tags or {}
     if tags.get("prompt.source") == "none":
+        from tasks.statement import unit_phrase
+
         print(f"{model_uri}: no prompt — the model with its template and label words (the run's prompt did not beat "
-              f"it); ε = {tags.get('privacy.epsilon')} spent by that run", file=sys.stderr)
+              f"it); ε = {float(tags.get('privacy.epsilon', 'nan')):.4f} {unit_phrase(tags.get('privacy.unit'))}, "
+              f"δ = {tags.get('privacy.delta')} spent by that run", file=sys.stderr)
 
 
 def cmd_predict(args) -> int:
