@@ -190,7 +190,8 @@ class RunPlan:
         (≤ the planned one): (the event the ledger is charged, the per-record event of a run
         charged per person, else None)."""
         sizes = self.release("sizes")
-        event = method_event if sizes is None else with_size_release(method_event, sizes.event, sizes.delta / self.delta)
+        share = round(sizes.delta / self.delta, 12) if sizes is not None else None  # the plan's share, not its float
+        event = method_event if sizes is None else with_size_release(method_event, sizes.event, share)
         if self.no_prompt is not None:
             event = with_release(event, self.no_prompt.event)
         if self.group_size:
