@@ -131,17 +131,20 @@ class _local_prefect_server:
             temporary_settings,
         )
 
+        from tasks.state import persistent_ui_url
+
         self._wait()
         os.environ["PREFECT_API_URL"] = self.api_url
         # a server this command started from its own Prefect, and that ends with it: no round trip
         # to check its API version, and no flow-run heartbeats (they let a long-lived server tell a
         # crashed run; this one is gone with the run, and the thread that sends them held up the
-        # flow's end by up to a second, its sleep step). It serves no UI and is gone with the run: no
-        # "View at" link to a port that changes every run (a persistent server, PREFECT_API_URL, keeps it)
+        # flow's end by up to a second, its sleep step). It serves no UI and is gone with the run: the
+        # "View at" link points at `privprompt ui`'s Prefect UI on the same home (the same database) while
+        # one runs, else there is none (a persistent server, PREFECT_API_URL, keeps its own)
         self.settings = temporary_settings(updates={PREFECT_API_URL: self.api_url,
                                                     PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False,
                                                     PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None,
-                                                    PREFECT_UI_URL: ""})
+                                                    PREFECT_UI_URL: persistent_ui_url(os.environ.get("PREFECT_HOME"))})
         self.settings.__enter__()
         return self
 

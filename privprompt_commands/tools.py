@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -38,6 +39,10 @@ def cmd_ui(args) -> int:
     ]
     print(f"Prefect UI: http://127.0.0.1:{args.prefect_port}   MLflow UI: http://127.0.0.1:{args.mlflow_port}"
           "   (Ctrl-C stops both)", flush=True)
+    from tasks.state import UI_MARKER
+
+    marker = paths.prefect_home / UI_MARKER  # runs on this state folder link their flow runs to this UI
+    marker.write_text(json.dumps({"url": f"http://127.0.0.1:{args.prefect_port}", "pid": os.getpid()}))
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -49,6 +54,7 @@ def cmd_ui(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        marker.unlink(missing_ok=True)
         for p in procs:
             try:
                 os.killpg(p.pid, signal.SIGTERM)

@@ -554,6 +554,22 @@ def default_data_root(config_value: str | None = None) -> str | None:
     return config_value
 
 
+UI_MARKER = "ui.json"  # under PREFECT_HOME while `privprompt ui` serves the Prefect UI of that home
+
+
+def persistent_ui_url(prefect_home: str | Path | None) -> str:
+    """The Prefect UI that `privprompt ui` serves on this state folder's Prefect home, while its
+    process lives ("" when none): a run's "View at" link points there, never at a throwaway server."""
+    if not prefect_home:
+        return ""
+    try:
+        marker = json.loads((Path(prefect_home) / UI_MARKER).read_text())
+        os.kill(int(marker["pid"]), 0)
+        return str(marker["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def tracking_uri(paths: StatePaths) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{paths.mlflow_db}"
 

@@ -126,3 +126,21 @@ def test_progress_is_reported_every_k_steps_and_whenever_15_seconds_passed(monke
     for step, loss in enumerate([1.0, 2.0, 3.0, 4.0, 5.0], start=1):
         report(step, loss)  # at t = 1, 2, 20, 21, 40 (the reporter was made at t = 0)
     assert calls == [(3, 2.0), (5, 4.5)]  # 15 s passed by step 3, then the end: mean loss since the last call
+
+
+def test_a_run_links_to_the_ui_privprompt_ui_serves_on_its_state_and_to_no_throwaway_one(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tasks.state import UI_MARKER, persistent_ui_url
+
+    home = tmp_path / "prefect"
+    home.mkdir()
+    assert persistent_ui_url(str(home)) == "" and persistent_ui_url(None) == ""  # no UI: no link at all
+    (home / UI_MARKER).write_text(json.dumps({"url": "http://127.0.0.1:4200", "pid": os.getpid()}))
+    assert persistent_ui_url(str(home)) == "http://127.0.0.1:4200"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (home / UI_MARKER).write_text(json.dumps({"url": "http://127.0.0.1:4200", "pid": gone.pid}))
+    assert persistent_ui_url(str(home)) == ""  # its process ended: the marker says nothing
