@@ -56,9 +56,14 @@ def run_title(cfg: PrivPromptConfig, method: str, guarantee: str) -> str:
 
 
 def name_flow_run(flow_run_id: str, name: str) -> None:
-    """Rename the running Prefect flow run (it starts with a random name, before the config is parsed)."""
+    """Rename the running Prefect flow run (it starts with a random name, before the config is
+    parsed), unless its caller named it (a sweep's variant: ``flow_run_name``)."""
     from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
 
+    context = FlowRunContext.get()
+    if context is not None and context.flow is not None and context.flow.flow_run_name is not None:
+        return
     try:
         with get_client(sync_client=True) as prefect:
             prefect.update_flow_run(flow_run_id, name=name)

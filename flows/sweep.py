@@ -118,6 +118,11 @@ def _row(label: str, variant, run_id: str, metrics: dict, resumed: bool) -> dict
     return row
 
 
+def variant_run_name(cfg: PrivPromptConfig, label: str) -> str:
+    """A variant's flow run name: ``<method> · <dataset> · <its settings>``."""
+    return f"{cfg.method} · {cfg.data.name} · {label}"
+
+
 @task(name="sweep-variant", task_run_name="variant-{label}")
 def variant_task(vcfg: PrivPromptConfig, label: str, threads: int) -> dict:
     """One variant's method flow, on a Dask worker (a nested flow run of the sweep): its config
@@ -125,7 +130,9 @@ def variant_task(vcfg: PrivPromptConfig, label: str, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)  # one worker per core, not oversubscribed
-    out = method_flow.with_options(flow_run_name=f"{vcfg.method}:{label}")(vcfg)
+    # (its parameter is the parsed config itself: a worker's Prefect cannot rebuild the flow's parameter
+    # model for it, and there is nothing left to validate)
+    out = method_flow.with_options(flow_run_name=variant_run_name(vcfg, label), validate_parameters=False)(vcfg)
     return {k: out[k] for k in ("mlflow_run_id", "metrics", "budget")}
 
 
@@ -191,7 +198,7 @@ def run_variants(cfg: PrivPromptConfig, variants, done: dict, todo: list, run) -
             out = parallel[label]
         else:
             logger.info("sweep variant %s", label)
-            out = method_flow.with_options(flow_run_name=f"{variant.method}:{label}")(vconfig(variant))
+            out = method_flow.with_options(flow_run_name=variant_run_name(variant, label))(vconfig(variant))
         record.mlflow.set_tag(out["mlflow_run_id"], "sweep.variant", label)
         rows.append(_row(label, variant, out["mlflow_run_id"], out["metrics"], False))
         fingerprint = out.get("budget", {}).get("dataset.fingerprint")

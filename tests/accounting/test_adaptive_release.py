@@ -4,35 +4,21 @@ ledger's composition of runs, a group charge, δ at ε, and entries recorded bef
 
 from __future__ import annotations
 
-import dp_accounting
 import pytest
-from dp_accounting.pld import pld_privacy_accountant
 
 from privacy import accountant as acct
 from privacy import events as ev
 from privacy.group import group_event
 from privacy.ledger import BudgetExceededError, Ledger
+from tests.independent import pld_epsilon
 
 DELTA = 1e-5
 SIZES = ev.GaussianEvent(50.0)
 FP = "c0de" + "2" * 60
 
 
-def _dpa(event):
-    if isinstance(event, ev.GaussianEvent):
-        return dp_accounting.GaussianDpEvent(event.noise_multiplier)
-    if isinstance(event, ev.PoissonSampledEvent):
-        return dp_accounting.PoissonSampledDpEvent(event.sampling_probability, _dpa(event.event))
-    if isinstance(event, ev.SelfComposedEvent):
-        return dp_accounting.SelfComposedDpEvent(_dpa(event.event), event.count)
-    if isinstance(event, ev.ComposedEvent):
-        return dp_accounting.ComposedDpEvent([_dpa(e) for e in event.events])
-    raise TypeError(event)
-
-
 def by_dp_accounting(event, delta):
-    return pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4).compose(
-        _dpa(event)).get_epsilon(delta)
+    return pld_epsilon(event, delta, 1e-4)
 
 
 def _run(sigma, steps, q=0.02, comparison=20.0):

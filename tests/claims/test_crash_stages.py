@@ -68,7 +68,7 @@ def _cli(setup: dict, *args, timeout=600) -> subprocess.CompletedProcess:
 def _run_and_kill(setup: dict, stage: str, timeout_s: float = 400) -> int:
     """Start `privprompt run`, wait until it pauses at ``stage``, SIGKILL its process group.
     Returns the killed process's pid."""
-    from pause_at_stage import PAUSE_ENV
+    from tests.claims.pause_at_stage import PAUSE_ENV
 
     marker = setup["root"] / f"paused-{stage}"
     marker.unlink(missing_ok=True)

@@ -194,20 +194,6 @@ def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fa
 
 # ---- a bad prompt through the door --------------------------------------------------------------
 
-def _to_dp_accounting(event):
-    import dp_accounting
-
-    if isinstance(event, ev.GaussianEvent):
-        return dp_accounting.GaussianDpEvent(event.noise_multiplier)
-    if isinstance(event, ev.PoissonSampledEvent):
-        return dp_accounting.PoissonSampledDpEvent(event.sampling_probability, _to_dp_accounting(event.event))
-    if isinstance(event, ev.SelfComposedEvent):
-        return dp_accounting.SelfComposedDpEvent(_to_dp_accounting(event.event), event.count)
-    if isinstance(event, ev.ComposedEvent):
-        return dp_accounting.ComposedDpEvent([_to_dp_accounting(e) for e in event.events])
-    raise TypeError(event)
-
-
 class _Child:
     """The training's child run, without MLflow (this test is about what the door spends and publishes)."""
 
@@ -243,9 +229,9 @@ def test_a_bad_prompt_falls_back_and_its_comparison_is_committed(tmp_path, sst2_
     No prompt is published (the model without one is registered); the ledger commits the three releases, the ε the
     run states is dp-accounting's for that composition."""
     import torch
-    from dp_accounting.pld import pld_privacy_accountant
     from privacy import accountant as acct
     from tasks import lifecycle
+    from tests.independent import pld_epsilon
     from tasks.methods import get_method
     from tasks.methods.base import Trained
 
@@ -287,8 +273,7 @@ def test_a_bad_prompt_falls_back_and_its_comparison_is_committed(tmp_path, sst2_
     assert plan.event.then.events[-1] == plan.no_prompt.event  # the comparison's ε is charged although it fell back
 
     def by_pld(event, delta):
-        return pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3).compose(
-            _to_dp_accounting(event)).get_epsilon(delta)
+        return pld_epsilon(event, delta, 1e-3)
 
     share = plan.event.first_delta_share  # the sizes release beside the rest, by basic composition
     by_dp_accounting = by_pld(plan.event.first, share * plan.delta) + by_pld(plan.event.then, (1 - share) * plan.delta)

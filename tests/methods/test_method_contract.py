@@ -184,7 +184,7 @@ def test_a_shadow_is_calibrated_as_the_audited_run_was(name, contexts, monkeypat
         seen["plan"] = plan
         raise Stop
 
-    monkeypatch.setattr(type(method), "train", train)
+    monkeypatch.setattr(type(method.mechanism), "train", train)
     with pytest.raises(Stop):
         shadow_prompt(ctx.config, name, prepared, ctx.state_dir, ROWS, shadow_seed=3, sizes=sizes)
     run_plan = plan_for(ctx.cfg, name, sizes)

@@ -183,21 +183,6 @@ def test_a_failed_candidate_is_skipped_and_its_training_still_counted():
 
 # ---- through the lifecycle, on a tiny model ------------------------------------------------------
 
-def _to_dp_accounting(e):
-    """The project's event as dp-accounting's (Gaussian trees only), for an independent PLD."""
-    from dp_accounting import dp_event as dpe
-
-    if isinstance(e, ev.GaussianEvent):
-        return dpe.GaussianDpEvent(e.noise_multiplier)
-    if isinstance(e, ev.PoissonSampledEvent):
-        return dpe.PoissonSampledDpEvent(e.sampling_probability, _to_dp_accounting(e.event))
-    if isinstance(e, ev.SelfComposedEvent):
-        return dpe.SelfComposedDpEvent(_to_dp_accounting(e.event), e.count)
-    if isinstance(e, ev.ComposedEvent):
-        return dpe.ComposedDpEvent([_to_dp_accounting(x) for x in e.events])
-    raise TypeError(f"not a Gaussian tree: {e!r}")
-
-
 @pytest.fixture(scope="module")
 def every(tmp_path_factory, sst2_dir):
     """A selection run with the defaults (every candidate once, balanced accuracy) of prompt_dpsgd
@@ -237,8 +222,6 @@ def every(tmp_path_factory, sst2_dir):
 @pytest.mark.slow  # suite time: the every-candidate selection run through the lifecycle (≈ 33 s);
 # its accounting and released counts are checked by the unit tests above by default
 def test_lifecycle_one_entry_whose_epsilon_is_the_larger_branch_by_dp_accounting(every):
-    from dp_accounting.pld import pld_privacy_accountant as dpa_pld
-
     from tests.claims.test_release_once import _dp_entries
 
     ctx, out = every["ctx"], every["out"]
@@ -260,12 +243,9 @@ def test_lifecycle_one_entry_whose_epsilon_is_the_larger_branch_by_dp_accounting
     assert acct.spend(event.events[1], out.spend["delta"]).epsilon <= acct.spend(event.events[0],
                                                                                  out.spend["delta"]).epsilon
 
-    def independent(branch) -> float:
-        a = dpa_pld.PLDAccountant(value_discretization_interval=1e-4)
-        a.compose(_to_dp_accounting(branch))
-        return a.get_epsilon(out.spend["delta"])
+    from tests.independent import pld_epsilon
 
-    assert entry["epsilon"] == pytest.approx(max(independent(b) for b in event.events), rel=5e-3)
+    assert entry["epsilon"] == pytest.approx(max(pld_epsilon(b, out.spend["delta"]) for b in event.events), rel=5e-3)
 
 
 @pytest.mark.slow  # suite time: the every-candidate selection run through the lifecycle (≈ 33 s);
