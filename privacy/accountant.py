@@ -59,8 +59,7 @@ def _added(head: PrivacySpend, tail: PrivacySpend, delta: float, share: float) -
     return PrivacySpend(epsilon=head.epsilon + tail.epsilon, delta=float(delta),
                         epsilon_pld=both(head.epsilon_pld, tail.epsilon_pld),
                         epsilon_rdp=both(head.epsilon_rdp, tail.epsilon_rdp), rdp_order=tail.rdp_order,
-                        accountant=f"{tail.accountant}; basic composition with the releases it was chosen from "
-                                   f"(at {share:g} of δ)")
+                        accountant=f"{tail.accountant} + basic composition ({share:g} δ)")
 
 
 _SPLITS = tuple(i / 40 for i in range(1, 40))  # the ε splits tried for δ at ε of an adaptive event

@@ -226,9 +226,10 @@ def test_one_ledger_entry_whose_epsilon_is_the_selection_mechanisms(selected):
     assert entry["epsilon"] == pytest.approx(entry["epsilon_reserved"], rel=1e-9)  # committed = the reserved worst case
     assert out.spend["epsilon_pld"] is None  # the selection bound is RDP (no PLD of a best-of-K)
 
-    # the committed event: the sizes' release ∘ (best-of-K of trials ∘ the no-prompt reference)
+    # the committed event: the sizes' release, then (adaptively) best-of-K of trials ∘ the no-prompt reference
     event = ev.event_from_dict(out.event)
-    sizes, mechanism = event.events
+    assert isinstance(event, ev.AdaptiveEvent) and event.first_delta_share == 0.1
+    sizes, mechanism = event.first, event.then
     select, reference = mechanism.events
     assert isinstance(select, ev.RepeatAndSelectEvent) and isinstance(reference, ev.GaussianEvent)
     assert len(select.trials) == len(CANDIDATES) + 1  # each candidate's trial, and no prompt's score alone
@@ -257,8 +258,13 @@ def test_one_ledger_entry_whose_epsilon_is_the_selection_mechanisms(selected):
     trial = np.max(trial_curves, axis=0)
     mean = selected["ctx"].cfg.selection.expected_trials
     chosen = dpa_rdp._compute_rdp_repeat_and_select(orders, trial, mean, select.eta)
-    total = curve(sizes) + chosen + curve(reference)
-    independent = dpa_rdp.compute_epsilon(orders, total, out.spend["delta"])[0]
+    # basic composition of the sizes' release (dp-accounting's PLD, as ours takes the smaller bound) at δ/10
+    # and the selection with its reference (RDP) at 9δ/10
+    from tests.independent import pld_epsilon
+
+    delta = out.spend["delta"]
+    independent = (pld_epsilon(sizes, delta / 10)
+                   + dpa_rdp.compute_epsilon(orders, chosen + curve(reference), 0.9 * delta)[0])
     # the project's accountant optimises Theorem 2's λ̂ and the conversion over its whole grid (fractional
     # orders too), so it can only be lower than dp-accounting on the integer orders, and only a little
     assert independent * (1 - 1e-2) <= entry["epsilon"] <= independent * (1 + 1e-9)
