@@ -101,11 +101,7 @@ def accuracy(
     batch_size: int = 64,
 ) -> float:
     """Fraction of examples whose argmax logit is the label."""
-    labels = torch.as_tensor(labels, dtype=torch.long).cpu()
-    if labels.numel() == 0:
-        raise ValueError("accuracy of an empty set")
-    pred = predict_logits(classifier, encoded, prompt, batch_size).argmax(dim=1)
-    return float((pred == labels).float().mean())
+    return accuracy_by_class(classifier, encoded, labels, prompt, batch_size)["accuracy"]
 
 
 def accuracy_by_class(

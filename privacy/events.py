@@ -199,7 +199,7 @@ class AdaptiveEvent:
     def __post_init__(self):
         check_open_interval(self.first_delta_share, 0.0, 1.0, "first_delta_share")
         for part in (self.first, self.then):
-            if any(isinstance(e, AdaptiveEvent) for e in all_events(part)):
+            if holds_adaptive(part):
                 raise ValueError("an AdaptiveEvent's parts cannot hold another AdaptiveEvent (one release chooses "
                                  "the rest); compose adaptive events side by side instead")
 
@@ -302,6 +302,11 @@ def event_from_dict(data: dict[str, Any]) -> DpEvent:
     return cls(**args)
 
 
+def holds_adaptive(event: DpEvent) -> bool:
+    """Whether ``event`` is, or holds anywhere, an :class:`AdaptiveEvent`."""
+    return any(isinstance(e, AdaptiveEvent) for e in all_events(event))
+
+
 def split_adaptive(event: DpEvent) -> tuple[tuple, tuple, float | None]:
     """(the ``first`` parts, everything else, their δ share) of an event whose adaptive parts lie
     at the top level or in a top-level composition (a run's event; a ledger's composition of runs);
@@ -319,7 +324,7 @@ def split_adaptive(event: DpEvent) -> tuple[tuple, tuple, float | None]:
             for part in e.events:
                 walk(part)
         else:
-            if any(isinstance(p, AdaptiveEvent) for p in all_events(e)):
+            if holds_adaptive(e):
                 raise ValueError(f"an AdaptiveEvent inside a {type(e).__name__} cannot be accounted "
                                  "(basic composition splits a sequence of releases)")
             rest.append(e)

@@ -278,8 +278,10 @@ def _print_summary(summary: dict, wall: float) -> None:
     for key in sorted(k for k in m if k.startswith("test.accuracy")):
         print(f"{key + ':':<28}{m[key]:.4f}" + (whose if key == "test.accuracy" else ""))
     if "test.balanced_accuracy" in m:
-        recalls = ", ".join(f"{k[len('test.recall.'):]} {m[k]:.4f}" for k in sorted(m) if k.startswith("test.recall."))
-        print(f"{'test.balanced_accuracy:':<28}{m['test.balanced_accuracy']:.4f} (recall per class: {recalls})")
+        from tasks.statement import recall_phrase
+
+        print(f"{'test.balanced_accuracy:':<28}{m['test.balanced_accuracy']:.4f} (recall per class: "
+              f"{recall_phrase(m)})")
     for key in sorted(k for k in m if k.startswith("audit.baseline.")):  # trained on private data without DP
         print(f"{key + ':':<27} {m[key]:.4f} {AUDIT_NOTE}")
     _print_attacks(m)

@@ -126,14 +126,16 @@ def noise_with_release(epsilon: float, delta: float, queries: int, sample_rate: 
     sizes' release, the comparison with zero-shot's count) spend at most ``epsilon`` at ``delta``,
     composed as the ledger composes them: the queries' own σ, raised by 2 % steps until it fits."""
     from privacy import accountant as acct
+    from privacy.plan import with_size_release
 
     sigma = noise_for_queries(epsilon, delta, queries, sample_rate)
-    releases = [e for e in (size_event, comparison) if e is not None]
-    if not releases:
+    alone = (comparison if size_event is None else size_event if comparison is None
+             else with_size_release(comparison, size_event))  # the releases without the votes
+    if alone is None:
         return sigma
     from .errors import ConfigError
 
-    if acct.spend(releases[0] if len(releases) == 1 else with_size_release_of(*releases), delta).epsilon >= epsilon:
+    if acct.spend(alone, delta).epsilon >= epsilon:
         raise ConfigError(f"dp_icl: privacy.target_epsilon={epsilon:g} does not cover the release of the training "
                          "size q is computed from and the comparison with zero-shot; raise it, lower "
                          "fallback.epsilon_share, or give dp_icl.noise_multiplier")
@@ -651,12 +653,6 @@ def extra_events_of(cfg, delta: float, sizes) -> tuple[DpEvent | None, DpEvent |
     noise = comparison_noise(cfg, delta)
     return size_event_of(cfg.dp_icl, sizes), None if noise is None else comparison_event(noise)
 
-
-def with_size_release_of(size_event: DpEvent, comparison: DpEvent) -> DpEvent:
-    """The two releases alone, composed as a first charge holds them."""
-    from privacy.plan import with_size_release
-
-    return with_size_release(comparison, size_event)
 
 
 def size_event_of(block, sizes) -> DpEvent | None:

@@ -12,7 +12,7 @@ covered by it"). No value computed on private data beyond the run record's is ad
 
 from __future__ import annotations
 
-from .statement import unit_phrase
+from .statement import recall_phrase, unit_phrase
 
 # metric-name prefixes of published statistics that ε does not cover (docs/privacy-claims.md)
 NOT_COVERED = (
@@ -61,9 +61,8 @@ def _quality(metrics: dict, no_prompt: bool) -> list[str]:
     whose = " (no prompt's: this version is the model without one)" if no_prompt else ""
     lines = ["", "### Quality on the test split", "", f"- **test accuracy:** {metrics['test.accuracy']:.4f}{whose}"]
     if "test.balanced_accuracy" in metrics:
-        recalls = ", ".join(f"{k[len('test.recall.'):]} {v:.4f}" for k, v in sorted(metrics.items())
-                            if k.startswith("test.recall."))
-        lines.append(f"- **balanced accuracy:** {metrics['test.balanced_accuracy']:.4f} (recall per class: {recalls})")
+        lines.append(f"- **balanced accuracy:** {metrics['test.balanced_accuracy']:.4f} (recall per class: "
+                     f"{recall_phrase(metrics)})")
     if "test.accuracy.zero_shot" in metrics and not no_prompt:
         lines.append(f"- **no prompt (zero-shot) test accuracy:** {metrics['test.accuracy.zero_shot']:.4f}")
     return lines

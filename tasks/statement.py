@@ -19,6 +19,12 @@ def unit_phrase(unit: str | None) -> str:
     return f"per person ({unit})"
 
 
+def recall_phrase(metrics: dict) -> str:
+    """``neg 0.7368, pos 0.8704``: the run's ``test.recall.<label>`` metrics, by label."""
+    return ", ".join(f"{k[len('test.recall.'):]} {v:.4f}" for k, v in sorted(metrics.items())
+                     if k.startswith("test.recall."))
+
+
 def epsilon_statement(epsilon: float, delta: float | None, unit: str | None, accountant: str | None = None) -> str:
     """``ε = 3.8964 per person (customer_id), δ = 1e-05 (accountant min_pld_rdp)``."""
     text = f"ε = {epsilon:.4f} {unit_phrase(unit)}"

@@ -81,7 +81,7 @@ def _counted(text: str) -> ev.DpEvent:
     its composition, into each parallel branch — split off, as a new run's is. Splitting any part
     off a composition is basic composition, valid whichever part it is, so this never under-counts."""
     event = ev.event_from_json(text)
-    if any(isinstance(e, ev.AdaptiveEvent) for e in ev.all_events(event)):
+    if ev.holds_adaptive(event):
         return event
     peeled = _peel(event)
     return event if peeled is None else ev.AdaptiveEvent(*peeled)
