@@ -349,7 +349,8 @@ def size_line(r: dict) -> str | None:
     if not s.get("problems"):
         return None
     who = "people" if s["unit"] != "record" else "records"
-    return (f"  WARNING: too few {who} for ε = {r['target_epsilon']:g} with this route: released.n_train ≈ "
+    return (f"  WARNING: too few {who} for ε = {r['target_epsilon']:g} {unit_phrase(s['unit'])} (δ = {r['delta']:.3g}) "
+            f"with this route: released.n_train ≈ "
             f"{s['n_train']:,}, released.n_holdout ≈ {s['n_holdout']:,} (noisy counts, σ = {s['size_sigma']:g}); "
             + "; ".join(s["problems"]) + f". It needs ≈ {s['needed']:,.0f} {who}, or: fallback.epsilon_share: 0 (no "
             "comparison; its ε goes to the method), more epochs or a smaller batch, a smaller "

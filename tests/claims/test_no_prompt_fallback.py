@@ -165,7 +165,8 @@ def test_the_plan_shows_the_comparisons_cost_out_of_the_runs_budget(tmp_path, fa
     # released holdout must show at its lower bound ñ − 3σ_sizes (so it holds for the true size)
     sigma = plan.no_prompt.event.noise_multiplier
     assert 100 - 3 * 5.0 < 40 * sigma  # 100 released holdout records against σ ≈ 5: too few
-    assert (f"WARNING: too few records for ε = 8 with this route: released.n_train ≈ 400, released.n_holdout ≈ 100 "
+    assert (f"WARNING: too few records for ε = 8 per record (δ = 1e-05) with this route: released.n_train ≈ 400, "
+            f"released.n_holdout ≈ 100 "
             f"(noisy counts, σ = 5); the comparison with no prompt adds noise σ = {sigma:.3g} to a holdout of ≈ 100 "
             f"(released, ± 5): a gain of 5% shows at 2σ only on ≥ {40 * sigma:,.0f}") in text
     big = _plan_row("", cfg, get_method("prompt_dpsgd"), ReleasedSizes(n_train=4000, n_holdout=1000, n_test=100,
