@@ -34,8 +34,11 @@ def cmd_ui(args) -> int:
     procs = [
         subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                           "--port", str(args.prefect_port)], env=env, start_new_session=True),
-        subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", tracking_uri(paths),
-                          "--host", "127.0.0.1", "--port", str(args.mlflow_port)], env=env, start_new_session=True),
+        # MLflow's server with this project's app (tasks.mlflow_ui): its page neither shows the usage-data
+        # notice nor sends UI telemetry; one worker (uvicorn's default 4 take a minute to start on 2 cores)
+        subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--app-name", "privprompt",
+                          "--backend-store-uri", tracking_uri(paths), "--host", "127.0.0.1",
+                          "--port", str(args.mlflow_port), "--workers", "1"], env=env, start_new_session=True),
     ]
     print(f"Prefect UI: http://127.0.0.1:{args.prefect_port}   MLflow UI: http://127.0.0.1:{args.mlflow_port}"
           "   (Ctrl-C stops both)", flush=True)

@@ -47,7 +47,10 @@ start)
     -o "-p $PG_PORT -k /tmp -c listen_addresses=127.0.0.1" start >/dev/null
   "${RUN_AS[@]}" "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U privprompt mlflow 2>/dev/null || true  # exists
   "${RUN_AS[@]}" "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U privprompt ledger 2>/dev/null || true  # exists
-  setsid nohup $PY -m mlflow server --host 127.0.0.1 --port "$MLFLOW_PORT" \
+  # --app-name privprompt: MLflow's server whose page neither shows the usage-data notice nor sends UI
+  # telemetry (tasks/mlflow_ui.py); the server's own telemetry is off by the environment
+  MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=true setsid nohup $PY -m mlflow server --app-name privprompt \
+    --host 127.0.0.1 --port "$MLFLOW_PORT" \
     --backend-store-uri "postgresql+psycopg2://privprompt@127.0.0.1:$PG_PORT/mlflow" \
     --artifacts-destination "$DIR/artifacts" --serve-artifacts --workers 1 \
     >"$DIR/logs/mlflow.log" 2>&1 & echo $! >"$DIR/mlflow.pid"
