@@ -67,8 +67,26 @@ def cmd_ui(args) -> int:
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                pass
+            _stop_group(p.pid)
     return 0
+
+
+def _stop_group(pgid: int, grace_s: float = 15.0) -> None:
+    """Wait up to ``grace_s`` for every process of group ``pgid`` to end (SIGTERM was sent), then
+    SIGKILL what is left: the server's own CLI may exit before its uvicorn child has, which would
+    otherwise keep the port and a core."""
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def serve_command(model_dir: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:

@@ -66,4 +66,8 @@ def test_privprompt_ui_serves_that_page_on_localhost(tmp_path):
         assert "collects usage data" not in html  # the notice is MLflow's bundle's, shown only when not dismissed
     finally:
         ui.terminate()
-        ui.wait(timeout=60)
+        ui.wait(timeout=90)
+    # both servers stopped with it, their uvicorn children included (none keeps a port or a core)
+    for port in (prefect_port, mlflow_port):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"a server still answers on port {port}"
