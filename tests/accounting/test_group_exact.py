@@ -82,10 +82,13 @@ def test_the_charge_matches_dp_accountings_own_mixture_accountant(k, q, sigma, s
     assert ours == pytest.approx(theirs, rel=0.02)
 
 
-def test_the_vectorised_builder_is_the_librarys_pld_bit_for_bit():
-    sens, probs = [0.0, 1.0, 2.0, 3.0], list(stats.binom.pmf(np.arange(4), 3, 0.1))
-    ours = mixture_gaussian_pld(1.5, sens, probs, 5e-3)
-    theirs = pld_lib.from_mixture_gaussian_mechanism(1.5, sens, probs, value_discretization_interval=5e-3)
+@pytest.mark.parametrize("k,q,sigma,grid", [(3, 0.1, 1.5, 5e-3), (20, 0.01, 0.9, 2e-2)])
+def test_the_vectorised_builder_is_the_librarys_pld_bit_for_bit(k, q, sigma, grid):
+    """Its inverse (evaluated once per run of shared midpoints) and its running maximum of δ
+    give the library's PMFs exactly, at a small and a large group."""
+    sens, probs = [float(c) for c in range(k + 1)], list(stats.binom.pmf(np.arange(k + 1), k, q))
+    ours = mixture_gaussian_pld(sigma, sens, probs, grid)
+    theirs = pld_lib.from_mixture_gaussian_mechanism(sigma, sens, probs, value_discretization_interval=grid)
     for a, b in ((ours._pmf_remove, theirs._pmf_remove), (ours._pmf_add, theirs._pmf_add)):
         assert a._lower_loss == b._lower_loss and a._infinity_mass == b._infinity_mass
         np.testing.assert_array_equal(a._probs, b._probs)
