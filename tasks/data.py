@@ -276,7 +276,17 @@ def read_split_units(cfg: DataConfig, data_root: str | None, split: str
     if not folder.is_dir():
         raise DataError(f"data folder not found: {folder}")
     path = find_split_file(folder, split)
-    return _normalise(sources.read_file(path), cfg, str(path))
+    # keyed by the file's bytes (a rewrite within one mtime tick is still seen) and the config
+    key = (str(path.resolve()), hashlib.sha256(path.read_bytes()).digest(), cfg.model_dump_json())
+    if key not in _READS:  # plan and a run's preflight read each split more than once (keys, sizes, notes)
+        while len(_READS) >= 4:
+            _READS.pop(next(iter(_READS)))
+        _READS[key] = _normalise(sources.read_file(path), cfg, str(path))
+    texts, labels, units = _READS[key]
+    return list(texts), list(labels), None if units is None else list(units)
+
+
+_READS: dict = {}  # this process's last few reads of a split file
 
 
 def source_signature(cfg: DataConfig, data_root: str | None) -> str:

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+
+class _Pyplot:
+    """``matplotlib.pyplot`` (Agg backend), imported at the first figure: a second of start-up that
+    ``privprompt plan`` and every run that draws nothing never pay."""
+
+    def __getattr__(self, name: str):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as pyplot
+
+        return getattr(pyplot, name)
+
+
+plt = _Pyplot()
 
 
 def training_curve(history: list[dict], title: str):

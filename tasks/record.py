@@ -9,11 +9,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
-
-from mlflow.entities import Metric, Param, RunStatus
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING
 
 from .state import StatePaths, seed_copy, tracking_uri
+
+if TYPE_CHECKING:  # MLflow is imported where a record is written: `privprompt plan` never loads it
+    from mlflow.tracking import MlflowClient
 
 TEMPLATE_ENV = "PRIVPROMPT_MLFLOW_TEMPLATE"
 
@@ -21,6 +22,8 @@ TEMPLATE_ENV = "PRIVPROMPT_MLFLOW_TEMPLATE"
 def client(paths: StatePaths) -> MlflowClient:
     """Tracking and Model Registry both at the state's store (a client given only a tracking URI
     takes the process-wide registry URI, which ``mlflow.set_registry_uri`` may point elsewhere)."""
+    from mlflow.tracking import MlflowClient
+
     uri = tracking_uri(paths)
     if uri == f"sqlite:///{paths.mlflow_db}":
         seed_store(paths.mlflow_db)
@@ -111,10 +114,14 @@ class RunRecord:
             self.mlflow.set_tag(self.run_id, k, str(v))
 
     def log_params(self, params: dict[str, object]) -> None:
+        from mlflow.entities import Param
+
         self.mlflow.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """One batched write (a SQLite transaction per metric adds up over many child runs)."""
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None]
         if batch:
@@ -141,6 +148,8 @@ class RunRecord:
             self.log_file(target, None if parent in ("", ".") else parent)
 
     def end(self, ok: bool = True) -> None:
+        from mlflow.entities import RunStatus
+
         status = RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
         self.mlflow.set_terminated(self.run_id, status=status)
 
@@ -198,7 +207,7 @@ def sweep_dead_runs(mlflow: MlflowClient, by: str = "") -> list[str]:
     the tag ``privprompt.swept`` saying why. Runs of other hosts, and runs without owner tags, are
     left alone. Every flow's parent run calls this before it starts (flows/parent_run.py).
     Returns the ids marked FAILED."""
-    from mlflow.entities import ViewType
+    from mlflow.entities import RunStatus, ViewType
 
     experiments = [e.experiment_id for e in mlflow.search_experiments(view_type=ViewType.ALL)]
     if not experiments:
