@@ -48,6 +48,19 @@ def _preflight(cfg) -> None:
         find_split_file(folder, split)
 
 
+def _die_with_parent() -> None:
+    """In a server's child process, before it execs: it gets SIGTERM when this command's process
+    ends, however that ends (SIGTERM from a scheduler or `timeout`, SIGKILL), so no embedded server
+    is left running on its own (Linux's PR_SET_PDEATHSIG; elsewhere the atexit stop alone)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class _local_prefect_server:
     """A Prefect API server on localhost owned by this command, unless PREFECT_API_URL names one
     already. Its URL is exported, so Dask workers (audit shadows) report to it instead of each
@@ -75,7 +88,8 @@ class _local_prefect_server:
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory", "prefect.server.api.server:create_app",
-             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"], env=env)
+             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"], env=env,
+            preexec_fn=_die_with_parent)
         self.started = True
         import atexit
 

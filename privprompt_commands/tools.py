@@ -22,7 +22,13 @@ def cmd_config(args) -> int:
 
 
 def cmd_ui(args) -> int:
+    from importlib.metadata import entry_points
+
     from tasks.state import configure_environment, state_paths, tracking_uri
+
+    if not entry_points(group="mlflow.app", name="privprompt"):
+        return _fail("this environment lacks PrivPrompt's MLflow app (installed before it existed): run "
+                     "bash scripts/setup.sh, then privprompt ui again")
 
     paths = state_paths(args.state_dir)
     configure_environment(paths)
@@ -57,36 +63,48 @@ def cmd_ui(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        # a second Ctrl-C or SIGTERM while the servers stop must not cut the stop short (their uvicorn
+        # children would keep the ports)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         marker.unlink(missing_ok=True)
+        _stop_groups(procs)
         for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            _stop_group(p.pid)
+            p.wait()
     return 0
 
 
-def _stop_group(pgid: int, grace_s: float = 15.0) -> None:
-    """Wait up to ``grace_s`` for every process of group ``pgid`` to end (SIGTERM was sent), then
-    SIGKILL what is left: the server's own CLI may exit before its uvicorn child has, which would
-    otherwise keep the port and a core."""
-    end = time.monotonic() + grace_s
-    while time.monotonic() < end:
+def _stop_groups(procs: list, grace_s: float = 30.0) -> None:
+    """SIGTERM the process group each of ``procs`` leads, wait up to ``grace_s`` (one deadline for
+    all) for every process in them to end, then SIGKILL what is left: a server's own CLI may exit
+    before its uvicorn child has, which would otherwise keep the port and a core."""
+    pgids = [p.pid for p in procs]
+    for pgid in pgids:
         try:
-            os.killpg(pgid, 0)
+            os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
-            return
-        time.sleep(0.2)
+            pass
+    end = time.monotonic() + grace_s
+    alive = list(pgids)
+    while alive and time.monotonic() < end:
+        for p in procs:
+            p.poll()  # reap a leader that has exited: a zombie still counts as its group's member
+        alive = [g for g in alive if _group_alive(g)]
+        if alive:
+            time.sleep(0.2)
+    for pgid in alive:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _group_alive(pgid: int) -> bool:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.killpg(pgid, 0)
     except ProcessLookupError:
-        pass
+        return False
+    return True
 
 
 def serve_command(model_dir: str, host: str, port: int) -> tuple[list[str], dict[str, str]]:

@@ -322,7 +322,7 @@ def comparison_figure(rows: list[dict], title: str, sections: list | None = None
     seeds at each privacy level with ± one standard deviation, every run a faint marker behind it;
     panels against the privacy level for ldp runs: accuracy, and each declared :class:`LevelPanel`
     that a run logged (``sections``: the registered methods' when None)."""
-    import matplotlib.pyplot as plt
+    from .plots import plt
 
     datasets = sorted({r.get("dataset", "") for r in rows})
     if len(datasets) > 1:  # one line per (method, dataset): runs of different datasets are never pooled

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -276,17 +277,25 @@ def read_split_units(cfg: DataConfig, data_root: str | None, split: str
     if not folder.is_dir():
         raise DataError(f"data folder not found: {folder}")
     path = find_split_file(folder, split)
-    # keyed by the file's bytes (a rewrite within one mtime tick is still seen) and the config
-    key = (str(path.resolve()), hashlib.sha256(path.read_bytes()).digest(), cfg.model_dump_json())
-    if key not in _READS:  # plan and a run's preflight read each split more than once (keys, sizes, notes)
-        while len(_READS) >= 4:
-            _READS.pop(next(iter(_READS)))
-        _READS[key] = _normalise(sources.read_file(path), cfg, str(path))
-    texts, labels, units = _READS[key]
+    try:  # keyed by the file's bytes (a rewrite within one mtime tick is still seen), its reader and the config
+        key = (str(path.resolve()), hashlib.sha256(path.read_bytes()).digest(),
+               type(sources.source_for_file(path)).__qualname__, cfg.model_dump_json())
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {type(err).__name__}") from None
+    with _READS_LOCK:
+        hit = _READS.get(key)
+    if hit is None:  # plan and a run's preflight read each split more than once (keys, sizes, notes)
+        hit = _normalise(sources.read_file(path), cfg, str(path))
+        with _READS_LOCK:
+            while len(_READS) >= 4:
+                _READS.pop(next(iter(_READS)), None)
+            _READS[key] = hit
+    texts, labels, units = hit
     return list(texts), list(labels), None if units is None else list(units)
 
 
-_READS: dict = {}  # this process's last few reads of a split file
+_READS: dict = {}  # this process's last few reads of a split file (task threads share it: under the lock)
+_READS_LOCK = threading.Lock()
 
 
 def source_signature(cfg: DataConfig, data_root: str | None) -> str:

@@ -12,7 +12,9 @@ ahead of MLflow's bundle, so the bundle reads them on its first render. Register
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 from mlflow.server import app as flask_app
 from mlflow.server.fastapi_app import app  # the ASGI app uvicorn serves; it wraps ``flask_app``
@@ -36,12 +38,23 @@ def page_without_telemetry(html: bytes) -> bytes:
     return html[:at] + SCRIPT + html[at:]
 
 
-@flask_app.after_request
-def _telemetry_off(response):
-    if response.status_code == 200 and response.mimetype == "text/html":
-        response.direct_passthrough = False  # send_from_directory streams the file: read it to edit it
-        response.set_data(page_without_telemetry(response.get_data()))
-    return response
+def _index():
+    """MLflow's index page with :data:`SCRIPT` in it, under its own ETag (a browser that cached the
+    unchanged page revalidates and gets this one) and answered conditionally as Flask answers a file."""
+    from flask import Response, request
+
+    folder = Path(flask_app.static_folder)
+    if not (folder / "index.html").is_file():
+        return _mlflow_index()  # MLflow's own answer for an install without its built UI
+    body = page_without_telemetry((folder / "index.html").read_bytes())
+    response = Response(body, mimetype="text/html")
+    response.set_etag(hashlib.sha256(body).hexdigest())
+    response.cache_control.no_cache = True
+    return response.make_conditional(request)
+
+
+_mlflow_index = flask_app.view_functions["serve"]  # the only route that serves index.html ("/")
+flask_app.view_functions["serve"] = _index  # artifacts and every other page stay as MLflow serves them
 
 
 __all__ = ["app", "flask_app", "page_without_telemetry"]

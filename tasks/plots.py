@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
+
+# every figure renders off-screen (task threads, headless machines), whoever imports pyplot first
+if "matplotlib" in sys.modules:
+    sys.modules["matplotlib"].use("Agg")
+else:
+    os.environ["MPLBACKEND"] = "Agg"
 
 
 class _Pyplot:
-    """``matplotlib.pyplot`` (Agg backend), imported at the first figure: a second of start-up that
-    ``privprompt plan`` and every run that draws nothing never pay."""
+    """``matplotlib.pyplot``, imported at the first figure: a second of start-up that ``privprompt
+    plan`` and every run that draws nothing never pay."""
 
     def __getattr__(self, name: str):
-        import matplotlib
-
-        matplotlib.use("Agg")
         import matplotlib.pyplot as pyplot
 
         return getattr(pyplot, name)

@@ -72,7 +72,7 @@ class SoftPromptDPSGD(Mechanism):
 def flatness_figure(rows: list[dict], title: str = "flatness of the published prompts (test split)"):
     """Test loss along a random and an adversarial direction (Privacy-Flat Figures 1, 3), the
     mean over runs per method label; None when no run logged flatness curves."""
-    import matplotlib.pyplot as plt
+    from ..plots import plt
 
     rows = [r for r in rows if r.get("flatness")]
     if not rows:
@@ -185,8 +185,9 @@ def prefix_extras(name: str, report: Report = PREFIX_REPORT, **more) -> Extras:
 def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str, examples: int = 256) -> dict:
     """``flatness.*`` metrics and ``plots/flatness.png`` of the prefix at ``prompt_path`` on
     ``examples`` rows of the test split."""
-    import matplotlib.pyplot as plt
     import numpy as np
+
+    from ..plots import plt
 
     from models.landscape import flatness_curves
 

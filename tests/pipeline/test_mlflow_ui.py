@@ -3,6 +3,7 @@ sends UI telemetry: its page sets both local-storage settings before MLflow's bu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -45,6 +46,12 @@ def test_the_page_dismisses_the_notice_and_switches_ui_telemetry_off():
     main = next(bundle.glob("main.*.js")).read_text()
     assert '"mlflow.telemetry.info.alert.dismissed"' in main and '"mlflow.settings.telemetry.enabled"' in main
     assert "`${e}_v${t}`" in main
+    # a browser holding the page unchanged (its own ETag) revalidates and gets this one; this one's ETag answers 304
+    etag = response.headers["ETag"]
+    assert etag.strip('"') != hashlib.sha256((Path(flask_app.static_folder) / "index.html").read_bytes()).hexdigest()
+    assert flask_app.test_client().get("/", headers={"If-None-Match": etag}).status_code == 304
+    # only the index page is MLflow's page with the script; nothing else it serves (artifacts) is rewritten
+    assert not flask_app.after_request_funcs.get(None)
 
 
 @pytest.mark.slow  # the MLflow server's uvicorn workers take ~30-60 s to come up on 2 cores

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +104,30 @@ def test_embedded_prefect_server_starts_in_the_background(tmp_path, monkeypatch)
         assert get_current_settings().flows.heartbeat_frequency == heartbeat
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_the_embedded_server_ends_with_its_command_however_that_ends(tmp_path):
+    """A command killed outright (SIGKILL: no atexit, no finally) leaves no Prefect server behind."""
+    code = ("import sys, time; from privprompt_commands.run import _local_prefect_server; "
+            "s = _local_prefect_server().start(); print(s.process.pid, flush=True); time.sleep(120)")
+    command = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PREFECT_HOME": str(tmp_path)})
+    server_pid = int(command.stdout.readline())
+    os.kill(command.pid, signal.SIGKILL)
+    command.wait()
+    end = time.monotonic() + 30
+    while time.monotonic() < end and _running(server_pid):
+        time.sleep(0.2)
+    assert not _running(server_pid), "the embedded server outlived its command"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
 
 
 def test_a_named_server_is_used_as_is(monkeypatch):

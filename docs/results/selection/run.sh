@@ -2,7 +2,7 @@
 # Issue 30's experiment, small (2 shared CPU cores): from the repository root,
 #   PY=/path/to/python bash docs/results/selection/run.sh
 # Data built into /tmp (never into the repo); state and MLflow in /tmp/sel-exp-state.
-# Two chains at once: the fixed quickstart settings (with the zero-shot baseline), and the selection.
+# Two chains at once: the fixed quickstart settings of then (2 epochs) (with the zero-shot baseline), and the selection.
 set -u
 PY=${PY:-.venv/bin/python}
 SEEDS=${SEEDS:-"0 1 2"}
