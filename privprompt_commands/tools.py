@@ -114,7 +114,7 @@ def serve_command(model_dir: str, host: str, port: int) -> tuple[list[str], dict
     env = dict(os.environ)
     bin_dir = os.path.dirname(os.path.abspath(sys.executable))
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
-    root = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, not privprompt_commands/
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return ([sys.executable, "-m", "mlflow", "models", "serve", "-m", model_dir, "--env-manager", "local",
              "--host", host, "--port", str(port)], env)

@@ -219,6 +219,7 @@ def test_predict_reads_the_text_field_it_is_told(state, tmp_path, capsys):
 
 def test_serve_runs_mlflow_from_this_environment_with_uvicorn_on_path(monkeypatch):
     """`mlflow models serve` execs `uvicorn` by name: without the venv activated it was not found."""
+    import os
     import shutil
     import sys
 
@@ -229,6 +230,12 @@ def test_serve_runs_mlflow_from_this_environment_with_uvicorn_on_path(monkeypatc
     assert command[:3] == [sys.executable, "-m", "mlflow"] and command[3:5] == ["models", "serve"]
     assert command[command.index("--env-manager") + 1] == "local" and command[-2:] == ["--port", "5123"]
     assert shutil.which("uvicorn", path=env["PATH"]) is not None
+    # the model's code imports `models` and `tasks` from the checkout: its root first on the path, never a
+    # package folder (privprompt_commands/models.py would shadow the `models` package)
+    from pathlib import Path
+
+    first = Path(env["PYTHONPATH"].split(os.pathsep)[0])
+    assert first == Path(__file__).resolve().parents[2] and (first / "models" / "__init__.py").is_file()
 
 
 def _free_port() -> int:
