@@ -40,14 +40,22 @@ def test_promote_runs_the_missing_canary_audit_and_promotes(canary_run, capsys):
     capsys.readouterr()
     rc = main(["--state-dir", str(state), "promote", f"models:/{name}@candidate"])
     out = capsys.readouterr().out
-    assert rc == 0, out
     bound = mlflow.get_run(run_id).data.metrics["audit.epsilon_lower_bound"]
     eps = mlflow.get_run(run_id).data.metrics["privacy.epsilon"]
     assert 0 <= bound <= eps
     tags = mlflow.get_model_version(name, "1").tags
     assert tags["gate.canary"] == "pass" and "(audit run now by promote)" in tags["gate.canary.reason"]
     assert tags["gate.adapter"] == "pass", tags["gate.adapter.reason"]
-    assert tags["gate.lira"] == "skipped" and tags["gate.holdout"] == "skipped"
+    assert tags["gate.lira"] == "skipped"
+    # the run published its prompt whatever the released comparison said (fallback off): the holdout gate
+    # reads that comparison, and a prompt below no prompt is not promoted without --force
+    below = mlflow.get_run(run_id).data.metrics["no_prompt.released_difference"] < 0
+    assert tags["gate.holdout"] == ("fail" if below else "pass"), tags["gate.holdout.reason"]
+    assert rc == (5 if below else 0), out
+    if below:
+        assert "production" not in mlflow.get_registered_model(name).aliases
+        assert main(["--state-dir", str(state), "promote", f"models:/{name}@candidate", "--force"]) == 0
+        capsys.readouterr()
     assert {k: str(v) for k, v in mlflow.get_registered_model(name).aliases.items()} == \
         {"candidate": "1", "production": "1"}
     from tasks.state import state_paths
