@@ -78,8 +78,9 @@ def test_counts_include_the_initial_instruction_monotone_sensitivity_one(tiny):
     cands = with_initial(["rate the review", "say positive"], INITIAL)
     texts, labels = ROWS.texts[:6], ROWS.labels[:6]
     counts = text_prompts.correct_counts(engine, mctx.cfg, cands, texts, labels)
-    alone = text_prompts.correct_counts(engine, mctx.cfg, [INITIAL], texts, labels)
-    assert counts[-1] == alone[0]
+    assert cands[-2:] == [INITIAL, ""]  # the initial instruction, then no instruction (zero-shot's template)
+    alone = text_prompts.correct_counts(engine, mctx.cfg, [INITIAL, ""], texts, labels)
+    assert counts[-2] == alone[0] and counts[-1] == alone[1]
     more = text_prompts.correct_counts(engine, mctx.cfg, cands, texts + [ROWS.texts[6]], labels + [ROWS.labels[6]])
     assert set((more - counts).tolist()) <= {0.0, 1.0}
 
