@@ -63,21 +63,28 @@ def cmd_ui(args) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        # a second Ctrl-C or SIGTERM while the servers stop must not cut the stop short (their uvicorn
-        # children would keep the ports)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         marker.unlink(missing_ok=True)
         _stop_groups(procs)
-        for p in procs:
-            p.wait()
     return 0
 
 
 def _stop_groups(procs: list, grace_s: float = 30.0) -> None:
-    """SIGTERM the process group each of ``procs`` leads, wait up to ``grace_s`` (one deadline for
-    all) for every process in them to end, then SIGKILL what is left: a server's own CLI may exit
-    before its uvicorn child has, which would otherwise keep the port and a core."""
+    """SIGTERM the process group each of ``procs`` leads (each started with ``start_new_session``),
+    wait up to ``grace_s`` (one deadline for all) for every process in them to end, then SIGKILL what
+    is left and reap the leaders: a server's own CLI may exit before its uvicorn child has, which
+    would otherwise keep the port and a core. A second Ctrl-C or SIGTERM meanwhile is ignored (it
+    would cut the stop short); the handlers are restored after."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        _terminate_groups(procs, grace_s)
+        for p in procs:
+            p.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _terminate_groups(procs: list, grace_s: float) -> None:
     pgids = [p.pid for p in procs]
     for pgid in pgids:
         try:
@@ -149,9 +156,4 @@ def cmd_serve(args) -> int:
         except KeyboardInterrupt:
             return 0
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            _stop_groups([proc])

