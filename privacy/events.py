@@ -43,6 +43,7 @@ Conventions (add/remove neighbouring datasets throughout):
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -302,9 +303,11 @@ def event_from_dict(data: dict[str, Any]) -> DpEvent:
     return cls(**args)
 
 
+@functools.lru_cache(maxsize=8192)
 def holds_adaptive(event: DpEvent) -> bool:
-    """Whether ``event`` is, or holds anywhere, an :class:`AdaptiveEvent`."""
-    return any(isinstance(e, AdaptiveEvent) for e in all_events(event))
+    """Whether ``event`` is, or holds anywhere, an :class:`AdaptiveEvent` (remembered per event: a
+    ledger asks it of every entry of a dataset at every reservation)."""
+    return isinstance(event, AdaptiveEvent) or any(holds_adaptive(e) for e in sub_events(event))
 
 
 def split_adaptive(event: DpEvent) -> tuple[tuple, tuple, float | None]:

@@ -321,6 +321,11 @@ def pure_epsilon(event: ev.DpEvent) -> float:
     raise TypeError(f"not a privacy event: {event!r}")
 
 
+# the curve of each part of a composition, per orders: a plain dict, so a history of hundreds of
+# parts is looked up without hashing the orders again for each part
+_PART_CURVES: dict[tuple[float, ...], dict] = {}
+
+
 @lru_cache(maxsize=512)
 def _rdp_cached(event: ev.DpEvent, orders: tuple[float, ...]) -> tuple[np.ndarray, float]:
     curve, delta = _rdp(event, np.asarray(orders, dtype=float))
@@ -333,6 +338,7 @@ def _orders_key(orders) -> tuple[float, ...]:
     return DEFAULT_ORDERS if orders is DEFAULT_ORDERS else tuple(float(o) for o in orders)  # floats already
 
 
+@lru_cache(maxsize=8192)
 def rdp_is_proven(event: ev.DpEvent) -> bool:
     """False when the event holds a Poisson-subsampled mechanism with a δ-part (LimitedDomain):
     its RDP curve here uses the DP-OPT reference's rule — amplify the pure part at
@@ -340,8 +346,9 @@ def rdp_is_proven(event: ev.DpEvent) -> bool:
     needs the base mechanism's RDP in both directions, and a LimitedDomain pair is infinitely
     divergent on the tokens one side can return). Such an event's ε is the PLD accountant's alone;
     the RDP number is kept as a cross-check only (privacy/accountant.py)."""
-    return not any(isinstance(e, ev.PoissonSampledEvent) and rdp_of_event(e.event, (2.0,))[1] > 0
-                   for e in ev.all_events(event))
+    if isinstance(event, ev.PoissonSampledEvent) and rdp_of_event(event.event, (2.0,))[1] > 0:
+        return False
+    return all(rdp_is_proven(e) for e in ev.sub_events(event))  # each part remembered
 
 
 def rdp_of_event(event: ev.DpEvent, orders=DEFAULT_ORDERS) -> tuple[np.ndarray, float]:
@@ -371,10 +378,17 @@ def _rdp(event: ev.DpEvent, orders: np.ndarray) -> tuple[np.ndarray, float]:
         curve, delta = rdp_of_event(event.event, tuple(orders))
         return event.count * curve, event.count * delta
     if isinstance(event, ev.ComposedEvent):  # a ledger's history: hundreds of parts, most of them alike
-        total, delta, key = np.zeros_like(orders), 0.0, tuple(float(o) for o in orders)
+        key = tuple(float(o) for o in orders)
+        curves = _PART_CURVES.setdefault(key, {})
+        if len(curves) > 8192:  # a long-lived worker's many distinct parts: start over
+            curves.clear()
+        total, delta = np.zeros_like(orders), 0.0
         for e in event.events:
-            c, d = _rdp_cached(e, key)
-            total, delta = total + c, delta + d
+            part = curves.get(e)
+            if part is None:
+                part = curves[e] = _rdp_cached(e, key)
+            total += part[0]
+            delta += part[1]
         return total, delta
     if isinstance(event, ev.ParallelEvent):
         parts = [rdp_of_event(e, tuple(orders)) for e in event.events]

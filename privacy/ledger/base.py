@@ -72,10 +72,15 @@ class LedgerBase:
     @staticmethod
     def _counted_events(conn: sa.Connection, fingerprint: str, exclude_run_id: str | None = None
                         ) -> list[str]:
-        rows = _q(conn,
-            "SELECT * FROM entries WHERE fingerprint = ? AND kind = 'dp' AND status NOT IN ('aborted', 'released') "
-            "ORDER BY id", (fingerprint,)).fetchall()
-        return [_counted_event_json(r) for r in rows if r["run_id"] != exclude_run_id]
+        """The event texts the dataset's budget composes, oldest first: each dp entry's committed
+        event, or its reserved one while it is reserved (aborted and released entries cost nothing,
+        as in :func:`.common._counted_event_json`). Only those two columns are read: every
+        reservation reads the whole history."""
+        rows = conn.execute(sa.text(
+            "SELECT run_id, CASE WHEN status = 'committed' THEN committed_event ELSE reserved_event END "
+            "FROM entries WHERE fingerprint = :f AND kind = 'dp' AND status IN ('reserved', 'committed') "
+            "ORDER BY id"), {"f": fingerprint}).all()
+        return [text for run_id, text in rows if run_id != exclude_run_id]
 
     @staticmethod
     def _delta_floor(conn: sa.Connection, fingerprint: str) -> float:

@@ -4,6 +4,7 @@ and the composition of stored events by the accountant (``privacy.accountant``: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import getpass
 import math
 import os
@@ -14,7 +15,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from .. import events as ev
-from ..accountant import PrivacySpend, spend
+from ..accountant import PrivacySpend, spend, spend_by
+from ..accountants import DEFAULT_ACCOUNTANT
 
 # Relative slack when comparing a committed ε with the reserved one (the accountant is
 # deterministic; this only absorbs float noise).
@@ -75,6 +77,7 @@ def _counted_event_json(row: Any) -> str | None:
     return row["reserved_event"]
 
 
+@functools.lru_cache(maxsize=4096)
 def _counted(text: str) -> ev.DpEvent:
     """A stored event as the ledger counts it: one recorded before runs marked their sizes release
     as adaptive (:class:`privacy.events.AdaptiveEvent`) has that release — the first Gaussian of
@@ -108,6 +111,19 @@ def _peel(event: ev.DpEvent) -> tuple[ev.DpEvent, ev.DpEvent] | None:
 def _compose(event_jsons: list[str], delta: float) -> PrivacySpend:
     events = tuple(_counted(text) for text in event_jsons)
     return spend(ev.ComposedEvent(events), delta)
+
+
+def _bound(event_jsons: list[str], delta: float) -> float | None:
+    """An upper bound on ``_compose(event_jsons, delta).epsilon`` that costs a sum of cached RDP
+    curves instead of a PLD composition: the RDP accountant's ε of the same composition (with the
+    same adaptive split). The default accountant answers min(PLD, RDP) wherever the RDP curve is
+    proven and PLD alone where it is not (``accountants.MinPldRdp``), so where this is finite the
+    ledger's ε is never above it. None where RDP proves nothing (the exact composition decides)."""
+    if DEFAULT_ACCOUNTANT != "min_pld_rdp":  # the bound holds for that accountant's answers only
+        return None
+    events = tuple(_counted(text) for text in event_jsons)
+    epsilon = spend_by("rdp", ev.ComposedEvent(events), delta).epsilon
+    return epsilon if math.isfinite(epsilon) else None
 
 
 def _held(s: PrivacySpend, floor: float) -> PrivacySpend:

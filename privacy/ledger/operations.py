@@ -5,9 +5,10 @@ nothing. Non-private and local-DP uses are recorded, never composed. Previews co
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -16,7 +17,7 @@ from .. import events as ev
 from ..accountant import spend
 from ..validation import check_delta, check_epsilon
 from .base import LedgerBase
-from .common import _EPS_RTOL, _check_text, _compose, _counted, _event_json, _fmt, _now, _preview, _q, _short
+from .common import _EPS_RTOL, _bound, _check_text, _compose, _counted, _event_json, _fmt, _now, _preview, _q, _short
 from .errors import BudgetExceededError, ReadClaimedError
 
 
@@ -25,8 +26,10 @@ class Reservation:
     """The answer of :meth:`Ledger.reserve`.
 
     ``spent_epsilon`` / ``remaining_epsilon`` describe the dataset *including* this reservation,
-    at the time of the call. ``new`` is False when an existing reservation was returned
-    (idempotent retry) instead of a new one being made.
+    at the time of the call. A reservation admitted on the RDP bound (:meth:`OperationsMixin._fits`)
+    composes them from the entries it was checked against when they are first read, outside the
+    ledger's lock. ``new`` is False when an existing reservation was returned (idempotent retry)
+    instead of a new one being made.
     """
 
     run_id: str
@@ -35,11 +38,23 @@ class Reservation:
     epsilon: float            # ε of this run alone at the dataset's δ
     delta: float
     epsilon_cap: float
-    spent_epsilon: float      # composed ε of all counted entries, this one included
-    remaining_epsilon: float
     status: str
     created_at: str
     new: bool = True
+    # the composed ε when it is known, else (the counted event texts, this one last; the δ floor)
+    composed: float | tuple[tuple[str, ...], float] = field(default=0.0, repr=False, compare=False)
+
+    @functools.cached_property
+    def spent_epsilon(self) -> float:
+        """Composed ε of all counted entries, this one included, at the dataset's δ."""
+        if isinstance(self.composed, tuple):
+            texts, floor = self.composed
+            return max(floor, _compose(list(texts), self.delta).epsilon)
+        return float(self.composed)
+
+    @property
+    def remaining_epsilon(self) -> float:
+        return max(0.0, self.epsilon_cap - self.spent_epsilon)
 
 
 class OperationsMixin(LedgerBase):
@@ -66,6 +81,10 @@ class OperationsMixin(LedgerBase):
         _check_text(description, "description", allow_empty=True)
         event_json = _event_json(event)
         event = ev.event_from_json(event_json)
+        with self._read() as conn:
+            known = _q(conn, "SELECT delta FROM datasets WHERE fingerprint = ?", (fingerprint,)).fetchone()
+        if known is not None:  # the run's ε alone, before the write lock (remembered, asked again under it)
+            spend(ev.ComposedEvent((event,)), known["delta"])
         with self._write() as conn:
             ds = self._dataset_row(conn, fingerprint)
             row = _q(conn, "SELECT * FROM entries WHERE run_id = ?", (run_id,)).fetchone()
@@ -74,13 +93,12 @@ class OperationsMixin(LedgerBase):
                 if again is not None:
                     return again
             self._refuse_delta_at_least_one_over_n(conn, ds, run_id, allow_delta_at_least_one_over_n)
-            alone, total = self._fits(conn, ds, run_id, event, event_json)
-            created = self._write_reservation(conn, row, ds, run_id, event_json, alone, total, description)
-        cap = ds["epsilon_cap"]
+            alone, total, stated = self._fits(conn, ds, run_id, event, event_json)
+            created = self._write_reservation(conn, row, ds, run_id, event_json, alone, stated,
+                                              isinstance(total, tuple), description)
         return Reservation(run_id=run_id, fingerprint=fingerprint, event=event, epsilon=alone,
-                           delta=ds["delta"], epsilon_cap=cap, spent_epsilon=total,
-                           remaining_epsilon=max(0.0, cap - total), status="reserved",
-                           created_at=created, new=True)
+                           delta=ds["delta"], epsilon_cap=ds["epsilon_cap"], status="reserved",
+                           created_at=created, new=True, composed=total)
 
     def _retried_reservation(self, conn: sa.Connection, row: Any, ds: Any, run_id: str, event: ev.DpEvent,
                              event_json: str) -> Reservation | None:
@@ -105,8 +123,7 @@ class OperationsMixin(LedgerBase):
         return Reservation(
             run_id=run_id, fingerprint=fingerprint, event=event,
             epsilon=row["epsilon_reserved"], delta=ds["delta"], epsilon_cap=cap,
-            spent_epsilon=total, remaining_epsilon=max(0.0, cap - total),
-            status=row["status"], created_at=row["created_at"], new=False)
+            status=row["status"], created_at=row["created_at"], new=False, composed=total)
 
     def _refuse_delta_at_least_one_over_n(self, conn: sa.Connection, ds: Any, run_id: str, allowed: bool) -> None:
         n = self._record_count(conn, ds["fingerprint"])
@@ -117,13 +134,20 @@ class OperationsMixin(LedgerBase):
                 f"lower it (privprompt budget set-delta) before running; run {run_id!r} was not recorded")
 
     def _fits(self, conn: sa.Connection, ds: Any, run_id: str, event: ev.DpEvent, event_json: str
-              ) -> tuple[float, float]:
-        """(ε of the run alone, composed ε with it) at the dataset's δ; :class:`BudgetExceededError`
-        over the cap."""
+              ) -> tuple[float, float | tuple[tuple[str, ...], float], float]:
+        """(ε of the run alone, the composed ε with it, what the trail states of it) at the dataset's δ; :class:`BudgetExceededError`
+        over the cap. A composition whose RDP bound (``common._bound``) is within the cap is admitted
+        on it: the exact ε (PLD, never above the bound) could only be lower, so the decision is the
+        same, and the write lock is not held for a PLD composition of the whole history. Its
+        composed ε is then returned as what it is composed from, for :class:`Reservation`, and the
+        trail states the bound."""
         fingerprint, cap, delta = ds["fingerprint"], ds["epsilon_cap"], ds["delta"]
         existing = self._counted_events(conn, fingerprint)
         floor = self._delta_floor(conn, fingerprint)  # a δ change never lowers what is spent
         alone = spend(ev.ComposedEvent((event,)), delta).epsilon
+        bound = _bound(existing + [event_json], delta)
+        if bound is not None and max(floor, bound) <= cap:
+            return alone, (tuple(existing) + (event_json,), floor), max(floor, bound)
         total = max(floor, _compose(existing + [event_json], delta).epsilon)
         if not total <= cap:
             spent_eps = max(floor, _compose(existing, delta).epsilon)
@@ -136,19 +160,22 @@ class OperationsMixin(LedgerBase):
                 f"counted entries the total would be ε={_fmt(total)}; run {run_id!r} was not recorded",
                 fingerprint=fingerprint, name=ds["name"], needed=alone, spent=spent_eps,
                 total=total, cap=cap, delta=delta)
-        return alone, total
+        return alone, total, total
 
     def _write_reservation(self, conn: sa.Connection, row: Any, ds: Any, run_id: str, event_json: str,
-                           alone: float, total: float, description: str) -> str:
-        """Insert the entry (or reserve an aborted / released one again) and its trail row; its time."""
+                           alone: float, stated: float, bounded: bool, description: str) -> str:
+        """Insert the entry (or reserve an aborted / released one again) and its trail row; its time.
+        The trail states the composed ε, or, for a reservation admitted on the RDP bound, that bound
+        (``spent_epsilon_at_most``)."""
         fingerprint, cap, now = ds["fingerprint"], ds["epsilon_cap"], _now()
+        spent = {"spent_epsilon_at_most" if bounded else "spent_epsilon": stated}
         if row is None:
             _q(conn,
                 "INSERT INTO entries (run_id, fingerprint, kind, status, reserved_event,"
                 " epsilon_reserved, description, created_at)"
                 " VALUES (?, ?, 'dp', 'reserved', ?, ?, ?, ?)",
                 (run_id, fingerprint, event_json, alone, description, now))
-            self._trail(conn, "reserve", fingerprint, run_id, epsilon=alone, spent_epsilon=total, cap=cap,
+            self._trail(conn, "reserve", fingerprint, run_id, epsilon=alone, **spent, cap=cap,
                         event=json.loads(event_json), description=description)
         else:  # re-reserving an aborted or released entry (a Prefect retry of a released run)
             _q(conn,
@@ -156,7 +183,7 @@ class OperationsMixin(LedgerBase):
                 " abort_reason = NULL, aborted_at = NULL, released_at = NULL, release_reason = NULL,"
                 " created_at = ? WHERE run_id = ?",
                 (alone, description or row["description"], now, run_id))
-            self._trail(conn, "reserve", fingerprint, run_id, epsilon=alone, spent_epsilon=total, cap=cap,
+            self._trail(conn, "reserve", fingerprint, run_id, epsilon=alone, **spent, cap=cap,
                         event=json.loads(event_json), description=description or row["description"],
                         again_after=row["status"])
         return now
@@ -200,13 +227,14 @@ class OperationsMixin(LedgerBase):
                 self._trail(conn, "commit", row["fingerprint"], run_id, epsilon=alone,
                             epsilon_reserved=row["epsilon_reserved"], over_reservation=over,
                             event=json.loads(event_json))
+            committed = self._entry_dict(self._entry_row(conn, run_id), ds["name"])
         if over:
             raise ValueError(
                 f"run {run_id!r} committed ε={_fmt(alone)} but reserved only "
                 f"ε={_fmt(row['epsilon_reserved'])} at δ={ds['delta']:g}: the reservation was not the "
                 "run's worst case. The ledger records the committed event (a spent budget stays "
                 "spent), which may put the dataset over its cap")
-        return self._entry_dict_for(run_id)
+        return committed
 
     def abort(self, run_id: str, reason: str) -> dict[str, Any]:
         """Mark a *reserved* entry 'aborted'; it then costs nothing. Returns its ``entries()`` row.

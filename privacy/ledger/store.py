@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy import event as sa_event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import NullPool, QueuePool
 
 from . import schema
 from .errors import LedgerError, LedgerUnavailableError, LedgerURLError
@@ -164,8 +164,11 @@ def _owner_only_sqlite(path: Path) -> None:
 class Store:
     """A SQLAlchemy engine on one ledger database with serialised write transactions.
 
-    No connection pool: each transaction opens and closes its own connection, so the object
-    survives ``fork``/``spawn`` and no idle connection is held to the team's server."""
+    A PostgreSQL ledger has no connection pool: each transaction opens and closes its own
+    connection, so no idle connection is held to the team's server. A SQLite ledger keeps one idle
+    connection per process (opening one, and closing the last one, which checkpoints the journal,
+    cost more than a reservation's own work); the engine is made afresh in a forked child, and a
+    pickled store carries none, so the object survives ``fork``/``spawn``."""
 
     def __init__(self, target, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
         if not isinstance(busy_timeout_s, (int, float)) or isinstance(busy_timeout_s, bool) \
@@ -177,6 +180,7 @@ class Store:
         self.masked_url = (mask_url(target) if not isinstance(target, os.PathLike) and "://" in str(target)
                            else mask_url(self.url))
         self._engine = None
+        self._engine_pid = None
         if self.path is not None:
             _owner_only_folders(self.path.parent)
 
@@ -187,15 +191,18 @@ class Store:
 
     @property
     def engine(self) -> sa.Engine:
-        if self._engine is None:
-            self._engine = self._make_engine()
+        if self._engine is None or self._engine_pid != os.getpid():
+            if self._engine is not None:  # inherited across fork: the parent's connections stay the parent's
+                self._engine.dispose(close=False)
+            self._engine, self._engine_pid = self._make_engine(), os.getpid()
         return self._engine
 
     def _make_engine(self) -> sa.Engine:
         if self.dialect == "sqlite":
             _owner_only_sqlite(self.path)
-            engine = sa.create_engine(self.url, poolclass=NullPool,
-                                      connect_args={"timeout": self.busy_timeout_s, "isolation_level": None})
+            engine = sa.create_engine(self.url, poolclass=QueuePool, pool_size=1, max_overflow=-1,
+                                      connect_args={"timeout": self.busy_timeout_s, "isolation_level": None,
+                                                    "check_same_thread": False})
             busy_ms = int(self.busy_timeout_s * 1000)
 
             @sa_event.listens_for(engine, "connect")
