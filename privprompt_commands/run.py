@@ -325,6 +325,7 @@ def _print_summary(summary: dict, wall: float) -> None:
 
 
 def cmd_run(args) -> int:
+    started = time.perf_counter()  # the wall time a user waits for: checks and start-up included
     from privprompt_worker import ROOT_ENV, STATE_MISMATCH, run_via_worker
 
     rc = run_via_worker(args.argv, args.config, args.set, args.state_dir)  # a warm worker (privprompt worker)
@@ -352,7 +353,7 @@ def cmd_run(args) -> int:
             return refused
     server = _local_prefect_server().start()  # starts up while this process imports and checks
     try:
-        return _run_with_server(cfg, paths, server)
+        return _run_with_server(cfg, paths, server, started)
     finally:
         server.stop()
 
@@ -370,7 +371,7 @@ def _budget_refusal(cfg, paths) -> int | None:
     return None if refusal is None else _fail(refusal + " (budget: nothing reserved, no ε used)")
 
 
-def _run_with_server(cfg, paths, server) -> int:
+def _run_with_server(cfg, paths, server, started: float) -> int:
     config = cfg.model_copy(update={"state_dir": str(paths.root)})  # the one parse, handed to the flow as it is
 
     errors = _user_errors()
@@ -383,7 +384,6 @@ def _run_with_server(cfg, paths, server) -> int:
             return _fail(_one_line(err) + " (budget: nothing reserved, no ε used)")
     from tasks.audit import AuditFailure
 
-    started = time.perf_counter()
     before = _ledger_snapshot(paths)
     try:
         _flow_of(cfg)  # its imports (seconds) while the embedded server may still be starting, not after

@@ -597,6 +597,9 @@ def configure_environment(paths: StatePaths) -> None:
     if paths.ledger_setting:  # the config's ledger: this process's and its workers' (Dask) from now on
         os.environ[LEDGER_URL_ENV] = paths.ledger_setting
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(paths.prefect_home / "storage")
+    from .templates import defaults
+
+    defaults()  # the set-up's templates, where it made them and no setting says otherwise
     template = os.environ.get(PREFECT_TEMPLATE_ENV)
     if template and not any(os.environ.get(k) for k in _PREFECT_DB_SETTINGS):
         # the ephemeral server's database is this home's prefect.db: start it as a copy of a
