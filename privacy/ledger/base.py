@@ -11,7 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from ..accountant import PrivacySpend
-from .common import _check_text, _compose, _held, _host, _now, _os_user, _q, _counted_event_json
+from .common import _check_text, _compose, _held, _host, _now, _os_user, _q
 from .errors import UnknownDatasetError, UnknownRunError
 from .store import Store
 

@@ -113,13 +113,22 @@ def _compose(event_jsons: list[str], delta: float) -> PrivacySpend:
     return spend(ev.ComposedEvent(events), delta)
 
 
+def _built_in_accountants() -> bool:
+    """The default and the RDP accountant are the built-in ones (a plugin may replace either by
+    name: ``register_accountant(..., force=True)``), whose answers the bound compares."""
+    from .. import accountants
+
+    return (DEFAULT_ACCOUNTANT == "min_pld_rdp" and accountants._ACCOUNTANTS.get("min_pld_rdp") is accountants.MinPldRdp
+            and accountants._ACCOUNTANTS.get("rdp") is accountants.RdpAccountant)
+
+
 def _bound(event_jsons: list[str], delta: float) -> float | None:
     """An upper bound on ``_compose(event_jsons, delta).epsilon`` that costs a sum of cached RDP
     curves instead of a PLD composition: the RDP accountant's ε of the same composition (with the
     same adaptive split). The default accountant answers min(PLD, RDP) wherever the RDP curve is
     proven and PLD alone where it is not (``accountants.MinPldRdp``), so where this is finite the
     ledger's ε is never above it. None where RDP proves nothing (the exact composition decides)."""
-    if DEFAULT_ACCOUNTANT != "min_pld_rdp":  # the bound holds for that accountant's answers only
+    if not _built_in_accountants():  # the bound holds for those two accountants' answers only
         return None
     events = tuple(_counted(text) for text in event_jsons)
     epsilon = spend_by("rdp", ev.ComposedEvent(events), delta).epsilon

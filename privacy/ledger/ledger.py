@@ -34,9 +34,10 @@ class Ledger(OperationsMixin, DatasetsMixin, RecordsMixin, KeysMixin, TransferMi
     """Persistent privacy budget ledger: a SQLite file (created with its directory) given by path
     or ``sqlite:////abs/path`` URL, or a team's PostgreSQL given by ``postgresql://`` URL.
 
-    Each operation opens its own short-lived connection, so a ``Ledger`` object can be created in
-    one process and used after ``fork``/``spawn``, and several processes (and, on PostgreSQL,
-    machines) can share one ledger.
+    On PostgreSQL each operation opens its own short-lived connection; a SQLite ledger keeps one idle
+    connection per process, closed before any fork. A ``Ledger`` object can be created in one process
+    and used after ``fork``/``spawn``, and several processes (and, on PostgreSQL, machines) can share
+    one ledger.
     """
 
     def __init__(self, path, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):

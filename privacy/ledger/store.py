@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -161,14 +162,31 @@ def _owner_only_sqlite(path: Path) -> None:
 
 
 
+# SQLite stores with a pooled connection in this process: closed before any fork (os.fork, and
+# multiprocessing's fork), so no open connection crosses into a child — SQLite's in-process lock
+# state would come with it, and the child's own connection would then write without the file's
+# locks (SQLite: "do not open a database before fork and use it in the child")
+_POOLED: "weakref.WeakSet[Store]" = weakref.WeakSet()
+
+
+def _close_before_fork() -> None:
+    for store in list(_POOLED):
+        if store._engine is not None and store._engine_pid == os.getpid():
+            store._engine.dispose()  # closes the idle connections; the next use opens one again
+
+
+os.register_at_fork(before=_close_before_fork)
+
+
 class Store:
     """A SQLAlchemy engine on one ledger database with serialised write transactions.
 
     A PostgreSQL ledger has no connection pool: each transaction opens and closes its own
     connection, so no idle connection is held to the team's server. A SQLite ledger keeps one idle
     connection per process (opening one, and closing the last one, which checkpoints the journal,
-    cost more than a reservation's own work); the engine is made afresh in a forked child, and a
-    pickled store carries none, so the object survives ``fork``/``spawn``."""
+    cost more than a reservation's own work); it is closed before a fork, the engine is made
+    afresh in a forked child, and a pickled store carries none, so the object survives
+    ``fork``/``spawn``."""
 
     def __init__(self, target, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
         if not isinstance(busy_timeout_s, (int, float)) or isinstance(busy_timeout_s, bool) \
@@ -195,6 +213,8 @@ class Store:
             if self._engine is not None:  # inherited across fork: the parent's connections stay the parent's
                 self._engine.dispose(close=False)
             self._engine, self._engine_pid = self._make_engine(), os.getpid()
+            if self.dialect == "sqlite":
+                _POOLED.add(self)
         return self._engine
 
     def _make_engine(self) -> sa.Engine:

@@ -111,3 +111,74 @@ def test_a_forked_child_opens_its_own_connection(tmp_path):
     child.join(timeout=60)
     led.reserve(FP, "parent again", EVENTS["gaussian"])  # the parent's connection still works
     assert [e["run_id"] for e in led.entries(FP)] == ["parent", "child", "parent again"]
+
+
+_FORK_SCRIPT = r'''
+import os, sys, time
+sys.path.insert(0, {repo!r})
+from privacy import events as ev
+from privacy.ledger import Ledger
+D, FP = {folder!r}, "ab" * 32
+led = Ledger(D + "/ledger.sqlite")
+led.register_dataset(FP, "x", 1000.0, 1e-5)
+led.reserve(FP, "p1", ev.GaussianEvent(30.0))  # the parent holds a pooled connection now
+if os.fork() == 0:
+    led.reserve(FP, "c1", ev.GaussianEvent(30.0))
+    open(D + "/c1", "w").close()
+    while not os.path.exists(D + "/go"):
+        time.sleep(0.02)
+    led.reserve(FP, "c2", ev.GaussianEvent(30.0))
+    open(D + "/done", "w").close()
+    os._exit(0)
+while not os.path.exists(D + "/c1"):
+    time.sleep(0.02)
+'''
+
+
+def test_a_reservation_in_a_forked_child_survives_its_parent_ending(tmp_path):
+    """No open SQLite connection crosses a fork: a child's reservations stay written after the
+    parent ends and another process opens and closes the ledger (its last connection checkpoints)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    subprocess.run([sys.executable, "-c", _FORK_SCRIPT.format(repo=repo, folder=str(tmp_path))], check=True, timeout=120)
+    reader = (f"import sys; sys.path.insert(0, {repo!r}); from privacy.ledger import Ledger; "
+              f"print(' '.join(e['run_id'] for e in Ledger({str(tmp_path / 'ledger.sqlite')!r}).entries('{'ab' * 32}')))")
+    assert subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, check=True,
+                          timeout=120).stdout.split() == ["p1", "c1"]
+    (tmp_path / "go").touch()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "done").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert subprocess.run([sys.executable, "-c", reader], capture_output=True, text=True, check=True,
+                          timeout=120).stdout.split() == ["p1", "c1", "c2"]
+
+
+def test_a_replaced_accountant_turns_the_bound_off(tmp_path, monkeypatch):
+    """The bound compares the built-in accountants' answers: a plugin registered under either name
+    (here one that states twice the default's ε) leaves every decision to the exact composition."""
+    import dataclasses
+
+    from privacy import accountants
+
+    class Pessimist(accountants.MinPldRdp):
+        def spend(self, event, delta, discretization=accountants.DISCRETIZATION):
+            return dataclasses.replace(super().spend(event, delta, discretization),
+                                       epsilon=2 * super().spend(event, delta, discretization).epsilon)
+
+    event = ev.GaussianEvent(5.0)
+    monkeypatch.setitem(accountants._ACCOUNTANTS, "min_pld_rdp", Pessimist)
+    accountants.cached_spend.cache_clear()
+    try:
+        exact, rdp = spend(event, DELTA).epsilon, accountants.create_accountant("rdp").spend(event, DELTA).epsilon
+        assert rdp < exact
+        assert _bound(_texts("gaussian"), DELTA) is None
+        led = Ledger(tmp_path / "ledger.sqlite")
+        led.register_dataset(FP, "reviews", (exact + rdp) / 2, DELTA)
+        with pytest.raises(BudgetExceededError):
+            led.reserve(FP, "a", event)
+    finally:
+        accountants.cached_spend.cache_clear()
