@@ -63,6 +63,9 @@ def _add_run_commands(sub) -> None:
     plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--probe", action="store_true",
                       help="measure the model's speed on this machine again (else the cached probe is used)")
+    plan.add_argument("--largest", action="store_true",
+                      help="also search the largest target_epsilon that fits where the plan fits (a plan over the "
+                           "cap always says it)")
     report = sub.add_parser("report", help="privacy–utility table and figure of an experiment, from MLflow")
     report.add_argument("experiment")
     report.add_argument("--out", default=None, help="also write the report's table and figures to this folder")

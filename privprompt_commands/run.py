@@ -466,7 +466,7 @@ def cmd_plan(args) -> int:
         estimate.enable_cache(paths.root)  # the model's speed on this machine, measured once (--probe: again)
         if getattr(args, "probe", False):
             os.environ[estimate.REFRESH_ENV] = "1"
-        plan = plan_runs(variants, paths, largest=True, estimate=True)
+        plan = plan_runs(variants, paths, largest=True if getattr(args, "largest", False) else "over", estimate=True)
     except (*_user_errors(), LedgerError) as err:
         return _fail(_one_line(err))
     print(format_plan(plan))

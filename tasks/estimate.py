@@ -2,7 +2,13 @@
 run takes exactly) and a wall-time estimate from a short measured probe of the model on this
 machine (a forward + backward pass of a synthetic batch at ``models.max_length``, and a forward
 pass alone), scaled by the plan's steps and expected batch, and by the released test size that
-the run evaluates on. Public inputs only: the plan (released sizes) and synthetic token ids."""
+the run evaluates on. Public inputs only: the plan (released sizes) and synthetic token ids.
+
+After a run, its measured seconds per example take the probe's place for the same method and model
+on this machine (:func:`record_observed`): a probe at ``models.max_length`` counts every example at
+full length, which real texts (and the length groups that skip their padding) are not. They are
+the run's published times (its model work, in its record) over its planned steps, expected batch and
+released test size: nothing the run record does not already say."""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ class Probe:
     train_s: float
     eval_s: float
     measured_at: str | None = None  # when a probe read from the cache was measured (None: now)
+    observed: bool = False  # seconds a run of the method took on this machine, not a synthetic probe
 
 
 _PROBES: dict[tuple, Probe] = {}
@@ -32,9 +39,13 @@ CACHE_ENV = "PRIVPROMPT_PROBE_CACHE"  # a JSON file of probes measured on this m
 REFRESH_ENV = "PRIVPROMPT_PROBE_REFRESH"  # "1": measure again and replace the cached probe (plan --probe)
 
 
+def state_cache(state_root) -> Path:
+    return Path(state_root) / "cache" / "probe.json"
+
+
 def enable_cache(state_root) -> None:
     """Keep probes in ``<state_root>/cache/probe.json`` unless ``$PRIVPROMPT_PROBE_CACHE`` says otherwise."""
-    os.environ.setdefault(CACHE_ENV, str(Path(state_root) / "cache" / "probe.json"))
+    os.environ.setdefault(CACHE_ENV, str(state_cache(state_root)))
 
 
 def _machine() -> str:
@@ -62,9 +73,9 @@ def _cached(key: str) -> Probe | None:
         return None
 
 
-def _store(key: str, measured: Probe) -> None:
+def _store(key: str, measured: Probe, path: Path | None = None) -> None:
     """Add a probe to the cache file (atomic replace; a cache that cannot be written is skipped)."""
-    path = _cache_path()
+    path = path or _cache_path()
     if path is None:
         return
     try:
@@ -134,6 +145,52 @@ def probe(model_name: str, max_length: int, train_batch: int = PROBE_BATCH, eval
     return _PROBES[key]
 
 
+def _observed_key(method: str, model_name: str, max_length: int, train_batch: int, eval_batch: int, placement) -> str:
+    train_batch, eval_batch = max(1, min(int(train_batch), 64)), max(1, min(int(eval_batch), 128))
+    return json.dumps(["observed", method, model_name, str(max_length), str(train_batch), str(eval_batch),
+                       str(placement.key() if placement else None), _machine()])
+
+
+def observed(method: str, model_name: str, max_length: int, train_batch: int, eval_batch: int,
+             placement=None) -> Probe | None:
+    """The seconds per example the last run of ``method`` on ``model_name`` took on this machine
+    (:func:`record_observed`); a field it did not measure is None. None while a probe is measured
+    again (``privprompt plan --probe``)."""
+    path = _cache_path()
+    if path is None or os.environ.get(REFRESH_ENV) == "1":
+        return None
+    try:
+        hit = json.loads(path.read_text()).get(_observed_key(method, model_name, max_length, train_batch,
+                                                             eval_batch, placement))
+        train_s, eval_s = hit.get("train_s"), hit.get("eval_s")
+        return Probe(model_name, None if train_s is None else float(train_s), None if eval_s is None else float(eval_s),
+                     hit.get("measured_at"), observed=True)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def record_observed(method: str, model_name: str, max_length: int, train_batch: int, eval_batch: int, placement,
+                    train_s: float | None, eval_s: float | None, path: Path | None = None) -> None:
+    """Keep a run's seconds per example (training: per planned step × expected batch; evaluation:
+    per released test example; per record under a person unit) for the next plans of ``method``, in
+    ``path`` (default: the probe cache)."""
+    if train_s is None and eval_s is None:
+        return
+    _store(_observed_key(method, model_name, max_length, train_batch, eval_batch, placement),
+           Probe(model_name, train_s, eval_s), path)
+
+
+def with_observed(measured: Probe | None, seen: Probe | None) -> Probe | None:
+    """The probe with what a run observed in its place (a field the run did not measure: the probe's)."""
+    if seen is None:
+        return measured
+    train_s = seen.train_s if seen.train_s is not None else (measured.train_s if measured else None)
+    eval_s = seen.eval_s if seen.eval_s is not None else (measured.eval_s if measured else None)
+    if eval_s is None:
+        return measured
+    return Probe(seen.model, train_s, eval_s, seen.measured_at, observed=True)  # train_s None: a run that trains none
+
+
 def run_estimate(plan, sizes, measured: Probe | None, records_per_unit: int | None = None) -> dict:
     """``steps`` (the plan's training steps; None for a run without its own step count, or a
     selection, whose trials have their own) and ``seconds`` (None without a probe, or for a
@@ -161,6 +218,9 @@ def run_estimate(plan, sizes, measured: Probe | None, records_per_unit: int | No
     seconds = sizes.n_test * rows * measured.eval_s
     if getattr(plan, "no_prompt", None) is not None:
         seconds += 2 * getattr(sizes, "n_holdout", 0) * rows * measured.eval_s
+    trains = (steps is not None and batch is not None) or plan.reads_private
+    if trains and measured.train_s is None:  # seen only evaluating, never probed: no estimate
+        return out
     if steps is not None and batch is not None:
         seconds += float(steps) * float(batch) * rows * measured.train_s
     elif plan.reads_private:

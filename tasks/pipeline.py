@@ -288,6 +288,36 @@ class RunReport:
         self.metrics.update(audited["metrics"])
         self.audit = audited
 
+    def observe_speeds(self, ctx: StageContext, published: RunOutcome, run_plan: FlowPlan) -> None:
+        """Each run method's seconds per example on this machine, for the next plans' time estimates
+        (``tasks.estimate.record_observed``): its training time over planned steps × expected batch,
+        its evaluation over the released test size (per record under a person unit, as the plan
+        counts them). Advisory: a failure here never fails the run."""
+        from . import estimate as est
+
+        cfg, sizes = self.cfg, ctx.part.sizes
+        per_person = getattr(sizes, "unit", "record") != "record"
+        rows = float(cfg.data.max_records_per_unit or 0) if per_person else 1.0
+        if not rows or not sizes.n_test:
+            return
+        try:
+            cache = est.state_cache(ctx.paths.root)  # what a plan on this state folder reads
+            for name, plan in run_plan.plans.items():
+                method = run_plan.methods.get(name)
+                if method is None or "selection" in plan.settings:  # a selection's trials: no one shape
+                    continue
+                train = published.compute.get("train") if name == cfg.method else self.compute.get(f"train:{name}")
+                evaluate = self.compute.get(f"evaluate:{name}")
+                steps, batch = plan.settings.get("steps"), plan.settings.get("expected_batch")
+                source = method.extras.source_model(cfg, {})
+                train_s = train / (float(steps) * float(batch) * rows) if train and steps and batch else None
+                eval_s = evaluate / (sizes.n_test * rows) if evaluate else None
+                est.record_observed(name, source, cfg.models.max_length, batch or est.PROBE_BATCH,
+                                    cfg.models.eval_batch_size, cfg.models.placement_of(source), train_s, eval_s,
+                                    cache)
+        except Exception:  # noqa: BLE001 - the estimate is advisory
+            return
+
     def record(self, ctx: StageContext, published: RunOutcome, run_plan: FlowPlan) -> dict[str, Any]:
         """Write the parent's record (budget record, plot, tables, metrics); returns the summary's
         fields."""
@@ -303,6 +333,7 @@ class RunReport:
         if self.runtime:
             parent.log_text(report.runtime_table(self.runtime), "tables/runtime.md")
         parent.log_metrics(self.metrics)
+        self.observe_speeds(ctx, published, run_plan)
         summary: dict[str, Any] = {} if self.audit is None else {"audit": self.audit}
         summary.update({"metrics": self.metrics, "budget": budget, "guarantee": published.guarantee,
                         "compute_seconds": self.compute, "runtime": self.runtime, "accuracy": self.accuracies,

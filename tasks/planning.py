@@ -69,7 +69,8 @@ def source_notes(cfg, private_dir: Path) -> list[str]:
     return list(_split_facts(cfg, private_dir)[3])
 
 
-def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool = True, estimate: bool = False) -> dict:
+def plan_runs(variants: list, state_paths, largest: bool | str = False, checks: bool = True,
+              estimate: bool = False) -> dict:
     """``variants``: [(label, config)]. Returns {"runs": [...], "datasets": {key: preview}, "fits": bool}.
 
     The same rules and checks as a run, writing nothing but the released sizes: every check that needs no
@@ -78,7 +79,9 @@ def plan_runs(variants: list, state_paths, largest: bool = False, checks: bool =
     and the ledger's terms of each dataset (:func:`tasks.charge.check_dataset_terms`: its δ, a
     cap only lowered). With ``largest`` and one config per dataset, each dataset's preview also
     says the largest ``privacy.target_epsilon`` at which that config still fits
-    (``largest_epsilon``, solved with the accountant; None: nothing fits)."""
+    (``largest_epsilon``, solved with the accountant; None: nothing fits); ``largest="over"``: only
+    for a dataset the plan does not fit (a search of calibrated runs: seconds each; where the plan
+    fits, ``largest_hint`` says how to ask for it)."""
     from .methods import get_method
 
     runs, events, meta = [], {}, {}
@@ -216,15 +219,21 @@ def _estimate_row(row: dict, cfg, method, plan, sizes) -> None:
     (``tasks/estimate.py``)."""
     from . import estimate as est
 
+    seen = None
     try:  # a model the probe cannot drive (an endpoint, a GGUF-only model): no estimate, never a failed plan
         source = method.extras.source_model(cfg, {})
-        measured = est.probe(source, cfg.models.max_length,
-                             plan.settings.get("expected_batch") or est.PROBE_BATCH, cfg.models.eval_batch_size,
-                             cfg.seed, placement=cfg.models.placement_of(source))
+        shape = (source, cfg.models.max_length, plan.settings.get("expected_batch") or est.PROBE_BATCH,
+                 cfg.models.eval_batch_size)
+        seen = est.observed(method.name, *shape, placement=cfg.models.placement_of(source))
+        needs_train = plan.reads_private or plan.settings.get("steps") is not None
+        if seen is not None and seen.eval_s is not None and (seen.train_s is not None or not needs_train):
+            measured = seen  # a run of this method on this machine: no probe
+        else:
+            measured = est.with_observed(est.probe(*shape, cfg.seed, placement=cfg.models.placement_of(source)), seen)
     except Exception:  # noqa: BLE001 - the estimate is advisory
-        measured = None
+        measured = est.with_observed(None, seen)
     if measured is not None and measured.measured_at:
-        row["probe_at"] = measured.measured_at
+        row["observed_at" if measured.observed else "probe_at"] = measured.measured_at
     if "selection" in plan.settings:  # its trials' own plans
         from .selection import trial_work
 
@@ -265,7 +274,7 @@ def _user_level_beside(cfg, name: str, delta: float, private_dir) -> dict:
         return {"refused": str(exc).splitlines()[0]}
 
 
-def _dataset_preview(ledger, key: str, m: dict, planned: list, largest: bool) -> dict:
+def _dataset_preview(ledger, key: str, m: dict, planned: list, largest: bool | str) -> dict:
     """The ledger's preview of a dataset with the plan's events (and, with ``largest``, the largest
     fitting target of its one config)."""
     if ledger is not None:
@@ -274,7 +283,9 @@ def _dataset_preview(ledger, key: str, m: dict, planned: list, largest: bool) ->
         d = Ledger.preview_new(planned, m["delta"], cap=m["cap"], name=m["name"])
     if m["cap"] < d["cap"]:  # a run lowers the stored cap to its config's (never raises it)
         d.update(cap=m["cap"], remaining_after=m["cap"] - d["total_epsilon"], fits=d["total_epsilon"] <= m["cap"])
-    if largest and len(m["configs"]) == 1:
+    if largest == "over" and d["fits"] and len(m["configs"]) == 1:
+        d["largest_hint"] = "privprompt plan --largest: the largest target_epsilon that still fits"
+    elif largest and len(m["configs"]) == 1:
         cfg, sizes = m["configs"][0]
         if planned_events(cfg, sizes, m["delta"]):
             existing = ledger.counted_events(key) if ledger is not None and _registered(ledger, key) else []
@@ -436,8 +447,12 @@ def format_plan(plan: dict, datasets: bool = True) -> str:
     if timed:
         total = sum(r["seconds"] for r in plan["runs"] if r.get("seconds") is not None)
         cached = sorted({r["probe_at"] for r in plan["runs"] if r.get("probe_at")})
+        seen = sorted({r["observed_at"] for r in plan["runs"] if r.get("observed_at")})
         probed = (f"a probe of the model on this machine measured {cached[0]} (privprompt plan --probe measures it "
                   "again)" if cached else "a probe of the model on this machine")
+        if seen:
+            probed = (f"the seconds per example of the last run of each method on this machine ({seen[-1]})"
+                      + (f", else {probed}" if cached else ""))
         lines.append(f"est. time: {format_seconds(total)} of model work in all (training steps × expected batch and "
                      f"the test split, from {probed}; start-up, tracking and any audit "
                      "come on top; a selection's at its expected number of trials)")
@@ -449,6 +464,8 @@ def format_plan(plan: dict, datasets: bool = True) -> str:
                      f"δ = {d['delta']:.3g}")
         for note in d.get("notes", []):
             lines.append(f"  {note}")
-        if d.get("largest_hint"):
+        if "largest_epsilon" in d:
             lines.append(f"  {d['largest_hint']} (this config, composed with what the dataset has spent)")
+        elif d.get("largest_hint"):
+            lines.append(f"  {d['largest_hint']}")
     return "\n".join(lines)

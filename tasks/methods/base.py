@@ -490,12 +490,19 @@ def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str, prompt
     template fits the model, and ``models.max_length`` plus ``prompt_tokens`` soft-prompt or prefix
     positions fit the model's positions — else one long private record, cut to max_length, would
     crash the DP step that samples it or the holdout scoring (a crash decided by one
-    record). Raises ``ModelLoadError`` or a one-line ``ConfigError``."""
+    record). Raises ``ModelLoadError`` or a one-line ``ConfigError``. A check that passed for the
+    same model files, settings and code is not built again (``tasks.check_memo``)."""
     from models.backbones import ModelLoadError
 
+    from .. import check_memo
     from ..errors import ConfigError
     from ..methodkit.classifiers import classifier_for
 
+    memo = check_memo.key(cfg, model_name)
+    known = check_memo.passed(memo)
+    if known is not None:  # the same files, settings and code passed before: only the positions again
+        check_positions(cfg, known["max_positions"], prompt_tokens, model_name, role)
+        return
     try:
         clf = classifier_for(cfg, model_name)
     except ModelLoadError:
@@ -510,6 +517,7 @@ def check_classifier(cfg: "PrivPromptConfig", model_name: str, role: str, prompt
                           "> 0, as a checkpoint saved in 8-bit keeps): they are chosen over a whole batch, so one record "
                           "would move the other records' gradients and scores; load it with models.placement.quantization: "
                           "4bit or unquantised")
+    check_memo.remember(memo, {"max_positions": clf.backbone.max_positions})
 
 
 def check_positions(cfg: "PrivPromptConfig", limit: int | None, prompt_tokens: int, model_name: str, role: str) -> None:

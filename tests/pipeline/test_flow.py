@@ -131,6 +131,18 @@ def test_run_record_is_complete(flow_run):
     assert float(params["privacy.method_epsilon"]) < 4.0
 
 
+def test_the_run_keeps_its_seconds_per_example_for_the_next_plan(flow_run):
+    """The run's training and evaluation seconds per example, by method, in the state folder's
+    probe cache (what the next plan's time estimate reads)."""
+    from tasks import estimate as est
+
+    cache = json.loads(est.state_cache(flow_run["state"]).read_text())
+    seen = {json.loads(k)[1]: v for k, v in cache.items() if json.loads(k)[0] == "observed"}
+    assert set(seen) == {"prompt_dpsgd", "prompt_sgd", "zero_shot"}
+    assert seen["prompt_dpsgd"]["train_s"] > 0 and seen["prompt_dpsgd"]["eval_s"] > 0
+    assert seen["zero_shot"]["train_s"] is None and seen["zero_shot"]["eval_s"] > 0
+
+
 def test_run_says_where_its_prompt_is_and_on_which_device(flow_run, capsys):
     """Issue 29, reading a run: the summary and budget.json name the published prompt's file and
     MLflow artifact in fields that say what they are, the two hashes apart, and the device."""

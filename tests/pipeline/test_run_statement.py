@@ -393,3 +393,42 @@ def test_the_plans_guarantee_line_states_unit_and_delta():
     grouped = guarantee_line({**row, "unit": "author", "group": "3 author", "epsilon": 20.1, "epsilon_per_record": 7.992})
     assert "ε = 7.9920 per record, δ = 1e-05" in grouped
     assert grouped.endswith("the ledger charges ε = 20.1000 per person (author) (group privacy)")
+
+
+def test_a_runs_seconds_per_example_replace_the_probe_in_the_next_plan(tmp_path, monkeypatch):
+    """After a run, the plan estimates that method from the run's own seconds per example on this
+    machine (no probe of the model); a method the run only evaluated keeps the probe's training."""
+    from types import SimpleNamespace
+
+    from tasks import estimate as est
+    from tasks import planning
+
+    monkeypatch.setattr(est, "_PROBES", {})
+    monkeypatch.delenv(est.REFRESH_ENV, raising=False)
+    monkeypatch.setenv(est.CACHE_ENV, str(est.state_cache(tmp_path)))
+    shape = ("tiny-bert", 16, 32, 64)
+    est.record_observed("prompt_dpsgd", *shape, None, train_s=0.004, eval_s=0.001, path=est.state_cache(tmp_path))
+    # a method without steps is keyed at the probe's batch (its plan has no expected batch), as the flow keeps it
+    est.record_observed("zero_shot", "tiny-bert", 16, est.PROBE_BATCH, 64, None, train_s=None, eval_s=0.0005,
+                        path=est.state_cache(tmp_path))
+    seen = est.observed("prompt_dpsgd", *shape)
+    assert (seen.train_s, seen.eval_s, seen.observed) == (0.004, 0.001, True) and seen.measured_at
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("a method a run measured is not probed")
+
+    monkeypatch.setattr(est, "probe", no_probe)
+    cfg = SimpleNamespace(models=SimpleNamespace(max_length=16, eval_batch_size=64, placement_of=lambda m: None),
+                          seed=0, data=SimpleNamespace(max_records_per_unit=None))
+    method = SimpleNamespace(name="prompt_dpsgd", extras=SimpleNamespace(source_model=lambda cfg, prepared: "tiny-bert"))
+    plan = SimpleNamespace(settings={"steps": 10, "expected_batch": 32.0}, reads_private=True, no_prompt=None)
+    sizes = SimpleNamespace(n_test=100, n_train=320, n_holdout=0)
+    row: dict = {}
+    planning._estimate_row(row, cfg, method, plan, sizes)
+    assert row["seconds"] == pytest.approx(10 * 32 * 0.004 + 100 * 0.001) and row["observed_at"] == seen.measured_at
+    zero = SimpleNamespace(name="zero_shot", extras=method.extras)
+    row = {}
+    planning._estimate_row(row, cfg, zero, SimpleNamespace(settings={}, reads_private=False, no_prompt=None), sizes)
+    assert row["seconds"] == pytest.approx(100 * 0.0005)
+    monkeypatch.setenv(est.REFRESH_ENV, "1")  # plan --probe: the probe, measured again
+    assert est.observed("prompt_dpsgd", *shape) is None
