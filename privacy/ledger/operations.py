@@ -135,8 +135,8 @@ class OperationsMixin(LedgerBase):
 
     def _fits(self, conn: sa.Connection, ds: Any, run_id: str, event: ev.DpEvent, event_json: str
               ) -> tuple[float, float | tuple[tuple[str, ...], float], float]:
-        """(ε of the run alone, the composed ε with it, what the trail states of it) at the dataset's δ; :class:`BudgetExceededError`
-        over the cap. A composition whose RDP bound (``common._bound``) is within the cap is admitted
+        """(ε of the run alone, the composed ε with it, what the trail states of it) at the dataset's
+        δ; :class:`BudgetExceededError` over the cap. A composition whose RDP bound (``common._bound``) is within the cap is admitted
         on it: the exact ε (PLD, never above the bound) could only be lower, so the decision is the
         same, and the write lock is not held for a PLD composition of the whole history. Its
         composed ε is then returned as what it is composed from, for :class:`Reservation`, and the
