@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .state import StatePaths, seed_copy, tracking_uri
+from .templates import MLFLOW_TEMPLATE_ENV as TEMPLATE_ENV
 
 if TYPE_CHECKING:  # MLflow is imported where a record is written: `privprompt plan` never loads it
     from mlflow.tracking import MlflowClient
-
-TEMPLATE_ENV = "PRIVPROMPT_MLFLOW_TEMPLATE"
 
 
 def client(paths: StatePaths) -> MlflowClient:

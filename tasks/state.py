@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .templates import PREFECT_TEMPLATE_ENV, defaults  # the name: callers and tests read it from state too
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -597,8 +599,6 @@ def configure_environment(paths: StatePaths) -> None:
     if paths.ledger_setting:  # the config's ledger: this process's and its workers' (Dask) from now on
         os.environ[LEDGER_URL_ENV] = paths.ledger_setting
     os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = str(paths.prefect_home / "storage")
-    from .templates import defaults
-
     defaults()  # the set-up's templates, where it made them and no setting says otherwise
     template = os.environ.get(PREFECT_TEMPLATE_ENV)
     if template and not any(os.environ.get(k) for k in _PREFECT_DB_SETTINGS):
@@ -609,7 +609,6 @@ def configure_environment(paths: StatePaths) -> None:
 
 # A migrated Prefect database to copy into a new PREFECT_HOME (the test suite keeps one per run:
 # tests/conftest.py); a setting naming the server or its database elsewhere makes it irrelevant.
-PREFECT_TEMPLATE_ENV = "PRIVPROMPT_PREFECT_TEMPLATE"
 _PREFECT_DB_SETTINGS = ("PREFECT_API_URL", "PREFECT_SERVER_DATABASE_CONNECTION_URL",
                         "PREFECT_API_DATABASE_CONNECTION_URL")
 

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 
 FOLDER = Path(sys.prefix) / "share" / "privprompt"
+MLFLOW_TEMPLATE_ENV = "PRIVPROMPT_MLFLOW_TEMPLATE"  # a folder of migrated empty MLflow stores (tasks/record.py)
+PREFECT_TEMPLATE_ENV = "PRIVPROMPT_PREFECT_TEMPLATE"  # a migrated Prefect database (tasks/state.py)
 
 
 def _version(package: str) -> str | None:
@@ -36,10 +38,7 @@ def mlflow_template(folder: Path | None = None) -> Path:
 
 def defaults(environ=os.environ) -> None:
     """Point the template settings at this environment's templates where they exist and are unset."""
-    from .record import TEMPLATE_ENV
-    from .state import PREFECT_TEMPLATE_ENV
-
     if PREFECT_TEMPLATE_ENV not in environ and prefect_template().is_file():
         environ[PREFECT_TEMPLATE_ENV] = str(prefect_template())
-    if TEMPLATE_ENV not in environ and mlflow_template().is_file():
-        environ[TEMPLATE_ENV] = str(mlflow_template().parent)
+    if MLFLOW_TEMPLATE_ENV not in environ and mlflow_template().is_file():
+        environ[MLFLOW_TEMPLATE_ENV] = str(mlflow_template().parent)
