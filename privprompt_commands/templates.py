@@ -4,11 +4,10 @@ starts from (``tasks/templates.py``), where they are missing. ``scripts/setup.sh
 from __future__ import annotations
 
 import os
-import sqlite3
 import tempfile
 from pathlib import Path
 
-from tasks.templates import FOLDER, mlflow_template, prefect_template
+from tasks.templates import FOLDER, backup_sqlite, mlflow_template, prefect_template
 
 
 def make(folder: Path | None = None) -> list[Path]:
@@ -49,19 +48,7 @@ def _make_prefect(target: Path) -> None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-", suffix=".tmp")
-        os.close(fd)
-        try:
-            src, dst = sqlite3.connect(Path(home) / "prefect.db"), sqlite3.connect(tmp)
-            try:
-                src.backup(dst)
-            finally:
-                src.close()
-                dst.close()
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        backup_sqlite(Path(home) / "prefect.db", target)
 
 
 if __name__ == "__main__":

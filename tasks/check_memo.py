@@ -18,7 +18,6 @@ import hashlib
 import importlib.metadata
 import json
 import os
-import tempfile
 from pathlib import Path
 
 _LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "accelerate", "peft")
@@ -88,35 +87,21 @@ def _path() -> Path | None:
     return Path(probe_cache).with_name("checks.json") if probe_cache else None
 
 
-def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def passed(check_key: str | None) -> dict | None:
     """What a passed check with this key answered, or None."""
+    from .estimate import read_cache
+
     path = _path()
     if check_key is None or path is None:
         return None
-    hit = _read(path).get(check_key)
+    hit = read_cache(path).get(check_key)
     return hit if isinstance(hit, dict) and "max_positions" in hit else None
 
 
 def remember(check_key: str | None, answer: dict) -> None:
-    """Keep a passed check's answer (atomic replace, 0600; a cache that cannot be written is skipped)."""
+    """Keep a passed check's answer (beside the probe cache, written as it is)."""
+    from .estimate import update_cache
+
     path = _path()
-    if check_key is None or path is None:
-        return
-    try:
-        data = _read(path)
-        data[check_key] = answer
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".checks-", suffix=".json")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    if check_key is not None and path is not None:
+        update_cache(path, check_key, answer)

@@ -73,26 +73,36 @@ def _cached(key: str) -> Probe | None:
         return None
 
 
-def _store(key: str, measured: Probe, path: Path | None = None) -> None:
-    """Add a probe to the cache file (atomic replace; a cache that cannot be written is skipped)."""
-    path = path or _cache_path()
-    if path is None:
-        return
+def read_cache(path: Path) -> dict:
+    """A JSON cache file of this machine's state folder as a dict ({} where it is missing or unreadable)."""
     try:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = {}
-        data = data if isinstance(data, dict) else {}
-        data[key] = {"model": measured.model, "train_s": measured.train_s, "eval_s": measured.eval_s,
-                     "measured_at": measured.measured_at or time.strftime("%Y-%m-%d %H:%M")}
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def update_cache(path: Path, key: str, entry) -> None:
+    """Set ``key`` to ``entry`` in the JSON cache file ``path`` (atomic replace, 0600; a cache that
+    cannot be written is skipped: it only saves time)."""
+    try:
+        data = read_cache(path)
+        data[key] = entry
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".probe-", suffix=".json")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".json")
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh)
         os.replace(tmp, path)
     except OSError:
         pass
+
+
+def _store(key: str, measured: Probe, path: Path | None = None) -> None:
+    """Add a probe to the cache file."""
+    path = path or _cache_path()
+    if path is not None:
+        update_cache(path, key, {"model": measured.model, "train_s": measured.train_s, "eval_s": measured.eval_s,
+                                 "measured_at": measured.measured_at or time.strftime("%Y-%m-%d %H:%M")})
 
 
 def probe(model_name: str, max_length: int, train_batch: int = PROBE_BATCH, eval_batch: int = 64, seed: int = 0,
@@ -191,6 +201,13 @@ def with_observed(measured: Probe | None, seen: Probe | None) -> Probe | None:
     return Probe(seen.model, train_s, eval_s, seen.measured_at, observed=True)  # train_s None: a run that trains none
 
 
+def trains(plan) -> bool:
+    """Whether the estimate of ``plan`` counts training: its steps × expected batch, or one pass
+    over the training data for a private method without a step count."""
+    settings = plan.settings
+    return (settings.get("steps") is not None and settings.get("expected_batch") is not None) or plan.reads_private
+
+
 def run_estimate(plan, sizes, measured: Probe | None, records_per_unit: int | None = None) -> dict:
     """``steps`` (the plan's training steps; None for a run without its own step count, or a
     selection, whose trials have their own) and ``seconds`` (None without a probe, or for a
@@ -218,8 +235,7 @@ def run_estimate(plan, sizes, measured: Probe | None, records_per_unit: int | No
     seconds = sizes.n_test * rows * measured.eval_s
     if getattr(plan, "no_prompt", None) is not None:
         seconds += 2 * getattr(sizes, "n_holdout", 0) * rows * measured.eval_s
-    trains = (steps is not None and batch is not None) or plan.reads_private
-    if trains and measured.train_s is None:  # seen only evaluating, never probed: no estimate
+    if trains(plan) and measured.train_s is None:  # seen only evaluating, never probed: no estimate
         return out
     if steps is not None and batch is not None:
         seconds += float(steps) * float(batch) * rows * measured.train_s

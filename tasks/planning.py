@@ -225,8 +225,7 @@ def _estimate_row(row: dict, cfg, method, plan, sizes) -> None:
         shape = (source, cfg.models.max_length, plan.settings.get("expected_batch") or est.PROBE_BATCH,
                  cfg.models.eval_batch_size)
         seen = est.observed(method.name, *shape, placement=cfg.models.placement_of(source))
-        needs_train = plan.reads_private or plan.settings.get("steps") is not None
-        if seen is not None and seen.eval_s is not None and (seen.train_s is not None or not needs_train):
+        if seen is not None and seen.eval_s is not None and (seen.train_s is not None or not est.trains(plan)):
             measured = seen  # a run of this method on this machine: no probe
         else:
             measured = est.with_observed(est.probe(*shape, cfg.seed, placement=cfg.models.placement_of(source)), seen)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sqlite3
 import sys
+import tempfile
 from pathlib import Path
 
 FOLDER = Path(sys.prefix) / "share" / "privprompt"
@@ -42,3 +44,21 @@ def defaults(environ=os.environ) -> None:
         environ[PREFECT_TEMPLATE_ENV] = str(prefect_template())
     if MLFLOW_TEMPLATE_ENV not in environ and mlflow_template().is_file():
         environ[MLFLOW_TEMPLATE_ENV] = str(mlflow_template().parent)
+
+
+def backup_sqlite(source: Path, target: Path) -> None:
+    """A consistent copy of the SQLite database ``source`` (sqlite's online backup) put at ``target``
+    in one atomic replace: a reader sees no file or the whole copy."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-", suffix=".tmp")
+    os.close(fd)
+    try:
+        src, dst = sqlite3.connect(source), sqlite3.connect(tmp)
+        try:
+            src.backup(dst)
+        finally:
+            src.close()
+            dst.close()
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -58,22 +58,15 @@ def prefect_harness():
 def _keep_prefect_template() -> None:
     """A consistent copy (sqlite's backup) of the test server's database, before any flow ran in it,
     as the run's ``PRIVPROMPT_PREFECT_TEMPLATE`` (the first worker to get here makes it)."""
-    import sqlite3
-
     from prefect.settings import PREFECT_SERVER_DATABASE_CONNECTION_URL
+
+    from tasks.templates import backup_sqlite
 
     target = Path(os.environ["PRIVPROMPT_PREFECT_TEMPLATE"])
     url = PREFECT_SERVER_DATABASE_CONNECTION_URL.value()
     if target.exists() or not url.startswith("sqlite+aiosqlite:///"):
         return
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    src, dst = sqlite3.connect(url.removeprefix("sqlite+aiosqlite:///")), sqlite3.connect(tmp)
-    try:
-        src.backup(dst)
-    finally:
-        src.close()
-        dst.close()
-    os.replace(tmp, target)
+    backup_sqlite(Path(url.removeprefix("sqlite+aiosqlite:///")), target)
 
 
 @pytest.fixture(scope="session")
